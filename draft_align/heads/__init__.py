@@ -1,0 +1,1 @@
+"""Draft heads: EAGLE-3 (and its vocabulary map)."""

@@ -1,0 +1,1 @@
+"""Publishing drafts: engine-format checkpoints (atomic, versioned, checksummed) and engine refreshers."""

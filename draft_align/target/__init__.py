@@ -1,0 +1,1 @@
+"""The policy/target side: capture of aux hidden states and final hidden states (the Tap)."""

@@ -1,0 +1,1 @@
+"""Draft training: TTT losses, batches of captured target states, the trainer."""

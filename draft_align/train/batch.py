@@ -1,0 +1,104 @@
+"""Captured target states for one sequence, and their collation into padded TTT batches."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Record:
+    """One captured sequence (a slice of a packed shard; no copy)."""
+
+    input_ids: torch.Tensor  # [T] int64
+    loss_mask: torch.Tensor  # [T] bool: token t is a response token the draft must learn to predict
+    aux: torch.Tensor  # [T, n_aux·H] bf16 target aux states
+    final: torch.Tensor  # [T, H] bf16 target final post-norm hidden
+
+    def __len__(self) -> int:
+        return self.input_ids.numel()
+
+    def num_targets(self) -> int:
+        """Positions whose next token is a response token (what the draft is trained on)."""
+        return int(self.loss_mask[1:].sum())
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor  # [B, T]
+    valid: torch.Tensor  # [B, T] bool, False on padding
+    loss_mask: torch.Tensor  # [B, T] bool
+    aux: torch.Tensor  # [B, T, n_aux·H]
+    final: torch.Tensor  # [B, T, H]
+    starts: torch.Tensor  # [B, M] chain starts (positions s with a trainable step)
+    starts_valid: torch.Tensor  # [B, M] bool
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.valid.sum())
+
+
+def chain_starts(loss_mask: torch.Tensor, steps: int) -> torch.Tensor:
+    """Positions s (of one row, loss_mask [T]) for which some step j < steps predicts a response token,
+    i.e. loss_mask[s+2+j] for some j.  Returns sorted [M] int64."""
+    t = loss_mask.numel()
+    hit = torch.zeros(t, dtype=torch.bool)
+    for j in range(steps):
+        off = 2 + j
+        if off < t:
+            hit[: t - off] |= loss_mask[off:]
+    return torch.nonzero(hit).flatten()
+
+
+def collate(records: list[Record], steps: int) -> Batch:
+    """Right-pad records into a batch and list each row's chain starts (padded with 0, masked)."""
+    b = len(records)
+    t = max(len(r) for r in records)
+    r0 = records[0]
+    ids = torch.zeros(b, t, dtype=torch.long)
+    valid = torch.zeros(b, t, dtype=torch.bool)
+    lmask = torch.zeros(b, t, dtype=torch.bool)
+    aux = torch.zeros(b, t, r0.aux.shape[-1], dtype=r0.aux.dtype)
+    final = torch.zeros(b, t, r0.final.shape[-1], dtype=r0.final.dtype)
+    starts_list = []
+    for i, r in enumerate(records):
+        n = len(r)
+        ids[i, :n] = r.input_ids
+        valid[i, :n] = True
+        lmask[i, :n] = r.loss_mask
+        aux[i, :n] = r.aux
+        final[i, :n] = r.final
+        starts_list.append(chain_starts(r.loss_mask, steps))
+    m = max(1, max(s.numel() for s in starts_list))
+    starts = torch.zeros(b, m, dtype=torch.long)
+    sv = torch.zeros(b, m, dtype=torch.bool)
+    for i, s in enumerate(starts_list):
+        starts[i, : s.numel()] = s
+        sv[i, : s.numel()] = True
+    return Batch(ids, valid, lmask, aux, final, starts, sv)
+
+
+def make_batches(
+    lengths: list[int], batch_tokens: int, generator: torch.Generator
+) -> list[list[int]]:
+    """Length-bucketed batches of record indices, each with at most ``batch_tokens`` padded tokens
+    (a longer single record forms its own batch), in a seeded random order."""
+    order = torch.randperm(len(lengths), generator=generator).tolist()
+    # sort within chunks of 64 by length: little padding, still shuffled across the epoch
+    chunks = [sorted(order[i : i + 64], key=lambda k: lengths[k]) for i in range(0, len(order), 64)]
+    batches: list[list[int]] = []
+    for chunk in chunks:
+        cur: list[int] = []
+        longest = 0
+        for k in chunk:
+            longest2 = max(longest, lengths[k])
+            if cur and longest2 * (len(cur) + 1) > batch_tokens:
+                batches.append(cur)
+                cur, longest2 = [], lengths[k]
+            cur.append(k)
+            longest = longest2
+        if cur:
+            batches.append(cur)
+    perm = torch.randperm(len(batches), generator=generator).tolist()
+    return [batches[i] for i in perm]

@@ -1,0 +1,235 @@
+"""The draft trainer: TTT unroll, soft targets from the target's head rows, AdamW + warmup/cosine.
+
+The trainer owns its optimizer, clipping and schedule; nothing here can reach the target's weights
+(the embedding and head rows are frozen copies).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from draft_align.heads.eagle3 import Eagle3Draft
+from draft_align.target.tap import draft_logits
+from draft_align.train.batch import Batch
+from draft_align.train.losses import StepStats, hard_ce_step, soft_ce_step, step_weights
+
+log = logging.getLogger(__name__)
+
+
+class NonFiniteLossError(FloatingPointError):
+    """The loss or the gradient norm was NaN/Inf: the step was skipped, nothing was applied."""
+
+
+@dataclass(frozen=True)
+class OptimSettings:
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    warmup_steps: int = 50
+    total_steps: int = 1000
+    grad_clip: float = 0.5
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    ttt_steps: int = 7
+    step_decay: float = 0.8
+    kind: str = "soft"  # soft | hard
+    train_lm_head: bool = True
+    autocast_bf16: bool = True
+
+
+@dataclass
+class Progress:
+    """Everything about where training is, besides tensors; checkpointed as JSON."""
+
+    step: int = 0
+    epoch: int = 0
+    batch_in_epoch: int = 0
+    tokens_seen: int = 0
+    targets_seen: int = 0
+    skipped_nonfinite: int = 0
+    seconds: float = 0.0
+    history: list[dict] = field(default_factory=list)
+
+
+def lr_lambda(s: OptimSettings):
+    def fn(step: int) -> float:
+        if step < s.warmup_steps:
+            return (step + 1) / max(1, s.warmup_steps)
+        frac = min(1.0, (step - s.warmup_steps) / max(1, s.total_steps - s.warmup_steps))
+        return s.min_lr_ratio + (1 - s.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac))
+
+    return fn
+
+
+def ttt_loss(
+    draft: Eagle3Draft,
+    embed: nn.Module,
+    rows: torch.Tensor,
+    batch: Batch,
+    loss: LossSettings,
+) -> tuple[torch.Tensor, StepStats]:
+    """Weighted TTT loss of one batch.  rows [draft_vocab, H]: the target's lm_head rows.
+
+    Step j of chain s is scored at target position p = s+1+j (the target's distribution of token
+    s+2+j) and counts iff token s+2+j is a response token inside the row.
+    """
+    k = loss.ttt_steps
+    logits = draft.unroll(batch.aux, embed, batch.input_ids, batch.valid, batch.starts, batch.starts_valid, k)
+    t = batch.input_ids.shape[1]
+    vd = rows.shape[0]
+    if loss.kind == "soft":
+        with torch.no_grad():
+            tgt = torch.log_softmax(draft_logits(batch.final, rows).float(), dim=-1)  # [B, T, Vd]
+    else:
+        to_draft = torch.full((draft.cfg.vocab_size,), -1, dtype=torch.long)
+        to_draft[draft.draft_to_target] = torch.arange(vd)
+        tgt_ids = to_draft[batch.input_ids]  # [B, T] draft id of each token (−1 outside)
+    weights = step_weights(k, loss.step_decay)
+    total = logits[0].new_zeros((), dtype=torch.float32)
+    sums = torch.zeros(3, k)
+    for j in range(k):
+        nxt = batch.starts + 2 + j
+        inside = nxt <= t - 1
+        nxt_c = nxt.clamp(max=t - 1)
+        mask = batch.starts_valid & inside & torch.gather(batch.loss_mask, 1, nxt_c)
+        if loss.kind == "soft":
+            p = (batch.starts + 1 + j).clamp(max=t - 1)
+            pl = torch.gather(tgt, 1, p.unsqueeze(-1).expand(*p.shape, vd))
+            ce, agree, n = soft_ce_step(logits[j], pl, mask)
+        else:
+            ce, agree, n = hard_ce_step(logits[j], torch.gather(tgt_ids, 1, nxt_c), mask)
+        total = total + weights[j] * ce / n.clamp(min=1)
+        sums[0, j], sums[1, j], sums[2, j] = ce.detach(), agree, n
+    return total, StepStats(loss=sums[0], correct=sums[1], count=sums[2])
+
+
+class DraftTrainer:
+    """Owns the draft's optimizer and schedule; ``train_step`` is one optimizer step on one batch."""
+
+    def __init__(
+        self,
+        draft: Eagle3Draft,
+        embed: nn.Module,
+        rows: torch.Tensor,
+        optim: OptimSettings,
+        loss: LossSettings,
+    ) -> None:
+        self.draft = draft
+        self.embed = embed.requires_grad_(False)
+        self.rows = rows.detach()
+        self.optim_settings = optim
+        self.loss_settings = loss
+        draft.lm_head.weight.requires_grad_(loss.train_lm_head)
+        params = [p for p in draft.parameters() if p.requires_grad]
+        decay = [p for p in params if p.dim() >= 2]
+        no_decay = [p for p in params if p.dim() < 2]
+        self.optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=optim.lr,
+            betas=optim.betas,
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(optim))
+        self.progress = Progress()
+
+    def train_step(self, batch: Batch) -> dict[str, float]:
+        """One step.  Raises NonFiniteLossError (after zeroing grads, applying nothing) on NaN/Inf."""
+        self.draft.train()
+        ctx = torch.autocast("cpu", dtype=torch.bfloat16) if self.loss_settings.autocast_bf16 else nullcontext()
+        with ctx:
+            loss, stats = ttt_loss(self.draft, self.embed, self.rows, batch, self.loss_settings)
+        if not torch.isfinite(loss):
+            self.optimizer.zero_grad(set_to_none=True)
+            self.progress.skipped_nonfinite += 1
+            raise NonFiniteLossError(f"non-finite loss {loss.item()} at step {self.progress.step}; step skipped")
+        loss.backward()
+        params = [p for p in self.draft.parameters() if p.requires_grad]
+        gnorm = torch.nn.utils.clip_grad_norm_(params, self.optim_settings.grad_clip)
+        if not torch.isfinite(gnorm):
+            self.optimizer.zero_grad(set_to_none=True)
+            self.progress.skipped_nonfinite += 1
+            raise NonFiniteLossError(f"non-finite gradient norm at step {self.progress.step}; step skipped")
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.progress.step += 1
+        self.progress.tokens_seen += batch.num_tokens
+        n = stats.count.clamp(min=1)
+        self.progress.targets_seen += int(stats.count[0])
+        out = {"loss": float(loss), "grad_norm": float(gnorm), "lr": lr, "targets": float(stats.count[0])}
+        for j in range(stats.count.numel()):
+            out[f"ce_{j}"] = float(stats.loss[j] / n[j])
+            out[f"acc_{j}"] = float(stats.correct[j] / n[j])
+        return out
+
+    # ------------------------------------------------------------------ checkpoint (no pickle)
+    def save(self, path: Path) -> None:
+        """Write draft weights, optimizer moments and progress to ``path`` atomically (temp + rename)."""
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
+        if tmp.exists():
+            import shutil
+
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+        tensors = {f"draft.{k}": v.detach().contiguous() for k, v in self.draft.state_dict().items()}
+        opt = self.optimizer.state_dict()
+        for idx, st in opt["state"].items():
+            for name, val in st.items():
+                tensors[f"opt.{idx}.{name}"] = torch.as_tensor(val).detach().contiguous()
+        save_file(tensors, str(tmp / "state.safetensors"))
+        meta = {
+            "progress": asdict(self.progress),
+            "param_groups": opt["param_groups"],
+            "scheduler": self.scheduler.state_dict(),
+            "rng": torch.get_rng_state().tolist(),
+        }
+        (tmp / "progress.json").write_text(json.dumps(meta))
+        for f in tmp.iterdir():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        if path.exists():
+            old = path.with_name(f".old-{path.name}-{os.getpid()}")
+            os.replace(path, old)
+            os.replace(tmp, path)
+            import shutil
+
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, path)
+
+    def load(self, path: Path) -> None:
+        from safetensors.torch import load_file
+
+        path = Path(path)
+        try:
+            meta = json.loads((path / "progress.json").read_text())
+            tensors = load_file(str(path / "state.safetensors"))
+        except Exception as e:  # noqa: BLE001 - any read failure means an unusable checkpoint
+            raise RuntimeError(f"trainer checkpoint {path} is unreadable ({e}); delete it to start over") from e
+        draft_sd = {k[len("draft.") :]: v for k, v in tensors.items() if k.startswith("draft.")}
+        self.draft.load_state_dict(draft_sd, strict=False)
+        state: dict[int, dict] = {}
+        for k, v in tensors.items():
+            if k.startswith("opt."):
+                _, idx, name = k.split(".", 2)
+                state.setdefault(int(idx), {})[name] = v
+        self.optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+        self.scheduler.load_state_dict(meta["scheduler"])
+        torch.set_rng_state(torch.tensor(meta["rng"], dtype=torch.uint8))
+        p = meta["progress"]
+        self.progress = Progress(**p)
