@@ -39,7 +39,9 @@ def verifies_by_argmax(mode: VerifyMode, temperature: float) -> bool:
     return mode == "greedy" or temperature <= 0.0
 
 
-def draft_probs_on_target(q_probs: torch.Tensor, draft_to_target: torch.Tensor, vocab_size: int) -> torch.Tensor:
+def draft_probs_on_target(
+    q_probs: torch.Tensor, draft_to_target: torch.Tensor, vocab_size: int
+) -> torch.Tensor:
     """Scatter draft-vocab probabilities onto the target vocab: q_probs [N, Vd] → [N, V] (zero off-vocab).
 
     draft_to_target [Vd]: distinct target id of each draft id.
@@ -108,7 +110,9 @@ class AcceptanceTally:
         if other.k != self.k:
             raise ValueError(f"cannot merge tallies with k={self.k} and k={other.k}")
         self.rounds += other.rounds
-        self.accepted_per_pos = [a + b for a, b in zip(self.accepted_per_pos, other.accepted_per_pos, strict=True)]
+        self.accepted_per_pos = [
+            a + b for a, b in zip(self.accepted_per_pos, other.accepted_per_pos, strict=True)
+        ]
         return self
 
     def mean_length(self) -> float:
@@ -129,6 +133,14 @@ class AcceptanceTally:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> AcceptanceTally:
         return cls(float(d["rounds"]), [float(a) for a in d["accepted_per_pos"]])
+
+    @classmethod
+    def make_dummy(cls) -> AcceptanceTally:
+        """Four rounds of k = 3 with 0, 1, 3, 2 accepted: mean length 2.5, r = [0.75, 0.5, 0.25]."""
+        t = cls.empty(3)
+        for n in (0, 1, 3, 2):
+            t.add(n)
+        return t
 
 
 def _check_table(alpha: torch.Tensor, valid: torch.Tensor) -> None:

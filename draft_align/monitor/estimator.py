@@ -76,15 +76,25 @@ def _valid(starts: torch.Tensor, k: int, t: int) -> torch.Tensor:
     return (starts.view(-1, 1) + 2 + torch.arange(k, device=starts.device).view(1, -1) <= t - 1).cpu()
 
 
-def _alpha(logits: torch.Tensor, q: list[torch.Tensor], starts: torch.Tensor, d2t: torch.Tensor,
-           mode: VerifyMode, temperature: float) -> torch.Tensor:
+def _alpha(
+    logits: torch.Tensor,
+    q: list[torch.Tensor],
+    starts: torch.Tensor,
+    d2t: torch.Tensor,
+    mode: VerifyMode,
+    temperature: float,
+) -> torch.Tensor:
     t = logits.shape[0]
-    cols = [acceptance_prob(logits[(starts + 1 + j).clamp(max=t - 1)], qj, d2t, mode, temperature)
-            for j, qj in enumerate(q)]
+    cols = [
+        acceptance_prob(logits[(starts + 1 + j).clamp(max=t - 1)], qj, d2t, mode, temperature)
+        for j, qj in enumerate(q)
+    ]
     return torch.stack(cols, dim=1).cpu()  # [S, k]
 
 
-def _observed(ids: torch.Tensor, q: list[torch.Tensor], starts: torch.Tensor, d2t: torch.Tensor) -> torch.Tensor:
+def _observed(
+    ids: torch.Tensor, q: list[torch.Tensor], starts: torch.Tensor, d2t: torch.Tensor
+) -> torch.Tensor:
     t = ids.numel()
     ids = ids.to(starts.device)
     cols = [(d2t[qj.argmax(-1)] == ids[(starts + 2 + j).clamp(max=t - 1)]).float() for j, qj in enumerate(q)]

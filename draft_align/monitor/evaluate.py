@@ -1,7 +1,10 @@
 """Measured vs estimated acceptance of a draft: decode with :class:`SpecDecoder`, then re-score its output.
 
 The decoder is lossless, so its outputs are target samples and the estimator's replay on them predicts
-the measured counters (exactly at T = 0 up to the last round's overshoot past max_new_tokens or eos).
+the measured counters: in expectation at T > 0, exactly at T = 0.  ``acceptance_length_observed`` (argmax
+drafts) reconstructs the counters from the outputs themselves and equals the measured value at any T.
+Both exact statements hold up to each prompt's last round, whose drafts accepted past max_new_tokens or
+eos the decoder counts (as engines do) and the output cannot show: at most k per prompt.
 """
 
 from __future__ import annotations
@@ -69,9 +72,11 @@ def evaluate(
         "acceptance_length_est": est["acceptance_length_est"],
         "acceptance_length_all_starts": est["acceptance_length_all_starts"],
         "acceptance_length_measured": measured.mean_length(),
+        "acceptance_length_observed": est["acceptance_length_observed"],
         "per_position_est": est["per_position_est"],
         "per_position_all_starts": est["per_position_all_starts"],
         "per_position_measured": measured.per_position(),
+        "per_position_observed": est["per_position_observed"],
         "rounds_est": est["rounds_est"],
         "rounds_measured": measured.rounds,
         "num_tokens": est["num_tokens"],
@@ -101,7 +106,11 @@ def format_table(results: list[dict[str, Any]]) -> str:
             cells.append(f"{meas[i]:.3f}/{est[i]:.3f}" if i < len(meas) else "")
         rows.append(cells)
     widths = [max(len(row[c]) for row in rows) for c in range(len(head))]
-    lines = ["  ".join(cell.rjust(w) if c else cell.ljust(w) for c, (cell, w) in enumerate(zip(row, widths, strict=True)))
-             for row in rows]
+    lines = [
+        "  ".join(
+            cell.rjust(w) if c else cell.ljust(w) for c, (cell, w) in enumerate(zip(row, widths, strict=True))
+        )
+        for row in rows
+    ]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)

@@ -185,7 +185,11 @@ class SpecDecoder:
                 c = len(seq)  # committed tokens; the target cache holds c − 1 of them
                 positions = torch.arange(first_pending, c - 1, device=dev)
                 q_logits, hid = draft.step(
-                    dcache, pending_aux.to(ddtype), embed(seq[first_pending + 1 : c]), positions, from_target=True
+                    dcache,
+                    pending_aux.to(ddtype),
+                    embed(seq[first_pending + 1 : c]),
+                    positions,
+                    from_target=True,
                 )
                 base = dcache.length  # == c − 1 target-derived rows
                 drafts: list[int] = []

@@ -1,5 +1,7 @@
 """Tiny target and drafts shared by the monitor tests (built once per session, fixed seeds)."""
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,20 +14,34 @@ AUX = (2, 3, 4)  # the engines' default (2, L//2, L-3) is (2, 3, 3) for 6 layers
 LOGIT_SCALE = 15.0  # random init gives near-uniform logits; scaled, the top token holds ~40% on average
 
 
-@pytest.fixture(scope="session", autouse=True)
-def one_thread():
+@contextlib.contextmanager
+def single_thread():
     # Tiny tensors: thread fan-out costs more than it saves, and is ruinous on a shared 2-core box.
     n = torch.get_num_threads()
     torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    with single_thread():
+        yield
 
 
 @pytest.fixture(scope="session")
 def target():
     torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=64, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
-                      intermediate_size=128, vocab_size=64)
+    cfg = LlamaConfig(
+        hidden_size=64,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=64,
+    )
     model = LlamaForCausalLM(cfg).eval()
     with torch.no_grad():
         model.lm_head.weight.mul_(LOGIT_SCALE)
@@ -36,8 +52,9 @@ def target():
 
 def random_draft(target, vocab: torch.Tensor, seed: int) -> Eagle3Draft:
     torch.manual_seed(seed)
-    cfg = Eagle3Config.from_target(target.config, draft_vocab_size=vocab.numel(), aux_layer_ids=AUX,
-                                   torch_dtype="float32")
+    cfg = Eagle3Config.from_target(
+        target.config, draft_vocab_size=vocab.numel(), aux_layer_ids=AUX, torch_dtype="float32"
+    )
     d = Eagle3Draft(cfg)
     for p in d.parameters():
         torch.nn.init.normal_(p, std=0.2)
@@ -59,16 +76,17 @@ def draft_random64(target):
 @pytest.fixture(scope="session")
 def draft_good48(target):
     """Trained briefly (K=3 TTT unroll, soft targets) on the target's own T=1 samples: high acceptance."""
-    g = torch.Generator().manual_seed(1)
+    with single_thread():  # session fixtures are built before the module-scoped one_thread
+        return train_good_draft(target)
+
+
+def train_good_draft(target) -> Eagle3Draft:
     batch, length, k = 64, 40, 3
-    ids = torch.randint(0, 64, (batch, 4), generator=g)
-    with torch.no_grad():
-        for _ in range(length - 4):
-            nxt = torch.multinomial(target(ids).logits[:, -1].softmax(-1), 1, generator=g)
-            ids = torch.cat([ids, nxt], dim=1)
-        with HFTap(target, AUX, capture_final=False) as tap:
-            logits = target(ids).logits
-            aux = tap.pop().aux
+    g = torch.Generator().manual_seed(1)
+    ids = sample_from(target, torch.randint(0, 64, (batch, 4), generator=g), length, 1.0, seed=2)
+    with torch.no_grad(), HFTap(target, AUX, capture_final=False) as tap:
+        logits = target(ids).logits
+        aux = tap.pop().aux
     vocab = torch.bincount(ids.flatten(), minlength=64).argsort(descending=True)[:48].sort().values
     d = random_draft(target, vocab, seed=8).train()
     with torch.no_grad():
@@ -80,7 +98,9 @@ def draft_good48(target):
     opt = torch.optim.AdamW(d.parameters(), lr=3e-3)
     for _ in range(200):
         rows = torch.randint(0, batch, (16,), generator=g)
-        out = d.unroll(aux[rows], embed, ids[rows], every, starts, torch.ones_like(starts, dtype=torch.bool), k)
+        out = d.unroll(
+            aux[rows], embed, ids[rows], every, starts, torch.ones_like(starts, dtype=torch.bool), k
+        )
         loss = torch.zeros(())
         for j, q in enumerate(out):
             pos = (starts + 1 + j).clamp(max=length - 1)
@@ -92,3 +112,22 @@ def draft_good48(target):
         loss.backward()
         opt.step()
     return d.eval().requires_grad_(False)
+
+
+def sample_from(target, prompts: torch.Tensor, length: int, temperature: float, seed: int) -> torch.Tensor:
+    """Batched ancestral sampling from the target: prompts [B, P] → [B, length] (prompt included)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = prompts
+    with torch.no_grad():
+        while ids.shape[1] < length:
+            probs = torch.softmax(target(ids).logits[:, -1] / temperature, -1)
+            ids = torch.cat([ids, torch.multinomial(probs, 1, generator=g)], dim=1)
+    return ids
+
+
+@pytest.fixture(scope="session")
+def target_samples(target):
+    """64 sequences of 40 tokens sampled at T = 1 after 4-token random prompts (not the training data)."""
+    prompts = torch.randint(0, 64, (64, 4), generator=torch.Generator().manual_seed(77))
+    with single_thread():
+        return sample_from(target, prompts, 40, 1.0, seed=78)

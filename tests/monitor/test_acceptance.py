@@ -60,18 +60,21 @@ def test_draft_probs_on_target():
 
 
 # S = 10 rows, k = 3, valid iff s + j ≤ S − 2 (the estimator's convention: the last row drafts nothing)
-ALPHA_DET = torch.tensor([
-    [1, 1, 0],  # round 1: 2 accepted → row 3
-    [0, 0, 0],
-    [1, 1, 1],
-    [0, 1, 1],  # round 2: 0 accepted → row 4
-    [1, 1, 1],  # round 3: 3 accepted → row 8
-    [1, 0, 1],
-    [0, 0, 0],
-    [1, 1, 1],  # step 2 invalid
-    [1, 1, 1],  # round 4: only step 0 valid → 1 accepted → row 10: end
-    [1, 1, 1],  # no valid step
-], dtype=torch.float32)
+ALPHA_DET = torch.tensor(
+    [
+        [1, 1, 0],  # round 1: 2 accepted → row 3
+        [0, 0, 0],
+        [1, 1, 1],
+        [0, 1, 1],  # round 2: 0 accepted → row 4
+        [1, 1, 1],  # round 3: 3 accepted → row 8
+        [1, 0, 1],
+        [0, 0, 0],
+        [1, 1, 1],  # step 2 invalid
+        [1, 1, 1],  # round 4: only step 0 valid → 1 accepted → row 10: end
+        [1, 1, 1],  # no valid step
+    ],
+    dtype=torch.float32,
+)
 VALID_DET = torch.arange(10).view(-1, 1) + torch.arange(3).view(1, -1) <= 8
 
 
@@ -167,3 +170,9 @@ def test_tally_add_merge_dict():
     assert AcceptanceTally.from_dict(d) == t
     with pytest.raises(ValueError, match="merge"):
         t.merge(AcceptanceTally.empty(2))
+
+
+def test_tally_dummy_round_trips():
+    t = AcceptanceTally.make_dummy()
+    assert t.mean_length() == 2.5 and t.per_position() == [0.75, 0.5, 0.25]
+    assert AcceptanceTally.from_dict(t.to_dict()) == t
