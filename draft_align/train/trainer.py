@@ -60,17 +60,17 @@ class Progress:
     targets_seen: int = 0
     skipped_nonfinite: int = 0
     seconds: float = 0.0
+    total_steps: int = 0  # the schedule's length (may adapt to a time budget)
     history: list[dict] = field(default_factory=list)
 
 
-def lr_lambda(s: OptimSettings):
-    def fn(step: int) -> float:
-        if step < s.warmup_steps:
-            return (step + 1) / max(1, s.warmup_steps)
-        frac = min(1.0, (step - s.warmup_steps) / max(1, s.total_steps - s.warmup_steps))
-        return s.min_lr_ratio + (1 - s.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac))
+def lr_factor(s: OptimSettings, step: int, total: int) -> float:
+    """Linear warmup to 1, then cosine to ``min_lr_ratio`` at ``total``."""
+    if step < s.warmup_steps:
+        return (step + 1) / max(1, s.warmup_steps)
+    frac = min(1.0, (step - s.warmup_steps) / max(1, total - s.warmup_steps))
+    return s.min_lr_ratio + (1 - s.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac))
 
-    return fn
 
 
 def ttt_loss(
@@ -140,8 +140,14 @@ class DraftTrainer:
             lr=optim.lr,
             betas=optim.betas,
         )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(optim))
-        self.progress = Progress()
+        self.progress = Progress(total_steps=optim.total_steps)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: lr_factor(optim, step, self.progress.total_steps)
+        )
+
+    def set_total_steps(self, total: int) -> None:
+        """Change the schedule's length (e.g. to end the cosine when a time budget ends)."""
+        self.progress.total_steps = max(1, int(total))
 
     def train_step(self, batch: Batch) -> dict[str, float]:
         """One step.  Raises NonFiniteLossError (after zeroing grads, applying nothing) on NaN/Inf."""
@@ -168,7 +174,7 @@ class DraftTrainer:
         self.progress.tokens_seen += batch.num_tokens
         n = stats.count.clamp(min=1)
         self.progress.targets_seen += int(stats.count[0])
-        out = {"loss": float(loss), "grad_norm": float(gnorm), "lr": lr, "targets": float(stats.count[0])}
+        out = {"loss": float(loss.detach()), "grad_norm": float(gnorm), "lr": lr, "targets": float(stats.count[0])}
         for j in range(stats.count.numel()):
             out[f"ce_{j}"] = float(stats.loss[j] / n[j])
             out[f"acc_{j}"] = float(stats.correct[j] / n[j])

