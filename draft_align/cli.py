@@ -91,7 +91,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         if len(prompts) >= args.prompts:
             break
     if not prompts:
-        raise SystemExit(f"no prompts of at most {args.max_prompt_tokens} tokens in {args.data}")
+        # ValueError, not SystemExit: main() turns it into exit status 2 with a logged message
+        raise ValueError(f"no prompts of at most {args.max_prompt_tokens} tokens in {args.data}")
     res = evaluate(target, tok, draft.eval(), prompts, k=args.k, mode=args.verify_mode,
                    temperature=args.temperature, max_new_tokens=args.max_new_tokens, seed=args.seed)
     if args.json:

@@ -30,6 +30,7 @@ class DataConfig:
     gen_temperature: float = 0.0
     gen_max_new_tokens: int = 256
     gen_batch_size: int = 48
+    gen_time_budget_s: float | None = None  # stop generating after this long; train on what is cached
     capture_batch_tokens: int = 8192
 
 

@@ -26,7 +26,13 @@ from draft_align.target.generate import generate_responses
 from draft_align.target.tap import HFTap, decoder_parts, head_rows
 from draft_align.train.batch import Record, collate, make_batches
 from draft_align.train.store import HiddenStore, ResponseCache, settings_key
-from draft_align.train.trainer import DraftTrainer, LossSettings, NonFiniteLossError, OptimSettings
+from draft_align.train.trainer import (
+    DraftTrainer,
+    LossSettings,
+    NonFiniteLossError,
+    OptimSettings,
+    checkpoint_exists,
+)
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +116,7 @@ def _self_distill(
             target, [prompts[i] for i in todo], max_new_tokens=d.gen_max_new_tokens,
             temperature=d.gen_temperature, eos_ids=eos, pad_id=pad, batch_size=d.gen_batch_size,
             seed=recipe.seed, on_batch=persist,
+            deadline=None if d.gen_time_budget_s is None else time.time() + d.gen_time_budget_s,
         )
         done = cache.load()
     samples = []
@@ -124,6 +131,19 @@ def _self_distill(
 
 def _truncate(s: data.EncodedSample, n: int) -> data.EncodedSample:
     return data.EncodedSample(input_ids=s.input_ids[:n], loss_mask=s.loss_mask[:n])
+
+
+def _predicted_mass(lm_head: nn.Module, final: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """Σ over response positions of the target's predicted distribution [vocab] (fills the draft vocab).
+
+    final [T, H] the stored (bf16) final states, so a resumed capture sums exactly what a fresh one does;
+    loss_mask [T].
+    """
+    pos = torch.nonzero(loss_mask[1:]).flatten()
+    if not pos.numel():
+        return torch.zeros(lm_head.weight.shape[0], dtype=torch.float64)
+    probs = torch.softmax(lm_head(final[pos].to(lm_head.weight.dtype)).float(), dim=-1)
+    return probs.sum(0).double()
 
 
 @torch.no_grad()
@@ -156,10 +176,14 @@ def capture(
     t0 = time.time()
     with tap:
         for g, idx in enumerate(groups):
-            if g < have and not store.complete:
-                continue
             if store.complete:
                 break
+            if g < have:
+                # captured before an interruption: its predicted mass still counts, or a resumed capture
+                # would pick another draft vocab than an uninterrupted one
+                for rec in store.shard_records(g):
+                    mass += _predicted_mass(lm_head, rec.final, rec.loss_mask)
+                continue
             width = max(len(samples[j].input_ids) for j in idx)
             ids = torch.zeros(len(idx), width, dtype=torch.long)
             attn = torch.zeros(len(idx), width, dtype=torch.long)
@@ -176,11 +200,7 @@ def capture(
                 fin = cap.final[r, :n].to(torch.bfloat16)
                 if not (torch.isfinite(aux).all() and torch.isfinite(fin).all()):
                     raise WarmstartError(f"non-finite target hidden states for sample {j}: broken target weights?")
-                # the target's predicted distribution on response positions fills the draft vocab
-                pos = torch.nonzero(samples[j].loss_mask[1:]).flatten()
-                if pos.numel():
-                    probs = torch.softmax(lm_head(cap.final[r, pos]).float(), dim=-1)
-                    mass += probs.sum(0).double()
+                mass += _predicted_mass(lm_head, fin, samples[j].loss_mask)
                 recs.append(Record(samples[j].input_ids, samples[j].loss_mask, aux, fin))
             store.write_shard(g, recs)
             if g % 10 == 0:
@@ -320,8 +340,14 @@ def train(
     trainer = DraftTrainer(draft, frozen_embedding(prep.target), head_rows(prep.target, draft.draft_to_target),
                            optim, loss)
     ckpt = recipe.run_dir / "trainer"
-    if (ckpt / "progress.json").exists():
+    if checkpoint_exists(ckpt):
         trainer.load(ckpt)
+        # the checkpoint's vocab map came with its weights: the soft targets must use the same rows
+        trainer.rows = head_rows(prep.target, draft.draft_to_target)
+        if tc.time_budget_s is None and trainer.progress.total_steps != max(1, planned):
+            # a rerun with other epochs/max_steps: the cosine ends where the recipe now says
+            log.info("schedule length %d → %d (recipe changed)", trainer.progress.total_steps, planned)
+            trainer.set_total_steps(planned)
         log.info("resumed from %s at step %d (epoch %d, batch %d)", ckpt, trainer.progress.step,
                  trainer.progress.epoch, trainer.progress.batch_in_epoch)
     pr = trainer.progress
@@ -377,12 +403,19 @@ def train(
             if pr.step % tc.checkpoint_every == 0:
                 trainer.save(ckpt)
             if eval_hook is not None:
+                t_hook = time.time()
                 eval_hook(trainer)
+                t_start += time.time() - t_hook  # evaluation does not count against the budget
         else:
             pr.epoch += 1
             pr.batch_in_epoch = 0
     if bar is not None:
         bar.close()
+    if pr.step == 0 and pr.skipped_nonfinite:
+        raise WarmstartError(
+            f"all {pr.skipped_nonfinite} training steps had a non-finite loss; nothing was trained and no "
+            f"checkpoint is written. Lower train.lr or check the captured data."
+        )
     trainer.save(ckpt)
     return trainer
 

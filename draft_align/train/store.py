@@ -48,6 +48,13 @@ class ResponseCache:
 
     def append(self, rows: list[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a+b") as f:
+            # after a torn write the file ends mid-line: start a new line, or the first row appended now
+            # would be glued onto the torn one and lost with it
+            if f.tell() > 0:
+                f.seek(-1, os.SEEK_END)
+                if f.read(1) != b"\n":
+                    f.write(b"\n")
         with open(self.path, "a", encoding="utf-8") as f:
             for i, p, r in rows:
                 f.write(json.dumps({"i": i, "prompt": p.tolist(), "response": r.tolist()}) + "\n")
@@ -100,18 +107,24 @@ class HiddenStore:
 
     def records(self) -> Iterator[Record]:
         """All records (views into shard tensors loaded in memory)."""
+        for n in range(self.existing_shards()):
+            yield from self.shard_records(n)
+
+    def shard_records(self, n: int) -> list[Record]:
+        """The records of shard ``n``; StoreError when it is unreadable or was made with other settings."""
         from safetensors import safe_open
 
-        for n in range(self.existing_shards()):
-            path = self.shard_path(n)
-            try:
-                with safe_open(str(path), framework="pt") as f:
-                    meta = json.loads((f.metadata() or {}).get("meta", "{}"))
-                    t = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open has no iteration
-            except Exception as e:  # noqa: BLE001 - any read failure: the shard is unusable
-                raise StoreError(f"capture shard {path} is unreadable ({e}); delete {self.root} to recapture") from e
-            if meta != json.loads(json.dumps(self.meta, sort_keys=True)):
-                raise StoreError(f"capture shard {path} was made with other settings; delete {self.root}")
-            cu = t["cu_seqlens"].tolist()
-            for a, b in zip(cu[:-1], cu[1:], strict=True):
-                yield Record(t["input_ids"][a:b], t["loss_mask"][a:b], t["aux"][a:b], t["final"][a:b])
+        path = self.shard_path(n)
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                meta = json.loads((f.metadata() or {}).get("meta", "{}"))
+                t = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open has no iteration
+        except Exception as e:  # noqa: BLE001 - any read failure: the shard is unusable
+            raise StoreError(f"capture shard {path} is unreadable ({e}); delete {self.root} to recapture") from e
+        if meta != json.loads(json.dumps(self.meta, sort_keys=True)):
+            raise StoreError(f"capture shard {path} was made with other settings; delete {self.root}")
+        cu = t["cu_seqlens"].tolist()
+        return [
+            Record(t["input_ids"][a:b], t["loss_mask"][a:b], t["aux"][a:b], t["final"][a:b])
+            for a, b in zip(cu[:-1], cu[1:], strict=True)
+        ]

@@ -182,60 +182,118 @@ class DraftTrainer:
 
     # ------------------------------------------------------------------ checkpoint (no pickle)
     def save(self, path: Path) -> None:
-        """Write draft weights, optimizer moments and progress to ``path`` atomically (temp + rename)."""
+        """Write draft weights, optimizer moments and progress to ``path`` atomically (temp + rename).
+
+        A directory cannot be renamed over a non-empty one, so the previous checkpoint is first renamed
+        aside (``.old-<name>-<pid>``), then the new one into place.  If that second rename fails the old
+        one is moved back; if the process dies between the two, :func:`checkpoint_exists` moves it back.
+        """
+        import shutil
+
         from safetensors.torch import save_file
 
         path = Path(path)
+        _discard_leftovers(path, "tmp")
         tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
-        if tmp.exists():
-            import shutil
-
-            shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
         tensors = {f"draft.{k}": v.detach().contiguous() for k, v in self.draft.state_dict().items()}
         opt = self.optimizer.state_dict()
         for idx, st in opt["state"].items():
             for name, val in st.items():
                 tensors[f"opt.{idx}.{name}"] = torch.as_tensor(val).detach().contiguous()
-        save_file(tensors, str(tmp / "state.safetensors"))
+        save_file(tensors, str(tmp / STATE_FILE))
         meta = {
             "progress": asdict(self.progress),
             "param_groups": opt["param_groups"],
             "scheduler": self.scheduler.state_dict(),
             "rng": torch.get_rng_state().tolist(),
         }
-        (tmp / "progress.json").write_text(json.dumps(meta))
+        (tmp / PROGRESS_FILE).write_text(json.dumps(meta))
         for f in tmp.iterdir():
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
-        if path.exists():
-            old = path.with_name(f".old-{path.name}-{os.getpid()}")
-            os.replace(path, old)
+        if not checkpoint_exists(path):
+            if path.exists():  # an unusable leftover (no progress file): replace it
+                shutil.rmtree(path)
             os.replace(tmp, path)
-            import shutil
-
-            shutil.rmtree(old)
-        else:
+            return
+        old = path.with_name(f".old-{path.name}-{os.getpid()}")
+        os.replace(path, old)
+        try:
             os.replace(tmp, path)
+        except BaseException:
+            os.replace(old, path)  # put the previous checkpoint back before giving up
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        shutil.rmtree(old)
 
     def load(self, path: Path) -> None:
+        """Restore a checkpoint written by :meth:`save` (weights, optimizer, schedule, progress, RNG).
+
+        Raises RuntimeError naming the unreadable file, or the mismatch, when the checkpoint cannot be used.
+        """
         from safetensors.torch import load_file
 
         path = Path(path)
+        checkpoint_exists(path)  # restores one an interrupted save left aside
+        pfile, sfile = path / PROGRESS_FILE, path / STATE_FILE
         try:
-            meta = json.loads((path / "progress.json").read_text())
-            tensors = load_file(str(path / "state.safetensors"))
+            meta = json.loads(pfile.read_text())
+            progress = Progress(**meta["progress"])
         except Exception as e:  # noqa: BLE001 - any read failure means an unusable checkpoint
-            raise RuntimeError(f"trainer checkpoint {path} is unreadable ({e}); delete it to start over") from e
+            raise RuntimeError(f"trainer checkpoint file {pfile} is unreadable ({e}); delete {path} to start over") from e
+        try:
+            tensors = load_file(str(sfile))
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
+            raise RuntimeError(f"trainer checkpoint file {sfile} is unreadable ({e}); delete {path} to start over") from e
         draft_sd = {k[len("draft.") :]: v for k, v in tensors.items() if k.startswith("draft.")}
-        self.draft.load_state_dict(draft_sd, strict=False)
         state: dict[int, dict] = {}
         for k, v in tensors.items():
             if k.startswith("opt."):
                 _, idx, name = k.split(".", 2)
                 state.setdefault(int(idx), {})[name] = v
-        self.optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
-        self.scheduler.load_state_dict(meta["scheduler"])
+        try:
+            # strict: a checkpoint missing a tensor must not leave that tensor at its fresh init
+            self.draft.load_state_dict(draft_sd, strict=True)
+            self.optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+            self.scheduler.load_state_dict(meta["scheduler"])
+        except (RuntimeError, ValueError, KeyError) as e:
+            raise RuntimeError(
+                f"trainer checkpoint {path} does not fit this draft/optimizer ({e}); it was written by another "
+                f"configuration: delete it to start over"
+            ) from e
         torch.set_rng_state(torch.tensor(meta["rng"], dtype=torch.uint8))
-        p = meta["progress"]
-        self.progress = Progress(**p)
+        self.progress = progress
+
+
+STATE_FILE = "state.safetensors"
+PROGRESS_FILE = "progress.json"
+
+
+def _discard_leftovers(path: Path, kind: str) -> None:
+    """Remove ``.{kind}-<name>-*`` folders that an interrupted save of ``path`` left behind."""
+    import shutil
+
+    for p in path.parent.glob(f".{kind}-{path.name}-*"):
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def checkpoint_exists(path: Path) -> bool:
+    """Whether ``path`` holds a trainer checkpoint.
+
+    A save killed between its two renames leaves no ``path`` and the previous checkpoint at
+    ``.old-<name>-<pid>``: that one is moved back first.  Stale ``.old-*`` folders beside a complete
+    checkpoint are removed.
+    """
+    path = Path(path)
+    if (path / PROGRESS_FILE).exists():
+        _discard_leftovers(path, "old")
+        return True
+    olds = [p for p in path.parent.glob(f".old-{path.name}-*") if (p / PROGRESS_FILE).exists()]
+    if not olds or path.exists():
+        return False
+    newest = max(olds, key=lambda p: p.stat().st_mtime)
+    log.warning("restoring trainer checkpoint %s left aside by an interrupted save", newest)
+    os.replace(newest, path)
+    _discard_leftovers(path, "old")
+    return True

@@ -1,0 +1,30 @@
+# Set-up is idempotent: the virtual environment is (re)built when pyproject.toml changes.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo test fetch bench lint
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+fetch: $(STAMP)
+	$(PY) -m draft_align fetch all
+
+demo: fetch
+	$(PY) -m draft_align warmstart recipes/smollm2_demo.yaml
+
+test: fetch
+	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check draft_align tests benchmarks
+
+bench: fetch
+	$(PY) benchmarks/warmstart.py

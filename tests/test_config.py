@@ -1,0 +1,95 @@
+"""draft_align.config: every recipe loads; unknown keys and bad values fail loudly; overrides apply."""
+
+from pathlib import Path
+
+import pytest
+
+from draft_align.config import RecipeError, WarmstartRecipe, load_recipe, recipe_to_dict
+
+RECIPES = sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*.yaml"))
+
+
+def test_recipes_exist():
+    assert RECIPES, "no recipes/*.yaml found"
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=[p.name for p in RECIPES])
+def test_every_recipe_loads_and_validates(path):
+    import yaml
+
+    r = load_recipe(path)
+    assert isinstance(r, WarmstartRecipe)
+    raw = yaml.safe_load(path.read_text())
+    # every value the YAML sets is what the recipe holds (nothing silently dropped)
+    as_dict = recipe_to_dict(r)
+    for section, values in raw.items():
+        if isinstance(values, dict):
+            for k, v in values.items():
+                assert as_dict[section][k] == v, f"{section}.{k}"
+        else:
+            assert as_dict[section] == values, section
+    assert r.run_dir == Path(r.output_dir) / r.run
+
+
+def test_defaults_without_a_file():
+    r = load_recipe(None)
+    assert r == WarmstartRecipe()
+    assert r.draft.aux_layer_ids is None and r.train.loss == "soft"
+
+
+def test_overrides_apply_with_types():
+    r = load_recipe(
+        RECIPES[0],
+        ["train.lr=3e-4", "draft.aux_layer_ids=[1,3,4]", "data.max_conversations=null", "eval.temperatures=[0.0]",
+         "train.max_steps=7", "run=custom", "logging.wandb=false"],
+    )
+    assert r.train.lr == pytest.approx(3e-4) and isinstance(r.train.lr, float)
+    assert r.draft.aux_layer_ids == [1, 3, 4]
+    assert r.data.max_conversations is None
+    assert r.eval.temperatures == [0.0]
+    assert r.train.max_steps == 7
+    assert r.run == "custom" and r.logging.wandb is False
+
+
+def test_unknown_key_in_yaml_names_the_key(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("run: x\ntrain:\n  learning_rate: 0.1\n")
+    with pytest.raises(RecipeError, match="learning_rate"):
+        load_recipe(p)
+    p.write_text("run: x\ntrainer:\n  lr: 0.1\n")
+    with pytest.raises(RecipeError, match="trainer"):
+        load_recipe(p)
+
+
+@pytest.mark.parametrize("override", ["train.lrr=1", "nosuchsection.x=1", "data.sourcee=x"])
+def test_unknown_override_names_the_key(override):
+    key = override.split("=")[0].split(".")[-1]
+    with pytest.raises(RecipeError, match=key):
+        load_recipe(None, [override])
+
+
+def test_wrongly_typed_value_is_an_error():
+    with pytest.raises(RecipeError, match="batch_tokens"):
+        load_recipe(None, ["train.batch_tokens=lots"])
+
+
+def test_missing_file_is_an_error(tmp_path):
+    with pytest.raises(RecipeError, match="does not exist"):
+        load_recipe(tmp_path / "nope.yaml")
+
+
+@pytest.mark.parametrize(
+    ("override", "match"),
+    [
+        ("draft.head=mtp", "draft.head"),
+        ("train.loss=kl", "train.loss"),
+        ("eval.modes=[greedy,typical]", "unknown verify mode 'typical'"),
+        ("train.ttt_steps=0", "ttt_steps"),
+        ("eval.k=0", "eval.k"),
+        ("logging.wandb_mode=cloud", "wandb_mode"),
+        ("target.dtype=int8", "target.dtype"),
+    ],
+)
+def test_validate_rejects_bad_values(override, match):
+    with pytest.raises(RecipeError, match=match):
+        load_recipe(None, [override])
