@@ -89,6 +89,7 @@ class WarmstartRecipe:
     run: str = "warmstart"
     output_dir: str = "checkpoints"
     seed: int = 0
+    device: str = "cpu"  # cpu | cuda | cuda:N: target forward, training and eval
     target: TargetConfig = field(default_factory=TargetConfig)
     data: DataConfig = field(default_factory=DataConfig)
     draft: DraftConfig = field(default_factory=DraftConfig)
@@ -123,20 +124,22 @@ def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> 
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    schema = OmegaConf.structured(WarmstartRecipe)
+    merged = OmegaConf.structured(WarmstartRecipe)
+    # merged one source at a time so an error names where the bad key or value came from
+    where = "recipe defaults"
     try:
-        parts = [schema]
         if path is not None:
             p = Path(path)
             if not p.exists():
                 raise RecipeError(f"recipe {p} does not exist")
-            parts.append(OmegaConf.load(p))
+            where = f"recipe {p}"
+            merged = OmegaConf.merge(merged, OmegaConf.load(p))
         if overrides:
-            parts.append(OmegaConf.from_dotlist(list(overrides)))
-        merged = OmegaConf.merge(*parts)
+            where = f"overrides {list(overrides)}"
+            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)))
         recipe: Any = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
-        raise RecipeError(f"recipe {path}: {e}") from e
+        raise RecipeError(f"{where}: {e}") from e
     recipe.validate()
     return recipe
 

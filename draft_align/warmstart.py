@@ -142,8 +142,9 @@ def _predicted_mass(lm_head: nn.Module, final: torch.Tensor, loss_mask: torch.Te
     pos = torch.nonzero(loss_mask[1:]).flatten()
     if not pos.numel():
         return torch.zeros(lm_head.weight.shape[0], dtype=torch.float64)
-    probs = torch.softmax(lm_head(final[pos].to(lm_head.weight.dtype)).float(), dim=-1)
-    return probs.sum(0).double()
+    w = lm_head.weight
+    probs = torch.softmax(lm_head(final[pos].to(w.device, w.dtype)).float(), dim=-1)
+    return probs.sum(0).double().cpu()
 
 
 @torch.no_grad()
@@ -191,13 +192,14 @@ def capture(
                 n = len(samples[j].input_ids)
                 ids[r, :n] = samples[j].input_ids
                 attn[r, :n] = 1
-            inner(input_ids=ids, attention_mask=attn)  # no lm_head over every position
+            dev = lm_head.weight.device
+            inner(input_ids=ids.to(dev), attention_mask=attn.to(dev))  # no lm_head over every position
             cap = tap.pop()
             recs = []
             for r, j in enumerate(idx):
                 n = len(samples[j].input_ids)
-                aux = cap.aux[r, :n].to(torch.bfloat16)
-                fin = cap.final[r, :n].to(torch.bfloat16)
+                aux = cap.aux[r, :n].to("cpu", torch.bfloat16)
+                fin = cap.final[r, :n].to("cpu", torch.bfloat16)
                 if not (torch.isfinite(aux).all() and torch.isfinite(fin).all()):
                     raise WarmstartError(f"non-finite target hidden states for sample {j}: broken target weights?")
                 mass += _predicted_mass(lm_head, fin, samples[j].loss_mask)
@@ -220,7 +222,7 @@ def capture(
 
 def prepare(recipe: WarmstartRecipe, aux_layer_ids: tuple[int, ...] | None = None) -> Prepared:
     """Load the target and data; self-distil; capture target states (cached)."""
-    target, tokenizer = assets.load_target(recipe.target.model, DTYPES[recipe.target.dtype], "cpu")
+    target, tokenizer = assets.load_target(recipe.target.model, DTYPES[recipe.target.dtype], recipe.device)
     n_layers = int(target.config.num_hidden_layers)
     aux = tuple(aux_layer_ids or recipe.draft.aux_layer_ids or Eagle3Config.default_aux_layer_ids(n_layers))
     chosen, held = _prompts(recipe, tokenizer)
@@ -337,8 +339,10 @@ def train(
         ttt_steps=tc.ttt_steps, step_decay=tc.step_decay, kind=tc.loss,
         train_lm_head=recipe.draft.train_lm_head, autocast_bf16=tc.autocast_bf16,
     )
-    trainer = DraftTrainer(draft, frozen_embedding(prep.target), head_rows(prep.target, draft.draft_to_target),
-                           optim, loss)
+    dev = torch.device(recipe.device)
+    draft.to(dev)
+    trainer = DraftTrainer(draft, frozen_embedding(prep.target).to(dev),
+                           head_rows(prep.target, draft.draft_to_target.to(dev)).to(dev), optim, loss)
     ckpt = recipe.run_dir / "trainer"
     if checkpoint_exists(ckpt):
         trainer.load(ckpt)
@@ -463,7 +467,7 @@ def vocab_report(prep: Prepared, draft: Eagle3Draft, sequences: int = 16) -> dic
     lost, oov, n = 0.0, 0, 0
     with torch.no_grad():
         for p, r in zip(prompts, resp, strict=True):
-            ids = torch.cat((p, r)).unsqueeze(0)
+            ids = torch.cat((p, r)).unsqueeze(0).to(inv.device)
             logits = prep.target(ids).logits[0, len(p) - 1 : -1].float()
             probs = torch.softmax(logits, -1)
             lost += float(probs[:, ~inv].sum())

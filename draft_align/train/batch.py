@@ -38,6 +38,12 @@ class Batch:
     def num_tokens(self) -> int:
         return int(self.valid.sum())
 
+    def to(self, device: torch.device | str) -> Batch:
+        if self.input_ids.device == torch.device(device):
+            return self
+        return Batch(*(t.to(device, non_blocking=True) for t in (
+            self.input_ids, self.valid, self.loss_mask, self.aux, self.final, self.starts, self.starts_valid)))
+
 
 def chain_starts(loss_mask: torch.Tensor, steps: int) -> torch.Tensor:
     """Positions s (of one row, loss_mask [T]) for which some step j < steps predicts a response token,

@@ -93,12 +93,13 @@ def ttt_loss(
         with torch.no_grad():
             tgt = torch.log_softmax(draft_logits(batch.final, rows).float(), dim=-1)  # [B, T, Vd]
     else:
-        to_draft = torch.full((draft.cfg.vocab_size,), -1, dtype=torch.long)
-        to_draft[draft.draft_to_target] = torch.arange(vd)
+        dev = batch.input_ids.device
+        to_draft = torch.full((draft.cfg.vocab_size,), -1, dtype=torch.long, device=dev)
+        to_draft[draft.draft_to_target] = torch.arange(vd, device=dev)
         tgt_ids = to_draft[batch.input_ids]  # [B, T] draft id of each token (−1 outside)
     weights = step_weights(k, loss.step_decay)
     total = logits[0].new_zeros((), dtype=torch.float32)
-    sums = torch.zeros(3, k)
+    sums = torch.zeros(3, k, device=batch.input_ids.device)
     for j in range(k):
         nxt = batch.starts + 2 + j
         inside = nxt <= t - 1
@@ -152,7 +153,9 @@ class DraftTrainer:
     def train_step(self, batch: Batch) -> dict[str, float]:
         """One step.  Raises NonFiniteLossError (after zeroing grads, applying nothing) on NaN/Inf."""
         self.draft.train()
-        ctx = torch.autocast("cpu", dtype=torch.bfloat16) if self.loss_settings.autocast_bf16 else nullcontext()
+        dev = self.rows.device
+        batch = batch.to(dev)
+        ctx = torch.autocast(dev.type, dtype=torch.bfloat16) if self.loss_settings.autocast_bf16 else nullcontext()
         with ctx:
             loss, stats = ttt_loss(self.draft, self.embed, self.rows, batch, self.loss_settings)
         if not torch.isfinite(loss):
@@ -174,6 +177,7 @@ class DraftTrainer:
         self.progress.tokens_seen += batch.num_tokens
         n = stats.count.clamp(min=1)
         self.progress.targets_seen += int(stats.count[0])
+        stats = StepStats(stats.loss.cpu(), stats.correct.cpu(), stats.count.cpu())
         out = {"loss": float(loss.detach()), "grad_norm": float(gnorm), "lr": lr, "targets": float(stats.count[0])}
         for j in range(stats.count.numel()):
             out[f"ce_{j}"] = float(stats.loss[j] / n[j])
