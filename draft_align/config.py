@@ -31,6 +31,9 @@ class DataConfig:
     gen_max_new_tokens: int = 256
     gen_batch_size: int = 48
     gen_time_budget_s: float | None = None  # stop generating after this long; train on what is cached
+    # more train conversations (after the max_conversations above) used with their ORIGINAL responses:
+    # target soft targets on other text — cheap volume (a forward pass, no generation)
+    extra_original_conversations: int = 0
     capture_batch_tokens: int = 8192
 
 

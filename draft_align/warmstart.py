@@ -57,7 +57,10 @@ class Prepared:
     stats: dict[str, Any] = field(default_factory=dict)
 
 
-def _prompts(recipe: WarmstartRecipe, tokenizer: Any) -> tuple[list[tuple[int, data.Conversation]], list]:
+def _prompts(
+    recipe: WarmstartRecipe, tokenizer: Any
+) -> tuple[list[tuple[int, data.Conversation]], list, list[data.Conversation]]:
+    """(train conversations with their indices, held-out conversations, extra original-response ones)."""
     d = recipe.data
     convs = data.load_conversations(d.source)
     if len(convs) <= d.heldout:
@@ -65,12 +68,10 @@ def _prompts(recipe: WarmstartRecipe, tokenizer: Any) -> tuple[list[tuple[int, d
     idx = list(range(len(convs)))
     train_idx, held_idx = data.split_heldout(idx, d.heldout, d.split_seed)
     held = [convs[i] for i in held_idx]
-    chosen: list[tuple[int, data.Conversation]] = []
-    for i in train_idx:
-        if d.max_conversations is not None and len(chosen) >= d.max_conversations:
-            break
-        chosen.append((i, convs[i]))
-    return chosen, held
+    n = len(train_idx) if d.max_conversations is None else d.max_conversations
+    chosen = [(i, convs[i]) for i in train_idx[:n]]
+    extra = [convs[i] for i in train_idx[n : n + d.extra_original_conversations]]
+    return chosen, held, extra
 
 
 def _self_distill(
@@ -220,17 +221,31 @@ def capture(
     return counts, mass
 
 
+def _check_aux_layers(aux: tuple[int, ...], n_layers: int) -> None:
+    """Engines capture exactly 3 distinct ascending HF ``hidden_states`` indices in 1..L-1."""
+    if len(aux) != 3 or len(set(aux)) != 3 or list(aux) != sorted(aux) or not 1 <= aux[0] <= aux[-1] <= n_layers - 1:
+        raise WarmstartError(
+            f"aux layers {aux} unusable for this {n_layers}-layer target: engines need 3 distinct ascending "
+            f"HF hidden_states indices in 1..{n_layers - 1} (their default (2, L//2, L-3) is not distinct for "
+            f"small L); set draft.aux_layer_ids"
+        )
+
+
 def prepare(recipe: WarmstartRecipe, aux_layer_ids: tuple[int, ...] | None = None) -> Prepared:
     """Load the target and data; self-distil; capture target states (cached)."""
     target, tokenizer = assets.load_target(recipe.target.model, DTYPES[recipe.target.dtype], recipe.device)
     n_layers = int(target.config.num_hidden_layers)
     aux = tuple(aux_layer_ids or recipe.draft.aux_layer_ids or Eagle3Config.default_aux_layer_ids(n_layers))
-    chosen, held = _prompts(recipe, tokenizer)
+    _check_aux_layers(aux, n_layers)  # before any generation or capture: export would refuse them at the end
+    chosen, held, extra = _prompts(recipe, tokenizer)
+    originals = list(extra)
+    samples = []
     if recipe.data.regenerate:
         samples = _self_distill(recipe, target, tokenizer, chosen)
     else:
-        samples = []
-        for _, conv in chosen:
+        originals = [c for _, c in chosen] + originals
+    if originals:
+        for conv in originals:
             try:
                 s = data.encode_conversation(tokenizer, conv, recipe.data.max_seq_len)
             except data.DataError as e:

@@ -26,12 +26,15 @@ TINY_AUX = [1, 3, 4]  # the engines' default for 6 layers, (2, 3, 3), is not dis
 WORDS = "the a cat dog runs sits on mat red blue why how what is are big small fast slow tree sun".split()
 
 
-def make_chat_tokenizer(extra_chars: str = ""):
-    """Character-level fast tokenizer with a ChatML template (ids: specials 0-2, then printable chars)."""
+def make_chat_tokenizer(shuffle_seed: int | None = None):
+    """Character-level fast tokenizer with a ChatML template (ids: specials 0-2, then printable chars, in
+    order or, with ``shuffle_seed``, permuted: same size, another tokenizer)."""
     from tokenizers import Tokenizer, decoders, models
     from transformers import PreTrainedTokenizerFast
 
-    chars = list(string.printable) + [c for c in extra_chars if c not in string.printable]
+    chars = list(string.printable)
+    if shuffle_seed is not None:
+        random.Random(shuffle_seed).shuffle(chars)
     vocab = {tok: i for i, tok in enumerate(SPECIALS + chars)}
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<|endoftext|>"))
     backend.decoder = decoders.Fuse()
@@ -125,6 +128,18 @@ class TinyWorld:
 
     def overrides(self, run: str = "tiny", out: Path | None = None, **extra: Any) -> list[str]:
         return tiny_overrides(self.model, self.data, out or self.root / "checkpoints", run=run, **extra)
+
+    @staticmethod
+    def write_chats(path: Path, n: int = 40, seed: int = 0) -> Path:
+        return write_sharegpt(path, n, seed)
+
+    @staticmethod
+    def save_target(path: Path, **kw: Any) -> Path:
+        return save_tiny_target(path, **kw)
+
+    @staticmethod
+    def tokenizer(shuffle_seed: int | None = None) -> Any:
+        return make_chat_tokenizer(shuffle_seed)
 
 
 @dataclass

@@ -253,14 +253,12 @@ def test_default_aux_layers_of_a_six_layer_target_are_rejected_early(tiny_world,
 
     monkeypatch.setattr(warmstart, "generate_responses", no_generation)
     recipe = load_recipe(None, tiny_world.overrides(run="aux", **{"draft.aux_layer_ids": "null"}))
-    with pytest.raises(ValueError, match=r"\(2, 3, 3\).*distinct.*draft\.aux_layer_ids"):
+    with pytest.raises(warmstart.WarmstartError, match=r"\(2, 3, 3\).*distinct.*draft\.aux_layer_ids"):
         warmstart.prepare(recipe)
 
 
 def test_too_few_conversations(tiny_world, tmp_path):
-    from conftest import write_sharegpt
-
     recipe = load_recipe(None, tiny_world.overrides(run="few", **{
-        "data.source": str(write_sharegpt(tmp_path / "few.jsonl", n=5)), "data.heldout": 8}))
+        "data.source": str(tiny_world.write_chats(tmp_path / "few.jsonl", n=5)), "data.heldout": 8}))
     with pytest.raises(warmstart.WarmstartError, match="5 conversations, need more than heldout=8"):
         warmstart.prepare(recipe)

@@ -327,7 +327,11 @@ class Eagle3Draft(nn.Module):
         return {k: v for k, v in self.state_dict().items() if not k.startswith("rotary.")}
 
     # ----------------------------------------------------------------- training: TTT unroll
-    def unroll(
+    def unroll(self, *args: Any, **kwargs: Any) -> list[torch.Tensor]:
+        """Like :meth:`unroll_hidden`, returning draft logits [B, M, draft_vocab] per step."""
+        return [self.lm_head(x) for x in self.unroll_hidden(*args, **kwargs)]
+
+    def unroll_hidden(
         self,
         aux: torch.Tensor,
         embed: nn.Module,
@@ -344,7 +348,8 @@ class Eagle3Draft(nn.Module):
         starts_valid [B, M] bool.  Step j of chain s reads the embedding of x[s+1+j] (clamped at the end
         of the row; such steps must be masked out by the caller) at RoPE position s+j and predicts
         x[s+2+j].  Step 0 runs at every position (its keys are every later step's context); the
-        lm_head runs only on the M chain starts.  Returns ``steps`` tensors [B, M, draft_vocab].
+        lm_head's input exists only on the M chain starts.  Returns ``steps`` tensors [B, M, H]: the
+        normed hidden states that ``lm_head`` maps to logits (the loss may apply it in its own way).
         """
         b, t = input_ids.shape
         dev = input_ids.device
@@ -368,7 +373,7 @@ class Eagle3Draft(nn.Module):
         q = attn.q(xs, cs, sn)
         hid = torch.gather(h0, 1, pick.expand(b, m, h0.shape[-1]))  # [B, M, H]
         hid = layer.finish(hid, attend(q, k0, v0, allow, [], []))
-        logits = [self.lm_head(self.norm(hid))]
+        logits = [self.norm(hid)]
         diag_k: list[torch.Tensor] = []
         diag_v: list[torch.Tensor] = []
         for j in range(1, steps):
@@ -382,7 +387,7 @@ class Eagle3Draft(nn.Module):
             diag_v.append(v)
             out = attend(q, k0, v0, allow, diag_k, diag_v)
             hid = layer.finish(hid, out)
-            logits.append(self.lm_head(self.norm(hid)))
+            logits.append(self.norm(hid))
         return logits
 
     # ----------------------------------------------------------------- inference: KV-cached

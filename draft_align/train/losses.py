@@ -28,18 +28,23 @@ def step_weights(steps: int, decay: float) -> list[float]:
 
 
 def soft_ce_step(
-    q_logits: torch.Tensor, p_logp: torch.Tensor, mask: torch.Tensor
+    q_logits: torch.Tensor, p_dot_z: torch.Tensor, p_argmax: torch.Tensor, mask: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Soft cross-entropy of one TTT step.
+    """Soft cross-entropy of one TTT step, CE = logsumexp(z) − Σ_x p(x) z(x)  (Σ p = 1).
 
-    q_logits [B, M, Vd] draft logits; p_logp [B, M, Vd] target log-probs over the draft vocab;
-    mask [B, M] valid chains.  Returns (Σ CE, Σ argmax agreement, count), all scalars.
+    q_logits z [B, M, Vd] draft logits; p_dot_z [B, M] the expectation Σ_x p(x) z(x) under the target's
+    distribution p over the draft vocab; p_argmax [B, M] argmax of p; mask [B, M] valid chains.
+    Returns (Σ CE, Σ argmax agreement, count), all scalars.
     """
-    q_logp = torch.log_softmax(q_logits.float(), dim=-1)
-    ce = -(p_logp.float().exp() * q_logp).sum(-1)  # [B, M]
+    ce = torch.logsumexp(q_logits.float(), dim=-1) - p_dot_z.float()  # [B, M]
     m = mask.to(ce.dtype)
-    agree = (q_logits.argmax(-1) == p_logp.argmax(-1)).to(ce.dtype)
+    agree = (q_logits.argmax(-1) == p_argmax).to(ce.dtype)
     return (ce * m).sum(), (agree * m).sum(), m.sum()
+
+
+def soft_ce_reference(q_logits: torch.Tensor, p_logp: torch.Tensor) -> torch.Tensor:
+    """−Σ_x p(x) log q(x) per row, written out (for tests): q_logits, p_logp [..., Vd] → [...]."""
+    return -(p_logp.float().exp() * torch.log_softmax(q_logits.float(), dim=-1)).sum(-1)
 
 
 def hard_ce_step(

@@ -86,31 +86,40 @@ def ttt_loss(
     s+2+j) and counts iff token s+2+j is a response token inside the row.
     """
     k = loss.ttt_steps
-    logits = draft.unroll(batch.aux, embed, batch.input_ids, batch.valid, batch.starts, batch.starts_valid, k)
+    xs = draft.unroll_hidden(batch.aux, embed, batch.input_ids, batch.valid, batch.starts, batch.starts_valid, k)
     t = batch.input_ids.shape[1]
     vd = rows.shape[0]
+    w = draft.lm_head.weight  # [Vd, H]
     if loss.kind == "soft":
+        # CE(p, q) = logsumexp(z) − Σ_x p(x) z(x) with z = W x: the second term is x · (Wᵀp), so Wᵀp is
+        # formed once per position ([B, T, H]) instead of gathering p [B, M, Vd] at every step.
         with torch.no_grad():
-            tgt = torch.log_softmax(draft_logits(batch.final, rows).float(), dim=-1)  # [B, T, Vd]
+            tl = draft_logits(batch.final, rows).float()  # [B, T, Vd]
+            p_arg = tl.argmax(-1)  # [B, T]
+            p = torch.softmax(tl, dim=-1).to(w.dtype)
+            del tl
+        ep = torch.matmul(p, w)  # [B, T, H]; gradient reaches lm_head through it
+        del p
     else:
         dev = batch.input_ids.device
         to_draft = torch.full((draft.cfg.vocab_size,), -1, dtype=torch.long, device=dev)
         to_draft[draft.draft_to_target] = torch.arange(vd, device=dev)
         tgt_ids = to_draft[batch.input_ids]  # [B, T] draft id of each token (−1 outside)
     weights = step_weights(k, loss.step_decay)
-    total = logits[0].new_zeros((), dtype=torch.float32)
+    total = xs[0].new_zeros((), dtype=torch.float32)
     sums = torch.zeros(3, k, device=batch.input_ids.device)
     for j in range(k):
         nxt = batch.starts + 2 + j
         inside = nxt <= t - 1
         nxt_c = nxt.clamp(max=t - 1)
         mask = batch.starts_valid & inside & torch.gather(batch.loss_mask, 1, nxt_c)
+        z = draft.lm_head(xs[j])  # [B, M, Vd]
         if loss.kind == "soft":
-            p = (batch.starts + 1 + j).clamp(max=t - 1)
-            pl = torch.gather(tgt, 1, p.unsqueeze(-1).expand(*p.shape, vd))
-            ce, agree, n = soft_ce_step(logits[j], pl, mask)
+            pos = (batch.starts + 1 + j).clamp(max=t - 1)
+            e = torch.gather(ep, 1, pos.unsqueeze(-1).expand(*pos.shape, ep.shape[-1]))  # [B, M, H]
+            ce, agree, n = soft_ce_step(z, (xs[j] * e).sum(-1), torch.gather(p_arg, 1, pos), mask)
         else:
-            ce, agree, n = hard_ce_step(logits[j], torch.gather(tgt_ids, 1, nxt_c), mask)
+            ce, agree, n = hard_ce_step(z, torch.gather(tgt_ids, 1, nxt_c), mask)
         total = total + weights[j] * ce / n.clamp(min=1)
         sums[0, j], sums[1, j], sums[2, j] = ce.detach(), agree, n
     return total, StepStats(loss=sums[0], correct=sums[1], count=sums[2])
@@ -147,8 +156,14 @@ class DraftTrainer:
         )
 
     def set_total_steps(self, total: int) -> None:
-        """Change the schedule's length (e.g. to end the cosine when a time budget ends)."""
+        """Change the schedule's length (e.g. to end the cosine when a time budget ends).
+
+        The next step already runs at the new schedule's LR (the scheduler alone would apply it one step late).
+        """
         self.progress.total_steps = max(1, int(total))
+        factor = lr_factor(self.optim_settings, self.scheduler.last_epoch, self.progress.total_steps)
+        for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs, strict=True):
+            group["lr"] = base * factor
 
     def train_step(self, batch: Batch) -> dict[str, float]:
         """One step.  Raises NonFiniteLossError (after zeroing grads, applying nothing) on NaN/Inf."""
@@ -169,7 +184,7 @@ class DraftTrainer:
             self.optimizer.zero_grad(set_to_none=True)
             self.progress.skipped_nonfinite += 1
             raise NonFiniteLossError(f"non-finite gradient norm at step {self.progress.step}; step skipped")
-        lr = self.scheduler.get_last_lr()[0]
+        lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()

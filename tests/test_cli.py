@@ -1,0 +1,128 @@
+"""draft_align.cli: help, exit codes, eval --json on the tiny warm-started draft, incompatible targets."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from draft_align import cli
+
+REPO = Path(__file__).resolve().parents[1]
+SUBCOMMANDS = ["fetch", "warmstart", "eval", "export"]
+EVAL_KEYS = {
+    "acceptance_length_est", "acceptance_length_measured", "per_position_est", "per_position_measured", "k",
+    "verify_mode", "temperature", "num_tokens",
+}
+
+
+@pytest.fixture(autouse=True)
+def tiny_env(tiny_world, monkeypatch):
+    monkeypatch.setenv("DRAFT_ALIGN_HOME", str(tiny_world.home))
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def test_module_help_in_a_subprocess():
+    out = subprocess.run([sys.executable, "-m", "draft_align", "--help"], cwd=REPO, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("usage: draft-align")
+    for sub in SUBCOMMANDS:
+        assert sub in out.stdout
+
+
+@pytest.mark.parametrize("sub", SUBCOMMANDS)
+def test_subcommand_help(sub, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main([sub, "--help"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.startswith(f"usage: draft-align {sub}")
+
+
+def test_unknown_subcommand_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["train-everything"])
+    assert e.value.code == 2
+    assert "invalid choice" in capsys.readouterr().err
+
+
+def test_missing_recipe_exits_2_with_a_clear_message(caplog, tmp_path):
+    missing = tmp_path / "nonexistent.yaml"
+    with caplog.at_level(logging.ERROR, logger="draft_align"):
+        assert cli.main(["warmstart", str(missing)]) == 2
+    assert f"recipe {missing} does not exist" in caplog.text
+
+
+def test_bad_override_exits_2_naming_the_key(caplog):
+    with caplog.at_level(logging.ERROR, logger="draft_align"):
+        assert cli.main(["warmstart", str(REPO / "recipes" / "smollm2_demo.yaml"), "train.nope=1"]) == 2
+    assert "nope" in caplog.text
+
+
+def eval_args(tiny_run, *extra: str) -> list[str]:
+    return ["eval", "--draft", str(tiny_run.run_dir), "--data", str(tiny_run.world.data), "--prompts-pool", "8",
+            "--prompts", "2", "--max-new-tokens", "6", "--k", "2", "--json", *extra]
+
+
+def test_eval_json_prints_one_object_with_the_required_keys(tiny_run, capsys):
+    assert cli.main(eval_args(tiny_run)) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
+    assert len(lines) == 1
+    res = json.loads(lines[0])
+    assert EVAL_KEYS <= res.keys()
+    assert res["k"] == 2 and res["verify_mode"] == "greedy" and res["temperature"] == 0.0
+    assert res["num_prompts"] == 2 and res["num_tokens"] > 0
+    assert 1.0 <= res["acceptance_length_measured"] <= 3.0 and 1.0 <= res["acceptance_length_est"] <= 3.0
+    assert len(res["per_position_measured"]) == 2
+
+
+def test_eval_with_too_long_prompts_exits_2(tiny_run, caplog):
+    with caplog.at_level(logging.ERROR, logger="draft_align"):
+        assert cli.main(eval_args(tiny_run, "--max-prompt-tokens", "3")) == 2
+    assert "no prompts of at most 3 tokens" in caplog.text
+
+
+def test_export_speculators_dialect(tiny_run, tmp_path, capsys):
+    out = tmp_path / "spec"
+    assert cli.main(["export", "--draft", str(tiny_run.run_dir), "--out", str(out), "--dialect", "speculators"]) == 0
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["speculators_model_type"] == "eagle3"
+    from draft_align.publish.export import load_draft
+
+    a, _ = load_draft(tiny_run.run_dir / "drafts" / "v0001")
+    b, _ = load_draft(out)
+    sa, sb = a.engine_state_dict(), b.engine_state_dict()
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+# --------------------------------------------------------------------------------- incompatible targets
+def test_target_with_another_tokenizer_is_refused(tiny_run, tmp_path, caplog):
+    """Same architecture and vocab size, but another token ↔ id map: the draft's vocab would be wrong."""
+    other = tiny_run.world.save_target(tmp_path / "other_tok", tokenizer=tiny_run.world.tokenizer(shuffle_seed=1))
+    with caplog.at_level(logging.ERROR, logger="draft_align"):
+        assert cli.main(eval_args(tiny_run, "--target", str(other))) == 2
+    assert "tokenizer fingerprint mismatch" in caplog.text
+
+
+def test_target_with_another_hidden_size_is_refused(tiny_run, tmp_path, caplog):
+    """A draft trained for hidden 64 (fc reads 3·64) on a hidden-32 target: a clear error, no matmul crash."""
+    other = tiny_run.world.save_target(tmp_path / "narrow", hidden=32)
+    with caplog.at_level(logging.ERROR, logger="draft_align"):
+        assert cli.main(eval_args(tiny_run, "--target", str(other))) == 2
+    assert "hidden size mismatch: draft trained for 64, target has 32" in caplog.text
+
+    from transformers import AutoConfig
+
+    from draft_align.publish.export import ExportError, load_draft, validate_draft
+
+    draft, _ = load_draft(tiny_run.run_dir / "drafts" / "v0001")
+    with pytest.raises(ExportError, match="hidden size mismatch"):
+        validate_draft(draft, AutoConfig.from_pretrained(other))

