@@ -183,6 +183,39 @@ def test_resume_after_a_kill_matches_an_uninterrupted_run(tiny_run, tiny_world, 
     assert versions(recipe.run_dir) == ["v0001"]
 
 
+def test_capture_resumed_after_a_kill_gives_the_same_vocab_and_draft(tiny_run, tiny_world, monkeypatch, tmp_path):
+    """Killed after the first of two capture shards: the rerun captures only the second, yet picks the same
+    draft vocab (the predicted mass of the first shard still counts) and trains the same draft."""
+    home = tmp_path / "home"
+    monkeypatch.setenv("DRAFT_ALIGN_HOME", str(home))  # a cold cache: generation and capture run again
+    real_write = HiddenStore.write_shard
+
+    def dies_after_first(self, n, records):
+        if n >= 1:
+            raise Killed
+        real_write(self, n, records)
+
+    recipe = load_recipe(None, tiny_world.overrides(run="cap", out=tmp_path, **{"eval.enabled": "false"}))
+    monkeypatch.setattr(HiddenStore, "write_shard", dies_after_first)
+    with pytest.raises(Killed):
+        warmstart.run(recipe)
+    (store,) = (home / "cache").glob("hidden-*")
+    assert sorted(p.name for p in store.iterdir()) == ["shard-00000.safetensors"]
+    monkeypatch.setattr(HiddenStore, "write_shard", real_write)
+
+    warmstart.run(recipe)
+    assert sorted(p.name for p in store.iterdir()) == [
+        ".complete", "shard-00000.safetensors", "shard-00001.safetensors", "vocab_stats.safetensors"]
+    ref_store = tiny_world.home / "cache" / store.name  # the same settings: the same cache key
+    got, want = load_file(str(store / "vocab_stats.safetensors")), load_file(str(ref_store / "vocab_stats.safetensors"))
+    assert torch.equal(got["counts"], want["counts"]) and torch.equal(got["mass"], want["mass"])
+    a, _ = load_draft(tiny_run.run_dir / "drafts" / "v0001")
+    b, _ = load_draft(recipe.run_dir / "drafts" / "v0001")
+    assert torch.equal(a.d2t, b.d2t)
+    wa, wb = trainer_weights(tiny_run.run_dir), trainer_weights(recipe.run_dir)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
 def test_rerun_with_more_steps_continues_and_publishes_a_new_version(tiny_world, tmp_path):
     first = load_recipe(None, tiny_world.overrides(run="grow", out=tmp_path, **{
         "train.max_steps": 3, "eval.enabled": "false"}))
@@ -205,8 +238,11 @@ def test_rerun_with_more_steps_continues_and_publishes_a_new_version(tiny_world,
 
 
 # --------------------------------------------------------------------------------- failures
-@pytest.mark.parametrize("max_bad", [2, 1000])
-def test_nan_losses_fail_without_publishing(tiny_world, monkeypatch, tmp_path, max_bad):
+@pytest.mark.parametrize(
+    ("max_bad", "match"),
+    [(2, "2 consecutive non-finite losses"), (1000, r"all \d+ training steps had a non-finite loss")],
+)
+def test_nan_losses_fail_without_publishing(tiny_world, monkeypatch, tmp_path, max_bad, match):
     """NaN captured states: the run stops with a 'non-finite' error (after max_bad in a row, or at the end
     when no step was finite) and publishes nothing."""
     real_records = HiddenStore.records
@@ -220,7 +256,7 @@ def test_nan_losses_fail_without_publishing(tiny_world, monkeypatch, tmp_path, m
     monkeypatch.setattr(HiddenStore, "records", nan_records)
     recipe = load_recipe(None, tiny_world.overrides(run="nan", out=tmp_path, **{
         "train.max_consecutive_nonfinite": max_bad, "eval.enabled": "false"}))
-    with pytest.raises(warmstart.WarmstartError, match="non-finite"):
+    with pytest.raises(warmstart.WarmstartError, match=match):
         warmstart.run(recipe)
     assert versions(recipe.run_dir) == []
     assert not (recipe.run_dir / "latest").exists()
@@ -234,13 +270,15 @@ def test_regenerate_false_trains_on_the_original_responses(tiny_world, monkeypat
     monkeypatch.setattr(warmstart, "generate_responses", no_generation)
     recipe = load_recipe(None, tiny_world.overrides(run="orig", **{"data.regenerate": "false"}))
     prep = warmstart.prepare(recipe)
-    chosen, _ = warmstart._prompts(recipe, prep.tokenizer)
-    want = [data.encode_conversation(prep.tokenizer, c, recipe.data.max_seq_len) for _, c in chosen]
+    convs = data.load_conversations(str(tiny_world.data))
+    train_idx, _ = data.split_heldout(list(range(len(convs))), 8, 0)
+    chosen = [convs[i] for i in train_idx[:24]]  # data.max_conversations=24 after holding out 8
+    want = [data.encode_conversation(prep.tokenizer, c, recipe.data.max_seq_len) for c in chosen]
     assert len(prep.records) == len(want) == 24
     for rec, w in zip(prep.records, want, strict=True):
         assert torch.equal(rec.input_ids, w.input_ids) and torch.equal(rec.loss_mask, w.loss_mask)
     # and those are the dataset's own assistant texts
-    first_reply = next(m.content for m in chosen[0][1].messages if m.role == "assistant")
+    first_reply = next(m.content for m in chosen[0].messages if m.role == "assistant")
     resp = prep.tokenizer.decode(prep.records[0].input_ids[prep.records[0].loss_mask])
     assert resp.startswith(first_reply + "<|im_end|>")
 

@@ -39,7 +39,14 @@ def test_smollm2_demo_recipe_short(tmp_path, monkeypatch):
             "eval.modes=[greedy,greedy_draft]", "logging.wandb=false", "logging.progress_bar=false",
         ],
     )
-    summary = warmstart.run(recipe)
+    n_threads = torch.get_num_threads()
+    # one intra-op thread: on a shared 2-core box two threads contend with any other busy process and run
+    # ~15x slower (OpenMP barriers), while one thread loses little on a 135M model
+    torch.set_num_threads(1)
+    try:
+        summary = warmstart.run(recipe)
+    finally:
+        torch.set_num_threads(n_threads)
 
     m = summary["metrics"]
     assert m["steps"] == 20 and m["skipped_nonfinite"] == 0

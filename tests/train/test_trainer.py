@@ -117,23 +117,32 @@ def alignment_batch(out_of_vocab_at: int | None = None):
     return collate([rec], steps=3), rows
 
 
+def identity_head(n: int, scale: float = 1.0) -> nn.Linear:
+    head = nn.Linear(n, n, bias=False)
+    with torch.no_grad():
+        head.weight.copy_(scale * torch.eye(n))
+    return head
+
+
 def stub_draft(right: set[tuple[int, int]] | None):
     """A draft whose step-j logits for chain s are 30·one-hot on f(s+1+j) (the correct draft id under the
-    documented alignment) when (s, j) ∈ right (None: always), else on a wrong id."""
+    documented alignment) when (s, j) ∈ right (None: always), else on a wrong id.  Its hidden states are
+    one-hot vectors and its lm_head is 30·I."""
 
-    def unroll(aux, embed, ids, valid, starts, starts_valid, k):
+    def unroll_hidden(aux, embed, ids, valid, starts, starts_valid, k):
         out = []
         for j in range(k):
-            lg = torch.zeros(*starts.shape, VD_ALIGN)
-            for m, s in enumerate(starts[0].tolist()):
-                good = f(s + 1 + j)
-                tok = good if right is None or (s, j) in right else (good + 1) % VD_ALIGN
-                lg[0, m, tok] = 30.0
-            out.append(lg)
+            x = torch.zeros(*starts.shape, VD_ALIGN)
+            for b in range(starts.shape[0]):
+                for m, s in enumerate(starts[b].tolist()):
+                    good = f(s + 1 + j)
+                    x[b, m, good if right is None or (s, j) in right else (good + 1) % VD_ALIGN] = 1.0
+            out.append(x)
         return out
 
     return SimpleNamespace(
-        unroll=unroll,
+        unroll_hidden=unroll_hidden,
+        lm_head=identity_head(VD_ALIGN, 30.0),
         cfg=SimpleNamespace(vocab_size=2 * VD_ALIGN + 2),
         draft_to_target=2 * torch.arange(VD_ALIGN),
     )
@@ -195,20 +204,8 @@ def test_ttt_loss_ignores_padding_rows():
     one = collate([Record(batch.input_ids[0], batch.loss_mask[0], batch.aux[0], batch.final[0])], 3)
     two = collate([Record(batch.input_ids[0], batch.loss_mask[0], batch.aux[0], batch.final[0]), rec], 3)
     # the padded row: T=6, response at 4, 5 → scored (2,0), (3,0), (1,1), (2,1), (0,2), (1,2)
-
-    def stub_any(right):
-        st = stub_draft(right)
-        inner = st.unroll
-
-        def unroll(aux, embed, ids, valid, starts, sv, k):
-            return [torch.cat([inner(aux, embed, ids, valid, starts[b : b + 1], sv, k)[j] for b in range(
-                starts.shape[0])]) for j in range(k)]
-
-        st.unroll = unroll
-        return st
-
-    _, s1 = ttt_loss(stub_any(None), None, rows, one, LossSettings(ttt_steps=3))
-    _, s2 = ttt_loss(stub_any(None), None, rows, two, LossSettings(ttt_steps=3))
+    _, s1 = ttt_loss(stub_draft(None), None, rows, one, LossSettings(ttt_steps=3))
+    _, s2 = ttt_loss(stub_draft(None), None, rows, two, LossSettings(ttt_steps=3))
     assert s1.count.tolist() == [4.0, 4.0, 4.0]
     assert s2.count.tolist() == [6.0, 6.0, 6.0]
 
@@ -222,11 +219,12 @@ def test_overfits_a_fixed_batch():
     with torch.no_grad():
         lg = torch.matmul(batch.final.float(), tr.rows.t())  # target logits over the draft vocab
 
-        def perfect_unroll(aux, embed, ids, valid, starts, sv, k):
+        def perfect_unroll(aux, embed, ids, valid, starts, sv, k):  # hidden = the target's own logits
             return [torch.gather(lg, 1, (starts + 1 + j).clamp(max=ids.shape[1] - 1).unsqueeze(-1).expand(
                 *starts.shape, VD)) for j in range(k)]
 
-        floor, _ = ttt_loss(SimpleNamespace(unroll=perfect_unroll), None, tr.rows, batch, tr.loss_settings)
+        perfect = SimpleNamespace(unroll_hidden=perfect_unroll, lm_head=identity_head(VD))
+        floor, _ = ttt_loss(perfect, None, tr.rows, batch, tr.loss_settings)
     losses = [tr.train_step(batch)["loss"] for _ in range(30)]
     assert all(math.isfinite(x) for x in losses)
     gap0, gap1 = losses[0] - floor.item(), losses[-1] - floor.item()
