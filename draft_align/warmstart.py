@@ -20,7 +20,7 @@ from torch import nn
 
 from draft_align import assets, data
 from draft_align.config import WarmstartRecipe, recipe_to_dict
-from draft_align.heads.eagle3 import Eagle3Config, Eagle3Draft
+from draft_align.heads.eagle3 import DraftConfigError, Eagle3Config, Eagle3Draft, check_engine_aux_ids
 from draft_align.heads.vocab import select_vocab
 from draft_align.target.generate import generate_responses
 from draft_align.target.tap import HFTap, decoder_parts, head_rows
@@ -222,13 +222,11 @@ def capture(
 
 
 def _check_aux_layers(aux: tuple[int, ...], n_layers: int) -> None:
-    """Engines capture exactly 3 distinct ascending HF ``hidden_states`` indices in 1..L-1."""
-    if len(aux) != 3 or len(set(aux)) != 3 or list(aux) != sorted(aux) or not 1 <= aux[0] <= aux[-1] <= n_layers - 1:
-        raise WarmstartError(
-            f"aux layers {aux} unusable for this {n_layers}-layer target: engines need 3 distinct ascending "
-            f"HF hidden_states indices in 1..{n_layers - 1} (their default (2, L//2, L-3) is not distinct for "
-            f"small L); set draft.aux_layer_ids"
-        )
+    """Fail before any generation or capture on ids that export would refuse at the end."""
+    try:
+        check_engine_aux_ids(aux, n_layers)
+    except DraftConfigError as e:
+        raise WarmstartError(f"unusable aux layers {aux} for this {n_layers}-layer target: {e}") from e
 
 
 def prepare(recipe: WarmstartRecipe, aux_layer_ids: tuple[int, ...] | None = None) -> Prepared:

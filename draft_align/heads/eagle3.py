@@ -137,6 +137,33 @@ class Eagle3Config:
         return cls(**d)
 
 
+ENGINE_NUM_AUX = 3  # vLLM and SGLang hard-code fc's input as 3·target_hidden_size
+
+
+def check_engine_aux_ids(ids: tuple[int, ...], num_layers: int) -> None:
+    """Raise DraftConfigError unless engines can capture ``ids``: exactly 3 distinct ascending HF
+    ``hidden_states`` indices in 1..L−1 (index 0 has no residual yet in vLLM; index L is post-norm)."""
+    ids = tuple(int(i) for i in ids)
+    if len(set(ids)) != len(ids):
+        raise DraftConfigError(
+            f"aux_layer_ids {list(ids)} are not distinct: vLLM de-duplicates them and the fc width would no "
+            f"longer match (the engines' default (2, L//2, L-3) collides for small L; set draft.aux_layer_ids)"
+        )
+    if list(ids) != sorted(ids):
+        raise DraftConfigError(f"aux_layer_ids {list(ids)} must be ascending (engines capture in layer order)")
+    if len(ids) != ENGINE_NUM_AUX:
+        raise DraftConfigError(
+            f"aux_layer_ids {list(ids)}: vLLM and SGLang read exactly {ENGINE_NUM_AUX} aux layers "
+            f"(fc input = 3·target_hidden_size)"
+        )
+    bad = [i for i in ids if not 1 <= i <= num_layers - 1]
+    if bad:
+        raise DraftConfigError(
+            f"aux_layer_ids {list(ids)} out of range for a {num_layers}-layer target: engines can capture "
+            f"HF hidden_states indices 1..{num_layers - 1} only (got {bad})"
+        )
+
+
 class RMSNorm(nn.Module):
     """y = w · x / sqrt(mean(x²) + eps), computed in fp32 like HF Llama."""
 

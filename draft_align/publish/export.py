@@ -38,7 +38,14 @@ import safetensors.torch
 import torch
 
 import draft_align
-from draft_align.heads.eagle3 import ARCHITECTURE, DraftConfigError, Eagle3Config, Eagle3Draft, Rotary
+from draft_align.heads.eagle3 import (
+    ARCHITECTURE,
+    DraftConfigError,
+    Eagle3Config,
+    Eagle3Draft,
+    Rotary,
+    check_engine_aux_ids,
+)
 from draft_align.heads.vocab import check_d2t
 
 FORMAT = "draft_align.eagle3"
@@ -55,7 +62,6 @@ _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: 
 _VERSION_RE = re.compile(r"^v(\d{4,})$")
 # Both engines build fc as Linear(3·target_hidden_size, H): vLLM llama_eagle3.py `target_hidden_size * 3`,
 # SGLang llama_eagle3.py `self.hidden_size_in * 3`.
-_ENGINE_NUM_AUX = 3
 
 
 class ExportError(ValueError):
@@ -85,24 +91,10 @@ def aux_id_conventions(aux_layer_ids: tuple[int, ...] | list[int], num_layers: i
 
 
 def _check_aux_ids(ids: tuple[int, ...], num_layers: int) -> None:
-    if len(set(ids)) != len(ids):
-        raise ExportError(
-            f"aux_layer_ids {list(ids)} are not distinct: vLLM de-duplicates them and the fc width would no "
-            f"longer match"
-        )
-    if list(ids) != sorted(ids):
-        raise ExportError(f"aux_layer_ids {list(ids)} must be ascending (engines capture in layer order)")
-    if len(ids) != _ENGINE_NUM_AUX:
-        raise ExportError(
-            f"aux_layer_ids {list(ids)}: vLLM and SGLang read exactly {_ENGINE_NUM_AUX} aux layers "
-            f"(fc input = 3·target_hidden_size)"
-        )
-    bad = [i for i in ids if not 1 <= i <= num_layers - 1]
-    if bad:
-        raise ExportError(
-            f"aux_layer_ids {list(ids)} out of range for a {num_layers}-layer target: engines can capture "
-            f"HF hidden_states indices 1..{num_layers - 1} only (got {bad})"
-        )
+    try:
+        check_engine_aux_ids(ids, num_layers)
+    except DraftConfigError as e:
+        raise ExportError(str(e)) from e
 
 
 # --------------------------------------------------------------------------------------- validation
