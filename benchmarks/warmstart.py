@@ -78,9 +78,11 @@ def render(result: dict) -> str:
     lines += [
         f"Machine: this 2-core CPU; measured matmul roofline bf16 {result['roofline_gflops']['bf16']:.0f} GFLOP/s, "
         f"fp32 {result['roofline_gflops']['fp32']:.0f} GFLOP/s.",
-        f"Data: {d['train_sequences']} self-distilled sequences (greedy answers of SmolLM2-135M-Instruct to "
-        f"ShareGPT first-turn prompts), {d['train_tokens']} tokens, {d['train_targets']} trainable response "
-        f"positions; prepare (generation if not cached + capture) {d['prepare_seconds']:.0f} s. "
+        f"Data: {d['train_sequences']} training sequences (the recipe's greedy self-distilled answers of "
+        f"SmolLM2-135M-Instruct to ShareGPT first-turn prompts, plus `data.extra_original_conversations` ShareGPT "
+        f"conversations with their own responses), {d['train_tokens']} tokens, {d['train_targets']} trainable "
+        f"response positions; prepare {d['prepare_seconds']:.0f} s in this run (cached generation and capture are "
+        f"reused). "
         f"Training budget: {result['budget_s']:.0f} s of training wall-clock for the TTT draft "
         f"(data preparation and evaluation not counted).",
         "",
@@ -120,7 +122,11 @@ def render(result: dict) -> str:
             lines += ["", f"Learning curve ({tag}): T=0 mean acceptance length at k=3 (engine replay on the target's "
                       "greedy held-out continuations; exact at T=0) vs training positions:", "",
                       "| step | train s | positions | acceptance length | r1, r2, r3 |", "|---|---|---|---|---|"]
+            seen = set()
             for c in result[tag]["curve"]:
+                if c["step"] in seen:  # the final point can repeat the last periodic one
+                    continue
+                seen.add(c["step"])
                 pp = ", ".join(f"{x:.3f}" for x in c["per_position"])
                 lines.append(f"| {c['step']} | {c['train_seconds']:.0f} | {c['targets_seen']} | "
                              f"{c['acceptance_length_T0']:.3f} | {pp} |")
