@@ -180,3 +180,13 @@ def tiny_run(tiny_world) -> TinyRun:
         finally:
             torch.set_num_threads(n)
     return TinyRun(tiny_world, recipe, summary, recipe.run_dir, time.time() - t0)
+
+
+@pytest.fixture
+def tiny_env(tiny_world, monkeypatch):
+    """Caches under the tiny world's home (never ~/.cache); one thread for tiny tensors."""
+    monkeypatch.setenv("DRAFT_ALIGN_HOME", str(tiny_world.home))
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

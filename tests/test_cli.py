@@ -12,22 +12,12 @@ import pytest
 import torch
 
 from draft_align import cli
+from draft_align.monitor.evaluate import REQUIRED_KEYS
 
 REPO = Path(__file__).resolve().parents[1]
 SUBCOMMANDS = ["fetch", "warmstart", "eval", "export"]
-EVAL_KEYS = {
-    "acceptance_length_est", "acceptance_length_measured", "per_position_est", "per_position_measured", "k",
-    "verify_mode", "temperature", "num_tokens",
-}
-
-
-@pytest.fixture(autouse=True)
-def tiny_env(tiny_world, monkeypatch):
-    monkeypatch.setenv("DRAFT_ALIGN_HOME", str(tiny_world.home))
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+EVAL_KEYS = REQUIRED_KEYS
+pytestmark = pytest.mark.usefixtures("tiny_env")
 
 
 def test_module_help_in_a_subprocess():

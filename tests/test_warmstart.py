@@ -12,24 +12,13 @@ from safetensors.torch import load_file
 
 from draft_align import data, warmstart
 from draft_align.config import load_recipe
+from draft_align.monitor.evaluate import REQUIRED_KEYS
 from draft_align.publish.export import load_draft, read_latest
 from draft_align.train.store import HiddenStore, ResponseCache
 from draft_align.train.trainer import DraftTrainer, lr_factor
 
-EVAL_KEYS = {
-    "acceptance_length_est", "acceptance_length_measured", "per_position_est", "per_position_measured", "k",
-    "verify_mode", "temperature", "num_tokens",
-}
-
-
-@pytest.fixture(autouse=True)
-def tiny_env(tiny_world, monkeypatch):
-    """Caches under the tiny world's home (never ~/.cache); one thread for tiny tensors."""
-    monkeypatch.setenv("DRAFT_ALIGN_HOME", str(tiny_world.home))
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+EVAL_KEYS = REQUIRED_KEYS
+pytestmark = pytest.mark.usefixtures("tiny_env")
 
 
 def metric_rows(run_dir: Path) -> list[dict]:

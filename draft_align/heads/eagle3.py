@@ -59,13 +59,7 @@ class Eagle3Config:
         object.__setattr__(self, "aux_layer_ids", ids)
         if len(ids) < 1:
             raise DraftConfigError("aux_layer_ids must name at least one target layer")
-        if len(set(ids)) != len(ids):
-            raise DraftConfigError(
-                f"aux_layer_ids {ids} are not distinct; vLLM de-duplicates them and the fc width "
-                f"({len(ids)}·H) would no longer match"
-            )
-        if list(ids) != sorted(ids):
-            raise DraftConfigError(f"aux_layer_ids {ids} must be ascending (engines capture in layer order)")
+        check_aux_order(ids)
         if ids[0] < 0 or ids[-1] > self.target_num_layers:
             raise DraftConfigError(
                 f"aux_layer_ids {ids} outside the target's hidden_states indices 0..{self.target_num_layers}"
@@ -137,13 +131,8 @@ class Eagle3Config:
         return cls(**d)
 
 
-ENGINE_NUM_AUX = 3  # vLLM and SGLang hard-code fc's input as 3·target_hidden_size
-
-
-def check_engine_aux_ids(ids: tuple[int, ...], num_layers: int) -> None:
-    """Raise DraftConfigError unless engines can capture ``ids``: exactly 3 distinct ascending HF
-    ``hidden_states`` indices in 1..L−1 (index 0 has no residual yet in vLLM; index L is post-norm)."""
-    ids = tuple(int(i) for i in ids)
+def check_aux_order(ids: tuple[int, ...]) -> None:
+    """Raise DraftConfigError unless ``ids`` are distinct and ascending."""
     if len(set(ids)) != len(ids):
         raise DraftConfigError(
             f"aux_layer_ids {list(ids)} are not distinct: vLLM de-duplicates them and the fc width would no "
@@ -151,6 +140,16 @@ def check_engine_aux_ids(ids: tuple[int, ...], num_layers: int) -> None:
         )
     if list(ids) != sorted(ids):
         raise DraftConfigError(f"aux_layer_ids {list(ids)} must be ascending (engines capture in layer order)")
+
+
+ENGINE_NUM_AUX = 3  # vLLM and SGLang hard-code fc's input as 3·target_hidden_size
+
+
+def check_engine_aux_ids(ids: tuple[int, ...], num_layers: int) -> None:
+    """Raise DraftConfigError unless engines can capture ``ids``: exactly 3 distinct ascending HF
+    ``hidden_states`` indices in 1..L−1 (index 0 has no residual yet in vLLM; index L is post-norm)."""
+    ids = tuple(int(i) for i in ids)
+    check_aux_order(ids)
     if len(ids) != ENGINE_NUM_AUX:
         raise DraftConfigError(
             f"aux_layer_ids {list(ids)}: vLLM and SGLang read exactly {ENGINE_NUM_AUX} aux layers "

@@ -20,6 +20,11 @@ from draft_align.monitor.acceptance import AcceptanceTally, VerifyMode
 from draft_align.monitor.estimator import estimate
 from draft_align.monitor.specdec import SpecDecoder
 
+REQUIRED_KEYS = frozenset({
+    "acceptance_length_est", "acceptance_length_measured", "per_position_est", "per_position_measured", "k",
+    "verify_mode", "temperature", "num_tokens",
+})  # what `draft-align eval --json` promises
+
 
 def eos_ids(target: nn.Module, tokenizer: Any | None) -> set[int]:
     """The target's end-of-sequence ids: the tokenizer's and the generation config's."""
