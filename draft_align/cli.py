@@ -1,4 +1,4 @@
-"""``draft-align`` command line: fetch | warmstart | export | eval.
+"""``draft-align`` command line: fetch | warmstart | sidecar | cotrain | monitor | report | eval | export.
 
 Logging is configured here and nowhere else.
 """
@@ -117,6 +117,47 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cotrain_recipe(args: argparse.Namespace):
+    from draft_align.config import CotrainRecipe, load_recipe
+
+    return load_recipe(args.recipe, args.overrides, CotrainRecipe)
+
+
+def cmd_sidecar(args: argparse.Namespace) -> int:
+    from draft_align.sidecar import run_sidecar
+
+    state = run_sidecar(_cotrain_recipe(args), args.draft, exit_when_done=args.exit_when_done,
+                        max_seconds=args.max_seconds)
+    print(f"sidecar stopped: {state.train_steps} train steps, {state.published_version} published versions")
+    return 0
+
+
+def cmd_cotrain(args: argparse.Namespace) -> int:
+    from draft_align.cotrain import run_cotrain
+
+    summary = run_cotrain(_cotrain_recipe(args), args.draft, recipe_path=args.recipe, overrides=args.overrides)
+    print(json.dumps(summary.get("report", {}), indent=1))
+    return 0
+
+
+def cmd_monitor(args: argparse.Namespace) -> int:
+    from draft_align.monitor.live import follow
+
+    try:
+        follow(Path(args.run_dir), once=args.once, interval_s=args.interval)
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from draft_align.monitor.report import write_report
+
+    summary = write_report(Path(args.run_dir))
+    print(json.dumps(summary, indent=1, default=str))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="draft-align", description=__doc__)
     ap.add_argument("-v", "--verbose", action="store_true")
@@ -131,6 +172,30 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("recipe", help="recipe YAML (see recipes/)")
     w.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.lr=3e-4")
     w.set_defaults(fn=cmd_warmstart)
+
+    sc = sub.add_parser("sidecar", help="the online draft trainer: receive taps, train, gate, publish")
+    sc.add_argument("recipe", help="co-training recipe YAML (see recipes/smollm2_cotrain.yaml)")
+    sc.add_argument("overrides", nargs="*", help="key=value overrides")
+    sc.add_argument("--draft", default=None, help="starting draft (default: recipe `draft`, else the warm-start's)")
+    sc.add_argument("--exit-when-done", action="store_true", help="exit after the RL job's final step report")
+    sc.add_argument("--max-seconds", type=float, default=None)
+    sc.set_defaults(fn=cmd_sidecar)
+
+    ct = sub.add_parser("cotrain", help="an RL job (GRPO, LoRA policy) with the sidecar as a separate process")
+    ct.add_argument("recipe")
+    ct.add_argument("overrides", nargs="*")
+    ct.add_argument("--draft", default=None)
+    ct.set_defaults(fn=cmd_cotrain)
+
+    mo = sub.add_parser("monitor", help="follow a co-training run: one table row per RL step")
+    mo.add_argument("run_dir")
+    mo.add_argument("--once", action="store_true", help="print what exists and exit")
+    mo.add_argument("--interval", type=float, default=1.0)
+    mo.set_defaults(fn=cmd_monitor)
+
+    rp = sub.add_parser("report", help="plot acceptance vs RL step (frozen vs adapted) and summarise a run")
+    rp.add_argument("run_dir")
+    rp.set_defaults(fn=cmd_report)
 
     e = sub.add_parser("eval", help="acceptance of a draft: estimated and measured by speculative decoding")
     e.add_argument("--target", default=None, help="target model (default: the one named in the manifest)")

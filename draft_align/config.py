@@ -44,6 +44,9 @@ class DraftConfig:
     draft_vocab_size: int = 32000
     init_lm_head_from_target: bool = True
     train_lm_head: bool = True
+    # start from a published draft (folder, or run folder with `latest`) instead of a fresh head: its
+    # vocabulary and aux layers are kept (draft_vocab_size and aux_layer_ids must then match or be unset)
+    init_from: str | None = None
 
 
 @dataclass
@@ -89,6 +92,7 @@ class LoggingConfig:
 
 @dataclass
 class WarmstartRecipe:
+    kind: str = "warmstart"
     run: str = "warmstart"
     output_dir: str = "checkpoints"
     seed: int = 0
@@ -105,6 +109,8 @@ class WarmstartRecipe:
         return Path(self.output_dir) / self.run
 
     def validate(self) -> None:
+        if self.kind != "warmstart":
+            raise RecipeError(f"kind {self.kind!r}: this is a {self.kind} recipe, not a warm-start one")
         if self.draft.head != "eagle3":
             raise RecipeError(f"draft.head {self.draft.head!r}: only 'eagle3' is implemented")
         if self.train.loss not in ("soft", "hard"):
@@ -122,12 +128,139 @@ class WarmstartRecipe:
             raise RecipeError(f"target.dtype {self.target.dtype!r}")
 
 
-def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> WarmstartRecipe:
+# ----------------------------------------------------------------------------- co-training (RL + sidecar)
+@dataclass
+class WireConfig:
+    endpoint: str | None = None  # TapBatch/HeadSync/StepReport PUSH→PULL; None = ipc socket in the run folder
+    notify_endpoint: str | None = None  # DraftPublished PUB→SUB; None = ipc socket in the run folder
+    key_file: str | None = None  # HMAC key; None = $DRAFT_ALIGN_WIRE_KEY or <run_dir>/wire.key (created)
+    allow_remote: bool = False  # tcp may bind beyond 127.0.0.1 only when set
+    max_message_mb: int = 256
+    max_tokens: int = 1_048_576  # per TapBatch
+    queue_messages: int = 8  # the tap's send queue (messages); a full queue drops, never blocks
+    queue_mb: int = 512  # the tap's send queue (bytes)
+
+
+@dataclass
+class TapConfig:
+    enabled: bool = True
+    tokens_per_step: int = 8192  # budget of tapped tokens per RL step (whole sequences, uniform sample)
+    send_final: bool = True
+    topk: int = 1
+    max_tokens_per_message: int = 16384
+
+
+@dataclass
+class SidecarConfig:
+    buffer_tokens: int = 200_000  # replay buffer bound; oldest records leave first
+    recency_half_life: float = 2.0  # policy versions: a record's sampling weight halves per this many
+    holdout_records: int = 16  # freshest records kept out of training, for the publish gate's evaluation
+    batch_tokens: int = 1536
+    ttt_steps: int = 7
+    step_decay: float = 0.8
+    loss: str = "soft"
+    lr: float = 5e-4
+    min_lr_ratio: float = 1.0  # 1.0 = constant after warmup (online training has no end)
+    warmup_steps: int = 10
+    weight_decay: float = 0.0
+    grad_clip: float = 0.5
+    autocast_bf16: bool = True
+    min_train_steps_per_publish: int = 10
+    publish_every_s: float = 20.0  # try to publish at most this often (after enough steps)
+    gate_tolerance: float = 0.01  # publish if candidate ≥ published − max(tolerance, 2·stderr) (mean acc. length)
+    eval_k: int = 3
+    eval_mode: str = "greedy_draft"  # the gate's verify mode (vLLM's default)
+    eval_temperature: float = 1.0
+    checkpoint_every_s: float = 60.0
+    prometheus_port: int | None = 0  # 0 = any free port (written to <run_dir>/sidecar/prometheus.port); null = off
+    num_threads: int = 1
+    max_consecutive_nonfinite: int = 5
+
+
+@dataclass
+class RLConfig:
+    steps: int = 20
+    prompts_per_step: int = 4
+    group_size: int = 4
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    spec_k: int = 3
+    verify_mode: str = "greedy_draft"
+    frozen_fraction: float = 0.5  # share of rollouts decoded with the frozen warm-start draft (lossless)
+    reward: str = "enthusiasm"
+    lr: float = 2e-4
+    lora_r: int = 16
+    lora_alpha: int = 32
+    lora_dropout: float = 0.0
+    lora_targets: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+    clip_eps: float = 0.2
+    kl_coef: float = 0.0
+    grad_clip: float = 1.0
+    micro_batch: int = 8
+    kl_prompts: int = 16  # fixed prompt set for KL(current ‖ initial)
+    save_merged_at: list[int] = field(default_factory=list)  # RL steps whose merged HF policy is saved
+    max_prompt_tokens: int = 96
+    first_prompt: int = 0  # RL prompts: train conversations from this index on
+    num_threads: int = 1
+    wait_for_draft_s: float = 0.0  # at start, wait this long for the sidecar's first publish (never per step)
+
+
+@dataclass
+class CotrainRecipe:
+    kind: str = "cotrain"
+    run: str = "cotrain"
+    output_dir: str = "checkpoints"
+    seed: int = 0
+    device: str = "cpu"
+    target: TargetConfig = field(default_factory=TargetConfig)
+    # the starting draft: a published draft folder (or a run folder with `latest`); when null, the
+    # warm-start recipe below is run (or its published draft reused)
+    draft: str | None = None
+    warmstart_recipe: str = "recipes/smollm2_demo.yaml"
+    data: DataConfig = field(default_factory=DataConfig)
+    wire: WireConfig = field(default_factory=WireConfig)
+    tap: TapConfig = field(default_factory=TapConfig)
+    sidecar: SidecarConfig = field(default_factory=SidecarConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.output_dir) / self.run
+
+    def validate(self) -> None:
+        if self.kind != "cotrain":
+            raise RecipeError(f"kind {self.kind!r}: this is a {self.kind} recipe, not a co-training one")
+        if self.sidecar.loss not in ("soft", "hard"):
+            raise RecipeError(f"sidecar.loss {self.sidecar.loss!r}: expected soft | hard")
+        if self.sidecar.eval_mode not in ("greedy", "greedy_draft", "probabilistic"):
+            raise RecipeError(f"sidecar.eval_mode {self.sidecar.eval_mode!r}")
+        if self.rl.verify_mode not in ("greedy", "greedy_draft", "probabilistic"):
+            raise RecipeError(f"rl.verify_mode {self.rl.verify_mode!r}")
+        if not 0.0 <= self.rl.frozen_fraction <= 1.0:
+            raise RecipeError("rl.frozen_fraction must be in [0, 1]")
+        if self.rl.group_size < 2:
+            raise RecipeError("rl.group_size must be ≥ 2 (GRPO normalises within a group)")
+        if self.tap.tokens_per_step < 1 or self.tap.max_tokens_per_message < 1:
+            raise RecipeError("tap.tokens_per_step and tap.max_tokens_per_message must be ≥ 1")
+        if self.sidecar.buffer_tokens < self.sidecar.batch_tokens:
+            raise RecipeError("sidecar.buffer_tokens must be ≥ sidecar.batch_tokens")
+        if self.logging.wandb_mode not in ("offline", "online", "disabled"):
+            raise RecipeError(f"logging.wandb_mode {self.logging.wandb_mode!r}")
+        if self.target.dtype not in ("bfloat16", "float32", "float16"):
+            raise RecipeError(f"target.dtype {self.target.dtype!r}")
+
+
+def load_recipe(
+    path: str | Path | None, overrides: list[str] | None = None, schema: type = WarmstartRecipe
+) -> Any:
     """Schema defaults ← YAML file ← ``key=value`` overrides (dotted keys).  Unknown keys fail."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    merged = OmegaConf.structured(WarmstartRecipe)
+    merged = OmegaConf.structured(schema)
     # merged one source at a time so an error names where the bad key or value came from
     where = "recipe defaults"
     try:
@@ -147,7 +280,21 @@ def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> 
     return recipe
 
 
-def recipe_to_dict(recipe: WarmstartRecipe) -> dict:
+def recipe_to_dict(recipe: Any) -> dict:
     from omegaconf import OmegaConf
 
     return OmegaConf.to_container(OmegaConf.structured(recipe), resolve=True)  # type: ignore[return-value]
+
+
+SCHEMAS: dict[str, type] = {"warmstart": WarmstartRecipe, "cotrain": CotrainRecipe}
+
+
+def recipe_kind(path: str | Path) -> str:
+    """The ``kind:`` a recipe file declares (``warmstart`` when absent)."""
+    from omegaconf import OmegaConf
+
+    raw = OmegaConf.load(Path(path))
+    kind = raw.get("kind", "warmstart") if hasattr(raw, "get") else "warmstart"
+    if kind not in SCHEMAS:
+        raise RecipeError(f"recipe {path}: unknown kind {kind!r}; expected one of {sorted(SCHEMAS)}")
+    return str(kind)

@@ -281,7 +281,10 @@ def prepare(recipe: WarmstartRecipe, aux_layer_ids: tuple[int, ...] | None = Non
 
 
 def build_draft(target: nn.Module, recipe: WarmstartRecipe, aux: tuple[int, ...], prep: Prepared) -> Eagle3Draft:
-    """A fresh head shaped like the target's layers, with the data's vocab and the target's head rows."""
+    """A fresh head shaped like the target's layers, with the data's vocab and the target's head rows;
+    or, with ``draft.init_from``, that published draft (checked against the target and the recipe)."""
+    if recipe.draft.init_from:
+        return load_init_draft(target, recipe, aux)
     cfg = Eagle3Config.from_target(target.config, recipe.draft.draft_vocab_size, aux)
     draft = Eagle3Draft(cfg)
     sel = select_vocab(prep.token_counts, cfg.draft_vocab_size, prep.predicted_mass)
@@ -289,6 +292,25 @@ def build_draft(target: nn.Module, recipe: WarmstartRecipe, aux: tuple[int, ...]
     if recipe.draft.init_lm_head_from_target:
         with torch.no_grad():
             draft.lm_head.weight.copy_(head_rows(target, draft.draft_to_target).float())
+    return draft
+
+
+def load_init_draft(target: nn.Module, recipe: WarmstartRecipe, aux: tuple[int, ...]) -> Eagle3Draft:
+    from draft_align.publish.export import check_compatible, load_draft, read_latest
+
+    src = Path(recipe.draft.init_from)
+    if not (src / "manifest.json").is_file() and src.is_dir() and (latest := read_latest(src)) is not None:
+        src = latest
+    draft, manifest = load_draft(src)
+    check_compatible(manifest, target.config, None)
+    if tuple(draft.cfg.aux_layer_ids) != tuple(aux):
+        raise WarmstartError(f"draft.init_from {src} reads aux layers {draft.cfg.aux_layer_ids}, the recipe {aux}")
+    if draft.cfg.draft_vocab_size != recipe.draft.draft_vocab_size:
+        raise WarmstartError(
+            f"draft.init_from {src} has a {draft.cfg.draft_vocab_size}-token vocab, the recipe asks for "
+            f"{recipe.draft.draft_vocab_size}: set draft.draft_vocab_size={draft.cfg.draft_vocab_size}"
+        )
+    log.info("starting from draft %s (version %s)", src, manifest.get("draft_version"))
     return draft
 
 

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from draft_align.config import RecipeError, WarmstartRecipe, load_recipe, recipe_to_dict
+from draft_align.config import SCHEMAS, RecipeError, WarmstartRecipe, load_recipe, recipe_kind, recipe_to_dict
 
 RECIPES = sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*.yaml"))
 
@@ -17,8 +17,9 @@ def test_recipes_exist():
 def test_every_recipe_loads_and_validates(path):
     import yaml
 
-    r = load_recipe(path)
-    assert isinstance(r, WarmstartRecipe)
+    schema = SCHEMAS[recipe_kind(path)]
+    r = load_recipe(path, schema=schema)
+    assert isinstance(r, schema)
     raw = yaml.safe_load(path.read_text())
     # every value the YAML sets is what the recipe holds (nothing silently dropped)
     as_dict = recipe_to_dict(r)
@@ -39,7 +40,7 @@ def test_defaults_without_a_file():
 
 def test_overrides_apply_with_types():
     r = load_recipe(
-        RECIPES[0],
+        RECIPES[0].parent / "smollm2_demo.yaml",
         ["train.lr=3e-4", "draft.aux_layer_ids=[1,3,4]", "data.max_conversations=null", "eval.temperatures=[0.0]",
          "train.max_steps=7", "run=custom", "logging.wandb=false"],
     )
@@ -94,3 +95,18 @@ def test_missing_file_is_an_error(tmp_path):
 def test_validate_rejects_bad_values(override, match):
     with pytest.raises(RecipeError, match=match):
         load_recipe(None, [override])
+
+
+def test_kind_selects_the_schema_and_a_mismatch_fails(tmp_path):
+    from draft_align.config import CotrainRecipe
+
+    cot = RECIPES[0].parent / "smollm2_cotrain.yaml"
+    assert recipe_kind(cot) == "cotrain"
+    r = load_recipe(cot, schema=CotrainRecipe)
+    assert r.rl.steps >= 1 and r.sidecar.batch_tokens <= r.sidecar.buffer_tokens
+    with pytest.raises(RecipeError, match="co-training"):
+        load_recipe(RECIPES[0].parent / "smollm2_demo.yaml", ["kind=warmstart"], schema=CotrainRecipe)
+    p = tmp_path / "odd.yaml"
+    p.write_text("kind: evaluation\n")
+    with pytest.raises(RecipeError, match="unknown kind"):
+        recipe_kind(p)

@@ -1,0 +1,161 @@
+"""Co-training launcher: the RL job in this process, the sidecar as a separate process.
+
+``run_cotrain`` resolves the starting draft (running the warm-start recipe when it has not been published
+yet), writes the resolved recipe into the run folder, starts ``draft-align sidecar`` on it as a child
+process, then runs the GRPO job with its Tap sending over ZeroMQ.  The RL job never waits for the sidecar:
+sends are non-blocking and drafts are picked up from ``latest`` between steps.  At the end the job sends a
+final step report, gives the sidecar ``sidecar_exit_timeout_s`` to publish and exit, and writes the report.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from draft_align.config import CotrainRecipe, recipe_to_dict
+
+log = logging.getLogger(__name__)
+
+RESOLVED_RECIPE = "cotrain_recipe.yaml"
+
+
+def ensure_start_draft(recipe: CotrainRecipe, start: str | None) -> Path:
+    """The starting draft's folder; runs the warm-start recipe first when nothing is published."""
+    from draft_align.sidecar import SidecarError, starting_draft
+
+    try:
+        return starting_draft(recipe, start)
+    except SidecarError:
+        if start is not None or recipe.draft is not None:
+            raise
+    from draft_align import warmstart
+    from draft_align.config import load_recipe
+
+    log.info("no warm-started draft yet: running %s", recipe.warmstart_recipe)
+    warmstart.run(load_recipe(recipe.warmstart_recipe))
+    return starting_draft(recipe, None)
+
+
+def write_resolved(recipe: CotrainRecipe) -> Path:
+    """The recipe as resolved (defaults, file, overrides) in the run folder: the sidecar reads this one."""
+    from omegaconf import OmegaConf
+
+    recipe.run_dir.mkdir(parents=True, exist_ok=True)
+    path = recipe.run_dir / RESOLVED_RECIPE
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(OmegaConf.to_yaml(OmegaConf.create(recipe_to_dict(recipe))))
+    os.replace(tmp, path)
+    return path
+
+
+def spawn_sidecar(recipe_file: Path, start: Path, log_file: Path) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "draft_align", "sidecar", str(recipe_file), "--draft", str(start),
+           "--exit-when-done"]
+    fh = open(log_file, "ab")  # noqa: SIM115 - owned by the child for its lifetime
+    return subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def stop_sidecar(proc: subprocess.Popen, timeout_s: float) -> int | None:
+    """Wait up to ``timeout_s`` for the sidecar to finish on its own, then SIGTERM, then SIGKILL."""
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+    try:
+        return proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()
+
+
+def build_job(recipe: CotrainRecipe, start: Path, sink: Any, tap_sink: Any) -> Any:
+    """The GRPO job of ``recipe`` with its Tap offering to ``tap_sink`` and step reports to ``sink``."""
+    from draft_align import assets, data
+    from draft_align.monitor.evaluate import eos_ids
+    from draft_align.rl.drafts import DraftWatcher
+    from draft_align.rl.grpo import GRPOJob, build_prompts, make_kl_sequences
+    from draft_align.rl.policy import Policy
+    from draft_align.target.policy_tap import HFPolicyTap
+
+    rl = recipe.rl
+    dtype = getattr(torch, recipe.target.dtype)
+    target, tok = assets.load_target(recipe.target.model, dtype, recipe.device)
+    policy = Policy.from_config(target, rl, seed=recipe.seed)
+    watcher = DraftWatcher(recipe.run_dir, start, device=recipe.device)
+    tap = None
+    if recipe.tap.enabled:
+        tap = HFPolicyTap(
+            policy.hf_model, tuple(watcher.frozen.cfg.aux_layer_ids), tap_sink, run_id=recipe.run,
+            tokens_per_step=recipe.tap.tokens_per_step, max_tokens_per_message=recipe.tap.max_tokens_per_message,
+            send_final=recipe.tap.send_final, topk=recipe.tap.topk, rank=0, seed=recipe.seed,
+        )
+    convs = data.load_conversations(recipe.data.source)
+    train_convs, held = data.split_heldout(convs, recipe.data.heldout, recipe.data.split_seed)
+    n_prompts = max(rl.prompts_per_step * rl.steps * 4, 64)  # a pool the steps sample from
+    prompts = build_prompts(tok, train_convs[rl.first_prompt :], n_prompts, rl.max_prompt_tokens)
+    eos = eos_ids(target, tok)
+    kl_prompts = build_prompts(tok, held, rl.kl_prompts, rl.max_prompt_tokens)
+    kl_sequences = make_kl_sequences(policy, kl_prompts, rl.max_new_tokens, eos, recipe.seed)
+    extra = None
+    if hasattr(tap_sink, "stats"):
+        def extra() -> dict[str, Any]:
+            return {f"wire_{k}": v for k, v in tap_sink.stats().items()}
+    return GRPOJob(recipe, policy, tok, prompts, kl_sequences, watcher, tap, sink, recipe.run_dir, eos,
+                   extra_metrics=extra)
+
+
+def run_cotrain(
+    recipe: CotrainRecipe,
+    start: str | None = None,
+    *,
+    recipe_path: str | None = None,
+    overrides: list[str] | None = None,
+    sidecar: bool = True,
+    sidecar_exit_timeout_s: float = 120.0,
+    out: Any = None,
+) -> dict[str, Any]:
+    """Run the co-training job; returns {"report": summary, "sidecar_rc": …}."""
+    from draft_align.monitor.live import HEADER, format_row
+    from draft_align.monitor.report import write_report
+    from draft_align.wire import channel
+    from draft_align.wire.messages import StepReport
+
+    out = out or sys.stdout
+    torch.set_num_threads(recipe.rl.num_threads)
+    run_dir = recipe.run_dir
+    start_path = ensure_start_draft(recipe, start)
+    resolved = write_resolved(recipe)
+    key = channel.resolve_key(recipe.wire.key_file, run_dir, create=True)
+    endpoint = recipe.wire.endpoint or channel.default_endpoint(run_dir, "tap")
+    proc = spawn_sidecar(resolved, start_path, run_dir / "sidecar.log") if sidecar else None
+    sender = channel.TapSender(
+        endpoint, key, queue_messages=recipe.wire.queue_messages, queue_bytes=recipe.wire.queue_mb << 20,
+        allow_remote=recipe.wire.allow_remote,
+    )
+    rc = None
+    try:
+        job = build_job(recipe, start_path, sender, sender)
+        job.wait_for_first_draft()
+        print(HEADER, file=out, flush=True)
+        for _ in range(recipe.rl.steps):
+            metrics = job.step()
+            print(format_row(metrics), file=out, flush=True)
+        job.finish()
+        sender.offer(StepReport(run_id=recipe.run, step=job.step_index, policy_version=job.policy.version,
+                                metrics={"final": 1.0}))
+        time.sleep(0.5)  # let the background thread hand the last messages to ZeroMQ
+    finally:
+        sender.close(timeout_s=5.0)
+        if proc is not None:
+            rc = stop_sidecar(proc, sidecar_exit_timeout_s)
+    report = write_report(run_dir)
+    (run_dir / "cotrain_summary.json").write_text(json.dumps({"report": report, "sidecar_rc": rc}, default=str))
+    return {"report": report, "sidecar_rc": rc}

@@ -1,0 +1,310 @@
+"""Watching a co-training run: follow ``<run>/sidecar/monitor.jsonl`` as a table, scrape the Prometheus page.
+
+``monitor.jsonl`` holds one JSON object per RL step (the RL job's StepReport merged with the sidecar's
+state); every key is optional and unknown keys are ignored.  ``follow`` prints ``HEADER`` then one
+``format_row`` line per record, like ``tail -f``: it waits for the file to appear, and for a partially
+written last line to get its newline before printing it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from draft_align.monitor.prometheus import escape_label_value, read_port_file
+
+logger = logging.getLogger(__name__)
+
+MONITOR_LOG = Path("sidecar") / "monitor.jsonl"
+RL_LOG = Path("rl") / "steps.jsonl"
+PORT_FILE = Path("sidecar") / "prometheus.port"
+
+
+def number(value: Any) -> float | None:
+    """``value`` as a finite float, or None when it is missing, not a number (bools included) or non-finite."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    v = float(value)
+    return v if math.isfinite(v) else None
+
+
+def _fmt_int(v: float) -> str:
+    return str(int(round(v)))
+
+
+def _fixed(digits: int) -> Callable[[float], str]:
+    return lambda v: f"{v:.{digits}f}"
+
+
+def _percent(v: float) -> str:
+    return f"{100.0 * v:.0f}%"
+
+
+@dataclass(frozen=True)
+class Column:
+    """One table column: the record keys it shows (first present one wins), its title, width and format."""
+
+    keys: tuple[str, ...]
+    title: str
+    width: int
+    fmt: Callable[[float], str]
+
+    def value(self, record: Mapping[str, Any]) -> float | None:
+        for k in self.keys:
+            v = number(record.get(k))
+            if v is not None:
+                return v
+        return None
+
+    def cell(self, record: Mapping[str, Any]) -> str:
+        """Right-aligned to ``width``; ``-`` when missing (a wider value widens the cell, never truncates)."""
+        v = self.value(record)
+        return ("-" if v is None else self.fmt(v)).rjust(self.width)
+
+
+# Estimated acceptance falls back to the probabilistic-mode estimate when a run only computes that one.
+COLUMNS: tuple[Column, ...] = (
+    Column(("step",), "step", 6, _fmt_int),
+    Column(("policy_version",), "pol.v", 5, _fmt_int),
+    Column(("draft_version",), "drf.v", 5, _fmt_int),
+    Column(("staleness",), "stale", 5, _fmt_int),
+    Column(("reward_mean",), "reward", 8, _fixed(3)),
+    Column(("kl_to_initial",), "KL", 8, _fixed(4)),
+    Column(("accept_measured_adapted",), "acc.ad", 6, _fixed(3)),
+    Column(("accept_measured_frozen",), "acc.fr", 6, _fixed(3)),
+    Column(("accept_est_adapted", "accept_est_adapted_prob"), "est.ad", 6, _fixed(3)),
+    Column(("accept_est_frozen", "accept_est_frozen_prob"), "est.fr", 6, _fixed(3)),
+    Column(("buffer_fill",), "buf", 4, _percent),
+    Column(("tap_dropped_messages",), "drops", 6, _fmt_int),
+    Column(("wire_rejected",), "rej", 5, _fmt_int),
+    Column(("sidecar_train_tokens_per_s",), "train tok/s", 11, _fixed(0)),
+)
+SEP = " "
+
+
+def format_header(columns: tuple[Column, ...] = COLUMNS) -> str:
+    """The titles, right-aligned to the column widths."""
+    return SEP.join(c.title.rjust(c.width) for c in columns)
+
+
+def format_row(record: Mapping[str, Any], columns: tuple[Column, ...] = COLUMNS) -> str:
+    """One fixed-width table row for a monitor record (missing values print as ``-``)."""
+    if not isinstance(record, Mapping):
+        raise TypeError(f"a monitor record must be a mapping, got {type(record).__name__}")
+    return SEP.join(c.cell(record) for c in columns)
+
+
+HEADER: str = format_header()
+
+
+def parse_line(line: bytes | str, where: str = "") -> dict[str, Any] | None:
+    """One JSONL line → dict; None (with a warning) for a malformed or non-object line, or a blank one."""
+    text = line.decode("utf-8", errors="replace") if isinstance(line, bytes) else line
+    if not text.strip():
+        return None
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        logger.warning("skipping malformed JSON line %s: %s", where, e)
+        return None
+    if not isinstance(obj, dict):
+        logger.warning("skipping JSON line %s: expected an object, got %s", where, type(obj).__name__)
+        return None
+    return obj
+
+
+def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Every complete JSON object line of ``path``; a last line without its newline (being written) and
+    malformed lines are skipped.  FileNotFoundError when the file does not exist."""
+    data = Path(path).read_bytes()
+    lines = data.split(b"\n")
+    lines.pop()  # the text after the last newline: empty, or a line still being written
+    out = []
+    for i, line in enumerate(lines, 1):
+        rec = parse_line(line, f"{path}:{i}")
+        if rec is not None:
+            out.append(rec)
+    return out
+
+
+class _Tail:
+    """Complete lines appended to a file since the last poll; survives the file being absent, truncated or
+    replaced (then it starts again from the beginning)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.offset = 0
+        self.pending = b""
+        self.inode: int | None = None
+
+    def poll(self) -> list[bytes]:
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            return []
+        if self.inode is not None and (st.st_ino != self.inode or st.st_size < self.offset):
+            logger.warning("%s was truncated or replaced; reading it from the start", self.path)
+            self.offset, self.pending = 0, b""
+        self.inode = st.st_ino
+        if st.st_size == self.offset:
+            return []
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            chunk = f.read()
+        self.offset += len(chunk)
+        lines = (self.pending + chunk).split(b"\n")
+        self.pending = lines.pop()
+        return lines
+
+
+def follow(
+    run_dir: str | os.PathLike[str],
+    *,
+    once: bool = False,
+    interval_s: float = 1.0,
+    out: IO[str] = sys.stdout,
+    max_wait_s: float | None = None,
+) -> int:
+    """Print ``HEADER`` and a row per record of ``<run_dir>/sidecar/monitor.jsonl``; returns the rows printed.
+
+    once=True: print the complete lines there are and return (FileNotFoundError if the log is absent).
+    Otherwise poll every ``interval_s`` for new complete lines, waiting for the file to appear; return once
+    nothing new has arrived for ``max_wait_s`` seconds (None: follow until interrupted).
+    """
+    if interval_s <= 0:
+        raise ValueError(f"interval_s must be > 0, got {interval_s}")
+    if max_wait_s is not None and max_wait_s < 0:
+        raise ValueError(f"max_wait_s must be >= 0 or None, got {max_wait_s}")
+    path = Path(run_dir) / MONITOR_LOG
+    if once and not path.exists():
+        raise FileNotFoundError(f"no monitor log at {path} (is {run_dir} a co-training run folder?)")
+    tail = _Tail(path)
+    out.write(HEADER + "\n")
+    out.flush()
+    rows = 0
+    line_no = 0
+    announced = False
+    last_news = time.monotonic()
+    while True:
+        lines = tail.poll()
+        for line in lines:
+            line_no += 1
+            rec = parse_line(line, f"{path}:{line_no}")
+            if rec is not None:
+                out.write(format_row(rec) + "\n")
+                rows += 1
+        if lines:
+            out.flush()
+            last_news = time.monotonic()
+        if once:
+            return rows
+        if not announced and tail.inode is None:
+            out.write(f"# waiting for {path} ...\n")
+            out.flush()
+            announced = True
+        if max_wait_s is not None and time.monotonic() - last_news >= max_wait_s:
+            return rows
+        time.sleep(interval_s)
+
+
+# --- Prometheus text pages ---------------------------------------------------------------------------------
+
+_NAME_RE = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
+_LABEL_RE = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"')
+_UNESCAPE = {"\\": "\\", '"': '"', "n": "\n"}
+
+
+def _parse_labels(line: str, i: int, line_no: int) -> tuple[list[tuple[str, str]], int]:
+    """Labels from ``line[i]`` == "{" to the matching "}"; returns them and the index after "}"."""
+    labels: list[tuple[str, str]] = []
+    i += 1
+    while True:
+        while i < len(line) and line[i] in " \t":
+            i += 1
+        if i < len(line) and line[i] == "}":
+            return labels, i + 1
+        m = _LABEL_RE.match(line, i)
+        if m is None:
+            raise ValueError(f"line {line_no}: bad label at column {i + 1}: {line!r}")
+        i = m.end()
+        chars: list[str] = []
+        while True:
+            if i >= len(line):
+                raise ValueError(f"line {line_no}: unterminated label value: {line!r}")
+            c = line[i]
+            if c == "\\":
+                if i + 1 >= len(line) or line[i + 1] not in _UNESCAPE:
+                    raise ValueError(f"line {line_no}: bad escape in label value: {line!r}")
+                chars.append(_UNESCAPE[line[i + 1]])
+                i += 2
+            elif c == '"':
+                i += 1
+                break
+            else:
+                chars.append(c)
+                i += 1
+        labels.append((m.group(1), "".join(chars)))
+        while i < len(line) and line[i] in " \t":
+            i += 1
+        if i < len(line) and line[i] == ",":
+            i += 1
+        elif i >= len(line) or line[i] != "}":
+            raise ValueError(f"line {line_no}: expected ',' or '}}' after a label: {line!r}")
+
+
+def sample_key(name: str, labels: list[tuple[str, str]] | tuple[tuple[str, str], ...] = ()) -> str:
+    """The key ``parse_metrics`` uses: ``name``, or ``name{a="x",b="y"}`` (labels sorted, values escaped)."""
+    if not labels:
+        return name
+    return name + "{" + ",".join(f'{k}="{escape_label_value(v)}"' for k, v in sorted(labels)) + "}"
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Samples of a Prometheus text page (format 0.0.4) keyed by ``sample_key``; comments are skipped and a
+    repeated sample keeps its last value.  ValueError (with the line number) on a malformed line."""
+    out: dict[str, float] = {}
+    for line_no, raw in enumerate(text.splitlines(), 1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        m = _NAME_RE.match(line)
+        if m is None:
+            raise ValueError(f"line {line_no}: no metric name: {raw!r}")
+        i = m.end()
+        labels: list[tuple[str, str]] = []
+        if i < len(line) and line[i] == "{":
+            labels, i = _parse_labels(line, i, line_no)
+        rest = line[i:].split()
+        if not rest or len(rest) > 2 or (i < len(line) and line[i] not in " \t"):
+            raise ValueError(f"line {line_no}: expected 'name[{{labels}}] value [timestamp]': {raw!r}")
+        try:
+            value = float(rest[0])
+        except ValueError:
+            raise ValueError(f"line {line_no}: bad sample value {rest[0]!r}") from None
+        out[sample_key(m.group(0), labels)] = value
+    return out
+
+
+def scrape(url: str, timeout_s: float = 5.0) -> dict[str, float]:
+    """GET a Prometheus page and ``parse_metrics`` it.  URLError/HTTPError propagate."""
+    with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+        return parse_metrics(resp.read().decode("utf-8"))
+
+
+def metrics_url(run_dir: str | os.PathLike[str]) -> str | None:
+    """The sidecar's metrics URL from ``<run_dir>/sidecar/prometheus.port``; None if that file is absent."""
+    try:
+        port = read_port_file(Path(run_dir) / PORT_FILE)
+    except FileNotFoundError:
+        return None
+    return f"http://127.0.0.1:{port}/metrics"

@@ -1,0 +1,254 @@
+"""Acceptance of a draft estimated on tapped records: no target forward, only the tapped states.
+
+A :class:`~draft_align.train.replay.TappedRecord` carries the policy's aux states (the draft's input) and
+its final post-norm hidden state; with the HeadSync rows W_d [Vd, H] (lm_head rows of the draft vocabulary)
+the policy's logits over the draft vocabulary are z_t = final[t] · W_dᵀ (``draft_logits``).  The rest is
+:mod:`draft_align.monitor.estimator`'s layout: chain starts s = P−1 .. T−2 (P = the record's prompt_len),
+step j of start s predicts x[s+2+j] from ``draft.unroll`` and is scored against the policy at position
+s+1+j; valid iff s+2+j ≤ T−1.  Chains run to the end of the record, also across later non-response
+stretches (e.g. a user turn), as the estimator does.
+
+The policy distribution p over the draft vocabulary (REFERENCE.md §4 for the modes):
+
+- with ``logit_lse`` (logsumexp of the FULL-vocab logits): log p(x) = z_x − lse, the exact full-vocab
+  probability of each draft-vocab token; the mass outside the draft vocabulary can never be accepted.
+- without it: softmax(z) renormalised over the draft vocabulary, which overstates every p(x) by
+  1 / p(Vd) and so overestimates ``greedy_draft`` and ``probabilistic`` acceptance.
+- at T ≠ 1 the full-vocab normaliser of z / T is unknown (lse is at T = 1), so p_T = softmax(z / T) over
+  the draft vocabulary (renormalised, an overestimate) with or without ``logit_lse``.
+- argmax p (``greedy``, T = 0): ``topk_ids[t, 0]`` (full vocabulary) when present, else the draft-vocab
+  argmax mapped through d2t (an overestimate when the policy's argmax lies outside the draft vocabulary).
+
+With a full draft vocabulary (Vd = V, rows = lm_head) and tensors from one target forward this equals
+:func:`draft_align.monitor.estimator.alpha_table`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from draft_align.heads.eagle3 import Eagle3Draft
+from draft_align.monitor.acceptance import (
+    AcceptanceTally,
+    VerifyMode,
+    all_starts_sums,
+    check_mode,
+    replay_tally,
+    verifies_by_argmax,
+)
+from draft_align.target.tap import draft_logits
+from draft_align.train.replay import TappedRecord
+
+
+class RecordEstimateError(ValueError):
+    """The draft, the head rows and a record do not fit together, or paired results do not pair."""
+
+
+@contextmanager
+def _eval_mode(draft: nn.Module) -> Iterator[None]:
+    was = draft.training
+    draft.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        draft.train(was)
+
+
+def _check(draft: Eagle3Draft, rows: torch.Tensor, rec: TappedRecord, k: int) -> None:
+    cfg = draft.cfg
+    if k < 1:
+        raise RecordEstimateError(f"k must be ≥ 1, got {k}")
+    if rows.dim() != 2 or rows.shape[0] != cfg.draft_vocab_size:
+        raise RecordEstimateError(f"rows {tuple(rows.shape)} must be [draft_vocab_size={cfg.draft_vocab_size}, H]")
+    r = rec.record
+    if r.aux.shape[1] != cfg.fc_in_features:
+        raise RecordEstimateError(f"record aux width {r.aux.shape[1]} ≠ the draft's fc input {cfg.fc_in_features}")
+    if r.final.shape[1] != rows.shape[1]:
+        raise RecordEstimateError(f"record final width {r.final.shape[1]} ≠ rows width {rows.shape[1]}")
+
+
+def _policy_logprobs(
+    final: torch.Tensor,  # [N, H] policy final post-norm hidden
+    rows: torch.Tensor,  # [Vd, H]
+    lse: torch.Tensor | None,  # [N] full-vocab logsumexp at T = 1
+    temperature: float,
+) -> torch.Tensor:
+    """log p_T over the draft vocabulary [N, Vd] float32 (full-vocab normaliser where known, see module doc)."""
+    z = draft_logits(final.float(), rows.float())  # fp32: bf16 logits would round probabilities
+    if temperature == 1.0 and lse is not None:
+        # z is recomputed from bf16 states; a hair above lse would make p > 1
+        return (z - lse.float().unsqueeze(-1)).clamp(max=0.0)
+    return torch.log_softmax(z / temperature, dim=-1)
+
+
+def _unroll_tables(
+    draft: Eagle3Draft,
+    embed: nn.Module,
+    rows: torch.Tensor,
+    rec: TappedRecord,
+    k: int,
+    mode: VerifyMode,
+    temperature: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(alpha [S, k], observed [S, k], valid [S, k]) of one record; observed = 1[d2t(argmax q) == x[s+2+j]]."""
+    check_mode(mode)
+    _check(draft, rows, rec, k)
+    r = rec.record
+    p_len = max(rec.prompt_len, 1)  # a response token at 0 follows no position: nothing drafts it
+    p = next(draft.parameters())
+    dev, ddtype = p.device, p.dtype
+    ids = r.input_ids.to(dev).long()
+    t = ids.numel()
+    starts = torch.arange(p_len - 1, t - 1, device=dev)  # [S]
+    q = draft.unroll(
+        r.aux.to(dev, ddtype)[None],
+        lambda x: embed(x).to(ddtype),
+        ids[None],
+        torch.ones(1, t, dtype=torch.bool, device=dev),
+        starts[None],
+        torch.ones(1, starts.numel(), dtype=torch.bool, device=dev),
+        k,
+    )
+    d2t = draft.draft_to_target.to(dev)
+    # the policy side is needed at positions s+1+j ∈ [P, T−1] only; row i holds position P + i
+    final = r.final[p_len:].to(dev)
+    argmax_mode = verifies_by_argmax(mode, temperature)
+    if argmax_mode:
+        if rec.topk_ids is not None:
+            p_arg = rec.topk_ids[p_len:, 0].to(dev).long()
+        else:
+            p_arg = d2t[draft_logits(final.float(), rows.to(dev).float()).argmax(-1)]
+    else:
+        lse = rec.logit_lse[p_len:].to(dev) if rec.logit_lse is not None else None
+        logp = _policy_logprobs(final, rows.to(dev), lse, temperature)  # [T−P, Vd]
+    alpha_cols, obs_cols = [], []
+    for j, qj in enumerate(q):
+        qj = qj[0].float()  # [S, Vd]
+        pos = (starts + 1 + j).clamp(max=t - 1) - p_len
+        top = qj.argmax(-1)
+        obs_cols.append((d2t[top] == ids[(starts + 2 + j).clamp(max=t - 1)]).float())
+        if argmax_mode:
+            alpha_cols.append((d2t[top] == p_arg[pos]).float())
+            continue
+        lp = logp[pos]  # [S, Vd]
+        if mode == "greedy_draft":
+            alpha_cols.append(lp.gather(-1, top.unsqueeze(-1)).squeeze(-1).exp())
+        else:
+            alpha_cols.append(torch.minimum(lp.exp(), torch.softmax(qj / temperature, dim=-1)).sum(-1))
+    valid = starts.view(-1, 1) + 2 + torch.arange(k, device=dev).view(1, -1) <= t - 1
+    return torch.stack(alpha_cols, 1).cpu(), torch.stack(obs_cols, 1).cpu(), valid.cpu()
+
+
+def record_alpha(
+    draft: Eagle3Draft,
+    embed: nn.Module,
+    rows: torch.Tensor,  # [Vd, H] HeadSync rows of the record's policy version
+    rec: TappedRecord,
+    k: int,
+    mode: VerifyMode,
+    temperature: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-start acceptance of one record: (alpha [S, k] float32, valid [S, k] bool), S = T − max(P, 1).
+
+    ``embed``: the target's frozen embedding module; ``temperature``: the rollouts' (TapBatch.temperature).
+    Formulas and the policy distribution used are in the module docstring.  The draft runs in eval mode
+    under no_grad; its mode is restored afterwards.
+    """
+    with _eval_mode(draft):
+        alpha, _, valid = _unroll_tables(draft, embed, rows, rec, k, mode, temperature)
+    return alpha, valid
+
+
+def estimate_records(
+    draft: Eagle3Draft,
+    embed: nn.Module,
+    rows: torch.Tensor,  # [Vd, H]
+    records: list[TappedRecord],
+    k: int,
+    mode: VerifyMode,
+    temperature: float,
+) -> dict[str, Any]:
+    """Estimated acceptance of ``draft`` on tapped records, pooled like :func:`estimator.estimate`.
+
+    ``acceptance_length_est``: engine replay pooled as Σ accepted / Σ rounds; ``..._all_starts``: Π α
+    averaged over every chain start; ``..._observed``: replay of 1[d2t(argmax q) == next token] (None for
+    ``probabilistic`` at T > 0).  ``per_sequence``: (replay mean length, rounds) of each record in order
+    (NaN, 0.0 for a record with no chain start) and ``sequence_ids`` their arrivals, for
+    :func:`paired_gate`.  ``num_tokens`` counts response tokens.  Records without a response token are
+    refused (RecordEstimateError): the buffer never holds them.
+    """
+    check_mode(mode)
+    tally = AcceptanceTally.empty(k)
+    observed = AcceptanceTally.empty(k)
+    sums = torch.zeros(k, dtype=torch.float64)
+    n_starts = 0
+    num_tokens = 0
+    per_sequence: list[tuple[float, float]] = []
+    with _eval_mode(draft):
+        for rec in records:
+            if not rec.has_response:
+                raise RecordEstimateError(f"record (arrival {rec.arrival}) has no response token")
+            alpha, obs, valid = _unroll_tables(draft, embed, rows, rec, k, mode, temperature)
+            num_tokens += int(rec.record.loss_mask.sum())
+            one = replay_tally(alpha, valid)
+            tally.merge(one)
+            observed.merge(replay_tally(obs, valid))
+            per_sequence.append((one.mean_length(), one.rounds))
+            n, s = all_starts_sums(alpha, valid)
+            n_starts += n
+            sums += s
+    per_all = (sums / n_starts).tolist() if n_starts else [math.nan] * k
+    argmax_draft = mode != "probabilistic" or temperature <= 0
+    return {
+        "acceptance_length_est": tally.mean_length(),
+        "acceptance_length_all_starts": 1.0 + sum(per_all) if n_starts else math.nan,
+        "acceptance_length_observed": observed.mean_length() if argmax_draft else None,
+        "per_position_est": tally.per_position(),
+        "per_position_all_starts": per_all,
+        "per_position_observed": observed.per_position() if argmax_draft else None,
+        "per_sequence": per_sequence,
+        "sequence_ids": [rec.arrival for rec in records],
+        "rounds_est": tally.rounds,
+        "num_starts": n_starts,
+        "num_tokens": num_tokens,
+        "num_sequences": len(records),
+        "k": k,
+        "verify_mode": mode,
+        "temperature": float(temperature),
+    }
+
+
+def paired_gate(cand: dict[str, Any], base: dict[str, Any], tolerance: float) -> tuple[bool, float, float]:
+    """Paired comparison of two :func:`estimate_records` results on the same records: (ok, diff, stderr).
+
+    d_i = L_cand,i − L_base,i (per-sequence replay mean lengths), weights w_i = (R_cand,i + R_base,i) / 2
+    (mean rounds, so swapping the drafts flips the sign); sequences with no round in either are skipped.
+    diff = Σ w̃_i d_i with w̃ = w / Σ w; stderr² = n/(n−1) · Σ w̃_i² (d_i − diff)² (NaN for n = 1, then
+    the tolerance alone decides).  ok iff diff ≥ −max(tolerance, 2·stderr).
+    """
+    if tolerance < 0:
+        raise RecordEstimateError(f"tolerance must be ≥ 0, got {tolerance}")
+    a, b = cand["per_sequence"], base["per_sequence"]
+    if len(a) != len(b):
+        raise RecordEstimateError(f"per_sequence lengths differ ({len(a)} vs {len(b)}): not the same records")
+    ids_a, ids_b = cand.get("sequence_ids"), base.get("sequence_ids")
+    if ids_a is not None and ids_b is not None and list(ids_a) != list(ids_b):
+        raise RecordEstimateError("sequence_ids differ: the two estimates are not on the same records")
+    pairs = [(la - lb, 0.5 * (ra + rb)) for (la, ra), (lb, rb) in zip(a, b, strict=True) if ra > 0 and rb > 0]
+    if not pairs:
+        raise RecordEstimateError("no sequence with a drafting round in both estimates")
+    d = torch.tensor([p[0] for p in pairs], dtype=torch.float64)
+    w = torch.tensor([p[1] for p in pairs], dtype=torch.float64)
+    w = w / w.sum()
+    diff = float((w * d).sum())
+    n = d.numel()
+    stderr = math.sqrt(float((w.square() * (d - diff).square()).sum()) * n / (n - 1)) if n > 1 else math.nan
+    bar = tolerance if math.isnan(stderr) else max(tolerance, 2.0 * stderr)
+    return diff >= -bar, diff, stderr

@@ -1,0 +1,232 @@
+"""Replay buffer of tapped sequences for the sidecar: token-bounded, recency-weighted, with a held-out tail.
+
+Records arrive from TapBatch messages (docs/wire.md).  The newest ``holdout_records`` records are held
+out for evaluation; everything older is trainable.  Training batches draw trainable records without
+replacement with probability ∝ 0.5 ** ((v_newest − v) / half_life), v the record's policy version, so the
+draft follows the current policy while older data still regularises it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from draft_align.train.batch import Batch, Record, collate
+
+log = logging.getLogger(__name__)
+
+
+class ReplayError(ValueError):
+    """A malformed record, a record that does not fit the buffer's others, or bad buffer settings."""
+
+
+@dataclass
+class TappedRecord:
+    """One tapped sequence plus what the policy side sent with it (tensors as received, no copy).
+
+    ``arrival``: monotonic index of arrival; −1 lets :meth:`ReplayBuffer.add` assign the next one.
+    """
+
+    record: Record
+    policy_version: int
+    step: int
+    arrival: int = -1
+    next_logprob: torch.Tensor | None = None  # [T] float32: log p(x[t+1] | x[≤t]) at T = 1
+    logit_lse: torch.Tensor | None = None  # [T] float32: logsumexp of the policy's full-vocab logits at t
+    topk_ids: torch.Tensor | None = None  # [T, K] int64: the policy's top-K next tokens at t
+
+    def __post_init__(self) -> None:
+        r = self.record
+        t = r.input_ids.numel()
+        if r.input_ids.dim() != 1 or t < 2:
+            raise ReplayError(f"input_ids must be [T] with T ≥ 2, got {tuple(r.input_ids.shape)}")
+        if r.loss_mask.shape != (t,) or r.loss_mask.dtype != torch.bool:
+            raise ReplayError(f"loss_mask must be bool [{t}], got {r.loss_mask.dtype} {tuple(r.loss_mask.shape)}")
+        for name, x in (("aux", r.aux), ("final", r.final)):
+            if x.dim() != 2 or x.shape[0] != t or not x.is_floating_point():
+                raise ReplayError(f"{name} must be a float [{t}, width] tensor, got {x.dtype} {tuple(x.shape)}")
+        for name, x in (("next_logprob", self.next_logprob), ("logit_lse", self.logit_lse)):
+            if x is not None and x.shape != (t,):
+                raise ReplayError(f"{name} must be [{t}], got {tuple(x.shape)}")
+        if self.topk_ids is not None and (self.topk_ids.dim() != 2 or self.topk_ids.shape[0] != t
+                                          or self.topk_ids.shape[1] < 1):
+            raise ReplayError(f"topk_ids must be [{t}, K ≥ 1], got {tuple(self.topk_ids.shape)}")
+        if self.policy_version < 0 or self.step < 0:
+            raise ReplayError(f"policy_version {self.policy_version} and step {self.step} must be ≥ 0")
+
+    @property
+    def num_tokens(self) -> int:
+        return self.record.input_ids.numel()
+
+    @property
+    def has_response(self) -> bool:
+        return bool(self.record.loss_mask.any())
+
+    @property
+    def prompt_len(self) -> int:
+        """Index of the first response (loss_mask) token; ReplayError if there is none."""
+        hit = torch.nonzero(self.record.loss_mask)
+        if hit.numel() == 0:
+            raise ReplayError("record has no response token (loss_mask is all False)")
+        return int(hit[0, 0])
+
+
+class ReplayBuffer:
+    """Token-bounded FIFO of :class:`TappedRecord` with a held-out tail and recency-weighted sampling.
+
+    - ``add``: refuses (and counts by reason) records with no response token (``no_response``) and records
+      longer than ``max_tokens`` (``too_long``); then evicts the oldest records (by arrival) until the
+      total is ≤ ``max_tokens``.
+    - The newest ``holdout_records`` records are held out (evaluation only); when a newer one arrives the
+      oldest held-out one becomes trainable.
+    - ``sample``: trainable records drawn without replacement, P ∝ 0.5 ** ((v_max − v) / half_life) with
+      v_max the newest policy version in the buffer (``half_life = inf``: uniform), until the padded
+      token count max_len × rows would exceed ``batch_tokens`` (at least one record).
+
+    Records are kept as given (views of the received message, no copy): a message's memory is freed once
+    all its records are evicted, so resident memory may exceed ``max_tokens`` by about one message.
+    There is no to_state()/from_state(): after a restart the buffer is rebuilt from new data.
+    Deterministic given the same seed and the same sequence of adds and samples.
+    """
+
+    def __init__(self, max_tokens: int, half_life: float, holdout_records: int, seed: int) -> None:
+        if max_tokens < 2:
+            raise ReplayError(f"max_tokens must be ≥ 2, got {max_tokens}")
+        if not half_life > 0:  # NaN-safe
+            raise ReplayError(f"half_life must be > 0 (inf for uniform sampling), got {half_life}")
+        if holdout_records < 0:
+            raise ReplayError(f"holdout_records must be ≥ 0, got {holdout_records}")
+        self.max_tokens = int(max_tokens)
+        self.half_life = float(half_life)
+        self.holdout_records = int(holdout_records)
+        self._gen = torch.Generator().manual_seed(int(seed))
+        self._records: deque[TappedRecord] = deque()  # arrival order
+        self._tokens = 0
+        self._last_arrival = -1
+        self._widths: tuple[int, int] | None = None  # (aux width, final width) every record must share
+        self.evicted_records = 0
+        self.evicted_tokens = 0
+        self.refused: dict[str, int] = {"no_response": 0, "too_long": 0}
+
+    # ------------------------------------------------------------------ adding
+    def add(self, rec: TappedRecord) -> TappedRecord | None:
+        """Store ``rec`` (with its arrival assigned if it was −1); None if refused (counted in ``refused``).
+
+        Raises ReplayError if its arrival does not exceed the previous one or its aux/final widths differ
+        from the records already seen.
+        """
+        if not rec.has_response:
+            self.refused["no_response"] += 1
+            return None
+        if rec.num_tokens > self.max_tokens:
+            self.refused["too_long"] += 1
+            log.warning("replay: refused a %d-token record (max_tokens %d)", rec.num_tokens, self.max_tokens)
+            return None
+        widths = (rec.record.aux.shape[1], rec.record.final.shape[1])
+        if self._widths is not None and widths != self._widths:
+            raise ReplayError(f"record aux/final widths {widths} differ from the buffer's {self._widths}")
+        if rec.arrival < 0:
+            rec = dataclasses.replace(rec, arrival=self._last_arrival + 1)
+        elif rec.arrival <= self._last_arrival:
+            raise ReplayError(f"arrival {rec.arrival} is not after the previous one ({self._last_arrival})")
+        self._widths = widths
+        self._last_arrival = rec.arrival
+        self._records.append(rec)
+        self._tokens += rec.num_tokens
+        while self._tokens > self.max_tokens:
+            old = self._records.popleft()
+            self._tokens -= old.num_tokens
+            self.evicted_records += 1
+            self.evicted_tokens += old.num_tokens
+        return rec
+
+    # ------------------------------------------------------------------ views
+    def _split(self) -> int:
+        # records [0, split) are trainable, [split, n) held out
+        return max(0, len(self._records) - self.holdout_records)
+
+    def trainable(self) -> list[TappedRecord]:
+        """Trainable records, oldest first."""
+        return [self._records[i] for i in range(self._split())]
+
+    def holdout(self) -> list[TappedRecord]:
+        """Held-out records in arrival order (oldest first)."""
+        return [self._records[i] for i in range(self._split(), len(self._records))]
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    @property
+    def num_tokens(self) -> int:
+        return self._tokens
+
+    def weights(self) -> torch.Tensor:
+        """Sampling weights [n_trainable] float64 (unnormalised, 1 at the newest version in the buffer)."""
+        return torch.exp(self._log_weights(self.trainable()))
+
+    def _log_weights(self, recs: list[TappedRecord]) -> torch.Tensor:
+        if not recs:
+            return torch.zeros(0, dtype=torch.float64)
+        newest = max(r.policy_version for r in self._records)
+        age = torch.tensor([newest - r.policy_version for r in recs], dtype=torch.float64)  # ≥ 0
+        if math.isinf(self.half_life):
+            return torch.zeros_like(age)
+        return -age * (math.log(2.0) / self.half_life)
+
+    # ------------------------------------------------------------------ sampling
+    def sample_records(self, batch_tokens: int) -> list[TappedRecord]:
+        """The records of one batch (see :meth:`sample`); [] if nothing is trainable."""
+        if batch_tokens < 1:
+            raise ReplayError(f"batch_tokens must be ≥ 1, got {batch_tokens}")
+        recs = self.trainable()
+        if not recs:
+            return []
+        # Gumbel-top-k: sorting log w + Gumbel noise gives the order of successive draws without replacement
+        # ∝ w, and stays exact in log space where 0.5 ** (age / half_life) would underflow.
+        u = torch.rand(len(recs), generator=self._gen, dtype=torch.float64).clamp_min(1e-300)
+        keys = self._log_weights(recs) - torch.log(-torch.log(u))
+        chosen: list[TappedRecord] = []
+        longest = 0
+        for i in torch.argsort(keys, descending=True).tolist():
+            n = max(longest, recs[i].num_tokens)
+            if chosen and n * (len(chosen) + 1) > batch_tokens:
+                break
+            chosen.append(recs[i])
+            longest = n
+        return chosen
+
+    def sample(self, batch_tokens: int, steps: int) -> Batch | None:
+        """One TTT batch of trainable records (``collate(..., steps)``), at most ``batch_tokens`` padded tokens
+        unless a single record is longer; None if nothing is trainable."""
+        if steps < 1:
+            raise ReplayError(f"steps must be ≥ 1, got {steps}")
+        chosen = self.sample_records(batch_tokens)
+        return collate([r.record for r in chosen], steps) if chosen else None
+
+    # ------------------------------------------------------------------ monitoring
+    def stats(self) -> dict[str, Any]:
+        """Counters for monitoring; ``version_min``/``version_max`` are None while the buffer is empty."""
+        split = self._split()
+        recs = list(self._records)
+        trainable_tokens = sum(r.num_tokens for r in recs[:split])
+        versions = [r.policy_version for r in recs]
+        return {
+            "tokens": self._tokens,
+            "records": len(recs),
+            "trainable_tokens": trainable_tokens,
+            "trainable_records": split,
+            "holdout_tokens": self._tokens - trainable_tokens,
+            "holdout_records": len(recs) - split,
+            "evicted_records": self.evicted_records,
+            "evicted_tokens": self.evicted_tokens,
+            **{f"refused_{k}": v for k, v in self.refused.items()},
+            "version_min": min(versions) if versions else None,
+            "version_max": max(versions) if versions else None,
+            "fill": self._tokens / self.max_tokens,
+        }

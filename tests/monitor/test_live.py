@@ -1,0 +1,175 @@
+import io
+import json
+import logging
+import os
+import threading
+import time
+
+import pytest
+
+from draft_align.monitor.live import (
+    COLUMNS,
+    HEADER,
+    _Tail,
+    follow,
+    format_row,
+    metrics_url,
+    read_jsonl,
+)
+from draft_align.monitor.prometheus import write_port_file
+
+REC = {
+    "time": 1.7e9,
+    "step": 12,
+    "policy_version": 12,
+    "draft_version": 4,
+    "staleness": 2,
+    "reward_mean": 0.4567,
+    "kl_to_initial": 0.01234,
+    "accept_measured_adapted": 2.3456,
+    "accept_measured_frozen": 1.9876,
+    "accept_est_adapted": 2.25,
+    "accept_est_frozen_prob": 1.5,  # only the probabilistic estimate: the column falls back to it
+    "buffer_fill": 0.456,
+    "tap_dropped_messages": 3,
+    "wire_rejected": 1,
+    "sidecar_train_tokens_per_s": 12345.6,
+    "some_future_key": "ignored",
+}
+
+
+def row_cells(row: str) -> list[str]:
+    return row.split()
+
+
+def test_format_row_values_and_widths():
+    row = format_row(REC)
+    assert row_cells(row) == "12 12 4 2 0.457 0.0123 2.346 1.988 2.250 1.500 46% 3 1 12346".split()
+    assert len(row) == len(HEADER)
+    assert row_cells(HEADER)[0] == "step" and len(COLUMNS) == 14
+
+
+def test_format_row_missing_null_and_bad_values_print_dash():
+    row = format_row({"step": 3, "reward_mean": None, "kl_to_initial": float("nan"), "staleness": "x"})
+    cells = row_cells(row)
+    assert cells[0] == "3" and cells[1:] == ["-"] * 13
+    assert len(row) == len(HEADER)
+    with pytest.raises(TypeError, match="must be a mapping"):
+        format_row([1, 2])
+
+
+def write_lines(path, records, partial: str = ""):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+        f.write(partial)
+
+
+def test_follow_once_prints_complete_rows(tmp_path):
+    recs = [dict(REC, step=s, reward_mean=0.1 * s) for s in range(3)]
+    write_lines(tmp_path / "sidecar" / "monitor.jsonl", recs, partial='{"step": 99, "rew')
+    out = io.StringIO()
+    assert follow(tmp_path, once=True, out=out) == 3
+    lines = out.getvalue().splitlines()
+    assert lines[0] == HEADER
+    assert [row_cells(x)[:5] for x in lines[1:]] == [
+        ["0", "12", "4", "2", "0.000"],
+        ["1", "12", "4", "2", "0.100"],
+        ["2", "12", "4", "2", "0.200"],
+    ]  # the partial line (step 99) is not shown yet
+
+
+def test_follow_once_without_log_is_an_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no monitor log"):
+        follow(tmp_path, once=True, out=io.StringIO())
+
+
+@pytest.mark.parametrize("kw, match", [({"interval_s": 0}, "interval_s"), ({"max_wait_s": -1}, "max_wait_s")])
+def test_follow_rejects_bad_arguments(tmp_path, kw, match):
+    with pytest.raises(ValueError, match=match):
+        follow(tmp_path, out=io.StringIO(), **kw)
+
+
+def test_follow_skips_malformed_lines_with_a_warning(tmp_path, caplog):
+    p = tmp_path / "sidecar" / "monitor.jsonl"
+    p.parent.mkdir(parents=True)
+    p.write_text('{"step": 1}\nnot json\n[1, 2]\n\n{"step": 2}\n')
+    out = io.StringIO()
+    with caplog.at_level(logging.WARNING, logger="draft_align.monitor.live"):
+        assert follow(tmp_path, once=True, out=out) == 2
+    assert [row_cells(x)[0] for x in out.getvalue().splitlines()[1:]] == ["1", "2"]
+    assert "monitor.jsonl:2" in caplog.text and "expected an object" in caplog.text
+
+
+def test_follow_tails_a_file_appended_by_a_thread(tmp_path):
+    """The log appears after following starts; lines arrive in pieces; follow stops after max_wait_s idle."""
+    path = tmp_path / "sidecar" / "monitor.jsonl"
+    steps = [0, 1, 2, 3]
+
+    def writer():
+        time.sleep(0.1)  # follow starts before the file exists
+        path.parent.mkdir(parents=True)
+        with open(path, "a") as f:
+            for s in steps:
+                line = json.dumps(dict(REC, step=s, kl_to_initial=0.001 * (s + 1))) + "\n"
+                half = len(line) // 2
+                f.write(line[:half])
+                f.flush()
+                time.sleep(0.08)  # several polls see only the first half of the line
+                f.write(line[half:])
+                f.flush()
+                time.sleep(0.03)
+
+    t = threading.Thread(target=writer)
+    out = io.StringIO()
+    t.start()
+    start = time.monotonic()
+    rows = follow(tmp_path, interval_s=0.02, out=out, max_wait_s=0.4)
+    elapsed = time.monotonic() - start
+    t.join()
+    lines = out.getvalue().splitlines()
+    assert rows == 4
+    assert lines[0] == HEADER
+    assert lines[1] == f"# waiting for {path} ..."
+    assert [row_cells(x)[0] for x in lines[2:]] == ["0", "1", "2", "3"]
+    assert [row_cells(x)[5] for x in lines[2:]] == ["0.0010", "0.0020", "0.0030", "0.0040"]
+    assert 0.4 + 0.1 + 4 * 0.11 - 0.05 < elapsed < 5.0  # ran until the writer finished, then max_wait_s idle
+
+
+def test_follow_gives_up_after_max_wait_when_nothing_arrives(tmp_path):
+    out = io.StringIO()
+    start = time.monotonic()
+    assert follow(tmp_path, interval_s=0.02, out=out, max_wait_s=0.1) == 0
+    assert 0.1 <= time.monotonic() - start < 2.0
+
+
+def test_tail_restarts_on_replacement_and_truncation(tmp_path):
+    p = tmp_path / "log.jsonl"
+    p.write_text('{"step": 1}\n{"step": 2}\n{"st')
+    tail = _Tail(p)
+    assert tail.poll() == [b'{"step": 1}', b'{"step": 2}']
+    assert tail.poll() == []
+    with open(p, "a") as f:
+        f.write('ep": 3}\n')
+    assert tail.poll() == [b'{"step": 3}']
+    tmp = tmp_path / "new.jsonl"
+    tmp.write_text('{"step": 7}\n' * 5)  # longer than the old file: only the inode changes
+    os.replace(tmp, p)
+    assert tail.poll() == [b'{"step": 7}'] * 5
+    p.write_text('{"step": 8}\n')  # truncated in place
+    assert tail.poll() == [b'{"step": 8}']
+
+
+def test_read_jsonl_skips_partial_last_line(tmp_path):
+    p = tmp_path / "x.jsonl"
+    p.write_text('{"a": 1}\n{"a": 2}\n{"a": 3')
+    assert read_jsonl(p) == [{"a": 1}, {"a": 2}]
+    with pytest.raises(FileNotFoundError):
+        read_jsonl(tmp_path / "missing.jsonl")
+
+
+def test_metrics_url_from_port_file(tmp_path):
+    assert metrics_url(tmp_path) is None
+    write_port_file(tmp_path / "sidecar" / "prometheus.port", 9123)
+    assert metrics_url(tmp_path) == "http://127.0.0.1:9123/metrics"

@@ -1,0 +1,330 @@
+import contextlib
+import json
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from draft_align import data
+from draft_align.config import CotrainRecipe, RLConfig
+from draft_align.monitor.acceptance import AcceptanceTally
+from draft_align.rl.drafts import DraftWatcher
+from draft_align.rl.grpo import (
+    GRPOError,
+    GRPOJob,
+    build_prompts,
+    clipped_surrogate,
+    group_advantages,
+    k3_kl,
+    make_kl_sequences,
+    token_logprobs,
+)
+from draft_align.rl.policy import Policy, Sequences
+from draft_align.wire.messages import StepReport
+
+EOS = {2}
+K = 2
+REQUIRED = {
+    "step", "policy_version", "reward_mean", "reward_std", "kl_to_initial", "accept_measured_adapted",
+    "accept_measured_frozen", "accept_r0_adapted", "accept_r1_adapted", "accept_r0_frozen", "accept_r1_frozen",
+    "draft_version", "draft_policy_version", "staleness", "rollout_tokens", "rollout_s", "logprob_s", "tap_s",
+    "update_s", "kl_s", "tap_tokens_seen",
+}  # fmt: skip
+
+
+# ---------------------------------------------------------------- math, table-driven
+@pytest.mark.parametrize(
+    ("rewards", "expected"),
+    [
+        ([[1.0, 0.0]], [[0.5 / (0.5**0.5 + 1e-4), -0.5 / (0.5**0.5 + 1e-4)]]),  # std with Bessel: √0.5
+        ([[0.5, 0.5, 0.5]], [[0.0, 0.0, 0.0]]),  # no signal in a constant group
+        (
+            [[0.0, 0.0, 3.0], [2.0, 4.0, 6.0]],  # stds √3 and 2
+            [
+                [-1 / (3**0.5 + 1e-4), -1 / (3**0.5 + 1e-4), 2 / (3**0.5 + 1e-4)],
+                [-2 / 2.0001, 0.0, 2 / 2.0001],
+            ],
+        ),
+    ],
+)
+def test_group_advantages(rewards, expected):
+    got = group_advantages(torch.tensor(rewards, dtype=torch.float64))
+    torch.testing.assert_close(got, torch.tensor(expected, dtype=torch.float64), rtol=0, atol=1e-12)
+
+
+def test_group_advantages_needs_groups_of_two():
+    with pytest.raises(GRPOError, match="group_size ≥ 2"):
+        group_advantages(torch.ones(3, 1))
+
+
+@pytest.mark.parametrize(
+    ("logp", "old", "adv", "expected"),
+    [
+        (0.0, 0.0, 1.0, -1.0),  # ratio 1
+        (math.log(1.5), 0.0, 1.0, -1.2),  # ratio 1.5 clipped to 1.2 for a positive advantage
+        (math.log(1.5), 0.0, -1.0, 1.5),  # ... but not for a negative one (pessimistic bound)
+        (math.log(0.5), 0.0, -2.0, 1.6),  # ratio 0.5 clipped to 0.8 for a negative advantage
+        (math.log(0.5), 0.0, 2.0, -1.0),  # ... not for a positive one
+        (-1.0, -1.0, 0.0, 0.0),
+    ],
+)
+def test_clipped_surrogate_table(logp, old, adv, expected):
+    got = clipped_surrogate(torch.tensor([logp]), torch.tensor([old]), torch.tensor([adv]), 0.2)
+    assert float(got) == pytest.approx(expected, abs=1e-6)
+
+
+def test_k3_kl_and_token_logprobs():
+    assert torch.equal(k3_kl(torch.tensor([-1.0]), torch.tensor([-1.0])), torch.zeros(1))
+    d = torch.tensor([0.3, -0.7])
+    torch.testing.assert_close(k3_kl(torch.zeros(2), d), d.exp() - d - 1)
+    logits = torch.tensor([[0.0, math.log(3.0)]])
+    assert float(token_logprobs(logits, torch.tensor([1]), 1.0)) == pytest.approx(math.log(0.75))
+    # at T = 2 the logits are halved: p = √3 / (1 + √3)
+    assert float(token_logprobs(logits, torch.tensor([1]), 2.0)) == pytest.approx(
+        math.log(3**0.5 / (1 + 3**0.5))
+    )
+
+
+# ---------------------------------------------------------------- fakes and setup
+class FakeTap:
+    """List-backed PolicyTap: records every call in order."""
+
+    def __init__(self):
+        self.events = []
+        self.submits = []
+        self.inside = False
+
+    def head_sync(self, policy_version, draft_to_target):
+        self.events.append(("head_sync", policy_version))
+        self.d2t = draft_to_target.clone()
+        return True
+
+    @contextlib.contextmanager
+    def capturing(self):
+        self.events.append(("enter",))
+        self.inside = True
+        try:
+            yield self
+        finally:
+            self.inside = False
+            self.events.append(("exit",))
+
+    def submit(self, *, input_ids, attention_mask, loss_mask, logits, policy_version, step, temperature):
+        assert self.inside
+        self.events.append(("submit", policy_version, step))
+        self.submits.append(
+            dict(input_ids=input_ids.clone(), attention_mask=attention_mask.clone(), loss_mask=loss_mask.clone(),
+                 logits_shape=tuple(logits.shape), step=step, temperature=temperature)
+        )  # fmt: skip
+
+    def end_step(self):
+        self.events.append(("end_step",))
+        return sum(int(s["attention_mask"].sum()) for s in self.submits)
+
+    def stats(self):
+        return {"tokens_seen": sum(int(s["attention_mask"].sum()) for s in self.submits)}
+
+
+class ListSink:
+    def __init__(self):
+        self.messages = []
+
+    def offer(self, message):
+        self.messages.append(message)
+        return True
+
+
+@pytest.fixture
+def world(tiny_world, tiny_env, tmp_path, frozen_dir):
+    tok = AutoTokenizer.from_pretrained(tiny_world.model)
+    convs = data.load_conversations(str(tiny_world.data))
+    prompts = build_prompts(tok, convs, n=6, max_prompt_tokens=60)
+
+    def make(frozen_fraction=0.5, **rl_kw):
+        model = AutoModelForCausalLM.from_pretrained(tiny_world.model, dtype=torch.float32)
+        kw = dict(
+            steps=2, prompts_per_step=2, group_size=2, max_new_tokens=6, temperature=1.0, spec_k=K,
+            frozen_fraction=frozen_fraction, reward="uppercase", lr=2e-2, lora_r=4, lora_alpha=8,
+            micro_batch=3,
+        )  # fmt: skip
+        rl = RLConfig(**{**kw, **rl_kw})
+        recipe = CotrainRecipe(run="rltest", output_dir=str(tmp_path), seed=3, rl=rl)
+        policy = Policy.from_config(model, rl, seed=0)
+        kl_seqs = make_kl_sequences(policy, prompts[:2], max_new_tokens=5, eos_ids=EOS, seed=0)
+        watcher = DraftWatcher(recipe.run_dir, frozen_dir)
+        tap, sink = FakeTap(), ListSink()
+        job = GRPOJob(recipe, policy, tok, prompts, kl_seqs, watcher, tap, sink, recipe.run_dir, EOS)
+        return job, tap, sink
+
+    return make
+
+
+def expected_tally(rollouts, kind):
+    t = AcceptanceTally.empty(K)
+    for r in rollouts:
+        if r.draft == kind:
+            t.merge(r.tally)
+    return t
+
+
+# ---------------------------------------------------------------- prompts and KL sequences
+def test_build_prompts_filters_by_length(tiny_world):
+    tok = AutoTokenizer.from_pretrained(tiny_world.model)
+    convs = data.load_conversations(str(tiny_world.data))
+    every = [data.encode_prompt(tok, c) for c in convs[:10]]
+    limit = sorted(len(p) for p in every)[5]
+    got = build_prompts(tok, convs[:10], n=100, max_prompt_tokens=limit)
+    assert [p.tolist() for p in got] == [p.tolist() for p in every if len(p) <= limit]
+    assert len(build_prompts(tok, convs, n=3, max_prompt_tokens=500)) == 3
+    with pytest.raises(GRPOError, match="must be ≥ 1"):
+        build_prompts(tok, convs, n=0, max_prompt_tokens=10)
+
+
+def test_kl_sequences_come_from_the_initial_policy(tiny_world, tiny_env):
+    model = AutoModelForCausalLM.from_pretrained(tiny_world.model, dtype=torch.float32)
+    prompts = [torch.tensor([1, 40, 41, 42]), torch.tensor([1, 50])]
+    ref = make_kl_sequences(
+        Policy(model, lora_r=4, lora_alpha=8, target_modules=["q_proj"]), prompts, 5, EOS, 0
+    )
+    # greedy continuation of the base model, cut at eos
+    base = AutoModelForCausalLM.from_pretrained(tiny_world.model, dtype=torch.float32)
+    for row, p in enumerate(prompts):
+        want = base.generate(p[None], max_new_tokens=5, do_sample=False, pad_token_id=2)[0]
+        n = int(ref.attention_mask[row].sum())
+        assert ref.input_ids[row, :n].tolist() == want[:n].tolist()
+        assert ref.loss_mask[row].nonzero().flatten().tolist() == list(range(len(p), n))
+    policy = Policy(AutoModelForCausalLM.from_pretrained(tiny_world.model), lora_r=4, lora_alpha=8,
+                    target_modules=["q_proj"])  # fmt: skip
+    for p in policy.trainable_parameters():
+        torch.nn.init.normal_(p, std=0.5)  # far from the initial policy
+    again = make_kl_sequences(policy, prompts, 5, EOS, 0)
+    assert torch.equal(again.input_ids, ref.input_ids)
+
+
+# ---------------------------------------------------------------- the job
+def test_two_steps_with_fake_tap_and_sink(world):
+    job, tap, sink = world()
+    before = [p.detach().clone() for p in job.policy.trainable_parameters()]
+    again = job._rollouts(0)  # seeded: the step's rollouts are reproducible
+    rollouts, metrics = [], []
+    for _ in range(2):
+        metrics.append(job.step())
+        rollouts.append(job.last_rollouts)
+    assert [r.response.tolist() for r in again] == [r.response.tolist() for r in rollouts[0]]
+
+    # the tap: HeadSync once per policy version before its batches; submits inside capturing; end_step
+    n_mb = 2  # 4 rollouts in micro-batches of 3
+    per_step = [("enter",), *[("submit",)] * n_mb, ("exit",), ("end_step",)]
+    assert [e[:1] for e in tap.events] == [("head_sync",), *per_step, ("head_sync",), *per_step]
+    assert [e for e in tap.events if e[0] == "head_sync"] == [("head_sync", 0), ("head_sync", 1)]
+    assert [e[1:] for e in tap.events if e[0] == "submit"] == [(0, 0), (0, 0), (1, 1), (1, 1)]
+    assert torch.equal(tap.d2t, job.watcher.frozen.draft_to_target)
+    for step in (0, 1):
+        subs = [s for s in tap.submits if s["step"] == step]
+        rows = [(s, b) for s in subs for b in range(s["input_ids"].shape[0])]
+        assert len(rows) == 4
+        for (s, b), r in zip(rows, rollouts[step], strict=True):
+            assert s["temperature"] == 1.0 and s["logits_shape"][2] == 103
+            p, n = r.prompt.numel(), r.prompt.numel() + r.response.numel()
+            width = s["input_ids"].shape[1]
+            assert s["input_ids"][b, :n].tolist() == r.prompt.tolist() + r.response.tolist()
+            assert s["attention_mask"][b].tolist() == [1] * n + [0] * (width - n)  # right-padded
+            assert s["loss_mask"][b].tolist() == [False] * p + [True] * (n - p) + [False] * (width - n)
+
+    # steps.jsonl: one flushed line per step
+    lines = [json.loads(x) for x in (job.run_dir / "rl" / "steps.jsonl").read_text().splitlines()]
+    assert len(lines) == 2 and REQUIRED <= set(lines[0])
+    assert [x["step"] for x in lines] == [0, 1] and [x["policy_version"] for x in lines] == [1, 2]
+    assert job.policy.version == 2
+    assert (job.run_dir / "policy" / "v0001" / "adapter_model.safetensors").is_file()
+    assert (job.run_dir / "policy" / "v0002" / "adapter_model.safetensors").is_file()
+    for x, m, ro in zip(lines, metrics, rollouts, strict=True):
+        assert {k: v for k, v in x.items() if k != "time"} == m
+        rewards = torch.tensor([r.reward for r in ro])
+        assert m["reward_mean"] == pytest.approx(float(rewards.mean()))
+        assert m["rollout_tokens"] == sum(r.response.numel() for r in ro)
+        assert m["ratio_mean"] == pytest.approx(1.0, abs=1e-4) and m["clip_frac"] == 0.0  # old = current
+        assert m["kl_to_initial"] > 0 and m["staleness"] == m["step"]  # no publish: draft policy version 0
+        assert m["draft_version"] == 0 and m["tap_tokens_accepted"] > 0
+        # measured acceptance: frozen = adapted (same draft) and both groups counted
+        assert m["rollouts_adapted"] == m["rollouts_frozen"] == 2
+        for kind in ("adapted", "frozen"):
+            t = expected_tally(ro, kind)
+            assert t.rounds > 0 and m[f"accept_rounds_{kind}"] == t.rounds
+            assert m[f"accept_measured_{kind}"] == pytest.approx(t.mean_length())
+            assert m[f"accept_r0_{kind}"] == pytest.approx(t.per_position()[0])
+            assert 1.0 <= m[f"accept_measured_{kind}"] <= 1.0 + K
+    assert lines[1]["kl_to_initial"] != lines[0]["kl_to_initial"]
+    assert any(x["reward_std"] > 0 for x in lines)  # a learning signal existed ...
+    after = job.policy.trainable_parameters()
+    assert any(not torch.equal(a, b) for a, b in zip(before, after, strict=True))  # ... and moved LoRA
+
+    # the sink: one StepReport per step, valid on the wire
+    assert [type(m) for m in sink.messages] == [StepReport, StepReport]
+    for rep, m in zip(sink.messages, metrics, strict=True):
+        assert (rep.run_id, rep.step, rep.policy_version) == ("rltest", m["step"], m["policy_version"])
+        assert rep.metrics == m
+        assert StepReport.from_frames(rep.to_frames(None), None).metrics == m
+
+
+def test_job_uses_newly_published_draft_between_steps(world, kit, target_config):
+    job, _, _ = world(frozen_fraction=0.0)
+    m0 = job.step()
+    assert m0["draft_version"] == 0 and m0["rollouts_frozen"] == 0 and m0["accept_measured_frozen"] is None
+    kit.publish(
+        kit.make(target_config, seed=21), job.run_dir, target_config, draft_version=1, policy_version=1
+    )
+    m1 = job.step()
+    assert (m1["draft_version"], m1["draft_policy_version"], m1["staleness"], m1["draft_refreshed"]) == (
+        1,
+        1,
+        0,
+        1,
+    )
+    assert job.watcher.adapted is not job.watcher.frozen
+
+
+def test_run_saves_merged_policy_and_kl_penalty(world):
+    job, _, _ = world(steps=1, kl_coef=0.1, save_merged_at=[0])
+    (m,) = job.run()
+    # at rollout time the policy is the initial one: the k3 penalty is exactly 0 on the first step
+    assert m["kl_penalty"] == 0.0
+    merged = job.run_dir / "policy_merged" / "v0001"
+    assert (merged / "model.safetensors").is_file() and (merged / "tokenizer_config.json").is_file()
+
+
+def test_job_rejects_bad_configuration(world):
+    job, tap, sink = world()
+    args = (job.recipe, job.policy, job.tokenizer)
+    rest = (job.kl_sequences, job.watcher, tap, sink, job.run_dir, EOS)
+    with pytest.raises(GRPOError, match="no RL prompts"):
+        GRPOJob(*args, [], *rest)
+    with pytest.raises(GRPOError, match=r"prompts_per_step=2 must be in 1\.\.1"):
+        GRPOJob(*args, job.prompts[:1], *rest)
+    with pytest.raises(GRPOError, match="non-empty 1-D"):
+        GRPOJob(*args, [torch.tensor([], dtype=torch.long), job.prompts[0]], *rest)
+    bad = CotrainRecipe(rl=RLConfig(reward="nope"))
+    with pytest.raises(ValueError, match="unknown reward"):
+        GRPOJob(bad, job.policy, job.tokenizer, job.prompts, *rest)
+
+
+def test_real_policy_tap_gets_headsync_and_tap_batches(world):
+    from draft_align.target.policy_tap import HFPolicyTap
+    from draft_align.wire.messages import HeadSync, TapBatch, decode
+
+    job, _, _ = world(steps=1)
+    sink = ListSink()
+    job.tap = HFPolicyTap(job.policy.hf_model, (1, 3, 4), sink, run_id="rltest", tokens_per_step=100_000)
+    job.step()
+    kinds = [type(m) for m in sink.messages]
+    assert kinds[0] is HeadSync and kinds[1:] and set(kinds[1:]) == {TapBatch}
+    batch = sink.messages[1]
+    rows = Sequences.pack([(r.prompt, r.response) for r in job.last_rollouts], 2)
+    got = sorted(batch.input_ids.tensor_split(batch.cu_seqlens[1:-1]), key=lambda t: t.tolist())
+    want = sorted(
+        (rows.input_ids[b, : int(rows.attention_mask[b].sum())] for b in range(4)), key=lambda t: t.tolist()
+    )
+    assert [t.tolist() for t in got] == [t.tolist() for t in want]
+    assert batch.policy_version == 0 and batch.step == 0 and batch.temperature == 1.0
+    decode(batch.to_frames(None), None)  # valid on the wire
