@@ -155,6 +155,9 @@ class SidecarConfig:
     buffer_tokens: int = 200_000  # replay buffer bound; oldest records leave first
     recency_half_life: float = 2.0  # policy versions: a record's sampling weight halves per this many
     holdout_records: int = 16  # freshest records kept out of training, for the publish gate's evaluation
+    # train at most this many tokens per token received (a replay ratio): without new data the sidecar
+    # waits instead of over-fitting the few sequences it holds
+    max_replay_ratio: float = 4.0
     batch_tokens: int = 1536
     ttt_steps: int = 7
     step_decay: float = 0.8
@@ -167,7 +170,8 @@ class SidecarConfig:
     autocast_bf16: bool = True
     min_train_steps_per_publish: int = 10
     publish_every_s: float = 20.0  # try to publish at most this often (after enough steps)
-    gate_tolerance: float = 0.01  # publish if candidate ≥ published − max(tolerance, 2·stderr) (mean acc. length)
+    # publish iff candidate − published ≥ −max(gate_tolerance, 2·stderr) (paired, mean acceptance length)
+    gate_tolerance: float = 0.0
     eval_k: int = 3
     eval_mode: str = "greedy_draft"  # the gate's verify mode (vLLM's default)
     eval_temperature: float = 1.0
@@ -245,6 +249,8 @@ class CotrainRecipe:
             raise RecipeError("rl.group_size must be ≥ 2 (GRPO normalises within a group)")
         if self.tap.tokens_per_step < 1 or self.tap.max_tokens_per_message < 1:
             raise RecipeError("tap.tokens_per_step and tap.max_tokens_per_message must be ≥ 1")
+        if self.sidecar.max_replay_ratio <= 0:
+            raise RecipeError("sidecar.max_replay_ratio must be > 0")
         if self.sidecar.buffer_tokens < self.sidecar.batch_tokens:
             raise RecipeError("sidecar.buffer_tokens must be ≥ sidecar.batch_tokens")
         if self.logging.wandb_mode not in ("offline", "online", "disabled"):
@@ -269,7 +275,15 @@ def load_recipe(
             if not p.exists():
                 raise RecipeError(f"recipe {p} does not exist")
             where = f"recipe {p}"
-            merged = OmegaConf.merge(merged, OmegaConf.load(p))
+            raw = OmegaConf.load(p)
+            kind = raw.get("kind", "warmstart") if hasattr(raw, "get") else "warmstart"
+            if kind != schema.kind:
+                what = {"warmstart": "warm-start", "cotrain": "co-training"}
+                raise RecipeError(
+                    f"recipe {p} is a {what.get(kind, kind)} recipe (kind: {kind}); this command needs a "
+                    f"{what.get(schema.kind, schema.kind)} recipe (kind: {schema.kind})"
+                )
+            merged = OmegaConf.merge(merged, raw)
         if overrides:
             where = f"overrides {list(overrides)}"
             merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)))

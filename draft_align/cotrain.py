@@ -63,6 +63,26 @@ def spawn_sidecar(recipe_file: Path, start: Path, log_file: Path) -> subprocess.
     return subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
 
 
+def wait_ready(proc: subprocess.Popen, run_dir: Path, timeout_s: float) -> bool:
+    """At start only: wait until the sidecar has bound its sockets (its ready file names its pid), so the
+    first steps' taps are not dropped while it loads.  False on timeout or if it died (the RL job then runs
+    on: it never depends on the sidecar)."""
+    from draft_align.sidecar import READY_FILE, SIDECAR_DIR
+
+    path = run_dir / SIDECAR_DIR / READY_FILE
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end and proc.poll() is None:
+        try:
+            if json.loads(path.read_text()).get("pid") == proc.pid:
+                return True
+        except (FileNotFoundError, json.JSONDecodeError):
+            pass
+        time.sleep(0.2)
+    log.warning("the sidecar is not ready after %.0f s (exit code %s): the RL job starts without it",
+                timeout_s, proc.poll())
+    return False
+
+
 def stop_sidecar(proc: subprocess.Popen, timeout_s: float) -> int | None:
     """Wait up to ``timeout_s`` for the sidecar to finish on its own, then SIGTERM, then SIGKILL."""
     try:
@@ -120,6 +140,7 @@ def run_cotrain(
     overrides: list[str] | None = None,
     sidecar: bool = True,
     sidecar_exit_timeout_s: float = 120.0,
+    sidecar_ready_timeout_s: float = 180.0,
     out: Any = None,
 ) -> dict[str, Any]:
     """Run the co-training job; returns {"report": summary, "sidecar_rc": …}."""
@@ -143,6 +164,8 @@ def run_cotrain(
     rc = None
     try:
         job = build_job(recipe, start_path, sender, sender)
+        if proc is not None:
+            wait_ready(proc, run_dir, sidecar_ready_timeout_s)
         job.wait_for_first_draft()
         print(HEADER, file=out, flush=True)
         for _ in range(recipe.rl.steps):

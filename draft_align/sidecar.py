@@ -62,6 +62,7 @@ STATE_FILE = "state.json"
 MONITOR_FILE = "monitor.jsonl"
 PUBLISH_FILE = "publish.jsonl"
 PORT_FILE = "prometheus.port"
+READY_FILE = "ready.json"  # written once the sockets are bound: {"pid", "time", "draft_version"}
 TAP_SOCKET = "tap"
 NOTIFY_SOCKET = "notify"
 
@@ -81,6 +82,7 @@ class SidecarState:
     train_steps: int = 0
     trained_tokens: int = 0
     ingested_tokens: int = 0
+    buffered_tokens: int = 0  # tokens that entered the replay buffer (the replay ratio's denominator)
     ingested_messages: int = 0
     nonfinite_sequences: int = 0
     nonfinite_steps: int = 0
@@ -320,7 +322,8 @@ class Sidecar:
             if upto_step is not None and step > upto_step:
                 continue
             for tr, _ in self.fresh.pop(step):
-                self.buffer.add(tr)
+                if self.buffer.add(tr) is not None:
+                    self.state.buffered_tokens += tr.num_tokens
 
     def _estimate(self, draft: Eagle3Draft, records: list[Any], mode: str, temperature: float) -> dict[str, Any]:
         from draft_align.monitor.records import estimate_records
@@ -420,6 +423,8 @@ class Sidecar:
         sc = self.recipe.sidecar
         if not self.has_head:
             return False
+        if self.state.trained_tokens >= sc.max_replay_ratio * self.state.buffered_tokens:
+            return False  # wait for new data rather than over-fit what is there
         batch = self.buffer.sample(sc.batch_tokens, sc.ttt_steps)
         if batch is None:
             return False
@@ -523,6 +528,11 @@ class Sidecar:
         signal.signal(signal.SIGINT, self.stop)
         log.info("sidecar %s listening; draft v%d; aux %s", self.recipe.run, self.state.published_version,
                  self.aux_ids)
+        ready = {"pid": os.getpid(), "time": time.time(), "draft_version": self.state.published_version,
+                 "tap_endpoint": self.receiver.endpoint}
+        tmp = self.dir / f".{READY_FILE}.tmp-{os.getpid()}"
+        tmp.write_text(json.dumps(ready))
+        os.replace(tmp, self.dir / READY_FILE)
         try:
             while not self._stop:
                 trained = self._train_one()

@@ -152,6 +152,22 @@ class TinyRun:
     run_dir: Path
     seconds: float
 
+    def cotrain_overrides(self, out: Path, run: str = "cot", **extra: Any) -> list[str]:
+        """key=value overrides of a co-training recipe on the tiny target, starting from this run's draft."""
+        w = self.world
+        base = {
+            "run": run, "output_dir": str(out), "target.model": str(w.model), "target.dtype": "float32",
+            "draft": str(self.run_dir), "data.source": str(w.data), "data.heldout": 8,
+            "sidecar.buffer_tokens": 4000, "sidecar.batch_tokens": 400, "sidecar.holdout_records": 6,
+            "sidecar.min_train_steps_per_publish": 1, "sidecar.publish_every_s": 0.0, "sidecar.gate_tolerance": 100.0,
+            "sidecar.ttt_steps": 2, "sidecar.eval_k": 2, "sidecar.checkpoint_every_s": 0.2, "sidecar.warmup_steps": 1,
+            "sidecar.lr": 1e-3, "logging.wandb": "false", "tap.tokens_per_step": 2000,
+            "rl.steps": 2, "rl.prompts_per_step": 2, "rl.group_size": 2, "rl.max_new_tokens": 8, "rl.kl_prompts": 2,
+            "rl.micro_batch": 4, "rl.max_prompt_tokens": 96, "rl.spec_k": 2, "rl.reward": "uppercase", "rl.lr": 1e-2,
+        }
+        base.update(extra)
+        return [f"{k}={v}" for k, v in base.items()]
+
 
 @pytest.fixture(scope="session")
 def tiny_world(tmp_path_factory) -> TinyWorld:

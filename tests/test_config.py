@@ -104,8 +104,12 @@ def test_kind_selects_the_schema_and_a_mismatch_fails(tmp_path):
     assert recipe_kind(cot) == "cotrain"
     r = load_recipe(cot, schema=CotrainRecipe)
     assert r.rl.steps >= 1 and r.sidecar.batch_tokens <= r.sidecar.buffer_tokens
-    with pytest.raises(RecipeError, match="co-training"):
-        load_recipe(RECIPES[0].parent / "smollm2_demo.yaml", ["kind=warmstart"], schema=CotrainRecipe)
+    with pytest.raises(RecipeError, match="warm-start recipe.*needs a co-training recipe"):
+        load_recipe(RECIPES[0].parent / "smollm2_demo.yaml", schema=CotrainRecipe)
+    with pytest.raises(RecipeError, match="co-training recipe.*needs a warm-start recipe"):
+        load_recipe(cot)
+    with pytest.raises(RecipeError, match="not a co-training one"):
+        load_recipe(None, ["kind=warmstart"], schema=CotrainRecipe)
     p = tmp_path / "odd.yaml"
     p.write_text("kind: evaluation\n")
     with pytest.raises(RecipeError, match="unknown kind"):

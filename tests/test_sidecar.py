@@ -17,22 +17,6 @@ import torch
 from draft_align.config import CotrainRecipe, load_recipe
 
 
-def cotrain_overrides(tiny_run, out: Path, run: str = "cot", **extra) -> list[str]:
-    w = tiny_run.world
-    base = {
-        "run": run, "output_dir": str(out), "target.model": str(w.model), "target.dtype": "float32",
-        "draft": str(tiny_run.run_dir), "data.source": str(w.data), "data.heldout": 8,
-        "sidecar.buffer_tokens": 4000, "sidecar.batch_tokens": 400, "sidecar.holdout_records": 6,
-        "sidecar.min_train_steps_per_publish": 1, "sidecar.publish_every_s": 0.0, "sidecar.gate_tolerance": 100.0,
-        "sidecar.ttt_steps": 2, "sidecar.eval_k": 2, "sidecar.checkpoint_every_s": 0.2, "sidecar.warmup_steps": 1,
-        "sidecar.lr": 1e-3, "logging.wandb": "false", "tap.tokens_per_step": 2000,
-        "rl.steps": 2, "rl.prompts_per_step": 2, "rl.group_size": 2, "rl.max_new_tokens": 8, "rl.kl_prompts": 2,
-        "rl.micro_batch": 4, "rl.max_prompt_tokens": 96, "rl.spec_k": 2,
-    }
-    base.update(extra)
-    return [f"{k}={v}" for k, v in base.items()]
-
-
 class Feeder:
     """The policy side of a test: a tiny HF target, an HFPolicyTap and a TapSender to the sidecar."""
 
@@ -98,7 +82,7 @@ def _until(cond, timeout_s: float, every=None) -> bool:
 def sidecar_world(tiny_run, tiny_env, tmp_path):
     from draft_align.sidecar import Sidecar, starting_draft
 
-    recipe = load_recipe(None, cotrain_overrides(tiny_run, tmp_path), CotrainRecipe)
+    recipe = load_recipe(None, tiny_run.cotrain_overrides(tmp_path), CotrainRecipe)
     sc = Sidecar(recipe, starting_draft(recipe))
     feeder = Feeder(recipe, sc.frozen.draft_to_target, sc.aux_ids)
     yield recipe, sc, feeder
@@ -255,7 +239,7 @@ def test_kill9_mid_run_and_mid_publish_then_resume(tiny_run, tiny_env, tmp_path)
     from draft_align.cotrain import write_resolved
     from draft_align.sidecar import starting_draft
 
-    recipe = load_recipe(None, cotrain_overrides(tiny_run, tmp_path, run="kill"), CotrainRecipe)
+    recipe = load_recipe(None, tiny_run.cotrain_overrides(tmp_path, run="kill"), CotrainRecipe)
     resolved = write_resolved(recipe)
     start = starting_draft(recipe)
     from draft_align.publish.export import load_draft
@@ -306,7 +290,7 @@ def test_kill9_mid_run_and_mid_publish_then_resume(tiny_run, tiny_env, tmp_path)
 
 
 def test_cli_sidecar_refuses_a_missing_starting_draft(tiny_run, tiny_env, tmp_path):
-    ov = cotrain_overrides(tiny_run, tmp_path, draft=str(tmp_path / "nowhere"))
+    ov = tiny_run.cotrain_overrides(tmp_path, draft=str(tmp_path / "nowhere"))
     r = subprocess.run([sys.executable, "-m", "draft_align", "sidecar", str(Path(__file__).resolve().parents[1] / "recipes" / "smollm2_cotrain.yaml"), *ov], capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 2
