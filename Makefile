@@ -18,7 +18,7 @@ fetch: $(STAMP)
 	$(PY) -m draft_align fetch all
 
 demo: fetch
-	$(PY) -m draft_align warmstart recipes/smollm2_demo.yaml
+	$(PY) -m draft_align cotrain recipes/smollm2_cotrain.yaml
 
 test: fetch
 	$(PY) -m pytest -q
@@ -28,3 +28,4 @@ lint: $(STAMP)
 
 bench: fetch
 	$(PY) benchmarks/warmstart.py
+	$(PY) benchmarks/drift.py

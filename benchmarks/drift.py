@@ -1,0 +1,373 @@
+"""Drift benchmark: a GRPO run on SmolLM2-135M (LoRA policy, rule-based reward) with the sidecar keeping an
+EAGLE-3 draft aligned, against the frozen warm-start draft and an oracle.
+
+    .venv/bin/python benchmarks/drift.py [--draft checkpoints/smollm2-bench-ttt] [--steps 20]
+        [--oracle-at 7,14,20] [--oracle-train-s 240] [--oracle-gen-s 150] [--eval-prompts 16] [overrides…]
+
+1. Tap overhead (A/B, before the run, nothing else on the machine): the RL step's policy part (log-prob
+   pass + update) on the same rollouts with and without the Tap sending to a live receiver process,
+   interleaved, medians.
+2. The co-training run (``draft_align.cotrain``): RL job in this process (1 thread), sidecar as a child
+   process (1 thread).  Per step: KL to the initial policy, reward, measured acceptance of the adapted and
+   frozen drafts on that step's own rollouts (speculative decoding is lossless, so each rollout is decoded
+   with one of the two at random and the RL data is unaffected), the sidecar's estimates on the step's taps.
+3. Oracle points: for policy versions v in ``--oracle-at``, the warm-start draft fine-tuned on that policy's
+   own T=1 samples (self-distillation from the saved merged policy, ``--oracle-gen-s`` of generation,
+   ``--oracle-train-s`` of training), then frozen / adapted (the version the RL job used at step v) / oracle
+   measured by the reference decoder on held-out prompts with policy v as the target (T=1, greedy draft,
+   k=3: the RL job's setting) and estimated (engine replay).
+
+Writes ``<out>/drift.json`` and the section in ``benchmarks/RESULTS.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from draft_align.config import CotrainRecipe, load_recipe  # noqa: E402
+
+log = logging.getLogger("bench.drift")
+
+DRAIN = """
+import sys, time
+from draft_align.wire.channel import Receiver
+r = Receiver(sys.argv[1], bytes.fromhex(sys.argv[2]), max_bytes=1 << 30)
+end = time.monotonic() + float(sys.argv[3])
+while time.monotonic() < end:
+    r.recv(200)
+"""
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def tap_overhead(recipe: CotrainRecipe, start: Path, reps: int) -> dict[str, Any]:
+    """Policy part of an RL step (log-prob pass + update) with and without the Tap, same rollouts."""
+    from draft_align.cotrain import build_job
+    from draft_align.wire import channel
+
+    run_dir = recipe.run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    key = channel.resolve_key(None, run_dir, create=True)
+    ep = channel.default_endpoint(run_dir, "overhead")
+    drain = subprocess.Popen([sys.executable, "-c", DRAIN, ep, key.hex(), str(3600)])
+    sender = channel.TapSender(ep, key, send_timeout_s=0.5)
+    try:
+        time.sleep(2.0)
+        job = build_job(recipe, start, None, sender)
+        tap = job.tap
+        rollouts = job._rollouts(0)
+        from draft_align.rl.grpo import group_advantages
+        from draft_align.rl.policy import Sequences
+
+        rewards = torch.tensor([r.reward for r in rollouts], dtype=torch.float64)
+        adv = group_advantages(rewards.view(recipe.rl.prompts_per_step, recipe.rl.group_size)).flatten()
+        seqs = Sequences.pack([(r.prompt, r.response) for r in rollouts], job.pad_id)
+        times: dict[str, list[float]] = {"with": [], "without": []}
+        tap_inside: list[float] = []
+        for i in range(2 * reps + 2):
+            mode = "with" if i % 2 else "without"
+            job.tap = tap if mode == "with" else None
+            t0 = time.perf_counter()
+            old, tap_s, _, _ = job._logprob_pass(seqs, i, job.policy.version)
+            job._update(seqs, old, adv)
+            dt = time.perf_counter() - t0
+            if i >= 2:  # the first pair warms up
+                times[mode].append(dt)
+                if mode == "with":
+                    tap_inside.append(tap_s)
+        stats = sender.stats()
+    finally:
+        sender.close()
+        drain.kill()
+        drain.wait()
+    w, wo = _median(times["with"]), _median(times["without"])
+    return {
+        "reps": reps, "with_s": times["with"], "without_s": times["without"], "median_with_s": w,
+        "median_without_s": wo, "ratio_policy_part": w / wo, "tap_inside_median_s": _median(tap_inside),
+        "rollouts": len(rollouts), "tokens": int(seqs.attention_mask.sum()), "sender": stats,
+    }
+
+
+def oracle_point(
+    recipe: CotrainRecipe, start: Path, version: int, args: argparse.Namespace
+) -> tuple[Path, Path, dict[str, Any]]:
+    """(policy folder, oracle draft folder, warm-start summary) for policy version ``version``."""
+    from draft_align import warmstart
+    from draft_align.config import load_recipe as load
+
+    policy = (recipe.run_dir / "policy_merged" / f"v{version:04d}") if version > 0 else Path(recipe.target.model)
+    ov = [
+        f"run={recipe.run}-oracle-v{version:04d}", f"output_dir={recipe.output_dir}", f"target.model={policy}",
+        f"data.source={recipe.data.source}", f"data.heldout={recipe.data.heldout}",
+        f"data.split_seed={recipe.data.split_seed}", f"data.max_conversations={args.oracle_prompts}",
+        f"data.max_prompt_tokens={recipe.rl.max_prompt_tokens}", "data.regenerate=true",
+        f"data.gen_temperature={recipe.rl.temperature}", f"data.gen_max_new_tokens={recipe.rl.max_new_tokens}",
+        f"data.gen_time_budget_s={args.oracle_gen_s}", "data.extra_original_conversations=0",
+        f"draft.init_from={start}", f"draft.draft_vocab_size={args.vocab}",
+        f"train.time_budget_s={args.oracle_train_s}", "train.epochs=100", f"train.lr={args.oracle_lr}",
+        "train.warmup_steps=10", "train.batch_tokens=1536", "train.min_lr_ratio=0.1", "train.num_threads=2",
+        "eval.enabled=false", "logging.wandb=false", "logging.progress_bar=false",
+    ]
+    ws = load(ROOT / "recipes" / "smollm2_bench.yaml", ov)
+    summary = warmstart.run(ws)
+    return policy, Path(summary["draft"]), summary
+
+
+def measure_point(
+    policy: Path, drafts: dict[str, Path], prompts_n: int, recipe: CotrainRecipe, seed: int
+) -> dict[str, Any]:
+    """Measured (reference decoder) and estimated acceptance of each draft with ``policy`` as the target."""
+    from draft_align import assets, data
+    from draft_align.monitor.evaluate import evaluate
+    from draft_align.publish.export import load_draft
+
+    target, tok = assets.load_target(str(policy), torch.bfloat16, "cpu")
+    convs = data.load_conversations(recipe.data.source)
+    _, held = data.split_heldout(convs, recipe.data.heldout, recipe.data.split_seed)
+    prompts = [p for p in (data.encode_prompt(tok, c) for c in held) if len(p) <= recipe.rl.max_prompt_tokens]
+    prompts = prompts[:prompts_n]
+    out: dict[str, Any] = {"prompts": len(prompts)}
+    for name, path in drafts.items():
+        draft, man = load_draft(path)
+        r = evaluate(target, tok, draft.eval(), prompts, k=recipe.rl.spec_k, mode=recipe.rl.verify_mode,
+                     temperature=recipe.rl.temperature, max_new_tokens=recipe.rl.max_new_tokens, seed=seed)
+        out[name] = {"path": str(path), "draft_version": man.get("draft_version"),
+                     "measured": r["acceptance_length_measured"], "estimated": r["acceptance_length_est"],
+                     "per_position_measured": r.get("per_position_measured")}
+        log.info("point %s %s: measured %.3f est %.3f", policy.name, name, out[name]["measured"],
+                 out[name]["estimated"])
+    return out
+
+
+def _rows(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+
+
+def publish_latency(run_dir: Path) -> dict[str, Any]:
+    """Seconds from the update that created policy version v to the first published draft whose newest
+    training data came from v (the data of v exists only after step v's rollouts and log-prob pass)."""
+    steps = _rows(run_dir / "rl" / "steps.jsonl")
+    pubs = _rows(run_dir / "sidecar" / "publish.jsonl")
+    created = {int(r["policy_version"]): r["time"] - (r.get("kl_s") or 0) - (r.get("save_s") or 0) for r in steps}
+    lat = []
+    for v, t in sorted(created.items()):
+        later = [p["time"] for p in pubs if p["policy_version"] >= v and p["time"] >= t]
+        if later:
+            lat.append(min(later) - t)
+    return {"per_version_s": lat, "median_s": _median(lat), "publishes": len(pubs)}
+
+
+def summarise(result: dict[str, Any]) -> dict[str, Any]:
+    rows = result["monitor"]
+    steps = result["steps"]
+    out: dict[str, Any] = {}
+    kl = [r.get("kl_to_initial") for r in steps]
+    out["final_kl"] = kl[-1] if kl else None
+    ad = [r.get("accept_measured_adapted") for r in steps]
+    fr = [r.get("accept_measured_frozen") for r in steps]
+    half = len(steps) // 2
+    pairs = [(a, f) for a, f in zip(ad[half:], fr[half:], strict=True) if a is not None and f is not None]
+    if pairs:
+        out["last_half_adapted"] = sum(a for a, _ in pairs) / len(pairs)
+        out["last_half_frozen"] = sum(f for _, f in pairs) / len(pairs)
+        out["last_half_margin"] = out["last_half_adapted"] - out["last_half_frozen"]
+    pubs = result["publishes"]
+    out["publishes"] = len(pubs)
+    out["gate_worse_beyond_noise"] = sum(
+        1 for p in pubs if p["gate_diff"] < -max(0.0, 2 * (p["gate_stderr"] if p["gate_stderr"] == p["gate_stderr"] else 0))
+    )
+    last = rows[-1] if rows else {}
+    for k in ("sidecar_train_tokens_per_s", "sidecar_ingest_tokens_per_s", "sidecar_trained_tokens",
+              "sidecar_ingested_tokens", "gate_rejections"):
+        out[k] = last.get(k)
+    sl = steps[-1] if steps else {}
+    tokens = sl.get("tap_tokens_offered") or sl.get("tap_tokens_kept")
+    if tokens:
+        out["wire_bytes_per_tapped_token"] = (sl.get("wire_bytes_sent") or 0) / tokens
+    out["step_s_median"] = _median([r["step_s"] for r in steps if r.get("step_s")])
+    out["rollout_s_median"] = _median([r["rollout_s"] for r in steps if r.get("rollout_s")])
+    out["tap_s_median"] = _median([r["tap_s"] for r in steps if r.get("tap_s") is not None])
+    return out
+
+
+def _f(x: Any, nd: int = 3) -> str:
+    return "–" if x is None or x != x else f"{x:.{nd}f}" if isinstance(x, float) else str(x)
+
+
+def render(result: dict[str, Any]) -> str:
+    s = result["summary"]
+    o = result["overhead"]
+    lines = [
+        "## Drift: co-training beside GRPO (benchmarks/drift.py)",
+        "",
+        f"Command: `{result['command']}` (one run; {result['date']}).",
+        "",
+        f"Setup: SmolLM2-135M-Instruct policy with LoRA (r={result['recipe']['rl']['lora_r']}, "
+        f"lr={result['recipe']['rl']['lr']}), reward `{result['recipe']['rl']['reward']}`, "
+        f"{result['recipe']['rl']['prompts_per_step']}×{result['recipe']['rl']['group_size']} rollouts of ≤ "
+        f"{result['recipe']['rl']['max_new_tokens']} tokens per step at T={result['recipe']['rl']['temperature']}, "
+        f"decoded by the reference speculative decoder (k={result['recipe']['rl']['spec_k']}, "
+        f"{result['recipe']['rl']['verify_mode']}); half the rollouts of every step with the frozen draft, half "
+        f"with the latest published one. Starting draft: `{result['start_draft']}`. RL job and sidecar: one "
+        "core each.",
+        "",
+        "### Per RL step",
+        "",
+        "| step | KL to initial | reward | measured adapted | measured frozen | est. adapted | est. frozen | "
+        "draft v | staleness | step s |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    mon = {r["step"]: r for r in result["monitor"]}
+    for r in result["steps"]:
+        m = mon.get(r["step"], {})
+        lines.append(
+            f"| {int(r['step'])} | {_f(r.get('kl_to_initial'), 4)} | {_f(r.get('reward_mean'))} | "
+            f"{_f(r.get('accept_measured_adapted'))} | {_f(r.get('accept_measured_frozen'))} | "
+            f"{_f(m.get('accept_est_adapted'))} | {_f(m.get('accept_est_frozen'))} | "
+            f"{int(r.get('draft_version') or 0)} | {_f(r.get('staleness'), 0)} | {_f(r.get('step_s'), 1)} |"
+        )
+    lines += ["", "### Oracle points (policy v as the target; held-out prompts; measured / estimated)", "",
+              "| policy v | prompts | frozen | adapted (draft v) | oracle | adapted / oracle |",
+              "|---:|---:|---:|---:|---:|---:|"]
+    for p in result["oracle"]:
+        m = p["measure"]
+        ratio = m["adapted"]["measured"] / m["oracle"]["measured"]
+        lines.append(
+            f"| {p['version']} | {m['prompts']} | {_f(m['frozen']['measured'])} / {_f(m['frozen']['estimated'])} | "
+            f"{_f(m['adapted']['measured'])} / {_f(m['adapted']['estimated'])} (v{m['adapted']['draft_version']}) | "
+            f"{_f(m['oracle']['measured'])} / {_f(m['oracle']['estimated'])} | {_f(ratio)} |"
+        )
+    lat = result["latency"]
+    lines += [
+        "",
+        "### Costs",
+        "",
+        f"- Tap overhead, policy part of a step (log-prob pass + update, {o['rollouts']} rollouts, {o['tokens']} "
+        f"tokens, medians of {o['reps']} interleaved reps): {_f(o['median_with_s'])} s with / "
+        f"{_f(o['median_without_s'])} s without = **{_f(o['ratio_policy_part'])}×**; time inside the Tap "
+        f"{_f(o['tap_inside_median_s'])} s. Over a whole RL step (median {_f(s['step_s_median'], 1)} s, "
+        f"rollouts {_f(s['rollout_s_median'], 1)} s) the Tap's own time was {_f(s['tap_s_median'])} s: "
+        f"**{_f(s['step_s_median'] / (s['step_s_median'] - s['tap_s_median']) if s['tap_s_median'] else None, 4)}×**.",
+        f"- Wire: {_f(s.get('wire_bytes_per_tapped_token'), 0)} bytes per tapped token (all messages incl. "
+        "HeadSync / tapped tokens).",
+        f"- Sidecar: ingest {_f(s.get('sidecar_ingest_tokens_per_s'), 0)} tokens/s (decode + validate + split), "
+        f"training {_f(s.get('sidecar_train_tokens_per_s'), 0)} tokens/s (1 thread); "
+        f"{s.get('sidecar_trained_tokens')} tokens trained on {s.get('sidecar_ingested_tokens')} received.",
+        f"- Policy update → first draft trained on that version's rollouts published: median "
+        f"{_f(lat['median_s'], 1)} s ({lat['publishes']} publishes).",
+        f"- Publish gate: {s['publishes']} published, {s.get('gate_rejections')} refused; published versions "
+        f"worse than their predecessor beyond noise (gate estimate): {s['gate_worse_beyond_noise']}.",
+        f"- Last half of the run: measured adapted {_f(s.get('last_half_adapted'))} vs frozen "
+        f"{_f(s.get('last_half_frozen'))}: margin **{_f(s.get('last_half_margin'))}**; final KL "
+        f"{_f(s.get('final_kl'), 4)}.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def write_results(result: dict[str, Any], path: Path) -> None:
+    head = "## Drift: co-training beside GRPO (benchmarks/drift.py)"
+    text = path.read_text() if path.exists() else "# Benchmark results\n\n"
+    if head in text:
+        before, _, rest = text.partition(head)
+        nxt = rest.find("\n## ")
+        text = before + render(result) + (rest[nxt + 1 :] if nxt >= 0 else "")
+    else:
+        text = text.rstrip("\n") + "\n\n" + render(result)
+    path.write_text(text)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--recipe", default=str(ROOT / "recipes/smollm2_drift.yaml"))
+    ap.add_argument("--draft", default=str(ROOT / "checkpoints/smollm2-bench-ttt"))
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--oracle-at", default="7,14,20", help="policy versions (0 = the initial policy)")
+    ap.add_argument("--oracle-prompts", type=int, default=400)
+    ap.add_argument("--oracle-gen-s", type=float, default=150.0)
+    ap.add_argument("--oracle-train-s", type=float, default=240.0)
+    ap.add_argument("--oracle-lr", type=float, default=5e-4)
+    ap.add_argument("--vocab", type=int, default=16384)
+    ap.add_argument("--eval-prompts", type=int, default=16)
+    ap.add_argument("--overhead-reps", type=int, default=5)
+    ap.add_argument("--skip-run", action="store_true", help="reuse the run folder (oracle + report only)")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks/out"))
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    oracle_at = [int(x) for x in args.oracle_at.split(",") if x.strip()]
+    merged_at = sorted({v - 1 for v in oracle_at if v > 0})
+    ov = [f"rl.steps={args.steps}", f"rl.save_merged_at=[{','.join(map(str, merged_at))}]", *args.overrides]
+    recipe = load_recipe(args.recipe, ov, CotrainRecipe)
+    command = "  ".join(["python benchmarks/drift.py", *sys.argv[1:]])
+    from draft_align.config import recipe_to_dict
+    from draft_align.cotrain import ensure_start_draft, run_cotrain
+
+    start = ensure_start_draft(recipe, args.draft)
+    result: dict[str, Any] = {"command": command, "date": time.strftime("%Y-%m-%d"), "start_draft": str(start),
+                              "recipe": recipe_to_dict(recipe)}
+    jpath = out / "drift.json"
+    if not args.skip_run:
+        import shutil
+
+        shutil.rmtree(recipe.run_dir, ignore_errors=True)
+        torch.set_num_threads(2)
+        ov_recipe = load_recipe(args.recipe, [*ov, f"run={recipe.run}-overhead"], CotrainRecipe)
+        shutil.rmtree(ov_recipe.run_dir, ignore_errors=True)
+        result["overhead"] = tap_overhead(ov_recipe, start, args.overhead_reps)
+        log.info("tap overhead: %s", {k: v for k, v in result["overhead"].items() if "median" in k or "ratio" in k})
+        jpath.write_text(json.dumps(result, indent=1, default=str))
+        t0 = time.time()
+        run_cotrain(recipe, str(start), sidecar_exit_timeout_s=300)
+        result["run_seconds"] = time.time() - t0
+    else:
+        prev = json.loads(jpath.read_text())
+        result["overhead"] = prev["overhead"]
+        result["run_seconds"] = prev.get("run_seconds")
+    run_dir = recipe.run_dir
+    result["steps"] = _rows(run_dir / "rl" / "steps.jsonl")
+    result["monitor"] = _rows(run_dir / "sidecar" / "monitor.jsonl")
+    result["publishes"] = _rows(run_dir / "sidecar" / "publish.jsonl")
+    result["latency"] = publish_latency(run_dir)
+    jpath.write_text(json.dumps(result, indent=1, default=str))
+
+    torch.set_num_threads(2)
+    result["oracle"] = []
+    by_step = {int(r["step"]): r for r in result["steps"]}
+    for v in oracle_at:
+        policy, oracle, summary = oracle_point(recipe, start, v, args)
+        used = int(by_step.get(v, {}).get("draft_version") or 0)
+        from draft_align.publish.export import version_dir
+
+        adapted = version_dir(run_dir, used) if used > 0 else start
+        m = measure_point(policy, {"frozen": start, "adapted": adapted, "oracle": oracle}, args.eval_prompts,
+                          recipe, seed=v)
+        result["oracle"].append({"version": v, "oracle_draft": str(oracle), "oracle_data": summary["metrics"],
+                                 "measure": m})
+        jpath.write_text(json.dumps(result, indent=1, default=str))
+    result["summary"] = summarise(result)
+    jpath.write_text(json.dumps(result, indent=1, default=str))
+    write_results(result, ROOT / "benchmarks" / "RESULTS.md")
+    print(render(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
