@@ -100,6 +100,7 @@ def tap_overhead(recipe: CotrainRecipe, start: Path, reps: int) -> dict[str, Any
         "reps": reps, "with_s": times["with"], "without_s": times["without"], "median_with_s": w,
         "median_without_s": wo, "ratio_policy_part": w / wo, "tap_inside_median_s": _median(tap_inside),
         "rollouts": len(rollouts), "tokens": int(seqs.attention_mask.sum()), "sender": stats,
+        "threads": torch.get_num_threads(),
     }
 
 
@@ -257,8 +258,9 @@ def render(result: dict[str, Any]) -> str:
         "",
         "### Costs",
         "",
-        f"- Tap overhead, policy part of a step (log-prob pass + update, {o['rollouts']} rollouts, {o['tokens']} "
-        f"tokens, medians of {o['reps']} interleaved reps): {_f(o['median_with_s'])} s with / "
+        f"- Tap overhead, policy part of a step (log-prob pass + update on {o['rollouts']} rollouts, {o['tokens']} "
+        f"tokens, {o.get('threads', 1)} torch thread(s), the Tap sending to a live receiver process, medians of "
+        f"{o['reps']} interleaved reps): {_f(o['median_with_s'])} s with / "
         f"{_f(o['median_without_s'])} s without = **{_f(o['ratio_policy_part'])}×**; time inside the Tap "
         f"{_f(o['tap_inside_median_s'])} s. Over a whole RL step (median {_f(s['step_s_median'], 1)} s, "
         f"rollouts {_f(s['rollout_s_median'], 1)} s) the Tap's own time was {_f(s['tap_s_median'])} s: "
@@ -306,6 +308,8 @@ def main() -> int:
     ap.add_argument("--eval-prompts", type=int, default=16)
     ap.add_argument("--overhead-reps", type=int, default=5)
     ap.add_argument("--skip-run", action="store_true", help="reuse the run folder (oracle + report only)")
+    ap.add_argument("--overhead-only", action="store_true",
+                    help="re-measure the Tap overhead only and update drift.json / RESULTS.md")
     ap.add_argument("--out", default=str(ROOT / "benchmarks/out"))
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
@@ -324,11 +328,25 @@ def main() -> int:
     result: dict[str, Any] = {"command": command, "date": time.strftime("%Y-%m-%d"), "start_draft": str(start),
                               "recipe": recipe_to_dict(recipe)}
     jpath = out / "drift.json"
+    if args.overhead_only:
+        import shutil
+
+        prev = json.loads(jpath.read_text())
+        ov_recipe = load_recipe(args.recipe, [*ov, f"run={recipe.run}-overhead"], CotrainRecipe)
+        shutil.rmtree(ov_recipe.run_dir, ignore_errors=True)
+        torch.set_num_threads(recipe.rl.num_threads)
+        prev["overhead"] = tap_overhead(ov_recipe, start, args.overhead_reps)
+        prev["overhead_command"] = command
+        jpath.write_text(json.dumps(prev, indent=1, default=str))
+        if "summary" in prev:
+            write_results(prev, ROOT / "benchmarks" / "RESULTS.md")
+        print(json.dumps({k: v for k, v in prev["overhead"].items() if not isinstance(v, list)}, indent=1))
+        return 0
     if not args.skip_run:
         import shutil
 
         shutil.rmtree(recipe.run_dir, ignore_errors=True)
-        torch.set_num_threads(2)
+        torch.set_num_threads(recipe.rl.num_threads)  # as in the run: the other core is the sidecar's
         ov_recipe = load_recipe(args.recipe, [*ov, f"run={recipe.run}-overhead"], CotrainRecipe)
         shutil.rmtree(ov_recipe.run_dir, ignore_errors=True)
         result["overhead"] = tap_overhead(ov_recipe, start, args.overhead_reps)

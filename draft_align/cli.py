@@ -135,9 +135,14 @@ def cmd_sidecar(args: argparse.Namespace) -> int:
 def cmd_cotrain(args: argparse.Namespace) -> int:
     from draft_align.cotrain import run_cotrain
 
-    summary = run_cotrain(_cotrain_recipe(args), args.draft, recipe_path=args.recipe, overrides=args.overrides)
-    print(json.dumps(summary.get("report", {}), indent=1))
-    return 0
+    recipe = _cotrain_recipe(args)
+    summary = run_cotrain(recipe, args.draft)
+    md = Path(summary["report"]["markdown"])
+    text = md.read_text(encoding="utf-8")
+    print()
+    print(text.split("## Steps")[0].strip())  # the summary; the per-step table was printed as it ran
+    print(f"\nplot: {summary['report']['png']}\nsidecar exit code: {summary['sidecar_rc']}")
+    return 0 if summary["sidecar_rc"] == 0 else 1
 
 
 def cmd_monitor(args: argparse.Namespace) -> int:

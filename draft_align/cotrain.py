@@ -136,8 +136,6 @@ def run_cotrain(
     recipe: CotrainRecipe,
     start: str | None = None,
     *,
-    recipe_path: str | None = None,
-    overrides: list[str] | None = None,
     sidecar: bool = True,
     sidecar_exit_timeout_s: float = 120.0,
     sidecar_ready_timeout_s: float = 180.0,

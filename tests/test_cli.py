@@ -116,3 +116,24 @@ def test_target_with_another_hidden_size_is_refused(tiny_run, tmp_path, caplog):
     draft, _ = load_draft(tiny_run.run_dir / "drafts" / "v0001")
     with pytest.raises(ExportError, match="hidden size mismatch"):
         validate_draft(draft, AutoConfig.from_pretrained(other))
+
+
+def test_monitor_and_report_commands_on_a_run_folder(tmp_path, capsys):
+    import json
+
+    from draft_align.cli import main
+
+    run = tmp_path / "run"
+    (run / "sidecar").mkdir(parents=True)
+    rows = [{"step": s, "policy_version": s + 1, "kl_to_initial": 0.01 * s, "reward_mean": 0.1 * s,
+             "accept_measured_adapted": 1.3 + 0.01 * s, "accept_measured_frozen": 1.3 - 0.02 * s,
+             "accept_est_adapted": 1.31, "accept_est_frozen": 1.29, "draft_version": s} for s in range(4)]
+    (run / "sidecar" / "monitor.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["monitor", str(run), "--once"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split()[0] == "step" and len(out) == 5 and "1.330" in out[-1]
+    assert main(["report", str(run)]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["steps"] == 4 and (run / "report.png").is_file()
+    assert summary["accept_margin"] > 0
+    assert main(["report", str(tmp_path / "missing")]) == 2
