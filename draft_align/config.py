@@ -158,6 +158,8 @@ class SidecarConfig:
     # train at most this many tokens per token received (a replay ratio): without new data the sidecar
     # waits instead of over-fitting the few sequences it holds
     max_replay_ratio: float = 4.0
+    min_buffer_tokens: int = 8192  # no training before the buffer holds this many trainable tokens
+    log_every: int = 10  # train steps between training-metric lines in <run>/sidecar/metrics.jsonl
     batch_tokens: int = 1536
     ttt_steps: int = 7
     step_decay: float = 0.8

@@ -356,7 +356,9 @@ class Sidecar:
         with open(self.dir / MONITOR_FILE, "a", encoding="utf-8") as f:
             f.write(json.dumps(row) + "\n")
         self.state.monitor_rows += 1
-        self.sink.log({k: v for k, v in row.items() if isinstance(v, (int, float)) and k != "time"}, step=step)
+        # wandb needs one monotonic step axis: the sidecar's train step (the RL step is a field of the row)
+        self.sink.log({f"rl/{k}": v for k, v in row.items() if isinstance(v, (int, float)) and k != "time"},
+                      step=self.state.train_steps)
         self._export(row)
 
     def _sidecar_metrics(self) -> dict[str, Any]:
@@ -425,12 +427,14 @@ class Sidecar:
             return False
         if self.state.trained_tokens >= sc.max_replay_ratio * self.state.buffered_tokens:
             return False  # wait for new data rather than over-fit what is there
+        if self.buffer.stats()["trainable_tokens"] < min(sc.min_buffer_tokens, sc.buffer_tokens):
+            return False  # a few dozen sequences would be memorised, not learned from
         batch = self.buffer.sample(sc.batch_tokens, sc.ttt_steps)
         if batch is None:
             return False
         t0 = time.perf_counter()
         try:
-            self.trainer.train_step(batch)
+            stats = self.trainer.train_step(batch)
         except NonFiniteLossError as e:
             self.state.nonfinite_steps += 1
             log.warning("%s", e)
@@ -440,6 +444,8 @@ class Sidecar:
         self.state.train_steps += 1
         self.state.trained_tokens += batch.num_tokens
         self._steps_since_publish += 1
+        if self.state.train_steps % max(1, sc.log_every) == 0:
+            self.sink.log({f"train/{k}": v for k, v in stats.items()}, step=self.state.train_steps)
         return True
 
     def maybe_publish(self, force: bool = False) -> bool:

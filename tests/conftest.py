@@ -158,7 +158,7 @@ class TinyRun:
         base = {
             "run": run, "output_dir": str(out), "target.model": str(w.model), "target.dtype": "float32",
             "draft": str(self.run_dir), "data.source": str(w.data), "data.heldout": 8,
-            "sidecar.buffer_tokens": 4000, "sidecar.batch_tokens": 400, "sidecar.holdout_records": 6,
+            "sidecar.buffer_tokens": 4000, "sidecar.min_buffer_tokens": 0, "sidecar.batch_tokens": 400, "sidecar.holdout_records": 6,
             "sidecar.min_train_steps_per_publish": 1, "sidecar.publish_every_s": 0.0, "sidecar.gate_tolerance": 100.0,
             "sidecar.ttt_steps": 2, "sidecar.eval_k": 2, "sidecar.checkpoint_every_s": 0.2, "sidecar.warmup_steps": 1,
             "sidecar.lr": 1e-3, "logging.wandb": "false", "tap.tokens_per_step": 2000,
