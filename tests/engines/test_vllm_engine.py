@@ -28,6 +28,7 @@ from draft_align.engines.vllm_engine import (
     RefreshError,
     SpecCounters,
     _private_subtrees,
+    _rpc,
     _vllm_name,
     expand_to_tokens,
     rpc_load_draft,
@@ -100,6 +101,19 @@ def test_expand_to_tokens_matches_vllm_kernel_semantics():
     ints = torch.zeros(4, dtype=torch.int64)
     expand_to_tokens(ints, torch.tensor([5, 0]), torch.tensor([1, 4]), 0, 3)
     assert ints.tolist() == [5, 3, 3, 3]
+
+
+def test_rpc_serialisation_error_is_explained():
+    def refuse(fn, args=()):
+        raise TypeError("Object of type <class 'function'> is not serializable")
+
+    def other(fn, args=()):
+        raise TypeError("bad argument")
+
+    with pytest.raises(EngineError, match="VLLM_ALLOW_INSECURE_SERIALIZATION=1"):
+        _rpc(SimpleNamespace(collective_rpc=refuse), rpc_load_draft)
+    with pytest.raises(TypeError, match="bad argument"):
+        _rpc(SimpleNamespace(collective_rpc=other), rpc_load_draft)
 
 
 def test_draft_name_mapping_and_private_subtrees():
