@@ -199,7 +199,17 @@ def summarise(result: dict[str, Any]) -> dict[str, Any]:
     sl = steps[-1] if steps else {}
     tokens = sl.get("tap_tokens_offered") or sl.get("tap_tokens_kept")
     if tokens:
-        out["wire_bytes_per_tapped_token"] = (sl.get("wire_bytes_sent") or 0) / tokens
+        total = sl.get("wire_bytes_sent") or 0
+        out["wire_bytes_per_tapped_token"] = total / tokens
+        # HeadSync (one per policy version): rows [Vd, H] bf16 + d2t [Vd] int64 + norm [H] f32
+        man = json.loads((Path(result["start_draft"]) / "manifest.json").read_text())
+        vd, h = int(man["draft_vocab_size"]), int(man["target"]["hidden_size"])
+        head_bytes = vd * h * 2 + vd * 8 + h * 4
+        heads = int(sl.get("tap_head_syncs") or 0)
+        out["headsync_bytes_each"] = head_bytes
+        out["headsync_count"] = heads
+        out["tapbatch_bytes_per_token"] = (total - heads * head_bytes) / tokens
+        out["tapped_tokens"] = tokens
     out["step_s_median"] = _median([r["step_s"] for r in steps if r.get("step_s")])
     out["rollout_s_median"] = _median([r["rollout_s"] for r in steps if r.get("rollout_s")])
     out["tap_s_median"] = _median([r["tap_s"] for r in steps if r.get("tap_s") is not None])
@@ -265,8 +275,11 @@ def render(result: dict[str, Any]) -> str:
         f"{_f(o['tap_inside_median_s'])} s. Over a whole RL step (median {_f(s['step_s_median'], 1)} s, "
         f"rollouts {_f(s['rollout_s_median'], 1)} s) the Tap's own time was {_f(s['tap_s_median'])} s: "
         f"**{_f(s['step_s_median'] / (s['step_s_median'] - s['tap_s_median']) if s['tap_s_median'] else None, 4)}×**.",
-        f"- Wire: {_f(s.get('wire_bytes_per_tapped_token'), 0)} bytes per tapped token (all messages incl. "
-        "HeadSync / tapped tokens).",
+        f"- Wire: {_f(s.get('tapbatch_bytes_per_token'), 0)} bytes per tapped token in TapBatch messages (3 aux + "
+        f"final hidden in bf16, ids, mask, log-prob, logsumexp, top-1); plus one HeadSync per policy version of "
+        f"{_f(s.get('headsync_bytes_each', 0) / 2**20, 1)} MiB ({s.get('headsync_count')} sent): "
+        f"{_f(s.get('wire_bytes_per_tapped_token'), 0)} bytes per tapped token in all, "
+        f"{s.get('tapped_tokens')} tokens tapped.",
         f"- Sidecar: ingest {_f(s.get('sidecar_ingest_tokens_per_s'), 0)} tokens/s (decode + validate + split), "
         f"training {_f(s.get('sidecar_train_tokens_per_s'), 0)} tokens/s (1 thread); "
         f"{s.get('sidecar_trained_tokens')} tokens trained on {s.get('sidecar_ingested_tokens')} received.",

@@ -10,6 +10,7 @@ Summary (``write_report``'s return value), with the *last half* = the last ⌈n/
     accept_frozen  = mean of accept_measured_frozen  over the last half
     accept_margin  = accept_adapted − accept_frozen
     first_step_adapted_ahead = first step with accept_measured_adapted − accept_measured_frozen > 0.02
+                               (among steps served by a published draft, draft_version > 0)
 
 and the same three for the estimates (``accept_est_*``).  Drops, rejections and published versions are
 cumulative counters in the log: their totals are the last reported values.
@@ -81,7 +82,11 @@ def _last(records: Sequence[dict[str, Any]], key: str) -> float | None:
 
 
 def _first_ahead(records: Sequence[dict[str, Any]], adapted: str, frozen: str) -> int | None:
+    """First step where the adapted draft leads by more than the threshold; steps still served by the
+    starting draft (``draft_version`` 0: adapted and frozen are the same draft there) do not count."""
     for r in records:
+        if number(r.get("draft_version")) == 0:
+            continue
         a, f = number(r.get(adapted)), number(r.get(frozen))
         if a is not None and f is not None and a - f > AHEAD_THRESHOLD:
             return r["step"]
