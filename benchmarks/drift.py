@@ -321,6 +321,8 @@ def main() -> int:
     ap.add_argument("--eval-prompts", type=int, default=16)
     ap.add_argument("--overhead-reps", type=int, default=5)
     ap.add_argument("--skip-run", action="store_true", help="reuse the run folder (oracle + report only)")
+    ap.add_argument("--remeasure-adapted", default=None,
+                    help="comma-separated oracle versions whose 'adapted' column is measured again (with --skip-run)")
     ap.add_argument("--reuse-overhead", action="store_true",
                     help="keep the Tap-overhead measurement already in drift.json (same recipe) instead of re-measuring")
     ap.add_argument("--overhead-only", action="store_true",
@@ -343,6 +345,7 @@ def main() -> int:
     result: dict[str, Any] = {"command": command, "date": time.strftime("%Y-%m-%d"), "start_draft": str(start),
                               "recipe": recipe_to_dict(recipe)}
     jpath = out / "drift.json"
+    earlier = json.loads(jpath.read_text()) if jpath.exists() else {}
     if args.overhead_only:
         import shutil
 
@@ -388,12 +391,32 @@ def main() -> int:
     torch.set_num_threads(2)
     result["oracle"] = []
     by_step = {int(r["step"]): r for r in result["steps"]}
-    for v in oracle_at:
-        policy, oracle, summary = oracle_point(recipe, start, v, args)
-        used = int(by_step.get(v, {}).get("draft_version") or 0)
-        from draft_align.publish.export import version_dir
+    redo = {int(x) for x in (args.remeasure_adapted or "").split(",") if x.strip()}
+    prev_points = {p["version"]: p for p in earlier.get("oracle", [])} if redo else {}
+    from draft_align.publish.export import read_latest, read_manifest, version_dir
 
-        adapted = version_dir(run_dir, used) if used > 0 else start
+    for v in oracle_at:
+        if v in prev_points and v not in redo:
+            result["oracle"].append(prev_points[v])
+            continue
+        if v in prev_points:
+            policy, oracle, summary = None, None, None
+        else:
+            policy, oracle, summary = oracle_point(recipe, start, v, args)
+        if v in by_step:  # the draft the RL job decoded policy v's rollouts with
+            used = int(by_step[v].get("draft_version") or 0)
+            adapted = version_dir(run_dir, used) if used > 0 else start
+        else:  # the final policy: no step used it; the newest draft published by the end of the run
+            latest = read_latest(run_dir)
+            adapted = latest if latest is not None else start
+            used = int(read_manifest(adapted, verify=False)["draft_version"]) if latest is not None else 0
+        if v in prev_points:  # only the adapted column is measured again
+            point = prev_points[v]
+            policy = (run_dir / "policy_merged" / f"v{v:04d}") if v > 0 else Path(recipe.target.model)
+            point["measure"]["adapted"] = measure_point(policy, {"adapted": adapted}, args.eval_prompts, recipe,
+                                                        seed=v)["adapted"]
+            result["oracle"].append(point)
+            continue
         m = measure_point(policy, {"frozen": start, "adapted": adapted, "oracle": oracle}, args.eval_prompts,
                           recipe, seed=v)
         result["oracle"].append({"version": v, "oracle_draft": str(oracle), "oracle_data": summary["metrics"],
