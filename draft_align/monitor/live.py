@@ -172,7 +172,7 @@ def follow(
     *,
     once: bool = False,
     interval_s: float = 1.0,
-    out: IO[str] = sys.stdout,
+    out: IO[str] | None = None,
     max_wait_s: float | None = None,
 ) -> int:
     """Print ``HEADER`` and a row per record of ``<run_dir>/sidecar/monitor.jsonl``; returns the rows printed.
@@ -185,6 +185,7 @@ def follow(
         raise ValueError(f"interval_s must be > 0, got {interval_s}")
     if max_wait_s is not None and max_wait_s < 0:
         raise ValueError(f"max_wait_s must be >= 0 or None, got {max_wait_s}")
+    out = out if out is not None else sys.stdout  # looked up per call: stdout may be replaced after import
     path = Path(run_dir) / MONITOR_LOG
     if once and not path.exists():
         raise FileNotFoundError(f"no monitor log at {path} (is {run_dir} a co-training run folder?)")

@@ -123,7 +123,7 @@ def vllm_world(request, tmp_path_factory) -> VllmWorld:
     )  # fmt: skip
     threads = torch.get_num_threads()
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("DRAFT_ALIGN_HOME", str(tiny_world.home))
+        mp.setenv("DRAFT_ALIGN_HOME", str(root / "home"))  # its own caches: never the shared tiny world's
         torch.set_num_threads(1)
         t0 = time.perf_counter()
         try:
