@@ -150,6 +150,11 @@ def run_cotrain(
     out = out or sys.stdout
     torch.set_num_threads(recipe.rl.num_threads)
     run_dir = recipe.run_dir
+    if (run_dir / "rl").exists() or (run_dir / "sidecar").exists():
+        # an RL run starts from the initial policy: a previous run's logs, drafts and policies are kept aside
+        aside = run_dir.with_name(f"{run_dir.name}.{time.strftime('%Y%m%d-%H%M%S')}")
+        os.replace(run_dir, aside)
+        log.info("a previous run of %s was moved to %s", run_dir, aside)
     start_path = ensure_start_draft(recipe, start)
     resolved = write_resolved(recipe)
     key = channel.resolve_key(recipe.wire.key_file, run_dir, create=True)

@@ -50,6 +50,12 @@ def test_cotrain_runs_rl_with_a_live_sidecar_and_reports(tiny_run, tiny_env, tmp
     latest = read_latest(run)
     if latest is not None:
         read_manifest(latest, verify=True)
+    # a second run starts from the initial policy again; the first one's folder is kept aside, not mixed in
+    again = load_recipe(None, tiny_run.cotrain_overrides(tmp_path, run="e2e", **{"rl.steps": 1}), CotrainRecipe)
+    assert run_cotrain(again, out=io.StringIO(), sidecar_exit_timeout_s=120)["sidecar_rc"] == 0
+    assert len(_rows(run / "rl" / "steps.jsonl")) == 1
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith("e2e.")]
+    assert len(aside) == 1 and len(_rows(aside[0] / "rl" / "steps.jsonl")) == 3
 
 
 def test_rl_steps_continue_when_the_sidecar_is_killed(tiny_run, tiny_env, tmp_path):
