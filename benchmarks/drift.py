@@ -37,6 +37,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.results_md import replace_section  # noqa: E402
 from draft_align.config import CotrainRecipe, load_recipe  # noqa: E402
 
 log = logging.getLogger("bench.drift")
@@ -296,15 +297,8 @@ def render(result: dict[str, Any]) -> str:
 
 
 def write_results(result: dict[str, Any], path: Path) -> None:
-    head = "## Drift: co-training beside GRPO (benchmarks/drift.py)"
-    text = path.read_text() if path.exists() else "# Benchmark results\n\n"
-    if head in text:
-        before, _, rest = text.partition(head)
-        nxt = rest.find("\n## ")
-        text = before + render(result) + (rest[nxt + 1 :] if nxt >= 0 else "")
-    else:
-        text = text.rstrip("\n") + "\n\n" + render(result)
-    path.write_text(text)
+    """Replace this benchmark's section of RESULTS.md (other benchmarks' sections are kept)."""
+    replace_section(path, "## Drift: co-training beside GRPO (benchmarks/drift.py)", render(result))
 
 
 def main() -> int:

@@ -29,6 +29,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.results_md import replace_section  # noqa: E402
 from draft_align.config import load_recipe  # noqa: E402
 from draft_align.monitor.estimator import estimate  # noqa: E402
 from draft_align.monitor.evaluate import eos_ids, evaluate, format_table  # noqa: E402
@@ -135,15 +136,7 @@ def render(result: dict) -> str:
 
 def write_results(result: dict, path: Path) -> None:
     """Replace this benchmark's section of RESULTS.md (other benchmarks' sections are kept)."""
-    head = "## Warm-start (benchmarks/warmstart.py)"
-    text = path.read_text() if path.exists() else "# Benchmark results\n\n"
-    if head in text:
-        before, _, rest = text.partition(head)
-        nxt = rest.find("\n## ")
-        text = before + render(result) + (rest[nxt + 1 :] if nxt >= 0 else "")
-    else:
-        text = text.rstrip("\n") + "\n\n" + render(result)
-    path.write_text(text)
+    replace_section(path, "## Warm-start (benchmarks/warmstart.py)", render(result))
 
 
 def main() -> int:

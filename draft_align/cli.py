@@ -59,11 +59,14 @@ def _load_target_and_draft(target_name: str | None, draft_path: str):
     import torch
 
     from draft_align import assets
-    from draft_align.publish.export import check_compatible, load_draft, read_latest, tokenizer_fingerprint
+    from draft_align.publish.export import (
+        check_compatible,
+        load_draft,
+        resolve_draft_dir,
+        tokenizer_fingerprint,
+    )
 
-    p = Path(draft_path)
-    if not (p / "manifest.json").exists() and (latest := read_latest(p)) is not None:
-        p = latest
+    p = resolve_draft_dir(Path(draft_path))
     draft, manifest = load_draft(p)
     target_name = target_name or manifest["target"]["name"]
     target, tok = assets.load_target(str(target_name), torch.bfloat16, "cpu")

@@ -37,10 +37,12 @@ from torch import nn
 from draft_align.config import CotrainRecipe
 from draft_align.heads.eagle3 import Eagle3Draft
 from draft_align.publish.export import (
+    ExportError,
     export_draft,
     load_draft,
     next_version,
     read_latest,
+    resolve_draft_dir,
     tokenizer_fingerprint,
     version_dir,
     write_latest,
@@ -106,16 +108,13 @@ def starting_draft(recipe: CotrainRecipe, path: str | None = None) -> Path:
     if given is None:
         ws: WarmstartRecipe = load_recipe(recipe.warmstart_recipe)
         given = str(ws.run_dir)
-    p = Path(given)
-    if (p / "manifest.json").is_file():
-        return p
-    latest = read_latest(p) if p.is_dir() else None
-    if latest is None:
+    try:
+        return resolve_draft_dir(Path(given))
+    except ExportError as e:
         raise SidecarError(
-            f"no starting draft at {p}: run the warm-start first (draft-align warmstart "
+            f"no starting draft at {given} ({e}): run the warm-start first (draft-align warmstart "
             f"{recipe.warmstart_recipe}) or set `draft:` to a published draft folder"
-        )
-    return latest
+        ) from e
 
 
 def split_records(batch: Any) -> list[tuple[Record, dict[str, torch.Tensor | None]]]:
@@ -427,7 +426,7 @@ class Sidecar:
             return False
         if self.state.trained_tokens >= sc.max_replay_ratio * self.state.buffered_tokens:
             return False  # wait for new data rather than over-fit what is there
-        if self.buffer.stats()["trainable_tokens"] < min(sc.min_buffer_tokens, sc.buffer_tokens):
+        if self.buffer.trainable_tokens < min(sc.min_buffer_tokens, sc.buffer_tokens):
             return False  # a few dozen sequences would be memorised, not learned from
         batch = self.buffer.sample(sc.batch_tokens, sc.ttt_steps)
         if batch is None:

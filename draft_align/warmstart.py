@@ -296,11 +296,9 @@ def build_draft(target: nn.Module, recipe: WarmstartRecipe, aux: tuple[int, ...]
 
 
 def load_init_draft(target: nn.Module, recipe: WarmstartRecipe, aux: tuple[int, ...]) -> Eagle3Draft:
-    from draft_align.publish.export import check_compatible, load_draft, read_latest
+    from draft_align.publish.export import check_compatible, load_draft, resolve_draft_dir
 
-    src = Path(recipe.draft.init_from)
-    if not (src / "manifest.json").is_file() and src.is_dir() and (latest := read_latest(src)) is not None:
-        src = latest
+    src = resolve_draft_dir(Path(recipe.draft.init_from))
     draft, manifest = load_draft(src)
     check_compatible(manifest, target.config, None)
     if tuple(draft.cfg.aux_layer_ids) != tuple(aux):

@@ -38,7 +38,6 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from draft_align.publish.export import (
-    MANIFEST_FILE,
     WEIGHTS_FILE,
     CorruptCheckpointError,
     ExportError,
@@ -46,6 +45,7 @@ from draft_align.publish.export import (
     load_draft,
     read_latest,
     read_manifest,
+    resolve_draft_dir,
 )
 
 if TYPE_CHECKING:
@@ -90,17 +90,6 @@ def _vllm() -> Any:
             f"torchvision, torchaudio and torchcodec), GPU `pip install vllm` (docs/engines.md)"
         ) from e
     return vllm
-
-
-def _draft_folder(path: Path) -> Path:
-    """A draft folder, or the folder a run folder's ``latest`` names."""
-    path = Path(path)
-    if (path / MANIFEST_FILE).is_file():
-        return path
-    latest = read_latest(path)
-    if latest is None:
-        raise ExportError(f"{path} is neither a draft folder (no {MANIFEST_FILE}) nor a run with a `latest`")
-    return latest
 
 
 def _rpc(llm: Any, fn: Any, *args: Any) -> list[Any]:
@@ -151,7 +140,7 @@ def start_engine(
         raise ValueError("disable_log_stats=True hides the spec-decode counters SpecCounters reads")
     if "speculative_config" in llm_kwargs:
         raise ValueError("speculative_config is built from draft_dir, k and draft_sample_method")
-    draft = _draft_folder(Path(draft_dir))
+    draft = resolve_draft_dir(Path(draft_dir))
     manifest = read_manifest(draft, verify=True)
     resolved = resolve_model(target)
     check_compatible(manifest, AutoConfig.from_pretrained(resolved), None)

@@ -219,3 +219,46 @@ def acceptance_length_replay(alpha: torch.Tensor, valid: torch.Tensor) -> tuple[
     """Engine-replay acceptance of one sequence: (1 + Σ_i A_i(0)/R(0), A(0)/R(0) [k]); see :func:`replay_tally`."""
     tally = replay_tally(alpha, valid)
     return tally.mean_length(), torch.tensor(tally.per_position(), dtype=torch.float64)
+
+
+class EstimatePool:
+    """Per-sequence α tables pooled into the estimators' report (see :func:`estimator.estimate`).
+
+    ``add`` takes one sequence's α [S, k], the observed-acceptance table [S, k] and validity [S, k]; its engine
+    replay is pooled as Σ accepted / Σ rounds, the all-starts average over every valid chain start.
+    """
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+        self.tally = AcceptanceTally.empty(k)
+        self.observed = AcceptanceTally.empty(k)
+        self.sums = torch.zeros(k, dtype=torch.float64)
+        self.n_starts = 0
+
+    def add(self, alpha: torch.Tensor, observed: torch.Tensor, valid: torch.Tensor) -> AcceptanceTally:
+        """Pool one sequence; returns its own replay tally."""
+        one = replay_tally(alpha, valid)
+        self.tally.merge(one)
+        self.observed.merge(replay_tally(observed, valid))
+        n, s = all_starts_sums(alpha, valid)
+        self.n_starts += n
+        self.sums += s
+        return one
+
+    def result(self, mode: VerifyMode, temperature: float) -> dict[str, Any]:
+        k = self.k
+        per_all = (self.sums / self.n_starts).tolist() if self.n_starts else [math.nan] * k
+        argmax_draft = mode != "probabilistic" or temperature <= 0
+        return {
+            "acceptance_length_est": self.tally.mean_length(),
+            "acceptance_length_all_starts": 1.0 + sum(per_all) if self.n_starts else math.nan,
+            "acceptance_length_observed": self.observed.mean_length() if argmax_draft else None,
+            "per_position_est": self.tally.per_position(),
+            "per_position_all_starts": per_all,
+            "per_position_observed": self.observed.per_position() if argmax_draft else None,
+            "rounds_est": self.tally.rounds,
+            "num_starts": self.n_starts,
+            "k": k,
+            "verify_mode": mode,
+            "temperature": float(temperature),
+        }

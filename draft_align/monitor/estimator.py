@@ -15,7 +15,6 @@ which the sequence cannot show; those are counted by the engine and not here.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -23,12 +22,10 @@ from torch import nn
 
 from draft_align.heads.eagle3 import Eagle3Draft
 from draft_align.monitor.acceptance import (
-    AcceptanceTally,
+    EstimatePool,
     VerifyMode,
     acceptance_prob,
-    all_starts_sums,
     check_mode,
-    replay_tally,
 )
 from draft_align.target.tap import HFTap, decoder_parts
 
@@ -161,10 +158,7 @@ def estimate(
     T > 0, whose draft samples).  Sequences with an empty response are skipped.
     """
     check_mode(mode)
-    tally = AcceptanceTally.empty(k)
-    observed = AcceptanceTally.empty(k)
-    n_starts = 0
-    sums = torch.zeros(k, dtype=torch.float64)
+    pool = EstimatePool(k)
     num_tokens = 0
     with HFTap(target, draft.cfg.aux_layer_ids, capture_final=False) as tap:
         for prompt, response in sequences:
@@ -176,27 +170,6 @@ def estimate(
             ids = torch.cat((prompt, response.to(prompt.device)))
             logits, q, starts = _unroll_scores(target, draft, ids, prompt.numel(), k, tap)
             d2t = draft.draft_to_target.to(logits.device)
-            valid = _valid(starts, k, ids.numel())
-            alpha = _alpha(logits, q, starts, d2t, mode, temperature)
-            tally.merge(replay_tally(alpha, valid))
-            observed.merge(replay_tally(_observed(ids, q, starts, d2t), valid))
-            n, s = all_starts_sums(alpha, valid)
-            n_starts += n
-            sums += s
-    per_all = (sums / n_starts).tolist() if n_starts else [math.nan] * k
-    argmax_draft = mode != "probabilistic" or temperature <= 0
-    return {
-        "acceptance_length_est": tally.mean_length(),
-        "acceptance_length_all_starts": 1.0 + sum(per_all) if n_starts else math.nan,
-        "acceptance_length_observed": observed.mean_length() if argmax_draft else None,
-        "per_position_est": tally.per_position(),
-        "per_position_all_starts": per_all,
-        "per_position_observed": observed.per_position() if argmax_draft else None,
-        "rounds_est": tally.rounds,
-        "num_starts": n_starts,
-        "num_tokens": num_tokens,
-        "num_sequences": len(sequences),
-        "k": k,
-        "verify_mode": mode,
-        "temperature": float(temperature),
-    }
+            pool.add(_alpha(logits, q, starts, d2t, mode, temperature), _observed(ids, q, starts, d2t),
+                     _valid(starts, k, ids.numel()))
+    return {**pool.result(mode, temperature), "num_tokens": num_tokens, "num_sequences": len(sequences)}

@@ -35,11 +35,9 @@ from torch import nn
 
 from draft_align.heads.eagle3 import Eagle3Draft
 from draft_align.monitor.acceptance import (
-    AcceptanceTally,
+    EstimatePool,
     VerifyMode,
-    all_starts_sums,
     check_mode,
-    replay_tally,
     verifies_by_argmax,
 )
 from draft_align.target.tap import draft_logits
@@ -185,10 +183,7 @@ def estimate_records(
     refused (RecordEstimateError): the buffer never holds them.
     """
     check_mode(mode)
-    tally = AcceptanceTally.empty(k)
-    observed = AcceptanceTally.empty(k)
-    sums = torch.zeros(k, dtype=torch.float64)
-    n_starts = 0
+    pool = EstimatePool(k)
     num_tokens = 0
     per_sequence: list[tuple[float, float]] = []
     with _eval_mode(draft):
@@ -197,31 +192,14 @@ def estimate_records(
                 raise RecordEstimateError(f"record (arrival {rec.arrival}) has no response token")
             alpha, obs, valid = _unroll_tables(draft, embed, rows, rec, k, mode, temperature)
             num_tokens += int(rec.record.loss_mask.sum())
-            one = replay_tally(alpha, valid)
-            tally.merge(one)
-            observed.merge(replay_tally(obs, valid))
+            one = pool.add(alpha, obs, valid)
             per_sequence.append((one.mean_length(), one.rounds))
-            n, s = all_starts_sums(alpha, valid)
-            n_starts += n
-            sums += s
-    per_all = (sums / n_starts).tolist() if n_starts else [math.nan] * k
-    argmax_draft = mode != "probabilistic" or temperature <= 0
     return {
-        "acceptance_length_est": tally.mean_length(),
-        "acceptance_length_all_starts": 1.0 + sum(per_all) if n_starts else math.nan,
-        "acceptance_length_observed": observed.mean_length() if argmax_draft else None,
-        "per_position_est": tally.per_position(),
-        "per_position_all_starts": per_all,
-        "per_position_observed": observed.per_position() if argmax_draft else None,
+        **pool.result(mode, temperature),
         "per_sequence": per_sequence,
         "sequence_ids": [rec.arrival for rec in records],
-        "rounds_est": tally.rounds,
-        "num_starts": n_starts,
         "num_tokens": num_tokens,
         "num_sequences": len(records),
-        "k": k,
-        "verify_mode": mode,
-        "temperature": float(temperature),
     }
 
 

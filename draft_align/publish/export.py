@@ -735,3 +735,14 @@ def read_latest(run_dir: Path) -> Path | None:
     if not target.is_dir():
         raise ExportError(f"{run_dir / LATEST_FILE} names {text!r}, which does not exist")
     return target
+
+
+def resolve_draft_dir(path: Path) -> Path:
+    """A published draft folder, or the folder a run folder's ``latest`` names (ExportError otherwise)."""
+    path = Path(path)
+    if (path / MANIFEST_FILE).is_file():
+        return path
+    latest = read_latest(path) if path.is_dir() else None
+    if latest is None:
+        raise ExportError(f"{path} is neither a draft folder (no {MANIFEST_FILE}) nor a run with a `latest`")
+    return latest

@@ -23,6 +23,7 @@ from draft_align.publish.export import (
     ExportError,
     load_draft,
     read_latest,
+    resolve_draft_dir,
 )
 
 log = logging.getLogger(__name__)
@@ -30,17 +31,6 @@ log = logging.getLogger(__name__)
 # Eagle3Config fields that must equal the frozen draft's: what the Tap captures and the vocab map
 # HeadSync ships are fixed for a run.
 _FIXED_FIELDS = ("aux_layer_ids", "vocab_size", "draft_vocab_size", "target_hidden_size", "target_num_layers")
-
-
-def resolve_draft_dir(path: Path) -> Path:
-    """A published draft folder, or the folder a run folder's ``latest`` names."""
-    path = Path(path)
-    if (path / MANIFEST_FILE).is_file():
-        return path
-    latest = read_latest(path)
-    if latest is None:
-        raise ExportError(f"{path} is neither a draft folder (no {MANIFEST_FILE}) nor a run with a `latest`")
-    return latest
 
 
 def _signature(path: Path) -> tuple[str, int, int, int]:

@@ -9,6 +9,7 @@ draft follows the current policy while older data still regularises it.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import math
 from collections import deque
@@ -210,6 +211,12 @@ class ReplayBuffer:
         return collate([r.record for r in chosen], steps) if chosen else None
 
     # ------------------------------------------------------------------ monitoring
+    @property
+    def trainable_tokens(self) -> int:
+        """Tokens of the records training may sample: all but the held-out newest (O(holdout), not O(buffer))."""
+        held = len(self._records) - self._split()
+        return self._tokens - sum(r.num_tokens for r in itertools.islice(reversed(self._records), held))
+
     def stats(self) -> dict[str, Any]:
         """Counters for monitoring; ``version_min``/``version_max`` are None while the buffer is empty."""
         split = self._split()

@@ -3,8 +3,8 @@ import logging
 import pytest
 import torch
 
-from draft_align.publish.export import ExportError, version_dir
-from draft_align.rl.drafts import DraftWatcher, resolve_draft_dir
+from draft_align.publish.export import ExportError, resolve_draft_dir, version_dir
+from draft_align.rl.drafts import DraftWatcher
 
 
 def same_weights(a, b) -> bool:

@@ -208,3 +208,11 @@ def test_deterministic_given_same_adds():
 
     assert run(3) == run(3)
     assert run(3) != run(4)
+
+
+def test_trainable_tokens_property_matches_stats():
+    buf = ReplayBuffer(max_tokens=60, half_life=2.0, holdout_records=2, seed=0)
+    for i, n in enumerate([5, 7, 9, 11, 13]):
+        buf.add(tapped(n, version=i))
+        assert buf.trainable_tokens == buf.stats()["trainable_tokens"]
+    assert buf.trainable_tokens == 5 + 7 + 9
