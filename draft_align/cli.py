@@ -117,6 +117,14 @@ def cmd_export(args: argparse.Namespace) -> int:
         speculative_tokens=args.k,
     )
     print(f"exported {src} → {out} ({args.dialect} dialect)")
+    if args.check == "sglang":
+        from draft_align.publish.sglang import check_sglang_compatible
+
+        problems = check_sglang_compatible(out, target.config)
+        for p in problems:
+            print(f"sglang: {p}")
+        print("sglang: compatible" if not problems else f"sglang: {len(problems)} problem(s)")
+        return 1 if problems else 0
     return 0
 
 
@@ -230,6 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--dialect", choices=["hf", "speculators"], default="hf")
     x.add_argument("--k", type=int, default=3, help="speculative tokens recorded in the speculators config")
     x.add_argument("--overwrite", action="store_true")
+    x.add_argument("--check", choices=["sglang"], default=None,
+                   help="check the written folder against SGLang's EAGLE-3 loader rules (exit 1 on problems)")
     x.set_defaults(fn=cmd_export)
     return ap
 

@@ -181,6 +181,11 @@ class SidecarConfig:
     prometheus_port: int | None = 0  # 0 = any free port (written to <run_dir>/sidecar/prometheus.port); null = off
     num_threads: int = 1
     max_consecutive_nonfinite: int = 5
+    # torchrun ranks (train/distributed.py): the policy's tap connects to this many sidecar endpoints, and
+    # `torchrun --nproc-per-node` must equal it; gradients averaged by DDP (`parallel`)
+    ranks: int = 1
+    parallel: str = "ddp"
+    collective_timeout_s: float = 300.0  # a rank that died or hangs stops the others after this long
 
 
 @dataclass
@@ -211,6 +216,14 @@ class RLConfig:
     first_prompt: int = 0  # RL prompts: train conversations from this index on
     num_threads: int = 1
     wait_for_draft_s: float = 0.0  # at start, wait this long for the sidecar's first publish (never per step)
+    # rollout engine: vllm (the policy synced into it every step), reference (our lossless decoder, batch 1),
+    # auto = vllm when it is installed and serves the target, else reference (with a warning)
+    engine: str = "auto"
+    engine_kv_cache_gb: float = 1.0
+    engine_max_model_len: int = 1024
+    engine_probe_prompts: int = 4  # silent-zero guard: held-out prompts decoded at T=0 after each new draft
+    engine_probe_tokens: int = 32
+    engine_probe_min_ratio: float = 0.5  # alarm + rollback when L − 1 < ratio · (previous L − 1)
 
 
 @dataclass
@@ -245,6 +258,11 @@ class CotrainRecipe:
             raise RecipeError(f"sidecar.eval_mode {self.sidecar.eval_mode!r}")
         if self.rl.verify_mode not in ("greedy", "greedy_draft", "probabilistic"):
             raise RecipeError(f"rl.verify_mode {self.rl.verify_mode!r}")
+        if self.rl.engine not in ("auto", "vllm", "reference"):
+            raise RecipeError(f"rl.engine {self.rl.engine!r}: expected auto, vllm or reference")
+        if self.rl.engine == "vllm" and self.rl.verify_mode == "greedy" and self.rl.temperature > 0:
+            raise RecipeError("rl.verify_mode greedy (argmax everywhere) at T > 0 has no vLLM equivalent: use "
+                              "greedy_draft (vLLM's default) or probabilistic, or rl.engine=reference")
         if not 0.0 <= self.rl.frozen_fraction <= 1.0:
             raise RecipeError("rl.frozen_fraction must be in [0, 1]")
         if self.rl.group_size < 2:
@@ -255,6 +273,11 @@ class CotrainRecipe:
             raise RecipeError("sidecar.max_replay_ratio must be > 0")
         if self.sidecar.buffer_tokens < self.sidecar.batch_tokens:
             raise RecipeError("sidecar.buffer_tokens must be ≥ sidecar.batch_tokens")
+        if self.sidecar.ranks < 1 or not self.sidecar.collective_timeout_s > 0:
+            raise RecipeError("sidecar.ranks must be ≥ 1 and sidecar.collective_timeout_s > 0")
+        if self.sidecar.parallel != "ddp":
+            raise RecipeError(f"sidecar.parallel {self.sidecar.parallel!r}: only 'ddp' is implemented "
+                              f"(fsdp2 is planned for heads too large to replicate)")
         if self.logging.wandb_mode not in ("offline", "online", "disabled"):
             raise RecipeError(f"logging.wandb_mode {self.logging.wandb_mode!r}")
         if self.target.dtype not in ("bfloat16", "float32", "float16"):

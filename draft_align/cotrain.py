@@ -56,8 +56,10 @@ def write_resolved(recipe: CotrainRecipe) -> Path:
     return path
 
 
-def spawn_sidecar(recipe_file: Path, start: Path, log_file: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "draft_align", "sidecar", str(recipe_file), "--draft", str(start),
+def spawn_sidecar(recipe_file: Path, start: Path, log_file: Path, ranks: int = 1) -> subprocess.Popen:
+    """The sidecar as a child process; with ``ranks`` > 1 under torchrun (one rank per process)."""
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"] if ranks > 1 else []
+    cmd = [sys.executable, *launcher, "-m", "draft_align", "sidecar", str(recipe_file), "--draft", str(start),
            "--exit-when-done"]
     fh = open(log_file, "ab")  # noqa: SIM115 - owned by the child for its lifetime
     return subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
@@ -73,7 +75,8 @@ def wait_ready(proc: subprocess.Popen, run_dir: Path, timeout_s: float) -> bool:
     end = time.monotonic() + timeout_s
     while time.monotonic() < end and proc.poll() is None:
         try:
-            if json.loads(path.read_text()).get("pid") == proc.pid:
+            ready = json.loads(path.read_text())
+            if proc.pid in (ready.get("pid"), ready.get("ppid")):  # ppid: torchrun's agent (sidecar.ranks > 1)
                 return True
         except (FileNotFoundError, json.JSONDecodeError):
             pass
@@ -128,8 +131,41 @@ def build_job(recipe: CotrainRecipe, start: Path, sink: Any, tap_sink: Any) -> A
     if hasattr(tap_sink, "stats"):
         def extra() -> dict[str, Any]:
             return {f"wire_{k}": v for k, v in tap_sink.stats().items()}
+    engine = start_rollout_engine(recipe, start, kl_prompts)
     return GRPOJob(recipe, policy, tok, prompts, kl_sequences, watcher, tap, sink, recipe.run_dir, eos,
-                   extra_metrics=extra)
+                   extra_metrics=extra, engine=engine)
+
+
+def start_rollout_engine(recipe: CotrainRecipe, start: Path, probe_prompts: list[torch.Tensor]) -> Any:
+    """The vLLM rollout engine ``rl.engine`` asks for, or None for the reference decoder.
+
+    ``auto``: vLLM when it is importable and starts on the target; a start failure is logged as an error and
+    the job continues on the reference decoder.  ``vllm``: a failure raises.  The probe guard decodes the first
+    ``rl.engine_probe_prompts`` held-out prompts at T = 0 after each newly offered draft.
+    """
+    from draft_align.engines.vllm_engine import EngineError, ProbeGuard, vllm_available
+
+    rl = recipe.rl
+    if rl.engine == "reference" or (rl.engine == "auto" and not vllm_available()):
+        if rl.engine == "auto":
+            log.warning("rl.engine auto: vLLM is not installed; rollouts use the reference decoder (batch 1)")
+        return None
+    from draft_align.engines.rollouts import VLLMRollouts
+
+    probes = [{"prompt_token_ids": p.tolist()} for p in probe_prompts[: max(1, rl.engine_probe_prompts)]]
+    try:
+        guard = ProbeGuard(tuple(probes), max_tokens=rl.engine_probe_tokens, min_ratio=rl.engine_probe_min_ratio)
+        return VLLMRollouts(
+            recipe.target.model, start, k=rl.spec_k, verify_mode=rl.verify_mode, dtype=recipe.target.dtype,
+            max_model_len=rl.engine_max_model_len, seed=recipe.seed, guard=guard,
+            kv_cache_gb=rl.engine_kv_cache_gb, enforce_eager=True,
+        )  # fmt: skip
+    except (EngineError, ValueError) as e:
+        if rl.engine == "vllm":
+            raise
+        log.error("rl.engine auto: vLLM could not serve %s (%s); rollouts use the reference decoder",
+                  recipe.target.model, e)  # fmt: skip
+        return None
 
 
 def run_cotrain(
@@ -159,9 +195,9 @@ def run_cotrain(
     resolved = write_resolved(recipe)
     key = channel.resolve_key(recipe.wire.key_file, run_dir, create=True)
     endpoint = recipe.wire.endpoint or channel.default_endpoint(run_dir, "tap")
-    proc = spawn_sidecar(resolved, start_path, run_dir / "sidecar.log") if sidecar else None
+    proc = spawn_sidecar(resolved, start_path, run_dir / "sidecar.log", ranks=recipe.sidecar.ranks) if sidecar else None
     sender = channel.TapSender(
-        endpoint, key, queue_messages=recipe.wire.queue_messages, queue_bytes=recipe.wire.queue_mb << 20,
+        channel.tap_endpoints(endpoint, recipe.sidecar.ranks), key, queue_messages=recipe.wire.queue_messages, queue_bytes=recipe.wire.queue_mb << 20,
         allow_remote=recipe.wire.allow_remote,
     )
     rc = None
@@ -175,6 +211,8 @@ def run_cotrain(
             metrics = job.step()
             print(format_row(metrics), file=out, flush=True)
         job.finish()
+        if job.engine is not None:
+            job.engine.shutdown()
         sender.offer(StepReport(run_id=recipe.run, step=job.step_index, policy_version=job.policy.version,
                                 metrics={"final": 1.0}))
         time.sleep(0.5)  # let the background thread hand the last messages to ZeroMQ

@@ -164,6 +164,7 @@ class TinyRun:
             "sidecar.lr": 1e-3, "logging.wandb": "false", "tap.tokens_per_step": 2000,
             "rl.steps": 2, "rl.prompts_per_step": 2, "rl.group_size": 2, "rl.max_new_tokens": 8, "rl.kl_prompts": 2,
             "rl.micro_batch": 4, "rl.max_prompt_tokens": 96, "rl.spec_k": 2, "rl.reward": "uppercase", "rl.lr": 1e-2,
+            "rl.engine": "reference",
         }
         base.update(extra)
         return [f"{k}={v}" for k, v in base.items()]

@@ -640,8 +640,11 @@ class DraftRefresher:
         return False
 
     # ----------------------------------------------------------------- public
-    def apply(self, version_dir: str | Path) -> bool:
-        """Serve the published version at ``version_dir``; False (previous version serving) when it cannot."""
+    def apply(self, version_dir: str | Path, *, probe: bool = True) -> bool:
+        """Serve the published version at ``version_dir``; False (previous version serving) when it cannot.
+
+        ``probe=False`` skips the guard (for swapping back to a version that already passed it).
+        """
         start = time.perf_counter()
         path = Path(version_dir)
         version: int | None = None
@@ -654,7 +657,8 @@ class DraftRefresher:
         except (ExportError, OSError, KeyError, TypeError, ValueError) as e:
             return self._fail(version, path, f"{type(e).__name__}: {e}", start)
 
-        if self.guard is not None and self._probe_ref is None:
+        guarded = probe and self.guard is not None
+        if guarded and self._probe_ref is None:
             self._probe_ref = self.probe().mean_acceptance_length()
         try:
             info = self._load(new)
@@ -665,7 +669,8 @@ class DraftRefresher:
             return self._fail(version, path, f"load failed, rolled back: {type(e).__name__}: {e}", start)
 
         probe_l: float | None = None
-        if self.guard is not None:
+        if guarded:
+            assert self.guard is not None
             probe_l = self.probe().mean_acceptance_length()
             ref = self._probe_ref
             key = self.guard.reference_key

@@ -3,16 +3,19 @@
 One RL step (``GRPOJob.step``):
 
 a. ``watcher.refresh()``: pick up the sidecar's newest published draft (a file read, never a wait);
-b. rollouts: ``prompts_per_step`` prompts × ``group_size`` responses at ``rl.temperature``, each decoded
-   by :class:`SpecDecoder` (batch 1, target = the policy, k = ``rl.spec_k``, ``rl.verify_mode``).  A seeded
+b. rollouts: ``prompts_per_step`` prompts × ``group_size`` responses at ``rl.temperature``.  A seeded
    random ``frozen_fraction`` of them uses the frozen warm-start draft, the rest the adapted draft.
    Speculative decoding is lossless, so the RL data has the policy's distribution either way, and both
-   drafts' acceptance is measured on real rollouts of the same step;
+   drafts' acceptance is measured on real rollouts of the same step.  With an ``engine``
+   (:class:`~draft_align.engines.rollouts.VLLMRollouts`) the policy's current weights are synced into vLLM,
+   a newly published draft is offered to it (probe guard, rollback), and each draft's rollouts are one
+   batched ``generate`` whose acceptance comes from vLLM's counters; without one, each rollout is decoded by
+   :class:`SpecDecoder` (batch 1, target = the policy, k = ``rl.spec_k``, ``rl.verify_mode``);
 c. rewards r and group-normalised advantages  A = (r − mean_group(r)) / (std_group(r) + 1e-4)
    (std with Bessel's correction);
 d. the log-prob pass: one no-grad forward per micro-batch of right-padded prompt ⧺ response rows inside
-   ``tap.capturing()``, each handed to ``tap.submit``; these are the "old" log-probs; then
-   ``tap.end_step()``.  ``tap.head_sync`` runs once per policy version, before its first TapBatch;
+   ``tap.capturing()``, each handed to ``tap.submit``; these are the "old" log-probs (also with an engine:
+   its own log-probs are only compared with them, ``engine_logprob_gap_*``); then ``tap.end_step()``.  ``tap.head_sync`` runs once per policy version, before its first TapBatch;
 e. the update: per response token, with ρ = exp(log π(y) − log π_old(y)) at temperature T,
        ℓ = −min(ρ·A, clip(ρ, 1 − ε, 1 + ε)·A)  [+ β·k3,  k3 = exp(log π0 − log π) − (log π0 − log π) − 1]
    averaged over every response token of the step (gradient accumulation over micro-batches), the
@@ -46,6 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from draft_align import data
+from draft_align.engines.vllm_engine import SpecCounters
 from draft_align.monitor.acceptance import AcceptanceTally
 from draft_align.monitor.specdec import SpecDecoder
 from draft_align.rl.drafts import DraftWatcher
@@ -56,6 +60,7 @@ from draft_align.wire.messages import StepReport
 
 if TYPE_CHECKING:
     from draft_align.config import CotrainRecipe
+    from draft_align.engines.rollouts import VLLMRollouts
     from draft_align.target.policy_tap import PolicyTap, TapSink
 
 log = logging.getLogger(__name__)
@@ -179,8 +184,9 @@ class Rollout:
     response: torch.Tensor  # [R] new tokens (eos included when finished)
     finished: bool  # ended with an eos token
     draft: str  # "adapted" | "frozen"
-    tally: AcceptanceTally
+    tally: AcceptanceTally | None  # per-rollout tally of the reference decoder (None: an engine's rollout)
     reward: float = 0.0
+    engine_logprobs: torch.Tensor | None = None  # [R] the engine's log-probs of the sampled tokens
     advantage: float = 0.0
 
 
@@ -206,6 +212,7 @@ class GRPOJob:
         *,
         pad_id: int | None = None,
         extra_metrics: Callable[[], dict[str, Any]] | None = None,
+        engine: VLLMRollouts | None = None,
     ) -> None:
         rl = recipe.rl
         if not prompts:
@@ -245,6 +252,8 @@ class GRPOJob:
         self.last_rollouts: list[Rollout] = []  # the latest step's rollouts (for inspection)
         self.steps_path = self.run_dir / "rl" / STEPS_FILE
         self.extra_metrics = extra_metrics  # e.g. the wire sender's counters, merged into each step's metrics
+        self.engine = engine
+        self._engine_counts: dict[str, SpecCounters] = {}
 
     # ----------------------------------------------------------------- loop
     def run(self) -> list[dict[str, float | None]]:
@@ -279,8 +288,18 @@ class GRPOJob:
         refreshed = self.watcher.refresh()
         rollout_version = self.policy.version
 
+        engine_metrics: dict[str, Any] = {}
+        if self.engine is not None:
+            t0 = time.perf_counter()
+            self.engine.sync_policy(self.policy)
+            sync_s = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            if self.watcher.adapted_path is not None:
+                self.engine.offer(self.watcher.adapted_path)  # no-op unless new; refused → previous keeps serving
+            engine_metrics = {"engine_vllm": 1.0, "policy_sync_s": sync_s, "draft_offer_s": time.perf_counter() - t0}
+
         t0 = time.perf_counter()
-        rollouts = self._rollouts(s)
+        rollouts = self._rollouts(s) if self.engine is None else self._engine_rollouts(s)
         rollout_s = time.perf_counter() - t0
         self.last_rollouts = rollouts
 
@@ -293,6 +312,12 @@ class GRPOJob:
         t0 = time.perf_counter()
         old_logp, tap_s, tap_tokens, head_ok = self._logprob_pass(seqs, s, rollout_version)
         logprob_s = time.perf_counter() - t0
+        if self.engine is not None:
+            from draft_align.engines.rollouts import logprob_gap
+
+            engine_lp = torch.cat([r.engine_logprobs for r in rollouts if r.engine_logprobs is not None])
+            engine_metrics.update(logprob_gap(engine_lp, old_logp.cpu()))
+            engine_metrics.update(self.engine.metrics())
 
         t0 = time.perf_counter()
         upd = self._update(seqs, old_logp, adv)
@@ -318,9 +343,9 @@ class GRPOJob:
             "finished_frac": sum(r.finished for r in rollouts) / len(rollouts),
             "kl_to_initial": kl,
             **self._acceptance(rollouts),
-            "draft_version": self.watcher.adapted_version,
-            "draft_policy_version": self.watcher.adapted_policy_version,
-            "staleness": rollout_version - self.watcher.adapted_policy_version,
+            "draft_version": self._adapted_version,
+            "draft_policy_version": self._adapted_policy_version,
+            "staleness": rollout_version - self._adapted_policy_version,
             "draft_refreshed": float(refreshed),
             "draft_failures": self.watcher.failures,
             "rollout_tokens": sum(r.response.numel() for r in rollouts),
@@ -335,6 +360,7 @@ class GRPOJob:
             "step_s": time.perf_counter() - t_start,
             "tap_tokens_accepted": tap_tokens,
             "head_sync_ok": head_ok,
+            **engine_metrics,
         }
         if self.tap is not None:
             metrics.update({f"tap_{k}": v for k, v in self.tap.stats().items()})
@@ -346,17 +372,61 @@ class GRPOJob:
         log.info(
             "rl step %d: v%d reward %.3f kl %.4f acc adapted %s frozen %s (draft v%d) %.1fs",
             s, self.policy.version, metrics["reward_mean"], kl, clean["accept_measured_adapted"],
-            clean["accept_measured_frozen"], self.watcher.adapted_version, metrics["step_s"],
+            clean["accept_measured_frozen"], self._adapted_version, metrics["step_s"],
         )  # fmt: skip
         return clean
 
+    @property
+    def _adapted_version(self) -> int:
+        """The adapted draft the rollouts used: the engine's (it may refuse a version) or the watcher's."""
+        return self.engine.adapted_version if self.engine is not None else self.watcher.adapted_version
+
+    @property
+    def _adapted_policy_version(self) -> int:
+        e = self.engine
+        return e.adapted_policy_version if e is not None else self.watcher.adapted_policy_version
+
     # ----------------------------------------------------------------- b: rollouts
-    def _rollouts(self, step: int) -> list[Rollout]:
+    def _plan(self, step: int) -> tuple[random.Random, list[int], set[int]]:
+        """(the step's RNG, its prompt indices, the rollout indices decoded by the frozen draft)."""
         rl = self.rl
         rng = random.Random(f"grpo:{self.recipe.seed}:{step}")
         chosen = rng.sample(range(len(self.prompts)), rl.prompts_per_step)
         n = rl.prompts_per_step * rl.group_size
-        frozen = set(rng.sample(range(n), round(rl.frozen_fraction * n)))
+        return rng, chosen, set(rng.sample(range(n), round(rl.frozen_fraction * n)))
+
+    def _engine_rollouts(self, step: int) -> list[Rollout]:
+        """All rollouts through the engine: one batched generate per draft, the serving draft's first."""
+        assert self.engine is not None
+        rl = self.rl
+        rng, chosen, frozen = self._plan(step)
+        plan = [(i, pi, "frozen" if i in frozen else "adapted", rng.getrandbits(62))
+                for i, pi in enumerate(pi for pi in chosen for _ in range(rl.group_size))]  # fmt: skip
+        order = sorted(DRAFT_KINDS, key=lambda kind: kind != self.engine.serving)
+        results: dict[int, Any] = {}
+        self._engine_counts = {}
+        for kind in order:
+            mine = [p for p in plan if p[2] == kind]
+            if not mine:
+                continue
+            self.engine.use(kind)
+            outs, counts = self.engine.generate(
+                [self.prompts[pi] for _, pi, _, _ in mine], [seed for *_, seed in mine],
+                temperature=rl.temperature, max_tokens=rl.max_new_tokens, stop_ids=sorted(self.eos_ids),
+            )  # fmt: skip
+            self._engine_counts[kind] = counts
+            results.update({i: o for (i, *_), o in zip(mine, outs, strict=True)})
+        out = []
+        for i, pi, kind, _ in plan:
+            o = results[i]
+            text = self.tokenizer.decode(o.tokens.tolist(), skip_special_tokens=True)
+            out.append(Rollout(pi, self.prompts[pi].cpu(), o.tokens, o.finished, kind, None,
+                               self.reward(text, o.finished), engine_logprobs=o.logprobs))  # fmt: skip
+        return out
+
+    def _rollouts(self, step: int) -> list[Rollout]:
+        rl = self.rl
+        rng, chosen, frozen = self._plan(step)
         decoders = {
             kind: SpecDecoder(self.policy.hf_model, draft, rl.spec_k, rl.verify_mode, rl.temperature)  # type: ignore[arg-type]
             for kind, draft in (("adapted", self.watcher.adapted), ("frozen", self.watcher.frozen))
@@ -381,14 +451,21 @@ class GRPOJob:
         """Measured acceptance per draft: mean acceptance length and r_i (summed engine-style tallies)."""
         out: dict[str, Any] = {}
         for kind in DRAFT_KINDS:
-            total = AcceptanceTally.empty(self.rl.spec_k)
             mine = [r for r in rollouts if r.draft == kind]
-            for r in mine:
-                total.merge(r.tally)
-            out[f"accept_measured_{kind}"] = total.mean_length()
-            for i, rate in enumerate(total.per_position()):
+            if self.engine is not None:  # vLLM's counters around this draft's generate
+                counts = self._engine_counts.get(kind, SpecCounters())
+                length, rates, rounds = counts.mean_acceptance_length(), counts.per_position(), counts.num_drafts
+                rates = rates or [math.nan] * self.rl.spec_k
+            else:
+                total = AcceptanceTally.empty(self.rl.spec_k)
+                for r in mine:
+                    assert r.tally is not None
+                    total.merge(r.tally)
+                length, rates, rounds = total.mean_length(), total.per_position(), total.rounds
+            out[f"accept_measured_{kind}"] = length
+            for i, rate in enumerate(rates):
                 out[f"accept_r{i}_{kind}"] = rate
-            out[f"accept_rounds_{kind}"] = total.rounds
+            out[f"accept_rounds_{kind}"] = rounds
             out[f"rollouts_{kind}"] = len(mine)
         return out
 

