@@ -224,3 +224,37 @@ def test_grpo_steps_on_vllm_rollouts(rollouts, vllm_world, tmp_path):
     assert m1["staleness"] == 1 - 2  # the draft says policy version 2 (a fixture's label), rollouts used v1
     assert m1["engine_logprob_gap_abs_max"] < 1e-3  # synced: the engine samples from the updated policy
     assert m1["accept_rounds_adapted"] > 0 and m1["accept_rounds_frozen"] > 0
+
+
+def test_engine_choice_in_recipe_and_launcher(monkeypatch, caplog):
+    from draft_align import cotrain
+    from draft_align.config import CotrainRecipe, RecipeError, RLConfig
+    from draft_align.engines import rollouts as rollouts_mod
+    from draft_align.engines import vllm_engine
+
+    with pytest.raises(RecipeError, match="rl.engine"):
+        CotrainRecipe(rl=RLConfig(engine="sglang")).validate()
+    with pytest.raises(RecipeError, match="no vLLM equivalent"):
+        CotrainRecipe(rl=RLConfig(engine="vllm", verify_mode="greedy", temperature=1.0)).validate()
+    CotrainRecipe(rl=RLConfig(engine="vllm", verify_mode="greedy", temperature=0.0)).validate()
+
+    prompts = [torch.tensor([5, 6, 7])]
+    assert cotrain.start_rollout_engine(CotrainRecipe(rl=RLConfig(engine="reference")), None, prompts) is None
+    monkeypatch.setattr(vllm_engine, "vllm_available", lambda: False)
+    assert cotrain.start_rollout_engine(CotrainRecipe(rl=RLConfig(engine="auto")), None, prompts) is None
+    assert "not installed" in caplog.text
+
+    monkeypatch.setattr(vllm_engine, "vllm_available", lambda: True)
+    seen = {}
+
+    def refuse(target, start, **kw):
+        seen.update(kw, target=target)
+        raise EngineError("head_dim 16 is not supported")
+
+    monkeypatch.setattr(rollouts_mod, "VLLMRollouts", refuse)
+    caplog.clear()
+    assert cotrain.start_rollout_engine(CotrainRecipe(rl=RLConfig(engine="auto", spec_k=2)), None, prompts) is None
+    assert "could not serve" in caplog.text and "head_dim 16" in caplog.text
+    assert seen["k"] == 2 and seen["guard"].prompts == ({"prompt_token_ids": [5, 6, 7]},)
+    with pytest.raises(EngineError, match="head_dim 16"):
+        cotrain.start_rollout_engine(CotrainRecipe(rl=RLConfig(engine="vllm")), None, prompts)
