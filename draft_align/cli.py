@@ -15,9 +15,13 @@ log = logging.getLogger("draft_align")
 
 
 def _setup_logging(verbose: bool) -> None:
+    import os
+
+    # under torchrun every rank writes to the same console: say which one speaks
+    rank = f"[rank {os.environ['RANK']}] " if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1 else ""
     logging.basicConfig(
         level=logging.DEBUG if verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        format=f"%(asctime)s {rank}%(levelname)s %(name)s: %(message)s",
         datefmt="%H:%M:%S",
     )
     for noisy in ("httpx", "urllib3", "filelock", "datasets"):
@@ -139,6 +143,11 @@ def cmd_sidecar(args: argparse.Namespace) -> int:
 
     state = run_sidecar(_cotrain_recipe(args), args.draft, exit_when_done=args.exit_when_done,
                         max_seconds=args.max_seconds)
+    import os
+
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1 and os.environ.get("RANK", "0") != "0":
+        print(f"sidecar rank {os.environ['RANK']} stopped: {state.train_steps} train steps (rank 0 publishes)")
+        return 0
     print(f"sidecar stopped: {state.train_steps} train steps, {state.published_version} published versions")
     return 0
 

@@ -12,6 +12,15 @@ class RecipeError(ValueError):
     """A recipe that does not match the schema."""
 
 
+# default weight decay of draft step j's loss, w_j = decay^j: EAGLE/SpecForge 0.8, FastMTP-style β = 0.6
+STEP_DECAY = {"eagle3": 0.8, "mtp": 0.6}
+
+
+def step_decay(configured: float | None, head: str) -> float:
+    """The recipe's ``step_decay``, or the head's default when unset."""
+    return STEP_DECAY[head] if configured is None else float(configured)
+
+
 @dataclass
 class TargetConfig:
     model: str = "smollm2-135m"  # alias, HF folder or hub id
@@ -38,8 +47,43 @@ class DataConfig:
 
 
 @dataclass
+class LoraAdaptConfig:
+    """LoRA adapters over a frozen draft (``adapt: lora``), with their own optimizer settings."""
+
+    rank: int = 8
+    alpha: float = 16.0
+    target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+    dropout: float = 0.0
+    lr: float = 2e-3
+    weight_decay: float = 0.0
+    warmup_steps: int = 10
+    # sidecar: besides the merged engine-format draft, publish the adapters alone (adapter.safetensors +
+    # manifest recording the base draft's sha256) under <run>/adapters/vNNNN
+    publish_delta: bool = False
+
+
+def _check_lora(where: str, adapt: str, lora: LoraAdaptConfig) -> None:
+    if adapt not in ("full", "lora"):
+        raise RecipeError(f"{where}.adapt {adapt!r}: expected full | lora")
+    if adapt == "lora":
+        if lora.rank < 1 or not lora.alpha > 0 or not lora.target_modules:
+            raise RecipeError(f"{where}.lora: rank must be ≥ 1, alpha > 0 and target_modules non-empty")
+        if not 0.0 <= lora.dropout < 1.0 or not lora.lr > 0:
+            raise RecipeError(f"{where}.lora: dropout must be in [0, 1) and lr > 0")
+
+
+@dataclass
 class DraftConfig:
-    head: str = "eagle3"
+    head: str = "eagle3"  # eagle3 | mtp
+    # mtp: depth (MTP modules), weight layout (deepseek_v3 | qwen3_next: also the chaining semantics) and the
+    # block's init (last_layer: a copy of the target's last decoder layer | random)
+    mtp_depth: int = 1
+    mtp_layout: str = "deepseek_v3"
+    mtp_init: str = "last_layer"
+    adapt: str = "full"  # full | lora (adapters over a frozen warm-started draft: needs init_from for eagle3)
+    lora: LoraAdaptConfig = field(default_factory=LoraAdaptConfig)
     aux_layer_ids: list[int] | None = None  # HF hidden_states indices; None = engines' (2, L//2, L-3)
     draft_vocab_size: int = 32000
     init_lm_head_from_target: bool = True
@@ -52,7 +96,7 @@ class DraftConfig:
 @dataclass
 class TrainConfig:
     ttt_steps: int = 7
-    step_decay: float = 0.8
+    step_decay: float | None = None  # TTT step weights decay^j; None = the head's default (STEP_DECAY)
     loss: str = "soft"  # soft | hard
     lr: float = 1e-3
     min_lr_ratio: float = 0.1
@@ -111,8 +155,19 @@ class WarmstartRecipe:
     def validate(self) -> None:
         if self.kind != "warmstart":
             raise RecipeError(f"kind {self.kind!r}: this is a {self.kind} recipe, not a warm-start one")
-        if self.draft.head != "eagle3":
-            raise RecipeError(f"draft.head {self.draft.head!r}: only 'eagle3' is implemented")
+        if self.draft.head not in ("eagle3", "mtp"):
+            raise RecipeError(f"draft.head {self.draft.head!r}: expected eagle3 | mtp")
+        if self.draft.head == "mtp":
+            if self.draft.mtp_layout not in ("deepseek_v3", "qwen3_next") or self.draft.mtp_depth < 1:
+                raise RecipeError(f"draft.mtp_layout {self.draft.mtp_layout!r} (deepseek_v3 | qwen3_next) / "
+                                  f"draft.mtp_depth {self.draft.mtp_depth} (≥ 1)")
+            if self.draft.mtp_init not in ("last_layer", "random"):
+                raise RecipeError(f"draft.mtp_init {self.draft.mtp_init!r}: expected last_layer | random")
+            if self.draft.aux_layer_ids is not None:
+                raise RecipeError("draft.aux_layer_ids: an MTP head reads the target's final hidden state only")
+        _check_lora("draft", self.draft.adapt, self.draft.lora)
+        if self.draft.adapt == "lora" and self.draft.head == "eagle3" and not self.draft.init_from:
+            raise RecipeError("draft.adapt=lora adapts a warm-started EAGLE-3 draft: set draft.init_from")
         if self.train.loss not in ("soft", "hard"):
             raise RecipeError(f"train.loss {self.train.loss!r}: expected soft | hard")
         if self.train.ttt_steps < 1:
@@ -162,7 +217,7 @@ class SidecarConfig:
     log_every: int = 10  # train steps between training-metric lines in <run>/sidecar/metrics.jsonl
     batch_tokens: int = 1536
     ttt_steps: int = 7
-    step_decay: float = 0.8
+    step_decay: float | None = None  # TTT step weights decay^j; None = the head's default (STEP_DECAY)
     loss: str = "soft"
     lr: float = 5e-4
     min_lr_ratio: float = 1.0  # 1.0 = constant after warmup (online training has no end)
@@ -181,6 +236,8 @@ class SidecarConfig:
     prometheus_port: int | None = 0  # 0 = any free port (written to <run_dir>/sidecar/prometheus.port); null = off
     num_threads: int = 1
     max_consecutive_nonfinite: int = 5
+    adapt: str = "full"  # full | lora: adapters over the frozen starting draft; publishes merge them
+    lora: LoraAdaptConfig = field(default_factory=LoraAdaptConfig)
     # torchrun ranks (train/distributed.py): the policy's tap connects to this many sidecar endpoints, and
     # `torchrun --nproc-per-node` must equal it; gradients averaged by DDP (`parallel`)
     ranks: int = 1
@@ -254,6 +311,7 @@ class CotrainRecipe:
             raise RecipeError(f"kind {self.kind!r}: this is a {self.kind} recipe, not a co-training one")
         if self.sidecar.loss not in ("soft", "hard"):
             raise RecipeError(f"sidecar.loss {self.sidecar.loss!r}: expected soft | hard")
+        _check_lora("sidecar", self.sidecar.adapt, self.sidecar.lora)
         if self.sidecar.eval_mode not in ("greedy", "greedy_draft", "probabilistic"):
             raise RecipeError(f"sidecar.eval_mode {self.sidecar.eval_mode!r}")
         if self.rl.verify_mode not in ("greedy", "greedy_draft", "probabilistic"):

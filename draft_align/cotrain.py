@@ -150,6 +150,18 @@ def start_rollout_engine(recipe: CotrainRecipe, start: Path, probe_prompts: list
         if rl.engine == "auto":
             log.warning("rl.engine auto: vLLM is not installed; rollouts use the reference decoder (batch 1)")
         return None
+    from draft_align.publish.export import MTP_FORMAT, ExportError, read_manifest, resolve_draft_dir
+
+    try:
+        fmt = read_manifest(resolve_draft_dir(Path(start)), verify=False).get("format") if start else None
+    except ExportError:
+        fmt = None  # the engine adapter reports an unusable folder itself
+    if fmt == MTP_FORMAT:
+        if rl.engine == "vllm":
+            raise ValueError("rl.engine=vllm: the vLLM adapter serves EAGLE-3 drafts; an MTP draft needs "
+                             "rl.engine=reference (or auto)")
+        log.warning("rl.engine auto: the starting draft is an MTP head; rollouts use the reference decoder")
+        return None
     from draft_align.engines.rollouts import VLLMRollouts
 
     probes = [{"prompt_token_ids": p.tolist()} for p in probe_prompts[: max(1, rl.engine_probe_prompts)]]

@@ -27,14 +27,14 @@ import shutil
 import signal
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from draft_align.config import CotrainRecipe
+from draft_align.config import CotrainRecipe, step_decay
 from draft_align.heads.eagle3 import Eagle3Draft
 from draft_align.publish.export import (
     ExportError,
@@ -47,7 +47,8 @@ from draft_align.publish.export import (
     version_dir,
     write_latest,
 )
-from draft_align.train.batch import Record
+from draft_align.train.batch import Batch, Record
+from draft_align.train.distributed import RankGroup, attach, join_ranks, rank_device, ranked_loop
 from draft_align.train.trainer import (
     DraftTrainer,
     LossSettings,
@@ -55,6 +56,7 @@ from draft_align.train.trainer import (
     OptimSettings,
     checkpoint_exists,
 )
+from draft_align.wire.join import StageJoiner
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +98,7 @@ class SidecarState:
     restarts: int = 0
     last_step_report: int = -1
     done: bool = False
+    lora_base_dir: str | None = None  # adapt=lora: the published draft the adapters are trained over
     rejected: dict[str, int] = field(default_factory=dict)
 
 
@@ -146,7 +149,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 class Sidecar:
     """The co-training sidecar of one run (see the module docstring)."""
 
-    def __init__(self, recipe: CotrainRecipe, start_draft: Path, *, exit_when_done: bool = False) -> None:
+    def __init__(self, recipe: CotrainRecipe, start_draft: Path, *, exit_when_done: bool = False,
+                 ranks: RankGroup | None = None) -> None:
         from draft_align import assets
         from draft_align.monitor.prometheus import PromExporter
         from draft_align.train.replay import ReplayBuffer
@@ -155,13 +159,17 @@ class Sidecar:
 
         self.recipe = recipe
         self.exit_when_done = exit_when_done
+        # under torchrun (train/distributed.py): rank 0 alone gates, publishes, monitors and checkpoints
+        self.ranks = ranks
+        self.is_lead = ranks is None or ranks.is_lead
+        self.shared_control: list[Any] = []  # HeadSync/StepReport received here, for every rank to apply
         sc = recipe.sidecar
         torch.manual_seed(recipe.seed)
         self.run_dir = recipe.run_dir
         self.dir = self.run_dir / SIDECAR_DIR
         self.dir.mkdir(parents=True, exist_ok=True)
         _discard_tmp_versions(self.run_dir)
-        self.device = torch.device(recipe.device)
+        self.device = torch.device(recipe.device) if ranks is None else rank_device(recipe, ranks.info)
 
         target, tok = assets.load_target(recipe.target.model, getattr(torch, recipe.target.dtype), "cpu")
         self.target_config = target.config
@@ -197,40 +205,62 @@ class Sidecar:
             self.published = self._copy(self.frozen)
         self.published.eval()
         draft = self._copy(self.published)
+        lora = sc.adapt == "lora"
+        if lora:  # adapters over the frozen starting point, with their own optimizer settings
+            from draft_align.heads.lora import apply_lora, lora_settings
+
+            apply_lora(draft, lora_settings(sc.lora), seed=recipe.seed)
+            if not resumed or not self.state.lora_base_dir:
+                self.state.lora_base_dir = str(latest if latest is not None else start_draft)
+        head = "mtp" if getattr(draft, "shares_target_head", False) else "eagle3"
         rows = self.frozen.lm_head.weight.detach().clone()  # until the first HeadSync
         self.trainer = DraftTrainer(
             draft,
             self.embed,
             rows,
             OptimSettings(
-                lr=sc.lr, min_lr_ratio=sc.min_lr_ratio, weight_decay=sc.weight_decay,
-                warmup_steps=sc.warmup_steps, total_steps=10**9, grad_clip=sc.grad_clip,
+                lr=sc.lora.lr if lora else sc.lr, min_lr_ratio=sc.min_lr_ratio,
+                weight_decay=sc.lora.weight_decay if lora else sc.weight_decay,
+                warmup_steps=sc.lora.warmup_steps if lora else sc.warmup_steps, total_steps=10**9, grad_clip=sc.grad_clip,
             ),
             LossSettings(
-                ttt_steps=sc.ttt_steps, step_decay=sc.step_decay, kind=sc.loss, train_lm_head=True,
+                ttt_steps=sc.ttt_steps, step_decay=step_decay(sc.step_decay, head), kind=sc.loss, train_lm_head=True,
                 autocast_bf16=sc.autocast_bf16,
             ),
         )
         if resumed:
             self.trainer.load(tdir)
             log.info("resumed sidecar at train step %d (restart %d)", self.state.train_steps, self.state.restarts)
+        if ranks is not None:
+            attach(self.trainer, ranks, sc.parallel)
         self.has_head = False
-        self.buffer = ReplayBuffer(sc.buffer_tokens, sc.recency_half_life, sc.holdout_records, recipe.seed)
+        # only rank 0 gates, so only its buffer holds records out; each rank samples with its own seed
+        self.buffer = ReplayBuffer(sc.buffer_tokens, sc.recency_half_life, sc.holdout_records if self.is_lead else 0,
+                                   recipe.seed + (ranks.rank if ranks is not None else 0))
         self.fresh: dict[int, list[Any]] = {}  # RL step → records tapped in it, not yet estimated
+        self.joiner = StageJoiner()  # joins the TapParts of pipeline-parallel policies into TapBatches
 
         key = channel.resolve_key(recipe.wire.key_file, self.run_dir, create=True)
+        self.wire_key = key
         tap_ep = recipe.wire.endpoint or channel.default_endpoint(self.run_dir, TAP_SOCKET)
+        if ranks is not None:
+            tap_ep = channel.rank_endpoint(tap_ep, ranks.rank)
         note_ep = recipe.wire.notify_endpoint or channel.default_endpoint(self.run_dir, NOTIFY_SOCKET)
         self.receiver = channel.Receiver(
             tap_ep, key, max_bytes=recipe.wire.max_message_mb << 20, max_tokens=recipe.wire.max_tokens,
             allow_remote=recipe.wire.allow_remote,
         )
-        self.publisher = channel.Publisher(note_ep, key, allow_remote=recipe.wire.allow_remote)
+        self.publisher = (channel.Publisher(note_ep, key, allow_remote=recipe.wire.allow_remote)
+                          if self.is_lead else None)
         self.prom = None
-        if sc.prometheus_port is not None:
+        if sc.prometheus_port is not None and self.is_lead:
             self.prom = PromExporter(port=sc.prometheus_port)
             self.prom.write_port_file(self.dir / PORT_FILE)
-        self.sink = MetricsSink(self.dir, recipe, f"{recipe.run}-sidecar")
+        if self.is_lead:
+            self.sink = MetricsSink(self.dir, recipe, f"{recipe.run}-sidecar")
+        else:  # the other ranks' training metrics: <run>/sidecar/rank<r>/metrics.jsonl, no wandb
+            quiet = replace(recipe, logging=replace(recipe.logging, wandb=False))
+            self.sink = MetricsSink(self.dir / f"rank{ranks.rank}", quiet, f"{recipe.run}-sidecar")
         self._stop = False
         self._last_publish = time.monotonic()
         self._last_ckpt = time.monotonic()
@@ -240,7 +270,12 @@ class Sidecar:
 
     # ------------------------------------------------------------------ helpers
     def _copy(self, draft: Eagle3Draft) -> Eagle3Draft:
-        out = Eagle3Draft(draft.cfg).to(self.device)
+        """A plain copy (EAGLE-3 or MTP; LoRA adapters merged) on the sidecar's device."""
+        from draft_align.heads.lora import is_lora, merged
+
+        if is_lora(draft):
+            draft = merged(draft)
+        out = type(draft)(draft.cfg).to(self.device)
         out.load_state_dict(draft.state_dict())
         return out
 
@@ -249,7 +284,7 @@ class Sidecar:
 
     @property
     def rejected(self) -> Counter:
-        return Counter(self.receiver.rejected)
+        return Counter(self.receiver.rejected) + Counter({f"join_{k}": v for k, v in self.joiner.rejected.items()})
 
     # ------------------------------------------------------------------ ingest
     def _on_head(self, msg: Any) -> None:
@@ -267,6 +302,9 @@ class Sidecar:
         if msg.policy_version < self.state.head_policy_version:
             return  # an older head arriving late
         self.trainer.rows = msg.rows.to(self.device)
+        if getattr(self.frozen, "shares_target_head", False):  # MTP: the engine uses the policy's own lm_head
+            for d in (self.trainer.draft, self.published, self.frozen):
+                d.set_head(msg.rows)
         self._norm = (msg.norm_weight, float(msg.norm_eps))
         self.state.head_policy_version = int(msg.policy_version)
         self.has_head = True
@@ -334,8 +372,13 @@ class Sidecar:
         """An RL step ended: estimate both drafts on its tapped records, write one monitoring row."""
         step = int(msg.step)
         if msg.metrics.get("final"):
+            self.joiner.end_run()  # incomplete stage joins are dropped; later TapParts are refused
             self._flush_fresh()
             self.state.done = True
+            return
+        if not self.is_lead:  # rank 0 writes the row (from its share of the step's records)
+            self._flush_fresh(upto_step=step)
+            self.state.last_step_report = max(self.state.last_step_report, step)
             return
         fresh = self.fresh.get(step, [])
         records = [tr for tr, _ in fresh]
@@ -395,8 +438,9 @@ class Sidecar:
             self.prom.set_counter("draft_align_wire_rejected_total", float(n), labels={"reason": reason})
 
     def _drain(self, budget_s: float, timeout_ms: int) -> int:
-        from draft_align.wire.messages import HeadSync, StepReport, TapBatch
+        from draft_align.wire.messages import HeadSync, StepReport, TapBatch, TapPart
 
+        self.joiner.expire()  # incomplete pipeline-stage joins time out (counted), never wait
         n = 0
         end = time.monotonic() + budget_s
         first = True
@@ -409,8 +453,15 @@ class Sidecar:
             if getattr(msg, "run_id", None) != self.recipe.run:
                 self.state.foreign_messages += 1
                 continue
+            if self.ranks is not None and isinstance(msg, (HeadSync, StepReport)):
+                self.shared_control.append(msg)  # every rank applies it, at the next step boundary
+                continue
             if isinstance(msg, TapBatch):
                 self._on_batch(msg)
+            elif isinstance(msg, TapPart):  # a pipeline stage's share: trained only once all stages joined
+                joined = self.joiner.offer(msg)
+                if joined is not None:
+                    self._on_batch(joined)
             elif isinstance(msg, HeadSync):
                 self._on_head(msg)
             elif isinstance(msg, StepReport):
@@ -419,18 +470,34 @@ class Sidecar:
                 self.state.mismatched_messages += 1
         return n
 
+    def _on_control(self, msg: Any) -> None:
+        """A HeadSync or StepReport that one of the ranks received (multi-rank only)."""
+        from draft_align.wire.messages import HeadSync
+
+        if isinstance(msg, HeadSync):
+            self._on_head(msg)
+        else:
+            self._on_report(msg)
+
     # ------------------------------------------------------------------ train / publish
     def _train_one(self) -> bool:
+        batch = self._next_batch()
+        return batch is not None and self._train_on(batch)
+
+    def _next_batch(self) -> Batch | None:
+        """A training batch from the replay buffer, or None while training should wait."""
         sc = self.recipe.sidecar
         if not self.has_head:
-            return False
+            return None
         if self.state.trained_tokens >= sc.max_replay_ratio * self.state.buffered_tokens:
-            return False  # wait for new data rather than over-fit what is there
+            return None  # wait for new data rather than over-fit what is there
         if self.buffer.trainable_tokens < min(sc.min_buffer_tokens, sc.buffer_tokens):
-            return False  # a few dozen sequences would be memorised, not learned from
-        batch = self.buffer.sample(sc.batch_tokens, sc.ttt_steps)
-        if batch is None:
-            return False
+            return None  # a few dozen sequences would be memorised, not learned from
+        return self.buffer.sample(sc.batch_tokens, sc.ttt_steps)
+
+    def _train_on(self, batch: Batch) -> bool:
+        """One optimizer step on ``batch`` (True also when a non-finite loss skipped it)."""
+        sc = self.recipe.sidecar
         t0 = time.perf_counter()
         try:
             stats = self.trainer.train_step(batch)
@@ -452,6 +519,8 @@ class Sidecar:
         from draft_align.monitor.records import paired_gate
 
         sc = self.recipe.sidecar
+        if not self.is_lead:
+            return False
         due = time.monotonic() - self._last_publish >= sc.publish_every_s
         if self._steps_since_publish < sc.min_train_steps_per_publish or not (due or force):
             return False
@@ -499,6 +568,8 @@ class Sidecar:
                             "run": self.recipe.run},
         )
         write_latest(self.run_dir, out)
+        if self.recipe.sidecar.adapt == "lora" and self.recipe.sidecar.lora.publish_delta:
+            self._publish_delta(out, v, policy_version, metrics)
         man = json.loads((out / "manifest.json").read_text())
         self.published = self._copy(self.trainer.draft)
         self.published.eval()
@@ -518,7 +589,22 @@ class Sidecar:
         self._export(self._sidecar_metrics())
         self.checkpoint()  # the published version and the trainer state move together
 
+    def _publish_delta(self, out: Path, v: int, policy_version: int, metrics: dict[str, Any]) -> None:
+        """The adapters alone (beside the merged ``out``), over the base draft they were trained on."""
+        from draft_align.heads.lora import AdapterMismatchError, export_adapter
+
+        base = Path(self.state.lora_base_dir or "")
+        try:
+            info = export_adapter(self.trainer.draft, self.run_dir / "adapters" / out.name, base,
+                                  draft_version=v, policy_version=policy_version, metrics=metrics)
+        except (AdapterMismatchError, ExportError) as e:
+            log.warning("adapter delta v%04d not published: %s", v, e)
+            return
+        log.info("published adapter delta v%04d (%d bytes, merged sha256 %s…)", v, info.bytes, info.merged_sha256[:12])
+
     def checkpoint(self) -> None:
+        if not self.is_lead:
+            return  # rank 0's checkpoint is every rank's: their weights are the same (DDP)
         self.trainer.save(self.dir / TRAINER_DIR)
         self.state.rejected = dict(self.rejected)
         tmp = self.dir / f".{STATE_FILE}.tmp-{os.getpid()}"
@@ -533,12 +619,17 @@ class Sidecar:
         signal.signal(signal.SIGINT, self.stop)
         log.info("sidecar %s listening; draft v%d; aux %s", self.recipe.run, self.state.published_version,
                  self.aux_ids)
-        ready = {"pid": os.getpid(), "time": time.time(), "draft_version": self.state.published_version,
-                 "tap_endpoint": self.receiver.endpoint}
+        # ppid: the launcher's pid when torchrun started this rank
+        ready = {"pid": os.getpid(), "ppid": os.getppid(), "time": time.time(),
+                 "draft_version": self.state.published_version, "tap_endpoint": self.receiver.endpoint}
         tmp = self.dir / f".{READY_FILE}.tmp-{os.getpid()}"
-        tmp.write_text(json.dumps(ready))
-        os.replace(tmp, self.dir / READY_FILE)
+        if self.is_lead:
+            tmp.write_text(json.dumps(ready))
+            os.replace(tmp, self.dir / READY_FILE)
         try:
+            if self.ranks is not None:  # torchrun: the ranks agree on every step (train/distributed.py)
+                ranked_loop(self, max_seconds)
+                return self.state
             while not self._stop:
                 trained = self._train_one()
                 self._drain(budget_s=0.05, timeout_ms=0 if trained else 200)
@@ -557,7 +648,8 @@ class Sidecar:
 
     def close(self) -> None:
         self.receiver.close()
-        self.publisher.close()
+        if self.publisher is not None:
+            self.publisher.close()
         if self.prom is not None:
             self.prom.close()
         self.sink.close()
@@ -580,6 +672,9 @@ def _discard_tmp_versions(run_dir: Path) -> None:
 def run_sidecar(recipe: CotrainRecipe, start: str | None = None, *, exit_when_done: bool = False,
                 max_seconds: float | None = None) -> SidecarState:
     torch.set_num_threads(recipe.sidecar.num_threads)
-    sidecar = Sidecar(recipe, starting_draft(recipe, start), exit_when_done=exit_when_done)
-    return sidecar.run(max_seconds=max_seconds)
+    start_dir = starting_draft(recipe, start)
+    # None unless torchrun started several ranks; rank 0 first restores a checkpoint a killed save left aside
+    with join_ranks(recipe, start_dir, lambda: checkpoint_exists(recipe.run_dir / SIDECAR_DIR / TRAINER_DIR)) as ranks:
+        sidecar = Sidecar(recipe, start_dir, exit_when_done=exit_when_done, ranks=ranks)
+        return sidecar.run(max_seconds=max_seconds)
 

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -19,7 +20,7 @@ import torch
 from torch import nn
 
 from draft_align import assets, data
-from draft_align.config import WarmstartRecipe, recipe_to_dict
+from draft_align.config import WarmstartRecipe, recipe_to_dict, step_decay
 from draft_align.heads.eagle3 import DraftConfigError, Eagle3Config, Eagle3Draft, check_engine_aux_ids
 from draft_align.heads.vocab import select_vocab
 from draft_align.target.generate import generate_responses
@@ -233,8 +234,11 @@ def prepare(recipe: WarmstartRecipe, aux_layer_ids: tuple[int, ...] | None = Non
     """Load the target and data; self-distil; capture target states (cached)."""
     target, tokenizer = assets.load_target(recipe.target.model, DTYPES[recipe.target.dtype], recipe.device)
     n_layers = int(target.config.num_hidden_layers)
-    aux = tuple(aux_layer_ids or recipe.draft.aux_layer_ids or Eagle3Config.default_aux_layer_ids(n_layers))
-    _check_aux_layers(aux, n_layers)  # before any generation or capture: export would refuse them at the end
+    if recipe.draft.head == "mtp":
+        aux = (n_layers,)  # MTP reads the final post-norm hidden state, HF hidden_states[L]
+    else:
+        aux = tuple(aux_layer_ids or recipe.draft.aux_layer_ids or Eagle3Config.default_aux_layer_ids(n_layers))
+        _check_aux_layers(aux, n_layers)  # before any generation or capture: export would refuse them at the end
     chosen, held, extra = _prompts(recipe, tokenizer)
     originals = list(extra)
     samples = []
@@ -285,6 +289,11 @@ def build_draft(target: nn.Module, recipe: WarmstartRecipe, aux: tuple[int, ...]
     or, with ``draft.init_from``, that published draft (checked against the target and the recipe)."""
     if recipe.draft.init_from:
         return load_init_draft(target, recipe, aux)
+    if recipe.draft.head == "mtp":
+        from draft_align.heads.mtp import MTPDraft
+
+        dc = recipe.draft
+        return MTPDraft.attach(target, dc.mtp_depth, dc.mtp_layout, init_from_last_layer=dc.mtp_init == "last_layer")
     cfg = Eagle3Config.from_target(target.config, recipe.draft.draft_vocab_size, aux)
     draft = Eagle3Draft(cfg)
     sel = select_vocab(prep.token_counts, cfg.draft_vocab_size, prep.predicted_mass)
@@ -303,7 +312,11 @@ def load_init_draft(target: nn.Module, recipe: WarmstartRecipe, aux: tuple[int, 
     check_compatible(manifest, target.config, None)
     if tuple(draft.cfg.aux_layer_ids) != tuple(aux):
         raise WarmstartError(f"draft.init_from {src} reads aux layers {draft.cfg.aux_layer_ids}, the recipe {aux}")
-    if draft.cfg.draft_vocab_size != recipe.draft.draft_vocab_size:
+    is_mtp = getattr(draft, "shares_target_head", False)
+    if is_mtp != (recipe.draft.head == "mtp"):
+        raise WarmstartError(f"draft.init_from {src} is {'an MTP' if is_mtp else 'an EAGLE-3'} draft, the recipe "
+                             f"asks for draft.head={recipe.draft.head}")
+    if not is_mtp and draft.cfg.draft_vocab_size != recipe.draft.draft_vocab_size:
         raise WarmstartError(
             f"draft.init_from {src} has a {draft.cfg.draft_vocab_size}-token vocab, the recipe asks for "
             f"{recipe.draft.draft_vocab_size}: set draft.draft_vocab_size={draft.cfg.draft_vocab_size}"
@@ -368,8 +381,15 @@ def train(
         lr=tc.lr, min_lr_ratio=tc.min_lr_ratio, weight_decay=tc.weight_decay, warmup_steps=tc.warmup_steps,
         total_steps=max(1, planned), grad_clip=tc.grad_clip,
     )
+    if recipe.draft.adapt == "lora":  # adapters over the frozen draft, with their own optimizer settings
+        from draft_align.heads.lora import apply_lora, is_lora, lora_settings
+
+        lc = recipe.draft.lora
+        if not is_lora(draft):
+            apply_lora(draft, lora_settings(lc), seed=recipe.seed)
+        optim = dataclasses.replace(optim, lr=lc.lr, weight_decay=lc.weight_decay, warmup_steps=lc.warmup_steps)
     loss = LossSettings(
-        ttt_steps=tc.ttt_steps, step_decay=tc.step_decay, kind=tc.loss,
+        ttt_steps=tc.ttt_steps, step_decay=step_decay(tc.step_decay, recipe.draft.head), kind=tc.loss,
         train_lm_head=recipe.draft.train_lm_head, autocast_bf16=tc.autocast_bf16,
     )
     dev = torch.device(recipe.device)
@@ -554,6 +574,12 @@ def run(recipe: WarmstartRecipe) -> dict[str, Any]:
             policy_version=0, tokenizer_fingerprint=tokenizer_fingerprint(prep.tokenizer),
         )
         write_latest(run_dir, out)
+        if recipe.draft.adapt == "lora" and recipe.draft.init_from:  # the adapters alone, over their base
+            from draft_align.heads.lora import export_adapter
+            from draft_align.publish.export import resolve_draft_dir
+
+            export_adapter(draft, run_dir / "adapters" / out.name, resolve_draft_dir(Path(recipe.draft.init_from)),
+                           draft_version=n, policy_version=0)
     finally:
         sink.close()
     summary = {"run_dir": str(run_dir), "draft": str(out), "metrics": metrics, "eval": results,

@@ -83,7 +83,12 @@ def test_missing_file_is_an_error(tmp_path):
 @pytest.mark.parametrize(
     ("override", "match"),
     [
-        ("draft.head=mtp", "draft.head"),
+        ("draft.head=medusa", "draft.head"),
+        ("draft.adapt=partial", "draft.adapt"),
+        ("draft.adapt=lora", "set draft.init_from"),
+        ("draft.adapt=lora draft.init_from=x draft.lora.rank=0", "draft.lora"),
+        ("draft.head=mtp draft.aux_layer_ids=[1,2,3]", "final hidden state only"),
+        ("draft.head=mtp draft.mtp_layout=mimo", "mtp_layout"),
         ("train.loss=kl", "train.loss"),
         ("eval.modes=[greedy,typical]", "unknown verify mode 'typical'"),
         ("train.ttt_steps=0", "ttt_steps"),
@@ -94,7 +99,24 @@ def test_missing_file_is_an_error(tmp_path):
 )
 def test_validate_rejects_bad_values(override, match):
     with pytest.raises(RecipeError, match=match):
-        load_recipe(None, [override])
+        load_recipe(None, override.split())
+
+
+def test_mtp_and_lora_keys():
+    from draft_align.config import CotrainRecipe, step_decay
+
+    r = load_recipe(None, ["draft.head=mtp", "draft.mtp_depth=2", "draft.mtp_layout=qwen3_next", "draft.adapt=lora",
+                           "draft.lora.rank=4", "draft.lora.target_modules=[q_proj,eh_proj]"])
+    assert (r.draft.head, r.draft.mtp_depth, r.draft.lora.rank) == ("mtp", 2, 4)
+    assert r.draft.lora.target_modules == ["q_proj", "eh_proj"]
+    assert step_decay(r.train.step_decay, "mtp") == 0.6 and step_decay(None, "eagle3") == 0.8
+    assert step_decay(0.9, "mtp") == 0.9
+    with pytest.raises(RecipeError, match="bogus"):
+        load_recipe(None, ["draft.lora.bogus=1"])
+    c = load_recipe(None, ["sidecar.adapt=lora", "sidecar.lora.lr=1e-3"], schema=CotrainRecipe)
+    assert c.sidecar.adapt == "lora" and c.sidecar.lora.lr == 1e-3
+    with pytest.raises(RecipeError, match="sidecar.adapt"):
+        load_recipe(None, ["sidecar.adapt=half"], schema=CotrainRecipe)
 
 
 def test_kind_selects_the_schema_and_a_mismatch_fails(tmp_path):

@@ -49,6 +49,7 @@ from draft_align.heads.eagle3 import (
 from draft_align.heads.vocab import check_d2t
 
 FORMAT = "draft_align.eagle3"
+MTP_FORMAT = "draft_align.mtp"  # written by publish/mtp_export.py
 FORMAT_VERSION = 1
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -454,7 +455,24 @@ def export_draft(
     Everything is validated before anything is written; the folder appears atomically (temp + rename).
     ``extra_manifest`` keys are merged into the manifest's top level (they may not shadow its own keys).
     ``speculative_tokens`` is the speculators dialect's default proposal length.
+    An MTP head (``shares_target_head``) is written by :func:`mtp_export.export_mtp_draft` in its own layout.
+    LoRA adapters are merged first (engines load plain weights).
     """
+    from draft_align.heads.lora import is_lora, merged
+
+    if is_lora(draft):
+        draft = merged(draft)
+    if getattr(draft, "shares_target_head", False):
+        from draft_align.publish.mtp_export import export_mtp_draft
+
+        if dialect != "hf":
+            raise ExportError(f"dialect {dialect!r} is an EAGLE-3 dialect: an MTP head is written in its own layout")
+        return export_mtp_draft(
+            draft, out_dir, target_config=target_config, target_name=target_name, metrics=metrics,  # type: ignore[arg-type]
+            draft_version=draft_version, policy_version=policy_version,
+            tokenizer_fingerprint=tokenizer_fingerprint, dtype=dtype, extra_manifest=extra_manifest,
+            overwrite=overwrite,
+        )
     out_dir = Path(out_dir)
     if dialect not in ("hf", "speculators"):
         raise ExportError(f"unknown dialect {dialect!r}: expected 'hf' or 'speculators'")
@@ -552,7 +570,7 @@ def read_manifest(path: Path, *, verify: bool = True) -> dict[str, Any]:
         raise CorruptCheckpointError(
             f"{mpath} is unparsable ({e}): half-written or not a draft_align checkpoint"
         ) from e
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+    if not isinstance(manifest, dict) or manifest.get("format") not in (FORMAT, MTP_FORMAT):
         raise CorruptCheckpointError(f"{mpath}: not a draft_align checkpoint manifest")
     if manifest.get("format_version") != FORMAT_VERSION:
         raise ExportError(f"{mpath}: format_version {manifest.get('format_version')} unsupported")
@@ -593,10 +611,15 @@ def load_draft(
     """Rebuild the draft saved at ``path`` (either dialect); returns (module, manifest).
 
     The module is built on the ``meta`` device and the checkpoint tensors are assigned to it (float
-    tensors cast to ``dtype``; d2t int64, t2d bool), then moved to ``device``.
+    tensors cast to ``dtype``; d2t int64, t2d bool), then moved to ``device``.  An MTP draft's folder
+    (manifest format ``draft_align.mtp``) is rebuilt by :func:`mtp_export.load_mtp_draft`.
     """
     path = Path(path)
     manifest = read_manifest(path, verify=verify)
+    if manifest.get("format") == MTP_FORMAT:
+        from draft_align.publish.mtp_export import load_mtp_draft
+
+        return load_mtp_draft(path, verify=False, device=device, dtype=dtype)  # type: ignore[return-value]
     try:
         cfg = Eagle3Config.from_dict(dict(manifest["eagle3_config"]))
     except (KeyError, TypeError, DraftConfigError) as e:
@@ -626,6 +649,11 @@ def check_compatible(
     target's depth (and, when config.json relies on the engines' default ids, that the default for this depth
     is what the draft was trained on), and the tokenizer fingerprint when one is given.
     """
+    if manifest.get("format") == MTP_FORMAT:
+        from draft_align.publish.mtp_export import check_mtp_compatible
+
+        check_mtp_compatible(manifest, target_config, tokenizer_fingerprint)
+        return
     target = manifest["target"]
     hidden, vocab = int(target_config.hidden_size), int(target_config.vocab_size)
     if int(target["hidden_size"]) != hidden:

@@ -13,6 +13,7 @@ import os
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -125,6 +126,14 @@ def ttt_loss(
     return total, StepStats(loss=sums[0], correct=sums[1], count=sums[2])
 
 
+class StepParallel(Protocol):
+    """How a trainer steps together with other ranks (implemented in train/distributed.py)."""
+
+    def loss(self, batch: Batch) -> tuple[torch.Tensor, StepStats]: ...
+
+    def all_finite(self, loss: torch.Tensor) -> bool: ...
+
+
 class DraftTrainer:
     """Owns the draft's optimizer and schedule; ``train_step`` is one optimizer step on one batch."""
 
@@ -141,7 +150,11 @@ class DraftTrainer:
         self.rows = rows.detach()
         self.optim_settings = optim
         self.loss_settings = loss
-        draft.lm_head.weight.requires_grad_(loss.train_lm_head)
+        # an MTP head's lm_head is the target's (shared, frozen); under LoRA only the adapters train
+        from draft_align.heads.lora import is_lora
+
+        frozen_head = getattr(draft, "shares_target_head", False) or is_lora(draft)
+        draft.lm_head.weight.requires_grad_(loss.train_lm_head and not frozen_head)
         params = [p for p in draft.parameters() if p.requires_grad]
         decay = [p for p in params if p.dim() >= 2]
         no_decay = [p for p in params if p.dim() < 2]
@@ -154,6 +167,12 @@ class DraftTrainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: lr_factor(optim, step, self.progress.total_steps)
         )
+        # under torchrun: the loss through DDP and a rank-wide finiteness vote (train/distributed.py)
+        self.parallel: StepParallel | None = None
+
+    def loss(self, batch: Batch) -> tuple[torch.Tensor, StepStats]:
+        """This trainer's loss of one batch (on the trainer's device)."""
+        return ttt_loss(self.draft, self.embed, self.rows, batch, self.loss_settings)
 
     def set_total_steps(self, total: int) -> None:
         """Change the schedule's length (e.g. to end the cosine when a time budget ends).
@@ -172,8 +191,8 @@ class DraftTrainer:
         batch = batch.to(dev)
         ctx = torch.autocast(dev.type, dtype=torch.bfloat16) if self.loss_settings.autocast_bf16 else nullcontext()
         with ctx:
-            loss, stats = ttt_loss(self.draft, self.embed, self.rows, batch, self.loss_settings)
-        if not torch.isfinite(loss):
+            loss, stats = self.loss(batch) if self.parallel is None else self.parallel.loss(batch)
+        if not (torch.isfinite(loss) if self.parallel is None else self.parallel.all_finite(loss)):
             self.optimizer.zero_grad(set_to_none=True)
             self.progress.skipped_nonfinite += 1
             raise NonFiniteLossError(f"non-finite loss {loss.item()} at step {self.progress.step}; step skipped")

@@ -32,6 +32,7 @@ from draft_align.wire.messages import (
     Message,
     StepReport,
     TapBatch,
+    TapPart,
     WireError,
     decode,
     encode,
@@ -131,6 +132,33 @@ def default_endpoint(run_dir: Path, name: str) -> str:
     return f"ipc://{path}"
 
 
+def rank_endpoint(endpoint: str, rank: int) -> str:
+    """The PULL endpoint sidecar rank ``rank`` binds: rank 0 keeps ``endpoint``; rank r > 0 binds
+    ``ipc://…/<name>.<r>.sock`` (``.<r>`` appended when the path does not end in ``.sock``) or the tcp port + r."""
+    if rank < 0:
+        raise ValueError(f"rank must be ≥ 0, got {rank}")
+    if rank == 0:
+        return endpoint
+    if endpoint.startswith("ipc://"):
+        stem, dot, ext = endpoint.rpartition(".sock")
+        return f"{stem}.{rank}.sock" if dot and not ext else f"{endpoint}.{rank}"
+    if endpoint.startswith("tcp://"):
+        host, port = _split_tcp(endpoint)
+        if port == "*":
+            raise ValueError(f"{endpoint!r}: a multi-rank sidecar needs a fixed tcp port (rank r binds port + r)")
+        if int(port) + rank > 65535:
+            raise ValueError(f"{endpoint!r}: port + rank {rank} is beyond 65535")
+        return endpoint[: -len(port)] + str(int(port) + rank)
+    raise ValueError(f"{endpoint!r}: only ipc:// and tcp:// endpoints are supported")
+
+
+def tap_endpoints(endpoint: str, ranks: int) -> list[str]:
+    """The endpoints of an N-rank sidecar, rank order (what a TapSender connects to)."""
+    if ranks < 1:
+        raise ValueError(f"ranks must be ≥ 1, got {ranks}")
+    return [rank_endpoint(endpoint, r) for r in range(ranks)]
+
+
 def _split_tcp(endpoint: str) -> tuple[str, str]:
     rest = endpoint[len("tcp://"):]
     if rest.startswith("["):
@@ -199,19 +227,20 @@ def _message_bytes(msg: Message) -> int:
     return _MESSAGE_OVERHEAD + sum(t.numel() * t.element_size() for t in tensors if hasattr(t, "element_size"))
 
 
-_MESSAGE_TYPES = (TapBatch, HeadSync, DraftPublished, StepReport)
+_MESSAGE_TYPES = (TapBatch, HeadSync, DraftPublished, StepReport, TapPart)
 
 
 # ------------------------------------------------------------------------------------------------ sender
 class TapSender:
-    """PUSH socket (connects) on a background thread behind a bounded queue.  :meth:`offer` never blocks:
+    """PUSH socket (connects; to every rank of a multi-rank sidecar, which ZeroMQ then serves round-robin)
+    on a background thread behind a bounded queue.  :meth:`offer` never blocks:
     a full queue (``queue_messages`` messages or ``queue_bytes`` estimated bytes) drops the message; the
     thread encodes and sends without blocking, and drops a message the peer has not taken within
     ``send_timeout_s`` (no receiver, or a slow one).  Every drop is counted in :meth:`stats`."""
 
     def __init__(
         self,
-        endpoint: str,
+        endpoint: str | list[str],
         key: bytes | None,
         *,
         queue_messages: int = 8,
@@ -220,12 +249,16 @@ class TapSender:
         send_timeout_s: float = 0.05,
         sndhwm: int = 4,
     ) -> None:
-        check_endpoint(endpoint, key, allow_remote)
+        self.endpoints = [endpoint] if isinstance(endpoint, str) else list(endpoint)
+        if not self.endpoints:
+            raise ValueError("TapSender needs at least one endpoint")
+        for ep in self.endpoints:
+            check_endpoint(ep, key, allow_remote)
         if queue_messages < 1 or queue_bytes < 1:
             raise ValueError("queue_messages and queue_bytes must be ≥ 1")
         import zmq
 
-        self.endpoint = endpoint
+        self.endpoint = ", ".join(self.endpoints)  # for messages
         self._key = key
         self._queue_messages = queue_messages
         self._queue_bytes = queue_bytes
@@ -283,7 +316,8 @@ class TapSender:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, sndhwm)
             sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only to a connected peer: "sent" means a peer took it
-            sock.connect(self.endpoint)
+            for ep in self.endpoints:
+                sock.connect(ep)
         except Exception as e:  # surfaced to the constructor
             sock.close(linger=0)
             self._start_error = e

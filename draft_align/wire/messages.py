@@ -179,6 +179,101 @@ class TapBatch:
 
 
 @dataclass(frozen=True, eq=False)
+class TapPart:
+    """Policy → sidecar: one pipeline stage's share of a TapBatch (megatron pipeline parallelism).
+
+    Every stage of pipeline ``source_rank`` sends one part per ``batch_id`` with the same sequences
+    (``cu_seqlens``, ``input_ids``, ``loss_mask``) and the aux states of the layers it owns (``layer_ids``,
+    a subset of the joined batch's ``aux_layer_ids``); the stage holding the final norm and output layer
+    adds ``final_hidden`` and the log-prob tensors.  :mod:`draft_align.wire.join` joins the ``num_stages``
+    parts into one TapBatch; a part alone is never trained on.
+    """
+
+    run_id: str
+    policy_version: int
+    source_rank: int  # the pipeline (its data-parallel rank): the joined TapBatch's source_rank
+    batch_id: int
+    step: int
+    stage: int  # 0 ≤ stage < num_stages
+    num_stages: int
+    layer_ids: tuple[int, ...]  # HF hidden_states indices captured by this stage, ascending (may be empty)
+    aux_layer_ids: tuple[int, ...]  # the joined batch's aux_layer_ids (all stages together)
+    hidden_size: int
+    vocab_size: int
+    final_norm: str | None
+    temperature: float
+    cu_seqlens: torch.Tensor  # [S+1] int64
+    input_ids: torch.Tensor  # [N] int64
+    loss_mask: torch.Tensor  # [N] bool
+    aux_hidden: torch.Tensor  # [N, len(layer_ids)·H] bf16
+    final_hidden: torch.Tensor | None = None  # [N, H] bf16
+    next_logprob: torch.Tensor | None = None  # [N] f32
+    logit_lse: torch.Tensor | None = None  # [N] f32
+    topk_ids: torch.Tensor | None = None  # [N, K] int64
+    topk_logprobs: torch.Tensor | None = None  # [N, K] f32
+
+    KIND: ClassVar[str] = "TapPart"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layer_ids", tuple(self.layer_ids))
+        object.__setattr__(self, "aux_layer_ids", tuple(self.aux_layer_ids))
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.numel()
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The present tensors in wire order."""
+        return {n: getattr(self, n) for n in _TENSOR_SPECS["TapPart"] if getattr(self, n) is not None}
+
+    @classmethod
+    def split(cls, batch: TapBatch, layers_per_stage: Sequence[Sequence[int]]) -> list[TapPart]:
+        """The parts pipeline stages would send for ``batch`` (tests, and a reference for the join):
+        stage i carries the aux layers ``layers_per_stage[i]``; the last stage carries final hidden and
+        log-prob tensors."""
+        n_stages = len(layers_per_stage)
+        h = batch.hidden_size
+        col = {lid: j for j, lid in enumerate(batch.aux_layer_ids)}
+        stray = {i for ids in layers_per_stage for i in ids} - set(col)
+        if stray:
+            raise ValueError(f"layers {sorted(stray)} are not in the batch's aux_layer_ids {batch.aux_layer_ids}")
+        parts = []
+        for stage, ids in enumerate(layers_per_stage):
+            last = stage == n_stages - 1
+            aux = [batch.aux_hidden[:, col[i] * h : (col[i] + 1) * h] for i in ids]
+            extra = {n: t for n, t in batch.tensors().items() if n in _STAGE_LAST_TENSORS} if last else {}
+            parts.append(cls(
+                run_id=batch.run_id, policy_version=batch.policy_version, source_rank=batch.source_rank,
+                batch_id=batch.batch_id, step=batch.step, stage=stage, num_stages=n_stages,
+                layer_ids=tuple(ids), aux_layer_ids=batch.aux_layer_ids, hidden_size=h,
+                vocab_size=batch.vocab_size, final_norm=batch.final_norm if last else None,
+                temperature=batch.temperature, cu_seqlens=batch.cu_seqlens.clone(),
+                input_ids=batch.input_ids.clone(), loss_mask=batch.loss_mask.clone(),
+                aux_hidden=torch.cat(aux, dim=1) if aux else batch.aux_hidden.new_empty(batch.num_tokens, 0),
+                **extra,
+            ))
+        return parts
+
+    @classmethod
+    def make_dummy(
+        cls, stage: int = 0, layers_per_stage: Sequence[Sequence[int]] = ((1,), (2, 3)), **batch_kwargs: Any
+    ) -> TapPart:
+        """Stage ``stage``'s part of ``TapBatch.make_dummy(**batch_kwargs)`` (tests only)."""
+        return cls.split(TapBatch.make_dummy(**batch_kwargs), layers_per_stage)[stage]
+
+    def to_frames(self, key: bytes | None) -> list[bytes]:
+        return encode(self, key)
+
+    @classmethod
+    def from_frames(cls, frames: Sequence[Any], key: bytes | None, **limits: int) -> TapPart:
+        return _decode_as(cls, frames, key, **limits)
+
+
+# the tensors only the last pipeline stage (final norm + output layer) can fill
+_STAGE_LAST_TENSORS = ("final_hidden", "next_logprob", "logit_lse", "topk_ids", "topk_logprobs")
+
+
+@dataclass(frozen=True, eq=False)
 class HeadSync:
     """Policy → sidecar, once per policy version: what turns ``final_hidden`` into draft-vocab logits."""
 
@@ -280,8 +375,8 @@ class StepReport:
         return _decode_as(cls, frames, key, **limits)
 
 
-Message = TapBatch | HeadSync | DraftPublished | StepReport
-_CLASSES: dict[str, type] = {c.KIND: c for c in (TapBatch, HeadSync, DraftPublished, StepReport)}
+Message = TapBatch | HeadSync | DraftPublished | StepReport | TapPart
+_CLASSES: dict[str, type] = {c.KIND: c for c in (TapBatch, HeadSync, DraftPublished, StepReport, TapPart)}
 
 
 # ------------------------------------------------------------------------------------- field validation
@@ -330,6 +425,15 @@ def _aux_layer_ids(v: Any) -> tuple[int, ...]:
     ids = tuple(_int("aux_layer_ids[]", x, 0) for x in v)
     if any(a >= b for a, b in zip(ids, ids[1:], strict=False)):
         raise _bad(f"aux_layer_ids {list(ids)} must be distinct and ascending")
+    return ids
+
+
+def _layer_ids(v: Any) -> tuple[int, ...]:
+    if type(v) not in (list, tuple):
+        raise _bad("layer_ids must be a list of ints (possibly empty)")
+    ids = tuple(_int("layer_ids[]", x, 0) for x in v)
+    if any(a >= b for a, b in zip(ids, ids[1:], strict=False)):
+        raise _bad(f"layer_ids {list(ids)} must be distinct and ascending")
     return ids
 
 
@@ -390,6 +494,21 @@ _FIELD_SPECS: dict[str, dict[str, Callable[[Any], Any]]] = {
         "final_norm": _final_norm,
         "temperature": _temperature,
     },
+    "TapPart": {
+        "run_id": _run_id,
+        "policy_version": _nonneg("policy_version"),
+        "source_rank": _nonneg("source_rank"),
+        "batch_id": _nonneg("batch_id"),
+        "step": _nonneg("step"),
+        "stage": _nonneg("stage"),
+        "num_stages": _positive("num_stages"),
+        "layer_ids": _layer_ids,
+        "aux_layer_ids": _aux_layer_ids,
+        "hidden_size": _positive("hidden_size"),
+        "vocab_size": _positive("vocab_size"),
+        "final_norm": _final_norm,
+        "temperature": _temperature,
+    },
     "HeadSync": {
         "run_id": _run_id,
         "policy_version": _nonneg("policy_version"),
@@ -416,6 +535,17 @@ _FIELD_SPECS: dict[str, dict[str, Callable[[Any], Any]]] = {
 # name → (dtype, ndim, required), in wire order
 _TENSOR_SPECS: dict[str, dict[str, tuple[torch.dtype, int, bool]]] = {
     "TapBatch": {
+        "cu_seqlens": (torch.int64, 1, True),
+        "input_ids": (torch.int64, 1, True),
+        "loss_mask": (torch.bool, 1, True),
+        "aux_hidden": (torch.bfloat16, 2, True),
+        "final_hidden": (torch.bfloat16, 2, False),
+        "next_logprob": (torch.float32, 1, False),
+        "logit_lse": (torch.float32, 1, False),
+        "topk_ids": (torch.int64, 2, False),
+        "topk_logprobs": (torch.float32, 2, False),
+    },
+    "TapPart": {
         "cu_seqlens": (torch.int64, 1, True),
         "input_ids": (torch.int64, 1, True),
         "loss_mask": (torch.bool, 1, True),
@@ -456,7 +586,7 @@ def _check_names(kind: str, names: list[str]) -> None:
     unknown = set(names) - spec.keys()
     if missing or unknown:
         raise _bad(f"{kind} tensors: missing {sorted(missing)}, unknown {sorted(unknown)}")
-    if kind == "TapBatch" and ("topk_ids" in names) != ("topk_logprobs" in names):
+    if kind in ("TapBatch", "TapPart") and ("topk_ids" in names) != ("topk_logprobs" in names):
         raise _bad("topk_ids and topk_logprobs come together")
 
 
@@ -510,6 +640,17 @@ def _check_tap_batch(f: dict[str, Any], ts: dict[str, torch.Tensor], max_tokens:
                 raise WireError("range", f"{name} holds NaN or +inf")
 
 
+def _check_tap_part(f: dict[str, Any], ts: dict[str, torch.Tensor], max_tokens: int | None,
+                    mask_bytes: torch.Tensor | None) -> None:
+    if f["stage"] >= f["num_stages"]:
+        raise _bad(f"stage {f['stage']} ≥ num_stages {f['num_stages']}")
+    stray = set(f["layer_ids"]) - set(f["aux_layer_ids"])
+    if stray:
+        raise _bad(f"layer_ids {sorted(stray)} are not in aux_layer_ids {list(f['aux_layer_ids'])}")
+    # the same tensor checks as a TapBatch whose aux columns are this stage's layers
+    _check_tap_batch({**f, "aux_layer_ids": f["layer_ids"]}, ts, max_tokens, mask_bytes)
+
+
 def _check_head_sync(f: dict[str, Any], ts: dict[str, torch.Tensor]) -> None:
     h, v = f["hidden_size"], f["vocab_size"]
     _shape("norm_weight", ts["norm_weight"], (h,))
@@ -531,6 +672,8 @@ def _check_tensors(kind: str, f: dict[str, Any], ts: dict[str, torch.Tensor], ma
                    mask_bytes: torch.Tensor | None = None) -> None:
     if kind == "TapBatch":
         _check_tap_batch(f, ts, max_tokens, mask_bytes)
+    elif kind == "TapPart":
+        _check_tap_part(f, ts, max_tokens, mask_bytes)
     elif kind == "HeadSync":
         _check_head_sync(f, ts)
 

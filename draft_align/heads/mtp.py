@@ -1,0 +1,407 @@
+"""Multi-token-prediction (MTP) draft head, as DeepSeek-V3 and Qwen3-Next ship it (REFERENCE.md §6).
+
+One MTP module per depth d = 0..D−1.  Step 0 at position t (same alignment as EAGLE-3: it predicts
+x[t+2] and is scored against the target's distribution at t+1)::
+
+    e   = embed_target(x[t+1])                            # [H] target's embedding, frozen, not ours
+    x   = eh_proj(cat(enorm(e), hnorm(h_target[t])))      # [H] (2·H → H, no bias)
+    r   = x + attn(input_layernorm(x))                    # a plain Llama decoder block
+    out = r + mlp(post_attention_layernorm(r))            # pre-norm output
+    logits = lm_head(norm(out))                           # target's lm_head: shared, frozen
+
+``h_target`` is the target's final POST-norm hidden state (HF ``hidden_states[L]``, what vLLM hands its
+MTP drafter), so the head reads "aux layer" L: every tap, batch and estimator built for EAGLE-3 aux
+states carries it unchanged (``cfg.aux_layer_ids == (L,)``).
+
+Later draft steps j = 1..k−1 run module j mod D (vLLM's ``spec_step_idx % num_mtp_layers``) at RoPE
+position t+j on the previous step's output hidden and the embedding of the previous draft token.  The
+chained hidden is ``out`` in the DeepSeek-V3 layout and ``norm(out)`` in the Qwen3-Next layout (each
+engine feeds back what its forward returns); DeepSeek's forward also zeroes the embedding at position 0.
+Module 0 holds the committed context (one row per position t, keys at t); a step's attention sees those
+keys at 0..t plus the earlier steps of its own chain that ran the same module.  Modules d ≥ 1 thus see
+only their own chain rows (engines run them on nothing else).
+
+The trunk never learns from this head: target hidden states and embeddings are detached on entry, and the
+lm_head is a frozen copy of the target's (never trained, refreshed from HeadSync).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from draft_align.heads.eagle3 import MLP, DraftConfigError, KVCache, RMSNorm, Rotary, attend, rotate
+
+Layout = Literal["deepseek_v3", "qwen3_next"]
+LAYOUTS: tuple[str, ...] = ("deepseek_v3", "qwen3_next")
+
+
+@dataclass(frozen=True)
+class MTPConfig:
+    """Shapes of an MTP head; the target's hidden size is the head's (MTP reads the final hidden state)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    target_num_layers: int  # N: DeepSeek names module d ``model.layers.{N+d}``
+    max_position_embeddings: int
+    depth: int = 1
+    layout: str = "deepseek_v3"
+    rms_norm_eps: float = 1e-5
+    hidden_act: str = "silu"
+    rope_parameters: dict[str, Any] = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
+    torch_dtype: str = "bfloat16"
+
+    def __post_init__(self) -> None:
+        if self.depth < 1:
+            raise DraftConfigError(f"MTP depth {self.depth} must be ≥ 1")
+        if self.layout not in LAYOUTS:
+            raise DraftConfigError(f"MTP layout {self.layout!r}: expected one of {LAYOUTS}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise DraftConfigError("num_attention_heads must be a multiple of num_key_value_heads")
+        if self.hidden_act != "silu":
+            raise DraftConfigError(f"hidden_act {self.hidden_act!r}: only silu is supported")
+
+    # The EAGLE-3 interface the trainer, estimators and decoder read:
+    @property
+    def aux_layer_ids(self) -> tuple[int, ...]:
+        """(L,): HF ``hidden_states[L]`` is the final post-norm state, MTP's only input."""
+        return (self.target_num_layers,)
+
+    @property
+    def fc_in_features(self) -> int:
+        return self.hidden_size
+
+    @property
+    def target_hidden_size(self) -> int:
+        return self.hidden_size
+
+    @property
+    def draft_vocab_size(self) -> int:
+        return self.vocab_size  # the shared lm_head covers the whole target vocabulary
+
+    @property
+    def chain_post_norm(self) -> bool:
+        """Whether a later step reads ``norm(out)`` (Qwen3-Next) rather than ``out`` (DeepSeek-V3)."""
+        return self.layout == "qwen3_next"
+
+    @property
+    def zero_embed_at_pos0(self) -> bool:
+        return self.layout == "deepseek_v3"
+
+    @classmethod
+    def from_target(cls, target_config: Any, depth: int = 1, layout: str = "deepseek_v3", **overrides: Any) -> MTPConfig:
+        """An MTP head whose block is shaped like one decoder layer of ``target_config`` (HF config)."""
+        tc = target_config
+        heads = int(tc.num_attention_heads)
+        rope = getattr(tc, "rope_parameters", None) or {
+            "rope_type": "default",
+            "rope_theta": float(getattr(tc, "rope_theta", 10000.0)),
+        }
+        kwargs: dict[str, Any] = dict(
+            hidden_size=int(tc.hidden_size),
+            intermediate_size=int(tc.intermediate_size),
+            num_attention_heads=heads,
+            num_key_value_heads=int(getattr(tc, "num_key_value_heads", heads) or heads),
+            head_dim=int(getattr(tc, "head_dim", None) or tc.hidden_size // heads),
+            vocab_size=int(tc.vocab_size),
+            target_num_layers=int(tc.num_hidden_layers),
+            max_position_embeddings=int(tc.max_position_embeddings),
+            depth=int(depth),
+            layout=layout,
+            rms_norm_eps=float(getattr(tc, "rms_norm_eps", 1e-5)),
+            rope_parameters=dict(rope),
+        )
+        kwargs.update(overrides)
+        return cls(**kwargs)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> MTPConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise DraftConfigError(f"unknown MTPConfig keys: {sorted(unknown)}")
+        return cls(**d)
+
+
+class BlockAttention(nn.Module):
+    """Grouped-query self-attention of a plain Llama block (q/k/v read H)."""
+
+    def __init__(self, cfg: MTPConfig) -> None:
+        super().__init__()
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        h = cfg.hidden_size
+        self.q_proj = nn.Linear(h, self.n_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, h, bias=False)
+
+    def q(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [B, M, H] → rotated queries [B, h, M, d]."""
+        b, m, _ = x.shape
+        return rotate(self.q_proj(x).view(b, m, self.n_heads, self.head_dim).transpose(1, 2), cos, sin)
+
+    def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, M, H] → rotated keys [B, kv, M, d], values [B, kv, M, d]."""
+        b, m, _ = x.shape
+        k = self.k_proj(x).view(b, m, self.n_kv, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, m, self.n_kv, self.head_dim).transpose(1, 2)
+        return rotate(k, cos, sin), v
+
+
+class MTPModule(nn.Module):
+    """One depth: the embedding/hidden fusion and a Llama decoder block (names as in both layouts)."""
+
+    def __init__(self, cfg: MTPConfig) -> None:
+        super().__init__()
+        h, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.enorm = RMSNorm(h, eps)
+        self.hnorm = RMSNorm(h, eps)
+        self.eh_proj = nn.Linear(2 * h, h, bias=False)
+        self.input_layernorm = RMSNorm(h, eps)
+        self.self_attn = BlockAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(h, eps)
+        self.mlp = MLP(cfg)  # type: ignore[arg-type]  # reads hidden_size / intermediate_size only
+
+    def fuse(self, emb: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """[B, M, H] x2 → eh_proj(cat(enorm(emb), hnorm(hidden))) [B, M, H]; the embedding half first."""
+        return self.eh_proj(torch.cat((self.enorm(emb), self.hnorm(hidden)), dim=-1))
+
+    def finish(self, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """x [B, M, H] block input, attn_out [B, M, h·d] → pre-norm block output [B, M, H]."""
+        r = x + self.self_attn.o_proj(attn_out)
+        return r + self.mlp(self.post_attention_layernorm(r))
+
+
+@dataclass
+class MTPCache:
+    """Per-depth KV caches of one sequence.  ``caches[0]`` holds the committed context (one row per
+    position) followed by the current chain's module-0 rows; deeper modules hold only chain rows."""
+
+    caches: list[KVCache]
+    chain_step: int = 0  # draft step of the next ``from_target=False`` call
+
+    @property
+    def length(self) -> int:
+        return self.caches[0].length
+
+    def truncate(self, n: int) -> None:
+        """Keep the first ``n`` module-0 rows; drop every deeper module's (speculative) rows."""
+        self.caches[0].truncate(n)
+        for c in self.caches[1:]:
+            c.truncate(0)
+        self.chain_step = 0
+
+
+class MTPDraft(nn.Module):
+    """The MTP head.  The embedding is the target's and is passed in; ``lm_head`` is a frozen copy of the
+    target's (``shares_target_head``), set by :meth:`set_head` and never trained."""
+
+    shares_target_head = True
+
+    def __init__(self, cfg: MTPConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.layers = nn.ModuleList(MTPModule(cfg) for _ in range(cfg.depth))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head.weight.requires_grad_(False)
+        self.rotary = Rotary(cfg)  # type: ignore[arg-type]  # reads the RoPE fields only
+        # identity vocabulary map (not persistent: not engine tensors), for code written for EAGLE-3
+        self.register_buffer("d2t", torch.zeros(cfg.vocab_size, dtype=torch.long), persistent=False)
+        self.register_buffer("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool), persistent=False)
+
+    # ----------------------------------------------------------------- construction
+    @classmethod
+    def attach(
+        cls, target: nn.Module, depth: int = 1, layout: str = "deepseek_v3", init_from_last_layer: bool = True
+    ) -> MTPDraft:
+        """A fresh head for an HF decoder-only ``target`` that has none (warm-start).
+
+        Each block starts as a copy of the target's last decoder layer (``init_from_last_layer``); eh_proj
+        starts as [I | I] (sum of the normed embedding and hidden), the final norm as the target's, and
+        the lm_head is the target's (frozen).
+        """
+        from draft_align.target.tap import decoder_parts
+
+        _, layers, norm, lm_head = decoder_parts(target)
+        cfg = MTPConfig.from_target(target.config, depth=depth, layout=layout)
+        draft = cls(cfg)
+        h = cfg.hidden_size
+        last = layers[-1]
+        p = next(draft.parameters())
+        with torch.no_grad():
+            for mod in draft.layers:
+                mod.eh_proj.weight.copy_(torch.cat((torch.eye(h), torch.eye(h)), dim=1))
+                if init_from_last_layer:
+                    src = {k: v for k, v in last.state_dict().items() if "rotary" not in k}
+                    missing, unexpected = mod.load_state_dict(src, strict=False)
+                    unexpected = [k for k in unexpected if not k.endswith("inv_freq")]
+                    if unexpected:
+                        raise DraftConfigError(
+                            f"target's last layer has weights an MTP block lacks: {unexpected} (not a Llama layer)"
+                        )
+            draft.norm.weight.copy_(norm.weight.detach().to(p.dtype))
+        draft.set_head(lm_head.weight)
+        return draft
+
+    def set_head(self, weight: torch.Tensor) -> None:
+        """Copy the target's lm_head ``weight`` [V, H] into the frozen shared head (e.g. from HeadSync)."""
+        w = self.lm_head.weight
+        if tuple(weight.shape) != tuple(w.shape):
+            raise DraftConfigError(f"lm_head {tuple(weight.shape)} does not fit this MTP head {tuple(w.shape)}")
+        with torch.no_grad():
+            w.copy_(weight.detach().to(w.device, w.dtype))
+
+    @property
+    def draft_to_target(self) -> torch.Tensor:
+        """[V] identity: the MTP head predicts over the target's vocabulary."""
+        return torch.arange(self.cfg.vocab_size, device=self.lm_head.weight.device)
+
+    def engine_state_dict(self) -> dict[str, torch.Tensor]:
+        """Module-named tensors (``layers.{d}.*``, ``norm.weight``, ``lm_head.weight``); layouts map them."""
+        return {k: v for k, v in self.state_dict().items() if not k.startswith("rotary.")}
+
+    # ----------------------------------------------------------------- helpers
+    def _embed(self, embed: Any, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        e = embed(ids).detach()
+        if self.cfg.zero_embed_at_pos0:
+            e = e * (positions != 0).unsqueeze(-1).to(e.dtype)
+        return e
+
+    def _chain(self, out: torch.Tensor) -> torch.Tensor:
+        return self.norm(out) if self.cfg.chain_post_norm else out
+
+    # ----------------------------------------------------------------- training: unroll
+    def unroll(self, *args: Any, **kwargs: Any) -> list[torch.Tensor]:
+        """Like :meth:`unroll_hidden`, returning logits [B, M, V] per step."""
+        return [self.lm_head(x) for x in self.unroll_hidden(*args, **kwargs)]
+
+    def unroll_hidden(
+        self,
+        aux: torch.Tensor,
+        embed: Any,
+        input_ids: torch.Tensor,
+        valid: torch.Tensor,
+        starts: torch.Tensor,
+        starts_valid: torch.Tensor,
+        steps: int,
+    ) -> list[torch.Tensor]:
+        """Teacher-forced unroll of ``steps`` draft steps from each chain start (EAGLE-3's signature).
+
+        aux [B, T, H] the target's final post-norm hidden (detached here); input_ids [B, T]; valid [B, T];
+        starts [B, M] chain starts s; starts_valid [B, M].  Step j of chain s runs module j mod D at RoPE
+        position s+j on embed(x[s+1+j]) (clamped at the row's end; the caller masks such steps) and
+        predicts x[s+2+j].  Returns ``steps`` tensors [B, M, H]: norm(out), the lm_head's input.
+        """
+        b, t = input_ids.shape
+        dev = input_ids.device
+        d = self.cfg.depth
+        aux = aux.detach()
+        pos_all = torch.arange(t, device=dev).expand(b, t)
+        next_ids = torch.cat((input_ids[:, 1:], input_ids[:, -1:]), dim=1)  # x[t+1], last clamped
+        m0 = self.layers[0]
+        x0 = m0.fuse(self._embed(embed, next_ids, pos_all), aux)  # [B, T, H] block inputs of step 0
+        cos, sin = self.rotary(x0, pos_all)
+        k0, v0 = m0.self_attn.kv(m0.input_layernorm(x0), cos, sin)
+        m = starts.shape[1]
+        causal = torch.arange(t, device=dev).view(1, 1, t) <= starts.unsqueeze(-1)  # [B, M, T]
+        allow = (causal & valid.unsqueeze(1) & starts_valid.unsqueeze(-1)).unsqueeze(1)  # [B, 1, M, T]
+        allow = allow | ~starts_valid.view(b, 1, m, 1)  # padded rows see everything: no all −inf rows
+        pick = starts.unsqueeze(-1)
+        xs = torch.gather(x0, 1, pick.expand(b, m, x0.shape[-1]))  # [B, M, H]
+        cs, sn = (torch.gather(c, 1, pick.expand(b, m, c.shape[-1])) for c in (cos, sin))
+        q = m0.self_attn.q(m0.input_layernorm(xs), cs, sn)
+        out = m0.finish(xs, attend(q, k0, v0, allow, [], []))
+        hidden = [self.norm(out)]
+        diag: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = [([], []) for _ in range(d)]
+        empty_k = k0[:, :, :0]
+        no_shared = allow[..., :0]
+        for j in range(1, steps):
+            mod_i = j % d
+            mod = self.layers[mod_i]
+            tok_pos = (starts + 1 + j).clamp(max=t - 1)
+            tok = torch.gather(input_ids, 1, tok_pos)  # [B, M]
+            pos = starts + j
+            x = mod.fuse(self._embed(embed, tok, pos), self._chain(out))
+            cos, sin = self.rotary(x, pos)
+            a_in = mod.input_layernorm(x)
+            q = mod.self_attn.q(a_in, cos, sin)
+            k, v = mod.self_attn.kv(a_in, cos, sin)
+            dk, dv = diag[mod_i]
+            dk.append(k)
+            dv.append(v)
+            if mod_i == 0:
+                att = attend(q, k0, v0, allow, dk, dv)
+            else:
+                att = attend(q, empty_k, empty_k, no_shared, dk, dv)
+            out = mod.finish(x, att)
+            hidden.append(self.norm(out))
+        return hidden
+
+    # ----------------------------------------------------------------- inference: KV-cached
+    def new_cache(self) -> MTPCache:
+        a = self.layers[0].self_attn
+        p = self.layers[0].eh_proj.weight
+        caches = []
+        for _ in range(self.cfg.depth):
+            empty = torch.zeros(1, a.n_kv, 0, a.head_dim, dtype=p.dtype, device=p.device)
+            caches.append(KVCache(empty, empty.clone()))
+        return MTPCache(caches)
+
+    @torch.no_grad()
+    def step(
+        self,
+        cache: MTPCache,
+        hidden: torch.Tensor,
+        emb: torch.Tensor,
+        positions: torch.Tensor,
+        from_target: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run M new rows of one sequence, appending their K/V (EAGLE-3's ``step`` contract).
+
+        ``from_target``: hidden [M, H] is the target's final post-norm hidden at ``positions`` (committed
+        context, module 0; the chain restarts); else hidden [1, H] is the previous step's output and the row
+        is the next draft step of the chain (module ``chain_step mod D``).  emb [M, H] embeddings of the
+        next tokens; positions [M] RoPE positions.  New rows attend causally among themselves and to the
+        module's cached rows.  Returns (logits [M, V], the hidden the next step reads [M, H]).
+        """
+        if from_target:
+            cache.chain_step = 0
+            mod_i = 0
+        else:
+            cache.chain_step += 1
+            mod_i = cache.chain_step % self.cfg.depth
+        mod = self.layers[mod_i]
+        kv = cache.caches[mod_i]
+        h = hidden.unsqueeze(0)
+        pos = positions.unsqueeze(0)
+        e = emb.unsqueeze(0)
+        if self.cfg.zero_embed_at_pos0:
+            e = e * (pos != 0).unsqueeze(-1).to(e.dtype)
+        x = mod.fuse(e, h)
+        m = x.shape[1]
+        cos, sin = self.rotary(x, pos)
+        a_in = mod.input_layernorm(x)
+        q = mod.self_attn.q(a_in, cos, sin)
+        k, v = mod.self_attn.kv(a_in, cos, sin)
+        past = kv.length
+        kv.append(k, v)
+        allow = torch.ones(m, past + m, dtype=torch.bool, device=x.device)
+        allow[:, past:] = torch.ones(m, m, dtype=torch.bool, device=x.device).tril()
+        out = mod.finish(x, attend(q, kv.k, kv.v, allow.view(1, 1, m, past + m), [], []))
+        normed = self.norm(out)
+        chained = normed if self.cfg.chain_post_norm else out
+        return self.lm_head(normed)[0], chained[0]

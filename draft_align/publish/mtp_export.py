@@ -1,0 +1,509 @@
+"""MTP heads in the engines' native layouts: import from a checkpoint, export, publish and load.
+
+Layouts (REFERENCE.md §6; names checked against vLLM ``deepseek_mtp.py`` and ``qwen3_next_mtp.py``):
+
+- ``deepseek_v3``: module d is ``model.layers.{N+d}.*`` (N = the target's layer count): ``enorm``,
+  ``hnorm``, ``eh_proj`` [H, 2H] (no bias), the block's usual Llama names (``input_layernorm``,
+  ``self_attn.{q,k,v,o}_proj``, ``post_attention_layernorm``, ``mlp.{gate,up,down}_proj``), then
+  ``shared_head.norm`` and ``shared_head.head`` (the target's lm_head).  A per-layer ``embed_tokens`` (the
+  target's, shared) is ignored on import and never exported.
+- ``qwen3_next``: ``mtp.fc`` [H, 2H], ``mtp.pre_fc_norm_embedding``, ``mtp.pre_fc_norm_hidden`` (one of
+  each for all depths), ``mtp.layers.{d}.*`` (block names as above), ``mtp.norm``; the lm_head is the
+  target's ``lm_head.weight`` (written too, optional on import).
+
+Both sets of names are the target checkpoint's own, so an exported file can be merged into it.  A
+published MTP draft is one folder like an EAGLE-3 one (config.json, model.safetensors, manifest.json with
+sha256 of both files), manifest ``format: draft_align.mtp``, ``layout``, and the full ``mtp_config``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import safetensors.torch
+import torch
+
+import draft_align
+from draft_align.heads.eagle3 import DraftConfigError, Rotary
+from draft_align.heads.mtp import LAYOUTS, MTPConfig, MTPDraft
+from draft_align.publish.export import (
+    _DTYPES,
+    _RESERVED,
+    CONFIG_FILE,
+    MANIFEST_FILE,
+    MTP_FORMAT,
+    WEIGHTS_FILE,
+    CorruptCheckpointError,
+    ExportError,
+    _digest,
+    _dumps,
+    _fsync_path,
+    _publish_dir,
+    _rope_fields,
+    _rope_mismatch,
+    _target_rope,
+    _write_text,
+    read_manifest,
+)
+
+MTP_FORMAT_VERSION = 1
+ARCHITECTURES = {"deepseek_v3": "DeepSeekMTPModel", "qwen3_next": "Qwen3NextMTP"}
+_BLOCK = (
+    "input_layernorm.weight", "post_attention_layernorm.weight",
+    *(f"self_attn.{p}_proj.weight" for p in "qkvo"),
+    *(f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")),
+)  # fmt: skip
+_FUSE = {"enorm.weight": "pre_fc_norm_embedding.weight", "hnorm.weight": "pre_fc_norm_hidden.weight",
+         "eh_proj.weight": "fc.weight"}  # ours (per depth) → Qwen3-Next (shared by all depths)
+
+
+# --------------------------------------------------------------------------------------- name maps
+def layout_names(cfg: MTPConfig, layout: str) -> dict[str, str]:
+    """Our module name → the layout's tensor name, for every tensor of the head (lm_head included)."""
+    if layout not in LAYOUTS:
+        raise ExportError(f"unknown MTP layout {layout!r}: expected one of {LAYOUTS}")
+    out: dict[str, str] = {}
+    n = cfg.target_num_layers
+    for d in range(cfg.depth):
+        ours = f"layers.{d}."
+        if layout == "deepseek_v3":
+            theirs = f"model.layers.{n + d}."
+            for name in (*_FUSE, *_BLOCK):
+                out[ours + name] = theirs + name
+        else:
+            for name in _BLOCK:
+                out[ours + name] = f"mtp.layers.{d}.{name}"
+            if d == 0:
+                for name, q in _FUSE.items():
+                    out[ours + name] = "mtp." + q
+    if layout == "deepseek_v3":
+        out["norm.weight"] = f"model.layers.{n}.shared_head.norm.weight"
+        out["lm_head.weight"] = f"model.layers.{n}.shared_head.head.weight"
+    else:
+        out["norm.weight"] = "mtp.norm.weight"
+        out["lm_head.weight"] = "lm_head.weight"
+    return out
+
+
+def _expected_shapes(cfg: MTPConfig) -> dict[str, tuple[int, ...]]:
+    h, hd, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    block = {
+        "enorm.weight": (h,), "hnorm.weight": (h,), "eh_proj.weight": (h, 2 * h),
+        "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+        "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h), "self_attn.v_proj.weight": (kv, h),
+        "self_attn.o_proj.weight": (h, q), "mlp.gate_proj.weight": (inter, h), "mlp.up_proj.weight": (inter, h),
+        "mlp.down_proj.weight": (h, inter),
+    }  # fmt: skip
+    out = {f"layers.{d}.{k}": v for d in range(cfg.depth) for k, v in block.items()}
+    out["norm.weight"] = (h,)
+    out["lm_head.weight"] = (cfg.vocab_size, h)
+    return out
+
+
+def to_layout(draft: MTPDraft, layout: str | None = None) -> dict[str, torch.Tensor]:
+    """The head's tensors under ``layout``'s names (default: the head's own layout).
+
+    Raises ExportError when the layout cannot hold the head: another layout than the head was trained
+    for (the chained hidden and position-0 embedding differ; convert with :func:`with_layout`), or
+    ``qwen3_next`` with depths whose fc / pre-fc norms differ (Qwen3-Next shares them).
+    """
+    cfg = draft.cfg
+    layout = layout or cfg.layout
+    if layout != cfg.layout:
+        raise ExportError(
+            f"this MTP head runs the {cfg.layout} semantics; exporting it as {layout} would change its "
+            f"outputs after the first draft step: convert explicitly with with_layout(draft, {layout!r})"
+        )
+    sd = draft.engine_state_dict()
+    if layout == "qwen3_next":
+        for d in range(1, cfg.depth):
+            for name in _FUSE:
+                if not torch.equal(sd[f"layers.{d}.{name}"], sd[f"layers.0.{name}"]):
+                    raise ExportError(
+                        f"qwen3_next shares mtp.fc and the pre-fc norms across depths, but layers.{d}.{name} "
+                        f"differs from layers.0.{name}"
+                    )
+    out = {theirs: sd[ours] for ours, theirs in layout_names(cfg, layout).items()}
+    for first, copy in head_copies(cfg, layout):  # vLLM reads each depth's own shared_head
+        out[copy] = out[first].clone()  # a real copy: safetensors refuses shared storage
+    return out
+
+
+def head_copies(cfg: MTPConfig, layout: str) -> list[tuple[str, str]]:
+    """DeepSeek-V3 stores ``shared_head.{norm,head}`` in every MTP layer (vLLM's ``compute_logits`` uses
+    layer N+d's for step d): (depth-0 name, depth-d name) pairs for d ≥ 1."""
+    if layout != "deepseek_v3":
+        return []
+    n = cfg.target_num_layers
+    return [(f"model.layers.{n}.shared_head.{part}.weight", f"model.layers.{n + d}.shared_head.{part}.weight")
+            for d in range(1, cfg.depth) for part in ("norm", "head")]
+
+
+def with_layout(draft: MTPDraft, layout: str) -> MTPDraft:
+    """A copy of ``draft`` with the same weights that runs (and exports as) ``layout``."""
+    out = MTPDraft(dataclasses.replace(draft.cfg, layout=layout))
+    out.load_state_dict(draft.state_dict())
+    return out.to(next(draft.parameters()).device)
+
+
+def from_layout(
+    tensors: Mapping[str, torch.Tensor], cfg: MTPConfig, lm_head: torch.Tensor | None = None
+) -> dict[str, torch.Tensor]:
+    """Our module-named state dict from a checkpoint's tensors in ``cfg.layout`` (other names ignored).
+
+    ``tensors`` may be a whole model's state dict: only the MTP namespace is read (DeepSeek:
+    ``model.layers.{i}`` with i ≥ N; Qwen3-Next: ``mtp.*``, plus ``lm_head.weight``).  ``lm_head``: the
+    target's lm_head [V, H] when the checkpoint has none.  Raises ExportError naming the problem: no MTP
+    weights, another depth, another hidden size, missing or unexpected names, wrong shapes.
+    """
+    layout = cfg.layout
+    n = cfg.target_num_layers
+    if layout == "deepseek_v3":
+        pat = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+        ns = {k: v for k, v in tensors.items() if (m := pat.match(k)) and int(m.group(1)) >= n}
+        found = sorted({int(pat.match(k).group(1)) for k in ns})  # type: ignore[union-attr]
+        ns = {k: v for k, v in ns.items() if not k.endswith(".embed_tokens.weight")}  # the target's, shared
+        depth_found = len(found)
+        hint = "model.layers.{N+d}.eh_proj.weight"
+        if found and found != list(range(n, n + len(found))):
+            raise ExportError(
+                f"MTP layers {found} are not numbered from the target's {n} layers on: wrong "
+                f"target_num_layers ({n}) or not a DeepSeek-V3 MTP layout"
+            )
+    else:
+        ns = {k: v for k, v in tensors.items() if k.startswith("mtp.")}
+        if "lm_head.weight" in tensors:
+            ns["lm_head.weight"] = tensors["lm_head.weight"]
+        found = sorted({int(m.group(1)) for k in ns if (m := re.match(r"^mtp\.layers\.(\d+)\.", k))})
+        depth_found = len(found)
+        hint = "mtp.fc.weight"
+    if not ns or depth_found == 0:
+        other = "qwen3_next" if layout == "deepseek_v3" else "deepseek_v3"
+        looks_other = any(k.startswith("mtp.") for k in tensors) if layout == "deepseek_v3" else any(
+            re.match(r"^model\.layers\.(\d+)\.eh_proj", k) for k in tensors
+        )
+        raise ExportError(
+            f"no MTP weights in the {layout} layout (expected {hint} and its block)"
+            + (f"; the checkpoint looks like the {other} layout" if looks_other else "")
+        )
+    if depth_found != cfg.depth:
+        raise ExportError(f"MTP depth mismatch: the checkpoint has {depth_found} MTP layers, the config expects {cfg.depth}")
+    names = layout_names(cfg, layout)
+    inverse = {theirs: ours for ours, theirs in names.items()}
+    head_name = names["lm_head.weight"]
+    extra_dup: dict[str, list[str]] = {}
+    for first, copy in head_copies(cfg, layout):  # every depth's copy must agree with depth 0's
+        extra_dup.setdefault(first, []).append(copy)
+    dup_names = {x for v in extra_dup.values() for x in v}
+    expected = set(names.values())
+    if lm_head is not None or head_name not in ns:
+        expected.discard(head_name)
+    missing = sorted(expected - set(ns))
+    unexpected = sorted(set(ns) - set(names.values()) - dup_names - ({head_name} if lm_head is not None else set()))
+    if head_name not in ns and lm_head is None:
+        raise ExportError(f"the checkpoint has no {head_name}: pass the target's lm_head")
+    if missing or unexpected:
+        raise ExportError(f"MTP tensor names differ from the {layout} layout: missing {missing}, unexpected {unexpected}")
+    for first, copies in extra_dup.items():
+        for c in copies:
+            if c in ns and not torch.equal(ns[c], ns[first]):
+                raise ExportError(f"{c} differs from {first}: this head shares one final norm and head across depths")
+    shapes = _expected_shapes(cfg)
+    eh = names["layers.0.eh_proj.weight"]
+    if tuple(ns[eh].shape) != shapes["layers.0.eh_proj.weight"]:
+        raise ExportError(
+            f"hidden size mismatch: {eh} is {list(ns[eh].shape)} (hidden {ns[eh].shape[0]}), the config expects "
+            f"[H, 2H] = {list(shapes['layers.0.eh_proj.weight'])}"
+        )
+    out: dict[str, torch.Tensor] = {}
+    for theirs, ours in inverse.items():
+        if theirs == head_name and (lm_head is not None or theirs not in ns):
+            t = lm_head
+        else:
+            t = ns[theirs]
+        assert t is not None
+        if tuple(t.shape) != shapes[ours]:
+            if ours.endswith("eh_proj.weight"):
+                raise ExportError(
+                    f"hidden size mismatch: {theirs} is {list(t.shape)}, expected [H, 2H] = {list(shapes[ours])}"
+                )
+            raise ExportError(f"{theirs} has shape {list(t.shape)}, expected {list(shapes[ours])}")
+        out[ours] = t
+    if layout == "qwen3_next":
+        for d in range(1, cfg.depth):
+            for name in _FUSE:
+                out[f"layers.{d}.{name}"] = out[f"layers.0.{name}"]
+    return out
+
+
+def import_mtp(
+    tensors: Mapping[str, torch.Tensor],
+    cfg: MTPConfig,
+    *,
+    lm_head: torch.Tensor | None = None,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> MTPDraft:
+    """An :class:`MTPDraft` holding the native MTP weights of ``tensors`` (see :func:`from_layout`)."""
+    state = {k: v.detach().to("cpu", dtype).clone() for k, v in from_layout(tensors, cfg, lm_head).items()}
+    with torch.device("meta"):
+        draft = MTPDraft(cfg)
+    draft.load_state_dict(state, strict=True, assign=True)
+    draft.lm_head.weight.requires_grad_(False)
+    draft.rotary = Rotary(cfg)  # type: ignore[arg-type]  # built on meta: recompute for real
+    v = cfg.vocab_size
+    draft.register_buffer("d2t", torch.zeros(v, dtype=torch.long), persistent=False)
+    draft.register_buffer("t2d", torch.ones(v, dtype=torch.bool), persistent=False)
+    return draft.to(device)
+
+
+def import_mtp_from_folder(
+    path: Path, layout: str, *, depth: int | None = None, device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> MTPDraft:
+    """The native MTP head of an HF checkpoint folder (config.json + ``*.safetensors`` shards).
+
+    Only the MTP namespace (and the lm_head) is read from the shards, tensor by tensor, so a large
+    checkpoint is never loaded whole.  ``depth`` defaults to config.json's ``num_nextn_predict_layers``.
+    The block must be a dense Llama-style layer: a checkpoint whose MTP block is MoE or MLA fails with the
+    names it has that this head lacks.
+    """
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    path = Path(path)
+    try:
+        tc = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise ExportError(f"{path}: no readable config.json ({e})") from e
+    n = int(getattr(tc, "num_nextn_predict_layers", 0) or 0) if depth is None else int(depth)
+    if n < 1:
+        raise ExportError(f"{path}: config.json declares no MTP layers (num_nextn_predict_layers); pass depth")
+    cfg = MTPConfig.from_target(tc, depth=n, layout=layout)
+    shards = sorted(path.glob("*.safetensors"))
+    if not shards:
+        raise ExportError(f"{path}: no *.safetensors shards")
+    pat = re.compile(r"^model\.layers\.(\d+)\.")
+
+    def wanted(name: str) -> bool:
+        if name == "lm_head.weight":
+            return True
+        if layout == "qwen3_next":
+            return name.startswith("mtp.")
+        m = pat.match(name)
+        return m is not None and int(m.group(1)) >= cfg.target_num_layers
+
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        with safe_open(str(shard), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open has keys(), not iteration
+                if wanted(name):
+                    tensors[name] = f.get_tensor(name)
+    lm_head = tensors.pop("lm_head.weight", None) if layout == "deepseek_v3" else None
+    if layout == "deepseek_v3" and f"model.layers.{cfg.target_num_layers}.shared_head.head.weight" not in tensors:
+        return import_mtp(tensors, cfg, lm_head=lm_head, device=device, dtype=dtype)
+    return import_mtp(tensors, cfg, device=device, dtype=dtype)
+
+
+# --------------------------------------------------------------------------------------- validation
+def validate_mtp(draft: MTPDraft, target_config: Any) -> None:
+    """Raise ExportError unless ``draft`` fits ``target_config`` (hidden, vocab, layers, RoPE, positions)
+    and its weights are finite."""
+    cfg = draft.cfg
+    checks = (
+        ("hidden size", cfg.hidden_size, int(target_config.hidden_size)),
+        ("vocab size", cfg.vocab_size, int(target_config.vocab_size)),
+        ("num layers", cfg.target_num_layers, int(target_config.num_hidden_layers)),
+    )
+    for what, mine, theirs in checks:
+        if mine != theirs:
+            raise ExportError(f"{what} mismatch: MTP head built for {mine}, target has {theirs}")
+    target_max = int(target_config.max_position_embeddings)
+    if cfg.max_position_embeddings < target_max:
+        raise ExportError(f"max_position_embeddings {cfg.max_position_embeddings} is smaller than the target's {target_max}")
+    diff = _rope_mismatch(cfg.rope_parameters, _target_rope(target_config))
+    if diff:
+        raise ExportError(f"rope mismatch in {diff}: draft {cfg.rope_parameters} vs target {_target_rope(target_config)}")
+    for name, t in draft.engine_state_dict().items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise ExportError(f"non-finite values (NaN/Inf) in {name}")
+
+
+def mtp_config_json(cfg: MTPConfig, target_config: Any, dtype_name: str) -> dict[str, Any]:
+    """config.json: the target-shaped fields an MTP loader reads (``num_hidden_layers`` = N so that the
+    DeepSeek names ``model.layers.{N+d}`` line up, ``num_nextn_predict_layers`` = depth)."""
+    out: dict[str, Any] = {
+        "architectures": [ARCHITECTURES[cfg.layout]],
+        "model_type": f"{cfg.layout}_mtp",
+        "num_hidden_layers": cfg.target_num_layers,
+        "num_nextn_predict_layers": cfg.depth,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": cfg.hidden_act,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        **_rope_fields(cfg.rope_parameters),
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "vocab_size": cfg.vocab_size,
+        "tie_word_embeddings": False,
+        "torch_dtype": dtype_name,
+        "mtp_block": "llama",
+    }
+    for key in ("bos_token_id", "eos_token_id"):
+        value = getattr(target_config, key, None)
+        if value is not None:
+            out[key] = value
+    return out
+
+
+# --------------------------------------------------------------------------------------- publish / load
+def export_mtp_draft(
+    draft: MTPDraft,
+    out_dir: Path,
+    *,
+    layout: str | None = None,
+    target_config: Any,
+    target_name: str,
+    metrics: dict[str, Any],
+    draft_version: int,
+    policy_version: int,
+    tokenizer_fingerprint: str,
+    dtype: torch.dtype = torch.bfloat16,
+    extra_manifest: dict[str, Any] | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Write ``draft`` as a checksummed folder at ``out_dir`` in ``layout`` (default: the head's own).
+
+    Same guarantees as :func:`draft_align.publish.export.export_draft`: validated first, floats stored in
+    ``dtype``, the folder appears atomically (temp + rename).
+    """
+    out_dir = Path(out_dir)
+    if dtype not in _DTYPES:
+        raise ExportError(f"dtype {dtype} not supported: use one of {list(_DTYPES)}")
+    if os.path.lexists(out_dir):
+        if not overwrite:
+            raise ExportError(f"{out_dir} already exists; pass overwrite=True to replace it")
+        if not out_dir.is_dir() or out_dir.is_symlink():
+            raise ExportError(f"{out_dir} exists and is not a checkpoint folder; refusing to replace it")
+    clash = sorted(set(extra_manifest or {}) & (_RESERVED | {"layout", "mtp_config"}))
+    if clash:
+        raise ExportError(f"extra_manifest keys {clash} would shadow manifest fields")
+    validate_mtp(draft, target_config)
+    layout = layout or draft.cfg.layout
+    raw = to_layout(draft, layout)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, t in raw.items():
+        t = t.detach().to("cpu", dtype).contiguous()
+        if not bool(torch.isfinite(t).all()):
+            raise ExportError(f"non-finite values (NaN/Inf) in {name} after casting to {dtype}")
+        tensors[name] = t
+    dtype_name = _DTYPES[dtype]
+    cfg = dataclasses.replace(draft.cfg, torch_dtype=dtype_name)
+    config = mtp_config_json(cfg, target_config, dtype_name)
+    manifest: dict[str, Any] = {
+        "format": MTP_FORMAT,
+        "format_version": MTP_FORMAT_VERSION,
+        "layout": layout,
+        "architecture": config["architectures"][0],
+        "files": {},
+        "draft_version": int(draft_version),
+        "policy_version": int(policy_version),
+        "target": {
+            "name": target_name,
+            "num_hidden_layers": int(target_config.num_hidden_layers),
+            "hidden_size": int(target_config.hidden_size),
+            "vocab_size": int(target_config.vocab_size),
+            "max_position_embeddings": int(target_config.max_position_embeddings),
+        },
+        "aux_layer_ids": {"hf": list(cfg.aux_layer_ids), "note": "MTP reads the final post-norm hidden (HF index L)"},
+        "draft_vocab_size": cfg.vocab_size,
+        "tokenizer_fingerprint": tokenizer_fingerprint,
+        "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        "draft_align_version": draft_align.__version__,
+        "dtype": dtype_name,
+        "metrics": metrics,
+        "mtp_config": cfg.to_dict(),
+        **(extra_manifest or {}),
+    }
+    try:
+        config_text = _dumps(config)
+        _dumps(manifest)
+    except (TypeError, ValueError) as e:
+        raise ExportError(f"manifest/config not JSON serialisable: {e}") from e
+    parent = out_dir.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out_dir.name}-", dir=parent))
+    try:
+        os.chmod(tmp, 0o755)
+        _write_text(tmp / CONFIG_FILE, config_text)
+        safetensors.torch.save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        _fsync_path(tmp / WEIGHTS_FILE)
+        for name in (CONFIG_FILE, WEIGHTS_FILE):
+            sha, size = _digest(tmp / name)
+            manifest["files"][name] = {"sha256": sha, "bytes": size}
+        _write_text(tmp / MANIFEST_FILE, _dumps(manifest))
+        _fsync_path(tmp)
+        _publish_dir(tmp, out_dir, overwrite)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def load_mtp_draft(
+    path: Path,
+    *,
+    verify: bool = True,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    lm_head: torch.Tensor | None = None,
+) -> tuple[MTPDraft, dict[str, Any]]:
+    """Rebuild the MTP head published at ``path``; returns (module, manifest).  Files are re-hashed
+    (``verify``); names, depth and shapes are checked against the manifest's ``mtp_config``."""
+    path = Path(path)
+    manifest = read_manifest(path, verify=verify)
+    if manifest.get("format") != MTP_FORMAT:
+        raise ExportError(f"{path}: format {manifest.get('format')!r} is not an MTP draft ({MTP_FORMAT})")
+    try:
+        cfg = MTPConfig.from_dict(dict(manifest["mtp_config"]))
+    except (KeyError, TypeError, DraftConfigError) as e:
+        raise ExportError(f"{path / MANIFEST_FILE}: mtp_config unusable: {e}") from e
+    if manifest.get("layout") != cfg.layout:
+        raise ExportError(f"{path / MANIFEST_FILE}: layout {manifest.get('layout')!r} ≠ mtp_config.layout {cfg.layout!r}")
+    try:
+        raw = safetensors.torch.load_file(str(path / WEIGHTS_FILE), device="cpu")
+    except Exception as e:  # safetensors raises its own error types
+        raise CorruptCheckpointError(f"{WEIGHTS_FILE}: unreadable ({e}); truncated or corrupt") from e
+    return import_mtp(raw, cfg, lm_head=lm_head, device=device, dtype=dtype), manifest
+
+
+def check_mtp_compatible(manifest: Mapping[str, Any], target_config: Any, tokenizer_fingerprint: str | None) -> None:
+    """Raise ExportError unless the MTP draft of ``manifest`` fits ``target_config`` (and tokenizer)."""
+    cfg = manifest["mtp_config"]
+    for what, key, theirs in (
+        ("hidden size", "hidden_size", int(target_config.hidden_size)),
+        ("vocab size", "vocab_size", int(target_config.vocab_size)),
+        ("num layers", "target_num_layers", int(target_config.num_hidden_layers)),
+    ):
+        if int(cfg[key]) != theirs:
+            raise ExportError(f"{what} mismatch: MTP draft built for {cfg[key]}, target has {theirs}")
+    if int(cfg["max_position_embeddings"]) < int(target_config.max_position_embeddings):
+        raise ExportError(
+            f"max_position_embeddings {cfg['max_position_embeddings']} is smaller than the target's "
+            f"{target_config.max_position_embeddings}"
+        )
+    if tokenizer_fingerprint is not None and tokenizer_fingerprint != manifest["tokenizer_fingerprint"]:
+        raise ExportError(
+            f"tokenizer fingerprint mismatch: draft {manifest['tokenizer_fingerprint']}, target {tokenizer_fingerprint}"
+        )

@@ -1,0 +1,598 @@
+"""Policy-side Tap for megatron-core ``GPTModel`` policies (the backend NeMo RL uses).
+
+The same contract as :class:`~draft_align.target.policy_tap.HFPolicyTap` (``capturing()`` → the RL job's own
+forward passes → ``submit()`` per micro-batch → ``end_step()``; ``head_sync()`` per policy version), with
+HF ``hidden_states`` indexing kept exactly: index 0 is the embedding output, index i (1 ≤ i < L) the output
+of the decoder layer whose megatron ``layer_number`` is i (the residual stream, before any norm), index L the
+output of ``decoder.final_layernorm``.  Megatron activations are sequence-first [s, b, h]; they are turned
+into the packed per-sequence layout of a TapBatch.
+
+Parallelism (process groups and ranks are passed in, or read once by :meth:`MegatronPolicyTap.from_parallel_state`):
+
+- tensor parallel: every TP rank runs the same calls; only TP rank 0 copies to the host and sends.  With
+  sequence parallelism the hooked activations are sequence shards [s/tp, b, h]: ``submit()`` all-gathers
+  the kept rows over the TP group, so it (and ``head_sync()``, which gathers vocab-parallel lm_head rows)
+  is collective over that group.
+- pipeline parallel: each stage hooks only the layers it owns and sends a :class:`TapPart` per batch
+  (the last stage adds the final hidden state and the log-prob statistics); the sidecar joins the stages
+  (:mod:`draft_align.wire.join`).  All stages draw the same token-budget sample (seeded by the data-parallel
+  rank, from the same masks), so their batch ids line up.  Captures are queued first-in first-out, so a
+  pipeline schedule may run every micro-batch's forward before the first ``submit()``.
+
+megatron-core is imported only by :meth:`MegatronPolicyTap.from_parallel_state`: the model is used through its
+module attributes (``embedding``, ``decoder.layers[i].layer_number``, ``decoder.final_layernorm``,
+``output_layer``, ``config``).  Tap a forward pass without activation recompute (the log-prob pass): a
+recomputed layer fires its hook again (counted as ``capture_broken``).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from draft_align.target.policy_tap import (
+    PolicyTapError,
+    TapSink,
+    TokenBudgetSketch,
+    _as_binary,
+    _Counters,
+    _Kept,
+    _to_host,
+    generator_for,
+    logit_stats,
+)
+from draft_align.target.tap import TapError
+from draft_align.wire.messages import HeadSync, TapPart, WireError, pack_sequences, validate
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GPTParts:
+    """The modules of one megatron ``GPTModel`` (pipeline stage) a Tap hooks; None where this stage lacks it."""
+
+    embedding: nn.Module | None  # pre_process stage only; output [s, b, h] (sequence-sharded under SP)
+    layers: tuple[nn.Module, ...]  # this stage's TransformerLayers; each has a global 1-based .layer_number
+    final_norm: nn.Module | None  # post_process stage only
+    output_weight: torch.Tensor | None  # [V_padded/tp, H] (the shared embedding when tied); post_process only
+    config: Any  # the TransformerConfig
+    vocab_size: int  # the model's (possibly padded) vocabulary
+
+
+def gpt_parts(model: nn.Module) -> GPTParts:
+    """Unwrap DDP / Float16Module (``.module``) and return the parts of a megatron ``GPTModel``."""
+    inner = model
+    for _ in range(8):
+        if hasattr(inner, "decoder") and hasattr(inner, "config"):
+            break
+        inner = getattr(inner, "module", None)
+        if inner is None:
+            break
+    if inner is None or not hasattr(inner, "decoder") or not hasattr(inner, "config"):
+        raise TapError(f"{type(model).__name__}: expected a megatron GPTModel (.decoder, .config), possibly "
+                       "wrapped in .module")
+    decoder = inner.decoder
+    layers = tuple(getattr(decoder, "layers", ()))
+    for layer in layers:
+        if not isinstance(getattr(layer, "layer_number", None), int):
+            raise TapError(f"{type(layer).__name__} has no integer layer_number (not a megatron TransformerLayer)")
+    post = bool(getattr(inner, "post_process", False))
+    final_norm = getattr(decoder, "final_layernorm", None) if post else None
+    weight = None
+    if post:
+        if getattr(inner, "share_embeddings_and_output_weights", False):
+            weight = inner.shared_embedding_or_output_weight()
+        else:
+            weight = inner.output_layer.weight
+    embedding = getattr(inner, "embedding", None) if getattr(inner, "pre_process", False) else None
+    return GPTParts(embedding, layers, final_norm, weight, inner.config, int(inner.vocab_size))
+
+
+class MegatronTap:
+    """Forward hooks on a megatron GPTModel stage capturing HF ``hidden_states`` indices ``owned`` (the
+    subset of ``aux_layer_ids`` this stage holds) and, optionally, the final post-norm hidden state.
+
+    Each forward pass that fires every hook once becomes one capture, queued first-in first-out; values
+    stay [s, b, h] (sequence-first, as megatron produced them)."""
+
+    def __init__(self, model: nn.Module, aux_layer_ids: Sequence[int], capture_final: bool = True) -> None:
+        parts = gpt_parts(model)
+        n_layers = int(parts.config.num_layers)
+        ids = tuple(int(i) for i in aux_layer_ids)
+        if not ids or len(set(ids)) != len(ids) or list(ids) != sorted(ids):
+            raise TapError(f"aux_layer_ids {ids} must be non-empty, distinct and ascending")
+        if ids[0] < 0 or ids[-1] > n_layers:
+            raise TapError(f"aux_layer_ids {ids} outside hidden_states indices 0..{n_layers} of this model")
+        points: dict[int, nn.Module] = {}
+        by_number = {int(layer.layer_number): layer for layer in parts.layers}
+        for i in ids:
+            if i == 0 and parts.embedding is not None:
+                points[i] = parts.embedding
+            elif i == n_layers and parts.final_norm is not None:
+                points[i] = parts.final_norm
+            elif 0 < i < n_layers and i in by_number:
+                points[i] = by_number[i]
+        self.aux_layer_ids = ids
+        self.owned = tuple(sorted(points))  # the aux indices this stage captures
+        self.capture_final = bool(capture_final) and parts.final_norm is not None
+        self._points = points
+        self._final_norm = parts.final_norm
+        self._handles: list[Any] = []
+        self._current: dict[Any, torch.Tensor] = {}
+        self._queue: collections.deque[dict[Any, torch.Tensor]] = collections.deque()
+        self._expect = len(points) + (1 if self.capture_final else 0)
+        self.broken = 0  # forward passes whose hooks fired out of pattern (e.g. activation recompute)
+
+    def _store(self, key: Any, out: Any) -> None:
+        x = (out[0] if isinstance(out, tuple) else out).detach()
+        if key in self._current:
+            self.broken += 1
+            self._current = {}
+        self._current[key] = x
+        if len(self._current) == self._expect:
+            self._queue.append(self._current)
+            self._current = {}
+
+    def attach(self) -> MegatronTap:
+        if self._handles:
+            return self
+        for i, mod in self._points.items():
+            self._handles.append(mod.register_forward_hook(lambda _m, _i, out, i=i: self._store(i, out)))
+        if self.capture_final:
+            self._handles.append(self._final_norm.register_forward_hook(
+                lambda _m, _i, out: self._store("final", out)))
+        return self
+
+    def detach(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self._current = {}
+        self._queue.clear()
+
+    def pending(self) -> int:
+        """Captured forward passes not popped yet."""
+        return len(self._queue)
+
+    def pop(self) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """The oldest captured forward: ([s, b, h] per owned index, ascending; final [s, b, h] or None)."""
+        if self._expect == 0:
+            return [], None  # a stage that owns nothing still takes part (its TapPart carries ids and masks)
+        if not self._queue:
+            raise TapError("no forward pass captured; is the Tap attached?")
+        got = self._queue.popleft()
+        return [got[i] for i in self.owned], got.get("final")
+
+
+def _gather_sequence(x: torch.Tensor, group: Any, world: int) -> torch.Tensor:
+    """All-gather sequence shards [s/tp, b, h] of the tensor-parallel group into [s, b, h]."""
+    if world == 1:
+        return x
+    x = x.contiguous()
+    out = x.new_empty((x.shape[0] * world, *x.shape[1:]))
+    dist.all_gather_into_tensor(out, x, group=group)
+    return out
+
+
+def vocab_parallel_logit_stats(
+    logits: torch.Tensor, input_ids: torch.Tensor, topk: int, *, vocab_size: int, group: Any, tp_rank: int,
+    tp_size: int, max_elements: int = 1 << 26,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """:func:`~draft_align.target.policy_tap.logit_stats` from vocab-parallel logits, collectively over the TP
+    group: rank r holds logits [L, Vl] of global ids r·Vl … (r+1)·Vl − 1 (megatron's equal split of the padded
+    vocab); ids ≥ ``vocab_size`` (padding) are ignored.  lse = m + log Σ_r Σ exp(x − m) with m the global
+    max; the next token's logit comes from the rank that owns it; top-k is the top-k of the ranks' top-k."""
+    length, local = logits.shape
+    start = tp_rank * local
+    dev = logits.device
+    nxt = torch.zeros(length, dtype=torch.float32, device=dev)
+    lse = torch.empty(length, dtype=torch.float32, device=dev)
+    k_ids = torch.empty(length, topk, dtype=torch.int64, device=dev) if topk else None
+    k_lp = torch.empty(length, topk, dtype=torch.float32, device=dev) if topk else None
+    ids = input_ids.to(device=dev, dtype=torch.int64)
+    pad = torch.arange(start, start + local, device=dev) >= vocab_size  # [Vl]
+    rows = max(1, max_elements // max(local, 1))
+    for s in range(0, length, rows):
+        e = min(length, s + rows)
+        lg = logits[s:e].float().masked_fill(pad, -torch.inf)  # [c, Vl]
+        m = lg.max(dim=-1).values  # [c]
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+        z = torch.exp(lg - m[:, None]).sum(dim=-1)  # [c]
+        dist.all_reduce(z, group=group)
+        z = m + z.log()
+        lse[s:e] = z
+        tgt = torch.full((e - s,), -1, dtype=torch.int64, device=dev)  # next token of positions s..e−1
+        last = min(e, length - 1)
+        tgt[: last - s] = ids[s + 1 : last + 1]
+        mine = (tgt >= start) & (tgt < start + local)
+        val = torch.zeros(e - s, dtype=torch.float32, device=dev)
+        val[mine] = lg[mine].gather(1, (tgt[mine] - start)[:, None]).squeeze(1)
+        dist.all_reduce(val, group=group)
+        nxt[s:last] = val[: last - s] - z[: last - s]
+        if topk:
+            kk = min(topk, local)
+            vals, idx = lg.topk(kk, dim=-1)  # [c, kk]
+            all_vals = vals.new_empty((tp_size * (e - s), kk))  # rank-major [tp·c, kk]
+            all_ids = idx.new_empty((tp_size * (e - s), kk))
+            dist.all_gather_into_tensor(all_vals, vals.contiguous(), group=group)
+            dist.all_gather_into_tensor(all_ids, (idx + start).contiguous(), group=group)
+            cand_v = all_vals.view(tp_size, e - s, kk).permute(1, 0, 2).reshape(e - s, -1)  # [c, tp·kk]
+            cand_i = all_ids.view(tp_size, e - s, kk).permute(1, 0, 2).reshape(e - s, -1)
+            top_v, pos = cand_v.topk(topk, dim=-1)
+            k_lp[s:e] = top_v - z[:, None]
+            k_ids[s:e] = cand_i.gather(1, pos)
+    return nxt, lse, k_ids, k_lp
+
+
+class MegatronPolicyTap:
+    """:class:`~draft_align.target.policy_tap.PolicyTap` for megatron-core GPTModel policies.
+
+    Arguments beyond :class:`~draft_align.target.policy_tap.HFPolicyTap`'s: ``tp_group`` (None when
+    TP = 1), ``pp_rank``/``pp_size`` (pipeline stage), ``dp_rank`` (the pipeline's id: seeds the sample and is
+    the messages' ``source_rank``), ``sequence_parallel`` (default: ``model.config.sequence_parallel``),
+    ``vocab_size`` (the tokenizer's vocabulary, default the model's possibly padded one: logits and lm_head
+    rows beyond it are ignored).
+
+    ``submit()`` takes the same right-padded [B, T] masks as the HF tap; ``logits`` [B, T, V] (full vocab,
+    temperature 1) are needed only on the last pipeline stage's TP rank 0 and may be None elsewhere.  With
+    ``vocab_parallel_logits`` every TP rank of the last stage passes its shard [B, T, V_padded/tp] instead
+    (megatron's ``parallel_output``), and the statistics are computed collectively over the TP group.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        aux_layer_ids: Sequence[int],
+        sink: TapSink,
+        *,
+        run_id: str,
+        tokens_per_step: int,
+        max_tokens_per_message: int = 16384,
+        send_final: bool = True,
+        topk: int = 1,
+        seed: int = 0,
+        tp_group: Any = None,
+        pp_rank: int = 0,
+        pp_size: int = 1,
+        dp_rank: int = 0,
+        sequence_parallel: bool | None = None,
+        vocab_size: int | None = None,
+        vocab_parallel_logits: bool = False,
+    ) -> None:
+        if not isinstance(run_id, str) or not run_id:
+            raise PolicyTapError("run_id must be a non-empty string")
+        if not hasattr(sink, "offer"):
+            raise PolicyTapError(f"sink {type(sink).__name__} has no offer(message) -> bool")
+        if int(max_tokens_per_message) < 2 or int(tokens_per_step) < 2:
+            raise PolicyTapError("max_tokens_per_message and tokens_per_step must be ≥ 2")
+        if not 0 <= int(pp_rank) < int(pp_size) or int(dp_rank) < 0:
+            raise PolicyTapError(f"need 0 ≤ pp_rank < pp_size and dp_rank ≥ 0, got {pp_rank}, {pp_size}, {dp_rank}")
+        parts = gpt_parts(model)
+        self.model = model
+        self.sink = sink
+        self.run_id = run_id
+        self.pp_rank, self.pp_size, self.dp_rank = int(pp_rank), int(pp_size), int(dp_rank)
+        self.is_last = self.pp_rank == self.pp_size - 1
+        if self.is_last and parts.final_norm is None:
+            raise PolicyTapError("the last pipeline stage has no decoder.final_layernorm (post_process=False?)")
+        self.tp_group = tp_group
+        self.tp_size = 1 if tp_group is None else dist.get_world_size(tp_group)
+        self.tp_rank = 0 if tp_group is None else dist.get_rank(tp_group)
+        self.sends = self.tp_rank == 0
+        sp = getattr(parts.config, "sequence_parallel", False) if sequence_parallel is None else sequence_parallel
+        self.sequence_parallel = bool(sp) and self.tp_size > 1
+        self.send_final = bool(send_final)
+        self.vocab_parallel_logits = bool(vocab_parallel_logits) and self.tp_size > 1
+        self.max_tokens_per_message = int(max_tokens_per_message)
+        self._tap = MegatronTap(model, aux_layer_ids, capture_final=self.send_final and self.is_last)
+        self.aux_layer_ids = self._tap.aux_layer_ids
+        self.layer_ids = self._tap.owned
+        if self.pp_size == 1 and self.layer_ids != self.aux_layer_ids:
+            missing = sorted(set(self.aux_layer_ids) - set(self.layer_ids))
+            raise PolicyTapError(f"aux layers {missing} are not in this model (no pipeline parallelism)")
+        self.hidden_size = int(parts.config.hidden_size)
+        model_vocab = int(parts.vocab_size)
+        self.vocab_size = int(vocab_size) if vocab_size is not None else model_vocab
+        if not 1 <= self.vocab_size <= model_vocab:
+            raise PolicyTapError(f"vocab_size {self.vocab_size} outside 1..{model_vocab} (the model's vocab)")
+        if not 0 <= int(topk) <= self.vocab_size:
+            raise PolicyTapError(f"topk must be in 0..{self.vocab_size}, got {topk}")
+        self.topk = int(topk)
+        # one generator per pipeline: every TP rank and stage of it keeps the same sequences
+        self._sketch = TokenBudgetSketch(int(tokens_per_step), generator_for(seed, self.dp_rank),
+                                         max_seq_tokens=self.max_tokens_per_message)
+        self._pending: dict[int, _Kept] = {}
+        self._capturing = False
+        self._batch_id = 0
+        self._c = _Counters()
+
+    @classmethod
+    def from_parallel_state(cls, model: nn.Module, aux_layer_ids: Sequence[int], sink: TapSink,
+                            **kwargs: Any) -> MegatronPolicyTap:
+        """Read the TP group and PP/DP ranks from ``megatron.core.parallel_state`` (initialised by the job)."""
+        from megatron.core import parallel_state as ps
+
+        tp = ps.get_tensor_model_parallel_world_size()
+        return cls(
+            model, aux_layer_ids, sink, tp_group=ps.get_tensor_model_parallel_group() if tp > 1 else None,
+            pp_rank=ps.get_pipeline_model_parallel_rank(), pp_size=ps.get_pipeline_model_parallel_world_size(),
+            dp_rank=ps.get_data_parallel_rank(), **kwargs,
+        )
+
+    # -- capture ---------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def capturing(self) -> Iterator[MegatronPolicyTap]:
+        """Attach the hooks for the forward passes run inside; they are removed on exit."""
+        if self._capturing:
+            raise PolicyTapError("capturing() is already active (not reentrant)")
+        self._tap.attach()
+        self._capturing = True
+        try:
+            yield self
+        finally:
+            self._capturing = False
+            self._tap.detach()
+
+    def submit(
+        self, *, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor,
+        logits: torch.Tensor | None, policy_version: int, step: int, temperature: float,
+    ) -> None:
+        """Offer the oldest captured micro-batch to this step's sample (collective over the TP group under
+        sequence parallelism).  input_ids, attention_mask, loss_mask [B, T] right-padded; logits [B, T, V]
+        on the last stage's TP rank 0 (ignored elsewhere)."""
+        if not self._capturing:
+            raise PolicyTapError("submit() must be called inside `with tap.capturing():`, after the forward pass")
+        try:
+            aux, final = self._tap.pop()
+        except TapError as e:
+            raise PolicyTapError("submit() without a captured forward pass: run the model on this batch inside "
+                                 "capturing() first") from e
+        if int(policy_version) < 0 or int(step) < 0 or not float(temperature) >= 0.0:
+            raise PolicyTapError(f"need policy_version, step, temperature ≥ 0, got {policy_version}, {step}, "
+                                 f"{temperature}")
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+            raise PolicyTapError(f"input_ids must be a [B, T] tensor, got {getattr(input_ids, 'shape', input_ids)}")
+        if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
+            raise PolicyTapError(f"input_ids must be an integer tensor, got {input_ids.dtype}")
+        shape = (int(input_ids.shape[0]), int(input_ids.shape[1]))
+        valid = _as_binary("attention_mask", attention_mask, shape)
+        response = _as_binary("loss_mask", loss_mask, shape)
+        # vocab-parallel logits: every TP rank of the last stage holds a shard and takes part in the statistics
+        need_logits = self.is_last and (self.sends or self.vocab_parallel_logits)
+        width = self.vocab_size if not self.vocab_parallel_logits else -(-self.vocab_size // self.tp_size)
+        if need_logits and (not isinstance(logits, torch.Tensor) or logits.dim() != 3
+                            or tuple(logits.shape[:2]) != shape or int(logits.shape[2]) < width):
+            raise PolicyTapError(f"logits must be [B, T, V ≥ {width}] with [B, T] = {shape} on the last stage "
+                                 f"({'vocab-parallel shard' if self.vocab_parallel_logits else 'full vocab'}), "
+                                 f"got {getattr(logits, 'shape', logits)}")
+        seq_len = shape[1] // self.tp_size if self.sequence_parallel else shape[1]
+        for x in [*aux, *([final] if final is not None else [])]:
+            if tuple(x.shape[:2]) != (seq_len, shape[0]):
+                raise PolicyTapError(f"captured forward was [s, b] = {list(x.shape[:2])}, submit expects "
+                                     f"{[seq_len, shape[0]]}: submit() must follow the forward of the same batch")
+        if shape[1] > 1 and bool((valid[:, 1:] & ~valid[:, :-1]).any()):
+            raise PolicyTapError("attention_mask must be right-padded (each row's valid tokens a prefix)")
+        if bool((response & ~valid).any()):
+            raise PolicyTapError("loss_mask marks padding positions (attention_mask == 0)")
+        ids_host = input_ids.detach().to("cpu").to(torch.int64)
+        if bool(((ids_host < 0) | (ids_host >= self.vocab_size))[valid].any()):
+            raise PolicyTapError(f"input_ids outside 0..{self.vocab_size - 1} at valid positions")
+
+        lengths = valid.sum(dim=1).tolist()
+        has_response = response.any(dim=1).tolist()
+        rows: list[int] = []
+        for b, n in enumerate(lengths):
+            if n == 0:
+                continue
+            self._c.sequences_seen += 1
+            self._c.tokens_seen += n
+            if n < 2:
+                self._c.too_short += 1
+            elif not has_response[b]:
+                self._c.no_response += 1
+            else:
+                rows.append(b)
+        handles, evicted = self._sketch.add([lengths[b] for b in rows])
+        for h in evicted:
+            self._pending.pop(h, None)
+        kept = [(b, h) for b, h in zip(rows, handles, strict=True) if h is not None]
+        if not kept:
+            return
+        # [s(/tp), b, h] → the kept rows, sequence gathered under SP → [b_kept, s, ·]; one collective for all
+        cols = [x[:, [b for b, _ in kept]] for x in [*aux, *([final] if final is not None else [])]]
+        if cols and self.sequence_parallel:
+            widths = [c.shape[-1] for c in cols]
+            full = _gather_sequence(torch.cat(cols, dim=-1), self.tp_group, self.tp_size)
+            cols = list(torch.split(full, widths, dim=-1))
+        stats = []
+        if need_logits:
+            for b, _ in kept:
+                n = lengths[b]
+                if self.vocab_parallel_logits:
+                    stats.append(vocab_parallel_logit_stats(
+                        logits[b, :n].detach(), input_ids[b, :n], self.topk, vocab_size=self.vocab_size,
+                        group=self.tp_group, tp_rank=self.tp_rank, tp_size=self.tp_size))
+                else:
+                    stats.append(logit_stats(logits[b, :n, : self.vocab_size].detach(), input_ids[b, :n], self.topk))
+        if not self.sends:
+            for b, h in kept:  # only the sample's bookkeeping: batch ids must advance as on TP rank 0
+                self._pending[h] = _Kept(int(step), int(policy_version), float(temperature), lengths[b], {})
+            return
+        states = [c.transpose(0, 1) for c in cols]  # [b_kept, s, ·]
+        aux_states = states[: len(aux)]
+        final_states = states[len(aux)] if final is not None else None
+        for j, (b, h) in enumerate(kept):
+            n = lengths[b]
+            tensors = {
+                "input_ids": ids_host[b, :n].clone(),
+                "loss_mask": response[b, :n].clone(),
+                "aux_hidden": _to_host(torch.cat([a[j, :n] for a in aux_states], dim=-1), torch.bfloat16)
+                if aux_states else torch.empty(n, 0, dtype=torch.bfloat16),
+            }
+            if final_states is not None:
+                tensors["final_hidden"] = _to_host(final_states[j, :n], torch.bfloat16)
+            if stats:
+                nxt, lse, k_ids, k_lp = stats[j]
+                tensors["next_logprob"] = _to_host(nxt, torch.float32)
+                tensors["logit_lse"] = _to_host(lse, torch.float32)
+                if k_ids is not None and k_lp is not None:
+                    tensors["topk_ids"] = _to_host(k_ids, torch.int64)
+                    tensors["topk_logprobs"] = _to_host(k_lp, torch.float32)
+            self._pending[h] = _Kept(int(step), int(policy_version), float(temperature), n, tensors)
+        if any(t.device.type == "cuda" for t in states):
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(states[0].device))
+            for _, h in kept:
+                self._pending[h].ready = ready
+
+    # -- shipping --------------------------------------------------------------------------------------
+    def end_step(self) -> int:
+        """Pack the step's kept sequences (≤ max_tokens_per_message tokens per message) and offer them:
+        TapBatches without pipeline parallelism, TapParts with it.  Ranks that do not send (TP rank ≠ 0)
+        only advance their batch ids.  Returns the tokens of messages the sink accepted."""
+        kept = [self._pending.pop(h) for h in self._sketch.reset()]
+        self._pending.clear()
+        for ev in {id(s.ready): s.ready for s in kept if s.ready is not None}.values():
+            ev.synchronize()
+        self._c.sequences_kept += len(kept)
+        self._c.tokens_kept += sum(s.n_tokens for s in kept)
+        groups: dict[tuple[int, int, float], list[_Kept]] = {}
+        for s in kept:
+            groups.setdefault((s.policy_version, s.step, s.temperature), []).append(s)
+        offered = dropped = 0
+        for group in groups.values():
+            for chunk in self._chunks(group):
+                batch_id = self._batch_id
+                self._batch_id += 1  # on every rank and stage alike, so the stages' ids line up
+                if not self.sends:
+                    continue
+                n = sum(s.n_tokens for s in chunk)
+                try:
+                    message = self._message(chunk, batch_id)
+                except WireError as e:
+                    logger.error("megatron tap: dropping an invalid message of %d tokens: %s", n, e)
+                    self._c.messages_invalid += 1
+                    self._c.tokens_dropped += n
+                    dropped += n
+                    continue
+                if self.sink.offer(message):
+                    self._c.messages_offered += 1
+                    self._c.tokens_offered += n
+                    offered += n
+                else:
+                    self._c.messages_dropped += 1
+                    self._c.tokens_dropped += n
+                    dropped += n
+        if dropped:
+            logger.warning("megatron tap: dropped %d tokens this step (%d offered)", dropped, offered)
+        return offered
+
+    def _chunks(self, seqs: list[_Kept]) -> Iterator[list[_Kept]]:
+        chunk: list[_Kept] = []
+        total = 0
+        for s in seqs:
+            if chunk and total + s.n_tokens > self.max_tokens_per_message:
+                yield chunk
+                chunk, total = [], 0
+            chunk.append(s)
+            total += s.n_tokens
+        if chunk:
+            yield chunk
+
+    def _message(self, seqs: list[_Kept], batch_id: int) -> Any:
+        """A TapBatch (no pipeline parallelism) or this stage's TapPart of ``seqs``; raises WireError."""
+        head = seqs[0]
+        final_norm = "post" if "final_hidden" in head.tensors else None
+        if self.pp_size > 1:
+            return self._part(seqs, batch_id, final_norm)
+        return pack_sequences(
+            [s.tensors for s in seqs], run_id=self.run_id, policy_version=head.policy_version,
+            source_rank=self.dp_rank, batch_id=batch_id, step=head.step, aux_layer_ids=self.aux_layer_ids,
+            hidden_size=self.hidden_size, vocab_size=self.vocab_size, final_norm=final_norm,
+            temperature=head.temperature,
+        )
+
+    def _part(self, seqs: list[_Kept], batch_id: int, final_norm: str | None) -> TapPart:
+        cu = torch.zeros(len(seqs) + 1, dtype=torch.int64)
+        cu[1:] = torch.tensor([s.n_tokens for s in seqs], dtype=torch.int64).cumsum(0)
+        cat = {name: torch.cat([s.tensors[name] for s in seqs]) for name in seqs[0].tensors}
+        part = TapPart(
+            run_id=self.run_id, policy_version=seqs[0].policy_version, source_rank=self.dp_rank,
+            batch_id=batch_id, step=seqs[0].step, stage=self.pp_rank, num_stages=self.pp_size,
+            layer_ids=self.layer_ids, aux_layer_ids=self.aux_layer_ids, hidden_size=self.hidden_size,
+            vocab_size=self.vocab_size, final_norm=final_norm, temperature=seqs[0].temperature,
+            cu_seqlens=cu, **cat,
+        )
+        validate(part)
+        return part
+
+    # -- head ------------------------------------------------------------------------------------------
+    def head_sync(self, policy_version: int, draft_to_target: torch.Tensor) -> bool:
+        """Offer HeadSync (final norm weight [H] f32, eps, output-layer rows [Vd, H] bf16 of the draft vocab)
+        from the last stage's TP rank 0; collective over the TP group of the last stage (the rows are
+        vocab-parallel).  Other stages do nothing.  True when the sink took it."""
+        if int(policy_version) < 0:
+            raise PolicyTapError(f"policy_version must be ≥ 0, got {policy_version}")
+        d2t = torch.as_tensor(draft_to_target)
+        if d2t.dim() != 1 or d2t.numel() == 0 or d2t.dtype.is_floating_point or d2t.dtype == torch.bool:
+            raise PolicyTapError(f"draft_to_target must be a non-empty 1-D integer tensor, got {d2t.dtype} "
+                                 f"{tuple(d2t.shape)}")
+        d2t = d2t.detach().to("cpu", torch.int64)
+        if bool(((d2t < 0) | (d2t >= self.vocab_size)).any()):
+            raise PolicyTapError(f"draft_to_target ids outside 0..{self.vocab_size - 1}")
+        if int(d2t.unique().numel()) != int(d2t.numel()):
+            raise PolicyTapError("draft_to_target ids must be distinct")
+        if not self.is_last:
+            return False
+        parts = gpt_parts(self.model)
+        cfg = parts.config
+        if getattr(cfg, "normalization", "RMSNorm") != "RMSNorm":
+            raise PolicyTapError(f"final norm is {cfg.normalization}: the sidecar's soft targets assume RMSNorm")
+        weight = parts.output_weight.detach()  # [V_padded/tp, H], rows [tp_rank·n, (tp_rank+1)·n)
+        n_local = int(weight.shape[0])
+        start = self.tp_rank * n_local
+        idx = d2t.to(weight.device)
+        mine = (idx >= start) & (idx < start + n_local)
+        rows = torch.zeros(int(d2t.numel()), int(weight.shape[1]), dtype=torch.float32, device=weight.device)
+        rows[mine] = weight[idx[mine] - start].float()
+        if self.tp_size > 1:
+            dist.all_reduce(rows, group=self.tp_group)  # each row is non-zero on exactly one rank
+        if not self.sends:
+            return False
+        norm_w = parts.final_norm.weight.detach().float()
+        if getattr(cfg, "layernorm_zero_centered_gamma", False):
+            norm_w = norm_w + 1.0  # megatron stores γ − 1
+        message = HeadSync(
+            run_id=self.run_id, policy_version=int(policy_version), hidden_size=self.hidden_size,
+            vocab_size=self.vocab_size, norm_eps=float(cfg.layernorm_epsilon),
+            norm_weight=norm_w.to("cpu").clone(), draft_to_target=d2t.clone(),
+            rows=rows.to(torch.bfloat16).to("cpu").contiguous(),
+        )
+        ok = bool(self.sink.offer(message))
+        if ok:
+            self._c.head_syncs += 1
+        else:
+            self._c.head_syncs_dropped += 1
+            logger.warning("megatron tap: sink refused HeadSync for policy version %d", policy_version)
+        return ok
+
+    def stats(self) -> dict[str, int]:
+        """Counters since construction (as HFPolicyTap's, plus ``capture_broken``)."""
+        c = self._c
+        return {
+            "tokens_seen": c.tokens_seen, "sequences_seen": c.sequences_seen, "tokens_kept": c.tokens_kept,
+            "sequences_kept": c.sequences_kept, "tokens_offered": c.tokens_offered,
+            "messages_offered": c.messages_offered, "messages_dropped": c.messages_dropped,
+            "messages_invalid": c.messages_invalid, "tokens_dropped": c.tokens_dropped,
+            "too_long": self._sketch.too_long, "too_short": c.too_short, "no_response": c.no_response,
+            "head_syncs": c.head_syncs, "head_syncs_dropped": c.head_syncs_dropped,
+            "capture_broken": self._tap.broken,
+        }

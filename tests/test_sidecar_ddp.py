@@ -1,0 +1,379 @@
+"""draft_align.train.distributed: a 2-rank sidecar on CPU (gloo) trains to the same weights as one process,
+survives ``kill -9`` of a rank (the other stops with a clear error, a restarted job resumes and keeps
+publishing), and refuses a misconfigured world.
+
+Ranks run as subprocesses (this file's ``__main__`` for the weight comparison, the CLI otherwise) with the
+torchrun environment (RANK, WORLD_SIZE, MASTER_*); one test launches through torchrun itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from draft_align.config import CotrainRecipe, load_recipe
+
+SEQ_LEN = 24
+PROMPT_LEN = 8
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _rank_env(rank: int, world: int, port: int) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    return env
+
+
+def _sequences(n: int, sc_hidden: int, vocab: int, seed: int) -> list[dict[str, torch.Tensor]]:
+    """``n`` synthetic tapped sequences of one length and one prompt/response layout (so every subset of
+    equal size holds the same number of target positions per TTT step)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        out.append({
+            "input_ids": torch.randint(3, vocab, (SEQ_LEN,), generator=g),
+            "loss_mask": torch.arange(SEQ_LEN) >= PROMPT_LEN,
+            "aux_hidden": torch.randn(SEQ_LEN, 3 * sc_hidden, generator=g),
+            "final_hidden": torch.randn(SEQ_LEN, sc_hidden, generator=g),
+        })
+    return out
+
+
+def _tap_batch(run: str, seqs: list[dict[str, torch.Tensor]], aux: tuple[int, ...], hidden: int, vocab: int,
+               step: int, version: int, batch_id: int):
+    from draft_align.wire.messages import pack_sequences
+
+    return pack_sequences(seqs, run_id=run, policy_version=version, source_rank=0, batch_id=batch_id, step=step,
+                          aux_layer_ids=aux, hidden_size=hidden, vocab_size=vocab, final_norm="post",
+                          temperature=1.0)
+
+
+def _head_sync(run: str, draft, hidden: int, vocab: int, version: int):
+    from draft_align.wire.messages import HeadSync
+
+    return HeadSync(run_id=run, policy_version=version, hidden_size=hidden, vocab_size=vocab, norm_eps=1e-5,
+                    norm_weight=torch.ones(hidden), draft_to_target=draft.draft_to_target.cpu(),
+                    rows=draft.lm_head.weight.detach().bfloat16())
+
+
+# ---------------------------------------------------------------------------------------- same weights
+N_TRAIN = 8  # records trained on (all of them in every step); 2 ranks hold 4 each
+N_HOLD = 2
+STEPS = 3
+
+
+def _fill(sc, part: int, parts: int) -> None:
+    """Buffer this rank's share of the fixed records, in float32 (bf16 autocast is off: its rounding would make
+    AdamW's near-zero-gradient updates differ with the reduction order); rank 0 (which gates) also gets the
+    records to hold out, the other ranks hold none out."""
+    from draft_align.train.batch import Record
+    from draft_align.train.replay import TappedRecord
+
+    train = _sequences(N_TRAIN, sc.hidden, sc.vocab, seed=1)
+    share = N_TRAIN // parts
+    hold = _sequences(N_HOLD, sc.hidden, sc.vocab, seed=2) if part == 0 else []
+    for s in train[part * share:(part + 1) * share] + hold:
+        rec = Record(input_ids=s["input_ids"], loss_mask=s["loss_mask"], aux=s["aux_hidden"], final=s["final_hidden"])
+        assert sc.buffer.add(TappedRecord(record=rec, policy_version=0, step=0)) is not None
+        sc.state.buffered_tokens += SEQ_LEN
+    sc._on_head(_head_sync(sc.recipe.run, sc.frozen, sc.hidden, sc.vocab, 0))
+    assert len(sc.buffer.trainable()) == share and len(sc.buffer.holdout()) == len(hold)
+
+
+def _same_weights_overrides(tiny_run, out: Path, run: str, ranks: int) -> list[str]:
+    return tiny_run.cotrain_overrides(
+        out, run=run, **{"sidecar.ranks": ranks, "sidecar.holdout_records": N_HOLD, "sidecar.autocast_bf16": "false",
+                         "sidecar.max_replay_ratio": 1000.0, "sidecar.publish_every_s": 1e9,
+                         "sidecar.checkpoint_every_s": 1e9, "sidecar.prometheus_port": "null",
+                         "sidecar.warmup_steps": 0, "sidecar.lr": 3e-3})
+
+
+def _rank_worker(overrides: list[str]) -> None:
+    """One rank of the weight comparison: join, ingest its half, take STEPS ranked steps, rank 0 publishes.
+    Then rank 1 alone draws a batch whose loss is not finite: both ranks skip that step (no hang, no update)."""
+    from draft_align.sidecar import Sidecar, starting_draft
+    from draft_align.train.batch import Record
+    from draft_align.train.distributed import join_ranks, ranked_step
+    from draft_align.train.replay import ReplayBuffer, TappedRecord
+
+    torch.set_num_threads(1)
+    recipe = load_recipe(None, overrides, CotrainRecipe)
+    start = starting_draft(recipe)
+    with join_ranks(recipe, start) as ranks:
+        assert ranks is not None
+        sc = Sidecar(recipe, start, ranks=ranks)
+        _fill(sc, ranks.rank, ranks.world_size)
+        for _ in range(STEPS):
+            assert ranked_step(sc)
+        assert sc.state.train_steps == STEPS, sc.state
+        if ranks.is_lead:
+            assert sc.maybe_publish(force=True)
+        before = {k: v.clone() for k, v in sc.trainer.draft.state_dict().items()}
+        if ranks.rank == 1:  # finite but huge states overflow inside the draft
+            sc.buffer = ReplayBuffer(4000, 2.0, 0, 0)
+            rec = Record(input_ids=torch.randint(3, sc.vocab, (20,)), loss_mask=torch.arange(20) >= 5,
+                         aux=torch.full((20, 3 * sc.hidden), 3e38), final=torch.randn(20, sc.hidden))
+            sc.buffer.add(TappedRecord(record=rec, policy_version=0, step=0))
+        assert ranked_step(sc)
+        assert (sc.state.nonfinite_steps, sc.state.train_steps) == (1, STEPS), sc.state
+        for k, v in sc.trainer.draft.state_dict().items():
+            assert torch.equal(v, before[k]), k
+        sc.close()
+
+
+def _tensors(run_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(published v0001 weights (bf16), the trainer's float32 weights checkpointed with that publish)."""
+    from safetensors.torch import load_file
+
+    trainer = load_file(str(run_dir / "sidecar" / "trainer" / "state.safetensors"))
+    return (load_file(str(run_dir / "drafts" / "v0001" / "model.safetensors")),
+            {k[len("draft."):]: v for k, v in trainer.items() if k.startswith("draft.")})
+
+
+def test_two_ranks_publish_the_weights_of_one_process(tiny_run, tiny_env, tmp_path):
+    """2 ranks × 4 records with DDP-averaged gradients = 1 process × all 8 records (equal target counts per
+    rank), for STEPS AdamW steps, up to float reduction order; and different from not training."""
+    from draft_align.sidecar import Sidecar, starting_draft
+
+    two = _same_weights_overrides(tiny_run, tmp_path, "two", 2)
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, __file__, "rank-worker", json.dumps(two)], env=_rank_env(r, 2, port),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    one = load_recipe(None, _same_weights_overrides(tiny_run, tmp_path, "one", 1), CotrainRecipe)
+    sc = Sidecar(one, starting_draft(one))
+    _fill(sc, 0, 1)
+    for _ in range(STEPS):
+        assert sc._train_one()
+    assert sc.maybe_publish(force=True)
+    sc.close()
+    for p in procs:
+        out, _ = p.communicate(timeout=120)
+        assert p.returncode == 0, out[-3000:]
+    (pub1, w1), (pub2, w2) = _tensors(tmp_path / "one"), _tensors(tmp_path / "two")
+    start = sc.frozen.state_dict()
+    assert w1.keys() == w2.keys() and pub1.keys() == pub2.keys()
+    moved = err = 0.0
+    for k in w1:
+        # AdamW divides by √v: float reduction-order noise in tiny gradients shows up as ~1e-5 in the weights
+        assert torch.allclose(w1[k], w2[k], rtol=0, atol=5e-5), (k, (w1[k] - w2[k]).abs().max())
+        if w1[k].is_floating_point():
+            moved += float((w1[k] - start[k].float()).pow(2).sum())
+            err += float((w1[k] - w2[k]).pow(2).sum())
+    # training moved the weights (lr 3e-3, 3 steps) and both runs moved them the same way: a rank that
+    # trained on its half alone would differ by O(1) of the update
+    assert moved**0.5 > 0.05 and (err / moved) ** 0.5 < 1e-3, (moved**0.5, (err / moved) ** 0.5)
+    for k in pub1:  # the published bf16 copies: equal up to one bf16 rounding step
+        assert torch.allclose(pub1[k].float(), pub2[k].float(), rtol=2**-7, atol=1e-6), k
+
+
+# ---------------------------------------------------------------------------------------- kill -9 / resume
+class SyntheticFeeder:
+    """The policy side: one TapSender connected to every rank's endpoint; each call sends a HeadSync, one
+    TapBatch of 8 sequences and a StepReport."""
+
+    def __init__(self, recipe: CotrainRecipe, start: Path) -> None:
+        from draft_align.publish.export import load_draft
+        from draft_align.wire import channel
+
+        self.recipe = recipe
+        self.draft, _ = load_draft(start)
+        cfg = self.draft.cfg
+        self.aux, self.hidden, self.vocab = tuple(cfg.aux_layer_ids), cfg.target_hidden_size, cfg.vocab_size
+        self.key = channel.resolve_key(None, recipe.run_dir, create=True)
+        eps = channel.tap_endpoints(channel.default_endpoint(recipe.run_dir, "tap"), recipe.sidecar.ranks)
+        self.sender = channel.TapSender(eps, self.key, send_timeout_s=0.2)
+        self.step = 0
+        self._last = 0.0
+
+    def feed(self) -> None:
+        """One RL step's messages, at most every 0.3 s (the test's CPUs are the sidecar's too)."""
+        from draft_align.wire.messages import StepReport
+
+        if time.monotonic() - self._last < 0.3:
+            return
+        self._last = time.monotonic()
+        version = self.step // 2
+        run = self.recipe.run
+        for _ in range(2):  # round-robin: each rank gets a batch
+            self.sender.offer(_head_sync(run, self.draft, self.hidden, self.vocab, version))
+            seqs = _sequences(8, self.hidden, self.vocab, seed=100 + self.step)
+            self.sender.offer(_tap_batch(run, seqs, self.aux, self.hidden, self.vocab, self.step, version,
+                                         self.step))
+        self.sender.offer(StepReport(run_id=run, step=self.step, policy_version=version, metrics={"reward_mean": 1.0}))
+        self.step += 1
+
+    def finish(self) -> None:
+        from draft_align.wire.messages import StepReport
+
+        for _ in range(2):
+            self.sender.offer(StepReport(run_id=self.recipe.run, step=self.step, policy_version=0,
+                                         metrics={"final": 1.0}))
+
+    def close(self) -> None:
+        self.sender.close()
+
+
+def _until(cond, timeout_s: float, every=None) -> bool:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if every is not None:
+            every()
+        if cond():
+            return True
+        time.sleep(0.1)
+    return cond()
+
+
+def _versions(run_dir: Path) -> list[int]:
+    from draft_align.publish.export import read_manifest
+
+    return [read_manifest(d, verify=True)["draft_version"] for d in sorted((run_dir / "drafts").glob("v*"))]
+
+
+def _cli(resolved: Path, start: Path, *extra: str) -> list[str]:
+    return ["-m", "draft_align", "sidecar", str(resolved), "--draft", str(start), "--exit-when-done", *extra]
+
+
+@pytest.mark.slow  # ~70 s on 2 shared CPU cores: four sidecar processes start (two through torchrun)
+def test_kill9_of_a_rank_is_reported_and_a_restarted_job_resumes(tiny_run, tiny_env, tmp_path):
+    """Rank 1 is killed mid-run: rank 0 exits non-zero within seconds naming the cause (no hang); every visible
+    draft is complete; the job restarted under torchrun resumes from rank 0's checkpoint, publishes higher
+    versions and both ranks exit 0 after the final StepReport."""
+    from draft_align.cotrain import write_resolved
+    from draft_align.sidecar import starting_draft
+
+    recipe = load_recipe(None, tiny_run.cotrain_overrides(
+        tmp_path, run="ddp", **{"sidecar.ranks": 2, "sidecar.collective_timeout_s": 30.0,
+                                "sidecar.prometheus_port": "null", "sidecar.publish_every_s": 0.5}), CotrainRecipe)
+    resolved = write_resolved(recipe)
+    start = starting_draft(recipe)
+    feeder = SyntheticFeeder(recipe, start)
+    logs = [tmp_path / f"rank{r}.log" for r in range(2)]
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, *_cli(resolved, start)], env=_rank_env(r, 2, port),
+                              stdout=open(logs[r], "wb"), stderr=subprocess.STDOUT) for r in range(2)]  # noqa: SIM115
+    launcher = None
+    try:
+        assert _until(lambda: len(list((recipe.run_dir / "drafts").glob("v*"))) >= 1, 90, every=feeder.feed), \
+            logs[0].read_text()[-3000:] + logs[1].read_text()[-3000:]
+        os.kill(procs[1].pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        rc0 = procs[0].wait(timeout=60)
+        waited = time.monotonic() - t0
+        assert procs[1].wait(timeout=10) == -signal.SIGKILL
+        text0 = logs[0].read_text()
+        assert rc0 == 2 and "another sidecar rank died" in text0, text0[-3000:]
+        assert waited < 30, waited
+        before = _versions(recipe.run_dir)
+        assert before == list(range(1, len(before) + 1))
+        steps_before = json.loads((recipe.run_dir / "sidecar" / "state.json").read_text())["train_steps"]
+        assert steps_before >= 1
+
+        # restart through torchrun itself (what --max-restarts would do)
+        log = tmp_path / "torchrun.log"
+        env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+        launcher = subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+             *_cli(resolved, start)[1:]], env=env, stdout=open(log, "wb"), stderr=subprocess.STDOUT,  # noqa: SIM115
+            start_new_session=True)
+        assert _until(lambda: len(list((recipe.run_dir / "drafts").glob("v*"))) > len(before), 90,
+                      every=feeder.feed), log.read_text()[-4000:]
+        feeder.finish()
+        assert launcher.wait(timeout=60) == 0, log.read_text()[-4000:]
+        text = log.read_text()
+        assert text.count(f"resumed sidecar at train step {steps_before} (restart 1)") == 2, text[-4000:]  # both ranks
+        state = json.loads((recipe.run_dir / "sidecar" / "state.json").read_text())
+        assert state["restarts"] >= 1 and state["train_steps"] > steps_before
+        after = _versions(recipe.run_dir)
+        assert after == list(range(1, len(after) + 1)) and len(after) > len(before)
+        # every rank applies every StepReport, only rank 0 writes its row: no step appears twice
+        rows = [json.loads(x) for x in (recipe.run_dir / "sidecar" / "monitor.jsonl").read_text().splitlines()]
+        steps = [r["step"] for r in rows]
+        assert steps and len(steps) == len(set(steps))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        if launcher is not None and launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+        feeder.close()
+
+
+# ---------------------------------------------------------------------------------------- bad world
+def test_ranks_that_disagree_on_the_recipe_refuse_to_start(tiny_run, tiny_env, tmp_path):
+    from draft_align.cotrain import write_resolved
+    from draft_align.sidecar import starting_draft
+
+    port = _free_port()
+    procs = []
+    for r, lr in enumerate(("1e-3", "2e-3")):
+        recipe = load_recipe(None, tiny_run.cotrain_overrides(
+            tmp_path / f"r{r}", run="bad", **{"sidecar.ranks": 2, "sidecar.lr": lr,
+                                              "sidecar.collective_timeout_s": 30.0}), CotrainRecipe)
+        resolved = write_resolved(recipe)
+        procs.append(subprocess.Popen([sys.executable, *_cli(resolved, starting_draft(recipe))],
+                                      env=_rank_env(r, 2, port), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True))
+    for p in procs:
+        out, _ = p.communicate(timeout=90)
+        assert p.returncode == 2, out[-2000:]
+        assert "disagree on the recipe" in out and "sidecar.lr: rank 0 0.001, rank 1 0.002" in out, out[-2000:]
+    assert not (tmp_path / "r0" / "bad" / "sidecar" / "ready.json").exists()
+
+
+def test_ranks_setting_without_torchrun_is_refused(tiny_run, tiny_env, tmp_path, monkeypatch):
+    from draft_align.sidecar import starting_draft
+    from draft_align.train.distributed import RankError, join_ranks
+
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    recipe = load_recipe(None, tiny_run.cotrain_overrides(tmp_path, **{"sidecar.ranks": 2}), CotrainRecipe)
+    with pytest.raises(RankError, match="torchrun --nproc-per-node 2"), join_ranks(recipe, starting_draft(recipe)):
+        pass
+    recipe.sidecar.ranks = 1
+    with join_ranks(recipe, starting_draft(recipe)) as ranks:
+        assert ranks is None
+
+
+def test_rank_endpoints_and_config_checks():
+    from draft_align.config import RecipeError
+    from draft_align.train.distributed import _pack, _unpack, rank_info_from_env
+    from draft_align.wire import channel
+
+    assert channel.tap_endpoints("ipc:///r/tap.sock", 3) == ["ipc:///r/tap.sock", "ipc:///r/tap.1.sock",
+                                                            "ipc:///r/tap.2.sock"]
+    assert channel.rank_endpoint("ipc:///r/tap", 2) == "ipc:///r/tap.2"
+    assert channel.tap_endpoints("tcp://127.0.0.1:5555", 2) == ["tcp://127.0.0.1:5555", "tcp://127.0.0.1:5556"]
+    with pytest.raises(ValueError, match="fixed tcp port"):
+        channel.rank_endpoint("tcp://127.0.0.1:*", 1)
+    with pytest.raises(ValueError, match="beyond 65535"):
+        channel.rank_endpoint("tcp://127.0.0.1:65535", 1)
+    msgs = [[b"head", b"", b"\x00" * 5], [b"x"]]
+    assert _unpack(_pack(msgs)) == msgs and _unpack(_pack([])) == []
+    assert rank_info_from_env({}).world_size == 1
+    info = rank_info_from_env({"RANK": "1", "WORLD_SIZE": "2"})
+    assert (info.rank, info.local_rank, info.is_lead) == (1, 1, False)
+    with pytest.raises(RuntimeError, match="not in 0..WORLD_SIZE-1"):
+        rank_info_from_env({"RANK": "2", "WORLD_SIZE": "2"})
+    for bad in ("sidecar.ranks=0", "sidecar.parallel=fsdp", "sidecar.collective_timeout_s=0"):
+        with pytest.raises(RecipeError):
+            load_recipe(None, [bad], CotrainRecipe)
+
+
+if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "rank-worker":
+    _rank_worker(json.loads(sys.argv[2]))
