@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import random
 import string
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -168,6 +169,34 @@ class TinyRun:
         }
         base.update(extra)
         return [f"{k}={v}" for k, v in base.items()]
+
+
+def _wait_until(cond, timeout_s: float, every=None, poll_s: float = 0.05) -> bool:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if every is not None:
+            every()
+        if cond():
+            return True
+        time.sleep(poll_s)
+    return cond()
+
+
+@pytest.fixture
+def until():
+    """``until(cond, timeout_s, every=None, poll_s=0.05)``: call ``every()`` (when given) then ``cond()`` every
+    ``poll_s`` seconds until ``cond()`` is true or ``timeout_s`` has passed; returns ``cond()``'s last value."""
+    return _wait_until
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny tensors: one thread is several times faster than contended intra-op parallelism.  Modules opt in
+    with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="session")

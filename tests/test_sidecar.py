@@ -67,17 +67,6 @@ class Feeder:
         self.sender.close()
 
 
-def _until(cond, timeout_s: float, every=None) -> bool:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if every is not None:
-            every()
-        if cond():
-            return True
-        time.sleep(0.05)
-    return cond()
-
-
 @pytest.fixture
 def sidecar_world(tiny_run, tiny_env, tmp_path):
     from draft_align.sidecar import Sidecar, starting_draft
@@ -90,7 +79,7 @@ def sidecar_world(tiny_run, tiny_env, tmp_path):
     sc.close()
 
 
-def test_ingest_train_gate_publish_notify_and_monitor(sidecar_world):
+def test_ingest_train_gate_publish_notify_and_monitor(sidecar_world, until):
     from draft_align.monitor.live import scrape
     from draft_align.publish.export import read_latest, read_manifest
     from draft_align.wire import channel
@@ -99,7 +88,7 @@ def test_ingest_train_gate_publish_notify_and_monitor(sidecar_world):
     sub = channel.Subscriber(channel.default_endpoint(recipe.run_dir, "notify"), feeder.key)
     feeder.step(0, 0)
     feeder.step(1, 1)
-    assert _until(lambda: sc.state.monitor_rows >= 2, 20, every=lambda: sc._drain(0.1, 100))
+    assert until(lambda: sc.state.monitor_rows >= 2, 20, every=lambda: sc._drain(0.1, 100))
     assert sc.has_head and sc.state.head_policy_version == 1
     assert sc.state.ingested_messages >= 2 and sc.rejected == {}
     # both steps' records reached the buffer after their reports; the newest 6 are held out
@@ -130,10 +119,10 @@ def test_ingest_train_gate_publish_notify_and_monitor(sidecar_world):
     sub.close()
 
 
-def test_gate_refuses_a_worse_candidate(sidecar_world):
+def test_gate_refuses_a_worse_candidate(sidecar_world, until):
     recipe, sc, feeder = sidecar_world
     feeder.step(0, 0)
-    assert _until(lambda: sc.state.monitor_rows >= 1, 20, every=lambda: sc._drain(0.1, 100))
+    assert until(lambda: sc.state.monitor_rows >= 1, 20, every=lambda: sc._drain(0.1, 100))
     sc.recipe.sidecar.gate_tolerance = 0.0
     assert sc._train_one()
     with torch.no_grad():  # wreck the candidate: it proposes the same token everywhere
@@ -146,7 +135,7 @@ def test_gate_refuses_a_worse_candidate(sidecar_world):
     assert not (recipe.run_dir / "drafts" / "v0001").exists()
 
 
-def test_garbage_forged_and_nonfinite_input_is_counted_and_survived(sidecar_world):
+def test_garbage_forged_and_nonfinite_input_is_counted_and_survived(sidecar_world, until):
     import zmq
 
     from draft_align.wire.messages import encode, pack_sequences
@@ -168,7 +157,7 @@ def test_garbage_forged_and_nonfinite_input_is_counted_and_survived(sidecar_worl
                            final_norm="post", temperature=1.0)
     raw.send_multipart(encode(batch, b"k" * 32))  # forged: signed with another key
     raw.send_multipart(encode(batch, feeder.key))
-    assert _until(lambda: sc.state.ingested_messages >= 1, 10, every=lambda: sc._drain(0.1, 100))
+    assert until(lambda: sc.state.ingested_messages >= 1, 10, every=lambda: sc._drain(0.1, 100))
     rej = sc.rejected
     assert rej["mac"] == 2 and rej["frames"] == 1  # 3 garbage frames and the forged batch fail the MAC
     assert sc.state.nonfinite_sequences == 1
@@ -178,18 +167,18 @@ def test_garbage_forged_and_nonfinite_input_is_counted_and_survived(sidecar_worl
                            aux_layer_ids=(1, 2, 5), hidden_size=h, vocab_size=sc.vocab, final_norm="post",
                            temperature=1.0)
     raw.send_multipart(encode(other, feeder.key))
-    assert _until(lambda: sc.state.mismatched_messages == 1, 10, every=lambda: sc._drain(0.1, 100))
+    assert until(lambda: sc.state.mismatched_messages == 1, 10, every=lambda: sc._drain(0.1, 100))
     raw.close()
     ctx.term()
 
 
-def test_nonfinite_loss_skips_the_step_and_publishes_nothing(sidecar_world):
+def test_nonfinite_loss_skips_the_step_and_publishes_nothing(sidecar_world, until):
     from draft_align.train.batch import Record
     from draft_align.train.replay import TappedRecord
 
     recipe, sc, feeder = sidecar_world
     feeder.step(0, 0)
-    assert _until(lambda: sc.state.monitor_rows >= 1, 20, every=lambda: sc._drain(0.1, 100))
+    assert until(lambda: sc.state.monitor_rows >= 1, 20, every=lambda: sc._drain(0.1, 100))
     before = {k: v.clone() for k, v in sc.trainer.draft.state_dict().items()}
     # finite but huge states overflow inside the draft: the loss is not finite
     from draft_align.train.replay import ReplayBuffer
@@ -230,7 +219,7 @@ def _check_visible_versions(run_dir: Path) -> list[int]:
     return versions
 
 
-def test_kill9_mid_run_and_mid_publish_then_resume(tiny_run, tiny_env, tmp_path):
+def test_kill9_mid_run_and_mid_publish_then_resume(tiny_run, tiny_env, tmp_path, until):
     """The RL side keeps offering without blocking while the sidecar is dead; every visible draft is
     complete after each kill (kills land at random points, publishes happen on every train step); a
     restarted sidecar resumes from its checkpoint and keeps publishing higher versions."""
@@ -256,7 +245,7 @@ def test_kill9_mid_run_and_mid_publish_then_resume(tiny_run, tiny_env, tmp_path)
             feeder.step(step, step // 2)
             step += 1
 
-        assert _until(lambda: _published(recipe.run_dir) >= 1, 90, every=feed), env_log.read_text()[-3000:]
+        assert until(lambda: _published(recipe.run_dir) >= 1, 90, every=feed), env_log.read_text()[-3000:]
         for _kill in range(3):
             time.sleep(rng.uniform(0.0, 0.6))
             os.kill(proc.pid, signal.SIGKILL)
@@ -272,8 +261,8 @@ def test_kill9_mid_run_and_mid_publish_then_resume(tiny_run, tiny_env, tmp_path)
             assert versions == list(range(1, len(versions) + 1))
             n_before = len(versions)
             proc = _spawn(resolved, start, env_log)
-            assert _until(lambda n=n_before: len(list((recipe.run_dir / "drafts").glob("v*"))) > n, 90,
-                          every=feed), env_log.read_text()[-3000:]
+            assert until(lambda n=n_before: len(list((recipe.run_dir / "drafts").glob("v*"))) > n, 90,
+                         every=feed), env_log.read_text()[-3000:]
         state = json.loads((recipe.run_dir / "sidecar" / "state.json").read_text())
         assert state["restarts"] >= 1
         assert feeder.sender.stats()["sent"] > 0

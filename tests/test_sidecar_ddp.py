@@ -228,17 +228,6 @@ class SyntheticFeeder:
         self.sender.close()
 
 
-def _until(cond, timeout_s: float, every=None) -> bool:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if every is not None:
-            every()
-        if cond():
-            return True
-        time.sleep(0.1)
-    return cond()
-
-
 def _versions(run_dir: Path) -> list[int]:
     from draft_align.publish.export import read_manifest
 
@@ -250,7 +239,7 @@ def _cli(resolved: Path, start: Path, *extra: str) -> list[str]:
 
 
 @pytest.mark.slow  # ~70 s on 2 shared CPU cores: four sidecar processes start (two through torchrun)
-def test_kill9_of_a_rank_is_reported_and_a_restarted_job_resumes(tiny_run, tiny_env, tmp_path):
+def test_kill9_of_a_rank_is_reported_and_a_restarted_job_resumes(tiny_run, tiny_env, tmp_path, until):
     """Rank 1 is killed mid-run: rank 0 exits non-zero within seconds naming the cause (no hang); every visible
     draft is complete; the job restarted under torchrun resumes from rank 0's checkpoint, publishes higher
     versions and both ranks exit 0 after the final StepReport."""
@@ -269,7 +258,8 @@ def test_kill9_of_a_rank_is_reported_and_a_restarted_job_resumes(tiny_run, tiny_
                               stdout=open(logs[r], "wb"), stderr=subprocess.STDOUT) for r in range(2)]  # noqa: SIM115
     launcher = None
     try:
-        assert _until(lambda: len(list((recipe.run_dir / "drafts").glob("v*"))) >= 1, 90, every=feeder.feed), \
+        assert until(lambda: len(list((recipe.run_dir / "drafts").glob("v*"))) >= 1, 90, every=feeder.feed,
+                     poll_s=0.1), \
             logs[0].read_text()[-3000:] + logs[1].read_text()[-3000:]
         os.kill(procs[1].pid, signal.SIGKILL)
         t0 = time.monotonic()
@@ -291,8 +281,8 @@ def test_kill9_of_a_rank_is_reported_and_a_restarted_job_resumes(tiny_run, tiny_
             [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
              *_cli(resolved, start)[1:]], env=env, stdout=open(log, "wb"), stderr=subprocess.STDOUT,  # noqa: SIM115
             start_new_session=True)
-        assert _until(lambda: len(list((recipe.run_dir / "drafts").glob("v*"))) > len(before), 90,
-                      every=feeder.feed), log.read_text()[-4000:]
+        assert until(lambda: len(list((recipe.run_dir / "drafts").glob("v*"))) > len(before), 90,
+                     every=feeder.feed, poll_s=0.1), log.read_text()[-4000:]
         feeder.finish()
         assert launcher.wait(timeout=60) == 0, log.read_text()[-4000:]
         text = log.read_text()

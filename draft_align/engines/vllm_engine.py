@@ -486,7 +486,10 @@ class ProbeGuard:
 
     A version whose probe acceptance L collapses, L − 1 < ``min_ratio`` · (L_ref − 1), is rolled back and an
     alarm is logged.  L_ref: the manifest's ``metrics[reference_key]`` when that key is given and present,
-    else the previous version's probe measurement.  ``prompts``: strings or ``{"prompt_token_ids": [...]}``.
+    else the serving version probed right before the load (same prompts, same target weights: under RL the
+    policy moves between refreshes, so an older probe is no reference).  The probe ignores end-of-sequence
+    tokens so that every prompt gives ``max_tokens`` tokens of rounds.  ``prompts``: strings or
+    ``{"prompt_token_ids": [...]}``.
     """
 
     prompts: tuple[Any, ...]
@@ -624,11 +627,12 @@ class DraftRefresher:
         log.warning("draft refresh: rolled back to v%04d after: %s", self.current.version, why)
 
     def probe(self) -> SpecCounters:
-        """Decode the guard's prompts at T = 0; the counters of exactly that decode."""
+        """Decode the guard's prompts at T = 0 for exactly ``max_tokens`` each (end-of-sequence ignored, so a
+        policy that answers in two tokens still gives enough rounds); the counters of exactly that decode."""
         if self.guard is None:
             raise ValueError("probe() needs a ProbeGuard")
         vllm = _vllm()
-        params = vllm.SamplingParams(temperature=0.0, max_tokens=self.guard.max_tokens)
+        params = vllm.SamplingParams(temperature=0.0, max_tokens=self.guard.max_tokens, ignore_eos=True)
         before = SpecCounters.snapshot(self.llm)
         self.llm.generate(list(self.guard.prompts), params, use_tqdm=False)
         return SpecCounters.snapshot(self.llm) - before
@@ -658,7 +662,7 @@ class DraftRefresher:
             return self._fail(version, path, f"{type(e).__name__}: {e}", start)
 
         guarded = probe and self.guard is not None
-        if guarded and self._probe_ref is None:
+        if guarded:  # the serving version on the same probe and the same target: the policy may have moved
             self._probe_ref = self.probe().mean_acceptance_length()
         try:
             info = self._load(new)

@@ -19,19 +19,29 @@ Module names equal the engines' weight names (``fc``, ``midlayer.*``, ``norm``, 
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from draft_align.heads.layers import MLP, Attention, KVCache, RMSNorm, Rotary, attend, block_shape_from_target
+
 ARCHITECTURE = "LlamaForCausalLMEagle3"
+C = TypeVar("C")
 
 
 class DraftConfigError(ValueError):
     """A draft configuration that no engine would load, or that does not fit its target."""
+
+
+def config_from_dict(cls: type[C], d: dict[str, Any]) -> C:
+    """``cls(**d)`` for a config dataclass ``cls``, refusing keys that are not its fields."""
+    known = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    unknown = set(d) - known
+    if unknown:
+        raise DraftConfigError(f"unknown {cls.__name__} keys: {sorted(unknown)}")
+    return cls(**d)
 
 
 @dataclass(frozen=True)
@@ -93,26 +103,12 @@ class Eagle3Config:
         """A draft layer shaped like one decoder layer of ``target_config`` (an HF ``PretrainedConfig``)."""
         tc = target_config
         n_layers = int(tc.num_hidden_layers)
-        heads = int(tc.num_attention_heads)
-        head_dim = int(getattr(tc, "head_dim", None) or tc.hidden_size // heads)
-        rope = getattr(tc, "rope_parameters", None) or {
-            "rope_type": "default",
-            "rope_theta": float(getattr(tc, "rope_theta", 10000.0)),
-        }
         kwargs: dict[str, Any] = dict(
-            hidden_size=int(tc.hidden_size),
-            intermediate_size=int(tc.intermediate_size),
-            num_attention_heads=heads,
-            num_key_value_heads=int(getattr(tc, "num_key_value_heads", heads) or heads),
-            head_dim=head_dim,
-            vocab_size=int(tc.vocab_size),
+            **block_shape_from_target(tc),
             draft_vocab_size=min(int(draft_vocab_size), int(tc.vocab_size)),
             target_hidden_size=int(tc.hidden_size),
             aux_layer_ids=tuple(aux_layer_ids or cls.default_aux_layer_ids(n_layers)),
             target_num_layers=n_layers,
-            max_position_embeddings=int(tc.max_position_embeddings),
-            rms_norm_eps=float(getattr(tc, "rms_norm_eps", 1e-5)),
-            rope_parameters=dict(rope),
         )
         kwargs.update(overrides)
         return cls(**kwargs)
@@ -124,11 +120,7 @@ class Eagle3Config:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Eagle3Config:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(d) - known
-        if unknown:
-            raise DraftConfigError(f"unknown Eagle3Config keys: {sorted(unknown)}")
-        return cls(**d)
+        return config_from_dict(cls, d)
 
 
 def check_aux_order(ids: tuple[int, ...]) -> None:
@@ -163,89 +155,6 @@ def check_engine_aux_ids(ids: tuple[int, ...], num_layers: int) -> None:
         )
 
 
-class RMSNorm(nn.Module):
-    """y = w · x / sqrt(mean(x²) + eps), computed in fp32 like HF Llama."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
-
-
-class Rotary(nn.Module):
-    """RoPE with the target's parameters (any HF rope_type, via transformers' init functions)."""
-
-    def __init__(self, cfg: Eagle3Config) -> None:
-        super().__init__()
-        from transformers import LlamaConfig
-        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-
-        lc = LlamaConfig(
-            hidden_size=cfg.hidden_size,
-            num_attention_heads=cfg.num_attention_heads,
-            head_dim=cfg.head_dim,
-            max_position_embeddings=cfg.max_position_embeddings,
-            rope_parameters=dict(cfg.rope_parameters),
-        )
-        self.inner = LlamaRotaryEmbedding(lc)
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions [B, M] → cos, sin [B, M, head_dim]
-        return self.inner(x, positions)
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Apply RoPE to x [B, heads, M, d] with cos/sin [B, M, d]."""
-    cos = cos.unsqueeze(1)
-    sin = sin.unsqueeze(1)
-    half = x.shape[-1] // 2
-    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rot * sin
-
-
-class Attention(nn.Module):
-    """Grouped-query attention whose q/k/v read the 2·H concatenation of embedding and hidden."""
-
-    def __init__(self, cfg: Eagle3Config) -> None:
-        super().__init__()
-        self.n_heads = cfg.num_attention_heads
-        self.n_kv = cfg.num_key_value_heads
-        self.head_dim = cfg.head_dim
-        self.q_proj = nn.Linear(2 * cfg.hidden_size, self.n_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(2 * cfg.hidden_size, self.n_kv * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(2 * cfg.hidden_size, self.n_kv * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
-
-    def q(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [B, M, 2H] → rotated queries [B, h, M, d]."""
-        b, m, _ = x.shape
-        return rotate(self.q_proj(x).view(b, m, self.n_heads, self.head_dim).transpose(1, 2), cos, sin)
-
-    def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [B, M, 2H] → rotated keys [B, kv, M, d], values [B, kv, M, d]."""
-        b, m, _ = x.shape
-        k = self.k_proj(x).view(b, m, self.n_kv, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, m, self.n_kv, self.head_dim).transpose(1, 2)
-        return rotate(k, cos, sin), v
-
-
-class MLP(nn.Module):
-    def __init__(self, cfg: Eagle3Config) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class MidLayer(nn.Module):
     """The single EAGLE-3 decoder layer (``norm_before_residual: false``)."""
 
@@ -253,7 +162,7 @@ class MidLayer(nn.Module):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, 2 * cfg.hidden_size)  # q/k/v read cat(emb, hidden)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
@@ -265,57 +174,6 @@ class MidLayer(nn.Module):
         # attn_out [B, M, h·d] → pre-norm output [B, M, H]
         r = hidden + self.self_attn.o_proj(attn_out)
         return r + self.mlp(self.post_attention_layernorm(r))
-
-
-def attend(
-    q: torch.Tensor,
-    k0: torch.Tensor,
-    v0: torch.Tensor,
-    allow: torch.Tensor,
-    diag_k: list[torch.Tensor],
-    diag_v: list[torch.Tensor],
-) -> torch.Tensor:
-    """Attention over a shared key set plus per-query private keys.
-
-    q [B, h, M, d]; k0, v0 [B, kv, T, d]; allow [B, 1, M, T] bool (which shared keys each query sees);
-    diag_k[i], diag_v[i] [B, kv, M, d]: key/value i is seen only by the query in the same row m (the
-    earlier steps of the same draft chain).  Returns [B, M, h·d].
-    """
-    b, h, m, d = q.shape
-    rep = h // k0.shape[1]
-    scale = 1.0 / math.sqrt(d)
-    qg = q.view(b, k0.shape[1], rep, m, d)  # group queries by kv head: no K/V copies for GQA
-    s0 = torch.matmul(qg, k0.unsqueeze(2).transpose(-1, -2)).float() * scale  # [B, kv, rep, M, T]
-    s0 = s0.masked_fill(~allow.unsqueeze(2), float("-inf"))
-    parts = [s0]
-    for kd in diag_k:
-        parts.append(((qg * kd.unsqueeze(2)).sum(-1).float() * scale).unsqueeze(-1))  # [B, kv, rep, M, 1]
-    p = torch.cat(parts, dim=-1).softmax(dim=-1).to(q.dtype)
-    t = k0.shape[2]
-    out = torch.matmul(p[..., :t], v0.unsqueeze(2))  # [B, kv, rep, M, d]
-    for i, vd in enumerate(diag_v):
-        out = out + p[..., t + i : t + i + 1] * vd.unsqueeze(2)
-    return out.reshape(b, h, m, d).transpose(1, 2).reshape(b, m, h * d)
-
-
-@dataclass
-class KVCache:
-    """Draft KV cache for one sequence: rows in insertion order with their RoPE positions."""
-
-    k: torch.Tensor  # [1, kv, L, d]
-    v: torch.Tensor  # [1, kv, L, d]
-
-    @property
-    def length(self) -> int:
-        return self.k.shape[2]
-
-    def truncate(self, n: int) -> None:
-        self.k = self.k[:, :, :n]
-        self.v = self.v[:, :, :n]
-
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k = torch.cat((self.k, k), dim=2)
-        self.v = torch.cat((self.v, v), dim=2)
 
 
 class Eagle3Draft(nn.Module):

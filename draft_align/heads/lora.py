@@ -21,10 +21,8 @@ import copy
 import datetime as _dt
 import hashlib
 import json
-import os
 import shutil
 import sys
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -259,23 +257,11 @@ def export_adapter(
         "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "files": {},
     }
-    from draft_align.publish.export import _digest, _dumps, _fsync_path, _publish_dir, _write_text
+    from draft_align.publish.export import publish_folder
 
     out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out_dir.name}-", dir=out_dir.parent))
-    try:
-        os.chmod(tmp, 0o755)
-        safetensors.torch.save_file(tensors, str(tmp / ADAPTER_FILE), metadata={"format": "pt"})
-        _fsync_path(tmp / ADAPTER_FILE)
-        sha, size = _digest(tmp / ADAPTER_FILE)
-        manifest["files"][ADAPTER_FILE] = {"sha256": sha, "bytes": size}
-        _write_text(tmp / "manifest.json", _dumps(manifest))
-        _fsync_path(tmp)
-        _publish_dir(tmp, out_dir, overwrite=False)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    publish_folder(out_dir, tensors, manifest, weights_file=ADAPTER_FILE)
+    size = manifest["files"][ADAPTER_FILE]["bytes"]
     return DeltaInfo(out_dir, base_sha, merged_sha, size)
 
 

@@ -34,7 +34,8 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from draft_align.heads.eagle3 import MLP, DraftConfigError, KVCache, RMSNorm, Rotary, attend, rotate
+from draft_align.heads.eagle3 import DraftConfigError, config_from_dict
+from draft_align.heads.layers import MLP, Attention, KVCache, RMSNorm, Rotary, attend, block_shape_from_target
 
 Layout = Literal["deepseek_v3", "qwen3_next"]
 LAYOUTS: tuple[str, ...] = ("deepseek_v3", "qwen3_next")
@@ -99,25 +100,11 @@ class MTPConfig:
     @classmethod
     def from_target(cls, target_config: Any, depth: int = 1, layout: str = "deepseek_v3", **overrides: Any) -> MTPConfig:
         """An MTP head whose block is shaped like one decoder layer of ``target_config`` (HF config)."""
-        tc = target_config
-        heads = int(tc.num_attention_heads)
-        rope = getattr(tc, "rope_parameters", None) or {
-            "rope_type": "default",
-            "rope_theta": float(getattr(tc, "rope_theta", 10000.0)),
-        }
         kwargs: dict[str, Any] = dict(
-            hidden_size=int(tc.hidden_size),
-            intermediate_size=int(tc.intermediate_size),
-            num_attention_heads=heads,
-            num_key_value_heads=int(getattr(tc, "num_key_value_heads", heads) or heads),
-            head_dim=int(getattr(tc, "head_dim", None) or tc.hidden_size // heads),
-            vocab_size=int(tc.vocab_size),
-            target_num_layers=int(tc.num_hidden_layers),
-            max_position_embeddings=int(tc.max_position_embeddings),
+            **block_shape_from_target(target_config),
+            target_num_layers=int(target_config.num_hidden_layers),
             depth=int(depth),
             layout=layout,
-            rms_norm_eps=float(getattr(tc, "rms_norm_eps", 1e-5)),
-            rope_parameters=dict(rope),
         )
         kwargs.update(overrides)
         return cls(**kwargs)
@@ -127,38 +114,7 @@ class MTPConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> MTPConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(d) - known
-        if unknown:
-            raise DraftConfigError(f"unknown MTPConfig keys: {sorted(unknown)}")
-        return cls(**d)
-
-
-class BlockAttention(nn.Module):
-    """Grouped-query self-attention of a plain Llama block (q/k/v read H)."""
-
-    def __init__(self, cfg: MTPConfig) -> None:
-        super().__init__()
-        self.n_heads = cfg.num_attention_heads
-        self.n_kv = cfg.num_key_value_heads
-        self.head_dim = cfg.head_dim
-        h = cfg.hidden_size
-        self.q_proj = nn.Linear(h, self.n_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, h, bias=False)
-
-    def q(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [B, M, H] → rotated queries [B, h, M, d]."""
-        b, m, _ = x.shape
-        return rotate(self.q_proj(x).view(b, m, self.n_heads, self.head_dim).transpose(1, 2), cos, sin)
-
-    def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [B, M, H] → rotated keys [B, kv, M, d], values [B, kv, M, d]."""
-        b, m, _ = x.shape
-        k = self.k_proj(x).view(b, m, self.n_kv, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, m, self.n_kv, self.head_dim).transpose(1, 2)
-        return rotate(k, cos, sin), v
+        return config_from_dict(cls, d)
 
 
 class MTPModule(nn.Module):
@@ -171,9 +127,9 @@ class MTPModule(nn.Module):
         self.hnorm = RMSNorm(h, eps)
         self.eh_proj = nn.Linear(2 * h, h, bias=False)
         self.input_layernorm = RMSNorm(h, eps)
-        self.self_attn = BlockAttention(cfg)
+        self.self_attn = Attention(cfg, cfg.hidden_size)  # a plain Llama block: q/k/v read H
         self.post_attention_layernorm = RMSNorm(h, eps)
-        self.mlp = MLP(cfg)  # type: ignore[arg-type]  # reads hidden_size / intermediate_size only
+        self.mlp = MLP(cfg)
 
     def fuse(self, emb: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """[B, M, H] x2 → eh_proj(cat(enorm(emb), hnorm(hidden))) [B, M, H]; the embedding half first."""
@@ -218,7 +174,7 @@ class MTPDraft(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.lm_head.weight.requires_grad_(False)
-        self.rotary = Rotary(cfg)  # type: ignore[arg-type]  # reads the RoPE fields only
+        self.rotary = Rotary(cfg)
         # identity vocabulary map (not persistent: not engine tensors), for code written for EAGLE-3
         self.register_buffer("d2t", torch.zeros(cfg.vocab_size, dtype=torch.long), persistent=False)
         self.register_buffer("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool), persistent=False)

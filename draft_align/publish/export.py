@@ -43,9 +43,9 @@ from draft_align.heads.eagle3 import (
     DraftConfigError,
     Eagle3Config,
     Eagle3Draft,
-    Rotary,
     check_engine_aux_ids,
 )
+from draft_align.heads.layers import Rotary
 from draft_align.heads.vocab import check_d2t
 
 FORMAT = "draft_align.eagle3"
@@ -242,11 +242,9 @@ def _rope_fields(rope: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _llama_fields(cfg: Eagle3Config, target_config: Any, dtype_name: str) -> dict[str, Any]:
-    """The Llama decoder-layer fields both dialects carry (top level for HF, transformer_layer_config else)."""
-    fields: dict[str, Any] = {
-        "model_type": "llama",
-        "num_hidden_layers": 1,
+def block_config_fields(cfg: Any) -> dict[str, Any]:
+    """config.json's shape fields of a Llama decoder block (Eagle3Config or MTPConfig), in HF's names."""
+    return {
         "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size,
         "num_attention_heads": cfg.num_attention_heads,
@@ -257,15 +255,27 @@ def _llama_fields(cfg: Eagle3Config, target_config: Any, dtype_name: str) -> dic
         **_rope_fields(cfg.rope_parameters),
         "max_position_embeddings": cfg.max_position_embeddings,
         "vocab_size": cfg.vocab_size,
+    }
+
+
+def special_token_ids(target_config: Any) -> dict[str, Any]:
+    """The target's bos/eos token ids that it sets (config.json copies them)."""
+    return {key: value for key in ("bos_token_id", "eos_token_id")
+            if (value := getattr(target_config, key, None)) is not None}
+
+
+def _llama_fields(cfg: Eagle3Config, target_config: Any, dtype_name: str) -> dict[str, Any]:
+    """The Llama decoder-layer fields both dialects carry (top level for HF, transformer_layer_config else)."""
+    fields: dict[str, Any] = {
+        "model_type": "llama",
+        "num_hidden_layers": 1,
+        **block_config_fields(cfg),
         "attention_bias": False,
         "mlp_bias": False,
         "tie_word_embeddings": False,
         "torch_dtype": dtype_name,
+        **special_token_ids(target_config),
     }
-    for key in ("bos_token_id", "eos_token_id"):
-        value = getattr(target_config, key, None)
-        if value is not None:
-            fields[key] = value
     return fields
 
 
@@ -424,6 +434,103 @@ def _publish_dir(tmp: Path, out_dir: Path, overwrite: bool) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def check_destination(out_dir: Path, overwrite: bool, extra_manifest: dict[str, Any] | None,
+                      reserved: set[str]) -> None:
+    """Refuse an ``out_dir`` that exists (unless ``overwrite`` and it is a real folder) and
+    ``extra_manifest`` keys that would shadow the manifest's own ``reserved`` keys."""
+    if os.path.lexists(out_dir):
+        if not overwrite:
+            raise ExportError(f"{out_dir} already exists; pass overwrite=True to replace it")
+        if not out_dir.is_dir() or out_dir.is_symlink():
+            raise ExportError(f"{out_dir} exists and is not a checkpoint folder; refusing to replace it")
+    clash = sorted(set(extra_manifest or {}) & reserved)
+    if clash:
+        raise ExportError(f"extra_manifest keys {clash} would shadow manifest fields")
+
+
+def draft_manifest(
+    identity: dict[str, Any],
+    *,
+    architecture: str,
+    draft_version: int,
+    policy_version: int,
+    target_name: str,
+    target_config: Any,
+    aux_layer_ids: dict[str, Any],
+    draft_vocab_size: int,
+    tokenizer_fingerprint: str,
+    dtype_name: str,
+    metrics: dict[str, Any],
+    head_config: dict[str, Any],
+    extra_manifest: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """A published draft's manifest: ``identity`` (format, format_version and the dialect or layout) first,
+    then provenance and the target's shape, ``head_config`` (``{"eagle3_config": …}`` or
+    ``{"mtp_config": …}``) and ``extra_manifest`` last; ``files`` is filled in by :func:`publish_folder`."""
+    return {
+        **identity,
+        "architecture": architecture,
+        "files": {},
+        "draft_version": int(draft_version),
+        "policy_version": int(policy_version),
+        "target": {
+            "name": target_name,
+            "num_hidden_layers": int(target_config.num_hidden_layers),
+            "hidden_size": int(target_config.hidden_size),
+            "vocab_size": int(target_config.vocab_size),
+            "max_position_embeddings": int(target_config.max_position_embeddings),
+        },
+        "aux_layer_ids": aux_layer_ids,
+        "draft_vocab_size": draft_vocab_size,
+        "tokenizer_fingerprint": tokenizer_fingerprint,
+        "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        "draft_align_version": draft_align.__version__,
+        "dtype": dtype_name,
+        "metrics": metrics,
+        **head_config,
+        **(extra_manifest or {}),
+    }
+
+
+def publish_folder(
+    out_dir: Path,
+    tensors: dict[str, torch.Tensor],
+    manifest: dict[str, Any],
+    *,
+    weights_file: str = WEIGHTS_FILE,
+    config: dict[str, Any] | None = None,
+    overwrite: bool = False,
+) -> None:
+    """Write ``config`` (config.json, when given), ``tensors`` (``weights_file``) and ``manifest``
+    (manifest.json, with each file's sha256 and size under ``files``) into a temp folder beside ``out_dir``,
+    fsync'd, then rename it into place: ``out_dir`` appears complete or not at all."""
+    try:
+        config_text = None if config is None else _dumps(config)
+        _dumps(manifest)  # fail on unserialisable metrics before touching the disk
+    except (TypeError, ValueError) as e:
+        raise ExportError(f"manifest/config not JSON serialisable: {e}") from e
+    parent = out_dir.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out_dir.name}-", dir=parent))
+    try:
+        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; engines may run as another user
+        names = [weights_file]
+        if config_text is not None:
+            _write_text(tmp / CONFIG_FILE, config_text)
+            names.insert(0, CONFIG_FILE)
+        safetensors.torch.save_file(tensors, str(tmp / weights_file), metadata={"format": "pt"})
+        _fsync_path(tmp / weights_file)
+        for name in names:
+            sha, size = _digest(tmp / name)
+            manifest["files"][name] = {"sha256": sha, "bytes": size}
+        _write_text(tmp / MANIFEST_FILE, _dumps(manifest))
+        _fsync_path(tmp)
+        _publish_dir(tmp, out_dir, overwrite)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 # --------------------------------------------------------------------------------------- export
 _RESERVED = {
     "format", "format_version", "dialect", "architecture", "files", "draft_version", "policy_version",
@@ -478,14 +585,7 @@ def export_draft(
         raise ExportError(f"unknown dialect {dialect!r}: expected 'hf' or 'speculators'")
     if dtype not in _DTYPES:
         raise ExportError(f"dtype {dtype} not supported: use one of {list(_DTYPES)}")
-    if os.path.lexists(out_dir):
-        if not overwrite:
-            raise ExportError(f"{out_dir} already exists; pass overwrite=True to replace it")
-        if not out_dir.is_dir() or out_dir.is_symlink():
-            raise ExportError(f"{out_dir} exists and is not a checkpoint folder; refusing to replace it")
-    clash = sorted(set(extra_manifest or {}) & _RESERVED)
-    if clash:
-        raise ExportError(f"extra_manifest keys {clash} would shadow manifest fields")
+    check_destination(out_dir, overwrite, extra_manifest, _RESERVED)
     validate_draft(draft, target_config)
 
     dtype_name = _DTYPES[dtype]
@@ -496,58 +596,19 @@ def export_draft(
         config = speculators_config(cfg, target_config, dtype_name, target_name, speculative_tokens)
     tensors = _engine_tensors(draft, dtype, dialect)
     aux = aux_id_conventions(cfg.aux_layer_ids, cfg.target_num_layers)
-    manifest: dict[str, Any] = {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "dialect": dialect,
-        "architecture": config["architectures"][0],
-        "files": {},
-        "draft_version": int(draft_version),
-        "policy_version": int(policy_version),
-        "target": {
-            "name": target_name,
-            "num_hidden_layers": int(target_config.num_hidden_layers),
-            "hidden_size": int(target_config.hidden_size),
-            "vocab_size": int(target_config.vocab_size),
-            "max_position_embeddings": int(target_config.max_position_embeddings),
-        },
-        "aux_layer_ids": {
+    manifest = draft_manifest(
+        {"format": FORMAT, "format_version": FORMAT_VERSION, "dialect": dialect},
+        architecture=config["architectures"][0], draft_version=draft_version, policy_version=policy_version,
+        target_name=target_name, target_config=target_config,
+        aux_layer_ids={
             **aux,
             "note": "hf = HF hidden_states indices = vLLM ids; SGLang reads ids k-1 (it adds one). "
             "in_config false: config.json omits them and both engines use their default (2, L//2, L-3).",
         },
-        "draft_vocab_size": cfg.draft_vocab_size,
-        "tokenizer_fingerprint": tokenizer_fingerprint,
-        "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
-        "draft_align_version": draft_align.__version__,
-        "dtype": dtype_name,
-        "metrics": metrics,
-        "eagle3_config": cfg.to_dict(),
-        **(extra_manifest or {}),
-    }
-    try:
-        config_text = _dumps(config)
-        _dumps(manifest)  # fail on unserialisable metrics before touching the disk
-    except (TypeError, ValueError) as e:
-        raise ExportError(f"manifest/config not JSON serialisable: {e}") from e
-
-    parent = out_dir.parent
-    parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out_dir.name}-", dir=parent))
-    try:
-        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; engines may run as another user
-        _write_text(tmp / CONFIG_FILE, config_text)
-        safetensors.torch.save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
-        _fsync_path(tmp / WEIGHTS_FILE)
-        for name in (CONFIG_FILE, WEIGHTS_FILE):
-            sha, size = _digest(tmp / name)
-            manifest["files"][name] = {"sha256": sha, "bytes": size}
-        _write_text(tmp / MANIFEST_FILE, _dumps(manifest))
-        _fsync_path(tmp)
-        _publish_dir(tmp, out_dir, overwrite)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        draft_vocab_size=cfg.draft_vocab_size, tokenizer_fingerprint=tokenizer_fingerprint, dtype_name=dtype_name,
+        metrics=metrics, head_config={"eagle3_config": cfg.to_dict()}, extra_manifest=extra_manifest,
+    )
+    publish_folder(out_dir, tensors, manifest, config=config, overwrite=overwrite)
     return out_dir
 
 

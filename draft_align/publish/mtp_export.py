@@ -19,11 +19,7 @@ sha256 of both files), manifest ``format: draft_align.mtp``, ``layout``, and the
 from __future__ import annotations
 
 import dataclasses
-import datetime as _dt
-import os
 import re
-import shutil
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -31,27 +27,25 @@ from typing import Any
 import safetensors.torch
 import torch
 
-import draft_align
-from draft_align.heads.eagle3 import DraftConfigError, Rotary
+from draft_align.heads.eagle3 import DraftConfigError
+from draft_align.heads.layers import Rotary
 from draft_align.heads.mtp import LAYOUTS, MTPConfig, MTPDraft
 from draft_align.publish.export import (
     _DTYPES,
     _RESERVED,
-    CONFIG_FILE,
     MANIFEST_FILE,
     MTP_FORMAT,
     WEIGHTS_FILE,
     CorruptCheckpointError,
     ExportError,
-    _digest,
-    _dumps,
-    _fsync_path,
-    _publish_dir,
-    _rope_fields,
     _rope_mismatch,
     _target_rope,
-    _write_text,
+    block_config_fields,
+    check_destination,
+    draft_manifest,
+    publish_folder,
     read_manifest,
+    special_token_ids,
 )
 
 MTP_FORMAT_VERSION = 1
@@ -259,7 +253,7 @@ def import_mtp(
         draft = MTPDraft(cfg)
     draft.load_state_dict(state, strict=True, assign=True)
     draft.lm_head.weight.requires_grad_(False)
-    draft.rotary = Rotary(cfg)  # type: ignore[arg-type]  # built on meta: recompute for real
+    draft.rotary = Rotary(cfg)  # built on meta: recompute for real
     v = cfg.vocab_size
     draft.register_buffer("d2t", torch.zeros(v, dtype=torch.long), persistent=False)
     draft.register_buffer("t2d", torch.ones(v, dtype=torch.bool), persistent=False)
@@ -346,24 +340,12 @@ def mtp_config_json(cfg: MTPConfig, target_config: Any, dtype_name: str) -> dict
         "model_type": f"{cfg.layout}_mtp",
         "num_hidden_layers": cfg.target_num_layers,
         "num_nextn_predict_layers": cfg.depth,
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size,
-        "num_attention_heads": cfg.num_attention_heads,
-        "num_key_value_heads": cfg.num_key_value_heads,
-        "head_dim": cfg.head_dim,
-        "hidden_act": cfg.hidden_act,
-        "rms_norm_eps": cfg.rms_norm_eps,
-        **_rope_fields(cfg.rope_parameters),
-        "max_position_embeddings": cfg.max_position_embeddings,
-        "vocab_size": cfg.vocab_size,
+        **block_config_fields(cfg),
         "tie_word_embeddings": False,
         "torch_dtype": dtype_name,
         "mtp_block": "llama",
+        **special_token_ids(target_config),
     }
-    for key in ("bos_token_id", "eos_token_id"):
-        value = getattr(target_config, key, None)
-        if value is not None:
-            out[key] = value
     return out
 
 
@@ -391,14 +373,7 @@ def export_mtp_draft(
     out_dir = Path(out_dir)
     if dtype not in _DTYPES:
         raise ExportError(f"dtype {dtype} not supported: use one of {list(_DTYPES)}")
-    if os.path.lexists(out_dir):
-        if not overwrite:
-            raise ExportError(f"{out_dir} already exists; pass overwrite=True to replace it")
-        if not out_dir.is_dir() or out_dir.is_symlink():
-            raise ExportError(f"{out_dir} exists and is not a checkpoint folder; refusing to replace it")
-    clash = sorted(set(extra_manifest or {}) & (_RESERVED | {"layout", "mtp_config"}))
-    if clash:
-        raise ExportError(f"extra_manifest keys {clash} would shadow manifest fields")
+    check_destination(out_dir, overwrite, extra_manifest, _RESERVED | {"layout", "mtp_config"})
     validate_mtp(draft, target_config)
     layout = layout or draft.cfg.layout
     raw = to_layout(draft, layout)
@@ -411,53 +386,15 @@ def export_mtp_draft(
     dtype_name = _DTYPES[dtype]
     cfg = dataclasses.replace(draft.cfg, torch_dtype=dtype_name)
     config = mtp_config_json(cfg, target_config, dtype_name)
-    manifest: dict[str, Any] = {
-        "format": MTP_FORMAT,
-        "format_version": MTP_FORMAT_VERSION,
-        "layout": layout,
-        "architecture": config["architectures"][0],
-        "files": {},
-        "draft_version": int(draft_version),
-        "policy_version": int(policy_version),
-        "target": {
-            "name": target_name,
-            "num_hidden_layers": int(target_config.num_hidden_layers),
-            "hidden_size": int(target_config.hidden_size),
-            "vocab_size": int(target_config.vocab_size),
-            "max_position_embeddings": int(target_config.max_position_embeddings),
-        },
-        "aux_layer_ids": {"hf": list(cfg.aux_layer_ids), "note": "MTP reads the final post-norm hidden (HF index L)"},
-        "draft_vocab_size": cfg.vocab_size,
-        "tokenizer_fingerprint": tokenizer_fingerprint,
-        "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
-        "draft_align_version": draft_align.__version__,
-        "dtype": dtype_name,
-        "metrics": metrics,
-        "mtp_config": cfg.to_dict(),
-        **(extra_manifest or {}),
-    }
-    try:
-        config_text = _dumps(config)
-        _dumps(manifest)
-    except (TypeError, ValueError) as e:
-        raise ExportError(f"manifest/config not JSON serialisable: {e}") from e
-    parent = out_dir.parent
-    parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out_dir.name}-", dir=parent))
-    try:
-        os.chmod(tmp, 0o755)
-        _write_text(tmp / CONFIG_FILE, config_text)
-        safetensors.torch.save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
-        _fsync_path(tmp / WEIGHTS_FILE)
-        for name in (CONFIG_FILE, WEIGHTS_FILE):
-            sha, size = _digest(tmp / name)
-            manifest["files"][name] = {"sha256": sha, "bytes": size}
-        _write_text(tmp / MANIFEST_FILE, _dumps(manifest))
-        _fsync_path(tmp)
-        _publish_dir(tmp, out_dir, overwrite)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    manifest = draft_manifest(
+        {"format": MTP_FORMAT, "format_version": MTP_FORMAT_VERSION, "layout": layout},
+        architecture=config["architectures"][0], draft_version=draft_version, policy_version=policy_version,
+        target_name=target_name, target_config=target_config,
+        aux_layer_ids={"hf": list(cfg.aux_layer_ids), "note": "MTP reads the final post-norm hidden (HF index L)"},
+        draft_vocab_size=cfg.vocab_size, tokenizer_fingerprint=tokenizer_fingerprint, dtype_name=dtype_name,
+        metrics=metrics, head_config={"mtp_config": cfg.to_dict()}, extra_manifest=extra_manifest,
+    )
+    publish_folder(out_dir, tensors, manifest, config=config, overwrite=overwrite)
     return out_dir
 
 

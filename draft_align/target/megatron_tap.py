@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -39,20 +38,26 @@ import torch.distributed as dist
 from torch import nn
 
 from draft_align.target.policy_tap import (
+    KeptSequence,
     PolicyTapError,
+    TapCounters,
     TapSink,
     TokenBudgetSketch,
-    _as_binary,
-    _Counters,
-    _Kept,
-    _to_host,
+    check_head_sync_args,
+    check_step_args,
+    check_tap_args,
+    eligible_rows,
     generator_for,
+    host_ids,
+    host_masks,
+    host_tensors,
     logit_stats,
+    offer_head_sync,
+    ship,
+    step_chunks,
 )
 from draft_align.target.tap import TapError
-from draft_align.wire.messages import HeadSync, TapPart, WireError, pack_sequences, validate
-
-logger = logging.getLogger(__name__)
+from draft_align.wire.messages import HeadSync, TapPart, pack_sequences, validate
 
 
 @dataclass(frozen=True)
@@ -267,12 +272,7 @@ class MegatronPolicyTap:
         vocab_size: int | None = None,
         vocab_parallel_logits: bool = False,
     ) -> None:
-        if not isinstance(run_id, str) or not run_id:
-            raise PolicyTapError("run_id must be a non-empty string")
-        if not hasattr(sink, "offer"):
-            raise PolicyTapError(f"sink {type(sink).__name__} has no offer(message) -> bool")
-        if int(max_tokens_per_message) < 2 or int(tokens_per_step) < 2:
-            raise PolicyTapError("max_tokens_per_message and tokens_per_step must be ≥ 2")
+        check_tap_args(run_id, sink, tokens_per_step, max_tokens_per_message)
         if not 0 <= int(pp_rank) < int(pp_size) or int(dp_rank) < 0:
             raise PolicyTapError(f"need 0 ≤ pp_rank < pp_size and dp_rank ≥ 0, got {pp_rank}, {pp_size}, {dp_rank}")
         parts = gpt_parts(model)
@@ -309,10 +309,10 @@ class MegatronPolicyTap:
         # one generator per pipeline: every TP rank and stage of it keeps the same sequences
         self._sketch = TokenBudgetSketch(int(tokens_per_step), generator_for(seed, self.dp_rank),
                                          max_seq_tokens=self.max_tokens_per_message)
-        self._pending: dict[int, _Kept] = {}
+        self._pending: dict[int, KeptSequence] = {}
         self._capturing = False
         self._batch_id = 0
-        self._c = _Counters()
+        self._c = TapCounters()
 
     @classmethod
     def from_parallel_state(cls, model: nn.Module, aux_layer_ids: Sequence[int], sink: TapSink,
@@ -355,16 +355,8 @@ class MegatronPolicyTap:
         except TapError as e:
             raise PolicyTapError("submit() without a captured forward pass: run the model on this batch inside "
                                  "capturing() first") from e
-        if int(policy_version) < 0 or int(step) < 0 or not float(temperature) >= 0.0:
-            raise PolicyTapError(f"need policy_version, step, temperature ≥ 0, got {policy_version}, {step}, "
-                                 f"{temperature}")
-        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
-            raise PolicyTapError(f"input_ids must be a [B, T] tensor, got {getattr(input_ids, 'shape', input_ids)}")
-        if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
-            raise PolicyTapError(f"input_ids must be an integer tensor, got {input_ids.dtype}")
-        shape = (int(input_ids.shape[0]), int(input_ids.shape[1]))
-        valid = _as_binary("attention_mask", attention_mask, shape)
-        response = _as_binary("loss_mask", loss_mask, shape)
+        check_step_args(policy_version, step, temperature)
+        shape, valid, response = host_masks(input_ids, attention_mask, loss_mask)
         # vocab-parallel logits: every TP rank of the last stage holds a shard and takes part in the statistics
         need_logits = self.is_last and (self.sends or self.vocab_parallel_logits)
         width = self.vocab_size if not self.vocab_parallel_logits else -(-self.vocab_size // self.tp_size)
@@ -378,28 +370,9 @@ class MegatronPolicyTap:
             if tuple(x.shape[:2]) != (seq_len, shape[0]):
                 raise PolicyTapError(f"captured forward was [s, b] = {list(x.shape[:2])}, submit expects "
                                      f"{[seq_len, shape[0]]}: submit() must follow the forward of the same batch")
-        if shape[1] > 1 and bool((valid[:, 1:] & ~valid[:, :-1]).any()):
-            raise PolicyTapError("attention_mask must be right-padded (each row's valid tokens a prefix)")
-        if bool((response & ~valid).any()):
-            raise PolicyTapError("loss_mask marks padding positions (attention_mask == 0)")
-        ids_host = input_ids.detach().to("cpu").to(torch.int64)
-        if bool(((ids_host < 0) | (ids_host >= self.vocab_size))[valid].any()):
-            raise PolicyTapError(f"input_ids outside 0..{self.vocab_size - 1} at valid positions")
+        ids_host = host_ids(input_ids, valid, response, self.vocab_size)
 
-        lengths = valid.sum(dim=1).tolist()
-        has_response = response.any(dim=1).tolist()
-        rows: list[int] = []
-        for b, n in enumerate(lengths):
-            if n == 0:
-                continue
-            self._c.sequences_seen += 1
-            self._c.tokens_seen += n
-            if n < 2:
-                self._c.too_short += 1
-            elif not has_response[b]:
-                self._c.no_response += 1
-            else:
-                rows.append(b)
+        lengths, rows = eligible_rows(valid, response, self._c)
         handles, evicted = self._sketch.add([lengths[b] for b in rows])
         for h in evicted:
             self._pending.pop(h, None)
@@ -424,29 +397,19 @@ class MegatronPolicyTap:
                     stats.append(logit_stats(logits[b, :n, : self.vocab_size].detach(), input_ids[b, :n], self.topk))
         if not self.sends:
             for b, h in kept:  # only the sample's bookkeeping: batch ids must advance as on TP rank 0
-                self._pending[h] = _Kept(int(step), int(policy_version), float(temperature), lengths[b], {})
+                self._pending[h] = KeptSequence(int(step), int(policy_version), float(temperature), lengths[b], {})
             return
         states = [c.transpose(0, 1) for c in cols]  # [b_kept, s, ·]
         aux_states = states[: len(aux)]
         final_states = states[len(aux)] if final is not None else None
         for j, (b, h) in enumerate(kept):
             n = lengths[b]
-            tensors = {
-                "input_ids": ids_host[b, :n].clone(),
-                "loss_mask": response[b, :n].clone(),
-                "aux_hidden": _to_host(torch.cat([a[j, :n] for a in aux_states], dim=-1), torch.bfloat16)
-                if aux_states else torch.empty(n, 0, dtype=torch.bfloat16),
-            }
-            if final_states is not None:
-                tensors["final_hidden"] = _to_host(final_states[j, :n], torch.bfloat16)
-            if stats:
-                nxt, lse, k_ids, k_lp = stats[j]
-                tensors["next_logprob"] = _to_host(nxt, torch.float32)
-                tensors["logit_lse"] = _to_host(lse, torch.float32)
-                if k_ids is not None and k_lp is not None:
-                    tensors["topk_ids"] = _to_host(k_ids, torch.int64)
-                    tensors["topk_logprobs"] = _to_host(k_lp, torch.float32)
-            self._pending[h] = _Kept(int(step), int(policy_version), float(temperature), n, tensors)
+            aux_hidden = (torch.cat([a[j, :n] for a in aux_states], dim=-1) if aux_states
+                          else torch.empty(n, 0, dtype=torch.bfloat16))
+            final_hidden = final_states[j, :n] if final_states is not None else None
+            tensors = host_tensors(ids_host[b, :n], response[b, :n], aux_hidden, final_hidden,
+                                   stats[j] if stats else None)
+            self._pending[h] = KeptSequence(int(step), int(policy_version), float(temperature), n, tensors)
         if any(t.device.type == "cuda" for t in states):
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(states[0].device))
@@ -458,58 +421,17 @@ class MegatronPolicyTap:
         """Pack the step's kept sequences (≤ max_tokens_per_message tokens per message) and offer them:
         TapBatches without pipeline parallelism, TapParts with it.  Ranks that do not send (TP rank ≠ 0)
         only advance their batch ids.  Returns the tokens of messages the sink accepted."""
-        kept = [self._pending.pop(h) for h in self._sketch.reset()]
-        self._pending.clear()
-        for ev in {id(s.ready): s.ready for s in kept if s.ready is not None}.values():
-            ev.synchronize()
-        self._c.sequences_kept += len(kept)
-        self._c.tokens_kept += sum(s.n_tokens for s in kept)
-        groups: dict[tuple[int, int, float], list[_Kept]] = {}
-        for s in kept:
-            groups.setdefault((s.policy_version, s.step, s.temperature), []).append(s)
-        offered = dropped = 0
-        for group in groups.values():
-            for chunk in self._chunks(group):
-                batch_id = self._batch_id
-                self._batch_id += 1  # on every rank and stage alike, so the stages' ids line up
-                if not self.sends:
-                    continue
-                n = sum(s.n_tokens for s in chunk)
-                try:
-                    message = self._message(chunk, batch_id)
-                except WireError as e:
-                    logger.error("megatron tap: dropping an invalid message of %d tokens: %s", n, e)
-                    self._c.messages_invalid += 1
-                    self._c.tokens_dropped += n
-                    dropped += n
-                    continue
-                if self.sink.offer(message):
-                    self._c.messages_offered += 1
-                    self._c.tokens_offered += n
-                    offered += n
-                else:
-                    self._c.messages_dropped += 1
-                    self._c.tokens_dropped += n
-                    dropped += n
-        if dropped:
-            logger.warning("megatron tap: dropped %d tokens this step (%d offered)", dropped, offered)
-        return offered
+        chunks = step_chunks(self._sketch, self._pending, self._c, self.max_tokens_per_message)
+        if not self.sends:
+            self._batch_id += len(chunks)  # on every rank and stage alike, so the stages' ids line up
+            return 0
+        return ship(chunks, self._message, self.sink, self._c, "megatron tap")
 
-    def _chunks(self, seqs: list[_Kept]) -> Iterator[list[_Kept]]:
-        chunk: list[_Kept] = []
-        total = 0
-        for s in seqs:
-            if chunk and total + s.n_tokens > self.max_tokens_per_message:
-                yield chunk
-                chunk, total = [], 0
-            chunk.append(s)
-            total += s.n_tokens
-        if chunk:
-            yield chunk
-
-    def _message(self, seqs: list[_Kept], batch_id: int) -> Any:
+    def _message(self, seqs: list[KeptSequence]) -> Any:
         """A TapBatch (no pipeline parallelism) or this stage's TapPart of ``seqs``; raises WireError."""
         head = seqs[0]
+        batch_id = self._batch_id
+        self._batch_id += 1  # also for a message that is refused or invalid: gaps in batch_id show losses
         final_norm = "post" if "final_hidden" in head.tensors else None
         if self.pp_size > 1:
             return self._part(seqs, batch_id, final_norm)
@@ -520,7 +442,7 @@ class MegatronPolicyTap:
             temperature=head.temperature,
         )
 
-    def _part(self, seqs: list[_Kept], batch_id: int, final_norm: str | None) -> TapPart:
+    def _part(self, seqs: list[KeptSequence], batch_id: int, final_norm: str | None) -> TapPart:
         cu = torch.zeros(len(seqs) + 1, dtype=torch.int64)
         cu[1:] = torch.tensor([s.n_tokens for s in seqs], dtype=torch.int64).cumsum(0)
         cat = {name: torch.cat([s.tensors[name] for s in seqs]) for name in seqs[0].tensors}
@@ -539,17 +461,7 @@ class MegatronPolicyTap:
         """Offer HeadSync (final norm weight [H] f32, eps, output-layer rows [Vd, H] bf16 of the draft vocab)
         from the last stage's TP rank 0; collective over the TP group of the last stage (the rows are
         vocab-parallel).  Other stages do nothing.  True when the sink took it."""
-        if int(policy_version) < 0:
-            raise PolicyTapError(f"policy_version must be ≥ 0, got {policy_version}")
-        d2t = torch.as_tensor(draft_to_target)
-        if d2t.dim() != 1 or d2t.numel() == 0 or d2t.dtype.is_floating_point or d2t.dtype == torch.bool:
-            raise PolicyTapError(f"draft_to_target must be a non-empty 1-D integer tensor, got {d2t.dtype} "
-                                 f"{tuple(d2t.shape)}")
-        d2t = d2t.detach().to("cpu", torch.int64)
-        if bool(((d2t < 0) | (d2t >= self.vocab_size)).any()):
-            raise PolicyTapError(f"draft_to_target ids outside 0..{self.vocab_size - 1}")
-        if int(d2t.unique().numel()) != int(d2t.numel()):
-            raise PolicyTapError("draft_to_target ids must be distinct")
+        d2t = check_head_sync_args(policy_version, draft_to_target, self.vocab_size)
         if not self.is_last:
             return False
         parts = gpt_parts(self.model)
@@ -576,23 +488,8 @@ class MegatronPolicyTap:
             norm_weight=norm_w.to("cpu").clone(), draft_to_target=d2t.clone(),
             rows=rows.to(torch.bfloat16).to("cpu").contiguous(),
         )
-        ok = bool(self.sink.offer(message))
-        if ok:
-            self._c.head_syncs += 1
-        else:
-            self._c.head_syncs_dropped += 1
-            logger.warning("megatron tap: sink refused HeadSync for policy version %d", policy_version)
-        return ok
+        return offer_head_sync(self.sink, message, self._c, "megatron tap")
 
     def stats(self) -> dict[str, int]:
         """Counters since construction (as HFPolicyTap's, plus ``capture_broken``)."""
-        c = self._c
-        return {
-            "tokens_seen": c.tokens_seen, "sequences_seen": c.sequences_seen, "tokens_kept": c.tokens_kept,
-            "sequences_kept": c.sequences_kept, "tokens_offered": c.tokens_offered,
-            "messages_offered": c.messages_offered, "messages_dropped": c.messages_dropped,
-            "messages_invalid": c.messages_invalid, "tokens_dropped": c.tokens_dropped,
-            "too_long": self._sketch.too_long, "too_short": c.too_short, "no_response": c.no_response,
-            "head_syncs": c.head_syncs, "head_syncs_dropped": c.head_syncs_dropped,
-            "capture_broken": self._tap.broken,
-        }
+        return {**self._c.as_dict(self._sketch.too_long), "capture_broken": self._tap.broken}

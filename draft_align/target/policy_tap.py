@@ -19,7 +19,7 @@ import contextlib
 import hashlib
 import heapq
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -149,7 +149,7 @@ class TokenBudgetSketch:
 
 
 @dataclass
-class _Kept:
+class KeptSequence:
     """One kept sequence, already copied off the forward pass into host memory.
 
     ``tensors`` uses the wire names: input_ids [L] int64, loss_mask [L] bool, aux_hidden [L, n_aux·H] bf16,
@@ -166,7 +166,9 @@ class _Kept:
 
 
 @dataclass
-class _Counters:
+class TapCounters:
+    """A policy tap's running counters since construction."""
+
     tokens_seen: int = 0
     sequences_seen: int = 0
     tokens_kept: int = 0
@@ -180,6 +182,18 @@ class _Counters:
     no_response: int = 0
     head_syncs: int = 0
     head_syncs_dropped: int = 0
+
+    def as_dict(self, too_long: int) -> dict[str, int]:
+        """The counters as :meth:`PolicyTap.stats` reports them (``too_long`` from the budget sketch)."""
+        return {
+            "tokens_seen": self.tokens_seen, "sequences_seen": self.sequences_seen,
+            "tokens_kept": self.tokens_kept, "sequences_kept": self.sequences_kept,
+            "tokens_offered": self.tokens_offered, "messages_offered": self.messages_offered,
+            "messages_dropped": self.messages_dropped, "messages_invalid": self.messages_invalid,
+            "tokens_dropped": self.tokens_dropped, "too_long": too_long, "too_short": self.too_short,
+            "no_response": self.no_response, "head_syncs": self.head_syncs,
+            "head_syncs_dropped": self.head_syncs_dropped,
+        }
 
 
 def logit_stats(
@@ -217,7 +231,7 @@ def logit_stats(
     return nxt, lse, k_ids, k_lp
 
 
-def _to_host(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def to_host(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A fresh contiguous host copy of ``x`` in ``dtype`` (non-blocking into pinned memory from CUDA)."""
     x = x.detach()
     if x.device.type == "cuda":
@@ -236,7 +250,7 @@ def _norm_eps(norm: nn.Module) -> float:
     raise PolicyTapError(f"{type(norm).__name__}: final norm has no variance_epsilon/eps attribute")
 
 
-def _as_binary(name: str, x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+def as_binary(name: str, x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     """[B, T] 0/1 mask of any dtype → bool on the host, with a clear error for anything else."""
     if not isinstance(x, torch.Tensor):
         raise PolicyTapError(f"{name} must be a tensor, got {type(x).__name__}")
@@ -248,6 +262,183 @@ def _as_binary(name: str, x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tens
             raise PolicyTapError(f"{name} must hold only 0/1 values")
         host = host != 0
     return host
+
+
+def check_tap_args(run_id: str, sink: Any, tokens_per_step: int, max_tokens_per_message: int) -> None:
+    """The constructor arguments every policy tap shares."""
+    if not isinstance(run_id, str) or not run_id:
+        raise PolicyTapError("run_id must be a non-empty string")
+    if not hasattr(sink, "offer"):
+        raise PolicyTapError(f"sink {type(sink).__name__} has no offer(message) -> bool")
+    if int(max_tokens_per_message) < 2:
+        raise PolicyTapError(f"max_tokens_per_message must be ≥ 2, got {max_tokens_per_message}")
+    if int(tokens_per_step) < 2:
+        raise PolicyTapError(f"tokens_per_step must be ≥ 2, got {tokens_per_step}")
+
+
+def check_step_args(policy_version: int, step: int, temperature: float) -> None:
+    """``submit()``'s scalar arguments: all ≥ 0."""
+    if int(policy_version) < 0 or int(step) < 0:
+        raise PolicyTapError(f"policy_version and step must be ≥ 0, got {policy_version}, {step}")
+    if not float(temperature) >= 0.0:
+        raise PolicyTapError(f"temperature must be ≥ 0, got {temperature}")
+
+
+def host_masks(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor
+) -> tuple[tuple[int, int], torch.Tensor, torch.Tensor]:
+    """Check input_ids [B, T] (integer) and return ((B, T), attention_mask, loss_mask as bool [B, T] on the host)."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        raise PolicyTapError(f"input_ids must be a [B, T] tensor, got {getattr(input_ids, 'shape', input_ids)}")
+    if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
+        raise PolicyTapError(f"input_ids must be an integer tensor, got {input_ids.dtype}")
+    shape = (int(input_ids.shape[0]), int(input_ids.shape[1]))
+    return shape, as_binary("attention_mask", attention_mask, shape), as_binary("loss_mask", loss_mask, shape)
+
+
+def host_ids(input_ids: torch.Tensor, valid: torch.Tensor, response: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """input_ids [B, T] as int64 on the host, after checking the masks [B, T] (right-padded, loss only on
+    valid tokens) and that valid ids are in 0..vocab_size−1."""
+    if valid.shape[1] > 1 and bool((valid[:, 1:] & ~valid[:, :-1]).any()):
+        raise PolicyTapError("attention_mask must be right-padded (each row's valid tokens a prefix)")
+    if bool((response & ~valid).any()):
+        raise PolicyTapError("loss_mask marks padding positions (attention_mask == 0)")
+    ids_host = input_ids.detach().to("cpu").to(torch.int64)
+    if bool(((ids_host < 0) | (ids_host >= vocab_size))[valid].any()):
+        raise PolicyTapError(f"input_ids outside 0..{vocab_size - 1} at valid positions")
+    return ids_host
+
+
+def eligible_rows(valid: torch.Tensor, response: torch.Tensor, counters: TapCounters) -> tuple[list[int], list[int]]:
+    """Count a micro-batch's non-empty rows; returns (valid length per row, the rows worth sampling: ≥ 2
+    tokens and at least one response token)."""
+    lengths = valid.sum(dim=1).tolist()
+    has_response = response.any(dim=1).tolist()
+    rows: list[int] = []
+    for b, n in enumerate(lengths):
+        if n == 0:
+            continue
+        counters.sequences_seen += 1
+        counters.tokens_seen += n
+        if n < 2:
+            counters.too_short += 1
+        elif not has_response[b]:
+            counters.no_response += 1
+        else:
+            rows.append(b)
+    return lengths, rows
+
+
+def host_tensors(
+    input_ids: torch.Tensor, loss_mask: torch.Tensor, aux_hidden: torch.Tensor, final_hidden: torch.Tensor | None,
+    stats: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None,
+) -> dict[str, torch.Tensor]:
+    """One kept sequence's wire tensors (see :class:`KeptSequence`) on the host: input_ids [L] and loss_mask
+    [L] (already host, cloned), aux_hidden [L, n_aux·H], final_hidden [L, H] or None, and the
+    :func:`logit_stats` of the sequence or None."""
+    tensors = {
+        "input_ids": input_ids.clone(),
+        "loss_mask": loss_mask.clone(),
+        "aux_hidden": to_host(aux_hidden, torch.bfloat16),
+    }
+    if final_hidden is not None:
+        tensors["final_hidden"] = to_host(final_hidden, torch.bfloat16)
+    if stats is not None:
+        nxt, lse, k_ids, k_lp = stats
+        tensors["next_logprob"] = to_host(nxt, torch.float32)
+        tensors["logit_lse"] = to_host(lse, torch.float32)
+        if k_ids is not None and k_lp is not None:
+            tensors["topk_ids"] = to_host(k_ids, torch.int64)
+            tensors["topk_logprobs"] = to_host(k_lp, torch.float32)
+    return tensors
+
+
+def step_chunks(
+    sketch: TokenBudgetSketch, pending: dict[int, KeptSequence], counters: TapCounters, max_tokens: int
+) -> list[list[KeptSequence]]:
+    """End the step: take its kept sequences off ``pending`` (waiting for their host copies), count them,
+    and split them into message chunks of ≤ ``max_tokens`` tokens with one (policy version, step,
+    temperature) each."""
+    kept = [pending.pop(h) for h in sketch.reset()]
+    pending.clear()
+    for ev in {id(s.ready): s.ready for s in kept if s.ready is not None}.values():
+        ev.synchronize()
+    counters.sequences_kept += len(kept)
+    counters.tokens_kept += sum(s.n_tokens for s in kept)
+    groups: dict[tuple[int, int, float], list[KeptSequence]] = {}
+    for s in kept:
+        groups.setdefault((s.policy_version, s.step, s.temperature), []).append(s)
+    chunks: list[list[KeptSequence]] = []
+    for group in groups.values():
+        chunk: list[KeptSequence] = []
+        total = 0
+        for s in group:
+            if chunk and total + s.n_tokens > max_tokens:
+                chunks.append(chunk)
+                chunk, total = [], 0
+            chunk.append(s)
+            total += s.n_tokens
+        if chunk:
+            chunks.append(chunk)
+    return chunks
+
+
+def ship(
+    chunks: Sequence[list[KeptSequence]], build: Callable[[list[KeptSequence]], Any], sink: TapSink,
+    counters: TapCounters, who: str,
+) -> int:
+    """Offer ``build(chunk)`` for each chunk to ``sink``; counts what was offered, refused or invalid
+    (``build`` raised WireError, e.g. NaN logits gave NaN log-probs: never let that kill the RL job).
+    Returns the tokens of messages the sink accepted."""
+    offered = dropped = 0
+    for chunk in chunks:
+        n = sum(s.n_tokens for s in chunk)
+        try:
+            message = build(chunk)
+        except WireError as e:
+            logger.error("%s: dropping an invalid message of %d tokens: %s", who, n, e)
+            counters.messages_invalid += 1
+            counters.tokens_dropped += n
+            dropped += n
+            continue
+        if sink.offer(message):
+            counters.messages_offered += 1
+            counters.tokens_offered += n
+            offered += n
+        else:
+            counters.messages_dropped += 1
+            counters.tokens_dropped += n
+            dropped += n
+    if dropped:
+        logger.warning("%s: dropped %d tokens this step (%d offered)", who, dropped, offered)
+    return offered
+
+
+def check_head_sync_args(policy_version: int, draft_to_target: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """``head_sync()``'s arguments checked; returns draft_to_target [Vd] as int64 on the host."""
+    if int(policy_version) < 0:
+        raise PolicyTapError(f"policy_version must be ≥ 0, got {policy_version}")
+    d2t = torch.as_tensor(draft_to_target)
+    if d2t.dim() != 1 or d2t.numel() == 0 or d2t.dtype.is_floating_point or d2t.dtype == torch.bool:
+        raise PolicyTapError(f"draft_to_target must be a non-empty 1-D integer tensor, got {d2t.dtype} "
+                             f"{tuple(d2t.shape)}")
+    d2t = d2t.detach().to("cpu", torch.int64)
+    if bool(((d2t < 0) | (d2t >= vocab_size)).any()):
+        raise PolicyTapError(f"draft_to_target ids outside 0..{vocab_size - 1}")
+    if int(d2t.unique().numel()) != int(d2t.numel()):
+        raise PolicyTapError("draft_to_target ids must be distinct")
+    return d2t
+
+
+def offer_head_sync(sink: TapSink, message: HeadSync, counters: TapCounters, who: str) -> bool:
+    """Offer ``message`` to ``sink`` and count it; True when the sink took it."""
+    ok = bool(sink.offer(message))
+    if ok:
+        counters.head_syncs += 1
+    else:
+        counters.head_syncs_dropped += 1
+        logger.warning("%s: sink refused HeadSync for policy version %d", who, message.policy_version)
+    return ok
 
 
 class HFPolicyTap:
@@ -279,14 +470,7 @@ class HFPolicyTap:
         rank: int = 0,
         seed: int = 0,
     ) -> None:
-        if not isinstance(run_id, str) or not run_id:
-            raise PolicyTapError("run_id must be a non-empty string")
-        if not hasattr(sink, "offer"):
-            raise PolicyTapError(f"sink {type(sink).__name__} has no offer(message) -> bool")
-        if int(max_tokens_per_message) < 2:
-            raise PolicyTapError(f"max_tokens_per_message must be ≥ 2, got {max_tokens_per_message}")
-        if int(tokens_per_step) < 2:
-            raise PolicyTapError(f"tokens_per_step must be ≥ 2, got {tokens_per_step}")
+        check_tap_args(run_id, sink, tokens_per_step, max_tokens_per_message)
         if int(rank) < 0:
             raise PolicyTapError(f"rank must be ≥ 0, got {rank}")
         _, _, norm, lm_head = decoder_parts(model)
@@ -306,10 +490,10 @@ class HFPolicyTap:
         self._sketch = TokenBudgetSketch(
             int(tokens_per_step), generator_for(seed, rank), max_seq_tokens=self.max_tokens_per_message
         )
-        self._pending: dict[int, _Kept] = {}  # handle → kept sequence of the current step
+        self._pending: dict[int, KeptSequence] = {}  # handle → kept sequence of the current step
         self._capturing = False
         self._batch_id = 0
-        self._c = _Counters()
+        self._c = TapCounters()
 
     # -- capture ---------------------------------------------------------------------------------------
 
@@ -343,17 +527,8 @@ class HFPolicyTap:
             raise PolicyTapError(
                 "submit() without a captured forward pass: run the model on this batch inside capturing() first"
             ) from e
-        if int(policy_version) < 0 or int(step) < 0:
-            raise PolicyTapError(f"policy_version and step must be ≥ 0, got {policy_version}, {step}")
-        if not float(temperature) >= 0.0:
-            raise PolicyTapError(f"temperature must be ≥ 0, got {temperature}")
-        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
-            raise PolicyTapError(f"input_ids must be a [B, T] tensor, got {getattr(input_ids, 'shape', input_ids)}")
-        if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
-            raise PolicyTapError(f"input_ids must be an integer tensor, got {input_ids.dtype}")
-        shape = (int(input_ids.shape[0]), int(input_ids.shape[1]))
-        valid = _as_binary("attention_mask", attention_mask, shape)
-        response = _as_binary("loss_mask", loss_mask, shape)
+        check_step_args(policy_version, step, temperature)
+        shape, valid, response = host_masks(input_ids, attention_mask, loss_mask)
         if not isinstance(logits, torch.Tensor) or logits.dim() != 3 or tuple(logits.shape[:2]) != shape:
             raise PolicyTapError(f"logits must be [B, T, V] with [B, T] = {shape}, got {tuple(logits.shape)}")
         if int(logits.shape[2]) != self.vocab_size:
@@ -363,28 +538,9 @@ class HFPolicyTap:
                 f"captured forward was on a [{cap.aux.shape[0]}, {cap.aux.shape[1]}] batch, submit got {shape}:"
                 " submit() must follow the forward pass of the same batch"
             )
-        if shape[1] > 1 and bool((valid[:, 1:] & ~valid[:, :-1]).any()):
-            raise PolicyTapError("attention_mask must be right-padded (each row's valid tokens a prefix)")
-        if bool((response & ~valid).any()):
-            raise PolicyTapError("loss_mask marks padding positions (attention_mask == 0)")
-        ids_host = input_ids.detach().to("cpu").to(torch.int64)
-        if bool(((ids_host < 0) | (ids_host >= self.vocab_size))[valid].any()):
-            raise PolicyTapError(f"input_ids outside 0..{self.vocab_size - 1} at valid positions")
+        ids_host = host_ids(input_ids, valid, response, self.vocab_size)
 
-        lengths = valid.sum(dim=1).tolist()
-        has_response = response.any(dim=1).tolist()
-        rows: list[int] = []
-        for b, n in enumerate(lengths):
-            if n == 0:
-                continue
-            self._c.sequences_seen += 1
-            self._c.tokens_seen += n
-            if n < 2:
-                self._c.too_short += 1
-            elif not has_response[b]:
-                self._c.no_response += 1
-            else:
-                rows.append(b)
+        lengths, rows = eligible_rows(valid, response, self._c)
         handles, evicted = self._sketch.add([lengths[b] for b in rows])
         for h in evicted:
             del self._pending[h]  # released: its host copies are freed
@@ -393,20 +549,10 @@ class HFPolicyTap:
             if h is None:
                 continue
             n = lengths[b]
-            nxt, lse, k_ids, k_lp = logit_stats(logits[b, :n].detach(), input_ids[b, :n], self.topk)
-            tensors = {
-                "input_ids": ids_host[b, :n].clone(),
-                "loss_mask": response[b, :n].clone(),
-                "aux_hidden": _to_host(cap.aux[b, :n], torch.bfloat16),
-                "next_logprob": _to_host(nxt, torch.float32),
-                "logit_lse": _to_host(lse, torch.float32),
-            }
-            if self.send_final:
-                tensors["final_hidden"] = _to_host(cap.final[b, :n], torch.bfloat16)
-            if k_ids is not None and k_lp is not None:
-                tensors["topk_ids"] = _to_host(k_ids, torch.int64)
-                tensors["topk_logprobs"] = _to_host(k_lp, torch.float32)
-            self._pending[h] = _Kept(int(step), int(policy_version), float(temperature), n, tensors)
+            stats = logit_stats(logits[b, :n].detach(), input_ids[b, :n], self.topk)
+            final = cap.final[b, :n] if self.send_final else None
+            tensors = host_tensors(ids_host[b, :n], response[b, :n], cap.aux[b, :n], final, stats)
+            self._pending[h] = KeptSequence(int(step), int(policy_version), float(temperature), n, tensors)
             if cap.aux.device.type == "cuda":
                 if ready is None:
                     ready = torch.cuda.Event()
@@ -419,53 +565,10 @@ class HFPolicyTap:
     def end_step(self) -> int:
         """Pack the step's kept sequences into TapBatches (≤ max_tokens_per_message tokens each), offer
         them to the sink and start a new step.  Returns the tokens of messages the sink accepted."""
-        kept = [self._pending.pop(h) for h in self._sketch.reset()]
-        self._pending.clear()
-        for ev in {id(s.ready): s.ready for s in kept if s.ready is not None}.values():
-            ev.synchronize()
-        self._c.sequences_kept += len(kept)
-        self._c.tokens_kept += sum(s.n_tokens for s in kept)
-        groups: dict[tuple[int, int, float], list[_Kept]] = {}
-        for s in kept:
-            groups.setdefault((s.policy_version, s.step, s.temperature), []).append(s)
-        offered = 0
-        dropped = 0
-        for group in groups.values():
-            for chunk in self._chunks(group):
-                n = sum(s.n_tokens for s in chunk)
-                try:
-                    message = self._tap_batch(chunk)
-                except WireError as e:  # never let bad numbers (NaN logits) kill the RL job: count them
-                    logger.error("tap: dropping an invalid TapBatch of %d tokens: %s", n, e)
-                    self._c.messages_invalid += 1
-                    self._c.tokens_dropped += n
-                    dropped += n
-                    continue
-                if self.sink.offer(message):
-                    self._c.messages_offered += 1
-                    self._c.tokens_offered += n
-                    offered += n
-                else:
-                    self._c.messages_dropped += 1
-                    self._c.tokens_dropped += n
-                    dropped += n
-        if dropped:
-            logger.warning("tap: dropped %d tokens this step (%d offered)", dropped, offered)
-        return offered
+        chunks = step_chunks(self._sketch, self._pending, self._c, self.max_tokens_per_message)
+        return ship(chunks, self._tap_batch, self.sink, self._c, "tap")
 
-    def _chunks(self, seqs: list[_Kept]) -> Iterator[list[_Kept]]:
-        chunk: list[_Kept] = []
-        total = 0
-        for s in seqs:
-            if chunk and total + s.n_tokens > self.max_tokens_per_message:
-                yield chunk
-                chunk, total = [], 0
-            chunk.append(s)
-            total += s.n_tokens
-        if chunk:
-            yield chunk
-
-    def _tap_batch(self, seqs: list[_Kept]) -> Any:
+    def _tap_batch(self, seqs: list[KeptSequence]) -> Any:
         """One TapBatch of ``seqs`` (same policy version, step and temperature), validated as the wire
         encoder would; raises WireError (e.g. NaN logits gave NaN log-probs)."""
         head = seqs[0]
@@ -481,17 +584,7 @@ class HFPolicyTap:
     def head_sync(self, policy_version: int, draft_to_target: torch.Tensor) -> bool:
         """Offer HeadSync for ``policy_version``: final norm weight [H] (float32), its eps, and the
         lm_head rows [Vd, H] (bfloat16) of the draft vocabulary ``draft_to_target`` [Vd]."""
-        if int(policy_version) < 0:
-            raise PolicyTapError(f"policy_version must be ≥ 0, got {policy_version}")
-        d2t = torch.as_tensor(draft_to_target)
-        if d2t.dim() != 1 or d2t.numel() == 0 or d2t.dtype.is_floating_point or d2t.dtype == torch.bool:
-            raise PolicyTapError(f"draft_to_target must be a non-empty 1-D integer tensor, got {d2t.dtype} "
-                                 f"{tuple(d2t.shape)}")
-        d2t = d2t.detach().to("cpu", torch.int64)
-        if bool(((d2t < 0) | (d2t >= self.vocab_size)).any()):
-            raise PolicyTapError(f"draft_to_target ids outside 0..{self.vocab_size - 1}")
-        if int(d2t.unique().numel()) != int(d2t.numel()):
-            raise PolicyTapError("draft_to_target ids must be distinct")
+        d2t = check_head_sync_args(policy_version, draft_to_target, self.vocab_size)
         _, _, norm, lm_head = decoder_parts(self.model)
         if hasattr(lm_head, "base_layer"):
             raise PolicyTapError("lm_head is adapter-wrapped: its .weight would miss the adapter's update")
@@ -505,22 +598,8 @@ class HFPolicyTap:
             norm_weight=norm.weight.detach().to("cpu", torch.float32).clone(), draft_to_target=d2t.clone(),
             rows=rows,
         )
-        ok = bool(self.sink.offer(message))
-        if ok:
-            self._c.head_syncs += 1
-        else:
-            self._c.head_syncs_dropped += 1
-            logger.warning("tap: sink refused HeadSync for policy version %d", policy_version)
-        return ok
+        return offer_head_sync(self.sink, message, self._c, "tap")
 
     def stats(self) -> dict[str, int]:
         """Counters since construction (too_long from the budget sketch)."""
-        c = self._c
-        return {
-            "tokens_seen": c.tokens_seen, "sequences_seen": c.sequences_seen, "tokens_kept": c.tokens_kept,
-            "sequences_kept": c.sequences_kept, "tokens_offered": c.tokens_offered,
-            "messages_offered": c.messages_offered, "messages_dropped": c.messages_dropped,
-            "messages_invalid": c.messages_invalid, "tokens_dropped": c.tokens_dropped,
-            "too_long": self._sketch.too_long, "too_short": c.too_short,
-            "no_response": c.no_response, "head_syncs": c.head_syncs, "head_syncs_dropped": c.head_syncs_dropped,
-        }
+        return self._c.as_dict(self._sketch.too_long)

@@ -533,29 +533,20 @@ _FIELD_SPECS: dict[str, dict[str, Callable[[Any], Any]]] = {
 }
 
 # name → (dtype, ndim, required), in wire order
+_TAP_TENSORS: dict[str, tuple[torch.dtype, int, bool]] = {
+    "cu_seqlens": (torch.int64, 1, True),
+    "input_ids": (torch.int64, 1, True),
+    "loss_mask": (torch.bool, 1, True),
+    "aux_hidden": (torch.bfloat16, 2, True),
+    "final_hidden": (torch.bfloat16, 2, False),
+    "next_logprob": (torch.float32, 1, False),
+    "logit_lse": (torch.float32, 1, False),
+    "topk_ids": (torch.int64, 2, False),
+    "topk_logprobs": (torch.float32, 2, False),
+}
 _TENSOR_SPECS: dict[str, dict[str, tuple[torch.dtype, int, bool]]] = {
-    "TapBatch": {
-        "cu_seqlens": (torch.int64, 1, True),
-        "input_ids": (torch.int64, 1, True),
-        "loss_mask": (torch.bool, 1, True),
-        "aux_hidden": (torch.bfloat16, 2, True),
-        "final_hidden": (torch.bfloat16, 2, False),
-        "next_logprob": (torch.float32, 1, False),
-        "logit_lse": (torch.float32, 1, False),
-        "topk_ids": (torch.int64, 2, False),
-        "topk_logprobs": (torch.float32, 2, False),
-    },
-    "TapPart": {
-        "cu_seqlens": (torch.int64, 1, True),
-        "input_ids": (torch.int64, 1, True),
-        "loss_mask": (torch.bool, 1, True),
-        "aux_hidden": (torch.bfloat16, 2, True),
-        "final_hidden": (torch.bfloat16, 2, False),
-        "next_logprob": (torch.float32, 1, False),
-        "logit_lse": (torch.float32, 1, False),
-        "topk_ids": (torch.int64, 2, False),
-        "topk_logprobs": (torch.float32, 2, False),
-    },
+    "TapBatch": _TAP_TENSORS,
+    "TapPart": _TAP_TENSORS,  # a pipeline stage's share of a TapBatch: the same tensors
     "HeadSync": {
         "norm_weight": (torch.float32, 1, True),
         "draft_to_target": (torch.int64, 1, True),

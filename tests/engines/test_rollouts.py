@@ -258,3 +258,19 @@ def test_engine_choice_in_recipe_and_launcher(monkeypatch, caplog):
     assert seen["k"] == 2 and seen["guard"].prompts == ({"prompt_token_ids": [5, 6, 7]},)
     with pytest.raises(EngineError, match="head_dim 16"):
         cotrain.start_rollout_engine(CotrainRecipe(rl=RLConfig(engine="vllm")), None, prompts)
+
+
+@needs_vllm
+def test_guard_reference_is_the_serving_version_probed_just_before(rollouts, vllm_world, monkeypatch):
+    """Under RL the policy moves between refreshes: a version is compared with the serving one on the same
+    target weights, never with a probe taken several policy versions ago."""
+    from draft_align.engines.vllm_engine import SpecCounters
+    from draft_align.publish.export import version_dir
+
+    ref = rollouts.refresher
+    ref._probe_ref = 2.5  # a probe from long ago, when the policy was easier to draft for
+    seq = iter([SpecCounters(100, 300, 20, (15, 4, 1)), SpecCounters(100, 300, 15, (12, 2, 1))])  # 1.20, 1.15
+    monkeypatch.setattr(ref, "probe", lambda: next(seq))
+    target = version_dir(vllm_world.run, 1 if ref.current.version != 1 else 3)
+    assert ref.apply(target)  # 0.15 ≥ 0.5 · 0.20 against the fresh reference (it would fail against 2.5)
+    assert ref.history[-1].probe_acceptance_length == pytest.approx(1.15) and ref._probe_ref == pytest.approx(1.15)

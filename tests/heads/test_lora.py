@@ -8,7 +8,6 @@ import json
 import pytest
 import torch
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from draft_align.heads.eagle3 import DraftConfigError, Eagle3Config, Eagle3Draft
 from draft_align.heads.lora import (
@@ -31,22 +30,12 @@ V, H, L = 48, 32, 6
 AUX = (1, 3, 4)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def target():
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        hidden_size=H, intermediate_size=64, num_hidden_layers=L, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=8, vocab_size=V, max_position_embeddings=128, tie_word_embeddings=False,
-    )  # fmt: skip
-    return LlamaForCausalLM(cfg).eval().requires_grad_(False)
+def target(tiny_llama):
+    return tiny_llama(L, V, H).requires_grad_(False)
 
 
 def eagle(target, seed=0) -> Eagle3Draft:

@@ -29,22 +29,12 @@ from draft_align.target.tap import HFTap, decoder_parts
 V, H, L = 48, 32, 4
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def target():
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        hidden_size=H, intermediate_size=64, num_hidden_layers=L, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=8, vocab_size=V, max_position_embeddings=128, tie_word_embeddings=False,
-    )  # fmt: skip
-    model = LlamaForCausalLM(cfg).eval()
+def target(tiny_llama):
+    model = tiny_llama(L, V, H)
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0)  # peaky: a draft has something to learn
     model.generation_config.pad_token_id = 0

@@ -27,13 +27,7 @@ def _config(layers: int = 4, hidden: int = 32) -> LlamaConfig:
                        tie_word_embeddings=False)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors: one thread is several times faster than contended intra-op parallelism."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -23,12 +23,7 @@ from draft_align.train.trainer import (
 H_T, N_AUX, VOCAB, VD = 24, 3, 50, 20
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny tensors: threads cost more than they save
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_cfg(**kw) -> Eagle3Config:
