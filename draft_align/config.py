@@ -239,7 +239,8 @@ class SidecarConfig:
     adapt: str = "full"  # full | lora: adapters over the frozen starting draft; publishes merge them
     lora: LoraAdaptConfig = field(default_factory=LoraAdaptConfig)
     # torchrun ranks (train/distributed.py): the policy's tap connects to this many sidecar endpoints, and
-    # `torchrun --nproc-per-node` must equal it; gradients averaged by DDP (`parallel`)
+    # `torchrun --nproc-per-node` must equal it; gradients averaged by DDP or, with the draft's parameters and
+    # optimizer state sharded over the ranks, FSDP2 (`parallel`: ddp | fsdp2)
     ranks: int = 1
     parallel: str = "ddp"
     collective_timeout_s: float = 300.0  # a rank that died or hangs stops the others after this long
@@ -333,9 +334,9 @@ class CotrainRecipe:
             raise RecipeError("sidecar.buffer_tokens must be ≥ sidecar.batch_tokens")
         if self.sidecar.ranks < 1 or not self.sidecar.collective_timeout_s > 0:
             raise RecipeError("sidecar.ranks must be ≥ 1 and sidecar.collective_timeout_s > 0")
-        if self.sidecar.parallel != "ddp":
-            raise RecipeError(f"sidecar.parallel {self.sidecar.parallel!r}: only 'ddp' is implemented "
-                              f"(fsdp2 is planned for heads too large to replicate)")
+        if self.sidecar.parallel not in ("ddp", "fsdp2"):
+            raise RecipeError(f"sidecar.parallel {self.sidecar.parallel!r}: expected 'ddp' (replicated draft) or "
+                              f"'fsdp2' (draft sharded over the ranks, for heads too large to replicate)")
         if self.logging.wandb_mode not in ("offline", "online", "disabled"):
             raise RecipeError(f"logging.wandb_mode {self.logging.wandb_mode!r}")
         if self.target.dtype not in ("bfloat16", "float32", "float16"):

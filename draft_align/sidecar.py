@@ -20,6 +20,7 @@ rows it was sent, and its own optimizer.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -228,11 +229,16 @@ class Sidecar:
                 autocast_bf16=sc.autocast_bf16,
             ),
         )
+        # fsdp2 (train/distributed.py): the trainer's draft is sharded over the ranks; rank 0 gates and exports
+        # a plain copy that sync_full() refreshes from the gathered full state (``_full``)
+        self._sharded = ranks is not None and sc.parallel == "fsdp2"
+        self._plain: nn.Module | None = copy.deepcopy(draft) if self._sharded and self.is_lead else None
+        self._full: tuple[dict[str, torch.Tensor], dict] | None = None
+        if ranks is not None:  # before the load: under fsdp2 the checkpoint is loaded into the shards
+            attach(self.trainer, ranks, sc.parallel)
         if resumed:
             self.trainer.load(tdir)
             log.info("resumed sidecar at train step %d (restart %d)", self.state.train_steps, self.state.restarts)
-        if ranks is not None:
-            attach(self.trainer, ranks, sc.parallel)
         self.has_head = False
         # only rank 0 gates, so only its buffer holds records out; each rank samples with its own seed
         self.buffer = ReplayBuffer(sc.buffer_tokens, sc.recency_half_life, sc.holdout_records if self.is_lead else 0,
@@ -303,8 +309,9 @@ class Sidecar:
             return  # an older head arriving late
         self.trainer.rows = msg.rows.to(self.device)
         if getattr(self.frozen, "shares_target_head", False):  # MTP: the engine uses the policy's own lm_head
-            for d in (self.trainer.draft, self.published, self.frozen):
-                d.set_head(msg.rows)
+            for d in (self.trainer.draft, self.published, self.frozen, self._plain):
+                if d is not None:
+                    d.set_head(msg.rows)
         self._norm = (msg.norm_weight, float(msg.norm_eps))
         self.state.head_policy_version = int(msg.policy_version)
         self.has_head = True
@@ -514,23 +521,42 @@ class Sidecar:
             self.sink.log({f"train/{k}": v for k, v in stats.items()}, step=self.state.train_steps)
         return True
 
+    def publish_due(self, force: bool = False) -> bool:
+        """Whether a publish attempt (gate) is due on this rank: enough steps, the interval passed (or
+        ``force``), a head to score with."""
+        sc = self.recipe.sidecar
+        if not self.is_lead or self._steps_since_publish < sc.min_train_steps_per_publish or not self.has_head:
+            return False
+        return force or time.monotonic() - self._last_publish >= sc.publish_every_s
+
+    def sync_full(self) -> None:
+        """fsdp2: gather the trainer's full draft and optimizer state onto rank 0 (a collective: every rank
+        calls it at the same step) and refresh the plain copy that rank 0 gates, exports and checkpoints."""
+        if not self._sharded:
+            return
+        self._full = self.trainer.parallel.state_dicts()
+        if self._plain is not None and self._full is not None:
+            self._plain.load_state_dict(self._full[0], strict=True)
+
+    def _candidate(self) -> nn.Module:
+        """The trainer's draft as a plain module (under fsdp2: as of the last :meth:`sync_full`)."""
+        if not self._sharded:
+            return self.trainer.draft
+        assert self._plain is not None and self._full is not None, "sync_full() before gating or exporting"
+        return self._plain
+
     def maybe_publish(self, force: bool = False) -> bool:
         """Gate and publish the candidate; True when a new version was published."""
         from draft_align.monitor.records import paired_gate
 
         sc = self.recipe.sidecar
-        if not self.is_lead:
-            return False
-        due = time.monotonic() - self._last_publish >= sc.publish_every_s
-        if self._steps_since_publish < sc.min_train_steps_per_publish or not (due or force):
-            return False
-        if not self.has_head:
+        if not self.publish_due(force):
             return False
         self._last_publish = time.monotonic()
         holdout = self.buffer.holdout()
         if not holdout:
             return False
-        cand = self.trainer.draft
+        cand = self._candidate()
         if not all(torch.isfinite(p).all() for p in cand.parameters()):
             self.state.gate_rejections += 1
             log.error("candidate draft has non-finite weights: not published")
@@ -561,8 +587,9 @@ class Sidecar:
             "train_steps": self.state.train_steps,
             "trained_tokens": self.state.trained_tokens,
         }
+        cand_draft = self._candidate()
         export_draft(
-            self.trainer.draft, out, target_config=self.target_config, target_name=self.target_name,
+            cand_draft, out, target_config=self.target_config, target_name=self.target_name,
             metrics=metrics, draft_version=v, policy_version=policy_version, tokenizer_fingerprint=self.tok_fp,
             extra_manifest={"trained_from": str(self.frozen_manifest.get("draft_version", 0)),
                             "run": self.recipe.run},
@@ -571,7 +598,7 @@ class Sidecar:
         if self.recipe.sidecar.adapt == "lora" and self.recipe.sidecar.lora.publish_delta:
             self._publish_delta(out, v, policy_version, metrics)
         man = json.loads((out / "manifest.json").read_text())
-        self.published = self._copy(self.trainer.draft)
+        self.published = self._copy(cand_draft)
         self.published.eval()
         self.state.published_version = v
         self.state.published_policy_version = policy_version
@@ -595,7 +622,7 @@ class Sidecar:
 
         base = Path(self.state.lora_base_dir or "")
         try:
-            info = export_adapter(self.trainer.draft, self.run_dir / "adapters" / out.name, base,
+            info = export_adapter(self._candidate(), self.run_dir / "adapters" / out.name, base,
                                   draft_version=v, policy_version=policy_version, metrics=metrics)
         except (AdapterMismatchError, ExportError) as e:
             log.warning("adapter delta v%04d not published: %s", v, e)
@@ -604,8 +631,9 @@ class Sidecar:
 
     def checkpoint(self) -> None:
         if not self.is_lead:
-            return  # rank 0's checkpoint is every rank's: their weights are the same (DDP)
-        self.trainer.save(self.dir / TRAINER_DIR)
+            return  # rank 0's checkpoint is every rank's (DDP: the same weights; fsdp2: gathered by sync_full)
+        assert not self._sharded or self._full is not None, "sync_full() before checkpointing"
+        self.trainer.save(self.dir / TRAINER_DIR, self._full if self._sharded else None)
         self.state.rejected = dict(self.rejected)
         tmp = self.dir / f".{STATE_FILE}.tmp-{os.getpid()}"
         tmp.write_text(json.dumps(asdict(self.state)))
@@ -626,9 +654,12 @@ class Sidecar:
         if self.is_lead:
             tmp.write_text(json.dumps(ready))
             os.replace(tmp, self.dir / READY_FILE)
+        ended = False  # whether the loop ended normally (every rank leaves it at the same step)
         try:
             if self.ranks is not None:  # torchrun: the ranks agree on every step (train/distributed.py)
                 ranked_loop(self, max_seconds)
+                self.sync_full()  # for the final checkpoint below
+                ended = True
                 return self.state
             while not self._stop:
                 trained = self._train_one()
@@ -642,7 +673,8 @@ class Sidecar:
                 if max_seconds is not None and time.monotonic() - self._t0 >= max_seconds:
                     break
         finally:
-            self.checkpoint()
+            if ended or not self._sharded:  # a failed rank cannot take part in gathering the shards
+                self.checkpoint()
             self.close()
         return self.state
 

@@ -95,17 +95,38 @@ def _fill(sc, part: int, parts: int) -> None:
     assert len(sc.buffer.trainable()) == share and len(sc.buffer.holdout()) == len(hold)
 
 
-def _same_weights_overrides(tiny_run, out: Path, run: str, ranks: int) -> list[str]:
+def _same_weights_overrides(tiny_run, out: Path, run: str, ranks: int, parallel: str = "ddp",
+                            **extra: object) -> list[str]:
     return tiny_run.cotrain_overrides(
         out, run=run, **{"sidecar.ranks": ranks, "sidecar.holdout_records": N_HOLD, "sidecar.autocast_bf16": "false",
                          "sidecar.max_replay_ratio": 1000.0, "sidecar.publish_every_s": 1e9,
                          "sidecar.checkpoint_every_s": 1e9, "sidecar.prometheus_port": "null",
-                         "sidecar.warmup_steps": 0, "sidecar.lr": 3e-3})
+                         "sidecar.warmup_steps": 0, "sidecar.lr": 3e-3, "sidecar.parallel": parallel, **extra})
+
+
+def _record_grad_norms(sc) -> list[float]:
+    """The pre-clip gradient norm of each of ``sc``'s optimizer steps, appended as they are taken."""
+    norms: list[float] = []
+    step = sc.trainer.train_step
+
+    def recorded(batch):
+        out = step(batch)
+        norms.append(out["grad_norm"])
+        return out
+
+    sc.trainer.train_step = recorded
+    return norms
+
+
+def _local(v: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of an FSDP2 parameter (DTensor), or the tensor itself."""
+    return v.to_local() if hasattr(v, "to_local") else v
 
 
 def _rank_worker(overrides: list[str]) -> None:
-    """One rank of the weight comparison: join, ingest its half, take STEPS ranked steps, rank 0 publishes.
-    Then rank 1 alone draws a batch whose loss is not finite: both ranks skip that step (no hang, no update)."""
+    """One rank of the weight comparison: join, ingest its half, take STEPS ranked steps, rank 0 publishes
+    (and writes the steps' gradient norms beside the run).  Then rank 1 alone draws a batch whose loss is not
+    finite: both ranks skip that step (no hang, no update)."""
     from draft_align.sidecar import Sidecar, starting_draft
     from draft_align.train.batch import Record
     from draft_align.train.distributed import join_ranks, ranked_step
@@ -117,13 +138,20 @@ def _rank_worker(overrides: list[str]) -> None:
     with join_ranks(recipe, start) as ranks:
         assert ranks is not None
         sc = Sidecar(recipe, start, ranks=ranks)
+        if recipe.sidecar.parallel == "fsdp2":  # each rank holds about half of every trainable parameter
+            trained = [p for p in sc.trainer.draft.parameters() if p.requires_grad]
+            assert trained and all(p.to_local().numel() <= (p.numel() + 1) // 2 for p in trained)
+            assert {id(p) for g in sc.trainer.optimizer.param_groups for p in g["params"]} == {id(p) for p in trained}
+        norms = _record_grad_norms(sc)
         _fill(sc, ranks.rank, ranks.world_size)
         for _ in range(STEPS):
             assert ranked_step(sc)
         assert sc.state.train_steps == STEPS, sc.state
+        sc.sync_full()  # fsdp2: gathers onto rank 0 (every rank calls it); ddp: nothing to do
         if ranks.is_lead:
             assert sc.maybe_publish(force=True)
-        before = {k: v.clone() for k, v in sc.trainer.draft.state_dict().items()}
+            (recipe.run_dir / "grad_norms.json").write_text(json.dumps(norms))
+        before = {k: _local(v).clone() for k, v in sc.trainer.draft.state_dict().items()}
         if ranks.rank == 1:  # finite but huge states overflow inside the draft
             sc.buffer = ReplayBuffer(4000, 2.0, 0, 0)
             rec = Record(input_ids=torch.randint(3, sc.vocab, (20,)), loss_mask=torch.arange(20) >= 5,
@@ -132,7 +160,7 @@ def _rank_worker(overrides: list[str]) -> None:
         assert ranked_step(sc)
         assert (sc.state.nonfinite_steps, sc.state.train_steps) == (1, STEPS), sc.state
         for k, v in sc.trainer.draft.state_dict().items():
-            assert torch.equal(v, before[k]), k
+            assert torch.equal(_local(v), before[k]), k
         sc.close()
 
 
@@ -145,25 +173,35 @@ def _tensors(run_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Te
             {k[len("draft."):]: v for k, v in trainer.items() if k.startswith("draft.")})
 
 
-def test_two_ranks_publish_the_weights_of_one_process(tiny_run, tiny_env, tmp_path):
-    """2 ranks × 4 records with DDP-averaged gradients = 1 process × all 8 records (equal target counts per
-    rank), for STEPS AdamW steps, up to float reduction order; and different from not training."""
+def _run_ranks(mode: str, overrides: list[str], world: int = 2) -> list[subprocess.Popen]:
+    port = _free_port()
+    return [subprocess.Popen([sys.executable, __file__, mode, json.dumps(overrides)], env=_rank_env(r, world, port),
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
+
+
+def _wait_ok(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        out, _ = p.communicate(timeout=120)
+        assert p.returncode == 0, out[-3000:]
+
+
+def _two_ranks_match_one_process(tiny_run, tmp_path: Path, parallel: str, **extra: object) -> None:
     from draft_align.sidecar import Sidecar, starting_draft
 
-    two = _same_weights_overrides(tiny_run, tmp_path, "two", 2)
-    port = _free_port()
-    procs = [subprocess.Popen([sys.executable, __file__, "rank-worker", json.dumps(two)], env=_rank_env(r, 2, port),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
-    one = load_recipe(None, _same_weights_overrides(tiny_run, tmp_path, "one", 1), CotrainRecipe)
+    procs = _run_ranks("rank-worker", _same_weights_overrides(tiny_run, tmp_path, "two", 2, parallel, **extra))
+    one = load_recipe(None, _same_weights_overrides(tiny_run, tmp_path, "one", 1, **extra), CotrainRecipe)
     sc = Sidecar(one, starting_draft(one))
+    norms = _record_grad_norms(sc)
     _fill(sc, 0, 1)
     for _ in range(STEPS):
         assert sc._train_one()
     assert sc.maybe_publish(force=True)
     sc.close()
-    for p in procs:
-        out, _ = p.communicate(timeout=120)
-        assert p.returncode == 0, out[-3000:]
+    _wait_ok(procs)
+    # the global gradient norm (clipping's denominator): over DTensor shards under fsdp2
+    norms2 = json.loads((tmp_path / "two" / "grad_norms.json").read_text())
+    assert len(norms) == len(norms2) == STEPS and norms[0] > one.sidecar.grad_clip, (norms, norms2)
+    assert norms2 == pytest.approx(norms, rel=1e-4), (norms, norms2)
     (pub1, w1), (pub2, w2) = _tensors(tmp_path / "one"), _tensors(tmp_path / "two")
     start = sc.frozen.state_dict()
     assert w1.keys() == w2.keys() and pub1.keys() == pub2.keys()
@@ -179,6 +217,69 @@ def test_two_ranks_publish_the_weights_of_one_process(tiny_run, tiny_env, tmp_pa
     assert moved**0.5 > 0.05 and (err / moved) ** 0.5 < 1e-3, (moved**0.5, (err / moved) ** 0.5)
     for k in pub1:  # the published bf16 copies: equal up to one bf16 rounding step
         assert torch.allclose(pub1[k].float(), pub2[k].float(), rtol=2**-7, atol=1e-6), k
+
+
+def test_two_ranks_publish_the_weights_of_one_process(tiny_run, tiny_env, tmp_path):
+    """2 ranks × 4 records with DDP-averaged gradients = 1 process × all 8 records (equal target counts per
+    rank), for STEPS AdamW steps, up to float reduction order; and different from not training."""
+    _two_ranks_match_one_process(tiny_run, tmp_path, "ddp")
+
+
+def test_fsdp2_ranks_publish_the_weights_of_one_process(tiny_run, tiny_env, tmp_path):
+    """The same with the draft's parameters and AdamW moments sharded over the 2 ranks (FSDP2): gradients
+    reduce-scattered, clipped by the global norm, the full weights gathered onto rank 0 to gate and publish."""
+    _two_ranks_match_one_process(tiny_run, tmp_path, "fsdp2")
+
+
+def _resume_worker(overrides: list[str]) -> None:
+    """One rank of a job restarted over an fsdp2 checkpoint: every rank loads rank 0's full checkpoint into its
+    shards (gathered back, it equals the file), then the ranks train on and rank 0 publishes the next version."""
+    from safetensors.torch import load_file
+
+    from draft_align.sidecar import Sidecar, starting_draft
+    from draft_align.train.distributed import join_ranks, ranked_step
+
+    torch.set_num_threads(1)
+    recipe = load_recipe(None, overrides, CotrainRecipe)
+    start = starting_draft(recipe)
+    saved = load_file(str(recipe.run_dir / "sidecar" / "trainer" / "state.safetensors"))
+    with join_ranks(recipe, start) as ranks:
+        assert ranks is not None
+        sc = Sidecar(recipe, start, ranks=ranks)
+        assert (sc.state.restarts, sc.state.train_steps, sc.state.published_version) == (1, STEPS, 1), sc.state
+        assert sc.trainer.progress.step == STEPS and sc.trainer.scheduler.last_epoch == STEPS
+        sc.sync_full()
+        if ranks.is_lead:
+            draft, opt = sc._full
+            assert {f"draft.{k}" for k in draft} == {k for k in saved if k.startswith("draft.")}
+            for k, v in draft.items():
+                assert torch.equal(v, saved[f"draft.{k}"]), k
+            n_opt = 0
+            for i, st in opt["state"].items():
+                for name, v in st.items():
+                    assert torch.equal(torch.as_tensor(v), saved[f"opt.{i}.{name}"]), (i, name)
+                    n_opt += 1
+            assert n_opt == sum(k.startswith("opt.") for k in saved) > 0
+        _fill(sc, ranks.rank, ranks.world_size)  # the replay buffer is not checkpointed
+        for _ in range(2):
+            assert ranked_step(sc)
+        assert sc.state.train_steps == STEPS + 2 and sc.trainer.progress.step == STEPS + 2, sc.state
+        sc.sync_full()
+        if ranks.is_lead:
+            assert sc.maybe_publish(force=True) and sc.state.published_version == 2
+        sc.close()
+
+
+def test_fsdp2_checkpoint_resumes(tiny_run, tiny_env, tmp_path):
+    """A checkpoint written under fsdp2 (at the publish, from the gathered full state) restarts a 2-rank job:
+    the trainer's weights and AdamW moments come back exactly, training continues, v0002 is published."""
+    overrides = _same_weights_overrides(tiny_run, tmp_path, "two", 2, "fsdp2")
+    _wait_ok(_run_ranks("rank-worker", overrides))
+    assert _versions(tmp_path / "two") == [1]
+    _wait_ok(_run_ranks("resume-worker", overrides))
+    assert _versions(tmp_path / "two") == [1, 2]
+    state = json.loads((tmp_path / "two" / "sidecar" / "state.json").read_text())
+    assert (state["train_steps"], state["restarts"], state["published_version"]) == (STEPS + 2, 1, 2), state
 
 
 # ---------------------------------------------------------------------------------------- kill -9 / resume
@@ -363,7 +464,10 @@ def test_rank_endpoints_and_config_checks():
     for bad in ("sidecar.ranks=0", "sidecar.parallel=fsdp", "sidecar.collective_timeout_s=0"):
         with pytest.raises(RecipeError):
             load_recipe(None, [bad], CotrainRecipe)
+    assert load_recipe(None, ["sidecar.parallel=fsdp2"], CotrainRecipe).sidecar.parallel == "fsdp2"
 
 
 if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "rank-worker":
     _rank_worker(json.loads(sys.argv[2]))
+if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "resume-worker":
+    _resume_worker(json.loads(sys.argv[2]))

@@ -1,4 +1,4 @@
-"""A multi-rank sidecar under torchrun: one process group, DDP gradients, ranks that agree on every step.
+"""A multi-rank sidecar under torchrun: one process group, DDP or FSDP2 gradients, ranks that agree on every step.
 
 ``torchrun --nproc-per-node N -m draft_align sidecar RECIPE`` (with ``sidecar.ranks: N``) starts N sidecars:
 
@@ -15,6 +15,14 @@
   minimises the mean over ranks of each rank's per-batch TTT loss (equal to the one-process loss on the
   union of the batches when the ranks' batches hold equal numbers of target positions per TTT step).
   A non-finite loss on any rank skips the step on all of them (:meth:`DataParallelStep.all_finite`).
+- **FSDP2** (``sidecar.parallel: fsdp2``, for heads too large to replicate).  :class:`ShardedStep` shards the
+  draft's parameters over the ranks with ``fully_shard`` (each decoder layer, then the root; a frozen shared
+  ``lm_head`` stays replicated), rebuilds AdamW over the shards (its moments are sharded too) and averages
+  gradients by reduce-scatter: the same step as DDP.  Gradient clipping runs on the DTensor gradients (the
+  norm is the global one).  The gate, a publish and a checkpoint need the full weights: rank 0 announces in
+  the step exchange that one is due (flags PUBLISH_DUE / CKPT_DUE), and after that step every rank gathers the
+  full draft and optimizer state onto rank 0 (:meth:`ShardedStep.state_dicts`) before rank 0 gates,
+  publishes and checkpoints from it.  A resume loads rank 0's full checkpoint into every rank's shards.
 - **Roles.**  Rank 0 alone gates, publishes, writes monitoring rows and checkpoints; the others train.  A
   restarted job resumes every rank from rank 0's trainer checkpoint.
 - **Failures.**  Collectives time out after ``sidecar.collective_timeout_s``; a rank that died (``kill -9``)
@@ -22,8 +30,6 @@
   :class:`RankError` naming the cause and exit non-zero, and torchrun (``--max-restarts``) restarts the job.
 - **Bad world.**  Ranks whose recipe (or starting draft) differs, or a world size other than
   ``sidecar.ranks``, stop with :class:`RankError` before anything is bound or trained.
-
-``sidecar.parallel: fsdp2`` is refused by the recipe schema for now (see :data:`PARALLEL_MODES`).
 """
 
 from __future__ import annotations
@@ -53,10 +59,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-PARALLEL_MODES = ("ddp",)  # fully_shard (FSDP2) needs rank-0 gathers at gate/publish/checkpoint: not yet
-# flags each rank sends at every step boundary (see RankGroup.exchange)
-HAVE_BATCH, STOP, TIME_UP = 0, 1, 2
-NUM_FLAGS = 3
+PARALLEL_MODES = ("ddp", "fsdp2")
+# flags each rank sends at every step boundary (see RankGroup.exchange); the *_DUE ones are rank 0's decisions
+HAVE_BATCH, STOP, TIME_UP, PUBLISH_DUE, CKPT_DUE = 0, 1, 2, 3, 4
+NUM_FLAGS = 5
 
 
 class RankError(RuntimeError):
@@ -305,6 +311,7 @@ class DataParallelStep:
         from torch.nn.parallel import DistributedDataParallel
 
         self.group = group
+        self.trainer = trainer
         # rank 0's parameters and buffers are broadcast once here, so every rank starts from the same
         # weights; no buffer sync per forward: the draft's buffers (vocab maps) never change
         self.module = DistributedDataParallel(_LossForward(trainer), forward_sync_buffers=False)
@@ -320,12 +327,141 @@ class DataParallelStep:
         waiting in DDP's all-reduce)."""
         return self.group.all_true(bool(torch.isfinite(loss.detach()).all()), "the finite-loss vote")
 
+    def state_dicts(self) -> tuple[dict[str, torch.Tensor], dict]:
+        """This rank's (draft, optimizer) state dicts: every rank holds the full, identical state."""
+        return self.trainer.draft.state_dict(), self.trainer.optimizer.state_dict()
+
+    def load_state_dicts(self, draft: dict[str, torch.Tensor], optimizer: dict) -> None:
+        self.trainer.draft.load_state_dict(draft, strict=True)
+        self.trainer.optimizer.load_state_dict(optimizer)
+
+
+# ---------------------------------------------------------------------------------------------- FSDP2 step
+def decoder_layers(draft: nn.Module) -> list[nn.Module]:
+    """The draft's decoder layer(s), each one FSDP2 unit: EAGLE-3's ``midlayer``, MTP's ``layers``."""
+    if isinstance(getattr(draft, "layers", None), nn.ModuleList):
+        return list(draft.layers)
+    return [draft.midlayer]
+
+
+class _ShardedLoss(nn.Module):
+    """The trainer's loss as the FSDP2 root's forward (the root all-gathers its own parameters in its
+    pre-forward hook and reduce-scatters their gradients after backward).
+
+    The decoder layers are separate FSDP2 units, but the TTT unroll calls their sub-modules and helper methods
+    (``attn_input``, ``self_attn.q`` …), never their ``forward``, so no hook would all-gather them: they are
+    unsharded explicitly here.  Their gradients are reduce-scattered (and they are resharded) by the root's
+    end-of-backward callback, which runs every unit's post-backward."""
+
+    def __init__(self, trainer: DraftTrainer, layers: list[nn.Module]) -> None:
+        super().__init__()
+        self.draft = trainer.draft
+        self._trainer = trainer
+        self._layers = layers  # a plain list: the layers are registered once, under ``draft``
+
+    def forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        for layer in self._layers:
+            layer.unshard()
+        loss, stats = self._trainer.loss(batch)
+        return loss, stats.loss, stats.correct, stats.count
+
+
+class ShardedStep:
+    """The trainer's ``parallel`` under ``sidecar.parallel: fsdp2``: the draft's parameters (and so AdamW's
+    moments) sharded over the ranks with FSDP2 ``fully_shard``; gradients averaged over ranks by
+    reduce-scatter; full state gathered onto rank 0 when the ranks agree to (gate, publish, checkpoint).
+
+    Every rank must start from the same weights (they do: the same starting draft and seed); each keeps its
+    own shard of them.  Frozen parameters stay sharded (LoRA base weights) except a shared ``lm_head``
+    (MTP), which HeadSync overwrites in place on every rank and so stays a plain replicated tensor."""
+
+    def __init__(self, trainer: DraftTrainer, group: RankGroup) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        self.group = group
+        self.trainer = trainer
+        draft = trainer.draft
+        device = next(draft.parameters()).device
+        mesh = init_device_mesh(device.type, (group.world_size,))
+        ignored = {draft.lm_head.weight} if getattr(draft, "shares_target_head", False) else None
+        self.layers = decoder_layers(draft)
+        for layer in self.layers:
+            fully_shard(layer, mesh=mesh)
+        self.module = _ShardedLoss(trainer, self.layers)
+        fully_shard(self.module, mesh=mesh, ignored_params=ignored)
+        trainer.build_optimizer()  # over the sharded parameters fully_shard put in place of the plain ones
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        # optimizer index (torch's state_dict numbering) → fully qualified name (distributed state dicts)
+        self._fqns = [names[id(p)] for g in trainer.optimizer.param_groups for p in g["params"]]
+
+    def loss(self, batch: Batch) -> tuple[torch.Tensor, StepStats]:
+        from draft_align.train.losses import StepStats
+
+        loss, ce, correct, count = self.module(batch)
+        return loss, StepStats(loss=ce, correct=correct, count=count)
+
+    def all_finite(self, loss: torch.Tensor) -> bool:
+        """The rank-wide finiteness vote; a skipped step reshards what its forward all-gathered."""
+        ok = self.group.all_true(bool(torch.isfinite(loss.detach()).all()), "the finite-loss vote")
+        if not ok:
+            for m in (*self.layers, self.module):
+                m.reshard()
+        return ok
+
+    def state_dicts(self) -> tuple[dict[str, torch.Tensor], dict] | None:
+        """Gather the full draft and optimizer state onto rank 0, on CPU (a collective: every rank calls it at
+        the same step); None on the other ranks."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        try:
+            model = get_model_state_dict(self.module, options=opts)
+            optim = get_optimizer_state_dict(self.module, self.trainer.optimizer, options=opts)
+        except RuntimeError as e:
+            if not _is_comm_error(e):
+                raise
+            raise self.group._failed("gathering the full state", e) from e
+        if not self.group.is_lead:
+            return None
+        index = {n: i for i, n in enumerate(self._fqns)}
+        draft = {k.removeprefix("draft."): v for k, v in model.items()}
+        state = {index[n]: st for n, st in optim["state"].items()}
+        groups = [{**g, "params": [index[n] for n in g["params"]]} for g in optim["param_groups"]]
+        return draft, {"state": state, "param_groups": groups}
+
+    def load_state_dicts(self, draft: dict[str, torch.Tensor], optimizer: dict) -> None:
+        """Every rank passes the same full state; each keeps its shard."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        opts = StateDictOptions(full_state_dict=True, strict=True)
+        # set_*_state_dict replace the values of the dicts they are given by shards: pass fresh ones
+        set_model_state_dict(self.module, {f"draft.{k}": v for k, v in draft.items()}, options=opts)
+        if len(optimizer["state"]) and max(optimizer["state"]) >= len(self._fqns):
+            raise ValueError(f"optimizer state for {max(optimizer['state']) + 1} parameters, this draft trains "
+                             f"{len(self._fqns)}")
+        optim = {
+            "state": {self._fqns[int(i)]: dict(st) for i, st in optimizer["state"].items()},
+            "param_groups": [{**g, "params": [self._fqns[int(i)] for i in g["params"]]}
+                             for g in optimizer["param_groups"]],
+        }
+        set_optimizer_state_dict(self.module, self.trainer.optimizer, optim, options=opts)
+
 
 def attach(trainer: DraftTrainer, group: RankGroup, parallel: str) -> None:
-    """Make ``trainer`` step together with the other ranks (call after any checkpoint is loaded)."""
+    """Make ``trainer`` step together with the other ranks (call before a checkpoint is loaded: under FSDP2
+    the checkpoint goes into the shards, under DDP every rank loads the same one)."""
     if parallel not in PARALLEL_MODES:
         raise RankError(f"sidecar.parallel {parallel!r}: expected one of {PARALLEL_MODES}")
-    trainer.parallel = DataParallelStep(trainer, group)
+    trainer.parallel = DataParallelStep(trainer, group) if parallel == "ddp" else ShardedStep(trainer, group)
 
 
 # ---------------------------------------------------------------------------------------------- the loop
@@ -333,8 +469,9 @@ def ranked_step(sc: Sidecar, max_seconds: float | None = None) -> bool:
     """One iteration of the multi-rank loop; False when the ranks agreed to stop.
 
     Every rank: sample a batch (if it can) → exchange flags and control messages → apply every rank's
-    HeadSync/StepReport in rank order → train iff all ranks have a batch → drain its socket.  Rank 0 then
-    gates/publishes and checkpoints when due.
+    HeadSync/StepReport in rank order → train iff all ranks have a batch → drain its socket.  When rank 0
+    announced a publish attempt or checkpoint in the exchange, every rank then syncs the full state
+    (:meth:`Sidecar.sync_full`, a gather under FSDP2) and rank 0 gates/publishes and checkpoints.
     """
     from draft_align.wire.messages import decode, encode
 
@@ -344,7 +481,9 @@ def ranked_step(sc: Sidecar, max_seconds: float | None = None) -> bool:
     time_up = max_seconds is not None and time.monotonic() - sc._t0 >= max_seconds
     outgoing = [encode(m, sc.wire_key) for m in sc.shared_control]
     sc.shared_control.clear()
-    flags, incoming = group.exchange([batch is not None, sc._stop, time_up], outgoing)
+    publish_due = group.is_lead and sc.publish_due()
+    ckpt_due = group.is_lead and time.monotonic() - sc._last_ckpt >= sc.recipe.sidecar.checkpoint_every_s
+    flags, incoming = group.exchange([batch is not None, sc._stop, time_up, publish_due, ckpt_due], outgoing)
     for messages in incoming:
         for frames in messages:
             sc._on_control(decode(frames, sc.wire_key))
@@ -360,11 +499,15 @@ def ranked_step(sc: Sidecar, max_seconds: float | None = None) -> bool:
                 raise
             raise group._failed("the gradient all-reduce", e) from e
     sc._drain(budget_s=0.05, timeout_ms=0 if trained else 200)
-    if group.is_lead:
-        sc.maybe_publish()
-        if time.monotonic() - sc._last_ckpt >= sc.recipe.sidecar.checkpoint_every_s:
-            sc.checkpoint()
+    publish_due, ckpt_due = bool(flags[0, PUBLISH_DUE]), bool(flags[0, CKPT_DUE])  # rank 0's decisions
+    if publish_due or ckpt_due:
+        sc.sync_full()
+        if group.is_lead:
+            published = publish_due and sc.maybe_publish(force=True)  # a publish checkpoints too
+            if ckpt_due and not published:
+                sc.checkpoint()
     if sc.state.done and sc.exit_when_done:  # the final StepReport reached every rank in the same exchange
+        sc.sync_full()
         if group.is_lead:
             sc.maybe_publish(force=True)
         return False

@@ -133,6 +133,15 @@ class StepParallel(Protocol):
 
     def all_finite(self, loss: torch.Tensor) -> bool: ...
 
+    def state_dicts(self) -> tuple[dict[str, torch.Tensor], dict] | None:
+        """The full (draft, optimizer) state dicts, the optimizer's in torch's index form; where the state is
+        sharded a collective that every rank calls together, returning None on the ranks that get no copy."""
+        ...
+
+    def load_state_dicts(self, draft: dict[str, torch.Tensor], optimizer: dict) -> None:
+        """Load full state dicts (as :meth:`state_dicts` returns them) on every rank (into its shards)."""
+        ...
+
 
 class DraftTrainer:
     """Owns the draft's optimizer and schedule; ``train_step`` is one optimizer step on one batch."""
@@ -155,20 +164,26 @@ class DraftTrainer:
 
         frozen_head = getattr(draft, "shares_target_head", False) or is_lora(draft)
         draft.lm_head.weight.requires_grad_(loss.train_lm_head and not frozen_head)
-        params = [p for p in draft.parameters() if p.requires_grad]
+        self.progress = Progress(total_steps=optim.total_steps)
+        self.build_optimizer()
+        # under torchrun: the loss through DDP or FSDP2 and a rank-wide finiteness vote (train/distributed.py)
+        self.parallel: StepParallel | None = None
+
+    def build_optimizer(self) -> None:
+        """A fresh AdamW and schedule over the draft's trainable parameters as they are now (FSDP2 replaces
+        them by sharded ones, so it calls this again)."""
+        s = self.optim_settings
+        params = [p for p in self.draft.parameters() if p.requires_grad]
         decay = [p for p in params if p.dim() >= 2]
         no_decay = [p for p in params if p.dim() < 2]
         self.optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=optim.lr,
-            betas=optim.betas,
+            [{"params": decay, "weight_decay": s.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=s.lr,
+            betas=s.betas,
         )
-        self.progress = Progress(total_steps=optim.total_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: lr_factor(optim, step, self.progress.total_steps)
+            self.optimizer, lambda step: lr_factor(s, step, self.progress.total_steps)
         )
-        # under torchrun: the loss through DDP and a rank-wide finiteness vote (train/distributed.py)
-        self.parallel: StepParallel | None = None
 
     def loss(self, batch: Batch) -> tuple[torch.Tensor, StepStats]:
         """This trainer's loss of one batch (on the trainer's device)."""
@@ -198,7 +213,10 @@ class DraftTrainer:
             raise NonFiniteLossError(f"non-finite loss {loss.item()} at step {self.progress.step}; step skipped")
         loss.backward()
         params = [p for p in self.draft.parameters() if p.requires_grad]
+        # over FSDP2 shards the norm is a DTensor whose full value sums every rank's share of ‖g‖²
         gnorm = torch.nn.utils.clip_grad_norm_(params, self.optim_settings.grad_clip)
+        if hasattr(gnorm, "full_tensor"):
+            gnorm = gnorm.full_tensor()
         if not torch.isfinite(gnorm):
             self.optimizer.zero_grad(set_to_none=True)
             self.progress.skipped_nonfinite += 1
@@ -219,8 +237,11 @@ class DraftTrainer:
         return out
 
     # ------------------------------------------------------------------ checkpoint (no pickle)
-    def save(self, path: Path) -> None:
+    def save(self, path: Path, state: tuple[dict[str, torch.Tensor], dict] | None = None) -> None:
         """Write draft weights, optimizer moments and progress to ``path`` atomically (temp + rename).
+
+        ``state``: the (draft, optimizer) state dicts to write, when they were gathered from shards
+        (:meth:`StepParallel.state_dicts`); else this process's own.
 
         A directory cannot be renamed over a non-empty one, so the previous checkpoint is first renamed
         aside (``.old-<name>-<pid>``), then the new one into place.  If that second rename fails the old
@@ -234,8 +255,8 @@ class DraftTrainer:
         _discard_leftovers(path, "tmp")
         tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
         tmp.mkdir(parents=True)
-        tensors = {f"draft.{k}": v.detach().contiguous() for k, v in self.draft.state_dict().items()}
-        opt = self.optimizer.state_dict()
+        draft_sd, opt = state if state is not None else (self.draft.state_dict(), self.optimizer.state_dict())
+        tensors = {f"draft.{k}": v.detach().contiguous() for k, v in draft_sd.items()}
         for idx, st in opt["state"].items():
             for name, val in st.items():
                 tensors[f"opt.{idx}.{name}"] = torch.as_tensor(val).detach().contiguous()
@@ -292,8 +313,12 @@ class DraftTrainer:
                 state.setdefault(int(idx), {})[name] = v
         try:
             # strict: a checkpoint missing a tensor must not leave that tensor at its fresh init
-            self.draft.load_state_dict(draft_sd, strict=True)
-            self.optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+            opt_sd = {"state": state, "param_groups": meta["param_groups"]}
+            if self.parallel is None:
+                self.draft.load_state_dict(draft_sd, strict=True)
+                self.optimizer.load_state_dict(opt_sd)
+            else:  # FSDP2: every rank keeps its shard of the full state
+                self.parallel.load_state_dicts(draft_sd, opt_sd)
             self.scheduler.load_state_dict(meta["scheduler"])
         except (RuntimeError, ValueError, KeyError) as e:
             raise RuntimeError(
