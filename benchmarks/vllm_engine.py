@@ -244,7 +244,7 @@ def render(r: dict[str, Any]) -> str:
             f"| {name} | {int(gp['tokens'])} | {_f(gp['engine_logprob_gap_mean'], 4)} | "
             f"{_f(gp['engine_logprob_gap_abs_mean'], 4)} | {_f(gp['engine_logprob_gap_abs_max'], 3)} |"
         )
-    lines.append("")
+    lines += ["", ""]  # a blank line before the next section
     return "\n".join(lines)
 
 
