@@ -32,4 +32,5 @@ bench: fetch
 	$(PY) benchmarks/drift.py
 	$(PY) benchmarks/drift.py --name vllm --oracle-at "" --overhead-reps 0 rl.engine=vllm rl.lr=5e-4 rl.prompts_per_step=6
 	$(PY) benchmarks/vllm_engine.py
+	$(PY) benchmarks/vllm_sampling.py
 	$(PY) benchmarks/draft_variants.py --eagle-draft checkpoints/smollm2-bench-ttt --drifted checkpoints/smollm2-drift/policy_merged/v0020 --warm-s 600 --adapt-s 180

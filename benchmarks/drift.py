@@ -188,6 +188,14 @@ def summarise(result: dict[str, Any]) -> dict[str, Any]:
         out["last_half_adapted"] = sum(a for a, _ in pairs) / len(pairs)
         out["last_half_frozen"] = sum(f for _, f in pairs) / len(pairs)
         out["last_half_margin"] = out["last_half_adapted"] - out["last_half_frozen"]
+    mon = {int(r["step"]): r for r in rows}
+    for suffix in ("", "_prob"):  # the sidecar's paired estimates on the same steps' taps
+        est = [(mon[int(r["step"])].get(f"accept_est_adapted{suffix}"), mon[int(r["step"])].get(f"accept_est_frozen{suffix}"))
+               for r in steps[half:] if int(r["step"]) in mon]  # fmt: skip
+        est = [(a, f) for a, f in est if a is not None and f is not None]
+        if est:
+            out[f"last_half_est_adapted{suffix}"] = sum(a for a, _ in est) / len(est)
+            out[f"last_half_est_frozen{suffix}"] = sum(f for _, f in est) / len(est)
     pubs = result["publishes"]
     out["publishes"] = len(pubs)
     out["gate_worse_beyond_noise"] = sum(
@@ -328,8 +336,10 @@ def render(result: dict[str, Any]) -> str:
         f"- Publish gate: {s['publishes']} published, {s.get('gate_rejections')} refused; published versions "
         f"worse than their predecessor beyond noise (gate estimate): {s['gate_worse_beyond_noise']}.",
         f"- Last half of the run: measured adapted {_f(s.get('last_half_adapted'))} vs frozen "
-        f"{_f(s.get('last_half_frozen'))}: margin **{_f(s.get('last_half_margin'))}**; final KL "
-        f"{_f(s.get('final_kl'), 4)}.",
+        f"{_f(s.get('last_half_frozen'))}: margin **{_f(s.get('last_half_margin'))}**; sidecar estimates on the same "
+        f"steps' taps, greedy draft {_f(s.get('last_half_est_adapted'))} vs {_f(s.get('last_half_est_frozen'))}, "
+        f"probabilistic {_f(s.get('last_half_est_adapted_prob'))} vs {_f(s.get('last_half_est_frozen_prob'))}; "
+        f"final KL {_f(s.get('final_kl'), 4)}.",
         "",
     ]
     return "\n".join(lines)

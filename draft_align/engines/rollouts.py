@@ -240,7 +240,6 @@ class VLLMRollouts:
         self.serving = "frozen"
         self.policy_version = 0  # the policy version the engine's target holds
         self.syncs = 0
-        self.last_sync_s: float | None = None
         self.offers_refused = 0
 
     # ----------------------------------------------------------------- policy
@@ -254,9 +253,8 @@ class VLLMRollouts:
         self.llm.reset_prefix_cache()  # cached prompt blocks hold the previous policy's K/V
         self.policy_version = int(policy.version)
         self.syncs += 1
-        self.last_sync_s = time.perf_counter() - t0
         log.info("engine: policy v%d synced (%d layers, %d tensors) in %.2f s", policy.version, info["layers"],
-                 info["tensors"], self.last_sync_s)  # fmt: skip
+                 info["tensors"], time.perf_counter() - t0)  # fmt: skip
         return True
 
     # ----------------------------------------------------------------- drafts
@@ -332,13 +330,12 @@ class VLLMRollouts:
         return results, counters
 
     def metrics(self) -> dict[str, float]:
-        """Gauges for the step's metrics (the refresher's plus the policy sync's)."""
+        """Gauges for the step's metrics (the refresher's plus the policy sync's); the adapted version and the
+        sync time are the step's own ``draft_version`` and ``policy_sync_s``."""
         return {
             **self.refresher.metrics(),
-            "engine_adapted_version": float(self.adapted_version),
             "engine_policy_version": float(self.policy_version),
             "engine_policy_syncs": float(self.syncs),
-            "engine_policy_sync_s": float(self.last_sync_s) if self.last_sync_s is not None else math.nan,
             "engine_offers_refused": float(self.offers_refused),
         }
 
