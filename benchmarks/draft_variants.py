@@ -99,7 +99,7 @@ def prompts_for(args: argparse.Namespace, tok: Any, n: int, vocab: int) -> list[
 
 
 def sample(model: Any, prompts: list[torch.Tensor], args: argparse.Namespace, seed: int) -> list[tuple]:
-    from draft_align.target.generate import generate_responses
+    from draft_align.hf.generate import generate_responses
 
     eos = {int(model.config.eos_token_id)} if model.config.eos_token_id is not None else set()
     resp = generate_responses(model, prompts, max_new_tokens=args.max_new_tokens, temperature=1.0, eos_ids=eos,
@@ -109,7 +109,7 @@ def sample(model: Any, prompts: list[torch.Tensor], args: argparse.Namespace, se
 
 def tap_records(model: Any, pairs: list[tuple], eagle_aux: tuple[int, ...]) -> dict[str, list]:
     """TappedRecords for both heads (EAGLE-3 aux states / MTP's final hidden) from one forward each."""
-    from draft_align.target.tap import HFTap
+    from draft_align.tap.hooks import HFTap
     from draft_align.train.batch import Record
     from draft_align.train.replay import TappedRecord
 
@@ -198,9 +198,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from draft_align.heads.lora import LoraSettings, apply_lora
     from draft_align.heads.mtp import MTPDraft
     from draft_align.heads.vocab import select_vocab
+    from draft_align.hf.parts import frozen_embedding, head_rows
     from draft_align.publish.export import export_draft, load_draft, resolve_draft_dir
-    from draft_align.target.tap import head_rows
-    from draft_align.warmstart import frozen_embedding
 
     torch.manual_seed(args.seed)
     t_all = time.time()

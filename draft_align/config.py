@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from draft_align.conventions import LORA_TARGETS
+
 
 class RecipeError(ValueError):
     """A recipe that does not match the schema."""
@@ -52,9 +54,7 @@ class LoraAdaptConfig:
 
     rank: int = 8
     alpha: float = 16.0
-    target_modules: list[str] = field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    )
+    target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
     dropout: float = 0.0
     lr: float = 2e-3
     weight_decay: float = 0.0
@@ -261,9 +261,7 @@ class RLConfig:
     lora_r: int = 16
     lora_alpha: int = 32
     lora_dropout: float = 0.0
-    lora_targets: list[str] = field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    )
+    lora_targets: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
     clip_eps: float = 0.2
     kl_coef: float = 0.0
     grad_clip: float = 1.0

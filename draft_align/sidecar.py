@@ -153,9 +153,10 @@ class Sidecar:
     def __init__(self, recipe: CotrainRecipe, start_draft: Path, *, exit_when_done: bool = False,
                  ranks: RankGroup | None = None) -> None:
         from draft_align import assets
+        from draft_align.hf.parts import frozen_embedding
         from draft_align.monitor.prometheus import PromExporter
         from draft_align.train.replay import ReplayBuffer
-        from draft_align.warmstart import MetricsSink, frozen_embedding
+        from draft_align.warmstart import MetricsSink
         from draft_align.wire import channel
 
         self.recipe = recipe
@@ -213,7 +214,7 @@ class Sidecar:
             apply_lora(draft, lora_settings(sc.lora), seed=recipe.seed)
             if not resumed or not self.state.lora_base_dir:
                 self.state.lora_base_dir = str(latest if latest is not None else start_draft)
-        head = "mtp" if getattr(draft, "shares_target_head", False) else "eagle3"
+        head = draft.kind
         rows = self.frozen.lm_head.weight.detach().clone()  # until the first HeadSync
         self.trainer = DraftTrainer(
             draft,
@@ -308,7 +309,7 @@ class Sidecar:
         if msg.policy_version < self.state.head_policy_version:
             return  # an older head arriving late
         self.trainer.rows = msg.rows.to(self.device)
-        if getattr(self.frozen, "shares_target_head", False):  # MTP: the engine uses the policy's own lm_head
+        if self.frozen.shares_target_head:  # MTP: the engine uses the policy's own lm_head
             for d in (self.trainer.draft, self.published, self.frozen, self._plain):
                 if d is not None:
                     d.set_head(msg.rows)

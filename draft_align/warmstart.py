@@ -23,8 +23,9 @@ from draft_align import assets, data
 from draft_align.config import WarmstartRecipe, recipe_to_dict, step_decay
 from draft_align.heads.eagle3 import DraftConfigError, Eagle3Config, Eagle3Draft, check_engine_aux_ids
 from draft_align.heads.vocab import select_vocab
-from draft_align.target.generate import generate_responses
-from draft_align.target.tap import HFTap, decoder_parts, head_rows
+from draft_align.hf.generate import generate_responses
+from draft_align.hf.parts import decoder_parts, frozen_embedding, head_rows
+from draft_align.tap.hooks import HFTap
 from draft_align.train.batch import Record, collate, make_batches
 from draft_align.train.store import HiddenStore, ResponseCache, settings_key
 from draft_align.train.trainer import (
@@ -312,7 +313,7 @@ def load_init_draft(target: nn.Module, recipe: WarmstartRecipe, aux: tuple[int, 
     check_compatible(manifest, target.config, None)
     if tuple(draft.cfg.aux_layer_ids) != tuple(aux):
         raise WarmstartError(f"draft.init_from {src} reads aux layers {draft.cfg.aux_layer_ids}, the recipe {aux}")
-    is_mtp = getattr(draft, "shares_target_head", False)
+    is_mtp = draft.shares_target_head
     if is_mtp != (recipe.draft.head == "mtp"):
         raise WarmstartError(f"draft.init_from {src} is {'an MTP' if is_mtp else 'an EAGLE-3'} draft, the recipe "
                              f"asks for draft.head={recipe.draft.head}")
@@ -324,11 +325,6 @@ def load_init_draft(target: nn.Module, recipe: WarmstartRecipe, aux: tuple[int, 
     log.info("starting from draft %s (version %s)", src, manifest.get("draft_version"))
     return draft
 
-
-def frozen_embedding(target: nn.Module) -> nn.Embedding:
-    emb, _, _, _ = decoder_parts(target)
-    out = nn.Embedding.from_pretrained(emb.weight.detach().clone(), freeze=True)
-    return out
 
 
 class MetricsSink:

@@ -23,7 +23,7 @@ class Feeder:
     def __init__(self, recipe: CotrainRecipe, draft_to_target: torch.Tensor, aux: tuple[int, ...]) -> None:
         from transformers import AutoModelForCausalLM
 
-        from draft_align.target.policy_tap import HFPolicyTap
+        from draft_align.tap.policy_tap import HFPolicyTap
         from draft_align.wire import channel
 
         self.recipe = recipe
@@ -43,8 +43,8 @@ class Feeder:
 
     def step(self, step: int, version: int, n: int = 8) -> None:
         """One RL step's worth of taps: the tiny target's own T=1 continuations of chat prompts."""
+        from draft_align.hf.generate import generate_responses
         from draft_align.rl.policy import Sequences
-        from draft_align.target.generate import generate_responses
         from draft_align.wire.messages import StepReport
 
         if version != getattr(self, "_synced", -1):

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from draft_align.conventions import default_aux_layer_ids
 from draft_align.publish.export import (
     WEIGHTS_FILE,
     CorruptCheckpointError,
@@ -51,8 +52,8 @@ from draft_align.publish.export import (
 if TYPE_CHECKING:
     from vllm import LLM
 
+    from draft_align.conventions import VerifyMode
     from draft_align.heads.eagle3 import Eagle3Draft
-    from draft_align.monitor.acceptance import VerifyMode
     from draft_align.wire.messages import DraftPublished
 
 log = logging.getLogger(__name__)
@@ -594,7 +595,7 @@ class DraftRefresher:
             raise RefreshError(f"{path}: rope_theta {new_theta} differs from the serving draft's {theta}")
         n_layers = int(_config_value(self._target_cfg, "num_hidden_layers"))
         engine_aux = _config_value(dc, "eagle_aux_hidden_state_layer_ids")
-        engine_aux = [int(i) for i in engine_aux] if engine_aux else [2, n_layers // 2, n_layers - 3]
+        engine_aux = [int(i) for i in engine_aux] if engine_aux else list(default_aux_layer_ids(n_layers))
         if [int(i) for i in manifest["aux_layer_ids"]["hf"]] != engine_aux:
             raise RefreshError(
                 f"{path}: aux layers {manifest['aux_layer_ids']['hf']} differ from the ones the engine captures "

@@ -25,7 +25,9 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
+from draft_align.conventions import default_aux_layer_ids
 from draft_align.heads.layers import MLP, Attention, KVCache, RMSNorm, Rotary, attend, block_shape_from_target
+from draft_align.heads.protocol import HeadKind
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 C = TypeVar("C")
@@ -90,7 +92,7 @@ class Eagle3Config:
     @staticmethod
     def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
         """The engines' default capture points, as HF ``hidden_states`` indices: (2, L//2, L-3)."""
-        return (2, num_layers // 2, num_layers - 3)
+        return default_aux_layer_ids(num_layers)
 
     @classmethod
     def from_target(
@@ -178,6 +180,9 @@ class MidLayer(nn.Module):
 
 class Eagle3Draft(nn.Module):
     """The EAGLE-3 head.  The token embedding is the target's and is passed in, never owned."""
+
+    kind: HeadKind = "eagle3"
+    shares_target_head = False  # its own lm_head over the draft vocabulary
 
     def __init__(self, cfg: Eagle3Config) -> None:
         super().__init__()

@@ -31,12 +31,13 @@ import safetensors.torch
 import torch
 from torch import nn
 
+from draft_align.conventions import LORA_TARGETS
 from draft_align.heads.eagle3 import DraftConfigError
 
 DELTA_FORMAT = "draft_align.lora_delta"
 DELTA_FORMAT_VERSION = 1
 ADAPTER_FILE = "adapter.safetensors"
-DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+DEFAULT_TARGETS = LORA_TARGETS
 
 
 class AdapterMismatchError(ValueError):
@@ -93,7 +94,7 @@ def apply_lora(draft: nn.Module, settings: LoraSettings, seed: int = 0) -> nn.Mo
 
     if is_lora(draft):
         raise DraftConfigError("the draft already carries LoRA adapters")
-    if getattr(draft, "shares_target_head", False) and "lm_head" in settings.target_modules:
+    if draft.shares_target_head and "lm_head" in settings.target_modules:
         raise DraftConfigError("an MTP head's lm_head is the target's (shared, frozen): it cannot take an adapter")
     linear_names = {name.rsplit(".", 1)[-1] for name, m in draft.named_modules() if isinstance(m, nn.Linear)}
     unknown = sorted(set(settings.target_modules) - linear_names)
@@ -160,7 +161,7 @@ def merged(draft: nn.Module) -> nn.Module:
         del out.lora_settings
     for p in out.parameters():
         p.requires_grad_(True)
-    if getattr(out, "shares_target_head", False):
+    if out.shares_target_head:
         out.lm_head.weight.requires_grad_(False)
     return out
 
@@ -170,7 +171,7 @@ def engine_tensors(draft: nn.Module, dtype: torch.dtype = torch.bfloat16) -> dic
     """Exactly the tensors a publish of this (plain) draft writes to model.safetensors."""
     if is_lora(draft):
         raise DraftConfigError("merge the adapters first (engine tensors are plain weights)")
-    if getattr(draft, "shares_target_head", False):
+    if draft.shares_target_head:
         from draft_align.publish.mtp_export import to_layout
 
         return {k: v.detach().to("cpu", dtype).contiguous() for k, v in to_layout(draft).items()}  # type: ignore[arg-type]

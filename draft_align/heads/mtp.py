@@ -36,6 +36,7 @@ from torch import nn
 
 from draft_align.heads.eagle3 import DraftConfigError, config_from_dict
 from draft_align.heads.layers import MLP, Attention, KVCache, RMSNorm, Rotary, attend, block_shape_from_target
+from draft_align.heads.protocol import HeadKind
 
 Layout = Literal["deepseek_v3", "qwen3_next"]
 LAYOUTS: tuple[str, ...] = ("deepseek_v3", "qwen3_next")
@@ -165,6 +166,7 @@ class MTPDraft(nn.Module):
     """The MTP head.  The embedding is the target's and is passed in; ``lm_head`` is a frozen copy of the
     target's (``shares_target_head``), set by :meth:`set_head` and never trained."""
 
+    kind: HeadKind = "mtp"
     shares_target_head = True
 
     def __init__(self, cfg: MTPConfig) -> None:
@@ -190,7 +192,7 @@ class MTPDraft(nn.Module):
         starts as [I | I] (sum of the normed embedding and hidden), the final norm as the target's, and
         the lm_head is the target's (frozen).
         """
-        from draft_align.target.tap import decoder_parts
+        from draft_align.hf.parts import decoder_parts
 
         _, layers, norm, lm_head = decoder_parts(target)
         cfg = MTPConfig.from_target(target.config, depth=depth, layout=layout)

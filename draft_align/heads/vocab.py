@@ -72,3 +72,11 @@ def select_vocab(
         rest = order[~taken]
         chosen = torch.cat((chosen, rest[: n - chosen.numel()]))
     return torch.sort(chosen).values
+
+
+def draft_logits(final: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Target logits restricted to the draft vocab: final [..., H] @ rows[draft_vocab, H]ᵀ → [..., draft_vocab].
+
+    ``log_softmax`` of this is the target distribution renormalised over the draft vocab (docs/acceptance.md).
+    """
+    return torch.matmul(final.to(rows.dtype), rows.t())

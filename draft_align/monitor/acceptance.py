@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Literal, get_args
+from typing import Any
 
 import torch
 
-VerifyMode = Literal["greedy", "greedy_draft", "probabilistic"]
-VERIFY_MODES: tuple[str, ...] = get_args(VerifyMode)
+from draft_align.conventions import VERIFY_MODES, VerifyMode
 
 
 def check_mode(mode: str) -> None:

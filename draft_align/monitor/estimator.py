@@ -21,13 +21,14 @@ import torch
 from torch import nn
 
 from draft_align.heads.eagle3 import Eagle3Draft
+from draft_align.hf.parts import decoder_parts
 from draft_align.monitor.acceptance import (
     EstimatePool,
     VerifyMode,
     acceptance_prob,
     check_mode,
 )
-from draft_align.target.tap import HFTap, decoder_parts
+from draft_align.tap.hooks import HFTap
 
 
 @torch.no_grad()

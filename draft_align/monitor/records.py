@@ -34,13 +34,13 @@ import torch
 from torch import nn
 
 from draft_align.heads.eagle3 import Eagle3Draft
+from draft_align.heads.vocab import draft_logits
 from draft_align.monitor.acceptance import (
     EstimatePool,
     VerifyMode,
     check_mode,
     verifies_by_argmax,
 )
-from draft_align.target.tap import draft_logits
 from draft_align.train.replay import TappedRecord
 
 

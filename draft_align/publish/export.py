@@ -569,7 +569,7 @@ def export_draft(
 
     if is_lora(draft):
         draft = merged(draft)
-    if getattr(draft, "shares_target_head", False):
+    if draft.shares_target_head:
         from draft_align.publish.mtp_export import export_mtp_draft
 
         if dialect != "hf":

@@ -54,6 +54,8 @@ from typing import Any
 import safetensors
 import torch
 
+from draft_align.conventions import default_aux_layer_ids
+
 ARCHITECTURE = "LlamaForCausalLMEagle3"  # the only EAGLE-3 class SGLang registers for the HF layout
 NUM_AUX = 3  # fc = Linear(3 · target_hidden_size, hidden_size)
 _FLOAT_DTYPES = {"BF16", "F16", "F32"}
@@ -65,7 +67,7 @@ _INT_FIELDS = (
 
 def sglang_default_capture(num_layers: int) -> list[int]:
     """HF ``hidden_states`` indices SGLang captures when the draft's config names no aux ids."""
-    return [2, num_layers // 2, num_layers - 3]
+    return list(default_aux_layer_ids(num_layers))
 
 
 def sglang_capture(sglang_ids: Sequence[int]) -> list[int]:

@@ -50,18 +50,18 @@ import torch.nn.functional as F
 
 from draft_align import data
 from draft_align.engines.vllm_engine import SpecCounters
+from draft_align.hf.generate import generate_responses
 from draft_align.monitor.acceptance import AcceptanceTally
 from draft_align.monitor.specdec import SpecDecoder
 from draft_align.rl.drafts import DraftWatcher
 from draft_align.rl.policy import Policy, Sequences, adapter_dir, gather_response
 from draft_align.rl.rewards import reward_fn
-from draft_align.target.generate import generate_responses
 from draft_align.wire.messages import StepReport
 
 if TYPE_CHECKING:
     from draft_align.config import CotrainRecipe
     from draft_align.engines.rollouts import VLLMRollouts
-    from draft_align.target.policy_tap import PolicyTap, TapSink
+    from draft_align.tap.policy_tap import PolicyTap, TapSink
 
 log = logging.getLogger(__name__)
 

@@ -384,7 +384,7 @@ class ShardedStep:
         draft = trainer.draft
         device = next(draft.parameters()).device
         mesh = init_device_mesh(device.type, (group.world_size,))
-        ignored = {draft.lm_head.weight} if getattr(draft, "shares_target_head", False) else None
+        ignored = {draft.lm_head.weight} if draft.shares_target_head else None
         self.layers = decoder_layers(draft)
         for layer in self.layers:
             fully_shard(layer, mesh=mesh)

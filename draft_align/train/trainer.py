@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from draft_align.heads.eagle3 import Eagle3Draft
-from draft_align.target.tap import draft_logits
+from draft_align.heads.vocab import draft_logits
 from draft_align.train.batch import Batch
 from draft_align.train.losses import StepStats, hard_ce_step, soft_ce_step, step_weights
 
@@ -162,7 +162,7 @@ class DraftTrainer:
         # an MTP head's lm_head is the target's (shared, frozen); under LoRA only the adapters train
         from draft_align.heads.lora import is_lora
 
-        frozen_head = getattr(draft, "shares_target_head", False) or is_lora(draft)
+        frozen_head = draft.shares_target_head or is_lora(draft)
         draft.lm_head.weight.requires_grad_(loss.train_lm_head and not frozen_head)
         self.progress = Progress(total_steps=optim.total_steps)
         self.build_optimizer()

@@ -26,6 +26,8 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
+from draft_align.conventions import DTYPES
+
 SCHEMA = "draft_align.wire"
 VERSION = 1
 MAC_BYTES = 32
@@ -48,14 +50,7 @@ REASONS: tuple[str, ...] = (
     "range",  # tensor values out of range (ids, cu_seqlens, loss_mask bytes, NaN log-probs, d2t)
 )
 
-_DTYPES: dict[str, torch.dtype] = {
-    "bool": torch.bool,
-    "int32": torch.int32,
-    "int64": torch.int64,
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
+_DTYPES = DTYPES
 _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 _SHA256_RE = re.compile(r"[0-9a-fA-F]{64}")
 

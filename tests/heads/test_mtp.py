@@ -11,6 +11,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from draft_align.heads.eagle3 import DraftConfigError
 from draft_align.heads.mtp import MTPConfig, MTPDraft
+from draft_align.hf.parts import decoder_parts
 from draft_align.publish import export as ex
 from draft_align.publish.export import ExportError
 from draft_align.publish.mtp_export import (
@@ -24,7 +25,7 @@ from draft_align.publish.mtp_export import (
     to_layout,
     with_layout,
 )
-from draft_align.target.tap import HFTap, decoder_parts
+from draft_align.tap.hooks import HFTap
 
 V, H, L = 48, 32, 4
 
@@ -302,9 +303,9 @@ def test_trunk_gets_no_gradient(target):
 
 # ---------------------------------------------------------------- trainer, estimators, decoder
 def trained_head(target, layout="deepseek_v3", depth=1, steps=60, kind="soft"):
+    from draft_align.hf.parts import frozen_embedding
     from draft_align.train.batch import Record, collate
     from draft_align.train.trainer import DraftTrainer, LossSettings, OptimSettings
-    from draft_align.warmstart import frozen_embedding
 
     g = torch.Generator().manual_seed(11)
     recs = []

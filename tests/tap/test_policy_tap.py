@@ -6,7 +6,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from draft_align.target.policy_tap import (
+from draft_align.tap.hooks import TapError
+from draft_align.tap.policy_tap import (
     HFPolicyTap,
     PolicyTap,
     PolicyTapError,
@@ -15,7 +16,6 @@ from draft_align.target.policy_tap import (
     generator_for,
     logit_stats,
 )
-from draft_align.target.tap import TapError
 
 V = 50
 AUX = (0, 2, 3)  # embedding output, layer-1 and layer-2 outputs of a 4-layer target

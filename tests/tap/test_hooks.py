@@ -2,7 +2,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from draft_align.target.tap import HFTap, TapError, draft_logits, head_rows
+from draft_align.heads.vocab import draft_logits
+from draft_align.hf.parts import head_rows
+from draft_align.tap.hooks import HFTap, TapError
 
 
 @pytest.fixture(scope="module")

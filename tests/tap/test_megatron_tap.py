@@ -14,8 +14,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from draft_align.target.policy_tap import HFPolicyTap, PolicyTap, PolicyTapError
-from draft_align.target.tap import TapError
+from draft_align.tap.hooks import TapError
+from draft_align.tap.policy_tap import HFPolicyTap, PolicyTap, PolicyTapError
 from draft_align.wire.join import StageJoiner
 from draft_align.wire.messages import HeadSync, TapBatch, TapPart, decode, encode
 
@@ -214,7 +214,7 @@ def assert_same_batch(got: TapBatch, want: TapBatch, atol: float, exact_topk: bo
 @pytest.mark.parametrize("aux_ids", [(1, 2, 3), (0, 2, 4)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_single_rank_matches_hf_tap(megatron_world, aux_ids, dtype):
-    from draft_align.target.megatron_tap import MegatronPolicyTap
+    from draft_align.tap.megatron_tap import MegatronPolicyTap
 
     hf = hf_model(dtype)
     mg = megatron_model(dtype)
@@ -245,7 +245,7 @@ def test_single_rank_matches_hf_tap(megatron_world, aux_ids, dtype):
 
 
 def test_single_rank_bad_calls(megatron_world):
-    from draft_align.target.megatron_tap import MegatronPolicyTap
+    from draft_align.tap.megatron_tap import MegatronPolicyTap
 
     mg = megatron_model()
     sink = ListSink()
@@ -272,7 +272,7 @@ def test_single_rank_bad_calls(megatron_world):
 
 def test_wrapped_model_is_unwrapped(megatron_world):
     """DDP / Float16Module wrap the GPTModel in ``.module``; the tap hooks the inner model."""
-    from draft_align.target.megatron_tap import MegatronPolicyTap
+    from draft_align.tap.megatron_tap import MegatronPolicyTap
 
     class Wrapper(nn.Module):
         def __init__(self, inner: nn.Module) -> None:
@@ -299,7 +299,7 @@ def test_wrapped_model_is_unwrapped(megatron_world):
 def _worker(rank: int, tmp: str) -> None:
     from megatron.core import parallel_state as ps
 
-    from draft_align.target.megatron_tap import MegatronPolicyTap
+    from draft_align.tap.megatron_tap import MegatronPolicyTap
 
     torch.set_num_threads(1)
     out = Path(tmp)

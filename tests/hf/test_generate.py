@@ -2,7 +2,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from draft_align.target.generate import cut_at_eos, generate_responses
+from draft_align.hf.generate import cut_at_eos, generate_responses
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """Policy-side Tap for megatron-core ``GPTModel`` policies (the backend NeMo RL uses).
 
-The same contract as :class:`~draft_align.target.policy_tap.HFPolicyTap` (``capturing()`` → the RL job's own
+The same contract as :class:`~draft_align.tap.policy_tap.HFPolicyTap` (``capturing()`` → the RL job's own
 forward passes → ``submit()`` per micro-batch → ``end_step()``; ``head_sync()`` per policy version), with
 HF ``hidden_states`` indexing kept exactly: index 0 is the embedding output, index i (1 ≤ i < L) the output
 of the decoder layer whose megatron ``layer_number`` is i (the residual stream, before any norm), index L the
@@ -37,7 +37,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from draft_align.target.policy_tap import (
+from draft_align.tap.hooks import TapError
+from draft_align.tap.policy_tap import (
     KeptSequence,
     PolicyTapError,
     TapCounters,
@@ -56,7 +57,6 @@ from draft_align.target.policy_tap import (
     ship,
     step_chunks,
 )
-from draft_align.target.tap import TapError
 from draft_align.wire.messages import HeadSync, TapPart, pack_sequences, validate
 
 
@@ -191,7 +191,7 @@ def vocab_parallel_logit_stats(
     logits: torch.Tensor, input_ids: torch.Tensor, topk: int, *, vocab_size: int, group: Any, tp_rank: int,
     tp_size: int, max_elements: int = 1 << 26,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """:func:`~draft_align.target.policy_tap.logit_stats` from vocab-parallel logits, collectively over the TP
+    """:func:`~draft_align.tap.policy_tap.logit_stats` from vocab-parallel logits, collectively over the TP
     group: rank r holds logits [L, Vl] of global ids r·Vl … (r+1)·Vl − 1 (megatron's equal split of the padded
     vocab); ids ≥ ``vocab_size`` (padding) are ignored.  lse = m + log Σ_r Σ exp(x − m) with m the global
     max; the next token's logit comes from the rank that owns it; top-k is the top-k of the ranks' top-k."""
@@ -238,9 +238,9 @@ def vocab_parallel_logit_stats(
 
 
 class MegatronPolicyTap:
-    """:class:`~draft_align.target.policy_tap.PolicyTap` for megatron-core GPTModel policies.
+    """:class:`~draft_align.tap.policy_tap.PolicyTap` for megatron-core GPTModel policies.
 
-    Arguments beyond :class:`~draft_align.target.policy_tap.HFPolicyTap`'s: ``tp_group`` (None when
+    Arguments beyond :class:`~draft_align.tap.policy_tap.HFPolicyTap`'s: ``tp_group`` (None when
     TP = 1), ``pp_rank``/``pp_size`` (pipeline stage), ``dp_rank`` (the pipeline's id: seeds the sample and is
     the messages' ``source_rank``), ``sequence_parallel`` (default: ``model.config.sequence_parallel``),
     ``vocab_size`` (the tokenizer's vocabulary, default the model's possibly padded one: logits and lm_head

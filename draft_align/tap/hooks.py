@@ -14,8 +14,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from draft_align.hf.parts import ModelLayoutError, decoder_parts
 
-class TapError(ValueError):
+
+class TapError(ModelLayoutError):
     """The target does not have the layers the Tap was asked to capture."""
 
 
@@ -26,16 +28,6 @@ class TapCapture:
     aux: torch.Tensor  # [B, T, n_aux·H] aux states, ascending layer order
     final: torch.Tensor | None  # [B, T, H] final post-norm hidden state
 
-
-def decoder_parts(model: nn.Module) -> tuple[nn.Module, nn.ModuleList, nn.Module, nn.Module]:
-    """(embed_tokens, layers, final norm, lm_head) of an HF causal LM (Llama/Qwen/Mistral layout)."""
-    inner = getattr(model, "model", None)
-    if inner is None or not hasattr(inner, "layers") or not hasattr(inner, "norm"):
-        raise TapError(f"{type(model).__name__}: expected .model.layers and .model.norm (a decoder-only HF LM)")
-    lm_head = model.get_output_embeddings()
-    if lm_head is None:
-        raise TapError(f"{type(model).__name__} has no output embedding (lm_head)")
-    return inner.embed_tokens, inner.layers, inner.norm, lm_head
 
 
 class HFTap:
@@ -102,16 +94,3 @@ class HFTap:
         self._final = None
         return cap
 
-
-def head_rows(model: nn.Module, draft_to_target: torch.Tensor) -> torch.Tensor:
-    """[draft_vocab, H] rows of the target's lm_head for the draft vocabulary (what HeadSync ships)."""
-    _, _, _, lm_head = decoder_parts(model)
-    return lm_head.weight.detach()[draft_to_target]
-
-
-def draft_logits(final: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """Target logits restricted to the draft vocab: final [..., H] @ rows[draft_vocab, H]ᵀ → [..., draft_vocab].
-
-    ``log_softmax`` of this is the target distribution renormalised over the draft vocab (REFERENCE §2).
-    """
-    return torch.matmul(final.to(rows.dtype), rows.t())
