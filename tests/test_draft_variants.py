@@ -4,6 +4,7 @@ tiny target: train a few steps, publish, reload; the sidecar ingests, trains, ga
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 
@@ -39,11 +40,9 @@ def test_warmstart_mtp_publishes_a_loadable_mtp_draft(tiny_world, tmp_path):
     fresh = MTPDraft.attach(target, depth=2)
     assert not torch.allclose(draft.layers[0].eh_proj.weight, fresh.layers[0].eh_proj.weight, atol=1e-3)
     rows = [json.loads(x) for x in (recipe.run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert any("acc_0" in r for r in rows) and all(math_ok(r.get("loss", 0.0)) for r in rows)
-
-
-def math_ok(x: float) -> bool:
-    return x == x and abs(x) < 1e6
+    losses = [r["loss"] for r in rows if "loss" in r]
+    assert any("acc_0" in r for r in rows) and losses and all(math.isfinite(x) for x in losses)
+    assert min(losses[-3:]) < losses[0], losses  # the MTP block learned (soft CE on its own data)
 
 
 def test_warmstart_lora_over_a_published_draft(tiny_run, tmp_path):

@@ -53,12 +53,24 @@ def test_smollm2_demo_recipe_short(tmp_path, monkeypatch):
     assert m["aux_layer_ids"] == [2, 15, 27]  # the engines' default for 30 layers
     assert [(r["verify_mode"], r["temperature"]) for r in summary["eval"]] == [("greedy", 0.0), ("greedy_draft", 1.0)]
     for r in summary["eval"]:
-        for key in ("acceptance_length_est", "acceptance_length_measured"):
-            assert math.isfinite(r[key]) and 1.0 <= r[key] <= 1.0 + r["k"], (key, r[key])
         assert all(math.isfinite(x) for x in r["per_position_est"] + r["per_position_measured"])
+    # the trained draft against the same draft before training, on the same held-out prompts: a draft that
+    # learned nothing fails this.  Measured once (2026-12-01, this recipe): T=1 greedy_draft estimate 1.000
+    # untrained → 1.020 trained, measured 1.000 → 1.100; T=0 1.000 → 1.000 (20 steps do not move the argmax)
+    prep = warmstart.prepare(recipe)
+    torch.manual_seed(recipe.seed)
+    untrained = warmstart.build_draft(prep.target, recipe, tuple(m["aux_layer_ids"]), prep)
+    before = {(b["verify_mode"], b["temperature"]): b for b in warmstart.evaluate_draft(recipe, prep, untrained)}
+    after = summary["eval"][1]
+    assert (after["verify_mode"], after["temperature"]) == ("greedy_draft", 1.0)
+    b = before[("greedy_draft", 1.0)]
+    assert after["acceptance_length_est"] >= b["acceptance_length_est"] + 0.01, (after, b)
+    assert after["acceptance_length_measured"] > b["acceptance_length_measured"], (after, b)
+    assert after["per_position_est"][0] > b["per_position_est"][0]
     losses = [json.loads(line)["loss"] for line in (recipe.run_dir / "metrics.jsonl").read_text().splitlines()
               if '"lr"' in line]
     assert all(math.isfinite(x) for x in losses)
+    assert sum(losses[-5:]) < sum(losses[:5]), losses  # it learned on its own data
 
     out = read_latest(recipe.run_dir)
     assert out == Path(summary["draft"])
