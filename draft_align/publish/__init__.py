@@ -37,7 +37,9 @@ def write_draft(
         draft = merged(draft)  # type: ignore[assignment]
     if draft.kind == "mtp":
         if dialect != "hf":
-            raise ExportError(f"dialect {dialect!r} is an EAGLE-3 dialect: an MTP head is written in its own layout")
+            raise ExportError(
+                f"dialect {dialect!r} is an EAGLE-3 dialect: an MTP head is written in its own layout"
+            )
         return mtp_format.write_mtp(draft, Path(out_dir), req)  # type: ignore[arg-type]
     return eagle3_format.write_eagle3(
         draft, Path(out_dir), req, dialect=dialect, speculative_tokens=speculative_tokens  # type: ignore[arg-type]

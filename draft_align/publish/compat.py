@@ -1,7 +1,7 @@
 """Whether a published draft fits a target: shapes, positions, aux layers, RoPE and the tokenizer.
 
 :func:`check_compatible` reads only the manifest (either format); :func:`rope_mismatch` is the RoPE
-comparison both formats' export validation uses.  The aux-id conventions are in docs/formats.md.
+comparison both formats' export validation uses.  The aux-id conventions: docs/formats.md §1.
 """
 
 from __future__ import annotations
@@ -49,7 +49,9 @@ def check_rope(draft_rope: Mapping[str, Any], target_config: Any) -> None:
     """Raise ExportError naming the differing keys unless the draft's RoPE equals the target's."""
     diff = rope_mismatch(draft_rope, target_config)
     if diff:
-        raise ExportError(f"rope mismatch in {diff}: draft {dict(draft_rope)} vs target {target_rope(target_config)}")
+        raise ExportError(
+            f"rope mismatch in {diff}: draft {dict(draft_rope)} vs target {target_rope(target_config)}"
+        )
 
 
 def _check_tokenizer(manifest: Mapping[str, Any], tokenizer_fingerprint: str | None) -> None:

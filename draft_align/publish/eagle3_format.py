@@ -1,6 +1,6 @@
 """The EAGLE-3 engine format: the folder vLLM and SGLang load, in the HF or the speculators dialect.
 
-A published draft is one folder (docs/formats.md, "Folder layout")::
+A published draft is one folder (docs/formats.md §4)::
 
     drafts/v0007/config.json        what vLLM / SGLang read (HF or speculators dialect)
     drafts/v0007/model.safetensors  exactly the engine tensors (:func:`heads.eagle3.expected_shapes`)
@@ -11,7 +11,7 @@ Aux-layer ids.  ``Eagle3Config.aux_layer_ids`` are HF ``output_hidden_states`` i
 is the embedding output).  Both engines capture the pre-norm residual stream entering decoder layer k, so
 for a target of L layers the usable range is 1..L-1.  vLLM reads id k as that same stream; SGLang adds one
 to the ids it reads, so it must be given k-1.  When the ids equal the engines' default (2, L//2, L-3) the
-config leaves them out and both engines agree without any convention (docs/formats.md, "Aux-layer ids").
+config leaves them out and both engines agree without any convention (docs/formats.md §1).
 """
 
 from __future__ import annotations

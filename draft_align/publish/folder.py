@@ -1,5 +1,5 @@
 """A published folder: files written into a temp folder, fsynced, renamed into place; a manifest that
-lists each file's sha256 and size, read back and verified (docs/formats.md, "Folder layout").
+lists each file's sha256 and size, read back and verified (docs/formats.md §4).
 
 A folder is written under a ``.tmp-*`` name beside its final place, fsynced, then renamed: a reader sees
 either no folder or a complete one.  :func:`read_manifest` re-hashes every file the manifest lists.

@@ -1,6 +1,6 @@
 """Adapter-only deltas: the LoRA tensors of a draft trained over a published base, as their own folder.
 
-A delta is a folder (docs/formats.md, "Folder layout")::
+A delta is a folder (docs/formats.md §4)::
 
     adapter.safetensors   the LoRA A/B tensors (float32), named by module path
     manifest.json         format draft_align.lora_delta; the base draft's model.safetensors sha256; the

@@ -1,6 +1,6 @@
 """The MTP formats: DeepSeek-V3's and Qwen3-Next's native layouts; import from a checkpoint, write, load.
 
-Layouts (docs/formats.md, "MTP layouts"; names checked against vLLM ``deepseek_mtp.py`` and
+Layouts (docs/formats.md §3; names checked against vLLM ``deepseek_mtp.py`` and
 ``qwen3_next_mtp.py``):
 
 - ``deepseek_v3``: module d is ``model.layers.{N+d}.*`` (N = the target's layer count): ``enorm``,

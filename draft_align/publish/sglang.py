@@ -2,7 +2,8 @@
 
 SGLang drops unknown tensor names silently, reads aux ids only from ``eagle_config`` (adding one to each)
 and shares the target's embedding only when hidden sizes agree, so a folder vLLM runs can still load wrong.
-The rules and the SGLang source they were read from: docs/engines.md, "SGLang loader rules: where they come from".
+The rules, and the SGLang source each was read from: docs/engines.md, "SGLang loader rules: where they
+come from".
 """
 
 from __future__ import annotations

@@ -64,5 +64,7 @@ def read_tap_spec(draft_dir: Path) -> TapSpec:
     except Exception as e:  # safetensors raises its own error types
         raise CorruptCheckpointError(f"{WEIGHTS_FILE}: no readable d2t ({e})") from e
     if d2t.shape != (cfg.draft_vocab_size,):
-        raise CorruptCheckpointError(f"{WEIGHTS_FILE}: d2t is {list(d2t.shape)}, expected [{cfg.draft_vocab_size}]")
+        raise CorruptCheckpointError(
+            f"{WEIGHTS_FILE}: d2t is {list(d2t.shape)}, expected [{cfg.draft_vocab_size}]"
+        )
     return TapSpec("eagle3", tuple(cfg.aux_layer_ids), d2t + torch.arange(d2t.numel()), fmt, *versions)

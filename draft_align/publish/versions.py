@@ -1,6 +1,6 @@
 """A run's published versions: ``drafts/vNNNN`` folders, the ``latest`` pointer, and publishing one more.
 
-Layout inside a run folder (docs/formats.md, "Folder layout")::
+Layout inside a run folder (docs/formats.md §4)::
 
     run_dir/drafts/v0007/      a published draft (config.json, model.safetensors, manifest.json)
     run_dir/adapters/v0007/    optional: the same version's adapter-only delta (LoRA runs)
