@@ -180,8 +180,9 @@ def acceptance(draft: Any, embed: Any, rows: torch.Tensor, records: list, k: int
 
 
 def published_bytes(draft: Any, base_dir: Path | None, policy: Any, work: Path, name: str) -> dict[str, int]:
-    from draft_align.heads.lora import export_adapter, is_lora
-    from draft_align.publish.export import export_draft
+    from draft_align.heads.lora import is_lora
+    from draft_align.publish import export_draft
+    from draft_align.publish.lora_delta import export_adapter
 
     out = export_draft(draft, work / name / "v0002", target_config=policy.config, target_name="bench",
                        metrics={}, draft_version=2, policy_version=1, tokenizer_fingerprint="bench")
@@ -199,7 +200,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from draft_align.heads.mtp import MTPDraft
     from draft_align.heads.vocab import select_vocab
     from draft_align.hf.parts import frozen_embedding, head_rows
-    from draft_align.publish.export import export_draft, load_draft, resolve_draft_dir
+    from draft_align.publish import export_draft, load_draft
+    from draft_align.publish.versions import resolve_draft_dir
 
     torch.manual_seed(args.seed)
     t_all = time.time()

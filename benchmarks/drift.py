@@ -136,7 +136,7 @@ def measure_point(
     """Measured (reference decoder) and estimated acceptance of each draft with ``policy`` as the target."""
     from draft_align import assets, data
     from draft_align.monitor.evaluate import evaluate
-    from draft_align.publish.export import load_draft
+    from draft_align.publish import load_draft
 
     target, tok = assets.load_target(str(policy), torch.bfloat16, "cpu")
     convs = data.load_conversations(recipe.data.source)
@@ -443,7 +443,8 @@ def main() -> int:
     by_step = {int(r["step"]): r for r in result["steps"]}
     redo = {int(x) for x in (args.remeasure_adapted or "").split(",") if x.strip()}
     prev_points = {p["version"]: p for p in earlier.get("oracle", [])} if redo else {}
-    from draft_align.publish.export import read_latest, read_manifest, version_dir
+    from draft_align.publish.folder import read_manifest
+    from draft_align.publish.versions import read_latest, version_dir
 
     for v in oracle_at:
         if v in prev_points and v not in redo:

@@ -137,7 +137,9 @@ def refresh_latency(llm: Any, draft_a: Path, draft_b: Path, prompts: list[list[i
     from vllm import SamplingParams
 
     from draft_align.engines.vllm_engine import DraftRefresher, ProbeGuard
-    from draft_align.publish.export import load_draft, read_manifest, version_dir, write_latest
+    from draft_align.publish import load_draft
+    from draft_align.publish.folder import read_manifest
+    from draft_align.publish.versions import version_dir, write_latest
 
     drafts = [load_draft(p) for p in (draft_a, draft_b)]
     rows = []
@@ -148,7 +150,7 @@ def refresh_latency(llm: Any, draft_a: Path, draft_b: Path, prompts: list[list[i
         for i in range(n + 1):
             draft, man = drafts[i % 2]
             t0 = time.perf_counter()
-            from draft_align.publish.export import export_draft
+            from draft_align.publish import export_draft
 
             out = export_draft(
                 draft, version_dir(run, i + 2), target_config=_target_config(), target_name=man["target"]["name"],
@@ -264,7 +266,8 @@ def main() -> int:
     from draft_align import assets
     from draft_align.engines.rollouts import set_cpu_env
     from draft_align.engines.vllm_engine import calibrate, start_engine
-    from draft_align.publish.export import load_draft, resolve_draft_dir
+    from draft_align.publish import load_draft
+    from draft_align.publish.versions import resolve_draft_dir
 
     set_cpu_env()
     torch.set_num_threads(1)

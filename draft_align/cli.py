@@ -63,12 +63,9 @@ def _load_target_and_draft(target_name: str | None, draft_path: str):
     import torch
 
     from draft_align import assets
-    from draft_align.publish.export import (
-        check_compatible,
-        load_draft,
-        resolve_draft_dir,
-        tokenizer_fingerprint,
-    )
+    from draft_align.publish import load_draft
+    from draft_align.publish.compat import check_compatible, tokenizer_fingerprint
+    from draft_align.publish.versions import resolve_draft_dir
 
     p = resolve_draft_dir(Path(draft_path))
     draft, manifest = load_draft(p)
@@ -110,7 +107,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from draft_align.publish.export import export_draft, tokenizer_fingerprint
+    from draft_align.publish import export_draft
+    from draft_align.publish.compat import tokenizer_fingerprint
 
     target, tok, draft, manifest, src = _load_target_and_draft(args.target, args.draft)
     out = export_draft(

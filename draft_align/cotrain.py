@@ -150,7 +150,8 @@ def start_rollout_engine(recipe: CotrainRecipe, start: Path, probe_prompts: list
         if rl.engine == "auto":
             log.warning("rl.engine auto: vLLM is not installed; rollouts use the reference decoder (batch 1)")
         return None
-    from draft_align.publish.export import MTP_FORMAT, ExportError, read_manifest, resolve_draft_dir
+    from draft_align.publish.folder import MTP_FORMAT, ExportError, read_manifest
+    from draft_align.publish.versions import resolve_draft_dir
 
     try:
         fmt = read_manifest(resolve_draft_dir(Path(start)), verify=False).get("format") if start else None

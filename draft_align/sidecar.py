@@ -24,7 +24,6 @@ import copy
 import json
 import logging
 import os
-import shutil
 import signal
 import time
 from collections import Counter
@@ -37,17 +36,10 @@ from torch import nn
 
 from draft_align.config import CotrainRecipe, step_decay
 from draft_align.heads.eagle3 import Eagle3Draft
-from draft_align.publish.export import (
-    ExportError,
-    export_draft,
-    load_draft,
-    next_version,
-    read_latest,
-    resolve_draft_dir,
-    tokenizer_fingerprint,
-    version_dir,
-    write_latest,
-)
+from draft_align.publish import load_draft
+from draft_align.publish.compat import tokenizer_fingerprint
+from draft_align.publish.folder import ExportError
+from draft_align.publish.versions import discard_tmp_versions, publish_version, read_latest, resolve_draft_dir
 from draft_align.train.batch import Batch, Record
 from draft_align.train.distributed import RankGroup, attach, join_ranks, rank_device, ranked_loop
 from draft_align.train.trainer import (
@@ -170,7 +162,7 @@ class Sidecar:
         self.run_dir = recipe.run_dir
         self.dir = self.run_dir / SIDECAR_DIR
         self.dir.mkdir(parents=True, exist_ok=True)
-        _discard_tmp_versions(self.run_dir)
+        discard_tmp_versions(self.run_dir)
         self.device = torch.device(recipe.device) if ranks is None else rank_device(recipe, ranks.info)
 
         target, tok = assets.load_target(recipe.target.model, getattr(torch, recipe.target.dtype), "cpu")
@@ -182,7 +174,7 @@ class Sidecar:
 
         self.frozen, self.frozen_manifest = load_draft(start_draft, device=self.device)
         self.frozen.eval()
-        from draft_align.publish.export import check_compatible
+        from draft_align.publish.compat import check_compatible
 
         check_compatible(self.frozen_manifest, self.target_config, self.tok_fp)
         self.aux_ids = tuple(self.frozen.cfg.aux_layer_ids)
@@ -578,8 +570,6 @@ class Sidecar:
     def _publish(self, cand: dict, base: dict, diff: float, stderr: float, policy_version: int) -> None:
         from draft_align.wire.messages import DraftPublished
 
-        v = max(next_version(self.run_dir), self.state.published_version + 1)
-        out = version_dir(self.run_dir, v)
         metrics = {
             "gate_candidate": cand["acceptance_length_est"],
             "gate_published": base["acceptance_length_est"],
@@ -589,24 +579,24 @@ class Sidecar:
             "trained_tokens": self.state.trained_tokens,
         }
         cand_draft = self._candidate()
-        export_draft(
-            cand_draft, out, target_config=self.target_config, target_name=self.target_name,
-            metrics=metrics, draft_version=v, policy_version=policy_version, tokenizer_fingerprint=self.tok_fp,
+        sc = self.recipe.sidecar
+        delta_base = Path(self.state.lora_base_dir or "") if sc.adapt == "lora" and sc.lora.publish_delta else None
+        pub = publish_version(
+            self.run_dir, cand_draft, target_config=self.target_config, target_name=self.target_name,
+            tokenizer_fingerprint=self.tok_fp, metrics=metrics, policy_version=policy_version,
             extra_manifest={"trained_from": str(self.frozen_manifest.get("draft_version", 0)),
                             "run": self.recipe.run},
-        )
-        write_latest(self.run_dir, out)
-        if self.recipe.sidecar.adapt == "lora" and self.recipe.sidecar.lora.publish_delta:
-            self._publish_delta(out, v, policy_version, metrics)
-        man = json.loads((out / "manifest.json").read_text())
+            at_least=self.state.published_version + 1, delta_base=delta_base, strict_delta=False,
+        )  # fmt: skip
+        v = pub.version
         self.published = self._copy(cand_draft)
         self.published.eval()
         self.state.published_version = v
         self.state.published_policy_version = policy_version
         self._steps_since_publish = 0
         self.publisher.publish(DraftPublished(
-            run_id=self.recipe.run, draft_version=v, policy_version=policy_version, path=str(out),
-            sha256=man["files"]["model.safetensors"]["sha256"],
+            run_id=self.recipe.run, draft_version=v, policy_version=policy_version, path=str(pub.path),
+            sha256=pub.weights_sha256,
             metrics={k: float(x) for k, x in metrics.items()},
         ))
         with open(self.dir / PUBLISH_FILE, "a", encoding="utf-8") as f:
@@ -616,19 +606,6 @@ class Sidecar:
                  cand["acceptance_length_est"], base["acceptance_length_est"])
         self._export(self._sidecar_metrics())
         self.checkpoint()  # the published version and the trainer state move together
-
-    def _publish_delta(self, out: Path, v: int, policy_version: int, metrics: dict[str, Any]) -> None:
-        """The adapters alone (beside the merged ``out``), over the base draft they were trained on."""
-        from draft_align.heads.lora import AdapterMismatchError, export_adapter
-
-        base = Path(self.state.lora_base_dir or "")
-        try:
-            info = export_adapter(self._candidate(), self.run_dir / "adapters" / out.name, base,
-                                  draft_version=v, policy_version=policy_version, metrics=metrics)
-        except (AdapterMismatchError, ExportError) as e:
-            log.warning("adapter delta v%04d not published: %s", v, e)
-            return
-        log.info("published adapter delta v%04d (%d bytes, merged sha256 %s…)", v, info.bytes, info.merged_sha256[:12])
 
     def checkpoint(self) -> None:
         if not self.is_lead:
@@ -692,14 +669,6 @@ def _replace_final(batch: Any, final: torch.Tensor) -> Any:
     import dataclasses
 
     return dataclasses.replace(batch, final_hidden=final, final_norm="post")
-
-
-def _discard_tmp_versions(run_dir: Path) -> None:
-    """Remove temp folders that a publish killed mid-write left behind (never visible as versions)."""
-    drafts = run_dir / "drafts"
-    if drafts.is_dir():
-        for p in drafts.glob(".tmp-*"):
-            shutil.rmtree(p, ignore_errors=True)
 
 
 def run_sidecar(recipe: CotrainRecipe, start: str | None = None, *, exit_when_done: bool = False,

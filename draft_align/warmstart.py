@@ -306,7 +306,9 @@ def build_draft(target: nn.Module, recipe: WarmstartRecipe, aux: tuple[int, ...]
 
 
 def load_init_draft(target: nn.Module, recipe: WarmstartRecipe, aux: tuple[int, ...]) -> Eagle3Draft:
-    from draft_align.publish.export import check_compatible, load_draft, resolve_draft_dir
+    from draft_align.publish import load_draft
+    from draft_align.publish.compat import check_compatible
+    from draft_align.publish.versions import resolve_draft_dir
 
     src = resolve_draft_dir(Path(recipe.draft.init_from))
     draft, manifest = load_draft(src)
@@ -527,13 +529,8 @@ def vocab_report(prep: Prepared, draft: Eagle3Draft, sequences: int = 16) -> dic
 
 def run(recipe: WarmstartRecipe) -> dict[str, Any]:
     """The whole warm-start; returns a summary (also written to run_dir/summary.json)."""
-    from draft_align.publish.export import (
-        export_draft,
-        next_version,
-        tokenizer_fingerprint,
-        version_dir,
-        write_latest,
-    )
+    from draft_align.publish.compat import tokenizer_fingerprint
+    from draft_align.publish.versions import publish_version, resolve_draft_dir
 
     torch.manual_seed(recipe.seed)
     if recipe.train.num_threads:
@@ -563,19 +560,15 @@ def run(recipe: WarmstartRecipe) -> dict[str, Any]:
             metrics[f"al_est_{tag}"] = r["acceptance_length_est"]
             metrics[f"al_measured_{tag}"] = r["acceptance_length_measured"]
         sink.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, trainer.progress.step)
-        n = next_version(run_dir)
-        out = export_draft(
-            draft, version_dir(run_dir, n), target_config=prep.target.config, target_name=prep.target_name,
-            metrics={k: v for k, v in metrics.items() if isinstance(v, (int, float))}, draft_version=n,
-            policy_version=0, tokenizer_fingerprint=tokenizer_fingerprint(prep.tokenizer),
-        )
-        write_latest(run_dir, out)
+        delta_base = None
         if recipe.draft.adapt == "lora" and recipe.draft.init_from:  # the adapters alone, over their base
-            from draft_align.heads.lora import export_adapter
-            from draft_align.publish.export import resolve_draft_dir
-
-            export_adapter(draft, run_dir / "adapters" / out.name, resolve_draft_dir(Path(recipe.draft.init_from)),
-                           draft_version=n, policy_version=0)
+            delta_base = resolve_draft_dir(Path(recipe.draft.init_from))
+        out = publish_version(
+            run_dir, draft, target_config=prep.target.config, target_name=prep.target_name,
+            tokenizer_fingerprint=tokenizer_fingerprint(prep.tokenizer),
+            metrics={k: v for k, v in metrics.items() if isinstance(v, (int, float))}, policy_version=0,
+            delta_base=delta_base,
+        ).path
     finally:
         sink.close()
     summary = {"run_dir": str(run_dir), "draft": str(out), "metrics": metrics, "eval": results,

@@ -85,7 +85,7 @@ def test_export_speculators_dialect(tiny_run, tmp_path, capsys):
     assert cli.main(["export", "--draft", str(tiny_run.run_dir), "--out", str(out), "--dialect", "speculators"]) == 0
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["speculators_model_type"] == "eagle3"
-    from draft_align.publish.export import load_draft
+    from draft_align.publish import load_draft
 
     a, _ = load_draft(tiny_run.run_dir / "drafts" / "v0001")
     b, _ = load_draft(out)
@@ -111,7 +111,9 @@ def test_target_with_another_hidden_size_is_refused(tiny_run, tmp_path, caplog):
 
     from transformers import AutoConfig
 
-    from draft_align.publish.export import ExportError, load_draft, validate_draft
+    from draft_align.publish import load_draft
+    from draft_align.publish.eagle3_format import validate_draft
+    from draft_align.publish.folder import ExportError
 
     draft, _ = load_draft(tiny_run.run_dir / "drafts" / "v0001")
     with pytest.raises(ExportError, match="hidden size mismatch"):

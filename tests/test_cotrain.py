@@ -45,7 +45,8 @@ def test_cotrain_runs_rl_with_a_live_sidecar_and_reports(tiny_run, tiny_env, tmp
     assert sorted(p.name for p in (run / "policy").iterdir()) == ["v0001", "v0002", "v0003"]
     assert (run / "policy_merged" / "v0003" / "config.json").is_file()
     # the sidecar published at least its final gated draft, complete and verified
-    from draft_align.publish.export import read_latest, read_manifest
+    from draft_align.publish.folder import read_manifest
+    from draft_align.publish.versions import read_latest
 
     latest = read_latest(run)
     if latest is not None:

@@ -13,9 +13,12 @@ import torch
 
 from draft_align import warmstart
 from draft_align.config import CotrainRecipe, load_recipe
-from draft_align.heads.lora import is_lora, load_adapter
+from draft_align.heads.lora import is_lora
 from draft_align.heads.mtp import MTPDraft
-from draft_align.publish.export import load_draft, read_latest, read_manifest
+from draft_align.publish import load_draft
+from draft_align.publish.folder import read_manifest
+from draft_align.publish.lora_delta import load_adapter
+from draft_align.publish.versions import read_latest
 
 pytestmark = pytest.mark.usefixtures("tiny_env")
 FAST = {"eval.enabled": "false", "train.max_steps": 4, "train.checkpoint_every": 2}
@@ -69,7 +72,9 @@ def test_warmstart_lora_over_a_published_draft(tiny_run, tmp_path):
 def _publish_mtp_start(tiny_world, root: Path) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from draft_align.publish.export import export_draft, tokenizer_fingerprint, version_dir, write_latest
+    from draft_align.publish import export_draft
+    from draft_align.publish.compat import tokenizer_fingerprint
+    from draft_align.publish.versions import version_dir, write_latest
 
     target = AutoModelForCausalLM.from_pretrained(tiny_world.model, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(tiny_world.model)

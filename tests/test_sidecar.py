@@ -81,7 +81,8 @@ def sidecar_world(tiny_run, tiny_env, tmp_path):
 
 def test_ingest_train_gate_publish_notify_and_monitor(sidecar_world, until):
     from draft_align.monitor.live import scrape
-    from draft_align.publish.export import read_latest, read_manifest
+    from draft_align.publish.folder import read_manifest
+    from draft_align.publish.versions import read_latest
     from draft_align.wire import channel
 
     recipe, sc, feeder = sidecar_world
@@ -208,7 +209,8 @@ def _published(run_dir: Path) -> int:
 
 
 def _check_visible_versions(run_dir: Path) -> list[int]:
-    from draft_align.publish.export import read_latest, read_manifest
+    from draft_align.publish.folder import read_manifest
+    from draft_align.publish.versions import read_latest
 
     versions = []
     for d in sorted((run_dir / "drafts").glob("v*")):
@@ -231,7 +233,7 @@ def test_kill9_mid_run_and_mid_publish_then_resume(tiny_run, tiny_env, tmp_path,
     recipe = load_recipe(None, tiny_run.cotrain_overrides(tmp_path, run="kill"), CotrainRecipe)
     resolved = write_resolved(recipe)
     start = starting_draft(recipe)
-    from draft_align.publish.export import load_draft
+    from draft_align.publish import load_draft
 
     frozen, _ = load_draft(start)
     feeder = Feeder(recipe, frozen.draft_to_target, tuple(frozen.cfg.aux_layer_ids))

@@ -288,7 +288,7 @@ class SyntheticFeeder:
     TapBatch of 8 sequences and a StepReport."""
 
     def __init__(self, recipe: CotrainRecipe, start: Path) -> None:
-        from draft_align.publish.export import load_draft
+        from draft_align.publish import load_draft
         from draft_align.wire import channel
 
         self.recipe = recipe
@@ -330,7 +330,7 @@ class SyntheticFeeder:
 
 
 def _versions(run_dir: Path) -> list[int]:
-    from draft_align.publish.export import read_manifest
+    from draft_align.publish.folder import read_manifest
 
     return [read_manifest(d, verify=True)["draft_version"] for d in sorted((run_dir / "drafts").glob("v*"))]
 

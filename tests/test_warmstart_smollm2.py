@@ -13,7 +13,8 @@ from safetensors.torch import load_file
 
 from draft_align import assets, warmstart
 from draft_align.config import load_recipe
-from draft_align.publish.export import load_draft, read_latest
+from draft_align.publish import load_draft
+from draft_align.publish.versions import read_latest
 
 REPO = Path(__file__).resolve().parents[1]
 

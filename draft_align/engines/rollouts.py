@@ -40,7 +40,8 @@ from draft_align.engines.vllm_engine import (
     _vllm,
     start_engine,
 )
-from draft_align.publish.export import read_manifest, resolve_draft_dir
+from draft_align.publish.folder import read_manifest
+from draft_align.publish.versions import resolve_draft_dir
 
 if TYPE_CHECKING:
     from draft_align.rl.policy import Policy

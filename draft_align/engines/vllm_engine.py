@@ -38,16 +38,10 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from draft_align.conventions import default_aux_layer_ids
-from draft_align.publish.export import (
-    WEIGHTS_FILE,
-    CorruptCheckpointError,
-    ExportError,
-    check_compatible,
-    load_draft,
-    read_latest,
-    read_manifest,
-    resolve_draft_dir,
-)
+from draft_align.publish import load_draft
+from draft_align.publish.compat import check_compatible
+from draft_align.publish.folder import WEIGHTS_FILE, CorruptCheckpointError, ExportError, read_manifest
+from draft_align.publish.versions import read_latest, resolve_draft_dir
 
 if TYPE_CHECKING:
     from vllm import LLM

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 from torch import nn
@@ -155,6 +155,52 @@ def check_engine_aux_ids(ids: tuple[int, ...], num_layers: int) -> None:
             f"aux_layer_ids {list(ids)} out of range for a {num_layers}-layer target: engines can capture "
             f"HF hidden_states indices 1..{num_layers - 1} only (got {bad})"
         )
+
+
+class Eagle3Shape(Protocol):
+    """The sizes that fix an EAGLE-3 head's engine tensors (:class:`Eagle3Config` has them all)."""
+
+    @property
+    def hidden_size(self) -> int: ...
+    @property
+    def intermediate_size(self) -> int: ...
+    @property
+    def num_attention_heads(self) -> int: ...
+    @property
+    def num_key_value_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def fc_in_features(self) -> int: ...
+    @property
+    def draft_vocab_size(self) -> int: ...
+    @property
+    def vocab_size(self) -> int: ...
+
+
+def expected_shapes(cfg: Eagle3Shape) -> dict[str, tuple[int, ...]]:
+    """Every engine tensor of the head, by its engine name (= this module's state-dict name), and its shape."""
+    h, hd = cfg.hidden_size, cfg.head_dim
+    q, kv, inter = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd, cfg.intermediate_size
+    a = "midlayer.self_attn."
+    m = "midlayer.mlp."
+    return {
+        "fc.weight": (h, cfg.fc_in_features),
+        a + "q_proj.weight": (q, 2 * h),  # q/k/v read cat(emb, hidden)
+        a + "k_proj.weight": (kv, 2 * h),
+        a + "v_proj.weight": (kv, 2 * h),
+        a + "o_proj.weight": (h, q),
+        m + "gate_proj.weight": (inter, h),
+        m + "up_proj.weight": (inter, h),
+        m + "down_proj.weight": (h, inter),
+        "midlayer.input_layernorm.weight": (h,),
+        "midlayer.hidden_norm.weight": (h,),
+        "midlayer.post_attention_layernorm.weight": (h,),
+        "norm.weight": (h,),
+        "lm_head.weight": (cfg.draft_vocab_size, h),
+        "d2t": (cfg.draft_vocab_size,),
+        "t2d": (cfg.vocab_size,),
+    }
 
 
 class MidLayer(nn.Module):

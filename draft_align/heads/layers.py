@@ -32,15 +32,27 @@ class BlockShape(Protocol):
     def rope_parameters(self) -> dict[str, Any]: ...
 
 
+def target_rope(target_config: Any) -> dict[str, Any]:
+    """The target's RoPE as a transformers-5 ``rope_parameters`` dict; from transformers-4 fields
+    (``rope_theta`` and ``rope_scaling``) when it has none; the default type at θ = 10000 when it has neither."""
+    rp = getattr(target_config, "rope_parameters", None)
+    if rp:
+        return dict(rp)
+    scaling = dict(getattr(target_config, "rope_scaling", None) or {})
+    out: dict[str, Any] = {
+        "rope_type": scaling.pop("rope_type", scaling.pop("type", "default")),
+        "rope_theta": float(getattr(target_config, "rope_theta", 10000.0)),
+    }
+    out.update(scaling)
+    return out
+
+
 def block_shape_from_target(target_config: Any) -> dict[str, Any]:
     """The :class:`BlockShape` fields (and rms_norm_eps) of one decoder layer of ``target_config`` (an HF
-    ``PretrainedConfig``): head_dim defaults to H / heads, kv heads to heads, RoPE to the default type."""
+    ``PretrainedConfig``): head_dim defaults to H / heads, kv heads to heads, RoPE as :func:`target_rope`."""
     tc = target_config
     heads = int(tc.num_attention_heads)
-    rope = getattr(tc, "rope_parameters", None) or {
-        "rope_type": "default",
-        "rope_theta": float(getattr(tc, "rope_theta", 10000.0)),
-    }
+    rope = target_rope(tc)
     return dict(
         hidden_size=int(tc.hidden_size),
         intermediate_size=int(tc.intermediate_size),

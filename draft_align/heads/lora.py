@@ -1,42 +1,24 @@
-"""LoRA adapters (peft) over a frozen draft head (EAGLE-3 or MTP), merging, and adapter-only deltas.
+"""LoRA adapters (peft) over a frozen draft head (EAGLE-3 or MTP), merging, and the adapter tensors.
 
 ``apply_lora`` freezes every weight of a warm-started draft and injects peft LoRA layers in place (the
 module keeps its class, so ``unroll``/``step`` and the trainer work unchanged): W x becomes
 W x + (α/r)·B A x with A [r, in], B [out, r], B = 0 at start.  Engines load plain weights, so publishing
-merges: W' = W + (α/r)·B A (:func:`merged`).
-
-An adapter-only delta is a folder::
-
-    adapter.safetensors   the LoRA A/B tensors (float32), named by module path
-    manifest.json         format draft_align.lora_delta; the base draft's model.safetensors sha256; the
-                          LoRA settings; the sha256 of the merged engine weights the loader must rebuild
-
-:func:`load_adapter` re-hashes the base draft, refuses an adapter made for another base
-(:class:`AdapterMismatchError`), rebuilds the merged draft and checks its sha256.
+merges: W' = W + (α/r)·B A (:func:`merged`).  Adapter-only delta folders are written and read by
+``publish/lora_delta.py``; nothing here touches files.
 """
 
 from __future__ import annotations
 
 import copy
-import datetime as _dt
-import hashlib
-import json
-import shutil
-import sys
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import asdict, dataclass
 from typing import Any
 
-import safetensors.torch
 import torch
 from torch import nn
 
 from draft_align.conventions import LORA_TARGETS
 from draft_align.heads.eagle3 import DraftConfigError
 
-DELTA_FORMAT = "draft_align.lora_delta"
-DELTA_FORMAT_VERSION = 1
-ADAPTER_FILE = "adapter.safetensors"
 DEFAULT_TARGETS = LORA_TARGETS
 
 
@@ -77,11 +59,9 @@ def _lora_layer_type() -> type:
 
 
 def is_lora(draft: nn.Module) -> bool:
-    """Whether ``draft`` carries injected LoRA layers."""
-    if "peft" not in sys.modules:  # nothing was injected, and peft's import is not paid for a plain draft
-        return False
-    kind = _lora_layer_type()
-    return any(isinstance(m, kind) for m in draft.modules())
+    """Whether ``draft`` carries injected LoRA layers: peft names their parameters ``….lora_A.….weight``
+    (read from the module itself; peft is not imported for a plain draft)."""
+    return any(".lora_A." in name for name, _ in draft.named_parameters())
 
 
 def apply_lora(draft: nn.Module, settings: LoraSettings, seed: int = 0) -> nn.Module:
@@ -111,7 +91,7 @@ def apply_lora(draft: nn.Module, settings: LoraSettings, seed: int = 0) -> nn.Mo
         inject_adapter_in_model(cfg, draft)
     for name, p in draft.named_parameters():
         p.requires_grad_("lora_" in name)
-    draft.lora_settings = settings  # type: ignore[assignment]  # read back by export_adapter
+    draft.lora_settings = settings  # type: ignore[assignment]  # read back by publish.lora_delta.export_adapter
     return draft
 
 
@@ -166,107 +146,7 @@ def merged(draft: nn.Module) -> nn.Module:
     return out
 
 
-# --------------------------------------------------------------------------------------- engine bytes
-def engine_tensors(draft: nn.Module, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
-    """Exactly the tensors a publish of this (plain) draft writes to model.safetensors."""
-    if is_lora(draft):
-        raise DraftConfigError("merge the adapters first (engine tensors are plain weights)")
-    if draft.shares_target_head:
-        from draft_align.publish.mtp_export import to_layout
-
-        return {k: v.detach().to("cpu", dtype).contiguous() for k, v in to_layout(draft).items()}  # type: ignore[arg-type]
-    from draft_align.publish.export import _engine_tensors
-
-    return _engine_tensors(draft, dtype, "hf")  # type: ignore[arg-type]
-
-
-def engine_sha256(draft: nn.Module, dtype: torch.dtype = torch.bfloat16) -> str:
-    """sha256 of the model.safetensors a publish of ``draft`` writes (same serializer and metadata)."""
-    data = safetensors.torch.save(engine_tensors(draft, dtype), metadata={"format": "pt"})
-    return hashlib.sha256(data).hexdigest()
-
-
-# --------------------------------------------------------------------------------------- deltas
-def _base_sha(base_dir: Path) -> tuple[str, dict[str, Any]]:
-    from draft_align.publish.export import WEIGHTS_FILE, read_manifest
-
-    man = read_manifest(Path(base_dir), verify=True)  # re-hashes the base files
-    return man["files"][WEIGHTS_FILE]["sha256"], man
-
-
-def _rebuild(base_dir: Path, settings: LoraSettings, tensors: dict[str, torch.Tensor]) -> nn.Module:
-    from draft_align.publish.export import load_draft
-
-    base, _ = load_draft(Path(base_dir), verify=False)
-    apply_lora(base, settings)
-    load_lora_state_dict(base, tensors)
-    return merged(base)
-
-
-@dataclass
-class DeltaInfo:
-    """What :func:`export_adapter` wrote."""
-
-    path: Path
-    base_sha256: str
-    merged_sha256: str
-    bytes: int
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
-def export_adapter(
-    draft: nn.Module,
-    out_dir: Path,
-    base_dir: Path,
-    *,
-    draft_version: int,
-    policy_version: int,
-    dtype: torch.dtype = torch.bfloat16,
-    metrics: dict[str, Any] | None = None,
-) -> DeltaInfo:
-    """Write the adapters of ``draft`` (trained over the draft published at ``base_dir``) as a delta folder.
-
-    The base's weights must be the ones the adapters were trained over: the draft's frozen base weights,
-    cast to ``dtype``, must equal the base folder's (AdapterMismatchError otherwise, nothing written).
-    The recorded merged sha256 is that of base folder + adapters, rebuilt as :func:`load_adapter` does.
-    """
-    if not is_lora(draft):
-        raise DraftConfigError("the draft carries no LoRA adapters")
-    settings: LoraSettings = draft.lora_settings  # type: ignore[assignment]
-    base_sha, base_man = _base_sha(base_dir)
-    unmerged = copy.deepcopy(draft)
-    _strip_adapters(unmerged)
-    mine = engine_tensors(unmerged, dtype)
-    theirs = safetensors.torch.load_file(str(Path(base_dir) / "model.safetensors"))
-    if set(mine) != set(theirs) or any(not torch.equal(mine[k], theirs[k].to(mine[k].dtype)) for k in mine):
-        raise AdapterMismatchError(
-            f"the adapters were trained over another base than {base_dir} (its weights differ from the draft's "
-            f"frozen base): not written"
-        )
-    tensors = lora_state_dict(draft)
-    merged_sha = engine_sha256(_rebuild(base_dir, settings, tensors), dtype)
-    manifest = {
-        "format": DELTA_FORMAT,
-        "format_version": DELTA_FORMAT_VERSION,
-        "base": {"sha256": base_sha, "draft_version": base_man.get("draft_version"), "format": base_man["format"]},
-        "lora": settings.to_dict(),
-        "merged_sha256": merged_sha,
-        "dtype": str(dtype).removeprefix("torch."),
-        "draft_version": int(draft_version),
-        "policy_version": int(policy_version),
-        "metrics": metrics or {},
-        "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
-        "files": {},
-    }
-    from draft_align.publish.export import publish_folder
-
-    out_dir = Path(out_dir)
-    publish_folder(out_dir, tensors, manifest, weights_file=ADAPTER_FILE)
-    size = manifest["files"][ADAPTER_FILE]["bytes"]
-    return DeltaInfo(out_dir, base_sha, merged_sha, size)
-
-
-def _strip_adapters(draft: nn.Module) -> None:
+def strip_adapters(draft: nn.Module) -> None:
     """Replace every LoRA layer of ``draft`` by its (unmerged) base layer, in place."""
     kind = _lora_layer_type()
     for name, mod in list(draft.named_modules()):
@@ -276,73 +156,6 @@ def _strip_adapters(draft: nn.Module) -> None:
             setattr(parent, child, mod.get_base_layer())
     if hasattr(draft, "lora_settings"):
         del draft.lora_settings
-
-
-def read_delta_manifest(delta_dir: Path) -> dict[str, Any]:
-    """The delta's manifest, with its adapter file re-hashed (AdapterMismatchError when it differs)."""
-    from draft_align.publish.export import _digest
-
-    delta_dir = Path(delta_dir)
-    try:
-        man = json.loads((delta_dir / "manifest.json").read_text(encoding="utf-8"))
-    except (FileNotFoundError, json.JSONDecodeError) as e:
-        raise AdapterMismatchError(f"{delta_dir}: no readable manifest.json ({e})") from e
-    if man.get("format") != DELTA_FORMAT or man.get("format_version") != DELTA_FORMAT_VERSION:
-        raise AdapterMismatchError(f"{delta_dir}: not a {DELTA_FORMAT} v{DELTA_FORMAT_VERSION} folder")
-    info = man["files"][ADAPTER_FILE]
-    sha, size = _digest(delta_dir / ADAPTER_FILE)
-    if sha != info["sha256"] or size != info["bytes"]:
-        raise AdapterMismatchError(f"{delta_dir / ADAPTER_FILE}: sha256/size differ from the manifest (corrupt)")
-    return man
-
-
-def load_adapter(delta_dir: Path, base_dir: Path) -> tuple[nn.Module, dict[str, Any]]:
-    """Rebuild the merged draft of an adapter-only delta over the draft published at ``base_dir``.
-
-    Raises AdapterMismatchError when the base's sha256 is not the one the delta records (an adapter for
-    another base), or when the rebuilt merged weights' sha256 differs from the recorded one.
-    """
-    man = read_delta_manifest(delta_dir)
-    base_sha, _ = _base_sha(base_dir)
-    if base_sha != man["base"]["sha256"]:
-        raise AdapterMismatchError(
-            f"adapter {delta_dir} was trained over base draft sha256 {man['base']['sha256'][:16]}…, but "
-            f"{base_dir} has {base_sha[:16]}…: refusing to merge it"
-        )
-    lora = dict(man["lora"])
-    settings = LoraSettings(**lora)
-    tensors = safetensors.torch.load_file(str(Path(delta_dir) / ADAPTER_FILE))
-    out = _rebuild(base_dir, settings, tensors)
-    dtype = getattr(torch, man.get("dtype", "bfloat16"))
-    got = engine_sha256(out, dtype)
-    if got != man["merged_sha256"]:
-        raise AdapterMismatchError(
-            f"merged weights rebuilt from {delta_dir} hash to {got[:16]}…, the delta records "
-            f"{man['merged_sha256'][:16]}…"
-        )
-    return out, man
-
-
-def publish_adapter(
-    delta_dir: Path, base_dir: Path, out_dir: Path, *, target_config: Any, target_name: str,
-    tokenizer_fingerprint: str, metrics: dict[str, Any] | None = None,
-) -> Path:
-    """Rebuild the merged draft of a delta (:func:`load_adapter`) and publish it as a plain engine-format
-    folder; its model.safetensors must hash to the delta's merged sha256 (else the folder is removed)."""
-    from draft_align.publish.export import WEIGHTS_FILE, export_draft
-
-    draft, man = load_adapter(delta_dir, base_dir)
-    out = export_draft(
-        draft, Path(out_dir), target_config=target_config, target_name=target_name, metrics=metrics or {},  # type: ignore[arg-type]
-        draft_version=int(man["draft_version"]), policy_version=int(man["policy_version"]),
-        tokenizer_fingerprint=tokenizer_fingerprint, dtype=getattr(torch, man.get("dtype", "bfloat16")),
-        extra_manifest={"lora_delta": {"base_sha256": man["base"]["sha256"], "merged_sha256": man["merged_sha256"]}},
-    )
-    written = json.loads((out / "manifest.json").read_text())["files"][WEIGHTS_FILE]["sha256"]
-    if written != man["merged_sha256"]:
-        shutil.rmtree(out, ignore_errors=True)
-        raise AdapterMismatchError(f"published weights hash to {written[:16]}…, expected {man['merged_sha256'][:16]}…")
-    return out
 
 
 def lora_settings(cfg: Any) -> LoraSettings:

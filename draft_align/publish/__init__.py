@@ -1,1 +1,119 @@
-"""Publishing drafts: engine-format checkpoints (atomic, versioned, checksummed) and engine refreshers."""
+"""Published drafts: one folder per version that vLLM / SGLang load, checksummed, written atomically.
+
+:func:`export_draft` and :func:`load_draft` are the one place that picks the format: by the head's
+``kind`` when writing (EAGLE-3 → ``eagle3_format``, MTP → ``mtp_format``), by the manifest's ``format``
+when reading.  The folder mechanics are in ``folder``, run versions and ``latest`` in ``versions``,
+compatibility checks in ``compat``, adapter-only deltas in ``lora_delta`` (docs/formats.md).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+import safetensors.torch
+import torch
+
+from draft_align.heads.eagle3 import DraftConfigError
+from draft_align.heads.lora import is_lora, merged
+from draft_align.heads.protocol import DraftHead
+from draft_align.publish import eagle3_format, mtp_format
+from draft_align.publish.eagle3_format import Dialect
+from draft_align.publish.folder import MTP_FORMAT, ExportError, ExportRequest, read_manifest
+
+
+def write_draft(
+    draft: DraftHead,
+    out_dir: Path,
+    req: ExportRequest,
+    *,
+    dialect: Dialect = "hf",
+    speculative_tokens: int = 3,
+) -> dict[str, Any]:
+    """:func:`export_draft` with its provenance in one :class:`ExportRequest`; returns the manifest as
+    written (``files`` holds each file's sha256 and size)."""
+    if is_lora(draft):  # engines load plain weights
+        draft = merged(draft)  # type: ignore[assignment]
+    if draft.kind == "mtp":
+        if dialect != "hf":
+            raise ExportError(
+                f"dialect {dialect!r} is an EAGLE-3 dialect: an MTP head is written in its own layout"
+            )
+        return mtp_format.write_mtp(draft, Path(out_dir), req)  # type: ignore[arg-type]
+    return eagle3_format.write_eagle3(
+        draft, Path(out_dir), req, dialect=dialect, speculative_tokens=speculative_tokens  # type: ignore[arg-type]
+    )
+
+
+def export_draft(
+    draft: DraftHead,
+    out_dir: Path,
+    *,
+    dialect: Dialect = "hf",
+    target_config: Any,
+    target_name: str,
+    metrics: dict[str, Any],
+    draft_version: int,
+    policy_version: int,
+    tokenizer_fingerprint: str,
+    dtype: torch.dtype = torch.bfloat16,
+    extra_manifest: dict[str, Any] | None = None,
+    overwrite: bool = False,
+    speculative_tokens: int = 3,
+) -> Path:
+    """Write ``draft`` as an engine-loadable folder at ``out_dir`` and return ``out_dir``.
+
+    ``target_config``: the target's HF config (num_hidden_layers, hidden_size, vocab_size,
+    max_position_embeddings, RoPE fields).  Floating tensors are stored in ``dtype``; d2t int64, t2d bool.
+    Everything is validated before anything is written; the folder appears atomically (temp + rename).
+    ``extra_manifest`` keys are merged into the manifest's top level (they may not shadow its own keys).
+    ``speculative_tokens`` is the speculators dialect's default proposal length.
+    An MTP head is written in its own layout (``dialect`` must stay ``hf``).
+    LoRA adapters are merged first (engines load plain weights).
+    """
+    req = ExportRequest(
+        target_config=target_config, target_name=target_name, metrics=metrics, draft_version=draft_version,
+        policy_version=policy_version, tokenizer_fingerprint=tokenizer_fingerprint, dtype=dtype,
+        extra_manifest=extra_manifest, overwrite=overwrite,
+    )  # fmt: skip
+    write_draft(draft, out_dir, req, dialect=dialect, speculative_tokens=speculative_tokens)
+    return Path(out_dir)
+
+
+def load_draft(
+    path: Path,
+    *,
+    verify: bool = True,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> tuple[Any, dict[str, Any]]:
+    """Rebuild the draft saved at ``path`` (either format, either dialect); returns (module, manifest).
+
+    With ``verify`` every file the manifest lists is re-hashed first.  The module is built on the ``meta``
+    device and the checkpoint tensors are assigned to it (float tensors cast to ``dtype``), then moved to
+    ``device``.
+    """
+    path = Path(path)
+    manifest = read_manifest(path, verify=verify)
+    if manifest.get("format") == MTP_FORMAT:
+        return mtp_format.load_mtp(path, manifest, device=device, dtype=dtype), manifest
+    return eagle3_format.load_eagle3(path, manifest, device=device, dtype=dtype), manifest
+
+
+def engine_tensors(draft: DraftHead, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+    """Exactly the tensors a publish of this (plain) draft writes to model.safetensors (HF dialect)."""
+    if is_lora(draft):
+        raise DraftConfigError("merge the adapters first (engine tensors are plain weights)")
+    if draft.kind == "mtp":
+        return mtp_format.engine_tensors(draft, dtype)  # type: ignore[arg-type]
+    return eagle3_format.engine_tensors(draft, dtype, "hf")  # type: ignore[arg-type]
+
+
+def engine_sha256(draft: DraftHead, dtype: torch.dtype = torch.bfloat16) -> str:
+    """sha256 of the model.safetensors a publish of ``draft`` writes (same serializer and metadata)."""
+    data = safetensors.torch.save(engine_tensors(draft, dtype), metadata={"format": "pt"})
+    return hashlib.sha256(data).hexdigest()
+
+
+__all__ = ["engine_sha256", "engine_tensors", "export_draft", "load_draft", "write_draft"]

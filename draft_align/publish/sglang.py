@@ -1,46 +1,9 @@
 """SGLang's EAGLE-3 loader rules, checked against a published draft folder without SGLang installed.
 
-Every rule below was read in sgl-project/sglang's source (Apache-2.0; read, not copied).  Files and commits:
-
-- ``python/sglang/srt/models/llama_eagle3.py`` (commits 03d5a777 and d737979c): ``LlamaForCausalLMEagle3``.
-  * ``__init__``: the old commit raises unless ``num_hidden_layers == 1``; the newer one builds layers 1.. as
-    ``additional_layers.{i-1}`` (names vLLM does not use).  ``tie_word_embeddings: true`` makes ``lm_head``
-    the embedding (our lm_head is then ignored).  ``config.draft_vocab_size`` is read as an attribute:
-    ``null`` means "no own lm_head, take the target's full one" (``load_lm_head_from_target``); the draft's
-    logits processor uses ``draft_vocab_size`` as its vocab.
-  * ``LlamaModel.__init__``: ``fc = Linear(3 * target_hidden_size, hidden_size, bias=config.bias or False)``
-    (``target_hidden_size`` defaults to ``hidden_size``); the decoder layer is the attribute ``midlayer``
-    (parameters ``model.midlayer.*``), q/k/v fused into ``qkv_proj`` with ``2 * hidden_size`` inputs,
-    gate/up fused into ``gate_up_proj``; ``hidden_norm``, ``input_layernorm``,
-    ``post_attention_layernorm``, ``norm``.  The residual is the pre-norm hidden ``h``: the layer
-    implements ``norm_before_residual: false`` only (there is no switch).
-  * ``LlamaModel.forward``: ``fc`` is applied only when the incoming hidden width differs from the
-    embedding width.
-  * ``load_weights``: a name containing ``d2t`` sets ``hot_token_id = d2t + arange(len(d2t))``; ``t2d`` is
-    skipped; ``.q_proj/.k_proj/.v_proj/.gate_proj/.up_proj`` are mapped onto the fused parameters; every
-    name is tried as-is and with a ``model.`` prefix; **a name that matches no parameter is dropped
-    silently** (no error, the parameter keeps its initial values).  There is no ``layers.0.`` →
-    ``midlayer.`` mapping, so the speculators layout (``layers.0.*``) loads nothing into the layer.
-- ``python/sglang/srt/models/llama.py`` (commit 00239548), inherited by the EAGLE-3 class:
-  * ``set_embed``: when ``target_hidden_size != hidden_size`` the target's embedding is **not** shared;
-    a draft that ships no ``embed_tokens.weight`` (ours never does) then embeds with uninitialised weights.
-  * ``set_eagle3_layers_to_capture``: ids ``None`` → capture ``[2, L//2, L-3]``; explicit ids ``j`` →
-    capture ``j + 1`` ("for the ith layer, it takes the output of the (i-1)th layer").  ``LlamaModel.forward``
-    appends ``hidden_states + residual`` *before* running layer ``i`` when ``i`` is captured, i.e. HF
-    ``hidden_states[i]``; an index ≥ L is never reached (one aux state short, fc width breaks).
-  * ``LlamaDecoderLayer``: attention bias is ``attention_bias or bias``; RoPE from ``rope_theta`` /
-    ``rope_scaling`` (10000 when absent: silently wrong for most targets).
-- ``python/sglang/srt/model_executor/model_runner.py`` (commit 0005834c), ``ModelRunner.__init__`` of the
-  target: reads the draft's ``hf_config.eagle_config["eagle_aux_hidden_state_layer_ids"]`` and
-  ``eagle_config.get("use_aux_hidden_state", True)`` inside a bare ``except`` (any failure → default ids).
-  The top-level ``eagle_aux_hidden_state_layer_ids`` (vLLM's key) is never read by SGLang.
-- ``python/sglang/srt/speculative/eagle_worker.py`` (commit 00559eac), ``EAGLEWorker.__init__``: shares the
-  target's embedding (``set_embed``) unless ``load_lm_head_from_target``; copies the draft's
-  ``hot_token_id`` once, so a later d2t is never picked up.
-
-So, for a folder to run in SGLang as the draft it was trained as (HF ``hidden_states`` indices ``hf``):
-``eagle_config.eagle_aux_hidden_state_layer_ids == [k - 1 for k in hf]``, or no ids at all when
-``hf == (2, L//2, L-3)``.
+SGLang drops unknown tensor names silently, reads aux ids only from ``eagle_config`` (adding one to each)
+and shares the target's embedding only when hidden sizes agree, so a folder vLLM runs can still load wrong.
+The rules, and the SGLang source each was read from: docs/engines.md, "SGLang loader rules: where they
+come from".
 """
 
 from __future__ import annotations
@@ -48,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -55,9 +19,12 @@ import safetensors
 import torch
 
 from draft_align.conventions import default_aux_layer_ids
+from draft_align.heads.eagle3 import ARCHITECTURE, ENGINE_NUM_AUX
+from draft_align.heads.eagle3 import expected_shapes as eagle3_expected_shapes
+from draft_align.publish.folder import CONFIG_FILE, MANIFEST_FILE, WEIGHTS_FILE
 
-ARCHITECTURE = "LlamaForCausalLMEagle3"  # the only EAGLE-3 class SGLang registers for the HF layout
-NUM_AUX = 3  # fc = Linear(3 · target_hidden_size, hidden_size)
+# ARCHITECTURE is the only EAGLE-3 class SGLang registers for the HF layout
+NUM_AUX = ENGINE_NUM_AUX  # fc = Linear(3 · target_hidden_size, hidden_size)
 _FLOAT_DTYPES = {"BF16", "F16", "F32"}
 _INT_FIELDS = (
     "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -75,29 +42,36 @@ def sglang_capture(sglang_ids: Sequence[int]) -> list[int]:
     return [int(j) + 1 for j in sglang_ids]
 
 
+@dataclass(frozen=True)
+class ConfigShape:
+    """The :class:`heads.eagle3.Eagle3Shape` a config.json describes, as SGLang sizes it: fc reads
+    ``3 · target_hidden_size`` (``target_hidden_size`` defaults to ``hidden_size``)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    fc_in_features: int
+    draft_vocab_size: int
+    vocab_size: int
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> ConfigShape:
+        h = int(config["hidden_size"])
+        return cls(
+            hidden_size=h, intermediate_size=int(config["intermediate_size"]),
+            num_attention_heads=int(config["num_attention_heads"]),
+            num_key_value_heads=int(config["num_key_value_heads"]), head_dim=int(config["head_dim"]),
+            fc_in_features=NUM_AUX * int(config.get("target_hidden_size", h)),
+            draft_vocab_size=int(config["draft_vocab_size"]), vocab_size=int(config["vocab_size"]),
+        )  # fmt: skip
+
+
 def expected_shapes(config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
-    """The tensors SGLang's ``LlamaForCausalLMEagle3`` fills, in our (unfused, unprefixed) names."""
-    h, t = int(config["hidden_size"]), int(config.get("target_hidden_size", config["hidden_size"]))
-    hd, inter = int(config["head_dim"]), int(config["intermediate_size"])
-    q, kv = int(config["num_attention_heads"]) * hd, int(config["num_key_value_heads"]) * hd
-    a, m = "midlayer.self_attn.", "midlayer.mlp."
-    return {
-        "fc.weight": (h, NUM_AUX * t),
-        a + "q_proj.weight": (q, 2 * h),
-        a + "k_proj.weight": (kv, 2 * h),
-        a + "v_proj.weight": (kv, 2 * h),
-        a + "o_proj.weight": (h, q),
-        m + "gate_proj.weight": (inter, h),
-        m + "up_proj.weight": (inter, h),
-        m + "down_proj.weight": (h, inter),
-        "midlayer.input_layernorm.weight": (h,),
-        "midlayer.hidden_norm.weight": (h,),
-        "midlayer.post_attention_layernorm.weight": (h,),
-        "norm.weight": (h,),
-        "lm_head.weight": (int(config["draft_vocab_size"]), h),
-        "d2t": (int(config["draft_vocab_size"]),),
-        "t2d": (int(config["vocab_size"]),),
-    }
+    """The tensors SGLang's ``LlamaForCausalLMEagle3`` fills, in our (unfused, unprefixed) names; SGLang
+    fuses q/k/v into ``qkv_proj`` and gate/up into ``gate_up_proj`` on load."""
+    return eagle3_expected_shapes(ConfigShape.from_config(config))
 
 
 def _is_int(v: Any) -> bool:
@@ -316,17 +290,17 @@ def check_sglang_compatible(draft_dir: Path | str, target_config: Any | None = N
     Reads ``config.json``, the safetensors header (plus ``d2t``) and, when present, ``manifest.json`` (for
     the aux layers the draft was trained on and the target's depth).  ``target_config`` (an HF config) adds
     the target-side checks and supplies the depth when there is no manifest.  Nothing is loaded into SGLang;
-    the rules are the ones listed in this module's docstring.
+    the rules are the ones docs/engines.md lists.
     """
     d = Path(draft_dir)
     try:
-        c = json.loads((d / "config.json").read_text(encoding="utf-8"))
+        c = json.loads((d / CONFIG_FILE).read_text(encoding="utf-8"))
     except FileNotFoundError:
-        return [f"{d / 'config.json'} is missing"]
+        return [f"{d / CONFIG_FILE} is missing"]
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        return [f"{d / 'config.json'} is unparsable: {e}"]
+        return [f"{d / CONFIG_FILE} is unparsable: {e}"]
     if not isinstance(c, dict):
-        return [f"{d / 'config.json'} is not a JSON object"]
+        return [f"{d / CONFIG_FILE} is not a JSON object"]
     problems = _check_config(c)
     sglang_ids, aux_problems = _aux_ids(c)
     problems += aux_problems
@@ -334,7 +308,7 @@ def check_sglang_compatible(draft_dir: Path | str, target_config: Any | None = N
     trained: list[int] | None = None
     num_layers: int | None = None
     try:
-        manifest = json.loads((d / "manifest.json").read_text(encoding="utf-8"))
+        manifest = json.loads((d / MANIFEST_FILE).read_text(encoding="utf-8"))
         trained = [int(k) for k in manifest["aux_layer_ids"]["hf"]]
         num_layers = int(manifest["target"]["num_hidden_layers"])
     except (FileNotFoundError, json.JSONDecodeError, KeyError, TypeError, ValueError):
@@ -344,7 +318,7 @@ def check_sglang_compatible(draft_dir: Path | str, target_config: Any | None = N
         problems += _target_checks(c, target_config)
     problems += _check_capture(sglang_ids, trained, num_layers)
 
-    weights = d / "model.safetensors"
+    weights = d / WEIGHTS_FILE
     if not weights.is_file():
         problems.append(f"{weights} is missing")
     else:

@@ -16,15 +16,9 @@ from typing import Any
 import torch
 
 from draft_align.heads.eagle3 import Eagle3Draft
-from draft_align.publish.export import (
-    MANIFEST_FILE,
-    WEIGHTS_FILE,
-    CorruptCheckpointError,
-    ExportError,
-    load_draft,
-    read_latest,
-    resolve_draft_dir,
-)
+from draft_align.publish import load_draft
+from draft_align.publish.folder import MANIFEST_FILE, WEIGHTS_FILE, CorruptCheckpointError, ExportError
+from draft_align.publish.versions import read_latest, resolve_draft_dir
 
 log = logging.getLogger(__name__)
 

@@ -84,7 +84,7 @@ class VllmWorld:
 
 
 def _export(draft: Any, out: Path, target_config: Any, version: int, fingerprint: str) -> Path:
-    from draft_align.publish.export import export_draft
+    from draft_align.publish import export_draft
 
     return export_draft(
         draft, out, target_config=target_config, target_name="vllm-tiny", metrics={}, draft_version=version,
@@ -101,7 +101,8 @@ def vllm_world(request, tmp_path_factory) -> VllmWorld:
     from draft_align import warmstart
     from draft_align.config import load_recipe
     from draft_align.heads.eagle3 import Eagle3Draft
-    from draft_align.publish.export import load_draft, version_dir, write_latest
+    from draft_align.publish import load_draft
+    from draft_align.publish.versions import version_dir, write_latest
 
     tiny_world = request.getfixturevalue("tiny_world")  # tests/conftest.py: tokenizer, chats, small target
     root = tmp_path_factory.mktemp("vllm_world")
@@ -191,7 +192,7 @@ def engine(vllm_world, vllm_env):
     Shut down after the module (its KV cache is 1 GiB); a module that reads counters should start no other.
     """
     from draft_align.engines.vllm_engine import start_engine
-    from draft_align.publish.export import version_dir
+    from draft_align.publish.versions import version_dir
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -93,7 +93,7 @@ def rollouts(vllm_world, vllm_env):
     from transformers import AutoTokenizer
 
     from draft_align.engines.rollouts import VLLMRollouts
-    from draft_align.publish.export import version_dir
+    from draft_align.publish.versions import version_dir
 
     tok = AutoTokenizer.from_pretrained(vllm_world.target)
     prompts = [
@@ -158,7 +158,7 @@ def test_policy_sync_makes_engine_logprobs_match_the_policy(rollouts, vllm_world
 
 @needs_vllm
 def test_offer_use_and_guard(rollouts, vllm_world):
-    from draft_align.publish.export import version_dir
+    from draft_align.publish.versions import version_dir
 
     assert rollouts.serving == "frozen" and rollouts.adapted_version == 0
     assert rollouts.offer(version_dir(vllm_world.run, 3))  # good: passes the probe
@@ -190,7 +190,7 @@ def test_grpo_steps_on_vllm_rollouts(rollouts, vllm_world, tmp_path):
 
     from draft_align import data
     from draft_align.config import CotrainRecipe, RLConfig
-    from draft_align.publish.export import version_dir, write_latest
+    from draft_align.publish.versions import version_dir, write_latest
     from draft_align.rl.drafts import DraftWatcher
     from draft_align.rl.grpo import GRPOJob, build_prompts, make_kl_sequences
 
@@ -265,7 +265,7 @@ def test_guard_reference_is_the_serving_version_probed_just_before(rollouts, vll
     """Under RL the policy moves between refreshes: a version is compared with the serving one on the same
     target weights, never with a probe taken several policy versions ago."""
     from draft_align.engines.vllm_engine import SpecCounters
-    from draft_align.publish.export import version_dir
+    from draft_align.publish.versions import version_dir
 
     ref = rollouts.refresher
     ref._probe_ref = 2.5  # a probe from long ago, when the policy was easier to draft for

@@ -203,7 +203,8 @@ def test_cpu_rejection_sampler_gets_real_temperatures(engine):
 
 @needs_vllm
 def test_refresh_good_bad_good_without_restart(engine, vllm_world, chat_prompts, baseline):
-    from draft_align.publish.export import read_manifest, version_dir, write_latest
+    from draft_align.publish.folder import read_manifest
+    from draft_align.publish.versions import version_dir, write_latest
     from draft_align.wire.messages import DraftPublished
 
     run = vllm_world.run
@@ -259,7 +260,7 @@ def test_corrupt_and_mismatched_versions_refused(engine, vllm_world, chat_prompt
 def test_refresh_between_engine_steps_fails_no_request(engine, vllm_world, chat_prompts, baseline):
     from vllm import SamplingParams
 
-    from draft_align.publish.export import version_dir
+    from draft_align.publish.versions import version_dir
 
     ref = DraftRefresher(engine, vllm_world.run)
     engine.enqueue(chat_prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
@@ -281,7 +282,7 @@ def test_refresh_between_engine_steps_fails_no_request(engine, vllm_world, chat_
 
 @needs_vllm
 def test_probe_guard_rolls_back_a_collapsed_version(engine, vllm_world, chat_prompts, baseline):
-    from draft_align.publish.export import version_dir
+    from draft_align.publish.versions import version_dir
 
     ref = DraftRefresher(engine, vllm_world.run, guard=ProbeGuard(prompts=tuple(chat_prompts), max_tokens=24))
     serving = ref.current
@@ -301,7 +302,7 @@ def test_probe_guard_rolls_back_a_collapsed_version(engine, vllm_world, chat_pro
 def test_calibrate_t0_matches_the_engine_counters(engine, vllm_world, chat_prompts):
     from transformers import AutoModelForCausalLM
 
-    from draft_align.publish.export import load_draft
+    from draft_align.publish import load_draft
 
     serving = DraftRefresher(engine).current
     draft, _ = load_draft(Path(serving.path))
@@ -319,7 +320,8 @@ def test_calibrate_t0_matches_the_engine_counters(engine, vllm_world, chat_promp
 
 @needs_vllm
 def test_start_engine_rejects_bad_arguments(vllm_world):
-    from draft_align.publish.export import CorruptCheckpointError, ExportError, version_dir
+    from draft_align.publish.folder import CorruptCheckpointError, ExportError
+    from draft_align.publish.versions import version_dir
 
     target, v1 = str(vllm_world.target), version_dir(vllm_world.run, 1)
     with pytest.raises(ValueError, match="k must be"):

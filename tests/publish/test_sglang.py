@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from draft_align.heads.eagle3 import Eagle3Config, Eagle3Draft
-from draft_align.publish.export import export_draft
+from draft_align.publish import export_draft
 from draft_align.publish.sglang import (
     check_sglang_compatible,
     expected_shapes,
@@ -280,7 +280,7 @@ def test_missing_files_are_reported(tmp_path):
 @pytest.mark.parametrize("target_hidden, rc", [(H, 0), (24, 1)])
 def test_cli_export_check_sglang(tmp_path, monkeypatch, capsys, target_hidden, rc):
     from draft_align import cli
-    from draft_align.publish import export as ex
+    from draft_align.publish import compat
 
     target = target_cfg(hidden_size=target_hidden)
     draft = make_draft(DEFAULT_IDS, target_hidden_size=target_hidden)
@@ -288,7 +288,7 @@ def test_cli_export_check_sglang(tmp_path, monkeypatch, capsys, target_hidden, r
     monkeypatch.setattr(
         cli, "_load_target_and_draft", lambda t, d: (SimpleNamespace(config=target), None, draft, manifest, d)
     )
-    monkeypatch.setattr(ex, "tokenizer_fingerprint", lambda tok: "0123456789abcdef")
+    monkeypatch.setattr(compat, "tokenizer_fingerprint", lambda tok: "0123456789abcdef")
     out = tmp_path / "hf"
     assert cli.main(["export", "--draft", "src", "--out", str(out), "--check", "sglang"]) == rc
     text = capsys.readouterr().out

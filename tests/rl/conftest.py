@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from draft_align.heads.eagle3 import Eagle3Config, Eagle3Draft
-from draft_align.publish.export import export_draft, version_dir, write_latest
+from draft_align.publish import export_draft
+from draft_align.publish.versions import version_dir, write_latest
 
 AUX = (1, 3, 4)  # TINY_AUX of tests/conftest.py
 DRAFT_VOCAB = 48

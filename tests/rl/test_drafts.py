@@ -3,7 +3,8 @@ import logging
 import pytest
 import torch
 
-from draft_align.publish.export import ExportError, resolve_draft_dir, version_dir
+from draft_align.publish.folder import ExportError
+from draft_align.publish.versions import resolve_draft_dir, version_dir
 from draft_align.rl.drafts import DraftWatcher
 
 

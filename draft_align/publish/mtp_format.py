@@ -1,6 +1,7 @@
-"""MTP heads in the engines' native layouts: import from a checkpoint, export, publish and load.
+"""The MTP formats: DeepSeek-V3's and Qwen3-Next's native layouts; import from a checkpoint, write, load.
 
-Layouts (REFERENCE.md §6; names checked against vLLM ``deepseek_mtp.py`` and ``qwen3_next_mtp.py``):
+Layouts (docs/formats.md §3; names checked against vLLM ``deepseek_mtp.py`` and
+``qwen3_next_mtp.py``):
 
 - ``deepseek_v3``: module d is ``model.layers.{N+d}.*`` (N = the target's layer count): ``enorm``,
   ``hnorm``, ``eh_proj`` [H, 2H] (no bias), the block's usual Llama names (``input_layernorm``,
@@ -30,22 +31,20 @@ import torch
 from draft_align.heads.eagle3 import DraftConfigError
 from draft_align.heads.layers import Rotary
 from draft_align.heads.mtp import LAYOUTS, MTPConfig, MTPDraft
-from draft_align.publish.export import (
-    _DTYPES,
-    _RESERVED,
+from draft_align.publish.compat import check_rope
+from draft_align.publish.config_json import block_config_fields, special_token_ids
+from draft_align.publish.folder import (
     MANIFEST_FILE,
     MTP_FORMAT,
+    RESERVED_KEYS,
     WEIGHTS_FILE,
     CorruptCheckpointError,
     ExportError,
-    _rope_mismatch,
-    _target_rope,
-    block_config_fields,
+    ExportRequest,
     check_destination,
     draft_manifest,
+    float_dtype_name,
     publish_folder,
-    read_manifest,
-    special_token_ids,
 )
 
 MTP_FORMAT_VERSION = 1
@@ -324,9 +323,7 @@ def validate_mtp(draft: MTPDraft, target_config: Any) -> None:
     target_max = int(target_config.max_position_embeddings)
     if cfg.max_position_embeddings < target_max:
         raise ExportError(f"max_position_embeddings {cfg.max_position_embeddings} is smaller than the target's {target_max}")
-    diff = _rope_mismatch(cfg.rope_parameters, _target_rope(target_config))
-    if diff:
-        raise ExportError(f"rope mismatch in {diff}: draft {cfg.rope_parameters} vs target {_target_rope(target_config)}")
+    check_rope(cfg.rope_parameters, target_config)
     for name, t in draft.engine_state_dict().items():
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
             raise ExportError(f"non-finite values (NaN/Inf) in {name}")
@@ -349,69 +346,49 @@ def mtp_config_json(cfg: MTPConfig, target_config: Any, dtype_name: str) -> dict
     return out
 
 
-# --------------------------------------------------------------------------------------- publish / load
-def export_mtp_draft(
-    draft: MTPDraft,
-    out_dir: Path,
-    *,
-    layout: str | None = None,
-    target_config: Any,
-    target_name: str,
-    metrics: dict[str, Any],
-    draft_version: int,
-    policy_version: int,
-    tokenizer_fingerprint: str,
-    dtype: torch.dtype = torch.bfloat16,
-    extra_manifest: dict[str, Any] | None = None,
-    overwrite: bool = False,
-) -> Path:
-    """Write ``draft`` as a checksummed folder at ``out_dir`` in ``layout`` (default: the head's own).
+def engine_tensors(draft: MTPDraft, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The tensors model.safetensors holds: the head's own layout (:func:`to_layout`), cast to ``dtype``."""
+    return {k: v.detach().to("cpu", dtype).contiguous() for k, v in to_layout(draft).items()}
 
-    Same guarantees as :func:`draft_align.publish.export.export_draft`: validated first, floats stored in
-    ``dtype``, the folder appears atomically (temp + rename).
+
+# --------------------------------------------------------------------------------------- write / load
+def write_mtp(draft: MTPDraft, out_dir: Path, req: ExportRequest) -> dict[str, Any]:
+    """Write the plain (LoRA-merged) MTP ``draft`` at ``out_dir`` in its own layout; returns the manifest.
+
+    Same guarantees as the EAGLE-3 format: validated first, floats stored in ``req.dtype``, the folder
+    appears atomically (temp + rename).
     """
     out_dir = Path(out_dir)
-    if dtype not in _DTYPES:
-        raise ExportError(f"dtype {dtype} not supported: use one of {list(_DTYPES)}")
-    check_destination(out_dir, overwrite, extra_manifest, _RESERVED | {"layout", "mtp_config"})
-    validate_mtp(draft, target_config)
-    layout = layout or draft.cfg.layout
-    raw = to_layout(draft, layout)
-    tensors: dict[str, torch.Tensor] = {}
-    for name, t in raw.items():
-        t = t.detach().to("cpu", dtype).contiguous()
+    dtype_name = float_dtype_name(req.dtype)
+    check_destination(out_dir, req.overwrite, req.extra_manifest, RESERVED_KEYS | {"layout", "mtp_config"})
+    validate_mtp(draft, req.target_config)
+    layout = draft.cfg.layout
+    tensors = engine_tensors(draft, req.dtype)
+    for name, t in tensors.items():
         if not bool(torch.isfinite(t).all()):
-            raise ExportError(f"non-finite values (NaN/Inf) in {name} after casting to {dtype}")
-        tensors[name] = t
-    dtype_name = _DTYPES[dtype]
+            raise ExportError(f"non-finite values (NaN/Inf) in {name} after casting to {req.dtype}")
     cfg = dataclasses.replace(draft.cfg, torch_dtype=dtype_name)
-    config = mtp_config_json(cfg, target_config, dtype_name)
+    config = mtp_config_json(cfg, req.target_config, dtype_name)
     manifest = draft_manifest(
-        {"format": MTP_FORMAT, "format_version": MTP_FORMAT_VERSION, "layout": layout},
-        architecture=config["architectures"][0], draft_version=draft_version, policy_version=policy_version,
-        target_name=target_name, target_config=target_config,
+        {"format": MTP_FORMAT, "format_version": MTP_FORMAT_VERSION, "layout": layout}, req,
+        architecture=config["architectures"][0],
         aux_layer_ids={"hf": list(cfg.aux_layer_ids), "note": "MTP reads the final post-norm hidden (HF index L)"},
-        draft_vocab_size=cfg.vocab_size, tokenizer_fingerprint=tokenizer_fingerprint, dtype_name=dtype_name,
-        metrics=metrics, head_config={"mtp_config": cfg.to_dict()}, extra_manifest=extra_manifest,
+        draft_vocab_size=cfg.vocab_size, head_config={"mtp_config": cfg.to_dict()},
     )
-    publish_folder(out_dir, tensors, manifest, config=config, overwrite=overwrite)
-    return out_dir
+    publish_folder(out_dir, tensors, manifest, config=config, overwrite=req.overwrite)
+    return manifest
 
 
-def load_mtp_draft(
+def load_mtp(
     path: Path,
+    manifest: Mapping[str, Any],
     *,
-    verify: bool = True,
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
-    lm_head: torch.Tensor | None = None,
-) -> tuple[MTPDraft, dict[str, Any]]:
-    """Rebuild the MTP head published at ``path``; returns (module, manifest).  Files are re-hashed
-    (``verify``); names, depth and shapes are checked against the manifest's ``mtp_config``."""
+) -> MTPDraft:
+    """Rebuild the MTP head published at ``path`` from its (already read) ``manifest``; names, depth and
+    shapes are checked against the manifest's ``mtp_config``."""
     path = Path(path)
-    manifest = read_manifest(path, verify=verify)
-    if manifest.get("format") != MTP_FORMAT:
-        raise ExportError(f"{path}: format {manifest.get('format')!r} is not an MTP draft ({MTP_FORMAT})")
     try:
         cfg = MTPConfig.from_dict(dict(manifest["mtp_config"]))
     except (KeyError, TypeError, DraftConfigError) as e:
@@ -422,25 +399,4 @@ def load_mtp_draft(
         raw = safetensors.torch.load_file(str(path / WEIGHTS_FILE), device="cpu")
     except Exception as e:  # safetensors raises its own error types
         raise CorruptCheckpointError(f"{WEIGHTS_FILE}: unreadable ({e}); truncated or corrupt") from e
-    return import_mtp(raw, cfg, lm_head=lm_head, device=device, dtype=dtype), manifest
-
-
-def check_mtp_compatible(manifest: Mapping[str, Any], target_config: Any, tokenizer_fingerprint: str | None) -> None:
-    """Raise ExportError unless the MTP draft of ``manifest`` fits ``target_config`` (and tokenizer)."""
-    cfg = manifest["mtp_config"]
-    for what, key, theirs in (
-        ("hidden size", "hidden_size", int(target_config.hidden_size)),
-        ("vocab size", "vocab_size", int(target_config.vocab_size)),
-        ("num layers", "target_num_layers", int(target_config.num_hidden_layers)),
-    ):
-        if int(cfg[key]) != theirs:
-            raise ExportError(f"{what} mismatch: MTP draft built for {cfg[key]}, target has {theirs}")
-    if int(cfg["max_position_embeddings"]) < int(target_config.max_position_embeddings):
-        raise ExportError(
-            f"max_position_embeddings {cfg['max_position_embeddings']} is smaller than the target's "
-            f"{target_config.max_position_embeddings}"
-        )
-    if tokenizer_fingerprint is not None and tokenizer_fingerprint != manifest["tokenizer_fingerprint"]:
-        raise ExportError(
-            f"tokenizer fingerprint mismatch: draft {manifest['tokenizer_fingerprint']}, target {tokenizer_fingerprint}"
-        )
+    return import_mtp(raw, cfg, device=device, dtype=dtype)

@@ -1,0 +1,286 @@
+"""A published folder: files written into a temp folder, fsynced, renamed into place; a manifest that
+lists each file's sha256 and size, read back and verified (docs/formats.md §4).
+
+A folder is written under a ``.tmp-*`` name beside its final place, fsynced, then renamed: a reader sees
+either no folder or a complete one.  :func:`read_manifest` re-hashes every file the manifest lists.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import safetensors.torch
+import torch
+
+import draft_align
+from draft_align.conventions import FLOAT_DTYPE_NAMES, dtype_name
+
+EAGLE3_FORMAT = "draft_align.eagle3"  # written by publish/eagle3_format.py
+MTP_FORMAT = "draft_align.mtp"  # written by publish/mtp_format.py
+DRAFT_FORMATS = (EAGLE3_FORMAT, MTP_FORMAT)
+FORMAT_VERSION = 1
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+MANIFEST_FILE = "manifest.json"
+
+#: Manifest keys every draft format writes; ``extra_manifest`` may not shadow them.
+RESERVED_KEYS = frozenset({
+    "format", "format_version", "dialect", "architecture", "files", "draft_version", "policy_version",
+    "target", "aux_layer_ids", "draft_vocab_size", "tokenizer_fingerprint", "created", "draft_align_version",
+    "dtype", "metrics", "eagle3_config",
+})  # fmt: skip
+
+
+class ExportError(ValueError):
+    """A draft that must not be published, or a checkpoint that does not fit the given target."""
+
+
+class CorruptCheckpointError(ExportError):
+    """A checkpoint folder whose files do not match its manifest (or that has no readable manifest)."""
+
+
+@dataclass(frozen=True)
+class ExportRequest:
+    """What every draft format records besides the head itself: provenance, the target, the storage dtype.
+
+    ``target_config``: the target's HF config (num_hidden_layers, hidden_size, vocab_size,
+    max_position_embeddings, RoPE fields).  ``extra_manifest`` keys are merged into the manifest's top level
+    (they may not shadow its own keys).
+    """
+
+    target_config: Any
+    target_name: str
+    metrics: dict[str, Any]
+    draft_version: int
+    policy_version: int
+    tokenizer_fingerprint: str
+    dtype: torch.dtype = torch.bfloat16
+    extra_manifest: dict[str, Any] | None = None
+    overwrite: bool = False
+
+
+def float_dtype_name(dtype: torch.dtype) -> str:
+    """The manifest name of a storage dtype (bfloat16, float16 or float32); ExportError for any other."""
+    try:
+        name = dtype_name(dtype)
+    except ValueError:
+        name = ""
+    if name not in FLOAT_DTYPE_NAMES:
+        raise ExportError(f"dtype {dtype} not supported: use one of {list(FLOAT_DTYPE_NAMES)}")
+    return name
+
+
+# --------------------------------------------------------------------------------------- bytes on disk
+def fsync_path(path: Path) -> None:
+    """fsync a file or a folder (a folder's entry list, after a rename into it)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_text(path: Path, text: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def digest(path: Path) -> tuple[str, int]:
+    """(sha256 hex, size in bytes) of a file, streamed."""
+    h = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+            size += len(chunk)
+    return h.hexdigest(), size
+
+
+def _json_default(obj: Any) -> Any:
+    if hasattr(obj, "item") and callable(obj.item):  # torch / numpy scalars
+        return obj.item()
+    if isinstance(obj, Path):
+        return str(obj)
+    raise TypeError(f"{type(obj).__name__} is not JSON serialisable")
+
+
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, indent=2, default=_json_default) + "\n"
+
+
+def _rename_into_place(tmp: Path, out_dir: Path, overwrite: bool) -> None:
+    """Rename the complete ``tmp`` folder to ``out_dir``; with ``overwrite``, swap out the old one."""
+    parent = out_dir.parent
+    if not os.path.lexists(out_dir):
+        os.replace(tmp, out_dir)
+        fsync_path(parent)
+        return
+    if not overwrite:
+        raise ExportError(f"{out_dir} already exists; pass overwrite=True to replace it")
+    # No atomic directory exchange in the stdlib: rename the old one away first.  A crash between the two
+    # renames leaves no out_dir (and a complete ``.old-*`` folder), never a half-written one.
+    old = parent / f".old-{out_dir.name}-{uuid.uuid4().hex[:8]}"
+    os.replace(out_dir, old)
+    try:
+        os.replace(tmp, out_dir)
+    except BaseException:
+        os.replace(old, out_dir)
+        raise
+    fsync_path(parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def check_destination(out_dir: Path, overwrite: bool, extra_manifest: dict[str, Any] | None,
+                      reserved: frozenset[str] | set[str]) -> None:
+    """Refuse an ``out_dir`` that exists (unless ``overwrite`` and it is a real folder) and
+    ``extra_manifest`` keys that would shadow the manifest's own ``reserved`` keys."""
+    if os.path.lexists(out_dir):
+        if not overwrite:
+            raise ExportError(f"{out_dir} already exists; pass overwrite=True to replace it")
+        if not out_dir.is_dir() or out_dir.is_symlink():
+            raise ExportError(f"{out_dir} exists and is not a checkpoint folder; refusing to replace it")
+    clash = sorted(set(extra_manifest or {}) & set(reserved))
+    if clash:
+        raise ExportError(f"extra_manifest keys {clash} would shadow manifest fields")
+
+
+def publish_folder(
+    out_dir: Path,
+    tensors: dict[str, torch.Tensor],
+    manifest: dict[str, Any],
+    *,
+    weights_file: str = WEIGHTS_FILE,
+    config: dict[str, Any] | None = None,
+    overwrite: bool = False,
+) -> None:
+    """Write ``config`` (config.json, when given), ``tensors`` (``weights_file``) and ``manifest``
+    (manifest.json, with each file's sha256 and size under ``files``) into a temp folder beside ``out_dir``,
+    fsync'd, then rename it into place: ``out_dir`` appears complete or not at all."""
+    try:
+        config_text = None if config is None else _dumps(config)
+        _dumps(manifest)  # fail on unserialisable metrics before touching the disk
+    except (TypeError, ValueError) as e:
+        raise ExportError(f"manifest/config not JSON serialisable: {e}") from e
+    parent = out_dir.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out_dir.name}-", dir=parent))
+    try:
+        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; engines may run as another user
+        names = [weights_file]
+        if config_text is not None:
+            _write_text(tmp / CONFIG_FILE, config_text)
+            names.insert(0, CONFIG_FILE)
+        safetensors.torch.save_file(tensors, str(tmp / weights_file), metadata={"format": "pt"})
+        fsync_path(tmp / weights_file)
+        for name in names:
+            sha, size = digest(tmp / name)
+            manifest["files"][name] = {"sha256": sha, "bytes": size}
+        _write_text(tmp / MANIFEST_FILE, _dumps(manifest))
+        fsync_path(tmp)
+        _rename_into_place(tmp, out_dir, overwrite)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+# --------------------------------------------------------------------------------------- manifest
+def draft_manifest(
+    identity: dict[str, Any],
+    req: ExportRequest,
+    *,
+    architecture: str,
+    aux_layer_ids: dict[str, Any],
+    draft_vocab_size: int,
+    head_config: dict[str, Any],
+) -> dict[str, Any]:
+    """A published draft's manifest: ``identity`` (format, format_version and the dialect or layout) first,
+    then provenance and the target's shape, ``head_config`` (``{"eagle3_config": …}`` or
+    ``{"mtp_config": …}``) and ``req.extra_manifest`` last; ``files`` is filled in by :func:`publish_folder`."""
+    tc = req.target_config
+    return {
+        **identity,
+        "architecture": architecture,
+        "files": {},
+        "draft_version": int(req.draft_version),
+        "policy_version": int(req.policy_version),
+        "target": {
+            "name": req.target_name,
+            "num_hidden_layers": int(tc.num_hidden_layers),
+            "hidden_size": int(tc.hidden_size),
+            "vocab_size": int(tc.vocab_size),
+            "max_position_embeddings": int(tc.max_position_embeddings),
+        },
+        "aux_layer_ids": aux_layer_ids,
+        "draft_vocab_size": draft_vocab_size,
+        "tokenizer_fingerprint": req.tokenizer_fingerprint,
+        "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        "draft_align_version": draft_align.__version__,
+        "dtype": float_dtype_name(req.dtype),
+        "metrics": req.metrics,
+        **head_config,
+        **(req.extra_manifest or {}),
+    }
+
+
+def verify_file(folder: Path, name: str, info: Any) -> None:
+    """Raise CorruptCheckpointError unless ``folder/name`` exists and has the manifest entry's size and sha256."""
+    mpath = folder / MANIFEST_FILE
+    if Path(name).name != name:
+        raise CorruptCheckpointError(f"{mpath}: file name {name!r} is not a plain name")
+    fpath = folder / name
+    if not fpath.is_file():
+        raise CorruptCheckpointError(f"{name} is listed in the manifest but missing from {folder}")
+    sha, size = digest(fpath)
+    if size != info.get("bytes"):
+        raise CorruptCheckpointError(
+            f"{name}: {size} bytes, manifest says {info.get('bytes')} (truncated or modified)"
+        )
+    if sha != info.get("sha256"):
+        raise CorruptCheckpointError(f"{name}: sha256 mismatch with the manifest (corrupt or modified)")
+
+
+def read_manifest(path: Path, *, verify: bool = True) -> dict[str, Any]:
+    """The manifest of checkpoint folder ``path``; with ``verify``, every listed file's size and sha256.
+
+    Raises CorruptCheckpointError when the manifest is missing or unparsable, or a file is missing,
+    truncated or modified.
+    """
+    path = Path(path)
+    mpath = path / MANIFEST_FILE
+    try:
+        manifest = json.loads(mpath.read_text(encoding="utf-8"))
+    except FileNotFoundError as e:
+        raise CorruptCheckpointError(
+            f"{mpath} is missing: half-written or not a draft_align checkpoint"
+        ) from e
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CorruptCheckpointError(
+            f"{mpath} is unparsable ({e}): half-written or not a draft_align checkpoint"
+        ) from e
+    if not isinstance(manifest, dict) or manifest.get("format") not in DRAFT_FORMATS:
+        raise CorruptCheckpointError(f"{mpath}: not a draft_align checkpoint manifest")
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise ExportError(f"{mpath}: format_version {manifest.get('format_version')} unsupported")
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not {CONFIG_FILE, WEIGHTS_FILE} <= set(files):
+        raise CorruptCheckpointError(f"{mpath}: files must list {CONFIG_FILE} and {WEIGHTS_FILE}")
+    if verify:
+        for name, info in files.items():
+            verify_file(path, name, info)
+    return manifest
+
+
+def weights_sha256(manifest: dict[str, Any]) -> str:
+    """The sha256 the manifest records for the folder's model.safetensors."""
+    return str(manifest["files"][WEIGHTS_FILE]["sha256"])

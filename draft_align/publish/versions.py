@@ -1,0 +1,178 @@
+"""A run's published versions: ``drafts/vNNNN`` folders, the ``latest`` pointer, and publishing one more.
+
+Layout inside a run folder (docs/formats.md §4)::
+
+    run_dir/drafts/v0007/      a published draft (config.json, model.safetensors, manifest.json)
+    run_dir/adapters/v0007/    optional: the same version's adapter-only delta (LoRA runs)
+    run_dir/latest             text file: "drafts/v0007"
+
+:func:`publish_version` is the one way both loops (warm-start and sidecar) publish: next version →
+export → ``latest`` → optional delta.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from draft_align.heads.lora import AdapterMismatchError
+from draft_align.heads.protocol import DraftHead
+from draft_align.publish import write_draft
+from draft_align.publish.folder import MANIFEST_FILE, ExportError, ExportRequest, fsync_path, weights_sha256
+from draft_align.publish.lora_delta import export_adapter
+
+log = logging.getLogger(__name__)
+
+LATEST_FILE = "latest"
+DRAFTS_DIR = "drafts"
+ADAPTERS_DIR = "adapters"
+_VERSION_RE = re.compile(r"^v(\d{4,})$")
+
+
+def version_dir(run_dir: Path, version: int) -> Path:
+    """``run_dir/drafts/v{version:04d}``."""
+    return Path(run_dir) / DRAFTS_DIR / f"v{int(version):04d}"
+
+
+def adapter_dir(run_dir: Path, version: int) -> Path:
+    """``run_dir/adapters/v{version:04d}``: the adapter-only delta published beside version ``version``."""
+    return Path(run_dir) / ADAPTERS_DIR / f"v{int(version):04d}"
+
+
+def next_version(run_dir: Path) -> int:
+    """One more than the highest ``drafts/vNNNN`` folder (1 when there is none; ``.tmp-*`` are ignored)."""
+    drafts = Path(run_dir) / DRAFTS_DIR
+    if not drafts.is_dir():
+        return 1
+    found = [int(m.group(1)) for p in drafts.iterdir() if p.is_dir() and (m := _VERSION_RE.match(p.name))]
+    return max(found, default=0) + 1
+
+
+def discard_tmp_versions(run_dir: Path) -> None:
+    """Remove temp folders that a publish killed mid-write left behind (never visible as versions)."""
+    drafts = Path(run_dir) / DRAFTS_DIR
+    if drafts.is_dir():
+        for p in drafts.glob(".tmp-*"):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def write_latest(run_dir: Path, version_dir: Path) -> None:
+    """Point ``run_dir/latest`` at ``version_dir`` (which must be a checkpoint inside ``run_dir``).
+
+    ``latest`` is a one-line text file holding the folder's path relative to ``run_dir``, replaced
+    atomically (temp file + fsync + ``os.replace``).  A symlink is not used: symlinks are fragile across
+    filesystems (object-store mounts, some network filesystems, copies to another machine or into a
+    container at another path) and a relative text pointer survives all of them.
+    """
+    run_dir, version_dir = Path(run_dir), Path(version_dir)
+    try:
+        rel = version_dir.resolve().relative_to(run_dir.resolve())
+    except ValueError as e:
+        raise ExportError(f"{version_dir} is not inside {run_dir}") from e
+    if not (version_dir / MANIFEST_FILE).is_file():
+        raise ExportError(f"{version_dir} is not a published checkpoint (no {MANIFEST_FILE})")
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{LATEST_FILE}.tmp-", dir=run_dir)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(rel.as_posix() + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp_name, 0o644)
+        os.replace(tmp_name, run_dir / LATEST_FILE)
+    except BaseException:
+        if os.path.exists(tmp_name):
+            os.unlink(tmp_name)
+        raise
+    fsync_path(run_dir)
+
+
+def read_latest(run_dir: Path) -> Path | None:
+    """The folder ``run_dir/latest`` names, or None when nothing has been published yet."""
+    run_dir = Path(run_dir)
+    try:
+        text = (run_dir / LATEST_FILE).read_text(encoding="utf-8").strip()
+    except FileNotFoundError:
+        return None
+    rel = Path(text)
+    if not text or rel.is_absolute() or ".." in rel.parts:
+        raise ExportError(
+            f"{run_dir / LATEST_FILE} holds {text!r}: expected a folder path relative to {run_dir}"
+        )
+    target = run_dir / rel
+    if not target.is_dir():
+        raise ExportError(f"{run_dir / LATEST_FILE} names {text!r}, which does not exist")
+    return target
+
+
+def resolve_draft_dir(path: Path) -> Path:
+    """A published draft folder, or the folder a run folder's ``latest`` names (ExportError otherwise)."""
+    path = Path(path)
+    if (path / MANIFEST_FILE).is_file():
+        return path
+    latest = read_latest(path) if path.is_dir() else None
+    if latest is None:
+        raise ExportError(f"{path} is neither a draft folder (no {MANIFEST_FILE}) nor a run with a `latest`")
+    return latest
+
+
+# --------------------------------------------------------------------------------------- publish
+@dataclass(frozen=True)
+class Published:
+    """One version :func:`publish_version` made visible."""
+
+    version: int
+    path: Path  # run_dir/drafts/vNNNN
+    manifest: dict[str, Any]  # as written, ``files`` included
+    weights_sha256: str  # of path/model.safetensors
+    delta_path: Path | None = None  # run_dir/adapters/vNNNN, when a delta was asked for and written
+
+
+def publish_version(
+    run_dir: Path,
+    draft: DraftHead,
+    *,
+    target_config: Any,
+    target_name: str,
+    tokenizer_fingerprint: str,
+    metrics: dict[str, Any],
+    policy_version: int,
+    extra_manifest: dict[str, Any] | None = None,
+    at_least: int = 1,
+    delta_base: Path | None = None,
+    strict_delta: bool = True,
+) -> Published:
+    """Publish ``draft`` as the run's next version: export it (bf16, HF dialect) to
+    ``drafts/v{max(next_version, at_least):04d}``, point ``latest`` at it, then, when ``delta_base`` is
+    given, write the adapters alone over that base draft to ``adapters/vNNNN`` (same metrics).
+
+    ``strict_delta=False`` turns a delta that cannot be written (AdapterMismatchError, ExportError) into a
+    logged warning and ``delta_path=None``; the version itself stays published.
+    """
+    v = max(next_version(run_dir), int(at_least))
+    out = version_dir(run_dir, v)
+    req = ExportRequest(
+        target_config=target_config, target_name=target_name, metrics=metrics, draft_version=v,
+        policy_version=policy_version, tokenizer_fingerprint=tokenizer_fingerprint, extra_manifest=extra_manifest,
+    )  # fmt: skip
+    manifest = write_draft(draft, out, req)
+    write_latest(run_dir, out)
+    delta: Path | None = None
+    if delta_base is not None:
+        try:
+            info = export_adapter(draft, adapter_dir(run_dir, v), Path(delta_base), draft_version=v,
+                                  policy_version=policy_version, metrics=metrics)
+        except (AdapterMismatchError, ExportError) as e:
+            if strict_delta:
+                raise
+            log.warning("adapter delta v%04d not published: %s", v, e)
+        else:
+            delta = info.path
+            log.info("published adapter delta v%04d (%d bytes, merged sha256 %s…)", v, info.bytes,
+                     info.merged_sha256[:12])
+    return Published(v, out, manifest, weights_sha256(manifest), delta)

@@ -1,0 +1,108 @@
+"""publish/folder.py: a published folder appears complete or not at all, and any change to a listed file
+is caught on load."""
+
+import os
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+
+from draft_align.publish import folder, load_draft
+from draft_align.publish.folder import CorruptCheckpointError, ExportError
+
+
+def test_existing_out_dir_refused(e3, tmp_path):
+    out = e3.export(e3.make_draft(), tmp_path / "v")
+    with pytest.raises(ExportError, match="already exists"):
+        e3.export(e3.make_draft(seed=1), out)
+
+
+# ----------------------------------------------------------------------------- corruption
+def test_corrupted_byte_detected(e3, tmp_path):
+    out = e3.export(e3.make_draft(), tmp_path / "v")
+    w = out / "model.safetensors"
+    data = bytearray(w.read_bytes())
+    data[-5] ^= 0xFF
+    w.write_bytes(bytes(data))
+    with pytest.raises(CorruptCheckpointError, match=r"model\.safetensors: sha256 mismatch"):
+        load_draft(out)
+
+
+def test_truncated_file_detected(e3, tmp_path):
+    out = e3.export(e3.make_draft(), tmp_path / "v")
+    w = out / "model.safetensors"
+    data = w.read_bytes()
+    w.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CorruptCheckpointError, match=r"model\.safetensors: .* bytes"):
+        load_draft(out)
+    with pytest.raises(CorruptCheckpointError, match=r"model\.safetensors: unreadable"):
+        load_draft(out, verify=False)  # even unverified, a truncated safetensors file is not loaded
+
+
+def test_missing_or_broken_manifest(e3, tmp_path):
+    out = e3.export(e3.make_draft(), tmp_path / "v")
+    (out / "manifest.json").write_text('{"format": "draft_align.eag')
+    with pytest.raises(CorruptCheckpointError, match="unparsable.*half-written or not a draft_align"):
+        load_draft(out)
+    (out / "manifest.json").unlink()
+    with pytest.raises(CorruptCheckpointError, match="missing: half-written or not a draft_align"):
+        load_draft(out)
+
+
+def test_missing_listed_file(e3, tmp_path):
+    out = e3.export(e3.make_draft(), tmp_path / "v")
+    (out / "config.json").unlink()
+    with pytest.raises(CorruptCheckpointError, match=r"config\.json is listed in the manifest but missing"):
+        load_draft(out)
+
+
+# ----------------------------------------------------------------------------- atomicity
+def test_crash_in_weight_save_leaves_nothing(e3, tmp_path, monkeypatch):
+    def boom(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", boom)
+    with pytest.raises(OSError, match="disk full"):
+        e3.export(e3.make_draft(), tmp_path / "v0001")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_crash_at_rename_leaves_nothing(e3, tmp_path, monkeypatch):
+    def boom(src, dst):
+        raise OSError("crash during rename")
+
+    monkeypatch.setattr(folder.os, "replace", boom)
+    with pytest.raises(OSError, match="crash during rename"):
+        e3.export(e3.make_draft(), tmp_path / "v0001")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_overwrite_swaps_in_the_new_draft(e3, tmp_path):
+    out = e3.export(e3.make_draft(seed=0), tmp_path / "v")
+    new = e3.make_draft(seed=1)
+    e3.export(new, out, overwrite=True, draft_version=4)
+    loaded, m = load_draft(out)
+    assert m["draft_version"] == 4
+    torch.testing.assert_close(loaded.fc.weight, new.fc.weight.to(torch.bfloat16).float())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v"]
+
+
+def test_overwrite_crash_keeps_the_old_draft(e3, tmp_path, monkeypatch):
+    out = e3.export(e3.make_draft(seed=0), tmp_path / "v")
+    before = (out / "manifest.json").read_bytes()
+    real = os.replace
+    calls = []
+
+    def second_fails(src, dst):
+        calls.append((Path(src).name, Path(dst).name))
+        if len(calls) == 2:  # old → .old-*, then new → v fails
+            raise OSError("crash during swap")
+        return real(src, dst)
+
+    monkeypatch.setattr(folder.os, "replace", second_fails)
+    with pytest.raises(OSError, match="crash during swap"):
+        e3.export(e3.make_draft(seed=1), out, overwrite=True)
+    assert (out / "manifest.json").read_bytes() == before  # rolled back
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v"]
+    load_draft(out)

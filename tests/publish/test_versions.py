@@ -1,0 +1,139 @@
+"""publish/versions.py: version folders, the ``latest`` pointer, leftovers of killed publishes, and
+publish_version (the one publish both loops use)."""
+
+import hashlib
+import logging
+
+import pytest
+import torch
+
+from draft_align.heads.lora import AdapterMismatchError, LoraSettings, apply_lora
+from draft_align.publish import load_draft
+from draft_align.publish.folder import ExportError, read_manifest
+from draft_align.publish.lora_delta import load_adapter, read_delta_manifest
+from draft_align.publish.versions import (
+    Published,
+    adapter_dir,
+    discard_tmp_versions,
+    next_version,
+    publish_version,
+    read_latest,
+    resolve_draft_dir,
+    version_dir,
+    write_latest,
+)
+
+
+def test_versions_and_latest_pointer(e3, tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    assert read_latest(run) is None
+    assert next_version(run) == 1
+    v1 = e3.export(e3.make_draft(), version_dir(run, next_version(run)))
+    assert v1 == run / "drafts" / "v0001"
+    write_latest(run, v1)
+    assert (run / "latest").read_text() == "drafts/v0001\n"
+    assert read_latest(run) == v1
+    assert next_version(run) == 2
+    v2 = e3.export(e3.make_draft(seed=1), version_dir(run, 2), draft_version=2)
+    (run / "drafts" / ".tmp-v0009-crashed").mkdir()  # a crashed export's leftovers do not count
+    assert next_version(run) == 3
+    write_latest(run, v2)
+    assert read_latest(run) == v2
+    _, m = load_draft(read_latest(run))
+    assert m["draft_version"] == 2
+    assert [p.name for p in run.iterdir() if p.name.startswith(".")] == []
+    with pytest.raises(ExportError, match="not inside"):
+        write_latest(run, tmp_path)
+    (run / "drafts" / "v0003").mkdir()
+    with pytest.raises(ExportError, match="not a published checkpoint"):
+        write_latest(run, run / "drafts" / "v0003")
+    (run / "latest").write_text("../elsewhere\n")
+    with pytest.raises(ExportError, match="relative"):
+        read_latest(run)
+
+def test_discard_tmp_versions(e3, tmp_path):
+    run = tmp_path / "run"
+    v1 = e3.export(e3.make_draft(), version_dir(run, 1))
+    (run / "drafts" / ".tmp-v0002-killed").mkdir()
+    (run / "drafts" / ".tmp-v0002-killed" / "model.safetensors").write_bytes(b"half")
+    discard_tmp_versions(run)
+    assert sorted(p.name for p in (run / "drafts").iterdir()) == ["v0001"]
+    load_draft(v1)
+    discard_tmp_versions(tmp_path / "nothing-here")  # no drafts folder: nothing to do
+
+
+# ----------------------------------------------------------------------------- publish_version
+def publish(e3, run, draft, **kw):
+    args = dict(target_config=e3.target_cfg(), target_name="tiny/target", tokenizer_fingerprint="0123456789abcdef",
+                metrics={"gate_diff": 0.25}, policy_version=7)  # fmt: skip
+    args.update(kw)
+    return publish_version(run, draft, **args)
+
+
+def test_publish_version_numbers_latest_and_sha(e3, tmp_path):
+    run = tmp_path / "run"
+    p1 = publish(e3, run, e3.make_draft(seed=0))
+    assert isinstance(p1, Published) and p1.version == 1 and p1.path == version_dir(run, 1)
+    assert read_latest(run) == p1.path and p1.delta_path is None
+    assert p1.weights_sha256 == hashlib.sha256((p1.path / "model.safetensors").read_bytes()).hexdigest()
+    assert p1.manifest == read_manifest(p1.path)  # what was written, files and hashes included
+    assert p1.manifest["draft_version"] == 1 and p1.manifest["policy_version"] == 7
+    assert p1.manifest["metrics"] == {"gate_diff": 0.25}
+    p2 = publish(e3, run, e3.make_draft(seed=1), extra_manifest={"run": "r"})
+    assert p2.version == 2 and read_latest(run) == p2.path and p2.manifest["run"] == "r"
+    assert p2.weights_sha256 != p1.weights_sha256
+    p5 = publish(e3, run, e3.make_draft(seed=2), at_least=5)  # the sidecar's own count may run ahead
+    assert p5.version == 5 and p5.path == version_dir(run, 5) and next_version(run) == 6
+    assert resolve_draft_dir(run) == p5.path
+    assert not (run / "adapters").exists()
+
+
+def test_publish_version_refuses_before_touching_latest(e3, tmp_path):
+    run = tmp_path / "run"
+    p1 = publish(e3, run, e3.make_draft())
+    with pytest.raises(ExportError, match="hidden size mismatch"):
+        publish(e3, run, e3.make_draft(), target_config=e3.target_cfg(hidden_size=16))
+    assert read_latest(run) == p1.path and next_version(run) == 2
+
+
+@pytest.fixture
+def lora_over_base(e3, tmp_path):
+    """A base draft published at base/drafts/v0001 and a LoRA draft trained (perturbed) over it."""
+    base_dir = publish(e3, tmp_path / "base", e3.make_draft()).path
+    draft, _ = load_draft(base_dir)
+    apply_lora(draft, LoraSettings(rank=2, alpha=4.0, target_modules=("q_proj", "down_proj")))
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for n, p in draft.named_parameters():
+            if "lora_" in n:
+                p.copy_(0.05 * torch.randn(p.shape, generator=g))
+    return base_dir, draft
+
+
+def test_publish_version_writes_the_delta_only_when_asked(e3, tmp_path, lora_over_base):
+    base_dir, draft = lora_over_base
+    run = tmp_path / "run"
+    plain = publish(e3, run, draft)
+    assert plain.delta_path is None and not (run / "adapters").exists()
+    pub = publish(e3, run, draft, delta_base=base_dir)
+    assert pub.version == 2 and pub.delta_path == adapter_dir(run, 2) == run / "adapters" / "v0002"
+    man = read_delta_manifest(pub.delta_path)
+    assert man["draft_version"] == 2 and man["policy_version"] == 7 and man["metrics"] == {"gate_diff": 0.25}
+    assert man["merged_sha256"] == pub.weights_sha256 == plain.weights_sha256  # delta + base = the version
+    rebuilt, _ = load_adapter(pub.delta_path, base_dir)
+    assert read_latest(run) == pub.path
+
+
+def test_publish_version_delta_for_another_base(e3, tmp_path, lora_over_base, caplog):
+    _, draft = lora_over_base
+    other = publish(e3, tmp_path / "other", e3.make_draft(seed=9)).path
+    run = tmp_path / "run"
+    with pytest.raises(AdapterMismatchError, match="another base"):
+        publish(e3, run, draft, delta_base=other)
+    assert read_latest(run) == version_dir(run, 1)  # the version itself was published first
+    with caplog.at_level(logging.WARNING, logger="draft_align.publish.versions"):
+        pub = publish(e3, run, draft, delta_base=other, strict_delta=False)
+    assert pub.version == 2 and pub.delta_path is None and read_latest(run) == pub.path
+    assert "adapter delta v0002 not published" in caplog.text
+    assert not adapter_dir(run, 2).exists()
