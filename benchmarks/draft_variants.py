@@ -109,7 +109,7 @@ def sample(model: Any, prompts: list[torch.Tensor], args: argparse.Namespace, se
 
 def tap_records(model: Any, pairs: list[tuple], eagle_aux: tuple[int, ...]) -> dict[str, list]:
     """TappedRecords for both heads (EAGLE-3 aux states / MTP's final hidden) from one forward each."""
-    from draft_align.tap.hooks import HFTap
+    from draft_align.hf.capture import HFTap
     from draft_align.train.batch import Record
     from draft_align.train.replay import TappedRecord
 

@@ -23,9 +23,9 @@ from draft_align import assets, data
 from draft_align.config import WarmstartRecipe, recipe_to_dict, step_decay
 from draft_align.heads.eagle3 import DraftConfigError, Eagle3Config, Eagle3Draft, check_engine_aux_ids
 from draft_align.heads.vocab import select_vocab
+from draft_align.hf.capture import HFTap
 from draft_align.hf.generate import generate_responses
 from draft_align.hf.parts import decoder_parts, frozen_embedding, head_rows
-from draft_align.tap.hooks import HFTap
 from draft_align.train.batch import Record, collate, make_batches
 from draft_align.train.store import HiddenStore, ResponseCache, settings_key
 from draft_align.train.trainer import (

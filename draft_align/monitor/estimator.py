@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from draft_align.heads.eagle3 import Eagle3Draft
+from draft_align.hf.capture import HFTap
 from draft_align.hf.parts import decoder_parts
 from draft_align.monitor.acceptance import (
     EstimatePool,
@@ -28,7 +29,6 @@ from draft_align.monitor.acceptance import (
     acceptance_prob,
     check_mode,
 )
-from draft_align.tap.hooks import HFTap
 
 
 @torch.no_grad()

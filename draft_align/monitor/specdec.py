@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from draft_align.heads.eagle3 import Eagle3Draft
+from draft_align.hf.capture import HFTap
 from draft_align.hf.parts import decoder_parts
 from draft_align.monitor.acceptance import (
     AcceptanceTally,
@@ -41,7 +42,6 @@ from draft_align.monitor.acceptance import (
     draft_probs_on_target,
     verifies_by_argmax,
 )
-from draft_align.tap.hooks import HFTap
 
 
 def _sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:

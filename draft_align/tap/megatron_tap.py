@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from draft_align.tap.hooks import TapError
+from draft_align.hf.capture import TapError
 from draft_align.tap.policy_tap import (
     KeptSequence,
     PolicyTapError,

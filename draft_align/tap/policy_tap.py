@@ -26,8 +26,8 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from draft_align.hf.capture import HFTap, TapError
 from draft_align.hf.parts import decoder_parts
-from draft_align.tap.hooks import HFTap, TapError
 from draft_align.wire.messages import HeadSync, WireError, pack_sequences
 
 logger = logging.getLogger(__name__)
@@ -446,7 +446,7 @@ class HFPolicyTap:
     """:class:`PolicyTap` for HF transformers causal LMs (Llama/Qwen/Mistral layout, or the inner model
     of a peft ``PeftModel``: ``peft_model.base_model.model``).
 
-    ``aux_layer_ids`` are HF ``hidden_states`` indices (see :class:`~draft_align.tap.hooks.HFTap`).
+    ``aux_layer_ids`` are HF ``hidden_states`` indices (see :class:`~draft_align.hf.capture.HFTap`).
     Per RL step at most ``tokens_per_step`` tokens are kept, as whole sequences sampled uniformly
     (:class:`TokenBudgetSketch`); they are shipped in TapBatches of ≤ ``max_tokens_per_message`` tokens,
     so a sequence longer than min(tokens_per_step, max_tokens_per_message) is never kept (``too_long``).

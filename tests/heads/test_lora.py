@@ -132,8 +132,8 @@ def without_adapters(d):
 # ---------------------------------------------------------------- training
 @pytest.mark.parametrize("kind", ["eagle3", "mtp"])
 def test_trainer_trains_only_adapters_and_resumes(target, tmp_path, kind):
+    from draft_align.hf.capture import HFTap
     from draft_align.hf.parts import frozen_embedding, head_rows
-    from draft_align.tap.hooks import HFTap
     from draft_align.train.batch import Record, collate
     from draft_align.train.trainer import DraftTrainer, LossSettings, OptimSettings
 

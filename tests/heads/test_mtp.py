@@ -11,12 +11,12 @@ from transformers import LlamaForCausalLM
 
 from draft_align.heads.eagle3 import DraftConfigError
 from draft_align.heads.mtp import MTPDraft
+from draft_align.hf.capture import HFTap
 from draft_align.hf.parts import decoder_parts
 from draft_align.publish import export_draft, load_draft
 from draft_align.publish.mtp_format import (
     with_layout,
 )
-from draft_align.tap.hooks import HFTap
 
 V, H, L = 48, 32, 4
 

@@ -8,8 +8,8 @@ import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from draft_align.heads.eagle3 import Eagle3Config, Eagle3Draft
+from draft_align.hf.capture import HFTap
 from draft_align.hf.parts import decoder_parts
-from draft_align.tap.hooks import HFTap
 
 AUX = (2, 3, 4)  # the engines' default (2, L//2, L-3) is (2, 3, 3) for 6 layers: not distinct
 LOGIT_SCALE = 15.0  # random init gives near-uniform logits; scaled, the top token holds ~40% on average

@@ -5,10 +5,10 @@ import math
 import pytest
 import torch
 
+from draft_align.hf.capture import HFTap
 from draft_align.hf.parts import decoder_parts, head_rows
 from draft_align.monitor.estimator import alpha_table, estimate
 from draft_align.monitor.records import RecordEstimateError, estimate_records, paired_gate, record_alpha
-from draft_align.tap.hooks import HFTap
 from draft_align.train.batch import Record
 from draft_align.train.replay import TappedRecord
 

@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from draft_align.tap.hooks import TapError
+from draft_align.hf.capture import TapError
 from draft_align.tap.policy_tap import HFPolicyTap, PolicyTap, PolicyTapError
 from draft_align.wire.join import StageJoiner
 from draft_align.wire.messages import HeadSync, TapBatch, TapPart, decode, encode

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from draft_align.tap.hooks import TapError
+from draft_align.hf.capture import TapError
 from draft_align.tap.policy_tap import (
     HFPolicyTap,
     PolicyTap,

@@ -1,4 +1,4 @@
-"""Tap: capture what an EAGLE-3 draft needs from a target's own forward pass, by forward hooks.
+"""Forward-hook capture of what a draft needs from an HF target's own forward pass (the Tap's core).
 
 HF ``hidden_states`` indexing is kept exactly: index 0 is the embedding output, index i (1 ≤ i < L) is
 the output of decoder layer i−1 (pre-norm residual stream), index L is the final post-norm state.  The

@@ -3,8 +3,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from draft_align.heads.vocab import draft_logits
+from draft_align.hf.capture import HFTap, TapError
 from draft_align.hf.parts import head_rows
-from draft_align.tap.hooks import HFTap, TapError
 
 
 @pytest.fixture(scope="module")

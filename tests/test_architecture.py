@@ -1,0 +1,145 @@
+"""The import rules of docs/architecture.md, checked on the source (every import, function-level ones included).
+
+Data flows one way — policy process (tap) → wire → sidecar → train → publish → engine — and monitoring reads.
+Each part may import only the parts listed for it in ALLOWED; no module imports another in a cycle.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PKG = Path(__file__).resolve().parents[1] / "draft_align"
+
+# part → the parts it may import (besides itself).  "face" modules (CLI, launcher) may import anything.
+ALLOWED: dict[str, set[str]] = {
+    "conventions": set(),
+    "assets": set(),
+    "data": {"assets"},
+    "config": {"conventions"},
+    "heads": {"conventions", "hf"},
+    "hf": {"conventions"},
+    "wire": {"conventions"},
+    "tap": {"conventions", "hf", "wire"},
+    "train": {"conventions", "heads", "hf"},
+    "publish": {"conventions", "heads", "hf"},
+    "monitor": {"conventions", "heads", "hf", "train"},
+    "engines": {"conventions", "heads", "hf", "publish", "monitor", "wire", "assets"},
+    "rl": {"conventions", "config", "assets", "data", "heads", "hf", "tap", "wire", "publish", "monitor", "engines"},
+    "sidecar": {"conventions", "config", "assets", "heads", "hf", "wire", "train", "publish", "monitor"},
+    "warmstart": {"conventions", "config", "assets", "data", "heads", "hf", "tap", "train", "publish", "monitor"},
+    "integrations": {"conventions", "config", "heads", "hf", "tap", "wire", "publish", "monitor", "engines", "rl",
+                     "sidecar"},
+}
+FACE = {"cli", "cotrain", "__main__", "__init__"}
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(PKG.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def _imports(path: Path) -> set[str]:
+    """Every draft_align module this file imports (resolved to the deepest module that exists)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    me = _module_name(path)
+    package = me if path.name == "__init__.py" else me.rpartition(".")[0]
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            names = [mod] + [f"{mod}.{a.name}" for a in node.names]
+        else:
+            continue
+        for name in names:
+            if name.split(".")[0] == "draft_align":
+                out.add(name)
+    return {_resolve(n) for n in out} - {None, me}  # type: ignore[operator]
+
+
+def _resolve(name: str) -> str | None:
+    parts = name.split(".")
+    while parts:
+        p = PKG.parent.joinpath(*parts)
+        if p.with_suffix(".py").is_file() or (p / "__init__.py").is_file():
+            return ".".join(parts)
+        parts = parts[:-1]
+    return None
+
+
+def _part(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def _graph() -> dict[str, set[str]]:
+    return {_module_name(p): _imports(p) for p in sorted(PKG.rglob("*.py"))}
+
+
+def test_every_part_is_known() -> None:
+    parts = {_part(m) for m in _graph()}
+    unknown = parts - set(ALLOWED) - FACE
+    assert not unknown, f"parts without an import rule (add them to ALLOWED and docs/architecture.md): {unknown}"
+
+
+def test_imports_follow_the_data_flow() -> None:
+    bad = []
+    for module, deps in _graph().items():
+        part = _part(module)
+        if part in FACE:
+            continue
+        for dep in deps:
+            dep_part = _part(dep)
+            if dep_part == "__init__" and dep == "draft_align":
+                continue
+            if dep_part != part and dep_part not in ALLOWED[part]:
+                bad.append(f"{module} → {dep}")
+    assert not bad, "imports against docs/architecture.md:\n" + "\n".join(sorted(bad))
+
+
+def test_no_import_cycle() -> None:
+    graph = _graph()
+    state: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for dep in sorted(graph.get(node, ())):
+            # a package's __init__ re-exporting its own modules is not a cycle of concerns
+            if dep == node.rpartition(".")[0]:
+                continue
+            if state.get(dep) == 1:
+                cycles.append(stack[stack.index(dep):] + [dep])
+            elif dep not in state:
+                visit(dep)
+        stack.pop()
+        state[node] = 2
+
+    for n in sorted(graph):
+        if n not in state:
+            visit(n)
+    assert not cycles, "import cycles:\n" + "\n".join(" → ".join(c) for c in cycles)
+
+
+@pytest.mark.parametrize("name", ["tap", "hf", "heads", "wire", "train", "publish", "monitor"])
+def test_lower_parts_import_no_loop_or_face(name: str) -> None:
+    """The lower parts never reach up into a loop or the CLI (the rule a convenience import usually breaks)."""
+    for module, deps in _graph().items():
+        if _part(module) != name:
+            continue
+        up = {d for d in deps if _part(d) in {"sidecar", "warmstart", "rl", "cli", "cotrain", "integrations"}}
+        assert not up, f"{module} imports {sorted(up)}"
