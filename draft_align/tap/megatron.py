@@ -49,6 +49,7 @@ from draft_align.tap.shipping import (
     logit_stats,
     offer_head_sync,
     ship,
+    stat_buffers,
 )
 from draft_align.wire.messages import HeadSync, TapPart, pack_sequences, validate
 
@@ -74,10 +75,7 @@ def vocab_parallel_logit_stats(
     length, local = logits.shape
     start = tp_rank * local
     dev = logits.device
-    nxt = torch.zeros(length, dtype=torch.float32, device=dev)
-    lse = torch.empty(length, dtype=torch.float32, device=dev)
-    k_ids = torch.empty(length, topk, dtype=torch.int64, device=dev) if topk else None
-    k_lp = torch.empty(length, topk, dtype=torch.float32, device=dev) if topk else None
+    nxt, lse, k_ids, k_lp = stat_buffers(length, topk, dev)
     ids = input_ids.to(device=dev, dtype=torch.int64)
     pad = torch.arange(start, start + local, device=dev) >= vocab_size  # [Vl]
     rows = max(1, max_elements // max(local, 1))

@@ -120,6 +120,18 @@ class TapCounters:
         }
 
 
+def stat_buffers(
+    length: int, topk: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The outputs of :func:`logit_stats` to fill: next_logprob [L] (zeros: the last position stays 0),
+    logit_lse [L], topk_ids [L, K] and topk_logprobs [L, K] (None when topk = 0)."""
+    nxt = torch.zeros(length, dtype=torch.float32, device=device)
+    lse = torch.empty(length, dtype=torch.float32, device=device)
+    k_ids = torch.empty(length, topk, dtype=torch.int64, device=device) if topk else None
+    k_lp = torch.empty(length, topk, dtype=torch.float32, device=device) if topk else None
+    return nxt, lse, k_ids, k_lp
+
+
 def logit_stats(
     logits: torch.Tensor, input_ids: torch.Tensor, topk: int, max_elements: int = 1 << 26
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
@@ -132,12 +144,8 @@ def logit_stats(
     Works in chunks of ≤ ``max_elements`` logits so a long sequence never materialises [L, V] in float32.
     """
     length, vocab = logits.shape
-    dev = logits.device
-    nxt = torch.zeros(length, dtype=torch.float32, device=dev)
-    lse = torch.empty(length, dtype=torch.float32, device=dev)
-    k_ids = torch.empty(length, topk, dtype=torch.int64, device=dev) if topk else None
-    k_lp = torch.empty(length, topk, dtype=torch.float32, device=dev) if topk else None
-    ids = input_ids.to(device=dev, dtype=torch.int64)
+    nxt, lse, k_ids, k_lp = stat_buffers(length, topk, logits.device)
+    ids = input_ids.to(device=logits.device, dtype=torch.int64)
     rows = max(1, max_elements // max(vocab, 1))
     for s in range(0, length, rows):
         e = min(length, s + rows)
