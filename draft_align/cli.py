@@ -182,6 +182,8 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from draft_align.conventions import VERIFY_MODES
+
     ap = argparse.ArgumentParser(prog="draft-align", description=__doc__)
     ap.add_argument("-v", "--verbose", action="store_true")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -231,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-prompt-tokens", type=int, default=256)
     e.add_argument("--max-new-tokens", type=int, default=128)
     e.add_argument("--k", type=int, default=3)
-    e.add_argument("--verify-mode", choices=["greedy", "greedy_draft", "probabilistic"], default="greedy")
+    e.add_argument("--verify-mode", choices=VERIFY_MODES, default="greedy")
     e.add_argument("--temperature", type=float, default=0.0)
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--threads", type=int, default=None)

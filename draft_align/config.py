@@ -1,21 +1,60 @@
 """Typed recipe schemas.  Recipes are OmegaConf YAML merged onto these structured dataclasses, so a
-mistyped or unknown key is an error rather than a silently ignored setting."""
+mistyped or unknown key is an error rather than a silently ignored setting, and a field with a fixed set of
+values is typed by a ``StrEnum`` that OmegaConf checks on load (``validate()`` adds the cross-field rules).
+Its members are strings: ``recipe.draft.head == "mtp"`` and ``f"{mode}"`` work as with plain strings."""
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import re
+import typing
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from enum import Enum, StrEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, overload
 
-from draft_align.conventions import LORA_TARGETS
+from draft_align.conventions import (
+    FLOAT_DTYPE_NAMES,
+    LORA_TARGETS,
+    VERIFY_MODES,
+    HeadKind,
+    MTPLayout,
+    check_tap_budgets,
+)
 
 
 class RecipeError(ValueError):
     """A recipe that does not match the schema."""
 
 
+# ----------------------------------------------------------------------------- choice fields
+_CHOICE_NAMES: dict[type[Enum], str] = {}  # how a RecipeError names a value of each choice
+
+
+def _choice(name: str, values: Sequence[str], what: str) -> type[StrEnum]:
+    """A choice field's type: the StrEnum of ``values`` (member name = value, so OmegaConf reads the YAML
+    string as the member; OmegaConf 2.3 checks Enum fields but has no Literal ones)."""
+    enum = StrEnum(name, [(v, v) for v in values], module=__name__, qualname=name)  # type: ignore[misc]
+    _CHOICE_NAMES[enum] = what
+    return enum
+
+
+# the verify modes, dtypes, head kinds and MTP layouts from their one source
+HeadChoice = _choice("HeadChoice", typing.get_args(HeadKind), "draft head")
+MTPLayoutChoice = _choice("MTPLayoutChoice", typing.get_args(MTPLayout), "MTP layout")
+MTPInitChoice = _choice("MTPInitChoice", ("last_layer", "random"), "MTP init")
+AdaptChoice = _choice("AdaptChoice", ("full", "lora"), "adaptation")  # whole draft | LoRA over a frozen one
+LossChoice = _choice("LossChoice", ("soft", "hard"), "loss")  # target distribution (KL) | target token (CE)
+VerifyModeChoice = _choice("VerifyModeChoice", VERIFY_MODES, "verify mode")
+EngineChoice = _choice("EngineChoice", ("auto", "vllm", "reference"), "rollout engine")
+ParallelChoice = _choice("ParallelChoice", ("ddp", "fsdp2"), "parallelism")  # draft replicated | sharded
+WandbModeChoice = _choice("WandbModeChoice", ("offline", "online", "disabled"), "wandb mode")
+DtypeChoice = _choice("DtypeChoice", FLOAT_DTYPE_NAMES, "dtype")
+
 # default weight decay of draft step j's loss, w_j = decay^j: EAGLE/SpecForge 0.8, FastMTP-style β = 0.6
-STEP_DECAY = {"eagle3": 0.8, "mtp": 0.6}
+STEP_DECAY: dict[HeadKind, float] = {"eagle3": 0.8, "mtp": 0.6}
 
 
 def step_decay(configured: float | None, head: str) -> float:
@@ -26,7 +65,7 @@ def step_decay(configured: float | None, head: str) -> float:
 @dataclass
 class TargetConfig:
     model: str = "smollm2-135m"  # alias, HF folder or hub id
-    dtype: str = "bfloat16"
+    dtype: DtypeChoice = DtypeChoice("bfloat16")
 
 
 @dataclass
@@ -64,9 +103,7 @@ class LoraAdaptConfig:
     publish_delta: bool = False
 
 
-def _check_lora(where: str, adapt: str, lora: LoraAdaptConfig) -> None:
-    if adapt not in ("full", "lora"):
-        raise RecipeError(f"{where}.adapt {adapt!r}: expected full | lora")
+def _check_lora(where: str, adapt: AdaptChoice, lora: LoraAdaptConfig) -> None:
     if adapt == "lora":
         if lora.rank < 1 or not lora.alpha > 0 or not lora.target_modules:
             raise RecipeError(f"{where}.lora: rank must be ≥ 1, alpha > 0 and target_modules non-empty")
@@ -76,13 +113,13 @@ def _check_lora(where: str, adapt: str, lora: LoraAdaptConfig) -> None:
 
 @dataclass
 class DraftConfig:
-    head: str = "eagle3"  # eagle3 | mtp
+    head: HeadChoice = HeadChoice("eagle3")
     # mtp: depth (MTP modules), weight layout (deepseek_v3 | qwen3_next: also the chaining semantics) and the
     # block's init (last_layer: a copy of the target's last decoder layer | random)
     mtp_depth: int = 1
-    mtp_layout: str = "deepseek_v3"
-    mtp_init: str = "last_layer"
-    adapt: str = "full"  # full | lora (adapters over a frozen warm-started draft: needs init_from for eagle3)
+    mtp_layout: MTPLayoutChoice = MTPLayoutChoice("deepseek_v3")
+    mtp_init: MTPInitChoice = MTPInitChoice("last_layer")
+    adapt: AdaptChoice = AdaptChoice("full")  # lora over a warm-started draft (eagle3: needs init_from)
     lora: LoraAdaptConfig = field(default_factory=LoraAdaptConfig)
     aux_layer_ids: list[int] | None = None  # HF hidden_states indices; None = engines' (2, L//2, L-3)
     draft_vocab_size: int = 32000
@@ -97,7 +134,7 @@ class DraftConfig:
 class TrainConfig:
     ttt_steps: int = 7
     step_decay: float | None = None  # TTT step weights decay^j; None = the head's default (STEP_DECAY)
-    loss: str = "soft"  # soft | hard
+    loss: LossChoice = LossChoice("soft")
     lr: float = 1e-3
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.0
@@ -120,7 +157,7 @@ class EvalConfig:
     k: int = 3
     prompts: int = 32  # held-out prompts to decode
     max_new_tokens: int = 128
-    modes: list[str] = field(default_factory=lambda: ["greedy", "greedy_draft", "probabilistic"])
+    modes: list[VerifyModeChoice] = field(default_factory=lambda: list(VerifyModeChoice))
     temperatures: list[float] = field(default_factory=lambda: [0.0, 1.0])
     seed: int = 0
 
@@ -128,7 +165,7 @@ class EvalConfig:
 @dataclass
 class LoggingConfig:
     wandb: bool = True
-    wandb_mode: str = "offline"  # offline | online | disabled
+    wandb_mode: WandbModeChoice = WandbModeChoice("offline")
     wandb_project: str = "draft_align"
     log_every: int = 5
     progress_bar: bool = True
@@ -150,37 +187,24 @@ class WarmstartRecipe:
 
     @property
     def run_dir(self) -> Path:
-        return Path(self.output_dir) / self.run
+        return _run_dir(self)
 
     def validate(self) -> None:
-        if self.kind != "warmstart":
-            raise RecipeError(f"kind {self.kind!r}: this is a {self.kind} recipe, not a warm-start one")
-        if self.draft.head not in ("eagle3", "mtp"):
-            raise RecipeError(f"draft.head {self.draft.head!r}: expected eagle3 | mtp")
+        """The cross-field rules (field types and choices are the schema's, checked again here for a
+        recipe built in code)."""
+        _check_header(self)
         if self.draft.head == "mtp":
-            if self.draft.mtp_layout not in ("deepseek_v3", "qwen3_next") or self.draft.mtp_depth < 1:
-                raise RecipeError(f"draft.mtp_layout {self.draft.mtp_layout!r} (deepseek_v3 | qwen3_next) / "
-                                  f"draft.mtp_depth {self.draft.mtp_depth} (≥ 1)")
-            if self.draft.mtp_init not in ("last_layer", "random"):
-                raise RecipeError(f"draft.mtp_init {self.draft.mtp_init!r}: expected last_layer | random")
+            if self.draft.mtp_depth < 1:
+                raise RecipeError(f"draft.mtp_depth {self.draft.mtp_depth}: must be ≥ 1")
             if self.draft.aux_layer_ids is not None:
                 raise RecipeError("draft.aux_layer_ids: an MTP head reads the target's final hidden state only")
         _check_lora("draft", self.draft.adapt, self.draft.lora)
         if self.draft.adapt == "lora" and self.draft.head == "eagle3" and not self.draft.init_from:
             raise RecipeError("draft.adapt=lora adapts a warm-started EAGLE-3 draft: set draft.init_from")
-        if self.train.loss not in ("soft", "hard"):
-            raise RecipeError(f"train.loss {self.train.loss!r}: expected soft | hard")
         if self.train.ttt_steps < 1:
             raise RecipeError("train.ttt_steps must be ≥ 1")
         if self.eval.k < 1:
             raise RecipeError("eval.k must be ≥ 1")
-        for m in self.eval.modes:
-            if m not in ("greedy", "greedy_draft", "probabilistic"):
-                raise RecipeError(f"eval.modes: unknown verify mode {m!r}")
-        if self.logging.wandb_mode not in ("offline", "online", "disabled"):
-            raise RecipeError(f"logging.wandb_mode {self.logging.wandb_mode!r}")
-        if self.target.dtype not in ("bfloat16", "float32", "float16"):
-            raise RecipeError(f"target.dtype {self.target.dtype!r}")
 
 
 # ----------------------------------------------------------------------------- co-training (RL + sidecar)
@@ -218,7 +242,7 @@ class SidecarConfig:
     batch_tokens: int = 1536
     ttt_steps: int = 7
     step_decay: float | None = None  # TTT step weights decay^j; None = the head's default (STEP_DECAY)
-    loss: str = "soft"
+    loss: LossChoice = LossChoice("soft")
     lr: float = 5e-4
     min_lr_ratio: float = 1.0  # 1.0 = constant after warmup (online training has no end)
     warmup_steps: int = 10
@@ -230,19 +254,19 @@ class SidecarConfig:
     # publish iff candidate − published ≥ −max(gate_tolerance, 2·stderr) (paired, mean acceptance length)
     gate_tolerance: float = 0.0
     eval_k: int = 3
-    eval_mode: str = "greedy_draft"  # the gate's verify mode (vLLM's default)
+    eval_mode: VerifyModeChoice = VerifyModeChoice("greedy_draft")  # the gate's verify mode (vLLM's default)
     eval_temperature: float = 1.0
     checkpoint_every_s: float = 60.0
     prometheus_port: int | None = 0  # 0 = any free port (written to <run_dir>/sidecar/prometheus.port); null = off
     num_threads: int = 1
     max_consecutive_nonfinite: int = 5
-    adapt: str = "full"  # full | lora: adapters over the frozen starting draft; publishes merge them
+    adapt: AdaptChoice = AdaptChoice("full")  # lora: adapters over the frozen starting draft; publishes merge them
     lora: LoraAdaptConfig = field(default_factory=LoraAdaptConfig)
     # torchrun ranks (train/distributed.py): the policy's tap connects to this many sidecar endpoints, and
     # `torchrun --nproc-per-node` must equal it; gradients averaged by DDP or, with the draft's parameters and
     # optimizer state sharded over the ranks, FSDP2 (`parallel`: ddp | fsdp2)
     ranks: int = 1
-    parallel: str = "ddp"
+    parallel: ParallelChoice = ParallelChoice("ddp")
     collective_timeout_s: float = 300.0  # a rank that died or hangs stops the others after this long
 
 
@@ -254,7 +278,7 @@ class RLConfig:
     max_new_tokens: int = 64
     temperature: float = 1.0
     spec_k: int = 3
-    verify_mode: str = "greedy_draft"
+    verify_mode: VerifyModeChoice = VerifyModeChoice("greedy_draft")
     frozen_fraction: float = 0.5  # share of rollouts decoded with the frozen warm-start draft (lossless)
     reward: str = "enthusiasm"
     lr: float = 2e-4
@@ -274,7 +298,7 @@ class RLConfig:
     wait_for_draft_s: float = 0.0  # at start, wait this long for the sidecar's first publish (never per step)
     # rollout engine: vllm (the policy synced into it every step), reference (our lossless decoder, batch 1),
     # auto = vllm when it is installed and serves the target, else reference (with a warning)
-    engine: str = "auto"
+    engine: EngineChoice = EngineChoice("auto")
     engine_kv_cache_gb: float = 1.0
     engine_max_model_len: int = 1024
     engine_probe_prompts: int = 4  # silent-zero guard: held-out prompts decoded at T=0 after each new draft
@@ -303,20 +327,13 @@ class CotrainRecipe:
 
     @property
     def run_dir(self) -> Path:
-        return Path(self.output_dir) / self.run
+        return _run_dir(self)
 
     def validate(self) -> None:
-        if self.kind != "cotrain":
-            raise RecipeError(f"kind {self.kind!r}: this is a {self.kind} recipe, not a co-training one")
-        if self.sidecar.loss not in ("soft", "hard"):
-            raise RecipeError(f"sidecar.loss {self.sidecar.loss!r}: expected soft | hard")
+        """The cross-field rules (field types and choices are the schema's, checked again here for a
+        recipe built in code)."""
+        _check_header(self)
         _check_lora("sidecar", self.sidecar.adapt, self.sidecar.lora)
-        if self.sidecar.eval_mode not in ("greedy", "greedy_draft", "probabilistic"):
-            raise RecipeError(f"sidecar.eval_mode {self.sidecar.eval_mode!r}")
-        if self.rl.verify_mode not in ("greedy", "greedy_draft", "probabilistic"):
-            raise RecipeError(f"rl.verify_mode {self.rl.verify_mode!r}")
-        if self.rl.engine not in ("auto", "vllm", "reference"):
-            raise RecipeError(f"rl.engine {self.rl.engine!r}: expected auto, vllm or reference")
         if self.rl.engine == "vllm" and self.rl.verify_mode == "greedy" and self.rl.temperature > 0:
             raise RecipeError("rl.verify_mode greedy (argmax everywhere) at T > 0 has no vLLM equivalent: use "
                               "greedy_draft (vLLM's default) or probabilistic, or rl.engine=reference")
@@ -324,27 +341,100 @@ class CotrainRecipe:
             raise RecipeError("rl.frozen_fraction must be in [0, 1]")
         if self.rl.group_size < 2:
             raise RecipeError("rl.group_size must be ≥ 2 (GRPO normalises within a group)")
-        if self.tap.tokens_per_step < 1 or self.tap.max_tokens_per_message < 1:
-            raise RecipeError("tap.tokens_per_step and tap.max_tokens_per_message must be ≥ 1")
+        try:
+            check_tap_budgets(self.tap.tokens_per_step, self.tap.max_tokens_per_message)  # the Tap's own rule
+        except ValueError as e:
+            raise RecipeError(f"tap.{e}") from e
         if self.sidecar.max_replay_ratio <= 0:
             raise RecipeError("sidecar.max_replay_ratio must be > 0")
         if self.sidecar.buffer_tokens < self.sidecar.batch_tokens:
             raise RecipeError("sidecar.buffer_tokens must be ≥ sidecar.batch_tokens")
         if self.sidecar.ranks < 1 or not self.sidecar.collective_timeout_s > 0:
             raise RecipeError("sidecar.ranks must be ≥ 1 and sidecar.collective_timeout_s > 0")
-        if self.sidecar.parallel not in ("ddp", "fsdp2"):
-            raise RecipeError(f"sidecar.parallel {self.sidecar.parallel!r}: expected 'ddp' (replicated draft) or "
-                              f"'fsdp2' (draft sharded over the ranks, for heads too large to replicate)")
-        if self.logging.wandb_mode not in ("offline", "online", "disabled"):
-            raise RecipeError(f"logging.wandb_mode {self.logging.wandb_mode!r}")
-        if self.target.dtype not in ("bfloat16", "float32", "float16"):
-            raise RecipeError(f"target.dtype {self.target.dtype!r}")
 
 
+Recipe = WarmstartRecipe | CotrainRecipe
+R = TypeVar("R", WarmstartRecipe, CotrainRecipe)
+
+SCHEMAS: dict[str, type[Recipe]] = {"warmstart": WarmstartRecipe, "cotrain": CotrainRecipe}
+_KIND_NAMES = {"warmstart": "warm-start", "cotrain": "co-training"}  # as error messages name them
+
+
+# ----------------------------------------------------------------------------- what every recipe kind shares
+# Both schemas start with the same header fields (kind, run, output_dir, seed, device, target, logging) at the
+# top level of their YAML; the code on them lives here once.
+def _run_dir(recipe: Recipe) -> Path:
+    """``<output_dir>/<run>``: everything a run writes goes under it."""
+    return Path(recipe.output_dir) / recipe.run
+
+
+def _check_header(recipe: Recipe) -> None:
+    """What ``validate()`` checks first for every kind: ``kind`` names this schema, and every choice field
+    holds one of its values (loading checks that already; again here for a recipe built in code)."""
+    kind = type(recipe).kind
+    if recipe.kind != kind:
+        raise RecipeError(f"kind {recipe.kind!r}: this is a {recipe.kind} recipe, not a {_KIND_NAMES[kind]} one")
+    _check_choices(recipe, "")
+
+
+def _check_choices(obj: Any, prefix: str) -> None:
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        value, choice, key = getattr(obj, f.name), _choice_type(hints[f.name]), f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            _check_choices(value, f"{key}.")
+        elif choice is not None:
+            items = [(f"{key}[{i}]", v) for i, v in enumerate(value)] if isinstance(value, list) else [(key, value)]
+            for k, v in items:
+                if v not in {m.value for m in choice}:
+                    raise _choice_error(k, v, choice)
+
+
+def _choice_type(hint: Any) -> type[Enum] | None:
+    """The choice enum of a field's type hint (``list[...]``: of its items), or None."""
+    if typing.get_origin(hint) is list:
+        (hint,) = typing.get_args(hint)
+    return hint if hint in _CHOICE_NAMES else None
+
+
+def _choice_error(key: str, value: Any, choice: type[Enum]) -> RecipeError:
+    """One line naming the key, the bad value and the allowed ones."""
+    return RecipeError(f"{key}: unknown {_CHOICE_NAMES[choice]} {str(value)!r}; expected one of "
+                       f"{' | '.join(m.value for m in choice)}")
+
+
+def _recipe_error(schema: type, e: Exception, where: str) -> RecipeError:
+    """An OmegaConf error as a RecipeError; for a value outside a field's choices, one line."""
+    from omegaconf.errors import ValidationError
+
+    if isinstance(e, ValidationError):
+        key = str(e.full_key)
+        hint: Any = schema
+        for name in re.sub(r"\[\d+\]", "", key).split("."):  # eval.modes[1] → the hint of eval.modes
+            hint = typing.get_type_hints(hint).get(name) if dataclasses.is_dataclass(hint) else None
+        if (choice := _choice_type(hint)) is not None:
+            return RecipeError(f"{where}: {_choice_error(key, e.value, choice)}")
+    return RecipeError(f"{where}: {e}")
+
+
+# ----------------------------------------------------------------------------- files
+def _declared_kind(raw: Any) -> str:
+    """The ``kind:`` a loaded recipe file declares (``warmstart`` when absent)."""
+    return str(raw.get("kind", "warmstart")) if hasattr(raw, "get") else "warmstart"
+
+
+@overload
+def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> WarmstartRecipe: ...
+@overload
+def load_recipe(path: str | Path | None, overrides: list[str] | None, schema: type[R]) -> R: ...
+@overload
+def load_recipe(path: str | Path | None, overrides: list[str] | None = None, *, schema: type[R]) -> R: ...
 def load_recipe(
-    path: str | Path | None, overrides: list[str] | None = None, schema: type = WarmstartRecipe
-) -> Any:
-    """Schema defaults ← YAML file ← ``key=value`` overrides (dotted keys).  Unknown keys fail."""
+    path: str | Path | None, overrides: list[str] | None = None, schema: type[Recipe] = WarmstartRecipe
+) -> Recipe:
+    """Schema defaults ← YAML file ← ``key=value`` overrides (dotted keys), validated.  Unknown keys, values
+    of the wrong type and values outside a field's choices fail with a RecipeError naming where they came
+    from (the file or the overrides) and the key."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
@@ -358,39 +448,50 @@ def load_recipe(
                 raise RecipeError(f"recipe {p} does not exist")
             where = f"recipe {p}"
             raw = OmegaConf.load(p)
-            kind = raw.get("kind", "warmstart") if hasattr(raw, "get") else "warmstart"
-            if kind != schema.kind:
-                what = {"warmstart": "warm-start", "cotrain": "co-training"}
+            kind, want = _declared_kind(raw), schema.kind
+            if kind != want:
                 raise RecipeError(
-                    f"recipe {p} is a {what.get(kind, kind)} recipe (kind: {kind}); this command needs a "
-                    f"{what.get(schema.kind, schema.kind)} recipe (kind: {schema.kind})"
+                    f"recipe {p} is a {_KIND_NAMES.get(kind, kind)} recipe (kind: {kind}); this command needs a "
+                    f"{_KIND_NAMES[want]} recipe (kind: {want})"
                 )
             merged = OmegaConf.merge(merged, raw)
         if overrides:
             where = f"overrides {list(overrides)}"
             merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)))
-        recipe: Any = OmegaConf.to_object(merged)
+        recipe: Recipe = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except OmegaConfBaseException as e:
-        raise RecipeError(f"{where}: {e}") from e
+        raise _recipe_error(schema, e, where) from e
     recipe.validate()
     return recipe
 
 
-def recipe_to_dict(recipe: Any) -> dict:
-    from omegaconf import OmegaConf
-
-    return OmegaConf.to_container(OmegaConf.structured(recipe), resolve=True)  # type: ignore[return-value]
-
-
-SCHEMAS: dict[str, type] = {"warmstart": WarmstartRecipe, "cotrain": CotrainRecipe}
-
-
 def recipe_kind(path: str | Path) -> str:
-    """The ``kind:`` a recipe file declares (``warmstart`` when absent)."""
+    """The ``kind:`` a recipe file declares (``warmstart`` when absent): the key of its schema in SCHEMAS."""
     from omegaconf import OmegaConf
 
-    raw = OmegaConf.load(Path(path))
-    kind = raw.get("kind", "warmstart") if hasattr(raw, "get") else "warmstart"
+    kind = _declared_kind(OmegaConf.load(Path(path)))
     if kind not in SCHEMAS:
         raise RecipeError(f"recipe {path}: unknown kind {kind!r}; expected one of {sorted(SCHEMAS)}")
-    return str(kind)
+    return kind
+
+
+def recipe_to_dict(recipe: Recipe) -> dict[str, Any]:
+    """Every field of ``recipe`` as plain YAML/JSON values (a choice as its string)."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(  # type: ignore[return-value]
+        OmegaConf.structured(recipe), resolve=True, enum_to_str=True
+    )
+
+
+def save_recipe(recipe: Recipe, path: str | Path) -> Path:
+    """Write every field of ``recipe`` as YAML to ``path`` (atomically: a reader never sees half a file);
+    :func:`load_recipe` with the same schema reads back an equal recipe.  Returns ``path``."""
+    from omegaconf import OmegaConf
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(OmegaConf.to_yaml(OmegaConf.create(recipe_to_dict(recipe))))
+    os.replace(tmp, path)
+    return path

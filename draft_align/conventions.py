@@ -17,6 +17,14 @@ import torch
 VerifyMode = Literal["greedy", "greedy_draft", "probabilistic"]
 VERIFY_MODES: tuple[str, ...] = get_args(VerifyMode)
 
+#: Draft head architectures (and so export formats): EAGLE-3 heads and multi-token-prediction (MTP) heads.
+HeadKind = Literal["eagle3", "mtp"]
+#: The MTP tensor layouts draft_align imports and exports (docs/formats.md §3).
+MTPLayout = Literal["deepseek_v3", "qwen3_next"]
+
+#: The shortest sequence a Tap ships: one token and the next one it predicts.
+MIN_TAP_SEQUENCE_TOKENS = 2
+
 #: dtype names as written in recipes, manifests and wire headers.
 DTYPES: dict[str, torch.dtype] = {
     "bool": torch.bool,
@@ -52,3 +60,11 @@ def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
     """The engines' default EAGLE-3 capture points, as HF ``hidden_states`` indices: (2, L//2, L-3)
     (vLLM and SGLang use the same layers, each in its own indexing; docs/formats.md)."""
     return (2, num_layers // 2, num_layers - 3)
+
+
+def check_tap_budgets(tokens_per_step: int, max_tokens_per_message: int) -> None:
+    """The rule on a tap's budgets (the Tap's constructor and the recipe's ``tap`` section both apply it): each
+    must hold one :data:`MIN_TAP_SEQUENCE_TOKENS`-token sequence.  ValueError names the bound."""
+    for name, value in (("max_tokens_per_message", max_tokens_per_message), ("tokens_per_step", tokens_per_step)):
+        if int(value) < MIN_TAP_SEQUENCE_TOKENS:
+            raise ValueError(f"{name} must be ≥ {MIN_TAP_SEQUENCE_TOKENS}, got {value}")

@@ -106,7 +106,7 @@ def build_job(recipe: CotrainRecipe, start: Path, sink: Any, tap_sink: Any) -> A
     from draft_align.rl.drafts import DraftWatcher
     from draft_align.rl.grpo import GRPOJob, build_prompts, make_kl_sequences
     from draft_align.rl.policy import Policy
-    from draft_align.tap.policy_tap import HFPolicyTap
+    from draft_align.tap.hf import HFPolicyTap
 
     rl = recipe.rl
     dtype = getattr(torch, recipe.target.dtype)

@@ -1,5 +1,6 @@
 """draft_align.config: every recipe loads; unknown keys and bad values fail loudly; overrides apply."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -136,3 +137,142 @@ def test_kind_selects_the_schema_and_a_mismatch_fails(tmp_path):
     p.write_text("kind: evaluation\n")
     with pytest.raises(RecipeError, match="unknown kind"):
         recipe_kind(p)
+
+
+# -- choice fields: typed in the schema, one-line errors naming the key and the allowed values -------------
+def _choice_fields():
+    """(schema, dotted key, choice enum) for every choice field of both schemas."""
+    import dataclasses
+    import typing
+
+    from draft_align.config import CotrainRecipe, _choice_type
+
+    out = []
+
+    def walk(schema, cls, prefix):
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if dataclasses.is_dataclass(hints[f.name]):
+                walk(schema, hints[f.name], f"{prefix}{f.name}.")
+            elif (choice := _choice_type(hints[f.name])) is not None:
+                out.append((schema, f"{prefix}{f.name}", choice, typing.get_origin(hints[f.name]) is list))
+
+    walk(WarmstartRecipe, WarmstartRecipe, "")
+    walk(CotrainRecipe, CotrainRecipe, "")
+    return out
+
+
+CHOICE_FIELDS = _choice_fields()
+
+
+def test_every_enum_like_field_is_a_choice():
+    keys = {(s.__name__, k) for s, k, _, _ in CHOICE_FIELDS}
+    assert keys == {
+        ("WarmstartRecipe", k) for k in ("target.dtype", "draft.head", "draft.mtp_layout", "draft.mtp_init",
+                                         "draft.adapt", "train.loss", "eval.modes", "logging.wandb_mode")
+    } | {
+        ("CotrainRecipe", k) for k in ("target.dtype", "sidecar.loss", "sidecar.eval_mode", "sidecar.adapt",
+                                       "sidecar.parallel", "rl.verify_mode", "rl.engine", "logging.wandb_mode")
+    }
+
+
+@pytest.mark.parametrize(("schema", "key", "choice", "is_list"), CHOICE_FIELDS,
+                         ids=[f"{s.__name__}:{k}" for s, k, _, _ in CHOICE_FIELDS])
+def test_bad_choice_names_the_key_and_the_allowed_values(tmp_path, schema, key, choice, is_list):
+    allowed = [m.value for m in choice]
+    value = "[bogus]" if is_list else "bogus"
+    shown = f"{key}[0]" if is_list else key
+    with pytest.raises(RecipeError) as e:
+        load_recipe(None, [f"{key}={value}"], schema)
+    msg = str(e.value)
+    assert "\n" not in msg and f"{shown}: unknown" in msg and "'bogus'" in msg
+    assert msg.endswith("expected one of " + " | ".join(allowed))
+    # the same from a YAML file: the error names the file
+    section, leaf = key.split(".")
+    p = tmp_path / "bad.yaml"
+    p.write_text(f"kind: {schema.kind}\n{section}:\n  {leaf}: {value}\n")
+    with pytest.raises(RecipeError, match=rf"^recipe .*bad\.yaml: {re.escape(shown)}: unknown .*'bogus'; expected"):
+        load_recipe(p, None, schema)
+    # every allowed value loads, as a string (with what the cross-field rules ask for besides)
+    extra = {"draft.adapt": ["draft.init_from=x"]}.get(key, [])
+    for v in allowed:
+        r = load_recipe(None, [f"{key}=[{v}]" if is_list else f"{key}={v}", *extra], schema)
+        got = getattr(getattr(r, section), leaf)
+        assert (got[0] if is_list else got) == v and isinstance(got[0] if is_list else got, str)
+
+
+def test_a_recipe_built_in_code_is_checked_too():
+    from draft_align.config import CotrainRecipe, EvalConfig, RLConfig
+
+    with pytest.raises(RecipeError, match=r"^rl\.engine: unknown rollout engine 'sglang'; expected one of "
+                                          r"auto \| vllm \| reference$"):
+        CotrainRecipe(rl=RLConfig(engine="sglang")).validate()
+    with pytest.raises(RecipeError, match=r"^eval\.modes\[1\]: unknown verify mode 'typical'"):
+        WarmstartRecipe(eval=EvalConfig(modes=["greedy", "typical"])).validate()
+    CotrainRecipe(rl=RLConfig(engine="reference", verify_mode="probabilistic")).validate()  # plain strings are fine
+
+
+def test_choices_come_from_their_one_source():
+    import typing
+
+    from draft_align.cli import build_parser
+    from draft_align.config import DtypeChoice, HeadChoice, MTPLayoutChoice, VerifyModeChoice
+    from draft_align.conventions import FLOAT_DTYPE_NAMES, VERIFY_MODES
+    from draft_align.heads.mtp import Layout
+    from draft_align.heads.protocol import HeadKind
+
+    assert tuple(VerifyModeChoice) == VERIFY_MODES and tuple(DtypeChoice) == FLOAT_DTYPE_NAMES
+    assert tuple(HeadChoice) == typing.get_args(HeadKind) and tuple(MTPLayoutChoice) == typing.get_args(Layout)
+    ev = next(a for a in build_parser()._subparsers._group_actions[0].choices["eval"]._actions
+              if a.dest == "verify_mode")
+    assert tuple(ev.choices) == VERIFY_MODES
+
+
+def test_choice_values_behave_as_strings():
+    import json
+
+    r = load_recipe(RECIPES[0].parent / "smollm2_mtp_demo.yaml")
+    assert r.draft.head == "mtp" and f"{r.draft.head}" == "mtp" and {"mtp": 1}[r.draft.head] == 1
+    assert json.dumps([r.draft.head, r.eval.modes[0]]) == json.dumps(["mtp", r.eval.modes[0].value])
+    d = recipe_to_dict(r)
+    assert type(d["draft"]["head"]) is str and all(type(m) is str for m in d["eval"]["modes"])
+
+
+# -- the tap budgets: one rule, the Tap's -----------------------------------------------------------------
+@pytest.mark.parametrize("key", ["tap.tokens_per_step", "tap.max_tokens_per_message"])
+def test_tap_budgets_follow_the_taps_rule(key):
+    from draft_align.config import CotrainRecipe
+    from draft_align.tap.budget import MIN_SEQUENCE_TOKENS, check_budgets
+    from draft_align.tap.protocol import PolicyTapError
+
+    low = MIN_SEQUENCE_TOKENS - 1
+    with pytest.raises(RecipeError, match=rf"^{re.escape(key)} must be ≥ {MIN_SEQUENCE_TOKENS}, got {low}$"):
+        load_recipe(None, [f"{key}={low}"], CotrainRecipe)
+    kw = {"tokens_per_step": 8192, "max_tokens_per_message": 16384, key.split(".")[1]: low}
+    with pytest.raises(PolicyTapError):  # what the Tap itself would refuse at construction
+        check_budgets(**kw)
+    r = load_recipe(None, [f"{key}={MIN_SEQUENCE_TOKENS}"], CotrainRecipe)
+    check_budgets(r.tap.tokens_per_step, r.tap.max_tokens_per_message)
+
+
+# -- save_recipe ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("path", RECIPES, ids=[p.name for p in RECIPES])
+def test_save_recipe_round_trips(tmp_path, path):
+    from omegaconf import OmegaConf
+
+    from draft_align.config import save_recipe
+
+    schema = SCHEMAS[recipe_kind(path)]
+    r = load_recipe(path, schema=schema)
+    out = save_recipe(r, tmp_path / "run" / "resolved.yaml")
+    assert out == tmp_path / "run" / "resolved.yaml" and [p.name for p in out.parent.iterdir()] == [out.name]
+    assert out.read_text() == OmegaConf.to_yaml(OmegaConf.create(recipe_to_dict(r)))  # what cotrain wrote itself
+    assert recipe_kind(out) == schema.kind and load_recipe(out, schema=schema) == r
+
+
+def test_load_recipe_returns_the_schemas_type():
+    from draft_align.config import CotrainRecipe
+
+    assert type(load_recipe(None)) is WarmstartRecipe
+    assert type(load_recipe(None, None, CotrainRecipe)) is CotrainRecipe
+    assert type(load_recipe(None, schema=CotrainRecipe)) is CotrainRecipe

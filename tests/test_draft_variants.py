@@ -92,7 +92,7 @@ def _feed(recipe, sc, n_steps: int) -> None:
     from draft_align import data
     from draft_align.hf.generate import generate_responses
     from draft_align.rl.policy import Sequences
-    from draft_align.tap.policy_tap import HFPolicyTap
+    from draft_align.tap.hf import HFPolicyTap
     from draft_align.wire import channel
     from draft_align.wire.messages import StepReport
 

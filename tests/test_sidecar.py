@@ -23,7 +23,7 @@ class Feeder:
     def __init__(self, recipe: CotrainRecipe, draft_to_target: torch.Tensor, aux: tuple[int, ...]) -> None:
         from transformers import AutoModelForCausalLM
 
-        from draft_align.tap.policy_tap import HFPolicyTap
+        from draft_align.tap.hf import HFPolicyTap
         from draft_align.wire import channel
 
         self.recipe = recipe

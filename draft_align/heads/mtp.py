@@ -29,16 +29,17 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
 
+from draft_align.conventions import MTPLayout
 from draft_align.heads.eagle3 import DraftConfigError, config_from_dict
 from draft_align.heads.layers import MLP, Attention, KVCache, RMSNorm, Rotary, attend, block_shape_from_target
 from draft_align.heads.protocol import HeadKind
 
-Layout = Literal["deepseek_v3", "qwen3_next"]
+Layout = MTPLayout
 LAYOUTS: tuple[str, ...] = ("deepseek_v3", "qwen3_next")
 
 

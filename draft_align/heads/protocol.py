@@ -3,12 +3,12 @@ take a :class:`DraftHead` instead of a concrete class and never probe a head wit
 
 from __future__ import annotations
 
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
-HeadKind = Literal["eagle3", "mtp"]
+from draft_align.conventions import HeadKind
 
 
 @runtime_checkable

@@ -61,7 +61,7 @@ from draft_align.wire.messages import StepReport
 if TYPE_CHECKING:
     from draft_align.config import CotrainRecipe
     from draft_align.engines.rollouts import VLLMRollouts
-    from draft_align.tap.policy_tap import PolicyTap, TapSink
+    from draft_align.tap.protocol import PolicyTap, TapSink
 
 log = logging.getLogger(__name__)
 

@@ -1,1 +1,6 @@
-"""The policy/target side: capture of aux hidden states and final hidden states (the Tap)."""
+"""The policy side: what an RL job runs to ship a sample of its own forward passes to the sidecar (the Tap).
+
+``protocol`` (PolicyTap, TapSink), ``budget`` (which sequences a step keeps), ``shipping`` (what both
+framework adapters share), ``hooks`` + ``hf`` (HF transformers), ``megatron_hooks`` + ``megatron``
+(megatron-core).
+"""

@@ -310,7 +310,7 @@ def test_job_rejects_bad_configuration(world):
 
 
 def test_real_policy_tap_gets_headsync_and_tap_batches(world):
-    from draft_align.tap.policy_tap import HFPolicyTap
+    from draft_align.tap.hf import HFPolicyTap
     from draft_align.wire.messages import HeadSync, TapBatch, decode
 
     job, _, _ = world(steps=1)

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from draft_align.hf.capture import TapError
-from draft_align.tap.policy_tap import HFPolicyTap, PolicyTap, PolicyTapError
+from draft_align.tap.hf import HFPolicyTap
+from draft_align.tap.protocol import PolicyTap, PolicyTapError
 from draft_align.wire.join import StageJoiner
 from draft_align.wire.messages import HeadSync, TapBatch, TapPart, decode, encode
 
@@ -36,7 +37,7 @@ class ListSink(list):
 
 # ----------------------------------------------------------------------------- megatron on CPU (tests only)
 def megatron_cpu_setup() -> None:
-    """REFERENCE §8: megatron-core on CPU needs torch.cuda.current_device → "cpu" and an inference RNG
+    """megatron-core on CPU needs torch.cuda.current_device → "cpu" and an inference RNG
     tracker.  Applied in tests (and the spawned test workers) only, never by the library."""
     from megatron.core.tensor_parallel.random import initialize_rng_tracker
 
@@ -214,7 +215,7 @@ def assert_same_batch(got: TapBatch, want: TapBatch, atol: float, exact_topk: bo
 @pytest.mark.parametrize("aux_ids", [(1, 2, 3), (0, 2, 4)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_single_rank_matches_hf_tap(megatron_world, aux_ids, dtype):
-    from draft_align.tap.megatron_tap import MegatronPolicyTap
+    from draft_align.tap.megatron import MegatronPolicyTap
 
     hf = hf_model(dtype)
     mg = megatron_model(dtype)
@@ -245,7 +246,7 @@ def test_single_rank_matches_hf_tap(megatron_world, aux_ids, dtype):
 
 
 def test_single_rank_bad_calls(megatron_world):
-    from draft_align.tap.megatron_tap import MegatronPolicyTap
+    from draft_align.tap.megatron import MegatronPolicyTap
 
     mg = megatron_model()
     sink = ListSink()
@@ -272,7 +273,7 @@ def test_single_rank_bad_calls(megatron_world):
 
 def test_wrapped_model_is_unwrapped(megatron_world):
     """DDP / Float16Module wrap the GPTModel in ``.module``; the tap hooks the inner model."""
-    from draft_align.tap.megatron_tap import MegatronPolicyTap
+    from draft_align.tap.megatron import MegatronPolicyTap
 
     class Wrapper(nn.Module):
         def __init__(self, inner: nn.Module) -> None:
@@ -299,7 +300,7 @@ def test_wrapped_model_is_unwrapped(megatron_world):
 def _worker(rank: int, tmp: str) -> None:
     from megatron.core import parallel_state as ps
 
-    from draft_align.tap.megatron_tap import MegatronPolicyTap
+    from draft_align.tap.megatron import MegatronPolicyTap
 
     torch.set_num_threads(1)
     out = Path(tmp)

@@ -1,11 +1,9 @@
 """Policy-side Tap for megatron-core ``GPTModel`` policies (the backend NeMo RL uses).
 
-The same contract as :class:`~draft_align.tap.policy_tap.HFPolicyTap` (``capturing()`` → the RL job's own
+The same contract as :class:`~draft_align.tap.hf.HFPolicyTap` (``capturing()`` → the RL job's own
 forward passes → ``submit()`` per micro-batch → ``end_step()``; ``head_sync()`` per policy version), with
-HF ``hidden_states`` indexing kept exactly: index 0 is the embedding output, index i (1 ≤ i < L) the output
-of the decoder layer whose megatron ``layer_number`` is i (the residual stream, before any norm), index L the
-output of ``decoder.final_layernorm``.  Megatron activations are sequence-first [s, b, h]; they are turned
-into the packed per-sequence layout of a TapBatch.
+HF ``hidden_states`` indexing kept exactly (:mod:`draft_align.tap.megatron_hooks`).  Megatron activations
+are sequence-first [s, b, h]; they are turned into the packed per-sequence layout of a TapBatch.
 
 Parallelism (process groups and ranks are passed in, or read once by :meth:`MegatronPolicyTap.from_parallel_state`):
 
@@ -27,154 +25,33 @@ recomputed layer fires its hook again (counted as ``capture_broken``).
 
 from __future__ import annotations
 
-import collections
 import contextlib
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from draft_align.hf.capture import TapError
-from draft_align.tap.policy_tap import (
+from draft_align.tap.budget import generator_for
+from draft_align.tap.megatron_hooks import MegatronTap, gpt_parts
+from draft_align.tap.protocol import PolicyTapError, TapSink
+from draft_align.tap.shipping import (
+    CaptureSession,
     KeptSequence,
-    PolicyTapError,
-    TapCounters,
-    TapSink,
-    TokenBudgetSketch,
+    StepSample,
     check_head_sync_args,
     check_step_args,
     check_tap_args,
-    eligible_rows,
-    generator_for,
     host_ids,
     host_masks,
     host_tensors,
     logit_stats,
     offer_head_sync,
     ship,
-    step_chunks,
+    stat_buffers,
 )
 from draft_align.wire.messages import HeadSync, TapPart, pack_sequences, validate
-
-
-@dataclass(frozen=True)
-class GPTParts:
-    """The modules of one megatron ``GPTModel`` (pipeline stage) a Tap hooks; None where this stage lacks it."""
-
-    embedding: nn.Module | None  # pre_process stage only; output [s, b, h] (sequence-sharded under SP)
-    layers: tuple[nn.Module, ...]  # this stage's TransformerLayers; each has a global 1-based .layer_number
-    final_norm: nn.Module | None  # post_process stage only
-    output_weight: torch.Tensor | None  # [V_padded/tp, H] (the shared embedding when tied); post_process only
-    config: Any  # the TransformerConfig
-    vocab_size: int  # the model's (possibly padded) vocabulary
-
-
-def gpt_parts(model: nn.Module) -> GPTParts:
-    """Unwrap DDP / Float16Module (``.module``) and return the parts of a megatron ``GPTModel``."""
-    inner = model
-    for _ in range(8):
-        if hasattr(inner, "decoder") and hasattr(inner, "config"):
-            break
-        inner = getattr(inner, "module", None)
-        if inner is None:
-            break
-    if inner is None or not hasattr(inner, "decoder") or not hasattr(inner, "config"):
-        raise TapError(f"{type(model).__name__}: expected a megatron GPTModel (.decoder, .config), possibly "
-                       "wrapped in .module")
-    decoder = inner.decoder
-    layers = tuple(getattr(decoder, "layers", ()))
-    for layer in layers:
-        if not isinstance(getattr(layer, "layer_number", None), int):
-            raise TapError(f"{type(layer).__name__} has no integer layer_number (not a megatron TransformerLayer)")
-    post = bool(getattr(inner, "post_process", False))
-    final_norm = getattr(decoder, "final_layernorm", None) if post else None
-    weight = None
-    if post:
-        if getattr(inner, "share_embeddings_and_output_weights", False):
-            weight = inner.shared_embedding_or_output_weight()
-        else:
-            weight = inner.output_layer.weight
-    embedding = getattr(inner, "embedding", None) if getattr(inner, "pre_process", False) else None
-    return GPTParts(embedding, layers, final_norm, weight, inner.config, int(inner.vocab_size))
-
-
-class MegatronTap:
-    """Forward hooks on a megatron GPTModel stage capturing HF ``hidden_states`` indices ``owned`` (the
-    subset of ``aux_layer_ids`` this stage holds) and, optionally, the final post-norm hidden state.
-
-    Each forward pass that fires every hook once becomes one capture, queued first-in first-out; values
-    stay [s, b, h] (sequence-first, as megatron produced them)."""
-
-    def __init__(self, model: nn.Module, aux_layer_ids: Sequence[int], capture_final: bool = True) -> None:
-        parts = gpt_parts(model)
-        n_layers = int(parts.config.num_layers)
-        ids = tuple(int(i) for i in aux_layer_ids)
-        if not ids or len(set(ids)) != len(ids) or list(ids) != sorted(ids):
-            raise TapError(f"aux_layer_ids {ids} must be non-empty, distinct and ascending")
-        if ids[0] < 0 or ids[-1] > n_layers:
-            raise TapError(f"aux_layer_ids {ids} outside hidden_states indices 0..{n_layers} of this model")
-        points: dict[int, nn.Module] = {}
-        by_number = {int(layer.layer_number): layer for layer in parts.layers}
-        for i in ids:
-            if i == 0 and parts.embedding is not None:
-                points[i] = parts.embedding
-            elif i == n_layers and parts.final_norm is not None:
-                points[i] = parts.final_norm
-            elif 0 < i < n_layers and i in by_number:
-                points[i] = by_number[i]
-        self.aux_layer_ids = ids
-        self.owned = tuple(sorted(points))  # the aux indices this stage captures
-        self.capture_final = bool(capture_final) and parts.final_norm is not None
-        self._points = points
-        self._final_norm = parts.final_norm
-        self._handles: list[Any] = []
-        self._current: dict[Any, torch.Tensor] = {}
-        self._queue: collections.deque[dict[Any, torch.Tensor]] = collections.deque()
-        self._expect = len(points) + (1 if self.capture_final else 0)
-        self.broken = 0  # forward passes whose hooks fired out of pattern (e.g. activation recompute)
-
-    def _store(self, key: Any, out: Any) -> None:
-        x = (out[0] if isinstance(out, tuple) else out).detach()
-        if key in self._current:
-            self.broken += 1
-            self._current = {}
-        self._current[key] = x
-        if len(self._current) == self._expect:
-            self._queue.append(self._current)
-            self._current = {}
-
-    def attach(self) -> MegatronTap:
-        if self._handles:
-            return self
-        for i, mod in self._points.items():
-            self._handles.append(mod.register_forward_hook(lambda _m, _i, out, i=i: self._store(i, out)))
-        if self.capture_final:
-            self._handles.append(self._final_norm.register_forward_hook(
-                lambda _m, _i, out: self._store("final", out)))
-        return self
-
-    def detach(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-        self._current = {}
-        self._queue.clear()
-
-    def pending(self) -> int:
-        """Captured forward passes not popped yet."""
-        return len(self._queue)
-
-    def pop(self) -> tuple[list[torch.Tensor], torch.Tensor | None]:
-        """The oldest captured forward: ([s, b, h] per owned index, ascending; final [s, b, h] or None)."""
-        if self._expect == 0:
-            return [], None  # a stage that owns nothing still takes part (its TapPart carries ids and masks)
-        if not self._queue:
-            raise TapError("no forward pass captured; is the Tap attached?")
-        got = self._queue.popleft()
-        return [got[i] for i in self.owned], got.get("final")
 
 
 def _gather_sequence(x: torch.Tensor, group: Any, world: int) -> torch.Tensor:
@@ -191,17 +68,14 @@ def vocab_parallel_logit_stats(
     logits: torch.Tensor, input_ids: torch.Tensor, topk: int, *, vocab_size: int, group: Any, tp_rank: int,
     tp_size: int, max_elements: int = 1 << 26,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """:func:`~draft_align.tap.policy_tap.logit_stats` from vocab-parallel logits, collectively over the TP
+    """:func:`~draft_align.tap.shipping.logit_stats` from vocab-parallel logits, collectively over the TP
     group: rank r holds logits [L, Vl] of global ids r·Vl … (r+1)·Vl − 1 (megatron's equal split of the padded
     vocab); ids ≥ ``vocab_size`` (padding) are ignored.  lse = m + log Σ_r Σ exp(x − m) with m the global
     max; the next token's logit comes from the rank that owns it; top-k is the top-k of the ranks' top-k."""
     length, local = logits.shape
     start = tp_rank * local
     dev = logits.device
-    nxt = torch.zeros(length, dtype=torch.float32, device=dev)
-    lse = torch.empty(length, dtype=torch.float32, device=dev)
-    k_ids = torch.empty(length, topk, dtype=torch.int64, device=dev) if topk else None
-    k_lp = torch.empty(length, topk, dtype=torch.float32, device=dev) if topk else None
+    nxt, lse, k_ids, k_lp = stat_buffers(length, topk, dev)
     ids = input_ids.to(device=dev, dtype=torch.int64)
     pad = torch.arange(start, start + local, device=dev) >= vocab_size  # [Vl]
     rows = max(1, max_elements // max(local, 1))
@@ -238,9 +112,9 @@ def vocab_parallel_logit_stats(
 
 
 class MegatronPolicyTap:
-    """:class:`~draft_align.tap.policy_tap.PolicyTap` for megatron-core GPTModel policies.
+    """:class:`~draft_align.tap.protocol.PolicyTap` for megatron-core GPTModel policies.
 
-    Arguments beyond :class:`~draft_align.tap.policy_tap.HFPolicyTap`'s: ``tp_group`` (None when
+    Arguments beyond :class:`~draft_align.tap.hf.HFPolicyTap`'s: ``tp_group`` (None when
     TP = 1), ``pp_rank``/``pp_size`` (pipeline stage), ``dp_rank`` (the pipeline's id: seeds the sample and is
     the messages' ``source_rank``), ``sequence_parallel`` (default: ``model.config.sequence_parallel``),
     ``vocab_size`` (the tokenizer's vocabulary, default the model's possibly padded one: logits and lm_head
@@ -307,12 +181,9 @@ class MegatronPolicyTap:
             raise PolicyTapError(f"topk must be in 0..{self.vocab_size}, got {topk}")
         self.topk = int(topk)
         # one generator per pipeline: every TP rank and stage of it keeps the same sequences
-        self._sketch = TokenBudgetSketch(int(tokens_per_step), generator_for(seed, self.dp_rank),
-                                         max_seq_tokens=self.max_tokens_per_message)
-        self._pending: dict[int, KeptSequence] = {}
-        self._capturing = False
+        self._capture = CaptureSession(self._tap)
+        self._sample = StepSample(tokens_per_step, generator_for(seed, self.dp_rank), self.max_tokens_per_message)
         self._batch_id = 0
-        self._c = TapCounters()
 
     @classmethod
     def from_parallel_state(cls, model: nn.Module, aux_layer_ids: Sequence[int], sink: TapSink,
@@ -331,15 +202,8 @@ class MegatronPolicyTap:
     @contextlib.contextmanager
     def capturing(self) -> Iterator[MegatronPolicyTap]:
         """Attach the hooks for the forward passes run inside; they are removed on exit."""
-        if self._capturing:
-            raise PolicyTapError("capturing() is already active (not reentrant)")
-        self._tap.attach()
-        self._capturing = True
-        try:
+        with self._capture.capturing():
             yield self
-        finally:
-            self._capturing = False
-            self._tap.detach()
 
     def submit(
         self, *, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor,
@@ -348,13 +212,7 @@ class MegatronPolicyTap:
         """Offer the oldest captured micro-batch to this step's sample (collective over the TP group under
         sequence parallelism).  input_ids, attention_mask, loss_mask [B, T] right-padded; logits [B, T, V]
         on the last stage's TP rank 0 (ignored elsewhere)."""
-        if not self._capturing:
-            raise PolicyTapError("submit() must be called inside `with tap.capturing():`, after the forward pass")
-        try:
-            aux, final = self._tap.pop()
-        except TapError as e:
-            raise PolicyTapError("submit() without a captured forward pass: run the model on this batch inside "
-                                 "capturing() first") from e
+        aux, final = self._capture.take()
         check_step_args(policy_version, step, temperature)
         shape, valid, response = host_masks(input_ids, attention_mask, loss_mask)
         # vocab-parallel logits: every TP rank of the last stage holds a shard and takes part in the statistics
@@ -372,11 +230,7 @@ class MegatronPolicyTap:
                                      f"{[seq_len, shape[0]]}: submit() must follow the forward of the same batch")
         ids_host = host_ids(input_ids, valid, response, self.vocab_size)
 
-        lengths, rows = eligible_rows(valid, response, self._c)
-        handles, evicted = self._sketch.add([lengths[b] for b in rows])
-        for h in evicted:
-            self._pending.pop(h, None)
-        kept = [(b, h) for b, h in zip(rows, handles, strict=True) if h is not None]
+        lengths, kept = self._sample.admit(valid, response)
         if not kept:
             return
         # [s(/tp), b, h] → the kept rows, sequence gathered under SP → [b_kept, s, ·]; one collective for all
@@ -397,7 +251,7 @@ class MegatronPolicyTap:
                     stats.append(logit_stats(logits[b, :n, : self.vocab_size].detach(), input_ids[b, :n], self.topk))
         if not self.sends:
             for b, h in kept:  # only the sample's bookkeeping: batch ids must advance as on TP rank 0
-                self._pending[h] = KeptSequence(int(step), int(policy_version), float(temperature), lengths[b], {})
+                self._sample.keep(h, KeptSequence(int(step), int(policy_version), float(temperature), lengths[b], {}))
             return
         states = [c.transpose(0, 1) for c in cols]  # [b_kept, s, ·]
         aux_states = states[: len(aux)]
@@ -409,23 +263,23 @@ class MegatronPolicyTap:
             final_hidden = final_states[j, :n] if final_states is not None else None
             tensors = host_tensors(ids_host[b, :n], response[b, :n], aux_hidden, final_hidden,
                                    stats[j] if stats else None)
-            self._pending[h] = KeptSequence(int(step), int(policy_version), float(temperature), n, tensors)
+            self._sample.keep(h, KeptSequence(int(step), int(policy_version), float(temperature), n, tensors))
         if any(t.device.type == "cuda" for t in states):
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(states[0].device))
             for _, h in kept:
-                self._pending[h].ready = ready
+                self._sample.pending[h].ready = ready
 
     # -- shipping --------------------------------------------------------------------------------------
     def end_step(self) -> int:
         """Pack the step's kept sequences (≤ max_tokens_per_message tokens per message) and offer them:
         TapBatches without pipeline parallelism, TapParts with it.  Ranks that do not send (TP rank ≠ 0)
         only advance their batch ids.  Returns the tokens of messages the sink accepted."""
-        chunks = step_chunks(self._sketch, self._pending, self._c, self.max_tokens_per_message)
+        chunks = self._sample.end_step(self.max_tokens_per_message)
         if not self.sends:
             self._batch_id += len(chunks)  # on every rank and stage alike, so the stages' ids line up
             return 0
-        return ship(chunks, self._message, self.sink, self._c, "megatron tap")
+        return ship(chunks, self._message, self.sink, self._sample.counters, "megatron tap")
 
     def _message(self, seqs: list[KeptSequence]) -> Any:
         """A TapBatch (no pipeline parallelism) or this stage's TapPart of ``seqs``; raises WireError."""
@@ -488,8 +342,8 @@ class MegatronPolicyTap:
             norm_weight=norm_w.to("cpu").clone(), draft_to_target=d2t.clone(),
             rows=rows.to(torch.bfloat16).to("cpu").contiguous(),
         )
-        return offer_head_sync(self.sink, message, self._c, "megatron tap")
+        return offer_head_sync(self.sink, message, self._sample.counters, "megatron tap")
 
     def stats(self) -> dict[str, int]:
         """Counters since construction (as HFPolicyTap's, plus ``capture_broken``)."""
-        return {**self._c.as_dict(self._sketch.too_long), "capture_broken": self._tap.broken}
+        return {**self._sample.stats(), "capture_broken": self._tap.broken}

@@ -1,3 +1,5 @@
+"""HFPolicyTap: what it taps from an HF causal LM, how it samples under the budget, ships and syncs the head."""
+
 import itertools
 import math
 import random
@@ -7,15 +9,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from draft_align.hf.capture import TapError
-from draft_align.tap.policy_tap import (
-    HFPolicyTap,
-    PolicyTap,
-    PolicyTapError,
-    TapSink,
-    TokenBudgetSketch,
-    generator_for,
-    logit_stats,
-)
+from draft_align.tap.budget import generator_for
+from draft_align.tap.hf import HFPolicyTap
+from draft_align.tap.protocol import PolicyTapError
 
 V = 50
 AUX = (0, 2, 3)  # embedding output, layer-1 and layer-2 outputs of a 4-layer target
@@ -99,20 +95,6 @@ def random_seqs(n: int, lengths, seed: int) -> list[list[int]]:
                                                                                              strict=True)]
 
 
-def prefix_keep(lengths: list[int], keys: list[float], budget: int, max_len: int | None = None) -> set[int]:
-    """Reference rule: the sequences with the smallest keys whose token total fits the budget (sequences
-    longer than ``max_len``, default the budget, are left out)."""
-    kept, total = set(), 0
-    for i in sorted(range(len(lengths)), key=lambda i: keys[i]):
-        if lengths[i] > (budget if max_len is None else max_len):
-            continue
-        total += lengths[i]
-        if total > budget:
-            break
-        kept.add(i)
-    return kept
-
-
 # -- what is tapped -------------------------------------------------------------------------------------
 
 
@@ -155,20 +137,6 @@ def test_kept_sequences_equal_single_sequence_forward(tiny_lm, topk):
     st = tap.stats()
     assert st["tokens_seen"] == st["tokens_kept"] == st["tokens_offered"] == 21
     assert (st["sequences_seen"], st["messages_offered"], st["messages_dropped"]) == (3, 1, 0)
-
-
-def test_logit_stats_chunked_equals_direct():
-    torch.manual_seed(3)
-    logits = torch.randn(9, 17) * 4
-    ids = torch.randint(0, 17, (9,))
-    full = logit_stats(logits, ids, 4)
-    chunked = logit_stats(logits, ids, 4, max_elements=17 * 2)  # 2 tokens per chunk
-    lp = torch.log_softmax(logits, -1)
-    torch.testing.assert_close(full[0][:-1], lp[torch.arange(8), ids[1:]])
-    torch.testing.assert_close(full[1], torch.logsumexp(logits, -1))
-    for a, b in zip(full, chunked, strict=True):
-        torch.testing.assert_close(a, b)
-    assert logit_stats(logits, ids, 0)[2] is None
 
 
 def test_no_final_no_topk(tiny_lm):
@@ -225,74 +193,7 @@ def test_peft_lora_model(tiny_lm):
 # -- sampling under the budget ----------------------------------------------------------------------------
 
 
-def test_sketch_equals_prefix_rule_for_any_split():
-    rng = random.Random(0)
-    for trial in range(200):
-        n = rng.randint(1, 12)
-        lengths = [rng.randint(1, 9) for _ in range(n)]
-        keys = [rng.random() for _ in range(n)]
-        budget = rng.randint(1, 30)
-        sketch = TokenBudgetSketch(budget, torch.Generator().manual_seed(trial))
-        handle_of: dict[int, int] = {}
-        i = 0
-        while i < n:  # random micro-batch split
-            j = min(n, i + rng.randint(1, 4))
-            handles, evicted = sketch.add(lengths[i:j], keys[i:j])
-            for k, h in zip(range(i, j), handles, strict=True):
-                if h is not None:
-                    handle_of[k] = h
-            earlier = set(handle_of.values()) - set(handles)
-            assert set(evicted) <= earlier  # only earlier sequences are reported evicted
-            i = j
-        kept = {k for k, h in handle_of.items() if h in set(sketch.kept())}
-        assert kept == prefix_keep(lengths, keys, budget), (lengths, keys, budget)
-        assert sketch.tokens == sum(lengths[k] for k in kept) <= budget
-        assert sketch.too_long == sum(length > budget for length in lengths)
-        assert sorted(sketch.reset()) == sorted(handle_of[k] for k in kept)
-        assert sketch.kept() == [] and sketch.tokens == 0 and sketch.threshold == 1.0
-
-
-def exact_inclusion(lengths: list[int], budget: int) -> list[float]:
-    """P(sequence i kept) under the prefix rule, by enumerating all orderings (keys are exchangeable)."""
-    hits = [0] * len(lengths)
-    perms = list(itertools.permutations(range(len(lengths))))
-    for order in perms:
-        total = 0
-        for i in order:
-            total += lengths[i]
-            if total > budget:
-                break
-            hits[i] += 1
-    return [h / len(perms) for h in hits]
-
-
-def test_sketch_sampling_is_uniform_over_orderings():
-    """Equal-length sequences are kept equally often; a long sequence less often than a short one (it is
-    more often the one that overflows the budget): frequencies match the exact enumeration over orderings."""
-    lengths, budget, steps = [2, 2, 2, 2, 5, 5], 8, 4000
-    exact = exact_inclusion(lengths, budget)
-    # long i kept iff nothing precedes it (1/6) or one short does and is first (1/6·4/5): 0.3; shorts 0.4
-    assert exact == pytest.approx([0.4] * 4 + [0.3] * 2)
-    sketch = TokenBudgetSketch(budget, generator_for(0, 0))
-    rng = random.Random(1)
-    counts = [0] * len(lengths)
-    for _ in range(steps):
-        order = list(range(len(lengths)))
-        rng.shuffle(order)  # arrival order and micro-batching must not matter
-        owner = {}
-        for part in (order[:2], order[2:3], order[3:]):
-            handles, _ = sketch.add([lengths[i] for i in part])
-            owner.update({h: i for i, h in zip(part, handles, strict=True) if h is not None})
-        kept = sketch.reset()
-        assert sum(lengths[owner[h]] for h in kept) <= budget
-        for h in kept:
-            counts[owner[h]] += 1
-    freq = [c / steps for c in counts]
-    for f, p in zip(freq, exact, strict=True):
-        assert abs(f - p) < 0.035, (freq, exact)  # ≥ 4 standard errors at 4000 steps
-
-
-def test_tap_selection_follows_the_seeded_keys(tiny_lm):
+def test_tap_selection_follows_the_seeded_keys(tiny_lm, prefix_keep):
     """The tap keeps exactly the prefix rule's choice for the keys its (seed, rank) generator draws, across
     micro-batches, and splits the step into messages of ≤ max_tokens_per_message tokens."""
     sink = ListSink()
@@ -307,7 +208,7 @@ def test_tap_selection_follows_the_seeded_keys(tiny_lm):
         tap_forward(tap, tiny_lm, seqs[i : i + 4], [1] * 4, step=1)
         keys += torch.rand(4, generator=gen, dtype=torch.float64).tolist()
         # only the currently kept sequences hold copies; evicted ones were released
-        assert len(tap._pending) == len(prefix_keep(lengths[: i + 4], keys, budget, max_len=9))
+        assert len(tap._sample.pending) == len(prefix_keep(lengths[: i + 4], keys, budget, max_len=9))
     expect = prefix_keep(lengths, keys, budget, max_len=9)
     offered = tap.end_step()
     got = [s for m in sink.messages for s in unpack(m)]
@@ -318,7 +219,7 @@ def test_tap_selection_follows_the_seeded_keys(tiny_lm):
     st = tap.stats()
     assert st["too_long"] == 1 and st["tokens_kept"] == offered and st["tokens_seen"] == sum(lengths)
     assert st["messages_offered"] == len(sink.messages) >= 3
-    assert len(tap._pending) == 0  # evicted and shipped sequences are released
+    assert len(tap._sample.pending) == 0  # evicted and shipped sequences are released
 
 
 def test_tap_inclusion_frequencies():
@@ -400,14 +301,6 @@ def test_messages_split_by_policy_version_and_survive_the_wire(tiny_lm):
             assert torch.equal(getattr(back, name), t), name
 
 
-def test_protocols(tiny_lm):
-    from draft_align.wire.channel import TapSender
-
-    sink = ListSink()
-    assert isinstance(sink, TapSink) and issubclass(TapSender, TapSink)
-    assert isinstance(HFPolicyTap(tiny_lm, AUX, sink, run_id="r", tokens_per_step=10), PolicyTap)
-
-
 # -- HeadSync ---------------------------------------------------------------------------------------------
 
 
@@ -449,8 +342,6 @@ def test_constructor_errors(tiny_lm):
         HFPolicyTap(tiny_lm, AUX, object(), run_id="r", tokens_per_step=10)
     with pytest.raises(TapError, match="outside"):
         HFPolicyTap(tiny_lm, (1, 5), sink, run_id="r", tokens_per_step=10)
-    with pytest.raises(PolicyTapError, match="budget"):
-        TokenBudgetSketch(0, torch.Generator())
 
 
 def test_submit_errors(tiny_lm):

@@ -1,0 +1,183 @@
+"""The policy-side Tap for HF transformers causal LMs: what an RL job calls to ship a token-budgeted sample
+of its forward pass to the sidecar (the contract: :mod:`draft_align.tap.protocol`; the sample:
+:mod:`draft_align.tap.budget`)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from draft_align.hf.capture import HFTap
+from draft_align.hf.parts import decoder_parts
+from draft_align.tap.budget import generator_for
+from draft_align.tap.protocol import PolicyTapError, TapSink
+from draft_align.tap.shipping import (
+    CaptureSession,
+    KeptSequence,
+    StepSample,
+    check_head_sync_args,
+    check_step_args,
+    check_tap_args,
+    host_ids,
+    host_masks,
+    host_tensors,
+    logit_stats,
+    offer_head_sync,
+    ship,
+)
+from draft_align.wire.messages import HeadSync, pack_sequences
+
+
+def _norm_eps(norm: nn.Module) -> float:
+    for name in ("variance_epsilon", "eps", "epsilon"):
+        value = getattr(norm, name, None)
+        if isinstance(value, int | float) and value > 0:
+            return float(value)
+    raise PolicyTapError(f"{type(norm).__name__}: final norm has no variance_epsilon/eps attribute")
+
+
+class HFPolicyTap:
+    """:class:`~draft_align.tap.protocol.PolicyTap` for HF transformers causal LMs (Llama/Qwen/Mistral
+    layout, or the inner model of a peft ``PeftModel``: ``peft_model.base_model.model``).
+
+    ``aux_layer_ids`` are HF ``hidden_states`` indices (see :class:`~draft_align.hf.capture.HFTap`).
+    Per RL step at most ``tokens_per_step`` tokens are kept, as whole sequences sampled uniformly
+    (:class:`~draft_align.tap.budget.TokenBudgetSketch`); they are shipped in TapBatches of
+    ≤ ``max_tokens_per_message`` tokens, so a sequence longer than min(tokens_per_step,
+    max_tokens_per_message) is never kept (``too_long``).
+    Rows with fewer than 2 valid tokens (``too_short``) or no response token (``no_response``) are
+    skipped: the draft has nothing to learn from them.
+
+    ``logits`` given to :meth:`submit` must be the policy's raw logits (temperature 1, not divided by
+    the sampling temperature): next_logprob, logit_lse and top-k are defined at temperature 1.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        aux_layer_ids: Sequence[int],
+        sink: TapSink,
+        *,
+        run_id: str,
+        tokens_per_step: int,
+        max_tokens_per_message: int = 16384,
+        send_final: bool = True,
+        topk: int = 1,
+        rank: int = 0,
+        seed: int = 0,
+    ) -> None:
+        check_tap_args(run_id, sink, tokens_per_step, max_tokens_per_message)
+        if int(rank) < 0:
+            raise PolicyTapError(f"rank must be ≥ 0, got {rank}")
+        _, _, norm, lm_head = decoder_parts(model)
+        self.model = model
+        self.sink = sink
+        self.run_id = run_id
+        self.send_final = bool(send_final)
+        self.rank = int(rank)
+        self.max_tokens_per_message = int(max_tokens_per_message)
+        self._tap = HFTap(model, tuple(aux_layer_ids), capture_final=self.send_final)
+        self.aux_layer_ids = self._tap.aux_layer_ids
+        self.hidden_size = int(norm.weight.shape[0])
+        self.vocab_size = int(lm_head.weight.shape[0])
+        if not 0 <= int(topk) <= self.vocab_size:
+            raise PolicyTapError(f"topk must be in 0..{self.vocab_size}, got {topk}")
+        self.topk = int(topk)
+        self._capture = CaptureSession(self._tap)
+        self._sample = StepSample(tokens_per_step, generator_for(seed, rank), self.max_tokens_per_message)
+        self._batch_id = 0
+
+    # -- capture ---------------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def capturing(self) -> Iterator[HFPolicyTap]:
+        """Attach the hooks for the forward passes run inside; they are removed on exit."""
+        with self._capture.capturing():
+            yield self
+
+    def submit(
+        self, *, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor,
+        logits: torch.Tensor, policy_version: int, step: int, temperature: float,
+    ) -> None:
+        """Offer the micro-batch whose forward just ran inside ``capturing()`` to this step's sample.
+
+        input_ids, attention_mask, loss_mask [B, T] (right-padded: row b's valid tokens are the prefix
+        where attention_mask is 1; loss_mask marks response tokens, never padding); logits [B, T, V].
+        """
+        cap = self._capture.take()
+        check_step_args(policy_version, step, temperature)
+        shape, valid, response = host_masks(input_ids, attention_mask, loss_mask)
+        if not isinstance(logits, torch.Tensor) or logits.dim() != 3 or tuple(logits.shape[:2]) != shape:
+            raise PolicyTapError(f"logits must be [B, T, V] with [B, T] = {shape}, got {tuple(logits.shape)}")
+        if int(logits.shape[2]) != self.vocab_size:
+            raise PolicyTapError(f"logits vocab {logits.shape[2]} ≠ model vocab {self.vocab_size}")
+        if tuple(cap.aux.shape[:2]) != shape:
+            raise PolicyTapError(
+                f"captured forward was on a [{cap.aux.shape[0]}, {cap.aux.shape[1]}] batch, submit got {shape}:"
+                " submit() must follow the forward pass of the same batch"
+            )
+        ids_host = host_ids(input_ids, valid, response, self.vocab_size)
+
+        lengths, kept = self._sample.admit(valid, response)
+        ready = None
+        for b, h in kept:
+            n = lengths[b]
+            stats = logit_stats(logits[b, :n].detach(), input_ids[b, :n], self.topk)
+            final = cap.final[b, :n] if self.send_final else None
+            tensors = host_tensors(ids_host[b, :n], response[b, :n], cap.aux[b, :n], final, stats)
+            seq = KeptSequence(int(step), int(policy_version), float(temperature), n, tensors)
+            if cap.aux.device.type == "cuda":
+                if ready is None:
+                    ready = torch.cuda.Event()
+                seq.ready = ready
+            self._sample.keep(h, seq)
+        if ready is not None:
+            ready.record(torch.cuda.current_stream(cap.aux.device))  # the stream the copies were queued on
+
+    # -- shipping --------------------------------------------------------------------------------------
+
+    def end_step(self) -> int:
+        """Pack the step's kept sequences into TapBatches (≤ max_tokens_per_message tokens each), offer
+        them to the sink and start a new step.  Returns the tokens of messages the sink accepted."""
+        chunks = self._sample.end_step(self.max_tokens_per_message)
+        return ship(chunks, self._tap_batch, self.sink, self._sample.counters, "tap")
+
+    def _tap_batch(self, seqs: list[KeptSequence]) -> Any:
+        """One TapBatch of ``seqs`` (same policy version, step and temperature), validated as the wire
+        encoder would; raises WireError (e.g. NaN logits gave NaN log-probs)."""
+        head = seqs[0]
+        batch_id = self._batch_id
+        self._batch_id += 1  # also for a message that is refused or invalid: gaps in batch_id show losses
+        return pack_sequences(
+            [s.tensors for s in seqs], run_id=self.run_id, policy_version=head.policy_version,
+            source_rank=self.rank, batch_id=batch_id, step=head.step, aux_layer_ids=self.aux_layer_ids,
+            hidden_size=self.hidden_size, vocab_size=self.vocab_size,
+            final_norm="post" if self.send_final else None, temperature=head.temperature,
+        )
+
+    def head_sync(self, policy_version: int, draft_to_target: torch.Tensor) -> bool:
+        """Offer HeadSync for ``policy_version``: final norm weight [H] (float32), its eps, and the
+        lm_head rows [Vd, H] (bfloat16) of the draft vocabulary ``draft_to_target`` [Vd]."""
+        d2t = check_head_sync_args(policy_version, draft_to_target, self.vocab_size)
+        _, _, norm, lm_head = decoder_parts(self.model)
+        if hasattr(lm_head, "base_layer"):
+            raise PolicyTapError("lm_head is adapter-wrapped: its .weight would miss the adapter's update")
+        if getattr(norm, "weight", None) is None:
+            raise PolicyTapError(f"{type(norm).__name__}: final norm has no weight")
+        weight = lm_head.weight.detach()
+        rows = weight[d2t.to(weight.device)].to(torch.bfloat16).to("cpu").contiguous()  # a copy (gather)
+        message = HeadSync(
+            run_id=self.run_id, policy_version=int(policy_version), hidden_size=self.hidden_size,
+            vocab_size=self.vocab_size, norm_eps=_norm_eps(norm),
+            norm_weight=norm.weight.detach().to("cpu", torch.float32).clone(), draft_to_target=d2t.clone(),
+            rows=rows,
+        )
+        return offer_head_sync(self.sink, message, self._sample.counters, "tap")
+
+    def stats(self) -> dict[str, int]:
+        """Counters since construction (too_long from the budget sketch)."""
+        return self._sample.stats()

@@ -1,0 +1,142 @@
+"""tap.shipping: what both policy taps share — the capture session, the step's sample, logit statistics,
+message chunks and their shipping (no model needed: fake hooks and hand-made sequences)."""
+
+import pytest
+import torch
+
+from draft_align.hf.capture import TapError
+from draft_align.tap.budget import generator_for
+from draft_align.tap.protocol import PolicyTapError
+from draft_align.tap.shipping import (
+    CaptureSession,
+    KeptSequence,
+    StepSample,
+    TapCounters,
+    logit_stats,
+    ship,
+)
+from draft_align.wire.messages import WireError
+
+
+class FakeHooks:
+    """Hooks that record attach/detach and hand out queued captures."""
+
+    def __init__(self) -> None:
+        self.attached = 0
+        self.detached = 0
+        self.queue: list[str] = []
+
+    def attach(self) -> "FakeHooks":
+        self.attached += 1
+        return self
+
+    def detach(self) -> None:
+        self.detached += 1
+        self.queue.clear()
+
+    def pop(self) -> str:
+        if not self.queue:
+            raise TapError("nothing captured")
+        return self.queue.pop(0)
+
+
+class Sink:
+    def __init__(self, capacity: int) -> None:
+        self.messages: list = []
+        self.capacity = capacity
+
+    def offer(self, message) -> bool:
+        if len(self.messages) >= self.capacity:
+            return False
+        self.messages.append(message)
+        return True
+
+
+def seq(n: int, version: int = 0, step: int = 0, temperature: float = 1.0) -> KeptSequence:
+    return KeptSequence(step, version, temperature, n, {"input_ids": torch.arange(n)})
+
+
+def test_logit_stats_chunked_equals_direct():
+    torch.manual_seed(3)
+    logits = torch.randn(9, 17) * 4
+    ids = torch.randint(0, 17, (9,))
+    full = logit_stats(logits, ids, 4)
+    chunked = logit_stats(logits, ids, 4, max_elements=17 * 2)  # 2 tokens per chunk
+    lp = torch.log_softmax(logits, -1)
+    torch.testing.assert_close(full[0][:-1], lp[torch.arange(8), ids[1:]])
+    torch.testing.assert_close(full[1], torch.logsumexp(logits, -1))
+    for a, b in zip(full, chunked, strict=True):
+        torch.testing.assert_close(a, b)
+    assert logit_stats(logits, ids, 0)[2] is None
+
+
+def test_capture_session_attaches_only_inside_and_hands_out_captures():
+    hooks = FakeHooks()
+    cap = CaptureSession(hooks)
+    with pytest.raises(PolicyTapError, match="inside `with tap.capturing"):
+        cap.take()
+    with cap.capturing():
+        assert cap.active and hooks.attached == 1
+        with pytest.raises(PolicyTapError, match="without a captured forward pass"):
+            cap.take()
+        hooks.queue += ["a", "b"]
+        assert (cap.take(), cap.take()) == ("a", "b")  # first in, first out
+        with pytest.raises(PolicyTapError, match="reentrant"), cap.capturing():
+            pass
+        assert hooks.attached == 1  # the refused re-entry attached nothing
+    assert not cap.active and hooks.detached == 1
+    with pytest.raises(RuntimeError, match="boom"), cap.capturing():
+        raise RuntimeError("boom")
+    assert not cap.active and (hooks.attached, hooks.detached) == (2, 2)  # removed on an exception too
+
+
+def test_step_sample_counts_rows_and_chunks_by_version_step_and_size():
+    sample = StepSample(100, generator_for(0, 0), max_seq_tokens=100)
+    valid = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0], [1, 1, 0, 0]], dtype=torch.bool)
+    response = torch.tensor([[0, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0], [0, 1, 0, 0]], dtype=torch.bool)
+    lengths, kept = sample.admit(valid, response)
+    assert lengths == [3, 1, 4, 0, 2]
+    assert [b for b, _ in kept] == [0, 4]  # row 1 too short, row 2 has no response, row 3 empty
+    c = sample.counters
+    assert (c.sequences_seen, c.tokens_seen, c.too_short, c.no_response) == (4, 10, 1, 1)
+    for (b, h), version in zip(kept, (1, 2), strict=True):
+        sample.keep(h, seq(lengths[b], version=version))
+    more = [sample.admit(torch.ones(1, n, dtype=torch.bool), torch.ones(1, n, dtype=torch.bool)) for n in (4, 3, 5)]
+    for lens, ks in more:
+        (_, h), = ks
+        sample.keep(h, seq(lens[0], version=1))
+    chunks = sample.end_step(max_tokens=8)
+    # version 1: 3 + 4 | 3 + 5 (a chunk never exceeds 8 tokens); version 2: 2 — in admission order
+    assert [[s.n_tokens for s in ch] for ch in chunks] == [[3, 4], [3, 5], [2]]
+    assert [ch[0].policy_version for ch in chunks] == [1, 1, 2]
+    assert (c.sequences_kept, c.tokens_kept) == (5, 17) and sample.pending == {}
+    assert sample.end_step(8) == [] and sample.stats()["tokens_kept"] == 17
+
+
+def test_step_sample_releases_evicted_sequences():
+    sample = StepSample(4, generator_for(0, 0), max_seq_tokens=4)
+    ones = torch.ones(1, 3, dtype=torch.bool)
+    seen = []
+    for _ in range(6):
+        lengths, kept = sample.admit(ones, ones)
+        for b, h in kept:
+            sample.keep(h, seq(lengths[b]))
+            seen.append(h)
+        assert set(sample.pending) == set(sample.sketch.kept())  # evicted copies are dropped at once
+    assert len(sample.pending) == 1 and len(seen) >= 1
+
+
+def test_ship_counts_accepted_refused_and_invalid():
+    counters = TapCounters()
+    sink = Sink(capacity=1)
+    chunks = [[seq(3)], [seq(2), seq(2)], [seq(5)]]
+
+    def build(chunk):
+        if len(chunk) == 2:
+            raise WireError("range", "NaN log-probs")
+        return sum(s.n_tokens for s in chunk)
+
+    assert ship(chunks, build, sink, counters, "test") == 3
+    assert sink.messages == [3]
+    assert (counters.messages_offered, counters.tokens_offered) == (1, 3)
+    assert (counters.messages_invalid, counters.messages_dropped, counters.tokens_dropped) == (1, 1, 9)
