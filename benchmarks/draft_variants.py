@@ -48,7 +48,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.results_md import replace_section  # noqa: E402
+from benchmarks.results_md import replace_section, repo_relative  # noqa: E402
 
 log = logging.getLogger("bench.draft_variants")
 HEAD = "## Draft variants: full vs LoRA, EAGLE-3 vs MTP"
@@ -293,7 +293,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                                      for k, v in row.items()})
     return {
         "command": " ".join(sys.argv),
-        "settings": {k: v for k, v in vars(args).items()},
+        "settings": {k: repo_relative(v) if k == "out" else v for k, v in vars(args).items()},
         "drift": drift_desc,
         "eagle_aux": list(eagle_aux),
         "data": {"warm_sequences": len(warm_pairs), "adapt_sequences": len(adapt_pairs),

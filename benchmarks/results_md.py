@@ -15,3 +15,16 @@ def replace_section(path: Path, head: str, body: str) -> None:
     else:
         text = text.rstrip("\n") + "\n\n" + body
     path.write_text(text)
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def repo_relative(path: str | Path) -> str:
+    """``path`` relative to the repository when it lies inside it (committed JSON never records this machine's
+    absolute paths); other paths are returned unchanged."""
+    p = Path(path)
+    try:
+        return str(p.resolve().relative_to(ROOT))
+    except ValueError:
+        return str(path)
