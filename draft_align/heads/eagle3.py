@@ -1,6 +1,6 @@
 """EAGLE-3 draft head, matching vLLM's and SGLang's ``LlamaForCausalLMEagle3``.
 
-One Llama decoder layer (REFERENCE.md §1).  Step 0 at position t::
+One Llama decoder layer (docs/formats.md §1).  Step 0 at position t::
 
     h   = fc(cat(aux_0[t], aux_1[t], aux_2[t]))          # [H]   (3·H_target → H)
     e   = embed_target(x[t+1])                           # [H]   target's embedding, frozen, not ours

@@ -1,4 +1,4 @@
-"""Multi-token-prediction (MTP) draft head, as DeepSeek-V3 and Qwen3-Next ship it (REFERENCE.md §6).
+"""Multi-token-prediction (MTP) draft head, as DeepSeek-V3 and Qwen3-Next ship it (docs/formats.md §3).
 
 One MTP module per depth d = 0..D−1.  Step 0 at position t (same alignment as EAGLE-3: it predicts
 x[t+2] and is scored against the target's distribution at t+1)::

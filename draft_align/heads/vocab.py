@@ -1,4 +1,4 @@
-"""Draft vocabulary: which target tokens the draft's lm_head can propose (REFERENCE.md §2)."""
+"""Draft vocabulary: which target tokens the draft's lm_head can propose (docs/formats.md §2)."""
 
 from __future__ import annotations
 

@@ -1,3 +1,3 @@
 """Acceptance monitoring: the acceptance math, a lossless reference speculative decoder, an estimator
 that predicts an engine's acceptance from teacher-forced unrolls, and an evaluation that compares them
-(REFERENCE.md §4)."""
+(docs/acceptance.md)."""

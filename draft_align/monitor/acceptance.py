@@ -1,4 +1,4 @@
-"""Acceptance math of chain speculative decoding (REFERENCE.md §4): pure tensor functions.
+"""Acceptance math of chain speculative decoding (docs/acceptance.md): pure tensor functions.
 
 Per-position acceptance probability α of one draft token, by how the engine verifies (temperature T):
 

@@ -3,7 +3,7 @@
 For a sequence x[0..T-1] with a prompt of P tokens, one target forward (an :class:`HFTap` captures the
 aux states) and one ``draft.unroll`` give, for every chain start s = P−1 .. T−2 and step j < k, the draft
 logits q_{s,j} (step 0 at s reads aux[s], embed(x[s+1]) and predicts x[s+2]) and the target logits at
-position s+1+j (the distribution of x[s+2+j]); α_{s,j} = acceptance_prob(p, q) (REFERENCE.md §4) is
+position s+1+j (the distribution of x[s+2+j]); α_{s,j} = acceptance_prob(p, q) (docs/acceptance.md) is
 valid iff s+2+j ≤ T−1.
 
 On the target's own samples (rollouts, or the output of a lossless decoder) the engine replay of these
@@ -153,7 +153,7 @@ def estimate(
 
     ``acceptance_length_est``: engine replay per sequence, pooled as Σ accepted / Σ rounds (what predicts
     an engine's counters); ``acceptance_length_all_starts``: Π α averaged over every chain start of every
-    sequence (an overestimate, REFERENCE.md §4).  ``per_position_*`` are the r_i; ``num_tokens`` counts
+    sequence (an overestimate, docs/acceptance.md).  ``per_position_*`` are the r_i; ``num_tokens`` counts
     response tokens.  ``acceptance_length_observed`` replays :func:`observed_alpha_table`: the counters
     an argmax-proposing draft's engine reports on exactly these outputs (None for ``probabilistic`` at
     T > 0, whose draft samples).  Sequences with an empty response are skipped.

@@ -1,4 +1,4 @@
-"""Training-time-test (TTT) losses for EAGLE-3 heads (REFERENCE.md §3).
+"""Training-time-test (TTT) losses for EAGLE-3 heads (docs/formats.md §1 and docs/acceptance.md).
 
 Per step j the draft's distribution q_j over the draft vocabulary is fitted to the target's
 distribution p restricted to the draft vocabulary and renormalised:

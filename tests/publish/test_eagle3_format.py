@@ -153,7 +153,7 @@ def test_speculators_config_fields(e3, tmp_path, aux):
 
 
 def test_sglang_loader_rules(e3, tmp_path):
-    """The HF dialect against SGLang's EAGLE-3 loader rules (REFERENCE.md §1)."""
+    """The HF dialect against SGLang's EAGLE-3 loader rules (docs/formats.md §1)."""
     out = e3.export(e3.make_draft(e3.CUSTOM_IDS), tmp_path / "v")
     config = json.loads((out / "config.json").read_text())
     sd = safetensors.torch.load_file(str(out / "model.safetensors"))
