@@ -20,8 +20,8 @@ from torch import nn
 
 from draft_align.heads.eagle3 import Eagle3Draft
 from draft_align.heads.vocab import draft_logits
-from draft_align.train.batch import Batch
 from draft_align.train.losses import StepStats, hard_ce_step, soft_ce_step, step_weights
+from draft_align.train.records import Batch
 
 log = logging.getLogger(__name__)
 

@@ -207,7 +207,7 @@ def test_recorded_merge_sha_is_checked(tmp_path, published_base):
 def test_trainer_trains_only_adapters_and_resumes(target, tmp_path, kind):
     from draft_align.hf.parts import frozen_embedding, head_rows
     from draft_align.tap.hooks import HFTap
-    from draft_align.train.batch import Record, collate
+    from draft_align.train.records import Record, collate
     from draft_align.train.trainer import DraftTrainer, LossSettings, OptimSettings
 
     def build():
