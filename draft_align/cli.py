@@ -14,17 +14,21 @@ from pathlib import Path
 log = logging.getLogger("draft_align")
 
 
-def _setup_logging(verbose: bool, rank: int | None = None) -> None:
-    """Log lines to stderr; ``rank``: under torchrun every rank writes to the same console, say which speaks."""
+def _log_format(rank: int | None = None) -> str:
     prefix = f"[rank {rank}] " if rank is not None else ""
-    logging.basicConfig(
-        level=logging.DEBUG if verbose else logging.INFO,
-        format=f"%(asctime)s {prefix}%(levelname)s %(name)s: %(message)s",
-        datefmt="%H:%M:%S",
-        force=True,
-    )
+    return f"%(asctime)s {prefix}%(levelname)s %(name)s: %(message)s"
+
+
+def _setup_logging(verbose: bool) -> None:
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format=_log_format(), datefmt="%H:%M:%S")
     for noisy in ("httpx", "urllib3", "filelock", "datasets"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def _say_rank(rank: int) -> None:
+    """Under torchrun every rank writes to the same console: say which one speaks."""
+    for h in logging.getLogger().handlers:
+        h.setFormatter(logging.Formatter(_log_format(rank), datefmt="%H:%M:%S"))
 
 
 def cmd_fetch(args: argparse.Namespace) -> int:
@@ -149,7 +153,7 @@ def cmd_sidecar(args: argparse.Namespace) -> int:
 
     info = rank_info_from_env()
     if info.world_size > 1:
-        _setup_logging(args.verbose, rank=info.rank)
+        _say_rank(info.rank)
     recipe = _cotrain_recipe(args)
     torch.set_num_threads(recipe.sidecar.num_threads)
     torch.manual_seed(recipe.seed)

@@ -127,7 +127,7 @@ def ttt_loss(
 
 
 class StepParallel(Protocol):
-    """How a trainer steps together with other ranks (implemented in train/distributed.py)."""
+    """How a trainer steps together with other ranks (implemented in train/parallel.py)."""
 
     def loss(self, batch: Batch) -> tuple[torch.Tensor, StepStats]: ...
 
@@ -166,7 +166,7 @@ class DraftTrainer:
         draft.lm_head.weight.requires_grad_(loss.train_lm_head and not frozen_head)
         self.progress = Progress(total_steps=optim.total_steps)
         self.build_optimizer()
-        # under torchrun: the loss through DDP or FSDP2 and a rank-wide finiteness vote (train/distributed.py)
+        # under torchrun: the loss through DDP or FSDP2 and a rank-wide finiteness vote (train/parallel.py)
         self.parallel: StepParallel | None = None
 
     def build_optimizer(self) -> None:

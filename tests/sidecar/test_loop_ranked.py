@@ -32,10 +32,15 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+REPO = Path(__file__).resolve().parents[2]
+
+
 def _rank_env(rank: int, world: int, port: int) -> dict[str, str]:
     env = dict(os.environ)
     env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    # this file runs as a script (sys.path[0] = its folder): import the package of this checkout
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
     return env
 
 
@@ -96,10 +101,11 @@ def _fill(sc, part: int, parts: int) -> None:
     train = _sequences(N_TRAIN, sc.hidden, sc.vocab, seed=1)
     share = N_TRAIN // parts
     hold = _sequences(N_HOLD, sc.hidden, sc.vocab, seed=2) if part == 0 else []
+    buffered = sc.state.buffered_tokens  # a resumed sidecar's count goes on from its checkpoint
     for s in train[part * share:(part + 1) * share] + hold:
         rec = Record(input_ids=s["input_ids"], loss_mask=s["loss_mask"], aux=s["aux_hidden"], final=s["final_hidden"])
         assert sc.ingest.buffer_record(TappedRecord(record=rec, policy_version=0, step=0))
-    assert sc.state.buffered_tokens == SEQ_LEN * (share + len(hold))
+    assert sc.state.buffered_tokens - buffered == SEQ_LEN * (share + len(hold))
     sc.on_head(_head_sync(sc.recipe.run, sc.frozen, sc.hidden, sc.vocab, 0))
     assert sc.has_head
     assert len(sc.ingest.buffer.trainable()) == share and len(sc.ingest.buffer.holdout()) == len(hold)
