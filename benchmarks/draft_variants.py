@@ -110,8 +110,7 @@ def sample(model: Any, prompts: list[torch.Tensor], args: argparse.Namespace, se
 def tap_records(model: Any, pairs: list[tuple], eagle_aux: tuple[int, ...]) -> dict[str, list]:
     """TappedRecords for both heads (EAGLE-3 aux states / MTP's final hidden) from one forward each."""
     from draft_align.hf.capture import HFTap
-    from draft_align.train.batch import Record
-    from draft_align.train.replay import TappedRecord
+    from draft_align.train.records import Record, TappedRecord
 
     out: dict[str, list] = {"eagle3": [], "mtp": []}
     with torch.no_grad(), HFTap(model, eagle_aux, capture_final=True) as tap:
@@ -131,7 +130,7 @@ def tap_records(model: Any, pairs: list[tuple], eagle_aux: tuple[int, ...]) -> d
 # ----------------------------------------------------------------------------- training and measuring
 def train_for(trainer: Any, records: list, seconds: float, batch_tokens: int, steps: int, seed: int) -> dict:
     """Optimizer steps on random batches of ``records`` for ``seconds``; returns tokens, steps and time."""
-    from draft_align.train.batch import collate, make_batches
+    from draft_align.train.records import collate, make_batches
 
     lengths = [len(r.record) for r in records]
     g = torch.Generator().manual_seed(seed)

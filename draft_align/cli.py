@@ -14,18 +14,21 @@ from pathlib import Path
 log = logging.getLogger("draft_align")
 
 
-def _setup_logging(verbose: bool) -> None:
-    import os
+def _log_format(rank: int | None = None) -> str:
+    prefix = f"[rank {rank}] " if rank is not None else ""
+    return f"%(asctime)s {prefix}%(levelname)s %(name)s: %(message)s"
 
-    # under torchrun every rank writes to the same console: say which one speaks
-    rank = f"[rank {os.environ['RANK']}] " if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1 else ""
-    logging.basicConfig(
-        level=logging.DEBUG if verbose else logging.INFO,
-        format=f"%(asctime)s {rank}%(levelname)s %(name)s: %(message)s",
-        datefmt="%H:%M:%S",
-    )
+
+def _setup_logging(verbose: bool) -> None:
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format=_log_format(), datefmt="%H:%M:%S")
     for noisy in ("httpx", "urllib3", "filelock", "datasets"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def _say_rank(rank: int) -> None:
+    """Under torchrun every rank writes to the same console: say which one speaks."""
+    for h in logging.getLogger().handlers:
+        h.setFormatter(logging.Formatter(_log_format(rank), datefmt="%H:%M:%S"))
 
 
 def cmd_fetch(args: argparse.Namespace) -> int:
@@ -137,14 +140,28 @@ def _cotrain_recipe(args: argparse.Namespace):
 
 
 def cmd_sidecar(args: argparse.Namespace) -> int:
-    from draft_align.sidecar import run_sidecar
+    """The sidecar process: its rank (torchrun), threads, global seed and signal handlers are set here."""
+    import signal
+    import threading
 
-    state = run_sidecar(_cotrain_recipe(args), args.draft, exit_when_done=args.exit_when_done,
-                        max_seconds=args.max_seconds)
-    import os
+    import torch
 
-    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1 and os.environ.get("RANK", "0") != "0":
-        print(f"sidecar rank {os.environ['RANK']} stopped: {state.train_steps} train steps (rank 0 publishes)")
+    from draft_align.sidecar.launch import run_sidecar
+    from draft_align.train.parallel import rank_info_from_env
+
+    info = rank_info_from_env()
+    if info.world_size > 1:
+        _say_rank(info.rank)
+    recipe = _cotrain_recipe(args)
+    torch.set_num_threads(recipe.sidecar.num_threads)
+    torch.manual_seed(recipe.seed)
+    stop = threading.Event()  # SIGTERM / SIGINT: the loop ends, checkpoints and closes
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    state = run_sidecar(recipe, args.draft, exit_when_done=args.exit_when_done, max_seconds=args.max_seconds,
+                        stop=stop)
+    if not info.is_lead:
+        print(f"sidecar rank {info.rank} stopped: {state.train_steps} train steps (rank 0 publishes)")
         return 0
     print(f"sidecar stopped: {state.train_steps} train steps, {state.published_version} published versions")
     return 0

@@ -29,7 +29,7 @@ RESOLVED_RECIPE = "cotrain_recipe.yaml"
 
 def ensure_start_draft(recipe: CotrainRecipe, start: str | None) -> Path:
     """The starting draft's folder; runs the warm-start recipe first when nothing is published."""
-    from draft_align.sidecar import SidecarError, starting_draft
+    from draft_align.sidecar.launch import SidecarError, starting_draft
 
     try:
         return starting_draft(recipe, start)
@@ -69,7 +69,7 @@ def wait_ready(proc: subprocess.Popen, run_dir: Path, timeout_s: float) -> bool:
     """At start only: wait until the sidecar has bound its sockets (its ready file names its pid), so the
     first steps' taps are not dropped while it loads.  False on timeout or if it died (the RL job then runs
     on: it never depends on the sidecar)."""
-    from draft_align.sidecar import READY_FILE, SIDECAR_DIR
+    from draft_align.sidecar.layout import READY_FILE, SIDECAR_DIR
 
     path = run_dir / SIDECAR_DIR / READY_FILE
     end = time.monotonic() + timeout_s

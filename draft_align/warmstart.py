@@ -26,7 +26,8 @@ from draft_align.heads.vocab import select_vocab
 from draft_align.hf.capture import HFTap
 from draft_align.hf.generate import generate_responses
 from draft_align.hf.parts import decoder_parts, frozen_embedding, head_rows
-from draft_align.train.batch import Record, collate, make_batches
+from draft_align.monitor.sinks import Sinks, open_sinks
+from draft_align.train.records import Record, collate, make_batches
 from draft_align.train.store import HiddenStore, ResponseCache, settings_key
 from draft_align.train.trainer import (
     DraftTrainer,
@@ -329,42 +330,11 @@ def load_init_draft(target: nn.Module, recipe: WarmstartRecipe, aux: tuple[int, 
 
 
 
-class MetricsSink:
-    """JSONL metrics file plus wandb (offline unless configured); wandb is imported here only."""
-
-    def __init__(self, run_dir: Path, recipe: WarmstartRecipe, name: str) -> None:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        self.path = run_dir / "metrics.jsonl"
-        self.wandb = None
-        lc = recipe.logging
-        if lc.wandb and lc.wandb_mode != "disabled":
-            try:
-                import wandb
-
-                self.wandb = wandb.init(
-                    project=lc.wandb_project, name=name, dir=str(run_dir), mode=lc.wandb_mode,
-                    config=recipe_to_dict(recipe), reinit="finish_previous",
-                )
-            except Exception as e:  # noqa: BLE001 - logging must never stop training
-                log.warning("wandb disabled: %s", e)
-
-    def log(self, metrics: dict[str, Any], step: int) -> None:
-        row = {"step": step, "time": time.time(), **metrics}
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(row) + "\n")
-        if self.wandb is not None:
-            self.wandb.log(metrics, step=step)
-
-    def close(self) -> None:
-        if self.wandb is not None:
-            self.wandb.finish()
-
-
 def train(
     recipe: WarmstartRecipe,
     prep: Prepared,
     draft: Eagle3Draft,
-    sink: MetricsSink | None = None,
+    sink: Sinks | None = None,
     eval_hook: Any = None,
 ) -> DraftTrainer:
     """The training loop: epochs of length-bucketed batches, exact resume from ``run_dir/trainer``."""
@@ -542,7 +512,7 @@ def run(recipe: WarmstartRecipe) -> dict[str, Any]:
     prep = prepare(recipe)
     aux = tuple(prep.stats["aux_layer_ids"])
     draft = build_draft(prep.target, recipe, aux, prep)
-    sink = MetricsSink(run_dir, recipe, recipe.run)
+    sink = open_sinks(run_dir, recipe.logging, recipe.run, recipe_to_dict(recipe))
     try:
         trainer = train(recipe, prep, draft, sink)
         pr = trainer.progress

@@ -25,7 +25,7 @@ ALLOWED: dict[str, set[str]] = {
     "tap": {"conventions", "hf", "wire"},
     "train": {"conventions", "heads", "hf"},
     "publish": {"conventions", "heads", "hf"},
-    "monitor": {"conventions", "heads", "hf", "train"},
+    "monitor": {"conventions", "config", "heads", "hf", "train", "wire"},
     "engines": {"conventions", "heads", "hf", "publish", "monitor", "wire", "assets"},
     "rl": {"conventions", "config", "assets", "data", "heads", "hf", "tap", "wire", "publish", "monitor", "engines"},
     "sidecar": {"conventions", "config", "assets", "heads", "hf", "wire", "train", "publish", "monitor"},

@@ -118,14 +118,15 @@ def _feed(recipe, sc, n_steps: int) -> None:
             sender.offer(StepReport(run_id=recipe.run, step=step, policy_version=step, metrics={}))
         end = time.monotonic() + 20
         while sc.state.monitor_rows < n_steps and time.monotonic() < end:
-            sc._drain(0.1, 100)
+            sc.drain(0.1, 100)
     finally:
         sender.close()
 
 
 @pytest.mark.parametrize("variant", ["mtp", "lora", "mtp_lora"])
 def test_sidecar_trains_and_publishes(tiny_run, tmp_path, variant):
-    from draft_align.sidecar import Sidecar, starting_draft
+    from draft_align.sidecar.launch import starting_draft
+    from draft_align.sidecar.loop import Sidecar
 
     extra: dict = {}
     if "mtp" in variant:
@@ -134,7 +135,7 @@ def test_sidecar_trains_and_publishes(tiny_run, tmp_path, variant):
         extra.update({"sidecar.adapt": "lora", "sidecar.lora.rank": 2, "sidecar.lora.lr": 5e-3,
                       "sidecar.lora.publish_delta": "true"})
     recipe = load_recipe(None, tiny_run.cotrain_overrides(tmp_path, **extra), CotrainRecipe)
-    sc = Sidecar(recipe, starting_draft(recipe))
+    sc = Sidecar(recipe, starting_draft(recipe)).setup()
     try:
         if "mtp" in variant:
             assert isinstance(sc.trainer.draft, MTPDraft) and sc.aux_ids == (6,)
@@ -144,13 +145,13 @@ def test_sidecar_trains_and_publishes(tiny_run, tmp_path, variant):
         assert sc.has_head and sc.state.monitor_rows == 2 and sc.state.mismatched_messages == 0
         head0 = sc.trainer.draft.lm_head.weight.clone()
         for _ in range(3):
-            assert sc._train_one()
+            assert sc.train_one()
         if "mtp" in variant:  # the shared head follows HeadSync, never the optimizer
             assert torch.equal(sc.trainer.draft.lm_head.weight, head0)
         assert sc.maybe_publish(force=True)
         v1 = recipe.run_dir / "drafts" / "v0001"
         pub, man = load_draft(v1)
-        assert type(pub) is type(sc.published) and not is_lora(pub)
+        assert type(pub) is type(sc.gate.published) and not is_lora(pub)
         assert man["format"] == ("draft_align.mtp" if "mtp" in variant else "draft_align.eagle3")
         if "lora" in variant:
             delta = recipe.run_dir / "adapters" / "v0001"

@@ -66,8 +66,16 @@ def block_shape_from_target(target_config: Any) -> dict[str, Any]:
     )
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., H], weight [H] → weight · x / sqrt(mean(x²) + eps), as HF Llama computes it: normalised in
+    fp32, cast back to x's dtype, then scaled (the result has the promoted dtype of weight and x)."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
 class RMSNorm(nn.Module):
-    """y = w · x / sqrt(mean(x²) + eps), computed in fp32 like HF Llama."""
+    """y = w · x / sqrt(mean(x²) + eps) (:func:`rms_norm`)."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -75,10 +83,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class Rotary(nn.Module):

@@ -12,7 +12,6 @@ import json
 import logging
 import math
 import os
-import re
 import sys
 import time
 import urllib.request
@@ -21,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from draft_align.monitor.prometheus import escape_label_value, read_port_file
+from draft_align.monitor.sinks import read_port_file
 
 logger = logging.getLogger(__name__)
 
@@ -220,79 +219,24 @@ def follow(
 
 # --- Prometheus text pages ---------------------------------------------------------------------------------
 
-_NAME_RE = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
-_LABEL_RE = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"')
-_UNESCAPE = {"\\": "\\", '"': '"', "n": "\n"}
 
-
-def _parse_labels(line: str, i: int, line_no: int) -> tuple[list[tuple[str, str]], int]:
-    """Labels from ``line[i]`` == "{" to the matching "}"; returns them and the index after "}"."""
-    labels: list[tuple[str, str]] = []
-    i += 1
-    while True:
-        while i < len(line) and line[i] in " \t":
-            i += 1
-        if i < len(line) and line[i] == "}":
-            return labels, i + 1
-        m = _LABEL_RE.match(line, i)
-        if m is None:
-            raise ValueError(f"line {line_no}: bad label at column {i + 1}: {line!r}")
-        i = m.end()
-        chars: list[str] = []
-        while True:
-            if i >= len(line):
-                raise ValueError(f"line {line_no}: unterminated label value: {line!r}")
-            c = line[i]
-            if c == "\\":
-                if i + 1 >= len(line) or line[i + 1] not in _UNESCAPE:
-                    raise ValueError(f"line {line_no}: bad escape in label value: {line!r}")
-                chars.append(_UNESCAPE[line[i + 1]])
-                i += 2
-            elif c == '"':
-                i += 1
-                break
-            else:
-                chars.append(c)
-                i += 1
-        labels.append((m.group(1), "".join(chars)))
-        while i < len(line) and line[i] in " \t":
-            i += 1
-        if i < len(line) and line[i] == ",":
-            i += 1
-        elif i >= len(line) or line[i] != "}":
-            raise ValueError(f"line {line_no}: expected ',' or '}}' after a label: {line!r}")
-
-
-def sample_key(name: str, labels: list[tuple[str, str]] | tuple[tuple[str, str], ...] = ()) -> str:
+def sample_key(name: str, labels: Mapping[str, str] | None = None) -> str:
     """The key ``parse_metrics`` uses: ``name``, or ``name{a="x",b="y"}`` (labels sorted, values escaped)."""
     if not labels:
         return name
-    return name + "{" + ",".join(f'{k}="{escape_label_value(v)}"' for k, v in sorted(labels)) + "}"
+    esc = {k: v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") for k, v in labels.items()}
+    return name + "{" + ",".join(f'{k}="{esc[k]}"' for k in sorted(esc)) + "}"
 
 
 def parse_metrics(text: str) -> dict[str, float]:
-    """Samples of a Prometheus text page (format 0.0.4) keyed by ``sample_key``; comments are skipped and a
-    repeated sample keeps its last value.  ValueError (with the line number) on a malformed line."""
+    """Samples of a Prometheus text page keyed by ``sample_key`` (parsed by ``prometheus_client``); a
+    repeated sample keeps its last value, timestamps are ignored.  ValueError on a malformed line."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     out: dict[str, float] = {}
-    for line_no, raw in enumerate(text.splitlines(), 1):
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        m = _NAME_RE.match(line)
-        if m is None:
-            raise ValueError(f"line {line_no}: no metric name: {raw!r}")
-        i = m.end()
-        labels: list[tuple[str, str]] = []
-        if i < len(line) and line[i] == "{":
-            labels, i = _parse_labels(line, i, line_no)
-        rest = line[i:].split()
-        if not rest or len(rest) > 2 or (i < len(line) and line[i] not in " \t"):
-            raise ValueError(f"line {line_no}: expected 'name[{{labels}}] value [timestamp]': {raw!r}")
-        try:
-            value = float(rest[0])
-        except ValueError:
-            raise ValueError(f"line {line_no}: bad sample value {rest[0]!r}") from None
-        out[sample_key(m.group(0), labels)] = value
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[sample_key(s.name, s.labels)] = float(s.value)
     return out
 
 

@@ -1,6 +1,6 @@
 """Acceptance of a draft estimated on tapped records: no target forward, only the tapped states.
 
-A :class:`~draft_align.train.replay.TappedRecord` carries the policy's aux states (the draft's input) and
+A :class:`~draft_align.train.records.TappedRecord` carries the policy's aux states (the draft's input) and
 its final post-norm hidden state; with the HeadSync rows W_d [Vd, H] (lm_head rows of the draft vocabulary)
 the policy's logits over the draft vocabulary are z_t = final[t] · W_dᵀ (``draft_logits``).  The rest is
 :mod:`draft_align.monitor.estimator`'s layout: chain starts s = P−1 .. T−2 (P = the record's prompt_len),
@@ -8,7 +8,7 @@ step j of start s predicts x[s+2+j] from ``draft.unroll`` and is scored against 
 s+1+j; valid iff s+2+j ≤ T−1.  Chains run to the end of the record, also across later non-response
 stretches (e.g. a user turn), as the estimator does.
 
-The policy distribution p over the draft vocabulary (REFERENCE.md §4 for the modes):
+The policy distribution p over the draft vocabulary (docs/acceptance.md for the modes):
 
 - with ``logit_lse`` (logsumexp of the FULL-vocab logits): log p(x) = z_x − lse, the exact full-vocab
   probability of each draft-vocab token; the mass outside the draft vocabulary can never be accepted.
@@ -25,7 +25,6 @@ With a full draft vocabulary (Vd = V, rows = lm_head) and tensors from one targe
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -41,7 +40,7 @@ from draft_align.monitor.acceptance import (
     check_mode,
     verifies_by_argmax,
 )
-from draft_align.train.replay import TappedRecord
+from draft_align.train.records import TappedRecord
 
 
 class RecordEstimateError(ValueError):
@@ -178,8 +177,8 @@ def estimate_records(
     ``acceptance_length_est``: engine replay pooled as Σ accepted / Σ rounds; ``..._all_starts``: Π α
     averaged over every chain start; ``..._observed``: replay of 1[d2t(argmax q) == next token] (None for
     ``probabilistic`` at T > 0).  ``per_sequence``: (replay mean length, rounds) of each record in order
-    (NaN, 0.0 for a record with no chain start) and ``sequence_ids`` their arrivals, for
-    :func:`paired_gate`.  ``num_tokens`` counts response tokens.  Records without a response token are
+    (NaN, 0.0 for a record with no chain start) and ``sequence_ids`` their arrivals, for the sidecar's
+    :func:`~draft_align.sidecar.gate.paired_gate`.  ``num_tokens`` counts response tokens.  Records without a response token are
     refused (RecordEstimateError): the buffer never holds them.
     """
     check_mode(mode)
@@ -202,31 +201,3 @@ def estimate_records(
         "num_sequences": len(records),
     }
 
-
-def paired_gate(cand: dict[str, Any], base: dict[str, Any], tolerance: float) -> tuple[bool, float, float]:
-    """Paired comparison of two :func:`estimate_records` results on the same records: (ok, diff, stderr).
-
-    d_i = L_cand,i − L_base,i (per-sequence replay mean lengths), weights w_i = (R_cand,i + R_base,i) / 2
-    (mean rounds, so swapping the drafts flips the sign); sequences with no round in either are skipped.
-    diff = Σ w̃_i d_i with w̃ = w / Σ w; stderr² = n/(n−1) · Σ w̃_i² (d_i − diff)² (NaN for n = 1, then
-    the tolerance alone decides).  ok iff diff ≥ −max(tolerance, 2·stderr).
-    """
-    if tolerance < 0:
-        raise RecordEstimateError(f"tolerance must be ≥ 0, got {tolerance}")
-    a, b = cand["per_sequence"], base["per_sequence"]
-    if len(a) != len(b):
-        raise RecordEstimateError(f"per_sequence lengths differ ({len(a)} vs {len(b)}): not the same records")
-    ids_a, ids_b = cand.get("sequence_ids"), base.get("sequence_ids")
-    if ids_a is not None and ids_b is not None and list(ids_a) != list(ids_b):
-        raise RecordEstimateError("sequence_ids differ: the two estimates are not on the same records")
-    pairs = [(la - lb, 0.5 * (ra + rb)) for (la, ra), (lb, rb) in zip(a, b, strict=True) if ra > 0 and rb > 0]
-    if not pairs:
-        raise RecordEstimateError("no sequence with a drafting round in both estimates")
-    d = torch.tensor([p[0] for p in pairs], dtype=torch.float64)
-    w = torch.tensor([p[1] for p in pairs], dtype=torch.float64)
-    w = w / w.sum()
-    diff = float((w * d).sum())
-    n = d.numel()
-    stderr = math.sqrt(float((w.square() * (d - diff).square()).sum()) * n / (n - 1)) if n > 1 else math.nan
-    bar = tolerance if math.isnan(stderr) else max(tolerance, 2.0 * stderr)
-    return diff >= -bar, diff, stderr

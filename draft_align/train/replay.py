@@ -13,69 +13,17 @@ import itertools
 import logging
 import math
 from collections import deque
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from draft_align.train.batch import Batch, Record, collate
+from draft_align.train.records import Batch, TappedRecord, collate
 
 log = logging.getLogger(__name__)
 
 
 class ReplayError(ValueError):
-    """A malformed record, a record that does not fit the buffer's others, or bad buffer settings."""
-
-
-@dataclass
-class TappedRecord:
-    """One tapped sequence plus what the policy side sent with it (tensors as received, no copy).
-
-    ``arrival``: monotonic index of arrival; −1 lets :meth:`ReplayBuffer.add` assign the next one.
-    """
-
-    record: Record
-    policy_version: int
-    step: int
-    arrival: int = -1
-    next_logprob: torch.Tensor | None = None  # [T] float32: log p(x[t+1] | x[≤t]) at T = 1
-    logit_lse: torch.Tensor | None = None  # [T] float32: logsumexp of the policy's full-vocab logits at t
-    topk_ids: torch.Tensor | None = None  # [T, K] int64: the policy's top-K next tokens at t
-
-    def __post_init__(self) -> None:
-        r = self.record
-        t = r.input_ids.numel()
-        if r.input_ids.dim() != 1 or t < 2:
-            raise ReplayError(f"input_ids must be [T] with T ≥ 2, got {tuple(r.input_ids.shape)}")
-        if r.loss_mask.shape != (t,) or r.loss_mask.dtype != torch.bool:
-            raise ReplayError(f"loss_mask must be bool [{t}], got {r.loss_mask.dtype} {tuple(r.loss_mask.shape)}")
-        for name, x in (("aux", r.aux), ("final", r.final)):
-            if x.dim() != 2 or x.shape[0] != t or not x.is_floating_point():
-                raise ReplayError(f"{name} must be a float [{t}, width] tensor, got {x.dtype} {tuple(x.shape)}")
-        for name, x in (("next_logprob", self.next_logprob), ("logit_lse", self.logit_lse)):
-            if x is not None and x.shape != (t,):
-                raise ReplayError(f"{name} must be [{t}], got {tuple(x.shape)}")
-        if self.topk_ids is not None and (self.topk_ids.dim() != 2 or self.topk_ids.shape[0] != t
-                                          or self.topk_ids.shape[1] < 1):
-            raise ReplayError(f"topk_ids must be [{t}, K ≥ 1], got {tuple(self.topk_ids.shape)}")
-        if self.policy_version < 0 or self.step < 0:
-            raise ReplayError(f"policy_version {self.policy_version} and step {self.step} must be ≥ 0")
-
-    @property
-    def num_tokens(self) -> int:
-        return self.record.input_ids.numel()
-
-    @property
-    def has_response(self) -> bool:
-        return bool(self.record.loss_mask.any())
-
-    @property
-    def prompt_len(self) -> int:
-        """Index of the first response (loss_mask) token; ReplayError if there is none."""
-        hit = torch.nonzero(self.record.loss_mask)
-        if hit.numel() == 0:
-            raise ReplayError("record has no response token (loss_mask is all False)")
-        return int(hit[0, 0])
+    """A record that does not fit the buffer's others, or bad buffer settings."""
 
 
 class ReplayBuffer:

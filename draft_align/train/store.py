@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from draft_align.train.batch import Record
+from draft_align.train.records import Record
 
 log = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ from torch import nn
 
 from draft_align.heads.eagle3 import Eagle3Draft
 from draft_align.heads.vocab import draft_logits
-from draft_align.train.batch import Batch
 from draft_align.train.losses import StepStats, hard_ce_step, soft_ce_step, step_weights
+from draft_align.train.records import Batch
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +127,7 @@ def ttt_loss(
 
 
 class StepParallel(Protocol):
-    """How a trainer steps together with other ranks (implemented in train/distributed.py)."""
+    """How a trainer steps together with other ranks (implemented in train/parallel.py)."""
 
     def loss(self, batch: Batch) -> tuple[torch.Tensor, StepStats]: ...
 
@@ -166,7 +166,7 @@ class DraftTrainer:
         draft.lm_head.weight.requires_grad_(loss.train_lm_head and not frozen_head)
         self.progress = Progress(total_steps=optim.total_steps)
         self.build_optimizer()
-        # under torchrun: the loss through DDP or FSDP2 and a rank-wide finiteness vote (train/distributed.py)
+        # under torchrun: the loss through DDP or FSDP2 and a rank-wide finiteness vote (train/parallel.py)
         self.parallel: StepParallel | None = None
 
     def build_optimizer(self) -> None:

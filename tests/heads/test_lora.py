@@ -134,7 +134,7 @@ def without_adapters(d):
 def test_trainer_trains_only_adapters_and_resumes(target, tmp_path, kind):
     from draft_align.hf.capture import HFTap
     from draft_align.hf.parts import frozen_embedding, head_rows
-    from draft_align.train.batch import Record, collate
+    from draft_align.train.records import Record, collate
     from draft_align.train.trainer import DraftTrainer, LossSettings, OptimSettings
 
     def build():

@@ -147,7 +147,7 @@ def test_trunk_gets_no_gradient(target):
 # ---------------------------------------------------------------- trainer, estimators, decoder
 def trained_head(target, layout="deepseek_v3", depth=1, steps=60, kind="soft"):
     from draft_align.hf.parts import frozen_embedding
-    from draft_align.train.batch import Record, collate
+    from draft_align.train.records import Record, collate
     from draft_align.train.trainer import DraftTrainer, LossSettings, OptimSettings
 
     g = torch.Generator().manual_seed(11)
@@ -189,8 +189,7 @@ def test_hard_ce_trains_too(target):
 def test_records_estimate_equals_alpha_table(target, good_head):
     from draft_align.monitor.estimator import alpha_table
     from draft_align.monitor.records import record_alpha
-    from draft_align.train.batch import Record
-    from draft_align.train.replay import TappedRecord
+    from draft_align.train.records import Record, TappedRecord
 
     ids = torch.randint(0, V, (16,), generator=torch.Generator().manual_seed(9))
     with torch.no_grad(), HFTap(target, (L,), capture_final=True) as tap:

@@ -1,6 +1,7 @@
 import io
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -14,9 +15,11 @@ from draft_align.monitor.live import (
     follow,
     format_row,
     metrics_url,
+    parse_metrics,
     read_jsonl,
+    sample_key,
 )
-from draft_align.monitor.prometheus import write_port_file
+from draft_align.monitor.sinks import write_port_file
 
 REC = {
     "time": 1.7e9,
@@ -173,3 +176,23 @@ def test_metrics_url_from_port_file(tmp_path):
     assert metrics_url(tmp_path) is None
     write_port_file(tmp_path / "sidecar" / "prometheus.port", 9123)
     assert metrics_url(tmp_path) == "http://127.0.0.1:9123/metrics"
+
+
+def test_parse_metrics_format_details():
+    text = (
+        "# HELP x help with } and {\n"
+        "# TYPE x gauge\n"
+        "\n"
+        "x 1.5 1712345678000\n"  # timestamp ignored
+        'h_bucket{le="+Inf"} +Inf\n'
+        'y{ a = "1" , b="q\\"z" } 2\n'  # whitespace inside braces, escaped quote
+        "x 2\n"  # repeated: last value wins
+    )
+    assert parse_metrics(text) == {"x": 2.0, 'h_bucket{le="+Inf"}': math.inf, 'y{a="1",b="q\\"z"}': 2.0}
+    assert sample_key("n", {"b": "2", "a": 'q"\n'}) == 'n{a="q\\"\\n",b="2"}'
+
+
+@pytest.mark.parametrize("line", ["1x 2", "x", "x abc", 'x{a="1" 2', 'x{a="1', "x{a=1} 1"])
+def test_parse_metrics_rejects_malformed(line):
+    with pytest.raises(ValueError):
+        parse_metrics("# ok\n" + line + "\n")

@@ -1,6 +1,6 @@
-"""draft_align.monitor.records: acceptance from tapped records equals the estimator that runs the target."""
+"""draft_align.monitor.records: acceptance from tapped records equals the estimator that runs the target
+(and the sidecar's paired gate separates real drafts estimated this way)."""
 
-import math
 
 import pytest
 import torch
@@ -8,9 +8,9 @@ import torch
 from draft_align.hf.capture import HFTap
 from draft_align.hf.parts import decoder_parts, head_rows
 from draft_align.monitor.estimator import alpha_table, estimate
-from draft_align.monitor.records import RecordEstimateError, estimate_records, paired_gate, record_alpha
-from draft_align.train.batch import Record
-from draft_align.train.replay import TappedRecord
+from draft_align.monitor.records import RecordEstimateError, estimate_records, record_alpha
+from draft_align.sidecar.gate import paired_gate
+from draft_align.train.records import Record, TappedRecord
 
 PROMPT = 4
 MODES = ["greedy", "greedy_draft", "probabilistic"]
@@ -176,49 +176,6 @@ def test_mismatches_are_refused(target, draft_good48, samples):
 
 
 # ---------------------------------------------------------------------------------------------- paired gate
-def result(per_sequence, ids=None):
-    return {"per_sequence": per_sequence, "sequence_ids": ids if ids is not None else list(range(len(per_sequence)))}
-
-
-def test_paired_gate_constructed():
-    base = result([(2.0, 10.0), (1.5, 20.0), (3.0, 5.0), (1.0, 8.0)])
-    ok, diff, se = paired_gate(base, base, 0.0)
-    assert ok and diff == 0.0 and se == 0.0
-    # d = (−0.1, +0.2) with mean rounds (10, 30): w̃ = (0.25, 0.75)
-    a = result([(1.9, 10.0), (2.2, 20.0)])
-    b = result([(2.0, 10.0), (2.0, 40.0)])
-    ok, diff, se = paired_gate(a, b, 0.01)
-    assert diff == pytest.approx(0.125)
-    # stderr² = 2/1 · (0.25² · 0.225² + 0.75² · 0.075²)
-    assert se == pytest.approx(math.sqrt(2 * (0.0625 * 0.225**2 + 0.5625 * 0.075**2)))
-    assert ok
-    ok, diff2, se2 = paired_gate(b, a, 0.01)
-    assert diff2 == pytest.approx(-0.125) and se2 == pytest.approx(se)
-    assert ok == (-0.125 >= -max(0.01, 2 * se))  # noise wide enough to pass
-    # a much worse candidate on many sequences fails; within tolerance passes
-    many = [(2.0 + 0.1 * (i % 3), 10.0) for i in range(30)]
-    worse = [(length - 0.5, r) for length, r in many]
-    assert not paired_gate(result(worse), result(many), 0.1)[0]
-    slightly = [(length - 0.05, r) for length, r in many]
-    ok, diff, se = paired_gate(result(slightly), result(many), 0.1)
-    assert ok and diff == pytest.approx(-0.05) and se == pytest.approx(0.0, abs=1e-12)
-    # sequences with no round in either are skipped; one pair: the tolerance alone decides
-    ok, diff, se = paired_gate(result([(2.0, 3.0), (math.nan, 0.0)]), result([(2.5, 3.0), (1.0, 2.0)]), 0.6)
-    assert ok and diff == pytest.approx(-0.5) and math.isnan(se)
-    assert not paired_gate(result([(2.0, 3.0)]), result([(2.5, 3.0)]), 0.4)[0]
-
-
-def test_paired_gate_refuses_unpaired():
-    with pytest.raises(RecordEstimateError, match="lengths differ"):
-        paired_gate(result([(1.0, 1.0)]), result([(1.0, 1.0), (1.0, 1.0)]), 0.0)
-    with pytest.raises(RecordEstimateError, match="sequence_ids"):
-        paired_gate(result([(1.0, 1.0)], [3]), result([(1.0, 1.0)], [4]), 0.0)
-    with pytest.raises(RecordEstimateError, match="no sequence"):
-        paired_gate(result([(math.nan, 0.0)]), result([(1.0, 1.0)]), 0.0)
-    with pytest.raises(RecordEstimateError, match="tolerance"):
-        paired_gate(result([(1.0, 1.0)]), result([(1.0, 1.0)]), -0.1)
-
-
 def test_paired_gate_on_real_drafts(target, draft_good48, draft_random48, samples):
     embed = decoder_parts(target)[0]
     rows = head_rows(target, draft_good48.draft_to_target)

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from draft_align.train.batch import Record
-from draft_align.train.replay import ReplayBuffer, ReplayError, TappedRecord
+from draft_align.train.records import Record, TappedRecord
+from draft_align.train.replay import ReplayBuffer, ReplayError
 
 AUX_W, H = 6, 2
 
@@ -22,27 +22,6 @@ def tapped(t: int, version: int = 0, prompt: int = 2, tag: int = 0, step: int = 
         torch.full((t, H), float(tag), dtype=torch.bfloat16),
     )
     return TappedRecord(rec, policy_version=version, step=step, **kw)
-
-
-def test_tapped_record_properties_and_validation():
-    r = tapped(7, prompt=3, logit_lse=torch.zeros(7), topk_ids=torch.zeros(7, 2, dtype=torch.long))
-    assert r.num_tokens == 7 and r.prompt_len == 3 and r.has_response
-    assert tapped(5, prompt=0).prompt_len == 0
-    with pytest.raises(ReplayError, match="no response token"):
-        _ = tapped(5, prompt=5).prompt_len
-    with pytest.raises(ReplayError, match="logit_lse"):
-        tapped(5, logit_lse=torch.zeros(4))
-    with pytest.raises(ReplayError, match="topk_ids"):
-        tapped(5, topk_ids=torch.zeros(5, dtype=torch.long))
-    with pytest.raises(ReplayError, match="T ≥ 2"):
-        tapped(1, prompt=0)
-    with pytest.raises(ReplayError, match="policy_version"):
-        tapped(5, version=-1)
-    bad = tapped(5)
-    with pytest.raises(ReplayError, match="aux"):
-        TappedRecord(Record(bad.record.input_ids, bad.record.loss_mask, bad.record.aux[:4], bad.record.final), 0, 0)
-    with pytest.raises(ReplayError, match="loss_mask"):
-        TappedRecord(Record(bad.record.input_ids, bad.record.input_ids, bad.record.aux, bad.record.final), 0, 0)
 
 
 def test_buffer_settings_are_checked():

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from draft_align.train.batch import Record
+from draft_align.train.records import Record
 from draft_align.train.store import HiddenStore, ResponseCache, StoreError, settings_key
 
 

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from draft_align.heads.eagle3 import Eagle3Config, Eagle3Draft
-from draft_align.train.batch import Record, chain_starts, collate
+from draft_align.train.records import Record, chain_starts, collate
 from draft_align.train.trainer import (
     DraftTrainer,
     LossSettings,

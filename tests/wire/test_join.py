@@ -233,12 +233,13 @@ def test_sidecar_trains_only_joined_batches(tiny_run, tiny_env, tmp_path):
     import zmq
 
     from draft_align.config import CotrainRecipe, load_recipe
-    from draft_align.sidecar import Sidecar, starting_draft
+    from draft_align.sidecar.launch import starting_draft
+    from draft_align.sidecar.loop import Sidecar
     from draft_align.wire import channel
     from draft_align.wire.messages import StepReport, pack_sequences
 
     recipe = load_recipe(None, tiny_run.cotrain_overrides(tmp_path), CotrainRecipe)
-    sc = Sidecar(recipe, starting_draft(recipe))
+    sc = Sidecar(recipe, starting_draft(recipe)).setup()
     key = channel.resolve_key(None, recipe.run_dir, create=False)
     ctx = zmq.Context()
     raw = ctx.socket(zmq.PUSH)
@@ -260,17 +261,17 @@ def test_sidecar_trains_only_joined_batches(tiny_run, tiny_env, tmp_path):
         def drain_until(cond) -> bool:
             end = time.monotonic() + 10
             while time.monotonic() < end and not cond():
-                sc._drain(0.1, 100)
+                sc.drain(0.1, 100)
             return cond()
 
         p0, p1 = TapPart.split(whole(0), split)
         raw.send_multipart(encode(p1, key))
         raw.send_multipart(encode(p0, key))
         assert drain_until(lambda: sc.state.ingested_messages == 1)
-        assert sc.state.ingested_tokens == 10 and sc.joiner.joined == 1
+        assert sc.state.ingested_tokens == 10 and sc.ingest.joiner.joined == 1
         q0, q1 = TapPart.split(whole(1), split)
         raw.send_multipart(encode(q0, key))  # its other stage never comes
-        assert drain_until(lambda: sc.joiner.pending == 1)
+        assert drain_until(lambda: sc.ingest.joiner.pending == 1)
         raw.send_multipart(encode(StepReport(run_id=recipe.run, step=0, policy_version=0, metrics={"final": 1.0}),
                                   key))
         assert drain_until(lambda: sc.state.done)

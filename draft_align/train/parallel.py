@@ -1,35 +1,11 @@
-"""A multi-rank sidecar under torchrun: one process group, DDP or FSDP2 gradients, ranks that agree on every step.
+"""Training one draft on several ranks (torchrun): a process group, DDP or FSDP2 optimizer steps.
 
-``torchrun --nproc-per-node N -m draft_align sidecar RECIPE`` (with ``sidecar.ranks: N``) starts N sidecars:
-
-- **Wire.**  Rank r binds its own PULL endpoint (:func:`draft_align.wire.channel.rank_endpoint`: rank 0 keeps
-  the single-process endpoint, rank r > 0 ``tap.<r>``); the policy's TapSender connects its one PUSH socket
-  to all N, so ZeroMQ spreads TapBatches round-robin over the ranks that are up (docs/wire.md).  A
-  ``HeadSync`` or ``StepReport`` reaches only one rank that way: each rank shares the ones it received with
-  the others at the next step boundary (:meth:`RankGroup.exchange`, over a gloo group, re-encoded in the
-  wire format, no pickle), and every rank applies them in the same order (rank, then arrival).
-- **Steps.**  Every loop iteration the ranks exchange "I have a batch" / "stop" flags; an optimizer step is
-  taken iff every rank has a batch, so all ranks take the same number of steps and none waits in a
-  gradient all-reduce for a rank without data.  The loss goes through
-  :class:`torch.nn.parallel.DistributedDataParallel`, which averages gradients over ranks: the step
-  minimises the mean over ranks of each rank's per-batch TTT loss (equal to the one-process loss on the
-  union of the batches when the ranks' batches hold equal numbers of target positions per TTT step).
-  A non-finite loss on any rank skips the step on all of them (:meth:`DataParallelStep.all_finite`).
-- **FSDP2** (``sidecar.parallel: fsdp2``, for heads too large to replicate).  :class:`ShardedStep` shards the
-  draft's parameters over the ranks with ``fully_shard`` (each decoder layer, then the root; a frozen shared
-  ``lm_head`` stays replicated), rebuilds AdamW over the shards (its moments are sharded too) and averages
-  gradients by reduce-scatter: the same step as DDP.  Gradient clipping runs on the DTensor gradients (the
-  norm is the global one).  The gate, a publish and a checkpoint need the full weights: rank 0 announces in
-  the step exchange that one is due (flags PUBLISH_DUE / CKPT_DUE), and after that step every rank gathers the
-  full draft and optimizer state onto rank 0 (:meth:`ShardedStep.state_dicts`) before rank 0 gates,
-  publishes and checkpoints from it.  A resume loads rank 0's full checkpoint into every rank's shards.
-- **Roles.**  Rank 0 alone gates, publishes, writes monitoring rows and checkpoints; the others train.  A
-  restarted job resumes every rank from rank 0's trainer checkpoint.
-- **Failures.**  Collectives time out after ``sidecar.collective_timeout_s``; a rank that died (``kill -9``)
-  makes the others' next collective fail at once (gloo sees the closed connection).  The survivors raise
-  :class:`RankError` naming the cause and exit non-zero, and torchrun (``--max-restarts``) restarts the job.
-- **Bad world.**  Ranks whose recipe (or starting draft) differs, or a world size other than
-  ``sidecar.ranks``, stop with :class:`RankError` before anything is bound or trained.
+:class:`RankGroup` is the process group plus the small CPU exchanges between steps; :func:`attach` makes a
+:class:`~draft_align.train.trainer.DraftTrainer` step through :class:`DataParallelStep` (DDP: replicated draft,
+gradients all-reduced) or :class:`ShardedStep` (FSDP2: parameters and AdamW moments sharded, gradients
+reduce-scattered, full state gathered onto rank 0 on request).  Every collective raises :class:`RankError`
+when another rank died or timed out.  The multi-rank sidecar loop that drives them is
+:mod:`draft_align.sidecar.loop` (docs/wire.md, "Multi-rank sidecar").
 """
 
 from __future__ import annotations
@@ -39,30 +15,23 @@ import json
 import logging
 import os
 import struct
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from draft_align.config import CotrainRecipe
-    from draft_align.sidecar import Sidecar
-    from draft_align.train.batch import Batch
     from draft_align.train.losses import StepStats
+    from draft_align.train.records import Batch
     from draft_align.train.trainer import DraftTrainer
 
 log = logging.getLogger(__name__)
 
 PARALLEL_MODES = ("ddp", "fsdp2")
-# flags each rank sends at every step boundary (see RankGroup.exchange); the *_DUE ones are rank 0's decisions
-HAVE_BATCH, STOP, TIME_UP, PUBLISH_DUE, CKPT_DUE = 0, 1, 2, 3, 4
-NUM_FLAGS = 5
 
 
 class RankError(RuntimeError):
@@ -94,23 +63,6 @@ def rank_info_from_env(env: dict[str, str] | None = None) -> RankInfo:
     if world < 1 or not 0 <= rank < world:
         raise RankError(f"RANK {rank} is not in 0..WORLD_SIZE-1 (WORLD_SIZE {world})")
     return RankInfo(rank, world, local)
-
-
-def world_config(recipe: CotrainRecipe, start_draft: Path) -> dict[str, Any]:
-    """What every rank must agree on, flattened to dotted keys: the resolved recipe and the starting draft."""
-    from draft_align.config import recipe_to_dict
-
-    flat: dict[str, Any] = {"start_draft": str(Path(start_draft).resolve())}
-
-    def walk(prefix: str, x: Any) -> None:
-        if isinstance(x, dict):
-            for k, v in x.items():
-                walk(f"{prefix}{k}.", v)
-        else:
-            flat[prefix[:-1]] = x
-
-    walk("", recipe_to_dict(recipe))
-    return flat
 
 
 def config_digest(config: dict[str, Any]) -> str:
@@ -173,7 +125,8 @@ class RankGroup:
     def is_lead(self) -> bool:
         return self.info.is_lead
 
-    def _failed(self, what: str, e: BaseException) -> RankError:
+    def failed(self, what: str, e: BaseException) -> RankError:
+        """The RankError that a failed collective ``what`` (cause ``e``) raises on this rank."""
         return RankError(
             f"rank {self.rank}/{self.world_size}: {what} failed: another sidecar rank died or did not answer "
             f"within {self.timeout_s:.0f} s (sidecar.collective_timeout_s); stopping so that torchrun can "
@@ -197,7 +150,7 @@ class RankGroup:
             bufs = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world_size)]
             dist.all_gather(bufs, buf, group=self.cpu_group)
         except RuntimeError as e:
-            raise self._failed(what, e) from e
+            raise self.failed(what, e) from e
         return [bytes(b[: int(s)].numpy()) for b, s in zip(bufs, sizes, strict=True)]
 
     def check_same(self, config: dict[str, Any], what: str) -> None:
@@ -219,11 +172,13 @@ class RankGroup:
         )
 
     def exchange(self, flags: list[int], messages: list[list[bytes]]) -> tuple[torch.Tensor, list[list[list[bytes]]]]:
-        """One step boundary: every rank's flags [world, NUM_FLAGS] (int64) and its messages (rank order)."""
-        head = struct.pack(f"<{NUM_FLAGS}q", *(int(f) for f in flags))
-        blobs = self.all_gather_bytes(head + _pack(messages), "the step exchange")
-        width = struct.calcsize(f"<{NUM_FLAGS}q")
-        table = torch.tensor([struct.unpack_from(f"<{NUM_FLAGS}q", b) for b in blobs], dtype=torch.int64)
+        """One step boundary: every rank's flags [world, len(flags)] (int64) and its multipart messages (rank
+        order).  Every rank passes the same number of flags."""
+        fmt = f"<{len(flags)}q"
+        blobs = self.all_gather_bytes(struct.pack(fmt, *(int(f) for f in flags)) + _pack(messages),
+                                      "the step exchange")
+        width = struct.calcsize(fmt)
+        table = torch.tensor([struct.unpack_from(fmt, b) for b in blobs], dtype=torch.int64)
         return table, [_unpack(b[width:]) for b in blobs]
 
     def all_true(self, ok: bool, what: str) -> bool:
@@ -234,7 +189,7 @@ class RankGroup:
         try:
             dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.cpu_group)
         except RuntimeError as e:
-            raise self._failed(what, e) from e
+            raise self.failed(what, e) from e
         return bool(t.item())
 
     def close(self) -> None:
@@ -245,13 +200,15 @@ class RankGroup:
 
 
 @contextmanager
-def join_ranks(recipe: CotrainRecipe, start_draft: Path,
+def join_ranks(*, ranks: int, device: str, timeout_s: float, config: dict[str, Any],
                lead_first: Callable[[], object] | None = None) -> Iterator[RankGroup | None]:
     """The sidecar's rank group under torchrun (None for a single process), checked for a consistent world:
-    ``sidecar.ranks`` equals WORLD_SIZE and every rank runs the same recipe and starting draft.
-    ``lead_first`` runs on rank 0 before the others go on (e.g. repairing a checkpoint they will all read)."""
+    ``ranks`` (``sidecar.ranks``) equals WORLD_SIZE and every rank passes the same ``config`` (flat, JSON-able:
+    the resolved recipe and the starting draft).  ``device``: the recipe's (``cuda`` → nccl, else gloo);
+    ``timeout_s``: every collective's.  ``lead_first`` runs on rank 0 before the others go on (e.g.
+    repairing a checkpoint they will all read)."""
     info = rank_info_from_env()
-    want = recipe.sidecar.ranks
+    want = ranks
     if info.world_size == 1:
         if want != 1:
             raise RankError(
@@ -260,14 +217,14 @@ def join_ranks(recipe: CotrainRecipe, start_draft: Path,
             )
         yield None
         return
-    backend = "nccl" if torch.device(recipe.device).type == "cuda" else "gloo"
+    backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(info.local_rank)
-    group = RankGroup(info, backend=backend, timeout_s=recipe.sidecar.collective_timeout_s)
+    group = RankGroup(info, backend=backend, timeout_s=timeout_s)
     try:
         if info.is_lead and lead_first is not None:
             lead_first()  # the others wait for it in check_same below
-        group.check_same(world_config(recipe, start_draft), "the recipe")
+        group.check_same(config, "the recipe")
         if want != info.world_size:
             raise RankError(
                 f"sidecar.ranks is {want} but torchrun started {info.world_size} ranks: the policy's tap connects "
@@ -279,9 +236,9 @@ def join_ranks(recipe: CotrainRecipe, start_draft: Path,
         group.close()
 
 
-def rank_device(recipe: CotrainRecipe, info: RankInfo) -> torch.device:
-    """``cuda`` means this rank's local GPU; anything else is used as given."""
-    dev = torch.device(recipe.device)
+def rank_device(device: str, info: RankInfo) -> torch.device:
+    """This rank's device: ``cuda`` means its local GPU; anything else is used as given."""
+    dev = torch.device(device)
     if dev.type == "cuda" and dev.index is None:
         return torch.device("cuda", info.local_rank)
     return dev
@@ -423,9 +380,9 @@ class ShardedStep:
             model = get_model_state_dict(self.module, options=opts)
             optim = get_optimizer_state_dict(self.module, self.trainer.optimizer, options=opts)
         except RuntimeError as e:
-            if not _is_comm_error(e):
+            if not is_comm_error(e):
                 raise
-            raise self.group._failed("gathering the full state", e) from e
+            raise self.group.failed("gathering the full state", e) from e
         if not self.group.is_lead:
             return None
         index = {n: i for i, n in enumerate(self._fqns)}
@@ -464,70 +421,10 @@ def attach(trainer: DraftTrainer, group: RankGroup, parallel: str) -> None:
     trainer.parallel = DataParallelStep(trainer, group) if parallel == "ddp" else ShardedStep(trainer, group)
 
 
-# ---------------------------------------------------------------------------------------------- the loop
-def ranked_step(sc: Sidecar, max_seconds: float | None = None) -> bool:
-    """One iteration of the multi-rank loop; False when the ranks agreed to stop.
-
-    Every rank: sample a batch (if it can) → exchange flags and control messages → apply every rank's
-    HeadSync/StepReport in rank order → train iff all ranks have a batch → drain its socket.  When rank 0
-    announced a publish attempt or checkpoint in the exchange, every rank then syncs the full state
-    (:meth:`Sidecar.sync_full`, a gather under FSDP2) and rank 0 gates/publishes and checkpoints.
-    """
-    from draft_align.wire.messages import decode, encode
-
-    group = sc.ranks
-    assert group is not None
-    batch = sc._next_batch()
-    time_up = max_seconds is not None and time.monotonic() - sc._t0 >= max_seconds
-    outgoing = [encode(m, sc.wire_key) for m in sc.shared_control]
-    sc.shared_control.clear()
-    publish_due = group.is_lead and sc.publish_due()
-    ckpt_due = group.is_lead and time.monotonic() - sc._last_ckpt >= sc.recipe.sidecar.checkpoint_every_s
-    flags, incoming = group.exchange([batch is not None, sc._stop, time_up, publish_due, ckpt_due], outgoing)
-    for messages in incoming:
-        for frames in messages:
-            sc._on_control(decode(frames, sc.wire_key))
-    if bool(flags[:, STOP].any()) or bool(flags[:, TIME_UP].any()):
-        return False
-    trained = False
-    if bool(flags[:, HAVE_BATCH].all()):
-        assert batch is not None
-        try:
-            trained = sc._train_on(batch)
-        except RuntimeError as e:
-            if isinstance(e, RankError) or not _is_comm_error(e):
-                raise
-            raise group._failed("the gradient all-reduce", e) from e
-    sc._drain(budget_s=0.05, timeout_ms=0 if trained else 200)
-    publish_due, ckpt_due = bool(flags[0, PUBLISH_DUE]), bool(flags[0, CKPT_DUE])  # rank 0's decisions
-    if publish_due or ckpt_due:
-        sc.sync_full()
-        if group.is_lead:
-            published = publish_due and sc.maybe_publish(force=True)  # a publish checkpoints too
-            if ckpt_due and not published:
-                sc.checkpoint()
-    if sc.state.done and sc.exit_when_done:  # the final StepReport reached every rank in the same exchange
-        sc.sync_full()
-        if group.is_lead:
-            sc.maybe_publish(force=True)
-        return False
-    return True
-
-
-def _is_comm_error(e: RuntimeError) -> bool:
+def is_comm_error(e: RuntimeError) -> bool:
     """Whether ``e`` came from a collective (DDP raises the backend's error as a plain RuntimeError)."""
     import torch.distributed as dist
 
     text = str(e)
     return isinstance(e, dist.DistError) or any(
         s in text for s in ("gloo", "NCCL", "Connection closed", "Connection reset", "Timed out", "timed out"))
-
-
-def ranked_loop(sc: Sidecar, max_seconds: float | None = None) -> None:
-    """Run :func:`ranked_step` until the ranks agree to stop (stop signal, time up, or done)."""
-    group = sc.ranks
-    assert group is not None
-    log.info("sidecar rank %d/%d pulling from %s", group.rank, group.world_size, sc.receiver.endpoint)
-    while ranked_step(sc, max_seconds):
-        pass
-

@@ -1,6 +1,6 @@
-"""draft_align.train.distributed: a 2-rank sidecar on CPU (gloo) trains to the same weights as one process,
-survives ``kill -9`` of a rank (the other stops with a clear error, a restarted job resumes and keeps
-publishing), and refuses a misconfigured world.
+"""draft_align.sidecar.loop's multi-rank loop (``ranked_step``): a 2-rank sidecar on CPU (gloo) trains to the same
+weights as one process, survives ``kill -9`` of a rank (the other stops with a clear error, a restarted job
+resumes and keeps publishing), and refuses a misconfigured world.
 
 Ranks run as subprocesses (this file's ``__main__`` for the weight comparison, the CLI otherwise) with the
 torchrun environment (RANK, WORLD_SIZE, MASTER_*); one test launches through torchrun itself.
@@ -32,10 +32,15 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+REPO = Path(__file__).resolve().parents[2]
+
+
 def _rank_env(rank: int, world: int, port: int) -> dict[str, str]:
     env = dict(os.environ)
     env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    # this file runs as a script (sys.path[0] = its folder): import the package of this checkout
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
     return env
 
 
@@ -77,22 +82,33 @@ N_HOLD = 2
 STEPS = 3
 
 
+def _join(recipe: CotrainRecipe, start: Path):
+    """The rank group as ``run_sidecar`` joins it."""
+    from draft_align.sidecar.launch import world_config
+    from draft_align.train.parallel import join_ranks
+
+    sc = recipe.sidecar
+    return join_ranks(ranks=sc.ranks, device=recipe.device, timeout_s=sc.collective_timeout_s,
+                      config=world_config(recipe, start))
+
+
 def _fill(sc, part: int, parts: int) -> None:
     """Buffer this rank's share of the fixed records, in float32 (bf16 autocast is off: its rounding would make
     AdamW's near-zero-gradient updates differ with the reduction order); rank 0 (which gates) also gets the
     records to hold out, the other ranks hold none out."""
-    from draft_align.train.batch import Record
-    from draft_align.train.replay import TappedRecord
+    from draft_align.train.records import Record, TappedRecord
 
     train = _sequences(N_TRAIN, sc.hidden, sc.vocab, seed=1)
     share = N_TRAIN // parts
     hold = _sequences(N_HOLD, sc.hidden, sc.vocab, seed=2) if part == 0 else []
+    buffered = sc.state.buffered_tokens  # a resumed sidecar's count goes on from its checkpoint
     for s in train[part * share:(part + 1) * share] + hold:
         rec = Record(input_ids=s["input_ids"], loss_mask=s["loss_mask"], aux=s["aux_hidden"], final=s["final_hidden"])
-        assert sc.buffer.add(TappedRecord(record=rec, policy_version=0, step=0)) is not None
-        sc.state.buffered_tokens += SEQ_LEN
-    sc._on_head(_head_sync(sc.recipe.run, sc.frozen, sc.hidden, sc.vocab, 0))
-    assert len(sc.buffer.trainable()) == share and len(sc.buffer.holdout()) == len(hold)
+        assert sc.ingest.buffer_record(TappedRecord(record=rec, policy_version=0, step=0))
+    assert sc.state.buffered_tokens - buffered == SEQ_LEN * (share + len(hold))
+    sc.on_head(_head_sync(sc.recipe.run, sc.frozen, sc.hidden, sc.vocab, 0))
+    assert sc.has_head
+    assert len(sc.ingest.buffer.trainable()) == share and len(sc.ingest.buffer.holdout()) == len(hold)
 
 
 def _same_weights_overrides(tiny_run, out: Path, run: str, ranks: int, parallel: str = "ddp",
@@ -127,17 +143,17 @@ def _rank_worker(overrides: list[str]) -> None:
     """One rank of the weight comparison: join, ingest its half, take STEPS ranked steps, rank 0 publishes
     (and writes the steps' gradient norms beside the run).  Then rank 1 alone draws a batch whose loss is not
     finite: both ranks skip that step (no hang, no update)."""
-    from draft_align.sidecar import Sidecar, starting_draft
-    from draft_align.train.batch import Record
-    from draft_align.train.distributed import join_ranks, ranked_step
-    from draft_align.train.replay import ReplayBuffer, TappedRecord
+    from draft_align.sidecar.launch import starting_draft
+    from draft_align.sidecar.loop import Sidecar, ranked_step
+    from draft_align.train.records import Record, TappedRecord
+    from draft_align.train.replay import ReplayBuffer
 
     torch.set_num_threads(1)
     recipe = load_recipe(None, overrides, CotrainRecipe)
     start = starting_draft(recipe)
-    with join_ranks(recipe, start) as ranks:
+    with _join(recipe, start) as ranks:
         assert ranks is not None
-        sc = Sidecar(recipe, start, ranks=ranks)
+        sc = Sidecar(recipe, start, ranks=ranks).setup()
         if recipe.sidecar.parallel == "fsdp2":  # each rank holds about half of every trainable parameter
             trained = [p for p in sc.trainer.draft.parameters() if p.requires_grad]
             assert trained and all(p.to_local().numel() <= (p.numel() + 1) // 2 for p in trained)
@@ -153,10 +169,10 @@ def _rank_worker(overrides: list[str]) -> None:
             (recipe.run_dir / "grad_norms.json").write_text(json.dumps(norms))
         before = {k: _local(v).clone() for k, v in sc.trainer.draft.state_dict().items()}
         if ranks.rank == 1:  # finite but huge states overflow inside the draft
-            sc.buffer = ReplayBuffer(4000, 2.0, 0, 0)
+            sc.ingest.buffer = ReplayBuffer(4000, 2.0, 0, 0)
             rec = Record(input_ids=torch.randint(3, sc.vocab, (20,)), loss_mask=torch.arange(20) >= 5,
                          aux=torch.full((20, 3 * sc.hidden), 3e38), final=torch.randn(20, sc.hidden))
-            sc.buffer.add(TappedRecord(record=rec, policy_version=0, step=0))
+            sc.ingest.buffer.add(TappedRecord(record=rec, policy_version=0, step=0))
         assert ranked_step(sc)
         assert (sc.state.nonfinite_steps, sc.state.train_steps) == (1, STEPS), sc.state
         for k, v in sc.trainer.draft.state_dict().items():
@@ -186,15 +202,16 @@ def _wait_ok(procs: list[subprocess.Popen]) -> None:
 
 
 def _two_ranks_match_one_process(tiny_run, tmp_path: Path, parallel: str, **extra: object) -> None:
-    from draft_align.sidecar import Sidecar, starting_draft
+    from draft_align.sidecar.launch import starting_draft
+    from draft_align.sidecar.loop import Sidecar
 
     procs = _run_ranks("rank-worker", _same_weights_overrides(tiny_run, tmp_path, "two", 2, parallel, **extra))
     one = load_recipe(None, _same_weights_overrides(tiny_run, tmp_path, "one", 1, **extra), CotrainRecipe)
-    sc = Sidecar(one, starting_draft(one))
+    sc = Sidecar(one, starting_draft(one)).setup()
     norms = _record_grad_norms(sc)
     _fill(sc, 0, 1)
     for _ in range(STEPS):
-        assert sc._train_one()
+        assert sc.train_one()
     assert sc.maybe_publish(force=True)
     sc.close()
     _wait_ok(procs)
@@ -236,21 +253,22 @@ def _resume_worker(overrides: list[str]) -> None:
     shards (gathered back, it equals the file), then the ranks train on and rank 0 publishes the next version."""
     from safetensors.torch import load_file
 
-    from draft_align.sidecar import Sidecar, starting_draft
-    from draft_align.train.distributed import join_ranks, ranked_step
+    from draft_align.sidecar.launch import starting_draft
+    from draft_align.sidecar.loop import Sidecar, ranked_step
 
     torch.set_num_threads(1)
     recipe = load_recipe(None, overrides, CotrainRecipe)
     start = starting_draft(recipe)
     saved = load_file(str(recipe.run_dir / "sidecar" / "trainer" / "state.safetensors"))
-    with join_ranks(recipe, start) as ranks:
+    with _join(recipe, start) as ranks:
         assert ranks is not None
-        sc = Sidecar(recipe, start, ranks=ranks)
+        sc = Sidecar(recipe, start, ranks=ranks).setup()
         assert (sc.state.restarts, sc.state.train_steps, sc.state.published_version) == (1, STEPS, 1), sc.state
         assert sc.trainer.progress.step == STEPS and sc.trainer.scheduler.last_epoch == STEPS
         sc.sync_full()
         if ranks.is_lead:
-            draft, opt = sc._full
+            assert sc.full_state is not None
+            draft, opt = sc.full_state
             assert {f"draft.{k}" for k in draft} == {k for k in saved if k.startswith("draft.")}
             for k, v in draft.items():
                 assert torch.equal(v, saved[f"draft.{k}"]), k
@@ -345,7 +363,7 @@ def test_kill9_of_a_rank_is_reported_and_a_restarted_job_resumes(tiny_run, tiny_
     draft is complete; the job restarted under torchrun resumes from rank 0's checkpoint, publishes higher
     versions and both ranks exit 0 after the final StepReport."""
     from draft_align.cotrain import write_resolved
-    from draft_align.sidecar import starting_draft
+    from draft_align.sidecar.launch import starting_draft
 
     recipe = load_recipe(None, tiny_run.cotrain_overrides(
         tmp_path, run="ddp", **{"sidecar.ranks": 2, "sidecar.collective_timeout_s": 30.0,
@@ -408,7 +426,7 @@ def test_kill9_of_a_rank_is_reported_and_a_restarted_job_resumes(tiny_run, tiny_
 # ---------------------------------------------------------------------------------------- bad world
 def test_ranks_that_disagree_on_the_recipe_refuse_to_start(tiny_run, tiny_env, tmp_path):
     from draft_align.cotrain import write_resolved
-    from draft_align.sidecar import starting_draft
+    from draft_align.sidecar.launch import starting_draft
 
     port = _free_port()
     procs = []
@@ -425,46 +443,6 @@ def test_ranks_that_disagree_on_the_recipe_refuse_to_start(tiny_run, tiny_env, t
         assert p.returncode == 2, out[-2000:]
         assert "disagree on the recipe" in out and "sidecar.lr: rank 0 0.001, rank 1 0.002" in out, out[-2000:]
     assert not (tmp_path / "r0" / "bad" / "sidecar" / "ready.json").exists()
-
-
-def test_ranks_setting_without_torchrun_is_refused(tiny_run, tiny_env, tmp_path, monkeypatch):
-    from draft_align.sidecar import starting_draft
-    from draft_align.train.distributed import RankError, join_ranks
-
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        monkeypatch.delenv(var, raising=False)
-    recipe = load_recipe(None, tiny_run.cotrain_overrides(tmp_path, **{"sidecar.ranks": 2}), CotrainRecipe)
-    with pytest.raises(RankError, match="torchrun --nproc-per-node 2"), join_ranks(recipe, starting_draft(recipe)):
-        pass
-    recipe.sidecar.ranks = 1
-    with join_ranks(recipe, starting_draft(recipe)) as ranks:
-        assert ranks is None
-
-
-def test_rank_endpoints_and_config_checks():
-    from draft_align.config import RecipeError
-    from draft_align.train.distributed import _pack, _unpack, rank_info_from_env
-    from draft_align.wire import channel
-
-    assert channel.tap_endpoints("ipc:///r/tap.sock", 3) == ["ipc:///r/tap.sock", "ipc:///r/tap.1.sock",
-                                                            "ipc:///r/tap.2.sock"]
-    assert channel.rank_endpoint("ipc:///r/tap", 2) == "ipc:///r/tap.2"
-    assert channel.tap_endpoints("tcp://127.0.0.1:5555", 2) == ["tcp://127.0.0.1:5555", "tcp://127.0.0.1:5556"]
-    with pytest.raises(ValueError, match="fixed tcp port"):
-        channel.rank_endpoint("tcp://127.0.0.1:*", 1)
-    with pytest.raises(ValueError, match="beyond 65535"):
-        channel.rank_endpoint("tcp://127.0.0.1:65535", 1)
-    msgs = [[b"head", b"", b"\x00" * 5], [b"x"]]
-    assert _unpack(_pack(msgs)) == msgs and _unpack(_pack([])) == []
-    assert rank_info_from_env({}).world_size == 1
-    info = rank_info_from_env({"RANK": "1", "WORLD_SIZE": "2"})
-    assert (info.rank, info.local_rank, info.is_lead) == (1, 1, False)
-    with pytest.raises(RuntimeError, match="not in 0..WORLD_SIZE-1"):
-        rank_info_from_env({"RANK": "2", "WORLD_SIZE": "2"})
-    for bad in ("sidecar.ranks=0", "sidecar.parallel=fsdp", "sidecar.collective_timeout_s=0"):
-        with pytest.raises(RecipeError):
-            load_recipe(None, [bad], CotrainRecipe)
-    assert load_recipe(None, ["sidecar.parallel=fsdp2"], CotrainRecipe).sidecar.parallel == "fsdp2"
 
 
 if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "rank-worker":

@@ -1,9 +1,41 @@
-"""draft_align.train.batch: chain starts, collation, token-budgeted batches."""
+"""draft_align.train.records: tapped-record validation, chain starts, collation, token-budgeted batches."""
 
 import pytest
 import torch
 
-from draft_align.train.batch import Record, chain_starts, collate, make_batches
+from draft_align.train.records import Record, RecordError, TappedRecord, chain_starts, collate, make_batches
+
+AUX_W, H = 6, 2
+
+
+def tapped(t: int, version: int = 0, prompt: int = 2, step: int = 0, **kw) -> TappedRecord:
+    """A t-token record whose tokens after ``prompt`` are response."""
+    mask = torch.zeros(t, dtype=torch.bool)
+    mask[prompt:] = True
+    rec = Record(torch.zeros(t, dtype=torch.long), mask, torch.zeros(t, AUX_W, dtype=torch.bfloat16),
+                 torch.zeros(t, H, dtype=torch.bfloat16))
+    return TappedRecord(rec, policy_version=version, step=step, **kw)
+
+
+def test_tapped_record_properties_and_validation():
+    r = tapped(7, prompt=3, logit_lse=torch.zeros(7), topk_ids=torch.zeros(7, 2, dtype=torch.long))
+    assert r.num_tokens == 7 and r.prompt_len == 3 and r.has_response
+    assert tapped(5, prompt=0).prompt_len == 0
+    with pytest.raises(RecordError, match="no response token"):
+        _ = tapped(5, prompt=5).prompt_len
+    with pytest.raises(RecordError, match="logit_lse"):
+        tapped(5, logit_lse=torch.zeros(4))
+    with pytest.raises(RecordError, match="topk_ids"):
+        tapped(5, topk_ids=torch.zeros(5, dtype=torch.long))
+    with pytest.raises(RecordError, match="T ≥ 2"):
+        tapped(1, prompt=0)
+    with pytest.raises(RecordError, match="policy_version"):
+        tapped(5, version=-1)
+    bad = tapped(5)
+    with pytest.raises(RecordError, match="aux"):
+        TappedRecord(Record(bad.record.input_ids, bad.record.loss_mask, bad.record.aux[:4], bad.record.final), 0, 0)
+    with pytest.raises(RecordError, match="loss_mask"):
+        TappedRecord(Record(bad.record.input_ids, bad.record.input_ids, bad.record.aux, bad.record.final), 0, 0)
 
 
 def mask_of(t: int, response: list[int]) -> torch.Tensor:

@@ -1,10 +1,20 @@
-"""Captured target states for one sequence, and their collation into padded TTT batches."""
+"""The record types every part shares: a captured sequence (:class:`Record`), the same sequence as tapped
+from the policy (:class:`TappedRecord`), and their collation into padded TTT batches (:class:`Batch`).
+
+Warm-start captures Records from its own target forwards; the sidecar receives TappedRecords (docs/wire.md);
+the replay buffer, the trainer, the hidden-state store and the record estimates (``monitor/records.py``) all
+read them from here.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+
+class RecordError(ValueError):
+    """A malformed record: shapes, dtypes or versions that do not fit together."""
 
 
 @dataclass
@@ -22,6 +32,57 @@ class Record:
     def num_targets(self) -> int:
         """Positions whose next token is a response token (what the draft is trained on)."""
         return int(self.loss_mask[1:].sum())
+
+
+@dataclass
+class TappedRecord:
+    """One tapped sequence plus what the policy side sent with it (tensors as received, no copy).
+
+    ``arrival``: monotonic index of arrival; −1 lets :meth:`~draft_align.train.replay.ReplayBuffer.add` assign the next one.
+    """
+
+    record: Record
+    policy_version: int
+    step: int
+    arrival: int = -1
+    next_logprob: torch.Tensor | None = None  # [T] float32: log p(x[t+1] | x[≤t]) at T = 1
+    logit_lse: torch.Tensor | None = None  # [T] float32: logsumexp of the policy's full-vocab logits at t
+    topk_ids: torch.Tensor | None = None  # [T, K] int64: the policy's top-K next tokens at t
+
+    def __post_init__(self) -> None:
+        r = self.record
+        t = r.input_ids.numel()
+        if r.input_ids.dim() != 1 or t < 2:
+            raise RecordError(f"input_ids must be [T] with T ≥ 2, got {tuple(r.input_ids.shape)}")
+        if r.loss_mask.shape != (t,) or r.loss_mask.dtype != torch.bool:
+            raise RecordError(f"loss_mask must be bool [{t}], got {r.loss_mask.dtype} {tuple(r.loss_mask.shape)}")
+        for name, x in (("aux", r.aux), ("final", r.final)):
+            if x.dim() != 2 or x.shape[0] != t or not x.is_floating_point():
+                raise RecordError(f"{name} must be a float [{t}, width] tensor, got {x.dtype} {tuple(x.shape)}")
+        for name, x in (("next_logprob", self.next_logprob), ("logit_lse", self.logit_lse)):
+            if x is not None and x.shape != (t,):
+                raise RecordError(f"{name} must be [{t}], got {tuple(x.shape)}")
+        if self.topk_ids is not None and (self.topk_ids.dim() != 2 or self.topk_ids.shape[0] != t
+                                          or self.topk_ids.shape[1] < 1):
+            raise RecordError(f"topk_ids must be [{t}, K ≥ 1], got {tuple(self.topk_ids.shape)}")
+        if self.policy_version < 0 or self.step < 0:
+            raise RecordError(f"policy_version {self.policy_version} and step {self.step} must be ≥ 0")
+
+    @property
+    def num_tokens(self) -> int:
+        return self.record.input_ids.numel()
+
+    @property
+    def has_response(self) -> bool:
+        return bool(self.record.loss_mask.any())
+
+    @property
+    def prompt_len(self) -> int:
+        """Index of the first response (loss_mask) token; RecordError if there is none."""
+        hit = torch.nonzero(self.record.loss_mask)
+        if hit.numel() == 0:
+            raise RecordError("record has no response token (loss_mask is all False)")
+        return int(hit[0, 0])
 
 
 @dataclass

@@ -1,0 +1,112 @@
+"""The monitoring row of one RL step, kept apart from its sinks (``monitor/sinks.py``).
+
+A :class:`StepRow` is built from the RL job's ``StepReport`` (its metrics as sent), the sidecar's estimated
+acceptance of the published ("adapted") and frozen drafts on that step's freshly tapped records, and the
+sidecar's counters (:class:`SidecarStats`).  :meth:`StepRow.to_dict` is the ``monitor.jsonl`` line;
+:meth:`StepRow.series` the scalars logged to wandb; the Prometheus sink sets one gauge per numeric field.
+Every key is optional to readers (``monitor/live.py``, ``monitor/report.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from draft_align.wire.messages import StepReport
+
+
+@dataclass(frozen=True)
+class SidecarStats:
+    """The sidecar's progress and counters at one moment (cumulative since its first start unless noted)."""
+
+    draft_version: int  # newest published version (0 = the starting draft)
+    draft_policy_version: int  # the policy version that version was trained up to (−1: none)
+    buffer_tokens: int
+    buffer_fill: float  # replay buffer tokens / capacity, 0..1
+    train_steps: int
+    trained_tokens: int
+    train_tokens_per_s: float | None  # this process's training throughput (None before the first step)
+    ingest_tokens_per_s: float | None  # this process's ingest throughput (None before the first batch)
+    ingested_tokens: int
+    wire_nonfinite: int  # sequences dropped for NaN/Inf states
+    wire_mismatched: int  # messages for another draft/target shape, or out of order
+    nonfinite_steps: int  # optimizer steps skipped for a non-finite loss
+    nonfinite_heads: int  # HeadSyncs ignored for non-finite rows
+    gate_rejections: int
+    restarts: int
+    rejected: Mapping[str, int] = field(default_factory=dict)  # wire rejections by reason (this process)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The sidecar's keys of a ``monitor.jsonl`` row."""
+        return {
+            "sidecar_draft_version": self.draft_version,
+            "sidecar_draft_policy_version": self.draft_policy_version,
+            "buffer_tokens": self.buffer_tokens,
+            "buffer_fill": self.buffer_fill,
+            "sidecar_train_steps": self.train_steps,
+            "sidecar_trained_tokens": self.trained_tokens,
+            "sidecar_train_tokens_per_s": self.train_tokens_per_s,
+            "sidecar_ingest_tokens_per_s": self.ingest_tokens_per_s,
+            "sidecar_ingested_tokens": self.ingested_tokens,
+            "wire_rejected": sum(self.rejected.values()),
+            "wire_nonfinite": self.wire_nonfinite,
+            "wire_mismatched": self.wire_mismatched,
+            "nonfinite_steps": self.nonfinite_steps,
+            "nonfinite_heads": self.nonfinite_heads,
+            "published_versions": self.draft_version,
+            "gate_rejections": self.gate_rejections,
+            "sidecar_restarts": self.restarts,
+        }
+
+
+@dataclass(frozen=True)
+class StepRow:
+    """One RL step as the monitor sees it.
+
+    ``estimates``: ``accept_est_{adapted,frozen}`` (``greedy_draft``) and ``..._prob`` (``probabilistic``),
+    mean acceptance lengths estimated on ``est_records`` records (both absent before the first HeadSync or
+    for a step without records).  ``staleness_sidecar`` = policy_version − the published draft's policy
+    version.
+    """
+
+    time: float  # unix time the row was started
+    step: int
+    policy_version: int
+    rl: Mapping[str, Any]  # the StepReport's metrics, as the RL job sent them
+    sidecar: SidecarStats
+    estimates: Mapping[str, float] = field(default_factory=dict)
+    est_records: int | None = None
+
+    @classmethod
+    def from_report(cls, report: StepReport, sidecar: SidecarStats, *, time: float,
+                    estimates: Mapping[str, float] | None = None, est_records: int | None = None) -> StepRow:
+        return cls(time=time, step=int(report.step), policy_version=int(report.policy_version),
+                   rl=dict(report.metrics), sidecar=sidecar, estimates=dict(estimates or {}),
+                   est_records=est_records)
+
+    @property
+    def staleness_sidecar(self) -> int:
+        return self.policy_version - self.sidecar.draft_policy_version
+
+    @property
+    def train_step(self) -> int:
+        """The sidecar's train step: wandb's one monotonic step axis (the RL step is a field of the row)."""
+        return self.sidecar.train_steps
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``monitor.jsonl`` line: time, step, policy_version, the RL metrics, the estimates, the sidecar's
+        keys (which win over RL metrics of the same name) and ``staleness_sidecar``."""
+        row: dict[str, Any] = {"time": self.time, "step": self.step, "policy_version": self.policy_version}
+        row.update({k: v for k, v in self.rl.items() if k not in row})
+        row.update(self.estimates)
+        if self.est_records is not None:
+            row["est_records"] = self.est_records
+        row.update(self.sidecar.to_dict())
+        row["staleness_sidecar"] = self.staleness_sidecar
+        return row
+
+    def series(self) -> dict[str, float]:
+        """The row's numbers as ``rl/<key>`` scalars (not ``time``), logged at :attr:`train_step`."""
+        return {f"rl/{k}": v for k, v in self.to_dict().items() if isinstance(v, (int, float)) and k != "time"}

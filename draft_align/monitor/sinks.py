@@ -1,0 +1,224 @@
+"""Where monitoring goes: JSONL files, wandb and a Prometheus page.  Sinks observe rows, never compute them.
+
+- :class:`JsonlSink`: one JSON object per line, appended (``metrics.jsonl``, ``monitor.jsonl``).
+- :class:`WandbSink`: wandb, offline unless configured; wandb is imported here only.
+- :class:`PromSink`: ``GET /metrics`` served by ``prometheus_client`` from a registry of its own (never the
+  process-global one), one gauge ``draft_align_<key>`` per numeric field of the latest row and the counter
+  ``draft_align_wire_rejected_total{reason}``.
+- :class:`Sinks`: what a loop hands its training scalars (:meth:`Sinks.log`) and its monitoring rows
+  (:meth:`Sinks.observe`, a :class:`~draft_align.monitor.rows.StepRow`) to.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import tempfile
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from draft_align.monitor.rows import SidecarStats, StepRow
+
+if TYPE_CHECKING:
+    from prometheus_client.core import Metric
+
+    from draft_align.config import LoggingConfig
+
+log = logging.getLogger(__name__)
+
+METRICS_FILE = "metrics.jsonl"  # training scalars, in the folder open_sinks is given
+PREFIX = "draft_align_"
+REJECTED = "draft_align_wire_rejected"  # exposed as the counter draft_align_wire_rejected_total{reason}
+_METRIC_NAME = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")  # the text format's metric names
+
+
+class JsonlSink:
+    """Appends JSON objects to ``path`` (created with its folder), one per line.  The file is opened per
+    write, so a reader tailing it sees whole lines and a killed process loses nothing it wrote."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+
+    def write(self, obj: Mapping[str, Any]) -> None:
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(obj) + "\n")
+
+    def log(self, metrics: Mapping[str, Any], step: int) -> None:
+        """A scalar series point: ``{"step", "time", **metrics}``."""
+        self.write({"step": step, "time": time.time(), **metrics})
+
+
+class WandbSink:
+    """wandb logging; a failure to start it is logged and disables it (logging must never stop training)."""
+
+    def __init__(self, run_dir: Path, logging_config: LoggingConfig, name: str, config: dict[str, Any]) -> None:
+        self.run: Any = None
+        try:
+            import wandb
+
+            self.run = wandb.init(
+                project=logging_config.wandb_project, name=name, dir=str(run_dir), mode=logging_config.wandb_mode,
+                config=config, reinit="finish_previous",
+            )
+        except Exception as e:  # noqa: BLE001 - logging must never stop training
+            log.warning("wandb disabled: %s", e)
+
+    def log(self, metrics: Mapping[str, Any], step: int) -> None:
+        if self.run is not None:
+            self.run.log(dict(metrics), step=step)
+
+    def close(self) -> None:
+        if self.run is not None:
+            self.run.finish()
+
+
+class PromSink:
+    """The latest row's numbers as Prometheus gauges at ``http://host:port/metrics`` (port 0: any free port,
+    see ``.port``).  A field that is None or not a number leaves its gauge at the last value set."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+        from prometheus_client import CollectorRegistry, start_http_server
+
+        self._lock = threading.Lock()
+        self._gauges: dict[str, float] = {}
+        self._rejected: dict[str, float] = {}
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(self)
+        self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        self.host = host
+        self.port: int = int(self._server.server_port)
+        self._closed = False
+        log.info("Prometheus metrics at %s", self.url)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}/metrics"
+
+    def observe(self, row: StepRow | SidecarStats) -> None:
+        """Set ``draft_align_<key>`` for each int/float field of ``row.to_dict()`` (not bools, not ``time``)
+        and the rejection counter; ValueError for a key that is not a valid metric name."""
+        stats = row.sidecar if isinstance(row, StepRow) else row
+        gauges = {}
+        for k, v in row.to_dict().items():
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or k == "time":
+                continue
+            name = PREFIX + k
+            if not _METRIC_NAME.match(name):
+                raise ValueError(f"invalid Prometheus metric name {name!r}: must match {_METRIC_NAME.pattern}")
+            gauges[name] = float(v)
+        with self._lock:
+            self._gauges.update(gauges)
+            self._rejected.update({reason: float(n) for reason, n in stats.rejected.items()})
+
+    def collect(self) -> Iterator[Metric]:
+        """The registry's collector interface (called by the HTTP server's thread)."""
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        with self._lock:
+            gauges, rejected = dict(self._gauges), dict(self._rejected)
+        for name in sorted(gauges):
+            yield GaugeMetricFamily(name, "", value=gauges[name])
+        if rejected:
+            c = CounterMetricFamily(REJECTED, "wire messages rejected", labels=["reason"])
+            for reason in sorted(rejected):
+                c.add_metric([reason], rejected[reason])
+            yield c
+
+    def write_port_file(self, path: str | os.PathLike[str]) -> Path:
+        """Write the port as text to ``path`` atomically (temp file in the same folder, then rename)."""
+        return write_port_file(path, self.port)
+
+    def close(self) -> None:
+        """Stop serving and release the socket (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5.0)
+
+
+class Sinks:
+    """A loop's sinks: ``metrics`` (training scalars and row series), optional ``wandb`` (the same), optional
+    ``monitor`` (one JSON line per row) and optional ``prom``."""
+
+    def __init__(self, metrics: JsonlSink, *, wandb: WandbSink | None = None, monitor: JsonlSink | None = None,
+                 prom: PromSink | None = None) -> None:
+        self.metrics = metrics
+        self.wandb = wandb
+        self.monitor = monitor
+        self.prom = prom
+
+    def log(self, metrics: Mapping[str, Any], step: int) -> None:
+        """Training scalars at ``step`` (``metrics.jsonl`` and wandb)."""
+        self.metrics.log(metrics, step)
+        if self.wandb is not None:
+            self.wandb.log(metrics, step)
+
+    def observe(self, row: StepRow) -> None:
+        """A monitoring row: its JSON line, its ``rl/*`` series at the sidecar's train step, its gauges."""
+        if self.monitor is not None:
+            self.monitor.write(row.to_dict())
+        self.log(row.series(), row.train_step)
+        if self.prom is not None:
+            self.prom.observe(row)
+
+    def observe_stats(self, stats: SidecarStats) -> None:
+        """The sidecar's counters between rows (after a publish): Prometheus only."""
+        if self.prom is not None:
+            self.prom.observe(stats)
+
+    def close(self) -> None:
+        if self.prom is not None:
+            self.prom.close()
+        if self.wandb is not None:
+            self.wandb.close()
+
+
+def open_sinks(run_dir: Path, logging_config: LoggingConfig, name: str, config: dict[str, Any], *,
+               monitor: Path | None = None, prom: PromSink | None = None) -> Sinks:
+    """``<run_dir>/metrics.jsonl``, wandb when ``logging.wandb`` is on and its mode is not ``disabled``
+    (``config``: the resolved recipe, recorded in the wandb run), a monitor file and a Prometheus sink."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lc = logging_config
+    wandb = WandbSink(run_dir, lc, name, config) if lc.wandb and lc.wandb_mode != "disabled" else None
+    return Sinks(JsonlSink(run_dir / METRICS_FILE), wandb=wandb,
+                 monitor=JsonlSink(monitor) if monitor is not None else None, prom=prom)
+
+
+def write_port_file(path: str | os.PathLike[str], port: int) -> Path:
+    """Write ``port`` (1..65535) as text to ``path`` atomically; creates the parent folder."""
+    if not isinstance(port, int) or not 0 < port < 65536:
+        raise ValueError(f"port must be an int in 1..65535, got {port!r}")
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(f"{port}\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, p)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return p
+
+
+def read_port_file(path: str | os.PathLike[str]) -> int:
+    """The port written by ``write_port_file`` (FileNotFoundError if absent, ValueError if not a port)."""
+    text = Path(path).read_text().strip()
+    try:
+        port = int(text)
+    except ValueError:
+        raise ValueError(f"{path}: expected a port number, got {text[:40]!r}") from None
+    if not 0 < port < 65536:
+        raise ValueError(f"{path}: port {port} out of range 1..65535")
+    return port
+

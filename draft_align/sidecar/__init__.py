@@ -1,0 +1,9 @@
+"""The co-training sidecar: receive → validate → replay buffer → TTT training → gate → versioned publish → notify.
+
+- :mod:`~draft_align.sidecar.layout`: its folder, files and socket names in a run folder;
+- :mod:`~draft_align.sidecar.state`: :class:`SidecarState`, the progress checkpointed beside the trainer;
+- :mod:`~draft_align.sidecar.ingest`: tapped messages → validated records → the replay buffer;
+- :mod:`~draft_align.sidecar.gate`: the paired publish gate and the versioned publish;
+- :mod:`~draft_align.sidecar.loop`: :class:`Sidecar` (setup, hooks) and its single- and multi-rank loops;
+- :mod:`~draft_align.sidecar.launch`: the starting draft and the process entry point (``draft-align sidecar``).
+"""

@@ -1,0 +1,173 @@
+"""The publish decision and the versioned publish.
+
+Every ``publish_every_s`` (after ``min_train_steps_per_publish`` steps) the candidate is compared with the
+published draft on the freshest held-out records (paired, per sequence, engine-replay estimate,
+:func:`paired_gate`); it is published only if not worse beyond noise: ``diff ≥ −max(gate_tolerance,
+2·stderr)``.  A published version is a complete folder renamed into place (never half-visible), then
+``latest`` moves, ``DraftPublished`` is sent and ``publish.jsonl`` gets a line (docs/formats.md).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from draft_align.config import CotrainRecipe
+from draft_align.heads.protocol import DraftHead
+from draft_align.monitor.records import RecordEstimateError
+from draft_align.publish.versions import publish_version
+from draft_align.sidecar.layout import PUBLISH_FILE, SIDECAR_DIR
+from draft_align.sidecar.state import SidecarState
+from draft_align.train.records import TappedRecord
+from draft_align.wire.channel import Publisher
+
+log = logging.getLogger(__name__)
+
+#: (draft, records, verify mode, temperature) → an ``estimate_records`` result
+Estimate = Callable[[nn.Module, list[TappedRecord], str, float], dict[str, Any]]
+
+
+def paired_gate(cand: dict[str, Any], base: dict[str, Any], tolerance: float) -> tuple[bool, float, float]:
+    """Paired comparison of two :func:`~draft_align.monitor.records.estimate_records` results on the same
+    records: (ok, diff, stderr); RecordEstimateError when they are not on the same records.
+
+    d_i = L_cand,i − L_base,i (per-sequence replay mean lengths), weights w_i = (R_cand,i + R_base,i) / 2
+    (mean rounds, so swapping the drafts flips the sign); sequences with no round in either are skipped.
+    diff = Σ w̃_i d_i with w̃ = w / Σ w; stderr² = n/(n−1) · Σ w̃_i² (d_i − diff)² (NaN for n = 1, then
+    the tolerance alone decides).  ok iff diff ≥ −max(tolerance, 2·stderr).
+    """
+    if tolerance < 0:
+        raise RecordEstimateError(f"tolerance must be ≥ 0, got {tolerance}")
+    a, b = cand["per_sequence"], base["per_sequence"]
+    if len(a) != len(b):
+        raise RecordEstimateError(f"per_sequence lengths differ ({len(a)} vs {len(b)}): not the same records")
+    ids_a, ids_b = cand.get("sequence_ids"), base.get("sequence_ids")
+    if ids_a is not None and ids_b is not None and list(ids_a) != list(ids_b):
+        raise RecordEstimateError("sequence_ids differ: the two estimates are not on the same records")
+    pairs = [(la - lb, 0.5 * (ra + rb)) for (la, ra), (lb, rb) in zip(a, b, strict=True) if ra > 0 and rb > 0]
+    if not pairs:
+        raise RecordEstimateError("no sequence with a drafting round in both estimates")
+    d = torch.tensor([p[0] for p in pairs], dtype=torch.float64)
+    w = torch.tensor([p[1] for p in pairs], dtype=torch.float64)
+    w = w / w.sum()
+    diff = float((w * d).sum())
+    n = d.numel()
+    stderr = math.sqrt(float((w.square() * (d - diff).square()).sum()) * n / (n - 1)) if n > 1 else math.nan
+    bar = tolerance if math.isnan(stderr) else max(tolerance, 2.0 * stderr)
+    return diff >= -bar, diff, stderr
+
+
+def plain_copy(draft: DraftHead, device: torch.device) -> DraftHead:
+    """A plain copy (EAGLE-3 or MTP; LoRA adapters merged) on ``device``."""
+    from draft_align.heads.lora import is_lora, merged
+
+    if is_lora(draft):
+        draft = merged(draft)
+    out = type(draft)(draft.cfg).to(device)
+    out.load_state_dict(draft.state_dict())
+    return out
+
+
+class Gate:
+    """The published draft the candidate must beat, and publishing a candidate that does.
+
+    ``target_config``/``target_name``/``tokenizer_fingerprint``/``frozen_manifest``: what every published
+    manifest records; ``publisher``: the ``DraftPublished`` PUB socket (None on ranks that never publish).
+    """
+
+    def __init__(self, recipe: CotrainRecipe, state: SidecarState, published: DraftHead, *, device: torch.device,
+                 target_config: Any, target_name: str, tokenizer_fingerprint: str | None,
+                 frozen_manifest: dict[str, Any], publisher: Publisher | None) -> None:
+        self.recipe = recipe
+        self.state = state
+        self.published = published
+        self.device = device
+        self.run_dir = recipe.run_dir
+        self.dir = self.run_dir / SIDECAR_DIR
+        self.target_config = target_config
+        self.target_name = target_name
+        self.tok_fp = tokenizer_fingerprint
+        self.frozen_manifest = frozen_manifest
+        self.publisher = publisher
+        self.last_publish = time.monotonic()
+        self.steps_since_publish = 0
+
+    def due(self, force: bool = False) -> bool:
+        """Enough train steps since the last publish, and the interval passed (or ``force``)."""
+        sc = self.recipe.sidecar
+        if self.steps_since_publish < sc.min_train_steps_per_publish:
+            return False
+        return force or time.monotonic() - self.last_publish >= sc.publish_every_s
+
+    def maybe_publish(self, candidate: Callable[[], nn.Module], holdout: list[TappedRecord],
+                      estimate: Estimate) -> bool:
+        """Gate ``candidate()`` against the published draft on ``holdout`` and publish it if it passes; True when
+        a new version was published (call only when :meth:`due`)."""
+        sc = self.recipe.sidecar
+        self.last_publish = time.monotonic()
+        if not holdout:
+            return False
+        cand = candidate()
+        if not all(torch.isfinite(p).all() for p in cand.parameters()):
+            self.state.gate_rejections += 1
+            log.error("candidate draft has non-finite weights: not published")
+            return False
+        temp = sc.eval_temperature
+        c = estimate(cand, holdout, sc.eval_mode, temp)
+        b = estimate(self.published, holdout, sc.eval_mode, temp)
+        ok, diff, stderr = paired_gate(c, b, sc.gate_tolerance)
+        if not ok:
+            self.state.gate_rejections += 1
+            log.info("gate: candidate %.4f vs published %.4f (diff %.4f ± %.4f): not published",
+                     c["acceptance_length_est"], b["acceptance_length_est"], diff, stderr)
+            return False
+        policy_version = max(tr.policy_version for tr in holdout)
+        self._publish(cand, c, b, diff, stderr, policy_version)
+        return True
+
+    def _publish(self, cand_draft: nn.Module, cand: dict, base: dict, diff: float, stderr: float,
+                 policy_version: int) -> None:
+        from draft_align.wire.messages import DraftPublished
+
+        metrics = {
+            "gate_candidate": cand["acceptance_length_est"],
+            "gate_published": base["acceptance_length_est"],
+            "gate_diff": diff,
+            "gate_stderr": stderr,
+            "train_steps": self.state.train_steps,
+            "trained_tokens": self.state.trained_tokens,
+        }
+        sc = self.recipe.sidecar
+        delta_base = Path(self.state.lora_base_dir or "") if sc.adapt == "lora" and sc.lora.publish_delta else None
+        pub = publish_version(
+            self.run_dir, cand_draft, target_config=self.target_config, target_name=self.target_name,
+            tokenizer_fingerprint=self.tok_fp, metrics=metrics, policy_version=policy_version,
+            extra_manifest={"trained_from": str(self.frozen_manifest.get("draft_version", 0)),
+                            "run": self.recipe.run},
+            at_least=self.state.published_version + 1, delta_base=delta_base, strict_delta=False,
+        )  # fmt: skip
+        v = pub.version
+        self.published = plain_copy(cand_draft, self.device)
+        self.published.eval()
+        self.state.published_version = v
+        self.state.published_policy_version = policy_version
+        self.steps_since_publish = 0
+        assert self.publisher is not None, "only the lead rank publishes"
+        self.publisher.publish(DraftPublished(
+            run_id=self.recipe.run, draft_version=v, policy_version=policy_version, path=str(pub.path),
+            sha256=pub.weights_sha256,
+            metrics={k: float(x) for k, x in metrics.items()},
+        ))
+        with open(self.dir / PUBLISH_FILE, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"time": time.time(), "draft_version": v, "policy_version": policy_version,
+                                **metrics}) + "\n")
+        log.info("published draft v%04d (policy v%d): gate %.4f vs %.4f", v, policy_version,
+                 cand["acceptance_length_est"], base["acceptance_length_est"])

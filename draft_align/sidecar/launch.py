@@ -1,0 +1,71 @@
+"""Starting a sidecar: the draft it starts from, the torchrun world it joins, and the process entry point.
+
+``draft-align sidecar RECIPE`` (``cli.py``) sets the process up (threads, global seed, signal handlers that
+set a stop event) and calls :func:`run_sidecar`; tests and other programs build a
+:class:`~draft_align.sidecar.loop.Sidecar` themselves.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+from draft_align.config import CotrainRecipe, WarmstartRecipe, load_recipe, recipe_to_dict
+from draft_align.publish.folder import ExportError
+from draft_align.publish.versions import resolve_draft_dir
+from draft_align.sidecar.layout import SIDECAR_DIR, TRAINER_DIR
+from draft_align.sidecar.loop import Sidecar
+from draft_align.sidecar.state import SidecarState
+from draft_align.train.parallel import join_ranks
+from draft_align.train.trainer import checkpoint_exists
+
+
+class SidecarError(RuntimeError):
+    """The sidecar cannot start (no starting draft, …)."""
+
+
+def starting_draft(recipe: CotrainRecipe, path: str | None = None) -> Path:
+    """The folder of the draft co-training starts from: ``path``, ``recipe.draft`` (a draft folder or a run
+    folder with ``latest``), else the warm-start recipe's published draft (which must exist)."""
+    given = path or recipe.draft
+    if given is None:
+        ws: WarmstartRecipe = load_recipe(recipe.warmstart_recipe)
+        given = str(ws.run_dir)
+    try:
+        return resolve_draft_dir(Path(given))
+    except ExportError as e:
+        raise SidecarError(
+            f"no starting draft at {given} ({e}): run the warm-start first (draft-align warmstart "
+            f"{recipe.warmstart_recipe}) or set `draft:` to a published draft folder"
+        ) from e
+
+
+def world_config(recipe: CotrainRecipe, start_draft: Path) -> dict[str, Any]:
+    """What every rank must agree on, flattened to dotted keys: the resolved recipe and the starting draft."""
+    flat: dict[str, Any] = {"start_draft": str(Path(start_draft).resolve())}
+
+    def walk(prefix: str, x: Any) -> None:
+        if isinstance(x, dict):
+            for k, v in x.items():
+                walk(f"{prefix}{k}.", v)
+        else:
+            flat[prefix[:-1]] = x
+
+    walk("", recipe_to_dict(recipe))
+    return flat
+
+
+def run_sidecar(recipe: CotrainRecipe, start: str | None = None, *, exit_when_done: bool = False,
+                max_seconds: float | None = None, stop: threading.Event | None = None) -> SidecarState:
+    """One sidecar process: find the starting draft, join the other ranks under torchrun, set up and run.
+
+    ``stop``: set it (e.g. from a signal handler) to end the loop; it then checkpoints and closes."""
+    start_dir = starting_draft(recipe, start)
+    sc = recipe.sidecar
+    # None unless torchrun started several ranks; rank 0 first restores a checkpoint a killed save left aside
+    with join_ranks(ranks=sc.ranks, device=recipe.device, timeout_s=sc.collective_timeout_s,
+                    config=world_config(recipe, start_dir),
+                    lead_first=lambda: checkpoint_exists(recipe.run_dir / SIDECAR_DIR / TRAINER_DIR)) as ranks:
+        sidecar = Sidecar(recipe, start_dir, exit_when_done=exit_when_done, ranks=ranks, stop=stop).setup()
+        return sidecar.run(max_seconds=max_seconds)

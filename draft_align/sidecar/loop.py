@@ -1,0 +1,538 @@
+"""The sidecar's loop: receive → validate → replay buffer → TTT training → gate → versioned publish → notify.
+
+One loop (:meth:`Sidecar.run`), all its state in :class:`~draft_align.sidecar.state.SidecarState`
+(checkpointed beside the trainer):
+
+1. drain the PULL socket for at most ``drain_s``: ``TapBatch`` records go to the replay buffer (sequences
+   with NaN/Inf states are dropped and counted; ``sidecar/ingest.py``), ``HeadSync`` replaces the head rows
+   the soft targets are computed from, ``StepReport`` closes an RL step: the step's freshly tapped records
+   (not trained on yet) give the estimated acceptance of the published and of the frozen draft, merged with
+   the RL job's own measurements into one monitoring row (``monitor/rows.py``) handed to the sinks;
+2. one optimizer step on a recency-weighted batch (a non-finite loss skips the step and is counted);
+3. every ``publish_every_s`` the candidate is gated against the published draft and published if not worse
+   beyond noise (``sidecar/gate.py``);
+4. every ``checkpoint_every_s`` the trainer state is saved (atomic), so a ``kill -9`` loses at most that much
+   training; published versions are complete folders renamed into place, so none is ever half-visible.
+
+Nothing here can reach the policy: the sidecar holds a frozen copy of the target's embedding and the head
+rows it was sent, and its own optimizer.
+
+Under torchrun (``sidecar.ranks: N``, docs/wire.md) :func:`ranked_loop` runs instead: every step boundary the
+ranks exchange flags and the HeadSync/StepReports each received (re-encoded in the wire format) and apply
+them in rank order; a step is taken iff every rank has a batch (DDP or FSDP2, ``train/parallel.py``); rank 0
+alone gates, publishes, writes monitoring rows and checkpoints, and under FSDP2 every rank first gathers the
+full state onto it (:meth:`Sidecar.sync_full`) when rank 0 announced a publish attempt or checkpoint.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from draft_align.config import CotrainRecipe, step_decay
+from draft_align.conventions import float_dtype
+from draft_align.heads.protocol import DraftHead
+from draft_align.monitor.rows import SidecarStats, StepRow
+from draft_align.monitor.sinks import METRICS_FILE, JsonlSink, PromSink, Sinks, open_sinks
+from draft_align.publish import load_draft
+from draft_align.publish.compat import check_compatible, tokenizer_fingerprint
+from draft_align.publish.versions import discard_tmp_versions, read_latest
+from draft_align.sidecar.gate import Gate, plain_copy
+from draft_align.sidecar.ingest import Ingest
+from draft_align.sidecar.layout import (
+    MONITOR_FILE,
+    NOTIFY_SOCKET,
+    PORT_FILE,
+    READY_FILE,
+    SIDECAR_DIR,
+    STATE_FILE,
+    TAP_SOCKET,
+    TRAINER_DIR,
+)
+from draft_align.sidecar.state import Rates, SidecarState, sidecar_stats
+from draft_align.train.parallel import RankError, RankGroup, attach, is_comm_error, rank_device
+from draft_align.train.records import Batch, TappedRecord
+from draft_align.train.replay import ReplayBuffer
+from draft_align.train.trainer import (
+    DraftTrainer,
+    LossSettings,
+    NonFiniteLossError,
+    OptimSettings,
+    checkpoint_exists,
+)
+from draft_align.wire.messages import HeadSync, StepReport, TapBatch, TapPart, decode, encode
+
+log = logging.getLogger(__name__)
+
+# flags each rank sends at every step boundary (RankGroup.exchange); the *_DUE ones are rank 0's decisions
+HAVE_BATCH, STOP, TIME_UP, PUBLISH_DUE, CKPT_DUE = 0, 1, 2, 3, 4
+
+Control = HeadSync | StepReport  # what every rank applies, whichever rank received it
+
+
+class Sidecar:
+    """The co-training sidecar of one run (see the module docstring).
+
+    ``Sidecar(recipe, start_draft).setup()`` builds it in a fixed order (:meth:`_setup_drafts`,
+    :meth:`_setup_trainer`, :meth:`_setup_wire`, :meth:`_setup_sinks`); :meth:`run` loops until ``stop`` is
+    set, ``max_seconds`` passed or (``exit_when_done``) the RL job's final report, then checkpoints and
+    closes.  ``ranks``: the torchrun rank group (``train/parallel.py``), None for one process.
+    Threads, the global seed and signal handlers are the process's business (``cli.py``), not the sidecar's.
+    """
+
+    def __init__(self, recipe: CotrainRecipe, start_draft: Path, *, exit_when_done: bool = False,
+                 ranks: RankGroup | None = None, stop: threading.Event | None = None) -> None:
+        self.recipe = recipe
+        self.start_draft = Path(start_draft)
+        self.exit_when_done = exit_when_done
+        # under torchrun (train/parallel.py): rank 0 alone gates, publishes, monitors and checkpoints
+        self.ranks = ranks
+        self.is_lead = ranks is None or ranks.is_lead
+        self.stop_event = stop if stop is not None else threading.Event()
+        self.run_dir = recipe.run_dir
+        self.dir = self.run_dir / SIDECAR_DIR
+        self.device = torch.device(recipe.device) if ranks is None else rank_device(recipe.device, ranks.info)
+        self.state = SidecarState()
+        self.rates = Rates()
+        self.resumed = False
+        self._shared_control: list[Control] = []  # received here, for every rank to apply (multi-rank only)
+
+    # ------------------------------------------------------------------ setup
+    def setup(self) -> Sidecar:
+        """Build everything (in this order); returns self."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        discard_tmp_versions(self.run_dir)
+        draft = self._setup_drafts()
+        self._setup_trainer(draft)
+        self._setup_wire()
+        self._setup_sinks()
+        self._last_ckpt = time.monotonic()
+        self._t0 = time.monotonic()
+        return self
+
+    def _setup_drafts(self) -> DraftHead:
+        """The target's frozen embedding and tokenizer fingerprint, the starting ("frozen") draft, the resumed
+        state, the gate with the published draft it compares against; returns the draft to train."""
+        from draft_align import assets
+        from draft_align.hf.parts import frozen_embedding
+
+        recipe, sc = self.recipe, self.recipe.sidecar
+        target, tok = assets.load_target(recipe.target.model, float_dtype(recipe.target.dtype), "cpu")
+        self.target_config = target.config
+        self.target_name = recipe.target.model
+        self.tok_fp = tokenizer_fingerprint(tok)
+        self.embed: nn.Module = frozen_embedding(target).to(self.device)
+        del target
+
+        self.frozen, self.frozen_manifest = load_draft(self.start_draft, device=self.device)
+        self.frozen.eval()
+        check_compatible(self.frozen_manifest, self.target_config, self.tok_fp)
+        self.aux_ids = tuple(self.frozen.cfg.aux_layer_ids)
+        self.hidden = int(self.target_config.hidden_size)
+        self.vocab = int(self.target_config.vocab_size)
+
+        sfile = self.dir / STATE_FILE
+        self.resumed = checkpoint_exists(self.dir / TRAINER_DIR) and sfile.is_file()
+        if self.resumed:
+            self.state = SidecarState.load(sfile)
+            self.state.restarts += 1
+            self.state.done = False
+        # the published draft the gate compares against: the run's latest, else the starting draft
+        latest = read_latest(self.run_dir)
+        if latest is not None:
+            published, man = load_draft(latest, device=self.device)
+            self.state.published_version = max(self.state.published_version, int(man["draft_version"]))
+            self.state.published_policy_version = int(man["policy_version"])
+        else:
+            published = plain_copy(self.frozen, self.device)
+        published.eval()
+        self.gate = Gate(recipe, self.state, published, device=self.device, target_config=self.target_config,
+                         target_name=self.target_name, tokenizer_fingerprint=self.tok_fp,
+                         frozen_manifest=self.frozen_manifest, publisher=None)  # its socket: _setup_wire
+        draft = plain_copy(published, self.device)
+        if sc.adapt == "lora":  # adapters over the frozen starting point, with their own optimizer settings
+            from draft_align.heads.lora import apply_lora, lora_settings
+
+            apply_lora(draft, lora_settings(sc.lora), seed=recipe.seed)
+            if not self.resumed or not self.state.lora_base_dir:
+                self.state.lora_base_dir = str(latest if latest is not None else self.start_draft)
+        return draft
+
+    def _setup_trainer(self, draft: DraftHead) -> None:
+        """The trainer on ``draft`` (rows: the frozen head until the first HeadSync), attached to the ranks,
+        resumed from the checkpoint."""
+        sc, ranks = self.recipe.sidecar, self.ranks
+        lora = sc.adapt == "lora"
+        rows = self.frozen.lm_head.weight.detach().clone()  # until the first HeadSync
+        self.trainer = DraftTrainer(
+            draft,
+            self.embed,
+            rows,
+            OptimSettings(
+                lr=sc.lora.lr if lora else sc.lr, min_lr_ratio=sc.min_lr_ratio,
+                weight_decay=sc.lora.weight_decay if lora else sc.weight_decay,
+                warmup_steps=sc.lora.warmup_steps if lora else sc.warmup_steps, total_steps=10**9, grad_clip=sc.grad_clip,
+            ),
+            LossSettings(
+                ttt_steps=sc.ttt_steps, step_decay=step_decay(sc.step_decay, draft.kind), kind=sc.loss,
+                train_lm_head=True, autocast_bf16=sc.autocast_bf16,
+            ),
+        )
+        # fsdp2 (train/parallel.py): the trainer's draft is sharded over the ranks; rank 0 gates and exports
+        # a plain copy that sync_full() refreshes from the gathered full state (``full_state``)
+        self._sharded = ranks is not None and sc.parallel == "fsdp2"
+        self._plain: nn.Module | None = copy.deepcopy(draft) if self._sharded and self.is_lead else None
+        self._full: tuple[dict[str, torch.Tensor], dict] | None = None
+        if ranks is not None:  # before the load: under fsdp2 the checkpoint is loaded into the shards
+            attach(self.trainer, ranks, sc.parallel)
+        if self.resumed:
+            self.trainer.load(self.dir / TRAINER_DIR)
+            log.info("resumed sidecar at train step %d (restart %d)", self.state.train_steps, self.state.restarts)
+
+    def _setup_wire(self) -> None:
+        """The replay buffer and the ingest in front of it, the PULL socket (rank r: its own endpoint) and,
+        on the lead rank, the DraftPublished PUB socket."""
+        from draft_align.wire import channel
+
+        recipe, sc, ranks, wire = self.recipe, self.recipe.sidecar, self.ranks, self.recipe.wire
+        # only rank 0 gates, so only its buffer holds records out; each rank samples with its own seed
+        buffer = ReplayBuffer(sc.buffer_tokens, sc.recency_half_life, sc.holdout_records if self.is_lead else 0,
+                              recipe.seed + (ranks.rank if ranks is not None else 0))
+        self.ingest = Ingest(buffer, self.state, self.rates, aux_ids=self.aux_ids, hidden=self.hidden,
+                             vocab=self.vocab, draft_to_target=self.frozen.draft_to_target)
+        self.wire_key = channel.resolve_key(wire.key_file, self.run_dir, create=True)
+        tap_ep = wire.endpoint or channel.default_endpoint(self.run_dir, TAP_SOCKET)
+        if ranks is not None:
+            tap_ep = channel.rank_endpoint(tap_ep, ranks.rank)
+        self.receiver = channel.Receiver(
+            tap_ep, self.wire_key, max_bytes=wire.max_message_mb << 20, max_tokens=wire.max_tokens,
+            allow_remote=wire.allow_remote,
+        )
+        if self.is_lead:
+            note_ep = wire.notify_endpoint or channel.default_endpoint(self.run_dir, NOTIFY_SOCKET)
+            self.gate.publisher = channel.Publisher(note_ep, self.wire_key, allow_remote=wire.allow_remote)
+
+    def _setup_sinks(self) -> None:
+        """Lead rank: ``monitor.jsonl``, ``metrics.jsonl``, wandb, Prometheus (port in ``prometheus.port``);
+        the other ranks: their training metrics in ``<run>/sidecar/rank<r>/metrics.jsonl`` only."""
+        from draft_align.config import recipe_to_dict
+
+        recipe, sc = self.recipe, self.recipe.sidecar
+        if not self.is_lead:
+            assert self.ranks is not None
+            self.sinks = Sinks(JsonlSink(self.dir / f"rank{self.ranks.rank}" / METRICS_FILE))
+            return
+        prom = None
+        if sc.prometheus_port is not None:
+            prom = PromSink(port=sc.prometheus_port)
+            prom.write_port_file(self.dir / PORT_FILE)
+        self.sinks = open_sinks(self.dir, recipe.logging, f"{recipe.run}-sidecar", recipe_to_dict(recipe),
+                                monitor=self.dir / MONITOR_FILE, prom=prom)
+
+    # ------------------------------------------------------------------ hooks the loops drive
+    @property
+    def has_head(self) -> bool:
+        """Whether a HeadSync was accepted (training, estimates and the gate wait for one)."""
+        return self.ingest.has_head
+
+    @property
+    def rejected(self) -> Counter:
+        """Wire rejections by reason (the receiver's, and the stage joiner's as ``join_<reason>``)."""
+        joins = self.ingest.joiner.rejected
+        return Counter(self.receiver.rejected) + Counter({f"join_{k}": v for k, v in joins.items()})
+
+    @property
+    def stop_requested(self) -> bool:
+        return self.stop_event.is_set()
+
+    def stop(self) -> None:
+        """Ask the loop to end (it checkpoints and closes)."""
+        self.stop_event.set()
+
+    def time_up(self, max_seconds: float | None) -> bool:
+        return max_seconds is not None and time.monotonic() - self._t0 >= max_seconds
+
+    def checkpoint_due(self) -> bool:
+        return time.monotonic() - self._last_ckpt >= self.recipe.sidecar.checkpoint_every_s
+
+    def drain(self, budget_s: float, timeout_ms: int) -> int:
+        """Handle the messages waiting on the PULL socket for at most ``budget_s`` (the first one waited for
+        up to ``timeout_ms``); returns how many arrived."""
+        self.ingest.joiner.expire()  # incomplete pipeline-stage joins time out (counted), never wait
+        n = 0
+        end = time.monotonic() + budget_s
+        first = True
+        while first or time.monotonic() < end:
+            msg = self.receiver.recv(timeout_ms if first else 0)
+            first = False
+            if msg is None:
+                break
+            n += 1
+            if getattr(msg, "run_id", None) != self.recipe.run:
+                self.state.foreign_messages += 1
+                continue
+            if self.ranks is not None and isinstance(msg, (HeadSync, StepReport)):
+                self._shared_control.append(msg)  # every rank applies it, at the next step boundary
+                continue
+            if isinstance(msg, TapBatch):
+                self.ingest.on_batch(msg)
+            elif isinstance(msg, TapPart):  # a pipeline stage's share: trained only once all stages joined
+                self.ingest.on_part(msg)
+            elif isinstance(msg, HeadSync):
+                self.on_head(msg)
+            elif isinstance(msg, StepReport):
+                self.on_report(msg)
+            else:
+                self.state.mismatched_messages += 1
+        return n
+
+    def take_shared_control(self) -> list[Control]:
+        """The HeadSync/StepReports this rank received since the last call, for every rank to apply."""
+        out, self._shared_control = self._shared_control, []
+        return out
+
+    def on_control(self, msg: Control) -> None:
+        """A HeadSync or StepReport that one of the ranks received (multi-rank only)."""
+        if isinstance(msg, HeadSync):
+            self.on_head(msg)
+        else:
+            self.on_report(msg)
+
+    def on_head(self, msg: HeadSync) -> None:
+        """New head rows for the soft targets (MTP: also the drafts' shared lm_head), once accepted."""
+        if not self.ingest.accept_head(msg):
+            return
+        self.trainer.rows = msg.rows.to(self.device)
+        if self.frozen.shares_target_head:  # MTP: the engine uses the policy's own lm_head
+            for d in (self.trainer.draft, self.gate.published, self.frozen, self._plain):
+                if d is not None:
+                    d.set_head(msg.rows)
+
+    def on_report(self, msg: StepReport) -> None:
+        """An RL step ended: estimate both drafts on its tapped records, hand one monitoring row to the sinks."""
+        step = int(msg.step)
+        if msg.metrics.get("final"):
+            self.ingest.end_run()
+            self.state.done = True
+            return
+        if not self.is_lead:  # rank 0 writes the row (from its share of the step's records)
+            self.ingest.flush(upto_step=step)
+            self.state.last_step_report = max(self.state.last_step_report, step)
+            return
+        t = time.time()
+        records, temp = self.ingest.step_records(step)
+        temp = temp if temp is not None else self.recipe.rl.temperature
+        estimates: dict[str, float] = {}
+        if records and self.has_head:
+            for name, draft in (("adapted", self.gate.published), ("frozen", self.frozen)):
+                for mode, suffix in (("greedy_draft", ""), ("probabilistic", "_prob")):
+                    est = self.estimate(draft, records, mode, temp)
+                    estimates[f"accept_est_{name}{suffix}"] = est["acceptance_length_est"]
+        self.ingest.flush(upto_step=step)
+        self.state.last_step_report = max(self.state.last_step_report, step)
+        row = StepRow.from_report(msg, self.stats(), time=t, estimates=estimates,
+                                  est_records=len(records) if estimates else None)
+        self.sinks.observe(row)
+        self.state.monitor_rows += 1
+
+    def estimate(self, draft: nn.Module, records: list[TappedRecord], mode: str, temperature: float) -> dict[str, Any]:
+        """:func:`~draft_align.monitor.records.estimate_records` with the current head rows and ``eval_k``."""
+        from draft_align.monitor.records import estimate_records
+
+        return estimate_records(draft, self.embed, self.trainer.rows, records, self.recipe.sidecar.eval_k, mode,
+                                temperature)
+
+    def stats(self) -> SidecarStats:
+        return sidecar_stats(self.state, self.ingest.buffer.stats(), self.rates, self.rejected)
+
+    def train_one(self) -> bool:
+        """One optimizer step if a batch is ready (True also when a non-finite loss skipped it)."""
+        batch = self.next_batch()
+        return batch is not None and self.train_on(batch)
+
+    def next_batch(self) -> Batch | None:
+        """A training batch from the replay buffer, or None while training should wait."""
+        sc = self.recipe.sidecar
+        if not self.has_head:
+            return None
+        if self.state.trained_tokens >= sc.max_replay_ratio * self.state.buffered_tokens:
+            return None  # wait for new data rather than over-fit what is there
+        if self.ingest.buffer.trainable_tokens < min(sc.min_buffer_tokens, sc.buffer_tokens):
+            return None  # a few dozen sequences would be memorised, not learned from
+        return self.ingest.buffer.sample(sc.batch_tokens, sc.ttt_steps)
+
+    def train_on(self, batch: Batch) -> bool:
+        """One optimizer step on ``batch`` (True also when a non-finite loss skipped it)."""
+        sc = self.recipe.sidecar
+        t0 = time.perf_counter()
+        try:
+            stats = self.trainer.train_step(batch)
+        except NonFiniteLossError as e:
+            self.state.nonfinite_steps += 1
+            log.warning("%s", e)
+            return True
+        self.rates.train_tokens += batch.num_tokens
+        self.rates.train_s += time.perf_counter() - t0
+        self.state.train_steps += 1
+        self.state.trained_tokens += batch.num_tokens
+        self.gate.steps_since_publish += 1
+        if self.state.train_steps % max(1, sc.log_every) == 0:
+            self.sinks.log({f"train/{k}": v for k, v in stats.items()}, step=self.state.train_steps)
+        return True
+
+    def publish_due(self, force: bool = False) -> bool:
+        """Whether a publish attempt (gate) is due on this rank: the lead rank, a head to score with, enough
+        steps, the interval passed (or ``force``)."""
+        return self.is_lead and self.has_head and self.gate.due(force)
+
+    def sync_full(self) -> None:
+        """fsdp2: gather the trainer's full draft and optimizer state onto rank 0 (a collective: every rank
+        calls it at the same step) and refresh the plain copy that rank 0 gates, exports and checkpoints."""
+        if not self._sharded:
+            return
+        self._full = self.trainer.parallel.state_dicts()
+        if self._plain is not None and self._full is not None:
+            self._plain.load_state_dict(self._full[0], strict=True)
+
+    @property
+    def full_state(self) -> tuple[dict[str, torch.Tensor], dict] | None:
+        """fsdp2, rank 0: the (draft, optimizer) state dicts of the last :meth:`sync_full`; None otherwise."""
+        return self._full
+
+    def _candidate(self) -> nn.Module:
+        """The trainer's draft as a plain module (under fsdp2: as of the last :meth:`sync_full`)."""
+        if not self._sharded:
+            return self.trainer.draft
+        assert self._plain is not None and self._full is not None, "sync_full() before gating or exporting"
+        return self._plain
+
+    def maybe_publish(self, force: bool = False) -> bool:
+        """Gate and publish the candidate; True when a new version was published (then checkpointed)."""
+        if not self.publish_due(force):
+            return False
+        if not self.gate.maybe_publish(self._candidate, self.ingest.buffer.holdout(), self.estimate):
+            return False
+        self.sinks.observe_stats(self.stats())
+        self.checkpoint()  # the published version and the trainer state move together
+        return True
+
+    def checkpoint(self) -> None:
+        if not self.is_lead:
+            return  # rank 0's checkpoint is every rank's (DDP: the same weights; fsdp2: gathered by sync_full)
+        assert not self._sharded or self._full is not None, "sync_full() before checkpointing"
+        self.trainer.save(self.dir / TRAINER_DIR, self._full if self._sharded else None)
+        self.state.rejected = dict(self.rejected)
+        self.state.save(self.dir / STATE_FILE)
+        self._last_ckpt = time.monotonic()
+
+    # ------------------------------------------------------------------ the loop
+    def run(self, max_seconds: float | None = None) -> SidecarState:
+        """Loop until stopped, out of time or done (see the class docstring); returns the final state."""
+        log.info("sidecar %s listening; draft v%d; aux %s", self.recipe.run, self.state.published_version,
+                 self.aux_ids)
+        if self.is_lead:
+            self._write_ready()
+        ended = False  # whether the loop ended normally (every rank leaves it at the same step)
+        try:
+            if self.ranks is not None:  # torchrun: the ranks agree on every step
+                ranked_loop(self, max_seconds)
+                self.sync_full()  # for the final checkpoint below
+                ended = True
+                return self.state
+            while not self.stop_requested:
+                trained = self.train_one()
+                self.drain(budget_s=0.05, timeout_ms=0 if trained else 200)
+                self.maybe_publish()
+                if self.checkpoint_due():
+                    self.checkpoint()
+                if self.state.done and self.exit_when_done:
+                    self.maybe_publish(force=True)
+                    break
+                if self.time_up(max_seconds):
+                    break
+        finally:
+            if ended or not self._sharded:  # a failed rank cannot take part in gathering the shards
+                self.checkpoint()
+            self.close()
+        return self.state
+
+    def _write_ready(self) -> None:
+        """``ready.json``: the sockets are bound (the launcher waits for it; ppid: torchrun's agent)."""
+        ready = {"pid": os.getpid(), "ppid": os.getppid(), "time": time.time(),
+                 "draft_version": self.state.published_version, "tap_endpoint": self.receiver.endpoint}
+        tmp = self.dir / f".{READY_FILE}.tmp-{os.getpid()}"
+        tmp.write_text(json.dumps(ready))
+        os.replace(tmp, self.dir / READY_FILE)
+
+    def close(self) -> None:
+        self.receiver.close()
+        if self.gate.publisher is not None:
+            self.gate.publisher.close()
+        self.sinks.close()
+
+
+# ---------------------------------------------------------------------------------------------- multi-rank
+def ranked_step(sc: Sidecar, max_seconds: float | None = None) -> bool:
+    """One iteration of the multi-rank loop; False when the ranks agreed to stop.
+
+    Every rank: sample a batch (if it can) → exchange flags and control messages → apply every rank's
+    HeadSync/StepReport in rank order → train iff all ranks have a batch → drain its socket.  When rank 0
+    announced a publish attempt or checkpoint in the exchange, every rank then syncs the full state
+    (:meth:`Sidecar.sync_full`, a gather under FSDP2) and rank 0 gates/publishes and checkpoints.
+    """
+    group = sc.ranks
+    assert group is not None
+    batch = sc.next_batch()
+    time_up = sc.time_up(max_seconds)
+    outgoing = [encode(m, sc.wire_key) for m in sc.take_shared_control()]
+    publish_due = group.is_lead and sc.publish_due()
+    ckpt_due = group.is_lead and sc.checkpoint_due()
+    flags, incoming = group.exchange([batch is not None, sc.stop_requested, time_up, publish_due, ckpt_due],
+                                     outgoing)
+    for messages in incoming:
+        for frames in messages:
+            sc.on_control(decode(frames, sc.wire_key))
+    if bool(flags[:, STOP].any()) or bool(flags[:, TIME_UP].any()):
+        return False
+    trained = False
+    if bool(flags[:, HAVE_BATCH].all()):
+        assert batch is not None
+        try:
+            trained = sc.train_on(batch)
+        except RuntimeError as e:
+            if isinstance(e, RankError) or not is_comm_error(e):
+                raise
+            raise group.failed("the gradient all-reduce", e) from e
+    sc.drain(budget_s=0.05, timeout_ms=0 if trained else 200)
+    publish_due, ckpt_due = bool(flags[0, PUBLISH_DUE]), bool(flags[0, CKPT_DUE])  # rank 0's decisions
+    if publish_due or ckpt_due:
+        sc.sync_full()
+        if group.is_lead:
+            published = publish_due and sc.maybe_publish(force=True)  # a publish checkpoints too
+            if ckpt_due and not published:
+                sc.checkpoint()
+    if sc.state.done and sc.exit_when_done:  # the final StepReport reached every rank in the same exchange
+        sc.sync_full()
+        if group.is_lead:
+            sc.maybe_publish(force=True)
+        return False
+    return True
+
+
+def ranked_loop(sc: Sidecar, max_seconds: float | None = None) -> None:
+    """Run :func:`ranked_step` until the ranks agree to stop (stop requested, time up, or done)."""
+    group = sc.ranks
+    assert group is not None
+    log.info("sidecar rank %d/%d pulling from %s", group.rank, group.world_size, sc.receiver.endpoint)
+    while ranked_step(sc, max_seconds):
+        pass

@@ -1,0 +1,90 @@
+"""The sidecar's progress: :class:`SidecarState` (JSON beside the trainer checkpoint) and its throughput."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from draft_align.monitor.rows import SidecarStats
+
+
+@dataclass
+class SidecarState:
+    """Everything about the sidecar's progress besides tensors (JSON, beside the trainer checkpoint)."""
+
+    published_version: int = 0  # newest version this sidecar published (0 = the starting draft)
+    published_policy_version: int = -1
+    newest_policy_version: int = -1
+    head_policy_version: int = -1
+    train_steps: int = 0
+    trained_tokens: int = 0
+    ingested_tokens: int = 0
+    buffered_tokens: int = 0  # tokens that entered the replay buffer (the replay ratio's denominator)
+    ingested_messages: int = 0
+    nonfinite_sequences: int = 0
+    nonfinite_steps: int = 0
+    nonfinite_heads: int = 0
+    gate_rejections: int = 0
+    foreign_messages: int = 0
+    mismatched_messages: int = 0
+    monitor_rows: int = 0
+    restarts: int = 0
+    last_step_report: int = -1
+    done: bool = False
+    lora_base_dir: str | None = None  # adapt=lora: the published draft the adapters are trained over
+    rejected: dict[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def load(cls, path: Path) -> SidecarState:
+        return cls(**json.loads(path.read_text()))
+
+    def save(self, path: Path) -> None:
+        """Atomically (a temp file in the same folder, then rename)."""
+        tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
+        tmp.write_text(json.dumps(asdict(self)))
+        os.replace(tmp, path)
+
+
+@dataclass
+class Rates:
+    """This process's throughput (not checkpointed: it restarts with the process)."""
+
+    train_tokens: float = 0.0
+    train_s: float = 0.0
+    ingest_tokens: float = 0.0
+    ingest_s: float = 0.0
+
+    @property
+    def train_tokens_per_s(self) -> float | None:
+        return self.train_tokens / self.train_s if self.train_s else None
+
+    @property
+    def ingest_tokens_per_s(self) -> float | None:
+        return self.ingest_tokens / self.ingest_s if self.ingest_s else None
+
+
+def sidecar_stats(state: SidecarState, buffer: Mapping[str, Any], rates: Rates,
+                  rejected: Mapping[str, int]) -> SidecarStats:
+    """The monitor's view of the sidecar (``buffer``: ``ReplayBuffer.stats()``; ``rejected``: by reason)."""
+    return SidecarStats(
+        draft_version=state.published_version,
+        draft_policy_version=state.published_policy_version,
+        buffer_tokens=buffer["tokens"],
+        buffer_fill=buffer["fill"],
+        train_steps=state.train_steps,
+        trained_tokens=state.trained_tokens,
+        train_tokens_per_s=rates.train_tokens_per_s,
+        ingest_tokens_per_s=rates.ingest_tokens_per_s,
+        ingested_tokens=state.ingested_tokens,
+        wire_nonfinite=state.nonfinite_sequences,
+        wire_mismatched=state.mismatched_messages,
+        nonfinite_steps=state.nonfinite_steps,
+        nonfinite_heads=state.nonfinite_heads,
+        gate_rejections=state.gate_rejections,
+        restarts=state.restarts,
+        rejected=dict(rejected),
+    )

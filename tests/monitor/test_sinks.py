@@ -1,0 +1,150 @@
+"""draft_align.monitor.sinks: the Prometheus page (prometheus_client, a registry per sink), JSONL files and the
+fan-out a loop hands its rows to; the port file."""
+
+import json
+import math
+import threading
+import urllib.error
+import urllib.request
+from dataclasses import replace
+
+import pytest
+
+from draft_align.monitor.live import parse_metrics, scrape
+from draft_align.monitor.rows import SidecarStats, StepRow
+from draft_align.monitor.sinks import JsonlSink, PromSink, Sinks, read_port_file, write_port_file
+
+STATS = SidecarStats(draft_version=1, draft_policy_version=0, buffer_tokens=40, buffer_fill=0.25, train_steps=4,
+                     trained_tokens=70, train_tokens_per_s=None, ingest_tokens_per_s=60.0, ingested_tokens=90,
+                     wire_nonfinite=0, wire_mismatched=0, nonfinite_steps=0, nonfinite_heads=0, gate_rejections=0,
+                     restarts=0, rejected={"mac": 3})
+
+
+def row(stats: SidecarStats = STATS, **metrics) -> StepRow:
+    return StepRow(time=1.7e9, step=2, policy_version=1, rl=metrics, sidecar=stats)
+
+
+@pytest.fixture
+def prom():
+    p = PromSink()
+    yield p
+    p.close()
+
+
+def _page(p: PromSink) -> str:
+    from prometheus_client import generate_latest
+
+    return generate_latest(p.registry).decode()
+
+
+def test_page_has_a_gauge_per_number_and_the_rejection_counter(prom):
+    prom.observe(row(reward_mean=0.5, ok=True, note="text", nothing=None))
+    page = _page(prom)
+    assert "# TYPE draft_align_reward_mean gauge\ndraft_align_reward_mean 0.5\n" in page
+    assert ('# HELP draft_align_wire_rejected_total wire messages rejected\n'
+            '# TYPE draft_align_wire_rejected_total counter\n'
+            'draft_align_wire_rejected_total{reason="mac"} 3.0\n') in page
+    got = parse_metrics(page)
+    want = {f"draft_align_{k}": float(v) for k, v in row(reward_mean=0.5).to_dict().items()
+            if isinstance(v, (int, float)) and k != "time"}
+    assert got == {**want, 'draft_align_wire_rejected_total{reason="mac"}': 3.0}
+    assert "draft_align_time" not in got and "draft_align_ok" not in got and "draft_align_note" not in got
+    # a field that is None later keeps its gauge; counters follow the receiver's totals
+    prom.observe(replace(STATS, ingest_tokens_per_s=None, train_steps=5, rejected={"mac": 4, "frames": 1}))
+    got = parse_metrics(_page(prom))
+    assert got["draft_align_sidecar_ingest_tokens_per_s"] == 60.0 and got["draft_align_sidecar_train_steps"] == 5.0
+    assert got['draft_align_wire_rejected_total{reason="mac"}'] == 4.0
+    assert got['draft_align_wire_rejected_total{reason="frames"}'] == 1.0
+
+
+def test_scrape_round_trip_with_escaped_labels_nan_inf(prom):
+    nasty = 'a "quoted" \\ back\nslash, {braces} = x'
+    prom.observe(row(replace(STATS, rejected={nasty: 2}), kl=0.0123, nan=float("nan"), inf=float("-inf")))
+    got = scrape(prom.url)
+    assert got["draft_align_kl"] == 0.0123 and got["draft_align_inf"] == -math.inf
+    assert math.isnan(got["draft_align_nan"])
+    lab = 'draft_align_wire_rejected_total{reason="a \\"quoted\\" \\\\ back\\nslash, {braces} = x"}'
+    assert got[lab] == 2.0
+
+
+def test_http_content_type(prom):
+    prom.observe(STATS)
+    with urllib.request.urlopen(prom.url, timeout=5) as r:
+        assert r.status == 200
+        assert r.headers["Content-Type"] == "text/plain; version=0.0.4; charset=utf-8"
+        assert parse_metrics(r.read().decode())["draft_align_published_versions"] == 1.0
+
+
+@pytest.mark.parametrize("key", ["a-b", "a b", "a{b}", "é"])
+def test_invalid_metric_names_rejected(prom, key):
+    with pytest.raises(ValueError, match="invalid Prometheus metric name"):
+        prom.observe(row(**{key: 1.0}))
+
+
+def test_each_sink_has_its_own_registry():
+    from prometheus_client import REGISTRY
+
+    with_a, with_b = PromSink(), PromSink()
+    try:
+        with_a.observe(row(only_a=1.0))
+        assert "draft_align_only_a" not in parse_metrics(_page(with_b))
+        assert REGISTRY.get_sample_value("draft_align_only_a") is None
+    finally:
+        with_a.close()
+        with_b.close()
+
+
+def test_pages_served_mid_update_are_consistent(prom):
+    def work():
+        for n in range(1, 501):
+            prom.observe(replace(STATS, rejected={"mac": n}))
+
+    t = threading.Thread(target=work)
+    t.start()
+    key = 'draft_align_wire_rejected_total{reason="mac"}'
+    seen = [scrape(prom.url).get(key, 0.0) for _ in range(10)]
+    t.join()
+    assert seen == sorted(seen)
+    assert scrape(prom.url)[key] == 500.0
+
+
+def test_close_releases_port_and_is_idempotent():
+    p = PromSink()
+    url = p.url
+    p.close()
+    p.close()
+    with pytest.raises(urllib.error.URLError):
+        urllib.request.urlopen(url, timeout=2)
+
+
+def test_port_file_round_trip_atomic(tmp_path, prom):
+    p = prom.write_port_file(tmp_path / "sidecar" / "prometheus.port")
+    assert p.read_text() == f"{prom.port}\n"
+    assert read_port_file(p) == prom.port
+    assert [f.name for f in p.parent.iterdir()] == ["prometheus.port"]  # no temp file left behind
+    write_port_file(p, 9100)  # replaces
+    assert read_port_file(p) == 9100
+    with pytest.raises(ValueError, match="port must be an int in 1..65535"):
+        write_port_file(p, 70000)
+    p.write_text("not a port\n")
+    with pytest.raises(ValueError, match="expected a port number"):
+        read_port_file(p)
+    with pytest.raises(FileNotFoundError):
+        read_port_file(tmp_path / "missing.port")
+
+
+def test_sinks_fan_out_rows_and_scalars(tmp_path, prom):
+    sinks = Sinks(JsonlSink(tmp_path / "run" / "metrics.jsonl"), monitor=JsonlSink(tmp_path / "run" / "monitor.jsonl"),
+                  prom=prom)
+    sinks.log({"train/loss": 1.5}, step=3)
+    r = row(reward_mean=0.5)
+    sinks.observe(r)
+    sinks.observe_stats(replace(STATS, draft_version=2))
+    monitor = [json.loads(x) for x in (tmp_path / "run" / "monitor.jsonl").read_text().splitlines()]
+    assert monitor == [r.to_dict()]
+    metrics = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [3, 4]  # the row at the sidecar's train step
+    assert metrics[0]["train/loss"] == 1.5 and metrics[1]["rl/reward_mean"] == 0.5
+    assert {k for k in metrics[1] if k not in ("step", "time")} == set(r.series())
+    assert scrape(prom.url)["draft_align_published_versions"] == 2.0  # the stats after a publish
+    sinks.close()

@@ -1,0 +1,38 @@
+"""draft_align.sidecar.state: the checkpointed progress round-trips atomically; throughput and the monitor's view."""
+
+from __future__ import annotations
+
+import json
+
+from draft_align.sidecar.state import Rates, SidecarState, sidecar_stats
+
+
+def test_state_round_trips_atomically(tmp_path):
+    s = SidecarState(published_version=3, train_steps=12, rejected={"mac": 2}, lora_base_dir="/b", done=True)
+    path = tmp_path / "state.json"
+    s.save(path)
+    assert [p.name for p in tmp_path.iterdir()] == ["state.json"]  # no temp file left behind
+    assert SidecarState.load(path) == s
+    assert json.loads(path.read_text())["published_version"] == 3
+    s.train_steps = 13
+    s.save(path)  # replaces
+    assert SidecarState.load(path).train_steps == 13
+
+
+def test_rates_and_stats():
+    r = Rates()
+    assert r.train_tokens_per_s is None and r.ingest_tokens_per_s is None
+    r.train_tokens, r.train_s, r.ingest_tokens, r.ingest_s = 100.0, 4.0, 30.0, 0.5
+    assert r.train_tokens_per_s == 25.0 and r.ingest_tokens_per_s == 60.0
+    s = SidecarState(published_version=2, published_policy_version=5, train_steps=7, trained_tokens=70,
+                     ingested_tokens=90, nonfinite_sequences=1, mismatched_messages=2, nonfinite_steps=3,
+                     nonfinite_heads=4, gate_rejections=5, restarts=6)
+    stats = sidecar_stats(s, {"tokens": 40, "fill": 0.25}, r, {"mac": 2, "frames": 1})
+    assert stats.to_dict() == {
+        "sidecar_draft_version": 2, "sidecar_draft_policy_version": 5, "buffer_tokens": 40, "buffer_fill": 0.25,
+        "sidecar_train_steps": 7, "sidecar_trained_tokens": 70, "sidecar_train_tokens_per_s": 25.0,
+        "sidecar_ingest_tokens_per_s": 60.0, "sidecar_ingested_tokens": 90, "wire_rejected": 3,
+        "wire_nonfinite": 1, "wire_mismatched": 2, "nonfinite_steps": 3, "nonfinite_heads": 4,
+        "published_versions": 2, "gate_rejections": 5, "sidecar_restarts": 6,
+    }
+    assert stats.rejected == {"mac": 2, "frames": 1}
