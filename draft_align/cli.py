@@ -42,11 +42,15 @@ def cmd_fetch(args: argparse.Namespace) -> int:
 
 
 def cmd_warmstart(args: argparse.Namespace) -> int:
+    import torch
+
     from draft_align.config import load_recipe
     from draft_align.monitor.evaluate import format_table
     from draft_align.warmstart import run
 
     recipe = load_recipe(args.recipe, args.overrides)
+    if recipe.train.num_threads:
+        torch.set_num_threads(recipe.train.num_threads)
     summary = run(recipe)
     m = summary["metrics"]
     print()

@@ -40,7 +40,14 @@ def ensure_start_draft(recipe: CotrainRecipe, start: str | None) -> Path:
     from draft_align.config import load_recipe
 
     log.info("no warm-started draft yet: running %s", recipe.warmstart_recipe)
-    warmstart.run(load_recipe(recipe.warmstart_recipe))
+    ws = load_recipe(recipe.warmstart_recipe)
+    n_threads = torch.get_num_threads()
+    if ws.train.num_threads:
+        torch.set_num_threads(ws.train.num_threads)  # a process-level choice: the launcher makes it
+    try:
+        warmstart.run(ws)
+    finally:
+        torch.set_num_threads(n_threads)
     return starting_draft(recipe, None)
 
 

@@ -16,7 +16,7 @@ from draft_align.config import load_recipe
 from draft_align.publish import load_draft
 from draft_align.publish.versions import read_latest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow

@@ -11,12 +11,13 @@ import torch
 from safetensors.torch import load_file
 
 from draft_align import data, warmstart
+from draft_align.warmstart import preparation as warmstart_prepare
 from draft_align.config import load_recipe
 from draft_align.monitor.evaluate import REQUIRED_KEYS
 from draft_align.publish import load_draft
 from draft_align.publish.versions import read_latest
 from draft_align.train.store import HiddenStore, ResponseCache
-from draft_align.train.trainer import DraftTrainer, lr_factor
+from draft_align.train.trainer import DraftTrainer, OptimSettings, lr_factor
 
 EVAL_KEYS = REQUIRED_KEYS
 pytestmark = pytest.mark.usefixtures("tiny_env")
@@ -219,7 +220,7 @@ def test_rerun_with_more_steps_continues_and_publishes_a_new_version(tiny_world,
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
     assert progress(more.run_dir)["total_steps"] == 5
     # the schedule now ends at step 5: steps 4 and 5 run at the cosine of a 5-step schedule
-    s = warmstart.OptimSettings(warmup_steps=2)
+    s = OptimSettings(warmup_steps=2)
     for r in rows[3:]:
         assert r["lr"] == pytest.approx(3e-3 * lr_factor(s, r["step"] - 1, 5))
     assert versions(more.run_dir) == ["v0001", "v0002"]
@@ -257,7 +258,7 @@ def test_regenerate_false_trains_on_the_original_responses(tiny_world, monkeypat
     def no_generation(*a, **k):
         raise AssertionError("generate_responses called with data.regenerate=false")
 
-    monkeypatch.setattr(warmstart, "generate_responses", no_generation)
+    monkeypatch.setattr(warmstart_prepare, "generate_responses", no_generation)
     recipe = load_recipe(None, tiny_world.overrides(run="orig", **{"data.regenerate": "false"}))
     prep = warmstart.prepare(recipe)
     convs = data.load_conversations(str(tiny_world.data))
@@ -279,7 +280,7 @@ def test_default_aux_layers_of_a_six_layer_target_are_rejected_early(tiny_world,
     def no_generation(*a, **k):
         raise AssertionError("generation started before the aux layers were checked")
 
-    monkeypatch.setattr(warmstart, "generate_responses", no_generation)
+    monkeypatch.setattr(warmstart_prepare, "generate_responses", no_generation)
     recipe = load_recipe(None, tiny_world.overrides(run="aux", **{"draft.aux_layer_ids": "null"}))
     with pytest.raises(warmstart.WarmstartError, match=r"\(2, 3, 3\).*distinct.*draft\.aux_layer_ids"):
         warmstart.prepare(recipe)
