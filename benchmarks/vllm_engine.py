@@ -16,7 +16,8 @@ ShareGPT prompts, one engine at a time in this process (VLLM_ENABLE_V1_MULTIPROC
    draft, T = 1 probabilistic (a third engine with ``draft_sample_method: probabilistic``).
 3. Publish-to-serving latency: the sidecar's publish (``export_draft`` + ``write_latest``) → the RL side's
    ``DraftSource`` sees ``latest`` (sha256, fit check) and the refresher applies it (layerwise reload, probe
-   guard) → the first token generated with it; alternating between two real drafts so every refresh changes the weights.
+   guard) → the first token generated with it; alternating between two real drafts so every refresh changes
+   the weights.
 4. Log-prob gap: vLLM's log-prob of each sampled token (T = 1) minus the HF target's recomputed one, with
    and without speculative decoding (bf16 both sides).
 

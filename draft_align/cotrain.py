@@ -242,10 +242,12 @@ def run_cotrain(
     resolved = write_resolved(recipe)
     key = channel.resolve_key(recipe.wire.key_file, run_dir, create=True)
     endpoint = recipe.wire.endpoint or channel.default_endpoint(run_dir, "tap")
-    proc = spawn_sidecar(resolved, start_path, run_dir / "sidecar.log", ranks=recipe.sidecar.ranks) if sidecar else None
+    proc = None
+    if sidecar:
+        proc = spawn_sidecar(resolved, start_path, run_dir / "sidecar.log", ranks=recipe.sidecar.ranks)
     sender = channel.TapSender(
-        channel.tap_endpoints(endpoint, recipe.sidecar.ranks), key, queue_messages=recipe.wire.queue_messages, queue_bytes=recipe.wire.queue_mb << 20,
-        allow_remote=recipe.wire.allow_remote,
+        channel.tap_endpoints(endpoint, recipe.sidecar.ranks), key, queue_messages=recipe.wire.queue_messages,
+        queue_bytes=recipe.wire.queue_mb << 20, allow_remote=recipe.wire.allow_remote,
     )
     notify = None
     if sidecar:  # the sidecar's DraftPublished notifications; the job falls back to `latest` without them

@@ -57,7 +57,8 @@ def test_cotrain_runs_rl_with_a_live_sidecar_and_reports(tiny_run, tiny_env, tmp
             assert r[key] == step[key], key
         # report.md shows exactly these values
         cells = table[r["step"]]
-        assert cells["est.ad"] == f"{r['accept_est_adapted']:.3f}" and cells["est.fr"] == f"{r['accept_est_frozen']:.3f}"
+        assert cells["est.ad"] == f"{r['accept_est_adapted']:.3f}"
+        assert cells["est.fr"] == f"{r['accept_est_frozen']:.3f}"
         assert cells["acc.ad"] == f"{step['accept_measured_adapted']:.3f}"
         assert cells["acc.fr"] == f"{step['accept_measured_frozen']:.3f}"
         assert cells["drf.v"] == str(int(step["draft_version"]))

@@ -156,7 +156,8 @@ class DraftSource:
             path = read_latest(self.run_dir)
         except (ExportError, OSError) as e:
             return self._fail(f"{self.run_dir}/latest unreadable", e, None)
-        if path is None or (self.adapted_version is not None and path.resolve() == self.adapted_version.path.resolve()):
+        current = self.adapted_version
+        if path is None or (current is not None and path.resolve() == current.path.resolve()):
             return False
         return self._take(path, None)
 

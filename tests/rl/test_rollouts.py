@@ -37,7 +37,8 @@ def test_plan_is_seeded_group_major_and_splits_the_drafts():
 def test_both_engines_have_the_protocol_members():
     from draft_align.engines.vllm.rollouts import VLLMRollouts
 
-    members = [n for n, v in vars(RolloutEngine).items() if not n.startswith("_") and (callable(v) or isinstance(v, property))]
+    members = [n for n, v in vars(RolloutEngine).items()
+               if not n.startswith("_") and (callable(v) or isinstance(v, property))]  # fmt: skip
     assert set(members) == {"adapted", "prepare", "rollouts", "step_metrics", "shutdown"}
     for impl in (ReferenceRollouts, VLLMRollouts):
         for name in members:

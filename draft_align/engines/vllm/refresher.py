@@ -26,7 +26,7 @@ from draft_align.engines.rollout_types import DraftVersion
 from draft_align.engines.vllm.counters import SpecCounters
 from draft_align.engines.vllm.start import EngineError, collective_rpc, import_vllm
 from draft_align.engines.vllm.worker_rpc import RefreshError, rpc_describe, rpc_load_draft
-from draft_align.publish.export import WEIGHTS_FILE, read_manifest
+from draft_align.publish.export import WEIGHTS_FILE
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ class DraftRefresher:
         if info.get("loaded"):  # another refresher already swapped drafts in this engine
             self.current = LoadedDraft(**info["loaded"])
         else:
-            start = serving if serving is not None else DraftVersion.of(Path(spec.model), read_manifest(Path(spec.model)))
+            start = serving if serving is not None else DraftVersion.read(spec.model)
             self.current = LoadedDraft(start.version, start.policy_version, str(start.path), start.sha256)
         log.info(
             "draft refresher: engine serves v%04d (%s); shared with the target, never written: %s",
