@@ -71,9 +71,14 @@ def tap_overhead(recipe: CotrainRecipe, start: Path, reps: int) -> dict[str, Any
         time.sleep(2.0)
         job = build_job(recipe, start, None, sender)
         tap = job.tap
-        rollouts = job._rollouts(0)
-        from draft_align.rl.grpo import group_advantages
+        from draft_align.rl.loss import group_advantages
         from draft_align.rl.policy import Sequences
+        from draft_align.rl.rollouts import ReferenceRollouts
+
+        # the same rollouts whatever rl.engine says: the reference decoder's
+        job.engine.shutdown()
+        job.engine = ReferenceRollouts(job.policy.hf_model, job.drafts, recipe.rl.spec_k, recipe.rl.verify_mode)
+        rollouts, _ = job.rollouts(0)
 
         rewards = torch.tensor([r.reward for r in rollouts], dtype=torch.float64)
         adv = group_advantages(rewards.view(recipe.rl.prompts_per_step, recipe.rl.group_size)).flatten()
@@ -387,9 +392,10 @@ def main() -> int:
         recipe = load_recipe(args.recipe, ov, CotrainRecipe)
     command = "  ".join(["python benchmarks/drift.py", *sys.argv[1:]])
     from draft_align.config import recipe_to_dict
-    from draft_align.cotrain import ensure_start_draft, run_cotrain
+    from draft_align.cotrain import ensure_start_draft, run_cotrain, set_process_env
 
     start = ensure_start_draft(recipe, args.draft)
+    set_process_env(recipe)  # the vLLM-CPU environment, before any engine starts (tap_overhead builds one)
     result: dict[str, Any] = {"command": command, "date": time.strftime("%Y-%m-%d"), "start_draft": str(start),
                               "recipe": recipe_to_dict(recipe), "name": args.name}
     jpath = out / (f"drift_{args.name}.json" if args.name else "drift.json")

@@ -10,12 +10,14 @@ ShareGPT prompts, one engine at a time in this process (VLLM_ENABLE_V1_MULTIPROC
 
 1. Speed: the same prompts, one batch of all of them and one prompt at a time, at T = 0 and T = 1, by an
    engine without a draft and by the EAGLE-3 engine; generated tokens / wall seconds, median of ``--reps``.
-2. Calibration (:func:`draft_align.engines.vllm_engine.calibrate`): mean acceptance length from vLLM's
+2. Calibration (:func:`draft_align.monitor.calibrate.calibrate` on
+   :func:`draft_align.engines.vllm.counters.measured_generate`): mean acceptance length from vLLM's
    counters vs the estimator's engine replay on vLLM's own outputs, T = 0, T = 1 with vLLM's default greedy
    draft, T = 1 probabilistic (a third engine with ``draft_sample_method: probabilistic``).
-3. Publish-to-serving latency: the sidecar's publish (``export_draft`` + ``write_latest``) → the refresher
-   sees ``latest`` and applies it (sha256, checks, layerwise reload, probe guard) → the first token generated
-   with it; alternating between two real drafts so every refresh changes the weights.
+3. Publish-to-serving latency: the sidecar's publish (``export_draft`` + ``write_latest``) → the RL side's
+   ``DraftSource`` sees ``latest`` (sha256, fit check) and the refresher applies it (layerwise reload, probe
+   guard) → the first token generated with it; alternating between two real drafts so every refresh changes
+   the weights.
 4. Log-prob gap: vLLM's log-prob of each sampled token (T = 1) minus the HF target's recomputed one, with
    and without speculative decoding (bf16 both sides).
 
@@ -114,7 +116,7 @@ def logprob_gap(llm: Any, target: Any, prompts: list[list[int]], max_tokens: int
     """vLLM's sampled-token log-probs (T = 1) minus the HF target's recomputed ones."""
     from vllm import SamplingParams
 
-    from draft_align.engines.rollouts import logprob_gap as gap
+    from draft_align.monitor.logprob_gap import logprob_gap as gap
 
     params = [SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=100 + i, logprobs=0)
               for i in range(len(prompts))]  # fmt: skip
@@ -132,14 +134,29 @@ def logprob_gap(llm: Any, target: Any, prompts: list[list[int]], max_tokens: int
     return g
 
 
+def calibration(
+    llm: Any, target: Any, draft: Any, prompts: list[list[int]], k: int, *, temperature: float, max_tokens: int,
+    mode: str, seed: int,
+) -> dict[str, Any]:
+    """vLLM's counters over one decode of ``prompts`` vs the estimator replayed on its outputs."""
+    from draft_align.engines.vllm.counters import measured_generate
+    from draft_align.monitor.calibrate import calibrate
+
+    outs, counts, seconds = measured_generate(llm, prompts, temperature=temperature, max_tokens=max_tokens,
+                                              seed=seed)  # fmt: skip
+    return calibrate(target, draft, prompts, outs, counts.as_tally(k), temperature=temperature, mode=mode,  # type: ignore[arg-type]
+                     generate_seconds=seconds)  # fmt: skip
+
+
 def refresh_latency(llm: Any, draft_a: Path, draft_b: Path, prompts: list[list[int]], n: int) -> dict[str, Any]:
     """Publish (export + latest) → refresher applies it → first generated token, alternating two drafts."""
     from vllm import SamplingParams
 
-    from draft_align.engines.vllm_engine import DraftRefresher, ProbeGuard
+    from draft_align.engines.vllm.refresher import DraftRefresher, ProbeGuard
     from draft_align.publish import load_draft
     from draft_align.publish.folder import read_manifest
     from draft_align.publish.versions import version_dir, write_latest
+    from draft_align.rl.drafts import DraftSource
 
     drafts = [load_draft(p) for p in (draft_a, draft_b)]
     rows = []
@@ -147,6 +164,7 @@ def refresh_latency(llm: Any, draft_a: Path, draft_b: Path, prompts: list[list[i
         run = Path(tmp) / "run"
         guard = ProbeGuard(tuple({"prompt_token_ids": p} for p in prompts[:4]), max_tokens=32)
         refresher = None
+        source = DraftSource(run, draft_a)  # the RL side's pickup: frozen = the draft the engine started with
         for i in range(n + 1):
             draft, man = drafts[i % 2]
             t0 = time.perf_counter()
@@ -159,12 +177,13 @@ def refresh_latency(llm: Any, draft_a: Path, draft_b: Path, prompts: list[list[i
             write_latest(run, out)
             t_pub = time.perf_counter() - t0
             if refresher is None:  # the engine serves draft_a from start; attach the refresher to this run
-                refresher = DraftRefresher(llm, run, guard=guard)
+                refresher = DraftRefresher(llm, guard=guard)
+                source.poll()  # v2 is draft_a again: taken as the run's current version, not applied
                 continue
             probe = i % 4 != 0  # mostly guarded (the RL job's path); every 4th without the probe
             refresher.guard = guard if probe else None
             t1 = time.perf_counter()
-            ok = refresher.refresh()
+            ok = source.poll() and refresher.apply(source.adapted_version)
             t_apply = time.perf_counter() - t1
             t2 = time.perf_counter()
             llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(temperature=0.0, max_tokens=1),
@@ -264,8 +283,7 @@ def main() -> int:
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     from draft_align import assets
-    from draft_align.engines.rollouts import set_cpu_env
-    from draft_align.engines.vllm_engine import calibrate, start_engine
+    from draft_align.engines.vllm.start import set_cpu_env, start_engine
     from draft_align.publish import load_draft
     from draft_align.publish.versions import resolve_draft_dir
 
@@ -296,7 +314,7 @@ def main() -> int:
     # 1b, 2, 3, 4b: EAGLE-3 (vLLM's default greedy draft sampling)
     llm = start_engine(TARGET, draft_dir, k=args.k, max_model_len=1024, enforce_eager=True,
                        logprobs_mode="processed_logprobs")  # fmt: skip
-    from draft_align.engines.vllm_engine import SpecCounters
+    from draft_align.engines.vllm.counters import SpecCounters
 
     acc: dict[str, float] = {}
     before = SpecCounters.snapshot(llm)
@@ -310,8 +328,8 @@ def main() -> int:
     result["speed"]["acceptance"] = acc
     result["logprob_gap"]["EAGLE-3 k=3"] = logprob_gap(llm, target, prompts, args.max_tokens)
     for t in (0.0, 1.0):
-        c = calibrate(llm, target, draft, prompts, temperature=t, max_tokens=args.max_tokens,
-                      mode="greedy_draft", seed=11)  # fmt: skip
+        c = calibration(llm, target, draft, prompts, args.k, temperature=t, max_tokens=args.max_tokens,
+                        mode="greedy_draft", seed=11)  # fmt: skip
         c["sampling"] = "greedy (vLLM default)"
         result["calibration"].append(c)
         log.info("calibration T=%g greedy: measured %.3f est %.3f", t, c["measured"], c["est"])
@@ -320,8 +338,8 @@ def main() -> int:
 
     llm = start_engine(TARGET, draft_dir, k=args.k, draft_sample_method="probabilistic", max_model_len=1024,
                        enforce_eager=True)  # fmt: skip
-    c = calibrate(llm, target, draft, prompts, temperature=1.0, max_tokens=args.max_tokens, mode="probabilistic",
-                  seed=11)  # fmt: skip
+    c = calibration(llm, target, draft, prompts, args.k, temperature=1.0, max_tokens=args.max_tokens,
+                    mode="probabilistic", seed=11)  # fmt: skip
     c["sampling"] = "probabilistic"
     result["calibration"].append(c)
     _shutdown(llm)

@@ -54,8 +54,7 @@ def main() -> int:
     ap.add_argument("--out", default=str(ROOT / "benchmarks/out"))
     args = ap.parse_args()
     from draft_align import assets
-    from draft_align.engines.rollouts import set_cpu_env
-    from draft_align.engines.vllm_engine import start_engine
+    from draft_align.engines.vllm.start import set_cpu_env, start_engine
 
     set_cpu_env()
     torch.set_num_threads(1)

@@ -3,8 +3,10 @@
 ``run_cotrain`` resolves the starting draft (running the warm-start recipe when it has not been published
 yet), writes the resolved recipe into the run folder, starts ``draft-align sidecar`` on it as a child
 process, then runs the GRPO job with its Tap sending over ZeroMQ.  The RL job never waits for the sidecar:
-sends are non-blocking and drafts are picked up from ``latest`` between steps.  At the end the job sends a
-final step report, gives the sidecar ``sidecar_exit_timeout_s`` to publish and exit, and writes the report.
+sends are non-blocking and drafts are picked up between steps from the sidecar's ``DraftPublished``
+notifications (``latest`` as the fallback).  At the end the job sends a final step report, gives the sidecar
+``sidecar_exit_timeout_s`` to publish and exit, and writes the report.  Process-level settings (torch threads,
+the vLLM-CPU environment) are made here, not in the library.
 """
 
 from __future__ import annotations
@@ -16,11 +18,15 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from draft_align.config import CotrainRecipe, recipe_to_dict
+from draft_align.config import CotrainRecipe
+
+if TYPE_CHECKING:
+    from draft_align.engines.rollout_types import DraftVersion
+    from draft_align.rl.drafts import Notifications
 
 log = logging.getLogger(__name__)
 
@@ -53,14 +59,9 @@ def ensure_start_draft(recipe: CotrainRecipe, start: str | None) -> Path:
 
 def write_resolved(recipe: CotrainRecipe) -> Path:
     """The recipe as resolved (defaults, file, overrides) in the run folder: the sidecar reads this one."""
-    from omegaconf import OmegaConf
+    from draft_align.config import save_recipe
 
-    recipe.run_dir.mkdir(parents=True, exist_ok=True)
-    path = recipe.run_dir / RESOLVED_RECIPE
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(OmegaConf.to_yaml(OmegaConf.create(recipe_to_dict(recipe))))
-    os.replace(tmp, path)
-    return path
+    return save_recipe(recipe, recipe.run_dir / RESOLVED_RECIPE)
 
 
 def spawn_sidecar(recipe_file: Path, start: Path, log_file: Path, ranks: int = 1) -> subprocess.Popen:
@@ -106,24 +107,31 @@ def stop_sidecar(proc: subprocess.Popen, timeout_s: float) -> int | None:
         return proc.wait()
 
 
-def build_job(recipe: CotrainRecipe, start: Path, sink: Any, tap_sink: Any) -> Any:
-    """The GRPO job of ``recipe`` with its Tap offering to ``tap_sink`` and step reports to ``sink``."""
+
+
+def build_job(
+    recipe: CotrainRecipe, start: Path, sink: Any, tap_sink: Any, *, notifications: Notifications | None = None
+) -> Any:
+    """The GRPO job of ``recipe`` with its Tap offering to ``tap_sink`` and step reports to ``sink``;
+    ``notifications``: the sidecar's DraftPublished subscriber (None: the job polls ``latest``)."""
     from draft_align import assets, data
+    from draft_align.conventions import float_dtype
     from draft_align.monitor.evaluate import eos_ids
-    from draft_align.rl.drafts import DraftWatcher
-    from draft_align.rl.grpo import GRPOJob, build_prompts, make_kl_sequences
+    from draft_align.publish.tap_spec import read_tap_spec
+    from draft_align.rl.drafts import DraftSource
+    from draft_align.rl.grpo import GRPOJob
     from draft_align.rl.policy import Policy
+    from draft_align.rl.prompts import build_prompts, make_kl_sequences
     from draft_align.tap.hf import HFPolicyTap
 
     rl = recipe.rl
-    dtype = getattr(torch, recipe.target.dtype)
-    target, tok = assets.load_target(recipe.target.model, dtype, recipe.device)
+    target, tok = assets.load_target(recipe.target.model, float_dtype(recipe.target.dtype), recipe.device)
     policy = Policy.from_config(target, rl, seed=recipe.seed)
-    watcher = DraftWatcher(recipe.run_dir, start, device=recipe.device)
+    drafts = DraftSource(recipe.run_dir, start, device=recipe.device, notifications=notifications)
     tap = None
     if recipe.tap.enabled:
         tap = HFPolicyTap(
-            policy.hf_model, tuple(watcher.frozen.cfg.aux_layer_ids), tap_sink, run_id=recipe.run,
+            policy.hf_model, read_tap_spec(start).aux_layer_ids, tap_sink, run_id=recipe.run,
             tokens_per_step=recipe.tap.tokens_per_step, max_tokens_per_message=recipe.tap.max_tokens_per_message,
             send_final=recipe.tap.send_final, topk=recipe.tap.topk, rank=0, seed=recipe.seed,
         )
@@ -138,54 +146,58 @@ def build_job(recipe: CotrainRecipe, start: Path, sink: Any, tap_sink: Any) -> A
     if hasattr(tap_sink, "stats"):
         def extra() -> dict[str, Any]:
             return {f"wire_{k}": v for k, v in tap_sink.stats().items()}
-    engine = start_rollout_engine(recipe, start, kl_prompts)
-    return GRPOJob(recipe, policy, tok, prompts, kl_sequences, watcher, tap, sink, recipe.run_dir, eos,
+    engine = start_rollout_engine(recipe, drafts.frozen_version, kl_prompts)
+    return GRPOJob(recipe, policy, tok, prompts, kl_sequences, drafts, tap, sink, recipe.run_dir, eos,
                    extra_metrics=extra, engine=engine)
 
 
-def start_rollout_engine(recipe: CotrainRecipe, start: Path, probe_prompts: list[torch.Tensor]) -> Any:
+def start_rollout_engine(recipe: CotrainRecipe, frozen: DraftVersion | None, probe_prompts: list[torch.Tensor]) -> Any:
     """The vLLM rollout engine ``rl.engine`` asks for, or None for the reference decoder.
 
-    ``auto``: vLLM when it is importable and starts on the target; a start failure is logged as an error and
-    the job continues on the reference decoder.  ``vllm``: a failure raises.  The probe guard decodes the first
-    ``rl.engine_probe_prompts`` held-out prompts at T = 0 after each newly offered draft.
+    ``frozen``: the verified starting draft.  ``auto``: vLLM when it is importable and starts on the target; a
+    start failure is logged as an error and the job continues on the reference decoder.  ``vllm``: a failure
+    raises.  The probe guard decodes the first ``rl.engine_probe_prompts`` held-out prompts at T = 0 after
+    each newly offered draft.  The launcher sets the vLLM-CPU environment first (``set_cpu_env``).
     """
-    from draft_align.engines.vllm_engine import EngineError, ProbeGuard, vllm_available
+    from draft_align.engines.vllm import start as vllm_start
+    from draft_align.engines.vllm.refresher import ProbeGuard
 
     rl = recipe.rl
-    if rl.engine == "reference" or (rl.engine == "auto" and not vllm_available()):
+    if rl.engine == "reference" or (rl.engine == "auto" and not vllm_start.vllm_available()):
         if rl.engine == "auto":
             log.warning("rl.engine auto: vLLM is not installed; rollouts use the reference decoder (batch 1)")
         return None
-    from draft_align.publish.folder import MTP_FORMAT, ExportError, read_manifest
-    from draft_align.publish.versions import resolve_draft_dir
+    from draft_align.publish.folder import MTP_FORMAT
 
-    try:
-        fmt = read_manifest(resolve_draft_dir(Path(start)), verify=False).get("format") if start else None
-    except ExportError:
-        fmt = None  # the engine adapter reports an unusable folder itself
-    if fmt == MTP_FORMAT:
+    if frozen is not None and frozen.manifest.get("format") == MTP_FORMAT:
         if rl.engine == "vllm":
             raise ValueError("rl.engine=vllm: the vLLM adapter serves EAGLE-3 drafts; an MTP draft needs "
                              "rl.engine=reference (or auto)")
         log.warning("rl.engine auto: the starting draft is an MTP head; rollouts use the reference decoder")
         return None
-    from draft_align.engines.rollouts import VLLMRollouts
+    from draft_align.engines.vllm import rollouts as vllm_rollouts
 
     probes = [{"prompt_token_ids": p.tolist()} for p in probe_prompts[: max(1, rl.engine_probe_prompts)]]
     try:
         guard = ProbeGuard(tuple(probes), max_tokens=rl.engine_probe_tokens, min_ratio=rl.engine_probe_min_ratio)
-        return VLLMRollouts(
-            recipe.target.model, start, k=rl.spec_k, verify_mode=rl.verify_mode, dtype=recipe.target.dtype,
-            max_model_len=rl.engine_max_model_len, seed=recipe.seed, guard=guard,
-            kv_cache_gb=rl.engine_kv_cache_gb, enforce_eager=True,
+        return vllm_rollouts.VLLMRollouts(
+            recipe.target.model, frozen, k=rl.spec_k, verify_mode=rl.verify_mode, dtype=recipe.target.dtype,
+            max_model_len=rl.engine_max_model_len, seed=recipe.seed, guard=guard, enforce_eager=True,
         )  # fmt: skip
-    except (EngineError, ValueError) as e:
+    except (vllm_start.EngineError, ValueError) as e:
         if rl.engine == "vllm":
             raise
         log.error("rl.engine auto: vLLM could not serve %s (%s); rollouts use the reference decoder",
                   recipe.target.model, e)  # fmt: skip
         return None
+
+
+def set_process_env(recipe: CotrainRecipe) -> None:
+    """The RL process's vLLM-CPU environment (only where vLLM may start: ``rl.engine`` is not reference)."""
+    from draft_align.engines.vllm.start import set_cpu_env, vllm_available
+
+    if recipe.rl.engine != "reference" and vllm_available():
+        set_cpu_env(recipe.rl.engine_kv_cache_gb)
 
 
 def run_cotrain(
@@ -200,13 +212,14 @@ def run_cotrain(
     """Run the co-training job; returns {"report": summary, "sidecar_rc": …}."""
     from draft_align.monitor.live import HEADER, format_row
     from draft_align.monitor.report import write_report
+    from draft_align.sidecar.layout import NOTIFY_SOCKET, SIDECAR_DIR, TAP_SOCKET
     from draft_align.wire import channel
     from draft_align.wire.messages import StepReport
 
     out = out or sys.stdout
     torch.set_num_threads(recipe.rl.num_threads)
     run_dir = recipe.run_dir
-    if (run_dir / "rl").exists() or (run_dir / "sidecar").exists():
+    if (run_dir / "rl").exists() or (run_dir / SIDECAR_DIR).exists():
         # an RL run starts from the initial policy: a previous run's logs, drafts and policies are kept aside
         aside = run_dir.with_name(f"{run_dir.name}.{time.strftime('%Y%m%d-%H%M%S')}")
         os.replace(run_dir, aside)
@@ -214,15 +227,22 @@ def run_cotrain(
     start_path = ensure_start_draft(recipe, start)
     resolved = write_resolved(recipe)
     key = channel.resolve_key(recipe.wire.key_file, run_dir, create=True)
-    endpoint = recipe.wire.endpoint or channel.default_endpoint(run_dir, "tap")
-    proc = spawn_sidecar(resolved, start_path, run_dir / "sidecar.log", ranks=recipe.sidecar.ranks) if sidecar else None
+    endpoint = recipe.wire.endpoint or channel.default_endpoint(run_dir, TAP_SOCKET)
+    proc = None
+    if sidecar:
+        proc = spawn_sidecar(resolved, start_path, run_dir / "sidecar.log", ranks=recipe.sidecar.ranks)
     sender = channel.TapSender(
-        channel.tap_endpoints(endpoint, recipe.sidecar.ranks), key, queue_messages=recipe.wire.queue_messages, queue_bytes=recipe.wire.queue_mb << 20,
-        allow_remote=recipe.wire.allow_remote,
+        channel.tap_endpoints(endpoint, recipe.sidecar.ranks), key, queue_messages=recipe.wire.queue_messages,
+        queue_bytes=recipe.wire.queue_mb << 20, allow_remote=recipe.wire.allow_remote,
     )
+    notify = None
+    if sidecar:  # the sidecar's DraftPublished notifications; the job falls back to `latest` without them
+        notify_ep = recipe.wire.notify_endpoint or channel.default_endpoint(run_dir, NOTIFY_SOCKET)
+        notify = channel.Subscriber(notify_ep, key, allow_remote=recipe.wire.allow_remote)
+    set_process_env(recipe)
     rc = None
     try:
-        job = build_job(recipe, start_path, sender, sender)
+        job = build_job(recipe, start_path, sender, sender, notifications=notify)
         if proc is not None:
             wait_ready(proc, run_dir, sidecar_ready_timeout_s)
         job.wait_for_first_draft()
@@ -231,13 +251,14 @@ def run_cotrain(
             metrics = job.step()
             print(format_row(metrics), file=out, flush=True)
         job.finish()
-        if job.engine is not None:
-            job.engine.shutdown()
+        job.engine.shutdown()
         sender.offer(StepReport(run_id=recipe.run, step=job.step_index, policy_version=job.policy.version,
                                 metrics={"final": 1.0}))
         time.sleep(0.5)  # let the background thread hand the last messages to ZeroMQ
     finally:
         sender.close(timeout_s=5.0)
+        if notify is not None:
+            notify.close()
         if proc is not None:
             rc = stop_sidecar(proc, sidecar_exit_timeout_s)
     report = write_report(run_dir)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import signal
 import time
@@ -16,6 +17,14 @@ from draft_align.config import CotrainRecipe, load_recipe
 
 def _rows(path):
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+def _report_table(path) -> dict[int, dict[str, str]]:
+    """report.md's step table: step → {column title: cell}."""
+    lines = [x for x in path.read_text().splitlines() if x.startswith("|")]
+    titles = [c.strip() for c in lines[0].strip("|").split("|")]
+    rows = [dict(zip(titles, (c.strip() for c in x.strip("|").split("|")), strict=True)) for x in lines[2:]]
+    return {int(r["step"]): r for r in rows}
 
 
 def test_cotrain_runs_rl_with_a_live_sidecar_and_reports(tiny_run, tiny_env, tmp_path):
@@ -33,12 +42,26 @@ def test_cotrain_runs_rl_with_a_live_sidecar_and_reports(tiny_run, tiny_env, tmp
     assert [int(r["policy_version"]) for r in steps] == [1, 2, 3]
     assert steps[-1]["kl_to_initial"] > 0
     assert all(r["tap_tokens_accepted"] > 0 for r in steps)  # the sidecar was up before the first step
-    # the sidecar merged each step's report with its own estimates on that step's taps
+    # the sidecar merged each step's report with its own estimates of both drafts on that step's taps
     mon = _rows(run / "sidecar" / "monitor.jsonl")
     assert [r["step"] for r in mon] == [0, 1, 2]
+    table = _report_table(run / "report.md")
+    assert sorted(table) == [0, 1, 2]
     for r in mon:
-        assert 1.0 <= r["accept_est_frozen"] <= 1.0 + recipe.sidecar.eval_k
-        assert r["accept_measured_frozen"] == next(s for s in steps if s["step"] == r["step"])["accept_measured_frozen"]
+        step = next(s for s in steps if s["step"] == r["step"])
+        assert r["est_records"] > 0
+        assert math.isfinite(r["accept_est_adapted"]) and math.isfinite(r["accept_est_frozen"])
+        if r["sidecar_draft_version"] == 0:  # nothing published yet: the sidecar's adapted draft is the frozen one
+            assert r["accept_est_adapted"] == r["accept_est_frozen"]
+        for key in ("accept_measured_adapted", "accept_measured_frozen", "draft_version", "reward_mean"):
+            assert r[key] == step[key], key
+        # report.md shows exactly these values
+        cells = table[r["step"]]
+        assert cells["est.ad"] == f"{r['accept_est_adapted']:.3f}"
+        assert cells["est.fr"] == f"{r['accept_est_frozen']:.3f}"
+        assert cells["acc.ad"] == f"{step['accept_measured_adapted']:.3f}"
+        assert cells["acc.fr"] == f"{step['accept_measured_frozen']:.3f}"
+        assert cells["drf.v"] == str(int(step["draft_version"]))
     assert (run / "report.png").stat().st_size > 10_000
     assert summary["report"]["steps"] == 3
     # every policy version is saved (adapters) and the final one merged
@@ -49,8 +72,12 @@ def test_cotrain_runs_rl_with_a_live_sidecar_and_reports(tiny_run, tiny_env, tmp
     from draft_align.publish.versions import read_latest
 
     latest = read_latest(run)
-    if latest is not None:
-        read_manifest(latest, verify=True)
+    assert latest is not None
+    manifest = read_manifest(latest, verify=True)
+    published = _rows(run / "sidecar" / "publish.jsonl")
+    assert published and manifest["draft_version"] == published[-1]["draft_version"] >= 1
+    # a step served by a published draft names one the sidecar published
+    assert {int(s["draft_version"]) for s in steps} <= {0} | {int(p["draft_version"]) for p in published}
     # a second run starts from the initial policy again; the first one's folder is kept aside, not mixed in
     again = load_recipe(None, tiny_run.cotrain_overrides(tmp_path, run="e2e", **{"rl.steps": 1}), CotrainRecipe)
     assert run_cotrain(again, out=io.StringIO(), sidecar_exit_timeout_s=120)["sidecar_rc"] == 0
@@ -87,13 +114,12 @@ def test_rl_steps_continue_when_the_sidecar_is_killed(tiny_run, tiny_env, tmp_pa
             time.sleep(0.2)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
-        in_use = job.watcher.adapted_version
+        in_use = job.drafts.current_version
         after = [job.step() for _ in range(2)]
         assert [int(m["step"]) for m in after] == [2, 3]
-        assert job.watcher.adapted_version >= in_use and job.watcher.failures == 0
+        assert job.drafts.current_version >= in_use and job.drafts.failures == 0
+        assert all(m["draft_version"] == job.drafts.current_version for m in after)  # the last one stays in use
         assert after[-1]["wire_dropped_peer"] > before[-1].get("wire_dropped_peer", 0)
-        # no measurable slow-down: the tap's time stays a small part of the step
-        assert max(m["tap_s"] for m in after) < 0.5 * min(m["step_s"] for m in after) + 0.05
     finally:
         sender.close()
         if proc.poll() is None:

@@ -163,9 +163,10 @@ def test_sidecar_trains_and_publishes(tiny_run, tmp_path, variant):
 
 def test_cotrain_serves_an_mtp_draft_with_the_reference_decoder(tiny_run, tmp_path):
     from draft_align.cotrain import start_rollout_engine
-    from draft_align.engines.vllm_engine import vllm_available
+    from draft_align.engines.rollout_types import DraftVersion
+    from draft_align.engines.vllm.start import vllm_available
 
-    start = _publish_mtp_start(tiny_run.world, tmp_path / "mtp_start")
+    start = DraftVersion.read(_publish_mtp_start(tiny_run.world, tmp_path / "mtp_start"))
     if not vllm_available():
         pytest.skip("vLLM is not installed: auto picks the reference decoder anyway")
     auto = load_recipe(None, tiny_run.cotrain_overrides(tmp_path, **{"rl.engine": "auto"}), CotrainRecipe)

@@ -1,40 +1,65 @@
-"""The RL job's two drafts: the frozen warm-start draft and the newest draft the sidecar published.
+"""The RL job's one source of drafts: the frozen warm-start draft and the newest draft the sidecar published.
 
-``DraftWatcher.refresh()`` runs between RL steps and never waits: it reads ``run_dir/latest`` and, when
-that names a newer version, loads it with its sha256 verified.  Anything wrong with a new version
-(corrupt or half-written files, a config that does not match the frozen draft, an unreadable
-``latest``) is logged and counted, and the previous draft stays in use.  A failed version is not
-re-read until its files change.
+:meth:`DraftSource.poll` runs at each step boundary and never waits.  It drains the sidecar's
+``DraftPublished`` notifications (non-blocking); the newest one that names a newer version is used, else it
+falls back to reading ``run_dir/latest`` (no notification came, or no subscriber is configured).  A new
+version is resolved once, its sha256 verified once (for a notification: the folder's must also be the one
+announced), loaded once, and checked once against the frozen draft: what the Tap captures, the vocab map
+HeadSync ships and the shapes an engine reloads in place are fixed for a run.  The result, a
+:class:`~draft_align.engines.rollout_types.DraftVersion` (path, manifest, sha256) and its module, is what
+both the reference decoder and an engine's refresher serve.
+
+Anything wrong with a new version (corrupt or half-written files, a config that does not fit, an unreadable
+``latest``, a notification whose sha256 differs from the folder's) is logged and counted, and the previous
+draft stays in use.  A failed version is not re-read until its files change.
 """
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Protocol
 
 import torch
 
-from draft_align.heads.eagle3 import Eagle3Draft
+from draft_align.engines.rollout_types import DraftVersion
+from draft_align.heads.protocol import DraftHead
 from draft_align.publish import load_draft
 from draft_align.publish.folder import MANIFEST_FILE, WEIGHTS_FILE, CorruptCheckpointError, ExportError
 from draft_align.publish.versions import read_latest, resolve_draft_dir
+from draft_align.wire.messages import DraftPublished
 
 log = logging.getLogger(__name__)
 
-# Eagle3Config fields that must equal the frozen draft's: what the Tap captures and the vocab map
-# HeadSync ships are fixed for a run.
-_FIXED_FIELDS = ("aux_layer_ids", "vocab_size", "draft_vocab_size", "target_hidden_size", "target_num_layers")
+# Config fields that must equal the frozen draft's: what the Tap captures and the vocab map HeadSync ships
+# (fixed for a run), and the shapes an engine loads a new version into in place.
+_FIXED_FIELDS = (
+    "aux_layer_ids", "vocab_size", "draft_vocab_size", "target_hidden_size", "target_num_layers", "hidden_size",
+    "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
+    "rms_norm_eps", "rope_parameters",
+)  # fmt: skip
+
+Signature = tuple[str, int, int, int]
 
 
-def _signature(path: Path) -> tuple[str, int, int, int]:
+class Notifications(Protocol):
+    """Where DraftPublished notifications arrive (a :class:`draft_align.wire.channel.Subscriber`)."""
+
+    def poll(self, timeout_ms: int | None = 0) -> DraftPublished | None: ...
+
+
+def _signature(path: Path) -> Signature:
     """(path, weights mtime, weights size, manifest mtime): changes whenever the folder is rewritten."""
     w, m = (path / WEIGHTS_FILE).stat(), (path / MANIFEST_FILE).stat()
     return str(path.resolve()), w.st_mtime_ns, w.st_size, m.st_mtime_ns
 
 
-class DraftWatcher:
-    """Frozen and adapted drafts (see the module docstring).  Before any publish, adapted = frozen, version 0."""
+class DraftSource:
+    """Frozen and adapted drafts (see the module docstring).  Before any publish the adapted module is the
+    frozen one and ``adapted_version`` is None.
+
+    ``notifications``: the sidecar's DraftPublished subscriber (None: poll ``latest`` only).
+    """
 
     def __init__(
         self,
@@ -43,52 +68,94 @@ class DraftWatcher:
         *,
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
+        notifications: Notifications | None = None,
     ) -> None:
         self.run_dir = Path(run_dir)
         self.device = device
         self.dtype = dtype
-        self.frozen_path = resolve_draft_dir(frozen_path)
-        self.frozen, self.frozen_manifest = load_draft(
-            self.frozen_path, verify=True, device=device, dtype=dtype
-        )
-        self.frozen.requires_grad_(False).eval()
-        self.adapted: Eagle3Draft = self.frozen
-        self.adapted_manifest: dict[str, Any] = self.frozen_manifest
-        self.adapted_path: Path | None = None
-        self.adapted_version = 0
-        self.adapted_policy_version = 0
+        self.notifications = notifications
+        path = resolve_draft_dir(frozen_path)
+        frozen, manifest = load_draft(path, verify=True, device=device, dtype=dtype)
+        self.frozen: DraftHead = frozen.requires_grad_(False).eval()
+        self.frozen_version = DraftVersion.of(path, manifest)
+        self.adapted: DraftHead = self.frozen
+        self.adapted_version: DraftVersion | None = None
         self.failures = 0
         self.refreshes = 0
-        self._skip: set[tuple[str, int, int, int]] = set()
+        self.notified = 0  # versions taken from a notification (the rest came from `latest`)
+        self._skip: set[Signature] = set()
+
+    @property
+    def frozen_path(self) -> Path:
+        return self.frozen_version.path
 
     @property
     def draft_to_target(self) -> torch.Tensor:
         """[Vd] the frozen draft's vocab map (fixed for the run)."""
         return self.frozen.draft_to_target
 
-    def _fail(self, what: str, err: Exception, sig: tuple[str, int, int, int] | None) -> bool:
+    @property
+    def current_version(self) -> int:
+        """The adapted draft's version number (0 before any publish)."""
+        return self.adapted_version.version if self.adapted_version is not None else 0
+
+    # ----------------------------------------------------------------- checks
+    def _fail(self, what: str, err: Exception, sig: Signature | None) -> bool:
         self.failures += 1
         if sig is not None:
             self._skip.add(sig)
-        log.warning("draft refresh: %s: %s; keeping draft v%04d", what, err, self.adapted_version)
+        log.warning("draft refresh: %s: %s; keeping draft v%04d", what, err, self.current_version)
         return False
 
-    def _check_fits(self, draft: Eagle3Draft) -> None:
+    def check_fits(self, draft: DraftHead) -> None:
+        """Raise ExportError unless ``draft`` can replace the frozen draft (the one check, for every consumer)."""
+        if draft.kind != self.frozen.kind:
+            raise ExportError(f"config mismatch: a {draft.kind} head, the frozen draft is {self.frozen.kind}")
         for name in _FIXED_FIELDS:
-            got, want = getattr(draft.cfg, name), getattr(self.frozen.cfg, name)
+            got, want = getattr(draft.cfg, name, None), getattr(self.frozen.cfg, name, None)
             if got != want:
                 raise ExportError(f"config mismatch: {name} = {got}, the frozen draft has {want}")
         if not torch.equal(draft.draft_to_target.cpu(), self.frozen.draft_to_target.cpu()):
             raise ExportError("config mismatch: draft_to_target differs from the frozen draft's vocab map")
 
-    def refresh(self) -> bool:
-        """Load the version ``latest`` names if it is newer than the adapted one; True when one was loaded."""
+    def verify(self, path: Path, sha256: str | None = None) -> tuple[DraftVersion, DraftHead]:
+        """Load the version at ``path`` with its files verified and check that it fits; ``sha256``: the weights
+        digest a notification announced, which must be the folder's.  Raises ExportError / OSError."""
+        draft, manifest = load_draft(path, verify=True, device=self.device, dtype=self.dtype)
+        version = DraftVersion.of(path, manifest)
+        if sha256 is not None and version.sha256 != sha256:
+            raise CorruptCheckpointError("the notification's sha256 differs from the folder's (rewritten since?)")
+        self.check_fits(draft)
+        return version, draft
+
+    # ----------------------------------------------------------------- refresh
+    def _newest_notification(self) -> DraftPublished | None:
+        newest = None
+        if self.notifications is None:
+            return None
+        while (msg := self.notifications.poll(0)) is not None:
+            if newest is None or msg.draft_version > newest.draft_version:
+                newest = msg
+        return newest
+
+    def poll(self) -> bool:
+        """Take the newest published version if it is newer than the adapted one; True when one was taken."""
+        msg = self._newest_notification()
+        if msg is not None and int(msg.draft_version) > self.current_version:
+            if self._take(Path(msg.path), msg.sha256):
+                self.notified += 1
+                return True
+            return False
         try:
             path = read_latest(self.run_dir)
         except (ExportError, OSError) as e:
             return self._fail(f"{self.run_dir}/latest unreadable", e, None)
-        if path is None or (self.adapted_path is not None and path.resolve() == self.adapted_path.resolve()):
+        current = self.adapted_version
+        if path is None or (current is not None and path.resolve() == current.path.resolve()):
             return False
+        return self._take(path, None)
+
+    def _take(self, path: Path, sha256: str | None) -> bool:
         try:
             sig = _signature(path)
         except OSError as e:
@@ -96,21 +163,18 @@ class DraftWatcher:
         if sig in self._skip:
             return False
         try:
-            draft, manifest = load_draft(path, verify=True, device=self.device, dtype=self.dtype)
-            self._check_fits(draft)
-            version = int(manifest["draft_version"])
-            policy_version = int(manifest["policy_version"])
+            version, draft = self.verify(path, sha256)
         except (ExportError, CorruptCheckpointError, OSError, KeyError, TypeError, ValueError) as e:
             return self._fail(f"{path} rejected", e, sig)
-        if version <= self.adapted_version:
-            log.info("draft refresh: %s is v%04d, not newer than v%04d", path, version, self.adapted_version)
+        if version.version <= self.current_version:
+            log.info("draft refresh: %s is v%04d, not newer than v%04d", path, version.version, self.current_version)
             self._skip.add(sig)  # not an error, but nothing to re-read until it changes
             return False
         self.adapted = draft.requires_grad_(False).eval()
-        self.adapted_manifest = manifest
-        self.adapted_path = path
         self.adapted_version = version
-        self.adapted_policy_version = policy_version
         self.refreshes += 1
-        log.info("draft refresh: loaded v%04d (policy version %d) from %s", version, policy_version, path)
+        log.info(
+            "draft refresh: loaded v%04d (policy version %d) from %s%s", version.version, version.policy_version,
+            path, " (notified)" if sha256 is not None else "",
+        )
         return True

@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 import torch
 
-from draft_align.engines.vllm_engine import vllm_available
+from draft_align.engines.vllm.start import vllm_available
 
 ENGINE_K = 3
 TARGET_LAYERS = 4
@@ -191,7 +191,7 @@ def engine(vllm_world, vllm_env):
 
     Shut down after the module (its KV cache is 1 GiB); a module that reads counters should start no other.
     """
-    from draft_align.engines.vllm_engine import start_engine
+    from draft_align.engines.vllm.start import start_engine
     from draft_align.publish.versions import version_dir
 
     threads = torch.get_num_threads()

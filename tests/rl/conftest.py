@@ -1,5 +1,5 @@
 """Tiny policy and drafts for the RL tests: the session's tiny target (tests/conftest.py) plus random
-EAGLE-3 drafts exported in engine format, so ``load_draft`` (and the DraftWatcher) can read them."""
+EAGLE-3 drafts exported in engine format, so ``load_draft`` (and the DraftSource) can read them."""
 
 from __future__ import annotations
 

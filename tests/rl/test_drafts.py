@@ -1,11 +1,16 @@
+"""DraftSource: the frozen and adapted drafts of the RL job, picked up from the sidecar's notifications or
+from ``latest``, each version verified once and checked against the frozen draft."""
+
 import logging
+import time
 
 import pytest
 import torch
 
-from draft_align.publish.folder import ExportError
+from draft_align.publish.folder import ExportError, read_manifest
 from draft_align.publish.versions import resolve_draft_dir, version_dir
-from draft_align.rl.drafts import DraftWatcher
+from draft_align.rl.drafts import DraftSource
+from draft_align.wire.messages import DraftPublished
 
 
 def same_weights(a, b) -> bool:
@@ -13,57 +18,76 @@ def same_weights(a, b) -> bool:
     return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
+class ListNotifications:
+    """The Subscriber interface over a list: ``poll(0)`` hands out what was queued, then None."""
+
+    def __init__(self):
+        self.queue = []
+
+    def poll(self, timeout_ms=0):
+        return self.queue.pop(0) if self.queue else None
+
+
+def announce(path, version, sha=None) -> DraftPublished:
+    sha = sha if sha is not None else read_manifest(path, verify=False)["files"]["model.safetensors"]["sha256"]
+    return DraftPublished(run_id="t", draft_version=version, policy_version=version, path=str(path), sha256=sha)
+
+
 def test_before_any_publish_adapted_is_frozen(tmp_path, frozen_dir, kit, target_config):
-    w = DraftWatcher(tmp_path / "run", frozen_dir)
-    assert w.adapted is w.frozen and w.adapted_version == 0 and w.adapted_policy_version == 0
+    w = DraftSource(tmp_path / "run", frozen_dir)
+    assert w.adapted is w.frozen and w.adapted_version is None and w.current_version == 0
+    assert w.frozen_version.path == frozen_dir and w.frozen_version.version == 1
+    assert w.frozen_version.sha256 == read_manifest(frozen_dir)["files"]["model.safetensors"]["sha256"]
     assert same_weights(w.frozen, kit.make(target_config, seed=1))
     assert not any(p.requires_grad for p in w.frozen.parameters())
-    assert w.refresh() is False and w.failures == 0
+    assert w.poll() is False and w.failures == 0
     assert torch.equal(w.draft_to_target, torch.arange(3, 51))
 
 
 def test_frozen_path_may_be_a_run_folder(tmp_path, frozen_dir):
     assert resolve_draft_dir(frozen_dir.parent.parent) == frozen_dir
-    assert DraftWatcher(tmp_path / "run", frozen_dir.parent.parent).frozen_path == frozen_dir
+    assert DraftSource(tmp_path / "run", frozen_dir.parent.parent).frozen_path == frozen_dir
     with pytest.raises(ExportError, match="neither a draft folder"):
         resolve_draft_dir(tmp_path)
 
 
 def test_picks_up_new_versions_and_ignores_old_ones(tmp_path, frozen_dir, kit, target_config):
     run = tmp_path / "run"
-    w = DraftWatcher(run, frozen_dir)
+    w = DraftSource(run, frozen_dir)
     d1 = kit.make(target_config, seed=11)
     kit.publish(d1, run, target_config, draft_version=1, policy_version=3)
-    assert w.refresh() is True
-    assert (w.adapted_version, w.adapted_policy_version) == (1, 3)
+    assert w.poll() is True
+    assert (w.adapted_version.version, w.adapted_version.policy_version) == (1, 3)
+    assert w.adapted_version.path == version_dir(run, 1) and w.notified == 0
     assert same_weights(w.adapted, d1) and not same_weights(w.frozen, d1)
-    assert w.adapted is not w.frozen and w.refresh() is False  # nothing newer: no reload
+    assert w.adapted is not w.frozen and w.poll() is False  # nothing newer: no reload
     d3 = kit.make(target_config, seed=13)
     kit.publish(d3, run, target_config, draft_version=3, policy_version=5)
-    assert w.refresh() is True and w.adapted_version == 3 and same_weights(w.adapted, d3)
+    assert w.poll() is True and w.adapted_version.version == 3 and same_weights(w.adapted, d3)
     # `latest` moved back to an older version: not newer, kept v3, not a failure
     (run / "latest").write_text("drafts/v0001\n")
-    assert w.refresh() is False and w.adapted_version == 3 and w.failures == 0
+    assert w.poll() is False and w.adapted_version.version == 3 and w.failures == 0
 
 
 def test_corrupt_publish_keeps_previous_draft(tmp_path, frozen_dir, kit, target_config, caplog):
     run = tmp_path / "run"
-    w = DraftWatcher(run, frozen_dir)
+    w = DraftSource(run, frozen_dir)
     kit.publish(kit.make(target_config, seed=11), run, target_config, 1, 1)
-    assert w.refresh()
+    assert w.poll()
     before = w.adapted
     bad = kit.publish(kit.make(target_config, seed=12), run, target_config, 2, 2)
     weights = bad / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:100])  # truncated after `latest` already points at it
     with caplog.at_level(logging.WARNING, logger="draft_align.rl.drafts"):
-        assert w.refresh() is False
+        assert w.poll() is False
     assert "keeping draft v0001" in caplog.text and "bytes" in caplog.text
     assert (
-        w.adapted is before and w.adapted_version == 1 and w.adapted_policy_version == 1 and w.failures == 1
+        w.adapted is before and w.adapted_version.version == 1 and w.adapted_version.policy_version == 1
+        and w.failures == 1
     )
-    assert w.refresh() is False and w.failures == 1  # the same broken folder is not re-read every step
+    assert w.poll() is False and w.failures == 1  # the same broken folder is not re-read every step
     kit.publish(kit.make(target_config, seed=14), run, target_config, 3, 3)
-    assert w.refresh() is True and w.adapted_version == 3
+    assert w.poll() is True and w.adapted_version.version == 3
 
 
 @pytest.mark.parametrize(
@@ -71,6 +95,8 @@ def test_corrupt_publish_keeps_previous_draft(tmp_path, frozen_dir, kit, target_
     [
         ("aux", "aux_layer_ids = (1, 2, 4)"),
         ("vocab", "draft_to_target differs"),
+        ("draft_vocab", "draft_vocab_size = 24"),
+        ("hidden", "hidden_size = 32"),
         ("latest_missing", "does not exist"),
         ("latest_outside", "expected a folder path relative"),
     ],
@@ -78,19 +104,73 @@ def test_corrupt_publish_keeps_previous_draft(tmp_path, frozen_dir, kit, target_
 def test_mismatched_or_unreadable_publish_is_rejected(
     tmp_path, frozen_dir, kit, target_config, change, why, caplog
 ):
+    from draft_align.heads.eagle3 import Eagle3Config, Eagle3Draft
+
     run = tmp_path / "run"
-    w = DraftWatcher(run, frozen_dir)
+    w = DraftSource(run, frozen_dir)
     if change == "aux":
         kit.publish(kit.make(target_config, seed=11, aux=(1, 2, 4)), run, target_config, 1, 1)
     elif change == "vocab":
         kit.publish(kit.make(target_config, seed=11, vocab=torch.arange(10, 58)), run, target_config, 1, 1)
+    elif change in ("draft_vocab", "hidden"):  # shapes an engine could not load in place
+        base = kit.make(target_config, seed=11)
+        size = {"draft_vocab_size": 24} if change == "draft_vocab" else {"hidden_size": 32, "head_dim": 8}
+        cfg = Eagle3Config.from_dict({**base.cfg.to_dict(), **size})
+        d = Eagle3Draft(cfg)
+        d.set_vocab(torch.arange(3, 3 + cfg.draft_vocab_size))
+        kit.publish(d, run, target_config, 1, 1)
     else:
         run.mkdir(parents=True)
         (run / "latest").write_text(
             "drafts/v0009\n" if change == "latest_missing" else "../warm/drafts/v0001\n"
         )
     with caplog.at_level(logging.WARNING, logger="draft_align.rl.drafts"):
-        assert w.refresh() is False
+        assert w.poll() is False
     assert why in caplog.text
-    assert w.failures == 1 and w.adapted is w.frozen and w.adapted_version == 0
+    assert w.failures == 1 and w.adapted is w.frozen and w.adapted_version is None
     assert not version_dir(run, 9).exists()
+
+
+# --------------------------------------------------------------------------------------- notifications
+def test_notifications_first_latest_as_fallback(tmp_path, frozen_dir, kit, target_config, caplog):
+    run = tmp_path / "run"
+    notes = ListNotifications()
+    w = DraftSource(run, frozen_dir, notifications=notes)
+    v1 = kit.publish(kit.make(target_config, seed=11), run, target_config, 1, 1)
+    assert w.poll() is True and w.notified == 0  # no notification came: `latest`
+    # a notification that arrives before `latest` moved: the announced folder is taken
+    v2 = kit.publish(kit.make(target_config, seed=12), run, target_config, 2, 2)
+    (run / "latest").write_text("drafts/v0001\n")
+    notes.queue += [announce(v1, 1), announce(v2, 2)]  # drained at once: the newest counts
+    assert w.poll() is True and w.notified == 1 and w.adapted_version.path == v2
+    # a notification whose sha256 is not the folder's is refused, and the folder is not re-read from `latest`
+    v3 = kit.publish(kit.make(target_config, seed=13), run, target_config, 3, 3)
+    notes.queue.append(announce(v3, 3, sha="0" * 64))
+    with caplog.at_level(logging.WARNING, logger="draft_align.rl.drafts"):
+        assert w.poll() is False
+    assert "sha256 differs" in caplog.text and w.failures == 1 and w.adapted_version.version == 2
+    assert w.poll() is False and w.failures == 1
+    # only stale notifications: `latest` still decides
+    v4 = kit.publish(kit.make(target_config, seed=14), run, target_config, 4, 4)
+    notes.queue.append(announce(v1, 1))
+    assert w.poll() is True and w.adapted_version.path == v4 and w.notified == 1
+
+
+def test_draft_published_over_the_wire_is_picked_up(tmp_path, frozen_dir, kit, target_config):
+    """The sidecar's PUB socket and a DraftSource on its SUB side: a version `latest` does not name yet."""
+    from draft_align.wire.channel import Publisher, Subscriber, default_endpoint
+
+    key = bytes(range(32))
+    run = tmp_path / "run"
+    v1 = kit.publish(kit.make(target_config, seed=11), run, target_config, 1, 1)
+    (run / "latest").unlink()
+    ep = default_endpoint(tmp_path, "notify")
+    with Publisher(ep, key) as pub, Subscriber(ep, key) as sub:
+        w = DraftSource(run, frozen_dir, notifications=sub)
+        took, deadline = False, time.monotonic() + 10
+        while not took and time.monotonic() < deadline:  # PUB/SUB slow joiner: repeat until heard
+            pub.publish(announce(v1, 1))
+            time.sleep(0.05)
+            took = w.poll()
+        assert took and w.notified == 1 and w.adapted_version.path == v1 and w.failures == 0
+        assert w.poll() is False  # repeats of the same version are not newer

@@ -1,6 +1,8 @@
+"""The GRPO job: steps with a fake tap and sink, draft pickup between steps, merged policy, bad settings,
+the real PolicyTap, and the engine as the one source of which draft served."""
+
 import contextlib
 import json
-import math
 
 import pytest
 import torch
@@ -9,18 +11,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from draft_align import data
 from draft_align.config import CotrainRecipe, RLConfig
 from draft_align.monitor.acceptance import AcceptanceTally
-from draft_align.rl.drafts import DraftWatcher
-from draft_align.rl.grpo import (
-    GRPOError,
-    GRPOJob,
-    build_prompts,
-    clipped_surrogate,
-    group_advantages,
-    k3_kl,
-    make_kl_sequences,
-    token_logprobs,
-)
+from draft_align.rl.drafts import DraftSource
+from draft_align.rl.grpo import GRPOJob
+from draft_align.rl.loss import GRPOError
 from draft_align.rl.policy import Policy, Sequences
+from draft_align.rl.prompts import build_prompts, make_kl_sequences
 from draft_align.wire.messages import StepReport
 
 EOS = {2}
@@ -31,59 +26,6 @@ REQUIRED = {
     "draft_version", "draft_policy_version", "staleness", "rollout_tokens", "rollout_s", "logprob_s", "tap_s",
     "update_s", "kl_s", "tap_tokens_seen",
 }  # fmt: skip
-
-
-# ---------------------------------------------------------------- math, table-driven
-@pytest.mark.parametrize(
-    ("rewards", "expected"),
-    [
-        ([[1.0, 0.0]], [[0.5 / (0.5**0.5 + 1e-4), -0.5 / (0.5**0.5 + 1e-4)]]),  # std with Bessel: √0.5
-        ([[0.5, 0.5, 0.5]], [[0.0, 0.0, 0.0]]),  # no signal in a constant group
-        (
-            [[0.0, 0.0, 3.0], [2.0, 4.0, 6.0]],  # stds √3 and 2
-            [
-                [-1 / (3**0.5 + 1e-4), -1 / (3**0.5 + 1e-4), 2 / (3**0.5 + 1e-4)],
-                [-2 / 2.0001, 0.0, 2 / 2.0001],
-            ],
-        ),
-    ],
-)
-def test_group_advantages(rewards, expected):
-    got = group_advantages(torch.tensor(rewards, dtype=torch.float64))
-    torch.testing.assert_close(got, torch.tensor(expected, dtype=torch.float64), rtol=0, atol=1e-12)
-
-
-def test_group_advantages_needs_groups_of_two():
-    with pytest.raises(GRPOError, match="group_size ≥ 2"):
-        group_advantages(torch.ones(3, 1))
-
-
-@pytest.mark.parametrize(
-    ("logp", "old", "adv", "expected"),
-    [
-        (0.0, 0.0, 1.0, -1.0),  # ratio 1
-        (math.log(1.5), 0.0, 1.0, -1.2),  # ratio 1.5 clipped to 1.2 for a positive advantage
-        (math.log(1.5), 0.0, -1.0, 1.5),  # ... but not for a negative one (pessimistic bound)
-        (math.log(0.5), 0.0, -2.0, 1.6),  # ratio 0.5 clipped to 0.8 for a negative advantage
-        (math.log(0.5), 0.0, 2.0, -1.0),  # ... not for a positive one
-        (-1.0, -1.0, 0.0, 0.0),
-    ],
-)
-def test_clipped_surrogate_table(logp, old, adv, expected):
-    got = clipped_surrogate(torch.tensor([logp]), torch.tensor([old]), torch.tensor([adv]), 0.2)
-    assert float(got) == pytest.approx(expected, abs=1e-6)
-
-
-def test_k3_kl_and_token_logprobs():
-    assert torch.equal(k3_kl(torch.tensor([-1.0]), torch.tensor([-1.0])), torch.zeros(1))
-    d = torch.tensor([0.3, -0.7])
-    torch.testing.assert_close(k3_kl(torch.zeros(2), d), d.exp() - d - 1)
-    logits = torch.tensor([[0.0, math.log(3.0)]])
-    assert float(token_logprobs(logits, torch.tensor([1]), 1.0)) == pytest.approx(math.log(0.75))
-    # at T = 2 the logits are halved: p = √3 / (1 + √3)
-    assert float(token_logprobs(logits, torch.tensor([1]), 2.0)) == pytest.approx(
-        math.log(3**0.5 / (1 + 3**0.5))
-    )
 
 
 # ---------------------------------------------------------------- fakes and setup
@@ -152,9 +94,9 @@ def world(tiny_world, tiny_env, tmp_path, frozen_dir):
         recipe = CotrainRecipe(run="rltest", output_dir=str(tmp_path), seed=3, rl=rl)
         policy = Policy.from_config(model, rl, seed=0)
         kl_seqs = make_kl_sequences(policy, prompts[:2], max_new_tokens=5, eos_ids=EOS, seed=0)
-        watcher = DraftWatcher(recipe.run_dir, frozen_dir)
+        drafts = DraftSource(recipe.run_dir, frozen_dir)
         tap, sink = FakeTap(), ListSink()
-        job = GRPOJob(recipe, policy, tok, prompts, kl_seqs, watcher, tap, sink, recipe.run_dir, EOS)
+        job = GRPOJob(recipe, policy, tok, prompts, kl_seqs, drafts, tap, sink, recipe.run_dir, EOS)
         return job, tap, sink
 
     return make
@@ -168,45 +110,11 @@ def expected_tally(rollouts, kind):
     return t
 
 
-# ---------------------------------------------------------------- prompts and KL sequences
-def test_build_prompts_filters_by_length(tiny_world):
-    tok = AutoTokenizer.from_pretrained(tiny_world.model)
-    convs = data.load_conversations(str(tiny_world.data))
-    every = [data.encode_prompt(tok, c) for c in convs[:10]]
-    limit = sorted(len(p) for p in every)[5]
-    got = build_prompts(tok, convs[:10], n=100, max_prompt_tokens=limit)
-    assert [p.tolist() for p in got] == [p.tolist() for p in every if len(p) <= limit]
-    assert len(build_prompts(tok, convs, n=3, max_prompt_tokens=500)) == 3
-    with pytest.raises(GRPOError, match="must be ≥ 1"):
-        build_prompts(tok, convs, n=0, max_prompt_tokens=10)
-
-
-def test_kl_sequences_come_from_the_initial_policy(tiny_world, tiny_env):
-    model = AutoModelForCausalLM.from_pretrained(tiny_world.model, dtype=torch.float32)
-    prompts = [torch.tensor([1, 40, 41, 42]), torch.tensor([1, 50])]
-    ref = make_kl_sequences(
-        Policy(model, lora_r=4, lora_alpha=8, target_modules=["q_proj"]), prompts, 5, EOS, 0
-    )
-    # greedy continuation of the base model, cut at eos
-    base = AutoModelForCausalLM.from_pretrained(tiny_world.model, dtype=torch.float32)
-    for row, p in enumerate(prompts):
-        want = base.generate(p[None], max_new_tokens=5, do_sample=False, pad_token_id=2)[0]
-        n = int(ref.attention_mask[row].sum())
-        assert ref.input_ids[row, :n].tolist() == want[:n].tolist()
-        assert ref.loss_mask[row].nonzero().flatten().tolist() == list(range(len(p), n))
-    policy = Policy(AutoModelForCausalLM.from_pretrained(tiny_world.model), lora_r=4, lora_alpha=8,
-                    target_modules=["q_proj"])  # fmt: skip
-    for p in policy.trainable_parameters():
-        torch.nn.init.normal_(p, std=0.5)  # far from the initial policy
-    again = make_kl_sequences(policy, prompts, 5, EOS, 0)
-    assert torch.equal(again.input_ids, ref.input_ids)
-
-
 # ---------------------------------------------------------------- the job
 def test_two_steps_with_fake_tap_and_sink(world):
     job, tap, sink = world()
     before = [p.detach().clone() for p in job.policy.trainable_parameters()]
-    again = job._rollouts(0)  # seeded: the step's rollouts are reproducible
+    again, _ = job.rollouts(0)  # seeded: the step's rollouts are reproducible
     rollouts, metrics = [], []
     for _ in range(2):
         metrics.append(job.step())
@@ -219,7 +127,7 @@ def test_two_steps_with_fake_tap_and_sink(world):
     assert [e[:1] for e in tap.events] == [("head_sync",), *per_step, ("head_sync",), *per_step]
     assert [e for e in tap.events if e[0] == "head_sync"] == [("head_sync", 0), ("head_sync", 1)]
     assert [e[1:] for e in tap.events if e[0] == "submit"] == [(0, 0), (0, 0), (1, 1), (1, 1)]
-    assert torch.equal(tap.d2t, job.watcher.frozen.draft_to_target)
+    assert torch.equal(tap.d2t, job.drafts.frozen.draft_to_target)
     for step in (0, 1):
         subs = [s for s in tap.submits if s["step"] == step]
         rows = [(s, b) for s in subs for b in range(s["input_ids"].shape[0])]
@@ -282,7 +190,7 @@ def test_job_uses_newly_published_draft_between_steps(world, kit, target_config)
         0,
         1,
     )
-    assert job.watcher.adapted is not job.watcher.frozen
+    assert job.drafts.adapted is not job.drafts.frozen
 
 
 def test_run_saves_merged_policy_and_kl_penalty(world):
@@ -297,7 +205,7 @@ def test_run_saves_merged_policy_and_kl_penalty(world):
 def test_job_rejects_bad_configuration(world):
     job, tap, sink = world()
     args = (job.recipe, job.policy, job.tokenizer)
-    rest = (job.kl_sequences, job.watcher, tap, sink, job.run_dir, EOS)
+    rest = (job.kl_sequences, job.drafts, tap, sink, job.run_dir, EOS)
     with pytest.raises(GRPOError, match="no RL prompts"):
         GRPOJob(*args, [], *rest)
     with pytest.raises(GRPOError, match=r"prompts_per_step=2 must be in 1\.\.1"):
@@ -328,3 +236,49 @@ def test_real_policy_tap_gets_headsync_and_tap_batches(world):
     assert [t.tolist() for t in got] == [t.tolist() for t in want]
     assert batch.policy_version == 0 and batch.step == 0 and batch.temperature == 1.0
     decode(batch.to_frames(None), None)  # valid on the wire
+
+
+class RefusingEngine:
+    """A RolloutEngine that decodes like the reference one but refuses every offered draft, so the frozen
+    draft keeps serving the adapted rollouts (as vLLM does when the probe guard rolls a version back)."""
+
+    def __init__(self, job):
+        from draft_align.rl.rollouts import ReferenceRollouts
+
+        self.inner = ReferenceRollouts(job.policy.hf_model, job.drafts, K, job.rl.verify_mode)
+        self.offered = []
+
+    @property
+    def adapted(self):
+        return None
+
+    def prepare(self, policy_model, policy_version, adapted):
+        self.offered.append((policy_version, adapted))
+        return {"engine_refused": 1.0}
+
+    def rollouts(self, plan, prompts, **kw):
+        drafts = self.inner.drafts
+        kept, drafts.adapted = drafts.adapted, drafts.frozen
+        try:
+            return self.inner.rollouts(plan, prompts, **kw)
+        finally:
+            drafts.adapted = kept
+
+    def step_metrics(self, rollouts, old_logprobs):
+        return {"engine_old_logprob_tokens": float(old_logprobs.numel())}
+
+    def shutdown(self):
+        pass
+
+
+def test_the_engine_says_which_draft_served(world, kit, target_config):
+    job, _, _ = world(frozen_fraction=0.0)
+    engine = RefusingEngine(job)
+    job.engine = engine
+    kit.publish(kit.make(target_config, seed=21), job.run_dir, target_config, draft_version=1, policy_version=1)
+    m = job.step()
+    # the source took v1 and offered it, but the engine kept the frozen draft: the step reports what served
+    assert job.drafts.adapted_version.version == 1 and m["draft_refreshed"] == 1
+    assert engine.offered == [(0, job.drafts.adapted_version)]
+    assert (m["draft_version"], m["draft_policy_version"], m["staleness"]) == (0, 0, 0)
+    assert m["engine_refused"] == 1.0 and m["engine_old_logprob_tokens"] == m["rollout_tokens"]

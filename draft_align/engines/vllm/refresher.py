@@ -1,0 +1,221 @@
+"""Hot draft refresh: serve a newer verified draft version in a running ``vllm.LLM`` without a restart.
+
+:meth:`DraftRefresher.apply` takes a :class:`~draft_align.engines.rollout_types.DraftVersion` whose files the
+caller verified once and which fits the serving draft (the RL side's
+:class:`~draft_align.rl.drafts.DraftSource` checks both).  Inside the engine (``LLM.collective_rpc`` with
+:func:`~draft_align.engines.vllm.worker_rpc.rpc_load_draft`) the worker hashes the bytes it reads again
+(the files may change between the check and the load), refuses another vocab map, and loads only the
+draft-private tensors.  On any failure the previous version keeps serving (re-applied if the engine was
+touched).  A :class:`ProbeGuard` rolls back a version whose acceptance collapses.
+
+Pausing: ``collective_rpc`` runs in the engine core between two scheduler steps, so a refresh never overlaps a
+forward pass.  Requests in flight finish with the new draft; only acceptance can change, never the output
+distribution, because verification is lossless (docs/acceptance.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from draft_align.engines.rollout_types import DraftVersion
+from draft_align.engines.vllm.counters import SpecCounters
+from draft_align.engines.vllm.start import EngineError, collective_rpc, import_vllm
+from draft_align.engines.vllm.worker_rpc import RefreshError, rpc_describe, rpc_load_draft
+from draft_align.publish.folder import WEIGHTS_FILE
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoadedDraft:
+    """A draft version the engine serves."""
+
+    version: int
+    policy_version: int
+    path: str
+    sha256: str  # of model.safetensors
+
+
+@dataclass(frozen=True)
+class RefreshRecord:
+    """One attempt to apply a version: applied or refused (``reason``), and how long it took."""
+
+    version: int | None
+    path: str
+    ok: bool
+    reason: str
+    seconds: float
+    probe_acceptance_length: float | None = None
+
+
+@dataclass(frozen=True)
+class ProbeGuard:
+    """Silent-zero guard: after each refresh, decode ``prompts`` at T = 0 and read the engine's counters.
+
+    A version whose probe acceptance L collapses, L − 1 < ``min_ratio`` · (L_ref − 1), is rolled back and an
+    alarm is logged.  L_ref: the manifest's ``metrics[reference_key]`` when that key is given and present,
+    else the serving version probed right before the load (same prompts, same target weights: under RL the
+    policy moves between refreshes, so an older probe is no reference).  The probe ignores end-of-sequence
+    tokens so that every prompt gives ``max_tokens`` tokens of rounds.  ``prompts``: strings or
+    ``{"prompt_token_ids": [...]}``.
+    """
+
+    prompts: tuple[Any, ...]
+    max_tokens: int = 32
+    min_ratio: float = 0.5
+    reference_key: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.prompts:
+            raise ValueError("ProbeGuard needs at least one prompt")
+        if self.max_tokens < 2:
+            raise ValueError("ProbeGuard.max_tokens must be ≥ 2 (one token gives no draft round)")
+        if not 0.0 < self.min_ratio <= 1.0:
+            raise ValueError(f"ProbeGuard.min_ratio must be in (0, 1], got {self.min_ratio}")
+
+
+class DraftRefresher:
+    """Hot draft refresh for a running ``vllm.LLM`` (see the module docstring).
+
+    ``guard``: an optional :class:`ProbeGuard`.  ``serving``: the verified version the engine was started
+    with (None: its manifest is read and verified here).  :meth:`apply` returns True when the version serves;
+    False when it was refused or rolled back, the reason logged and kept in ``history``.  Call it from the
+    thread that drives the LLM (``vllm.LLM`` is not thread-safe): between ``generate`` calls or between
+    ``llm.llm_engine.step()`` calls.
+    """
+
+    def __init__(self, llm: Any, *, guard: ProbeGuard | None = None, serving: DraftVersion | None = None) -> None:
+        self.llm = llm
+        self.guard = guard
+        spec = llm.llm_engine.vllm_config.speculative_config
+        if spec is None or spec.method != "eagle3":
+            method = getattr(spec, "method", None)
+            raise EngineError(f"the engine does not run an EAGLE-3 draft (speculative method {method})")
+        self.k = int(spec.num_speculative_tokens)
+        info = collective_rpc(llm, rpc_describe)[0]
+        if not info.get("has_draft"):
+            raise EngineError("the engine's worker has no draft model")
+        self.engine_info = info
+        self.history: list[RefreshRecord] = []
+        self.refreshes = 0
+        self.failures = 0
+        self.rollbacks = 0
+        self.alarms = 0
+        self.last_apply_s: float | None = None
+        self._probe_ref: float | None = None
+        if info.get("loaded"):  # another refresher already swapped drafts in this engine
+            self.current = LoadedDraft(**info["loaded"])
+        else:
+            start = serving if serving is not None else DraftVersion.read(spec.model)
+            self.current = LoadedDraft(start.version, start.policy_version, str(start.path), start.sha256)
+        log.info(
+            "draft refresher: engine serves v%04d (%s); shared with the target, never written: %s",
+            self.current.version, self.current.path, info.get("shared"),
+        )
+
+    # ----------------------------------------------------------------- engine side
+    def _load(self, target: LoadedDraft) -> dict[str, Any]:
+        weights = str(Path(target.path) / WEIGHTS_FILE)
+        record = {"version": target.version, "policy_version": target.policy_version, "path": target.path,
+                  "sha256": target.sha256}  # fmt: skip
+        results = collective_rpc(self.llm, rpc_load_draft, weights, target.sha256, record)
+        self.llm.reset_prefix_cache()  # cached prompt blocks hold the old draft's K/V
+        return results[0]
+
+    def _rollback(self, why: str) -> None:
+        """Re-apply the serving version after a failed or collapsed load; EngineError if even that fails."""
+        self.rollbacks += 1
+        try:
+            self._load(self.current)
+        except Exception as e:
+            raise EngineError(
+                f"draft refresh: rollback to v{self.current.version:04d} failed after '{why}': {e}; the engine's "
+                f"draft is in an unknown state, restart it"
+            ) from e
+        log.warning("draft refresh: rolled back to v%04d after: %s", self.current.version, why)
+
+    def probe(self) -> SpecCounters:
+        """Decode the guard's prompts at T = 0 for exactly ``max_tokens`` each (end-of-sequence ignored, so a
+        policy that answers in two tokens still gives enough rounds); the counters of exactly that decode."""
+        if self.guard is None:
+            raise ValueError("probe() needs a ProbeGuard")
+        vllm = import_vllm()
+        params = vllm.SamplingParams(temperature=0.0, max_tokens=self.guard.max_tokens, ignore_eos=True)
+        before = SpecCounters.snapshot(self.llm)
+        self.llm.generate(list(self.guard.prompts), params, use_tqdm=False)
+        return SpecCounters.snapshot(self.llm) - before
+
+    def _fail(self, version: int | None, path: Path, reason: str, start: float) -> bool:
+        self.failures += 1
+        self.history.append(RefreshRecord(version, str(path), False, reason, time.perf_counter() - start))
+        log.warning("draft refresh: %s refused: %s; still serving v%04d", path, reason, self.current.version)
+        return False
+
+    # ----------------------------------------------------------------- public
+    def apply(self, draft: DraftVersion, *, probe: bool = True) -> bool:
+        """Serve the verified version ``draft``; False (previous version serving) when it cannot.
+
+        ``probe=False`` skips the guard (for swapping back to a version that already passed it).
+        """
+        start = time.perf_counter()
+        path, version, manifest = Path(draft.path), draft.version, draft.manifest
+        new = LoadedDraft(version, draft.policy_version, str(path), draft.sha256)
+
+        guarded = probe and self.guard is not None
+        if guarded:  # the serving version on the same probe and the same target: the policy may have moved
+            self._probe_ref = self.probe().mean_acceptance_length()
+        try:
+            info = self._load(new)
+        except RefreshError as e:  # raised before the model was touched
+            return self._fail(version, path, f"RefreshError: {e}", start)
+        except Exception as e:
+            self._rollback(f"{type(e).__name__}: {e}")
+            return self._fail(version, path, f"load failed, rolled back: {type(e).__name__}: {e}", start)
+
+        probe_l: float | None = None
+        if guarded:
+            assert self.guard is not None
+            probe_l = self.probe().mean_acceptance_length()
+            ref = self._probe_ref
+            key = self.guard.reference_key
+            if key is not None and isinstance(manifest.get("metrics", {}).get(key), int | float):
+                ref = float(manifest["metrics"][key])
+            if ref is not None and ref > 1.0 and not probe_l - 1.0 >= self.guard.min_ratio * (ref - 1.0):
+                self.alarms += 1
+                log.error(
+                    "draft refresh ALARM: v%04d probe acceptance %.3f collapsed (reference %.3f, min ratio %.2f): "
+                    "rolling back to v%04d", version, probe_l, ref, self.guard.min_ratio, self.current.version,
+                )
+                self._rollback(f"acceptance collapse {probe_l:.3f} vs {ref:.3f}")
+                why = f"acceptance collapse: probe {probe_l:.3f} vs reference {ref:.3f}"
+                return self._fail(version, path, why, start)
+            self._probe_ref = probe_l
+        self.current = new
+        self.refreshes += 1
+        self.last_apply_s = time.perf_counter() - start
+        self.history.append(RefreshRecord(version, str(path), True, "applied", self.last_apply_s, probe_l))
+        log.info(
+            "draft refresh: serving v%04d (policy version %d) after %.2f s (%d tensors, %.2f s in the engine)",
+            version, new.policy_version, self.last_apply_s, info["tensors"], info["seconds"],
+        )
+        return True
+
+    def engine_loaded(self) -> list[dict[str, Any] | None]:
+        """What each worker's draft module records as last loaded by ``rpc_load_draft`` (None: start-up)."""
+        return [info.get("loaded") for info in collective_rpc(self.llm, rpc_describe)]
+
+    def metrics(self) -> dict[str, float]:
+        """Gauges for the monitoring stream."""
+        return {
+            "engine_draft_version": float(self.current.version),
+            "engine_refreshes": float(self.refreshes),
+            "engine_refresh_failures": float(self.failures),
+            "engine_rollbacks": float(self.rollbacks),
+            "engine_alarms": float(self.alarms),
+            "engine_apply_s": float(self.last_apply_s) if self.last_apply_s is not None else math.nan,
+        }

@@ -1,0 +1,259 @@
+"""vLLM as the RL job's rollout engine: policy weight sync, frozen/adapted drafts, counters, log-probs.
+
+One :class:`VLLMRollouts` lives in the RL process beside the trained policy (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
+set by the launcher: the engine core runs in this process, so weights and functions reach the worker without
+serialisation).  It implements :class:`draft_align.rl.rollouts.RolloutEngine`.
+
+- **Policy sync** (:meth:`VLLMRollouts.sync_policy`): before a step's rollouts the engine's target must be the
+  current policy.  The LoRA policy is merged per tensor (:func:`~draft_align.hf.lora_layers.merged_layer_weights`)
+  for every decoder layer that holds an adapter, and the worker reloads exactly those layers in place
+  (:func:`~draft_align.engines.vllm.worker_rpc.rpc_load_policy_layers`).  Version 0 (adapter B = 0) is the
+  base model the engine started from: no sync.
+- **Drafts**: the engine serves either the frozen warm-start draft or the adapted one (the newest version that
+  passed the :class:`~draft_align.engines.vllm.refresher.ProbeGuard`); :meth:`offer` applies a new verified
+  version once (probe, rollback on collapse), :meth:`use` swaps between the two known-good versions without a
+  probe.  Rollouts are grouped by draft so a step swaps at most once.
+- **Measured acceptance**: the engine's spec-decode counters, differenced around each draft's ``generate``.
+- **Log-probs**: each sampled token's log-prob under the engine (``logprobs=0``, ``processed_logprobs``: after
+  temperature), compared with the RL job's recomputed ones (:func:`~draft_align.monitor.logprob_gap.logprob_gap`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from draft_align.conventions import float_dtype
+from draft_align.engines.rollout_types import DRAFT_KINDS, DraftKind, DraftVersion, Rollout, RolloutPlan
+from draft_align.engines.vllm.counters import SpecCounters
+from draft_align.engines.vllm.refresher import DraftRefresher, ProbeGuard
+from draft_align.engines.vllm.start import EngineError, collective_rpc, import_vllm, start_engine
+from draft_align.engines.vllm.worker_rpc import rpc_load_policy_layers
+from draft_align.hf.lora_layers import merged_layer_weights
+from draft_align.monitor.acceptance import AcceptanceTally
+from draft_align.monitor.logprob_gap import logprob_gap
+
+log = logging.getLogger(__name__)
+
+VERIFY_TO_SAMPLE_METHOD = {"greedy_draft": "greedy", "probabilistic": "probabilistic"}
+SEED_BITS = 62  # per-request seeds vLLM's sampler takes
+
+
+@dataclass
+class EngineOutput:
+    """One request's result: new tokens (stop token included when it stopped on one) and their log-probs."""
+
+    tokens: torch.Tensor  # [R] long
+    logprobs: torch.Tensor  # [R] float32, NaN where the engine returned none
+    finished: bool  # stopped on a stop token (not on max_tokens)
+
+
+class VLLMRollouts:
+    """vLLM serving the current policy with the frozen or the adapted draft (see the module docstring).
+
+    ``target``: the base model the policy's LoRA sits on (alias, folder or hub id); ``frozen``: the verified
+    warm-start draft.  ``verify_mode``: ``greedy_draft`` (vLLM's default draft sampling) or ``probabilistic``;
+    vLLM has no "argmax everywhere" mode at T > 0.
+    """
+
+    def __init__(
+        self,
+        target: str,
+        frozen: DraftVersion,
+        *,
+        k: int,
+        verify_mode: str = "greedy_draft",
+        dtype: str = "bfloat16",
+        max_model_len: int = 1024,
+        seed: int = 0,
+        guard: ProbeGuard | None = None,
+        **llm_kwargs: Any,
+    ) -> None:
+        if verify_mode not in VERIFY_TO_SAMPLE_METHOD:
+            raise EngineError(
+                f"verify mode {verify_mode!r} has no vLLM equivalent: use greedy_draft (vLLM's default) or "
+                f"probabilistic"
+            )
+        self.frozen = frozen
+        self.k = int(k)
+        self.verify_mode = verify_mode
+        t0 = time.perf_counter()
+        llm_kwargs.setdefault("logprobs_mode", "processed_logprobs")  # after temperature, like the RL's log π
+        self.llm = start_engine(
+            target, frozen.path, k=self.k, draft_sample_method=VERIFY_TO_SAMPLE_METHOD[verify_mode],  # type: ignore[arg-type]
+            max_model_len=max_model_len, seed=seed, dtype=dtype, **llm_kwargs,
+        )  # fmt: skip
+        self.start_s = time.perf_counter() - t0
+        self.dtype = float_dtype(dtype)
+        self.refresher = DraftRefresher(self.llm, guard=guard, serving=frozen)
+        self._adapted: DraftVersion | None = None
+        self.serving: DraftKind = "frozen"
+        self.policy_version = 0  # the policy version the engine's target holds
+        self.syncs = 0
+        self.offers_refused = 0
+
+    @property
+    def adapted(self) -> DraftVersion | None:
+        """The newest adapted version that passed the guard (None: the frozen draft stands in)."""
+        return self._adapted
+
+    # ----------------------------------------------------------------- policy
+    def sync_policy(self, model: nn.Module, version: int) -> bool:
+        """Make the engine's target policy ``version`` (``model``: the LoRA-injected HF model); True when
+        weights were sent."""
+        if version == self.policy_version:
+            return False
+        t0 = time.perf_counter()
+        weights = merged_layer_weights(model, self.dtype)
+        info = collective_rpc(self.llm, rpc_load_policy_layers, weights, int(version))[0]
+        self.llm.reset_prefix_cache()  # cached prompt blocks hold the previous policy's K/V
+        self.policy_version = int(version)
+        self.syncs += 1
+        log.info("engine: policy v%d synced (%d layers, %d tensors) in %.2f s", version, info["layers"],
+                 info["tensors"], time.perf_counter() - t0)  # fmt: skip
+        return True
+
+    # ----------------------------------------------------------------- drafts
+    def offer(self, draft: DraftVersion) -> bool:
+        """Serve the verified version ``draft`` as the adapted draft if it passes the guard; False otherwise
+        (the engine then serves what it served before)."""
+        current = self._adapted if self._adapted is not None else self.frozen
+        if draft.path.resolve() == current.path.resolve():
+            return False
+        ok = self.refresher.apply(draft, probe=True)
+        if ok:
+            self._adapted = draft
+            self.serving = "adapted"
+        else:
+            self.offers_refused += 1
+        return ok
+
+    def use(self, kind: str) -> None:
+        """Serve the frozen or the adapted (already accepted) draft; swaps only when needed."""
+        if kind not in DRAFT_KINDS:
+            raise ValueError(f"draft kind {kind!r}")
+        want = self._adapted if kind == "adapted" and self._adapted is not None else self.frozen
+        if want.path.resolve() == Path(self.refresher.current.path).resolve():
+            self.serving = kind  # type: ignore[assignment]
+            return
+        if not self.refresher.apply(want, probe=False):
+            raise EngineError(
+                f"engine: could not swap back to the {kind} draft {want.path}: {self.refresher.history[-1]}"
+            )
+        self.serving = kind  # type: ignore[assignment]
+
+    # ----------------------------------------------------------------- generation
+    def generate(
+        self,
+        prompts: Sequence[torch.Tensor],
+        seeds: Sequence[int],
+        *,
+        temperature: float,
+        max_tokens: int,
+        stop_ids: Sequence[int],
+    ) -> tuple[list[EngineOutput], SpecCounters]:
+        """Sample one response per prompt with the serving draft; (outputs, counters of exactly this call)."""
+        if len(prompts) != len(seeds):
+            raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
+        if not prompts:
+            return [], SpecCounters()
+        vllm = import_vllm()
+        stops = sorted({int(i) for i in stop_ids})
+        params = [
+            vllm.SamplingParams(
+                temperature=float(temperature), max_tokens=int(max_tokens), seed=int(s), stop_token_ids=stops,
+                logprobs=0, detokenize=False,
+            )  # fmt: skip
+            for s in seeds
+        ]
+        requests = [{"prompt_token_ids": [int(t) for t in p.tolist()]} for p in prompts]
+        before = SpecCounters.snapshot(self.llm)
+        outs = self.llm.generate(requests, params, use_tqdm=False)
+        counters = SpecCounters.snapshot(self.llm) - before
+        results = []
+        stop_set = set(stops)
+        for o in outs:
+            c = o.outputs[0]
+            ids = [int(t) for t in c.token_ids]
+            lps = [math.nan] * len(ids)
+            for i, (tid, entry) in enumerate(zip(ids, c.logprobs or [], strict=False)):
+                lp = entry.get(tid) if entry else None
+                lps[i] = float(lp.logprob) if lp is not None else math.nan
+            finished = bool(ids) and ids[-1] in stop_set
+            results.append(EngineOutput(torch.tensor(ids, dtype=torch.long),
+                                        torch.tensor(lps, dtype=torch.float32), finished))  # fmt: skip
+        return results, counters
+
+    # ----------------------------------------------------------------- the RolloutEngine interface
+    def prepare(self, policy_model: nn.Module, policy_version: int, adapted: DraftVersion | None) -> dict[str, float]:
+        """Sync the policy, offer the newest verified adapted draft (a no-op unless new; refused → the previous
+        one keeps serving); the seconds each took."""
+        t0 = time.perf_counter()
+        self.sync_policy(policy_model, policy_version)
+        sync_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        if adapted is not None:
+            self.offer(adapted)
+        return {"engine_vllm": 1.0, "policy_sync_s": sync_s, "draft_offer_s": time.perf_counter() - t0}
+
+    def rollouts(
+        self,
+        plan: RolloutPlan,
+        prompts: Sequence[torch.Tensor],
+        *,
+        temperature: float,
+        max_tokens: int,
+        eos_ids: frozenset[int],
+    ) -> tuple[list[Rollout], dict[DraftKind, AcceptanceTally]]:
+        """All rollouts of ``plan``: one batched generate per draft, the serving draft's first; each draft's
+        acceptance is the counter difference around its generate."""
+        seeded = list(zip(plan.rollouts, plan.seeds(SEED_BITS), strict=True))
+        order = sorted(DRAFT_KINDS, key=lambda kind: kind != self.serving)
+        results: dict[int, EngineOutput] = {}
+        tallies = {kind: AcceptanceTally.empty(self.k) for kind in DRAFT_KINDS}
+        for kind in order:
+            mine = [(p, seed) for p, seed in seeded if p.draft == kind]
+            if not mine:
+                continue
+            self.use(kind)
+            outs, counts = self.generate(
+                [prompts[p.prompt_index] for p, _ in mine], [seed for _, seed in mine],
+                temperature=temperature, max_tokens=max_tokens, stop_ids=sorted(eos_ids),
+            )  # fmt: skip
+            tallies[kind] = counts.as_tally(self.k)
+            results.update({p.index: o for (p, _), o in zip(mine, outs, strict=True)})
+        out = [
+            Rollout(p.prompt_index, prompts[p.prompt_index].cpu(), results[p.index].tokens, results[p.index].finished,
+                    p.draft, None, engine_logprobs=results[p.index].logprobs)
+            for p in plan.rollouts
+        ]  # fmt: skip
+        return out, tallies
+
+    def step_metrics(self, rollouts: Sequence[Rollout], old_logprobs: torch.Tensor) -> dict[str, float]:
+        """The engine's log-probs vs the job's recomputed ones (``engine_logprob_gap_*``), then the gauges."""
+        engine_lp = torch.cat([r.engine_logprobs for r in rollouts if r.engine_logprobs is not None])
+        return {**logprob_gap(engine_lp, old_logprobs.cpu()), **self.metrics()}
+
+    def metrics(self) -> dict[str, float]:
+        """Gauges for the step's metrics (the refresher's plus the policy sync's); the adapted version and the
+        sync time are the step's own ``draft_version`` and ``policy_sync_s``."""
+        return {
+            **self.refresher.metrics(),
+            "engine_policy_version": float(self.policy_version),
+            "engine_policy_syncs": float(self.syncs),
+            "engine_offers_refused": float(self.offers_refused),
+        }
+
+    def shutdown(self) -> None:
+        """Stop the engine core (frees its KV cache)."""
+        core = getattr(self.llm.llm_engine, "engine_core", None)
+        if core is not None:
+            core.shutdown()

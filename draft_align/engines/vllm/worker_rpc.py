@@ -1,0 +1,222 @@
+"""The functions ``LLM.collective_rpc`` runs inside each vLLM worker: describe the serving draft, load a draft
+version's private tensors in place, reload the target's decoder layers with the synced policy.
+
+Each takes the worker as its first argument and is module-level, so that a multiprocess engine unpickles it
+by reference (``draft_align.engines.vllm.worker_rpc.<name>``).  Loads go through vLLM's
+``initialize_layerwise_reload`` / ``finalize_layerwise_reload`` (a plain ``load_weights`` fails on CPU, whose
+linear weights are repacked for oneDNN), and tensors the draft shares with the target (the embedding) are
+never written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from draft_align.engines.vllm.start import EngineError
+from draft_align.hf.lora_layers import decoder_layer_of
+from draft_align.publish.folder import ExportError
+
+LOADED_ATTR = "draft_align_loaded"  # set on the engine's draft module: what rpc_load_draft last loaded
+
+
+class RefreshError(ExportError):
+    """A draft version that cannot be applied to the running engine (the engine was not touched)."""
+
+
+# --------------------------------------------------------------------------------------- the draft
+def _vllm_name(name: str) -> str:
+    """A checkpoint tensor name → the draft module's parameter name in vLLM's Eagle3 Llama head."""
+    if name.startswith("lm_head."):
+        return name
+    for old in ("midlayer.", "layers.0."):
+        if name.startswith(old):
+            return "model.layers.0." + name[len(old):]
+    return "model." + name
+
+
+def _storage_ptrs(module: torch.nn.Module) -> set[int]:
+    return {
+        t.untyped_storage().data_ptr()
+        for t in list(module.parameters()) + list(module.buffers())
+        if t.numel() > 0 and t.device.type != "meta"
+    }
+
+
+def _shared_modules(draft: torch.nn.Module, target: torch.nn.Module) -> list[str]:
+    """Names of draft submodules holding a tensor that is also the target's (the shared embedding)."""
+    target_ids = {id(t) for t in list(target.parameters()) + list(target.buffers())}
+    target_ptrs = _storage_ptrs(target)
+    shared = []
+    for name, mod in draft.named_modules(remove_duplicate=False):
+        own = [t for t in list(mod._parameters.values()) + list(mod._buffers.values()) if t is not None]
+        if any(
+            id(t) in target_ids
+            or (t.numel() > 0 and t.device.type != "meta" and t.untyped_storage().data_ptr() in target_ptrs)
+            for t in own
+        ):
+            shared.append(name)
+    return shared
+
+
+def _under(name: str, prefixes: Sequence[str]) -> bool:
+    return any(p == "" or name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def _private_subtrees(module: torch.nn.Module, shared: Sequence[str], prefix: str = "") -> list[torch.nn.Module]:
+    """The largest submodules of ``module`` that contain no shared tensor (the root's own tensors excluded)."""
+    out: list[torch.nn.Module] = []
+    for cname, child in module.named_children():
+        name = f"{prefix}.{cname}" if prefix else cname
+        if any(s == name or s.startswith(name + ".") for s in shared):
+            if name not in shared:
+                out += _private_subtrees(child, shared, name)
+        else:
+            out.append(child)
+    return out
+
+
+def _digest_tensor(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.detach().to("cpu", torch.long).contiguous().numpy().tobytes()).hexdigest()
+
+
+def rpc_describe(worker: Any) -> dict[str, Any]:
+    """(runs in each worker) The serving draft: what was last loaded into it, its vocab map digest, shared parts."""
+    runner = worker.model_runner
+    draft = runner.get_draft_model()
+    if draft is None:
+        return {"has_draft": False}
+    d2t = getattr(draft, "draft_id_to_target_id", None)
+    return {
+        "has_draft": True,
+        "class": type(draft).__name__,
+        "loaded": getattr(draft, LOADED_ATTR, None),
+        "d2t_sha256": _digest_tensor(d2t) if d2t is not None else None,
+        "shared": _shared_modules(draft, runner.get_model()),
+    }
+
+
+def rpc_load_draft(worker: Any, weights_path: str, sha256: str, record: dict[str, Any]) -> dict[str, Any]:
+    """(runs in each worker) Load the draft-private tensors of ``weights_path`` into the serving draft.
+
+    Checks before touching the model (RefreshError, engine unchanged): the bytes read hash to ``sha256``; the
+    vocab map equals the engine's; a tensor the draft shares with the target is either absent or identical.
+    Then, inside ``set_current_vllm_config``: ``initialize_layerwise_reload`` on every draft-private subtree,
+    ``draft.load_weights``, ``finalize_layerwise_reload`` (repacking for the CPU kernels happens there).
+    Afterwards the tensors vLLM keeps unpacked (norms, lm_head) are compared with the file.  ``record`` is
+    stored on the draft module as ``draft_align_loaded``.
+    """
+    import safetensors.torch
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+    start = time.perf_counter()
+    data = Path(weights_path).read_bytes()
+    if hashlib.sha256(data).hexdigest() != sha256:
+        raise RefreshError(f"{weights_path}: sha256 of the bytes read differs from the manifest's")
+    tensors = safetensors.torch.load(data)
+    runner = worker.model_runner
+    draft = runner.get_draft_model()
+    if draft is None:
+        raise RefreshError("the engine serves no draft model")
+    target = runner.get_model()
+
+    new_map = tensors.pop("d2t", None)
+    tensors.pop("t2d", None)  # engines ignore it
+    engine_map = getattr(draft, "draft_id_to_target_id", None)
+    if engine_map is not None and (new_map is None or _digest_tensor(new_map) != _digest_tensor(engine_map)):
+        raise RefreshError("vocab map (d2t) differs from the serving draft's: it is fixed for a run")
+
+    shared = _shared_modules(draft, target)
+    params = dict(draft.named_parameters(remove_duplicate=False))
+    weights: list[tuple[str, torch.Tensor]] = []
+    skipped: list[str] = []
+    for name, t in tensors.items():
+        vname = _vllm_name(name)
+        if not _under(vname.rsplit(".", 1)[0], shared):
+            weights.append((name, t))
+            continue
+        current = params.get(vname)
+        if current is None or tuple(current.shape) != tuple(t.shape) or not torch.equal(current, t.to(current.dtype)):
+            raise RefreshError(
+                f"{name} is shared with the target model in this engine; loading it would overwrite the "
+                f"target's weights (restart the engine to change it)"
+            )
+        skipped.append(name)  # identical to the target's: nothing to do
+    if not weights:
+        raise RefreshError(f"{weights_path}: no draft-private tensors to load")
+
+    subtrees = _private_subtrees(draft, shared)
+    model_config = worker.vllm_config.speculative_config.draft_model_config
+    with set_current_vllm_config(worker.vllm_config):
+        for module in subtrees:
+            initialize_layerwise_reload(module)
+        try:
+            draft.load_weights(iter(weights))
+        finally:
+            for module in subtrees:
+                finalize_layerwise_reload(module, model_config)
+
+    params = dict(draft.named_parameters(remove_duplicate=False))
+    checked = 0
+    for name, t in weights:
+        p = params.get(_vllm_name(name))
+        if p is None or p.numel() != t.numel():
+            continue  # repacked for the CPU kernel (weight emptied) or fused (qkv, gate_up): not comparable
+        if not torch.equal(p.detach().cpu().reshape(t.shape), t.to(p.dtype)):
+            raise RuntimeError(f"{name}: the engine holds other values than the file after the reload")
+        checked += 1
+    if checked == 0:
+        raise RuntimeError("no loaded tensor could be read back from the engine: the reload is unverified")
+    setattr(draft, LOADED_ATTR, dict(record))
+    return {"tensors": len(weights), "skipped_shared": skipped, "checked": checked,
+            "seconds": time.perf_counter() - start}  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------- the policy
+def rpc_load_policy_layers(worker: Any, weights: Mapping[str, torch.Tensor], version: int) -> dict[str, Any]:
+    """(runs in each worker) Reload the target's decoder layers named by ``weights`` in place.
+
+    Inside ``set_current_vllm_config``: ``initialize_layerwise_reload`` on each layer, ``model.load_weights``
+    with the HF-named tensors (vLLM fuses q/k/v and gate/up itself), ``finalize_layerwise_reload`` (repacks
+    for the CPU kernels).  Unfused tensors (the layer norms) are read back and compared.  Nothing outside
+    these layers is touched.
+    """
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+    start = time.perf_counter()
+    model = worker.model_runner.get_model()
+    layer_names = sorted({decoder_layer_of(n) for n in weights} - {None})
+    if not layer_names or any(decoder_layer_of(n) is None for n in weights):
+        raise EngineError("policy sync: every tensor must belong to a decoder layer (model.layers.N.…)")
+    try:
+        layers = [model.get_submodule(n) for n in layer_names]
+    except AttributeError as e:
+        raise EngineError(f"policy sync: the engine's model has no {e}") from e
+    model_config = worker.vllm_config.model_config
+    with set_current_vllm_config(worker.vllm_config):
+        for layer in layers:
+            initialize_layerwise_reload(layer)
+        try:
+            loaded = model.load_weights(iter(weights.items()))
+        finally:
+            for layer in layers:
+                finalize_layerwise_reload(layer, model_config)
+    params = dict(model.named_parameters())
+    checked = 0
+    for name, t in weights.items():
+        p = params.get(name)
+        if p is None or p.numel() != t.numel():
+            continue  # fused (qkv, gate_up) or repacked for the CPU kernel: not comparable by name
+        if not torch.equal(p.detach().cpu().reshape(t.shape), t.to(p.dtype)):
+            raise EngineError(f"policy sync: {name} holds other values than were sent after the reload")
+        checked += 1
+    worker.model_runner.draft_align_policy_version = int(version)
+    return {"layers": len(layers), "tensors": len(weights), "loaded": len(loaded or ()), "checked": checked,
+            "seconds": time.perf_counter() - start}  # fmt: skip

@@ -1,0 +1,62 @@
+"""The merged LoRA decoder layers a rollout engine reloads: equal to peft's own merge, the live model left
+untouched, a LoRA outside the decoder layers refused."""
+
+import copy
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from draft_align.hf.lora_layers import LoraLayoutError, decoder_layer_of, merged_layer_weights
+from draft_align.rl.policy import Policy
+
+
+def _drift(policy: Policy, std: float, seed: int = 0) -> None:
+    """Give the adapter non-zero B matrices (a policy that moved away from the base model)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in policy.peft_model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
+    policy.version += 1
+
+
+def _policy(path, targets=("q_proj", "v_proj", "down_proj")) -> Policy:
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return Policy(model, lora_r=4, lora_alpha=8, target_modules=list(targets), seed=0)
+
+
+def test_decoder_layer_of():
+    assert decoder_layer_of("model.layers.7.self_attn.q_proj.weight") == "model.layers.7"
+    assert decoder_layer_of("model.layers.12.") == "model.layers.12"
+    assert decoder_layer_of("model.embed_tokens.weight") is None and decoder_layer_of("lm_head.weight") is None
+    assert decoder_layer_of("model.layers.x.weight") is None
+
+
+def test_merged_layer_weights_equal_peft_merge(tiny_world):
+    policy = _policy(tiny_world.model)
+    _drift(policy, 0.1)
+    merged = merged_layer_weights(policy.hf_model)
+
+    reference = copy.deepcopy(policy.peft_model).merge_and_unload().state_dict()
+    assert merged and all(name.startswith("model.layers.") for name in merged)
+    assert not any("lora_" in n or "base_layer" in n for n in merged)
+    n_layers = policy.hf_model.config.num_hidden_layers
+    assert {n.split(".")[2] for n in merged} == {str(i) for i in range(n_layers)}
+    changed = 0
+    for name, t in merged.items():
+        assert torch.allclose(t, reference[name], atol=1e-6), name
+        base = dict(policy.hf_model.named_parameters()).get(name.replace(".weight", ".base_layer.weight"))
+        changed += base is not None and not torch.allclose(base, t)
+    assert changed == 3 * n_layers  # q, v, down of every layer moved; the rest is sent unchanged
+    # the live model is untouched: the adapter still computes the drifted policy on top of the base weights
+    q = policy.hf_model.model.layers[0].self_attn.q_proj
+    assert not torch.allclose(q.base_layer.weight, merged["model.layers.0.self_attn.q_proj.weight"])
+    half = merged_layer_weights(policy.hf_model, torch.bfloat16)
+    assert all(t.dtype == torch.bfloat16 for t in half.values())
+
+
+def test_lora_outside_decoder_layers_is_refused(tiny_world):
+    policy = _policy(tiny_world.model, targets=("q_proj", "lm_head"))
+    with pytest.raises(LoraLayoutError, match="outside the decoder layers"):
+        merged_layer_weights(policy.hf_model)
