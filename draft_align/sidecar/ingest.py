@@ -21,7 +21,8 @@ from draft_align.sidecar.state import Rates, SidecarState
 from draft_align.train.records import Record, TappedRecord
 from draft_align.train.replay import ReplayBuffer
 from draft_align.wire.join import StageJoiner
-from draft_align.wire.messages import HeadSync, TapBatch, TapPart, drop_nonfinite
+from draft_align.wire.messages import HeadSync, TapBatch, TapPart
+from draft_align.wire.packing import drop_nonfinite
 
 log = logging.getLogger(__name__)
 

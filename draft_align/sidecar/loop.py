@@ -70,7 +70,9 @@ from draft_align.train.trainer import (
     OptimSettings,
     checkpoint_exists,
 )
-from draft_align.wire.messages import HeadSync, StepReport, TapBatch, TapPart, decode, encode
+from draft_align.wire.channel import DRAIN_MAX_MESSAGES
+from draft_align.wire.codec import encode
+from draft_align.wire.messages import HeadSync, StepReport, TapBatch, TapPart, decode
 
 log = logging.getLogger(__name__)
 
@@ -265,18 +267,13 @@ class Sidecar:
     def checkpoint_due(self) -> bool:
         return time.monotonic() - self._last_ckpt >= self.recipe.sidecar.checkpoint_every_s
 
-    def drain(self, budget_s: float, timeout_ms: int) -> int:
-        """Handle the messages waiting on the PULL socket for at most ``budget_s`` (the first one waited for
-        up to ``timeout_ms``); returns how many arrived."""
+    def drain(self, budget_s: float, timeout_ms: int, max_messages: int = DRAIN_MAX_MESSAGES) -> int:
+        """Handle the messages waiting on the PULL socket: up to ``max_messages`` consumed (rejected ones
+        count, and never end the drain as if the queue were empty) within about ``budget_s`` (the first
+        valid one waited for up to ``timeout_ms``); returns how many valid ones arrived."""
         self.ingest.joiner.expire()  # incomplete pipeline-stage joins time out (counted), never wait
         n = 0
-        end = time.monotonic() + budget_s
-        first = True
-        while first or time.monotonic() < end:
-            msg = self.receiver.recv(timeout_ms if first else 0)
-            first = False
-            if msg is None:
-                break
+        for msg in self.receiver.drain(budget_s, timeout_ms, max_messages):
             n += 1
             if getattr(msg, "run_id", None) != self.recipe.run:
                 self.state.foreign_messages += 1

@@ -29,7 +29,8 @@ from draft_align.tap.shipping import (
     offer_head_sync,
     ship,
 )
-from draft_align.wire.messages import HeadSync, pack_sequences
+from draft_align.wire.messages import HeadSync
+from draft_align.wire.packing import pack_sequences
 
 
 def _norm_eps(norm: nn.Module) -> float:

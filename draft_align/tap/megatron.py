@@ -51,7 +51,9 @@ from draft_align.tap.shipping import (
     ship,
     stat_buffers,
 )
-from draft_align.wire.messages import HeadSync, TapPart, pack_sequences, validate
+from draft_align.wire.codec import validate
+from draft_align.wire.messages import HeadSync, TapPart
+from draft_align.wire.packing import pack_sequences
 
 
 def _gather_sequence(x: torch.Tensor, group: Any, world: int) -> torch.Tensor:

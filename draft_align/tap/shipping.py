@@ -17,7 +17,8 @@ import torch
 from draft_align.hf.capture import TapError
 from draft_align.tap.budget import MIN_SEQUENCE_TOKENS, TokenBudgetSketch, check_budgets
 from draft_align.tap.protocol import PolicyTapError, TapSink
-from draft_align.wire.messages import HeadSync, WireError
+from draft_align.wire.messages import HeadSync
+from draft_align.wire.schema import WireError
 
 logger = logging.getLogger(__name__)
 

@@ -1,225 +1,147 @@
 """ZeroMQ channels for wire messages (docs/wire.md).  The only module that imports zmq, lazily.
 
 - :class:`TapSender` (policy side): PUSH, connects; ``offer()`` never blocks, a bounded queue and a short
-  send deadline drop (and count) instead of stalling the RL job.
-- :class:`Receiver` (sidecar): PULL, binds; validates every message, counts rejections by reason, never
-  raises on a bad message.
+  send deadline drop (and count) instead of stalling the RL job; it stamps every message with its sender
+  id and sequence number and refuses (counts) a message over the receiver's size limit.
+- :class:`Receiver` (sidecar): PULL, binds; validates every message, drops replays, counts rejections by
+  reason, never raises on a bad message; :meth:`Receiver.drain` consumes up to a budget of messages or
+  time, rejections included.
+- With a key every connection authenticates at the ZeroMQ handshake (PLAIN with a key-derived password,
+  checked by this module's ZAP handler) before any of its frames is buffered.
 - :class:`Publisher` / :class:`Subscriber`: DraftPublished over PUB/SUB.
-- :func:`resolve_key`, :func:`default_endpoint`, :func:`check_endpoint`: key and endpoint rules.
+- :func:`resolve_key` (``keys.py``), :func:`default_endpoint`, :func:`check_endpoint` (``endpoints.py``):
+  key and endpoint rules, re-exported here.
 """
 
 from __future__ import annotations
 
 import collections
 import hashlib
-import ipaddress
+import hmac
 import logging
 import os
 import secrets
-import stat
-import tempfile
 import threading
 import time
-from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
+from draft_align.wire.codec import encode
+from draft_align.wire.endpoints import (
+    SOCKET_DIR_FILE,
+    _prepare_bind,
+    check_endpoint,
+    default_endpoint,
+    rank_endpoint,
+    tap_endpoints,
+)
+from draft_align.wire.keys import KEY_BYTES, KEY_ENV, KEY_FILE_NAME, MIN_KEY_BYTES, resolve_key
 from draft_align.wire.messages import (
-    DEFAULT_MAX_BYTES,
-    DEFAULT_MAX_TOKENS,
-    HEADER_MAX_BYTES,
     DraftPublished,
     HeadSync,
     Message,
     StepReport,
     TapBatch,
     TapPart,
-    WireError,
-    decode,
-    encode,
+    decode_with_origin,
 )
+from draft_align.wire.replay import ReplayGuard
+from draft_align.wire.schema import DEFAULT_MAX_BYTES, DEFAULT_MAX_TOKENS, HEADER_MAX_BYTES, WireError
 
 logger = logging.getLogger(__name__)
 
-KEY_ENV = "DRAFT_ALIGN_WIRE_KEY"
-KEY_FILE_NAME = "wire.key"
-MIN_KEY_BYTES = 16
-KEY_BYTES = 32
-_MAX_SOCKET_PATH = 100  # sun_path holds 108 bytes on Linux, 104 on macOS
-_LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+__all__ = [
+    "DEFAULT_BUFFER_BYTES", "DRAIN_MAX_MESSAGES", "KEY_BYTES", "KEY_ENV", "KEY_FILE_NAME", "MIN_KEY_BYTES",
+    "SOCKET_DIR_FILE", "Publisher", "Receiver", "Subscriber", "TapSender", "authenticate", "check_endpoint",
+    "default_endpoint", "rank_endpoint", "resolve_key", "tap_endpoints",
+]
+
 _MESSAGE_OVERHEAD = 1024  # estimated header + MAC bytes, for the send queue's byte budget
+DEFAULT_BUFFER_BYTES = 1 << 30  # a receiver's queue per connection: RCVHWM = this // max_bytes messages
+DRAIN_MAX_MESSAGES = 1024  # messages (valid or not) one drain consumes at most
+_ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # where libzmq asks a context's ZAP handler (RFC 27)
+_ZAP_USER = b"draft_align"
+_ZAP_DOMAIN = "draft_align.wire"
+_AUTH_EVENTS = ("EVENT_HANDSHAKE_FAILED_AUTH", "EVENT_HANDSHAKE_FAILED_PROTOCOL",
+                "EVENT_HANDSHAKE_FAILED_NO_DETAIL")
 
 
-# ---------------------------------------------------------------------------------------------------- key
-def _parse_key(data: bytes, source: str) -> bytes:
-    """Hex text (whitespace around it ignored) or raw bytes."""
-    text = data.strip()
-    key = data
-    if text and len(text) % 2 == 0:
-        try:
-            key = bytes.fromhex(text.decode("ascii"))
-        except (UnicodeDecodeError, ValueError):
-            key = data
-    if len(key) < MIN_KEY_BYTES:
-        raise ValueError(f"wire key from {source} has {len(key)} bytes; at least {MIN_KEY_BYTES} are needed")
-    return key
+def _bind(sock: Any, endpoint: str) -> str:
+    """Bind ``sock``; an ipc socket file is made 0600 at once (libzmq creates it through the umask)."""
+    _prepare_bind(endpoint)
+    import zmq
 
-
-def _read_key_file(path: Path) -> bytes:
-    mode = path.stat().st_mode
-    if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        logger.warning("wire key %s is readable by group/others (mode %o)", path, stat.S_IMODE(mode))
-    return _parse_key(path.read_bytes(), str(path))
-
-
-def _create_key_file(path: Path) -> None:
-    """Write a random key to ``path`` atomically and exclusively: the key goes to a private temp file that is
-    hard-linked into place, so a racing reader never sees a partial file and exactly one writer wins."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(secrets.token_hex(KEY_BYTES) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        try:
-            os.link(tmp, path)
-        except FileExistsError:
-            pass  # another process won the race: use its key
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def resolve_key(key_file: str | None, run_dir: Path, create: bool) -> bytes:
-    """The HMAC key: ``key_file`` (hex or raw bytes), else ``$DRAFT_ALIGN_WIRE_KEY`` (hex), else
-    ``<run_dir>/wire.key``, created (random 32 bytes, hex, mode 0600) when ``create`` and absent; processes
-    racing to create it all end with the winner's key.  Raises ValueError for a short or malformed key and
-    FileNotFoundError when there is no key and ``create`` is False."""
-    if key_file is not None:
-        return _read_key_file(Path(key_file))
-    env = os.environ.get(KEY_ENV)
-    if env:
-        try:
-            key = bytes.fromhex(env.strip())
-        except ValueError as e:
-            raise ValueError(f"${KEY_ENV} must be hex: {e}") from e
-        if len(key) < MIN_KEY_BYTES:
-            raise ValueError(f"${KEY_ENV} has {len(key)} bytes; at least {MIN_KEY_BYTES} are needed")
-        return key
-    path = Path(run_dir) / KEY_FILE_NAME
-    if not path.exists():
-        if not create:
-            raise FileNotFoundError(
-                f"no wire key: set wire.key_file or ${KEY_ENV}, or start the side that creates {path}"
-            )
-        _create_key_file(path)
-    return _read_key_file(path)
-
-
-# ---------------------------------------------------------------------------------------------- endpoints
-def default_endpoint(run_dir: Path, name: str) -> str:
-    """``ipc://<run_dir>/<name>.sock``, or ``ipc://<tmp>/draft_align-<hash of run_dir>-<name>.sock`` when that
-    path is longer than a socket name may be."""
-    if not name or not all(c.isalnum() or c in "-_." for c in name):
-        raise ValueError(f"endpoint name {name!r}: use letters, digits, '-', '_' or '.'")
-    run_dir = Path(os.path.abspath(run_dir))
-    path = str(run_dir / f"{name}.sock")
-    if len(path) > _MAX_SOCKET_PATH:
-        digest = hashlib.sha256(str(run_dir).encode()).hexdigest()[:16]
-        path = os.path.join(tempfile.gettempdir(), f"draft_align-{digest}-{name}.sock")
-        if len(path) > _MAX_SOCKET_PATH:
-            raise ValueError(f"temp dir {tempfile.gettempdir()!r} is too long for an ipc socket name")
-    return f"ipc://{path}"
-
-
-def rank_endpoint(endpoint: str, rank: int) -> str:
-    """The PULL endpoint sidecar rank ``rank`` binds: rank 0 keeps ``endpoint``; rank r > 0 binds
-    ``ipc://…/<name>.<r>.sock`` (``.<r>`` appended when the path does not end in ``.sock``) or the tcp port + r."""
-    if rank < 0:
-        raise ValueError(f"rank must be ≥ 0, got {rank}")
-    if rank == 0:
-        return endpoint
+    sock.bind(endpoint)
     if endpoint.startswith("ipc://"):
-        stem, dot, ext = endpoint.rpartition(".sock")
-        return f"{stem}.{rank}.sock" if dot and not ext else f"{endpoint}.{rank}"
-    if endpoint.startswith("tcp://"):
-        host, port = _split_tcp(endpoint)
-        if port == "*":
-            raise ValueError(f"{endpoint!r}: a multi-rank sidecar needs a fixed tcp port (rank r binds port + r)")
-        if int(port) + rank > 65535:
-            raise ValueError(f"{endpoint!r}: port + rank {rank} is beyond 65535")
-        return endpoint[: -len(port)] + str(int(port) + rank)
-    raise ValueError(f"{endpoint!r}: only ipc:// and tcp:// endpoints are supported")
+        os.chmod(endpoint[len("ipc://"):], 0o600)
+    return sock.getsockopt(zmq.LAST_ENDPOINT).decode()
 
 
-def tap_endpoints(endpoint: str, ranks: int) -> list[str]:
-    """The endpoints of an N-rank sidecar, rank order (what a TapSender connects to)."""
-    if ranks < 1:
-        raise ValueError(f"ranks must be ≥ 1, got {ranks}")
-    return [rank_endpoint(endpoint, r) for r in range(ranks)]
+def _zap_password(key: bytes) -> bytes:
+    """The PLAIN password every party with ``key`` derives: HMAC-SHA256(key, "draft_align.wire zap"), hex."""
+    return hmac.new(key, b"draft_align.wire zap", hashlib.sha256).hexdigest().encode()
 
 
-def _split_tcp(endpoint: str) -> tuple[str, str]:
-    rest = endpoint[len("tcp://"):]
-    if rest.startswith("["):
-        host, sep, port = rest[1:].partition("]:")
-        if not sep:
-            raise ValueError(f"{endpoint!r}: expected tcp://[ipv6]:port")
-    else:
-        host, sep, port = rest.rpartition(":")
-        if not sep:
-            raise ValueError(f"{endpoint!r}: expected tcp://host:port")
-    if not host:
-        raise ValueError(f"{endpoint!r}: empty host")
-    if port != "*" and not (port.isdigit() and 0 < int(port) < 65536):
-        raise ValueError(f"{endpoint!r}: port must be 1..65535 or '*'")
-    return host, port
+def authenticate(sock: Any, key: bytes) -> None:
+    """Make a connecting zmq socket present ``key``'s credentials at the handshake (tools and tests that
+    drive a raw socket; TapSender and Subscriber do it themselves)."""
+    import zmq
+
+    sock.setsockopt(zmq.PLAIN_USERNAME, _ZAP_USER)
+    sock.setsockopt(zmq.PLAIN_PASSWORD, _zap_password(key))
 
 
-def _is_loopback(host: str) -> bool:
-    if host in _LOOPBACK:
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+class _ZapHandler:
+    """A context's ZAP handler (ZeroMQ RFC 27) on a thread: accepts a PLAIN handshake iff the password is
+    the key's (constant-time), so a peer without the key never gets a frame into the receive queue."""
+
+    def __init__(self, ctx: Any, key: bytes) -> None:
+        import zmq
+
+        self._password = _zap_password(key)
+        self._sock = ctx.socket(zmq.REP)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.bind(_ZAP_ENDPOINT)
+        self._stop = threading.Event()
+        self.denied = 0
+        self._thread = threading.Thread(target=self._run, name="draft-align-zap", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import zmq
+
+        try:
+            while not self._stop.is_set():
+                if not self._sock.poll(50, zmq.POLLIN):
+                    continue
+                req = self._sock.recv_multipart()
+                version, request_id = (req + [b"", b""])[:2]
+                ok = (len(req) == 8 and req[5] == b"PLAIN" and req[6] == _ZAP_USER
+                      and hmac.compare_digest(req[7], self._password))
+                if not ok:
+                    self.denied += 1
+                self._sock.send_multipart([version, request_id, b"200" if ok else b"400",
+                                           b"OK" if ok else b"bad credentials", _ZAP_USER if ok else b"", b""])
+        except zmq.ZMQError:
+            pass  # the context is closing
+        finally:
+            self._sock.close(linger=0)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(2.0)
 
 
-def check_endpoint(endpoint: str, key: bytes | None, allow_remote: bool) -> None:
-    """Only ``ipc://path`` and ``tcp://host:port``; tcp needs a key and a loopback host unless
-    ``allow_remote``.  Raises ValueError."""
-    if not isinstance(endpoint, str):
-        raise ValueError(f"endpoint must be a string, got {type(endpoint).__name__}")
-    if endpoint.startswith("ipc://"):
-        path = endpoint[len("ipc://"):]
-        if not path:
-            raise ValueError(f"{endpoint!r}: empty ipc path")
-        if len(path.encode()) > _MAX_SOCKET_PATH + 7:
-            raise ValueError(f"{endpoint!r}: ipc path longer than a socket name may be; use default_endpoint()")
-        return
-    if endpoint.startswith("tcp://"):
-        host, _ = _split_tcp(endpoint)
-        if key is None:
-            raise ValueError(f"{endpoint!r}: tcp needs an HMAC key (wire.key_file, ${KEY_ENV} or run_dir/wire.key)")
-        if not allow_remote and not _is_loopback(host):
-            raise ValueError(f"{endpoint!r}: tcp must use 127.0.0.1, localhost or ::1 unless wire.allow_remote")
-        return
-    raise ValueError(f"{endpoint!r}: only ipc:// and tcp:// endpoints are supported")
+def _zap_server(ctx: Any, sock: Any, key: bytes | None) -> _ZapHandler | None:
+    """With a key, make bound ``sock`` a PLAIN server checked by a ZAP handler on ``ctx``."""
+    if key is None:
+        return None
+    import zmq
 
-
-def _prepare_bind(endpoint: str) -> None:
-    """For ipc: create the socket's folder and remove a stale socket file (never a regular file)."""
-    if not endpoint.startswith("ipc://"):
-        return
-    path = Path(endpoint[len("ipc://"):])
-    path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        mode = path.lstat().st_mode
-    except FileNotFoundError:
-        return
-    if not stat.S_ISSOCK(mode):
-        raise ValueError(f"{path} exists and is not a socket; refusing to replace it")
-    path.unlink(missing_ok=True)
+    handler = _ZapHandler(ctx, key)
+    sock.setsockopt(zmq.PLAIN_SERVER, 1)
+    sock.setsockopt_string(zmq.ZAP_DOMAIN, _ZAP_DOMAIN)
+    return handler
 
 
 def _message_bytes(msg: Message) -> int:
@@ -236,7 +158,9 @@ class TapSender:
     on a background thread behind a bounded queue.  :meth:`offer` never blocks:
     a full queue (``queue_messages`` messages or ``queue_bytes`` estimated bytes) drops the message; the
     thread encodes and sends without blocking, and drops a message the peer has not taken within
-    ``send_timeout_s`` (no receiver, or a slow one).  Every drop is counted in :meth:`stats`."""
+    ``send_timeout_s`` (no receiver, or a slow one) or one over ``max_message_bytes`` (the receiver's
+    ``max_bytes``: it would drop it), with a log line.  Every drop is counted in :meth:`stats`.  Messages
+    carry a sender id drawn at construction and a sequence number (docs/wire.md, "Envelope")."""
 
     def __init__(
         self,
@@ -248,14 +172,15 @@ class TapSender:
         allow_remote: bool = False,
         send_timeout_s: float = 0.05,
         sndhwm: int = 4,
+        max_message_bytes: int = DEFAULT_MAX_BYTES,
     ) -> None:
         self.endpoints = [endpoint] if isinstance(endpoint, str) else list(endpoint)
         if not self.endpoints:
             raise ValueError("TapSender needs at least one endpoint")
         for ep in self.endpoints:
             check_endpoint(ep, key, allow_remote)
-        if queue_messages < 1 or queue_bytes < 1:
-            raise ValueError("queue_messages and queue_bytes must be ≥ 1")
+        if queue_messages < 1 or queue_bytes < 1 or max_message_bytes < 1:
+            raise ValueError("queue_messages, queue_bytes and max_message_bytes must be ≥ 1")
         import zmq
 
         self.endpoint = ", ".join(self.endpoints)  # for messages
@@ -263,6 +188,9 @@ class TapSender:
         self._queue_messages = queue_messages
         self._queue_bytes = queue_bytes
         self._send_timeout_s = send_timeout_s
+        self._max_message_bytes = max_message_bytes
+        self.sender_id = secrets.token_hex(8)
+        self._seq = 0
         self._cv = threading.Condition()
         self._queue: collections.deque[tuple[Message, int]] = collections.deque()
         self._queued_bytes = 0
@@ -270,7 +198,7 @@ class TapSender:
         self._close_deadline = 0.0
         self._counts = collections.Counter(
             offered=0, sent=0, dropped_queue_full=0, dropped_peer=0, dropped_invalid=0, dropped_closed=0,
-            bytes_sent=0,
+            dropped_too_large=0, bytes_sent=0,
         )
         self._ctx = zmq.Context()
         self._ready = threading.Event()
@@ -316,6 +244,8 @@ class TapSender:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, sndhwm)
             sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only to a connected peer: "sent" means a peer took it
+            if self._key is not None:
+                authenticate(sock, self._key)
             for ep in self.endpoints:
                 sock.connect(ep)
         except Exception as e:  # surfaced to the constructor
@@ -346,11 +276,19 @@ class TapSender:
         import zmq
 
         try:
-            frames = encode(msg, self._key)
+            frames = encode(msg, self._key, sender=self.sender_id, seq=self._seq)
         except Exception as e:  # an invalid message must not kill the sending thread
             logger.warning("tap: dropping an invalid %s: %s", type(msg).__name__, e)
             with self._cv:
                 self._counts["dropped_invalid"] += 1
+            return
+        self._seq += 1
+        size = sum(len(f) for f in frames)
+        if size > self._max_message_bytes:
+            logger.warning("tap: not sending a %s of %d bytes: over the receiver's limit of %d bytes "
+                           "(wire.max_message_mb)", type(msg).__name__, size, self._max_message_bytes)
+            with self._cv:
+                self._counts["dropped_too_large"] += 1
             return
         deadline = time.monotonic() + self._send_timeout_s
         while True:
@@ -396,75 +334,154 @@ class TapSender:
 
 # ---------------------------------------------------------------------------------------------- receivers
 class _Inbox:
-    """A receiving socket (bound or connected) that decodes, validates and counts; used by Receiver and
-    Subscriber."""
+    """A receiving socket (bound or connected) that decodes, validates, drops replays and counts; used by
+    Receiver and Subscriber.
+
+    Memory before authentication is bounded: with a key, a peer must pass the PLAIN handshake (ZAP) before
+    libzmq reads any of its frames; ``MAXMSGSIZE`` bounds each frame by the message limit and ``RCVHWM``
+    is ``buffer_bytes // max_bytes`` messages per connection.  Failed handshakes are counted as ``auth``."""
 
     def __init__(self, sock_type: str, endpoint: str, key: bytes | None, *, bind: bool, max_bytes: int,
-                 max_tokens: int, rcvhwm: int) -> None:
+                 max_tokens: int, buffer_bytes: int) -> None:
         import zmq
 
+        if max_bytes < 1 or buffer_bytes < 1:
+            raise ValueError(f"max_bytes ({max_bytes}) and buffer_bytes ({buffer_bytes}) must be ≥ 1")
         self.endpoint = endpoint
         self._key = key
         self._max_bytes = max_bytes
         self._max_tokens = max_tokens
+        self._guard = ReplayGuard()
         self.rejected: collections.Counter[str] = collections.Counter()
         self.counts = collections.Counter(received=0, bytes_received=0)
+        self.rcvhwm = max(1, buffer_bytes // max_bytes)
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(getattr(zmq, sock_type))
+        self._zap: _ZapHandler | None = None
+        self._monitor: Any = None
         try:
             self._sock.setsockopt(zmq.LINGER, 0)
-            self._sock.setsockopt(zmq.RCVHWM, rcvhwm)
-            self._sock.setsockopt(zmq.MAXMSGSIZE, max_bytes + HEADER_MAX_BYTES)  # per frame; decode checks the sum
+            self._sock.setsockopt(zmq.RCVHWM, self.rcvhwm)
+            # per frame: no frame of a valid message exceeds the message limit (decode checks the sum)
+            self._sock.setsockopt(zmq.MAXMSGSIZE, max(max_bytes, HEADER_MAX_BYTES))
             if sock_type == "SUB":
                 self._sock.setsockopt(zmq.SUBSCRIBE, b"")
+            if key is not None:
+                events = 0
+                for name in _AUTH_EVENTS:
+                    events |= getattr(zmq, name)
+                self._monitor = self._sock.get_monitor_socket(events)
             if bind:
-                _prepare_bind(endpoint)
-                self._sock.bind(endpoint)
-                self.endpoint = self._sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+                self._zap = _zap_server(self._ctx, self._sock, key)
+                self.endpoint = _bind(self._sock, endpoint)
             else:
+                if key is not None:
+                    authenticate(self._sock, key)
                 self._sock.connect(endpoint)
         except Exception:
-            self._sock.close(linger=0)
-            self._ctx.term()
+            self.close()
             raise
 
-    def next(self, timeout_ms: int | None, expect: type | None) -> Message | None:
+    def _count(self, e: WireError) -> None:
+        first = self.rejected[e.reason] == 0
+        self.rejected[e.reason] += 1
+        (logger.warning if first else logger.debug)("%s: rejected a message (%s)", self.endpoint, e)
+
+    def _count_auth_failures(self) -> None:
+        """Fold the handshake failures the monitor reported into ``rejected["auth"]``."""
+        if self._monitor is None or self._monitor.closed:
+            return
+        import zmq
+        from zmq.utils.monitor import recv_monitor_message
+
+        while self._monitor.poll(0, zmq.POLLIN):
+            event = recv_monitor_message(self._monitor)
+            self._count(WireError("auth", f"handshake from {event.get('endpoint', b'?')!r} failed "
+                                          f"(no or another key; event {event['event']})"))
+
+    def take(self, timeout_ms: int | None, expect: type | None) -> tuple[bool, Message | None]:
+        """Consume at most one message, waiting up to ``timeout_ms`` for it: (whether one was consumed,
+        the valid message or None when it was rejected and counted)."""
         import zmq
 
+        self._count_auth_failures()
+        if not self._sock.poll(timeout_ms, zmq.POLLIN):
+            return False, None
+        frames = self._sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+        self.counts["bytes_received"] += sum(len(f) for f in frames)
+        try:
+            msg, origin = decode_with_origin(frames, self._key, max_bytes=self._max_bytes,
+                                             max_tokens=self._max_tokens)
+            if expect is not None and not isinstance(msg, expect):
+                raise WireError("kind", f"{type(msg).__name__} on a {expect.__name__} channel")
+            self._guard.check(origin)
+        except WireError as e:
+            self._count(e)
+            return True, None
+        self.counts["received"] += 1
+        return True, msg
+
+    def next(self, timeout_ms: int | None, expect: type | None) -> Message | None:
+        """The next valid message, waiting up to ``timeout_ms`` (None: forever).  Rejections are consumed
+        and counted and never end the wait early; with ``timeout_ms`` 0 the call reads until the queue is
+        empty or :data:`DRAIN_MAX_MESSAGES` were rejected."""
         deadline = None if timeout_ms is None else time.monotonic() + timeout_ms / 1000
-        while True:
+        rejected = 0
+        while deadline is None or rejected < DRAIN_MAX_MESSAGES:
             wait = None if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
-            if not self._sock.poll(wait, zmq.POLLIN):
-                return None
-            frames = self._sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
-            self.counts["bytes_received"] += sum(len(f) for f in frames)
-            try:
-                msg = decode(frames, self._key, max_bytes=self._max_bytes, max_tokens=self._max_tokens)
-                if expect is not None and not isinstance(msg, expect):
-                    raise WireError("kind", f"{type(msg).__name__} on a {expect.__name__} channel")
-            except WireError as e:
-                first = self.rejected[e.reason] == 0
-                self.rejected[e.reason] += 1
-                (logger.warning if first else logger.debug)("%s: rejected a message (%s)", self.endpoint, e)
-            else:
-                self.counts["received"] += 1
+            got, msg = self.take(wait, expect)
+            if msg is not None:
                 return msg
-            if deadline is not None and time.monotonic() >= deadline:
+            if not got:
                 return None
+            rejected += 1
+        return None
+
+    def drain(self, budget_s: float, timeout_ms: int, max_messages: int, expect: type | None
+              ) -> Iterator[Message]:
+        """Yield valid messages, consuming (valid or rejected) up to ``max_messages`` or until ``budget_s``
+        has passed (at least one is consumed if one is waiting); wait up to ``timeout_ms`` for the first
+        valid one.  A rejection is never taken for an empty queue."""
+        t0 = time.monotonic()
+        first_by = t0 + timeout_ms / 1000
+        end = max(t0 + budget_s, first_by)
+        yielded = False
+        for i in range(max_messages):
+            now = time.monotonic()
+            if i and now >= end:
+                return
+            wait = 0 if yielded else max(0, int((first_by - now) * 1000))
+            got, msg = self.take(wait, expect)
+            if not got:
+                return
+            if msg is not None:
+                yielded = True
+                yield msg
 
     def stats(self) -> dict[str, Any]:
+        self._count_auth_failures()
         return {**self.counts, "rejected": sum(self.rejected.values()), "rejected_by_reason": dict(self.rejected)}
 
     def close(self) -> None:
+        if self._monitor is not None and not self._monitor.closed:
+            self._sock.disable_monitor()
+            self._monitor.close(linger=0)
         if not self._sock.closed:
             self._sock.close(linger=0)
+        if self._zap is not None:
+            self._zap.close()
+        if not self._ctx.closed:
             self._ctx.term()
 
 
 class Receiver:
     """PULL socket that binds (sidecar side).  :meth:`recv` returns the next valid message or None on
-    timeout; invalid ones are counted in ``rejected`` (by reason) and skipped.  Not thread-safe.
-    Non-finite hidden states are not filtered here: call :func:`~draft_align.wire.messages.drop_nonfinite`."""
+    timeout, :meth:`drain` yields what is waiting within a budget; invalid, replayed and unauthenticated
+    messages are counted in ``rejected`` (by reason) and skipped.  Not thread-safe.  Non-finite hidden
+    states are not filtered here: call :func:`~draft_align.wire.packing.drop_nonfinite`.
+
+    Memory held for unread messages is at most about ``buffer_bytes`` per connected (authenticated)
+    sender: ``RCVHWM = buffer_bytes // max_bytes`` messages of at most ``max_bytes`` each."""
 
     def __init__(
         self,
@@ -474,21 +491,28 @@ class Receiver:
         max_bytes: int = DEFAULT_MAX_BYTES,
         max_tokens: int = DEFAULT_MAX_TOKENS,
         allow_remote: bool = False,
-        rcvhwm: int = 8,
+        buffer_bytes: int = DEFAULT_BUFFER_BYTES,
     ) -> None:
         check_endpoint(endpoint, key, allow_remote)
         self._inbox = _Inbox("PULL", endpoint, key, bind=True, max_bytes=max_bytes, max_tokens=max_tokens,
-                             rcvhwm=rcvhwm)
+                             buffer_bytes=buffer_bytes)
         self.endpoint = self._inbox.endpoint  # the bound address (a tcp '*' port resolved)
 
     @property
     def rejected(self) -> collections.Counter[str]:
+        self._inbox._count_auth_failures()
         return self._inbox.rejected
 
     def recv(self, timeout_ms: int | None = None) -> Message | None:
-        """Next valid message; None when ``timeout_ms`` passes (None waits forever).  Never raises for a
-        bad message."""
+        """Next valid message; None when ``timeout_ms`` passes (None waits forever) or, with 0, when
+        nothing valid is waiting.  Never raises for a bad message."""
         return self._inbox.next(timeout_ms, None)
+
+    def drain(self, budget_s: float, timeout_ms: int = 0,
+              max_messages: int = DRAIN_MAX_MESSAGES) -> Iterator[Message]:
+        """The valid messages among the next ``max_messages`` waiting (rejections count toward it), for at
+        most about ``budget_s`` seconds after the first valid one, which is waited for up to ``timeout_ms``."""
+        return self._inbox.drain(budget_s, timeout_ms, max_messages, None)
 
     def stats(self) -> dict[str, Any]:
         """received, bytes_received (valid or not), rejected, rejected_by_reason."""
@@ -505,23 +529,25 @@ class Receiver:
 
 
 class Publisher:
-    """PUB socket that binds (sidecar side): announces DraftPublished to any subscriber (none is fine)."""
+    """PUB socket that binds (sidecar side): announces DraftPublished to any subscriber (none is fine).
+    With a key, subscribers authenticate at the handshake."""
 
     def __init__(self, endpoint: str, key: bytes | None, *, allow_remote: bool = False) -> None:
         check_endpoint(endpoint, key, allow_remote)
         import zmq
 
         self._key = key
+        self.sender_id = secrets.token_hex(8)
+        self._seq = 0
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.PUB)
+        self._zap: _ZapHandler | None = None
         try:
             self._sock.setsockopt(zmq.LINGER, 0)
-            _prepare_bind(endpoint)
-            self._sock.bind(endpoint)
-            self.endpoint = self._sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+            self._zap = _zap_server(self._ctx, self._sock, key)
+            self.endpoint = _bind(self._sock, endpoint)
         except Exception:
-            self._sock.close(linger=0)
-            self._ctx.term()
+            self.close()
             raise
 
     def publish(self, msg: DraftPublished) -> None:
@@ -530,8 +556,10 @@ class Publisher:
 
         if not isinstance(msg, DraftPublished):
             raise TypeError(f"Publisher sends DraftPublished, got {type(msg).__name__}")
+        frames = encode(msg, self._key, sender=self.sender_id, seq=self._seq)
+        self._seq += 1
         try:
-            self._sock.send_multipart(encode(msg, self._key), flags=zmq.NOBLOCK)
+            self._sock.send_multipart(frames, flags=zmq.NOBLOCK)
         except zmq.Again:
             logger.warning("%s: DraftPublished v%d not queued (subscriber not keeping up)", self.endpoint,
                            msg.draft_version)
@@ -539,6 +567,9 @@ class Publisher:
     def close(self) -> None:
         if not self._sock.closed:
             self._sock.close(linger=0)
+        if self._zap is not None:
+            self._zap.close()
+        if not self._ctx.closed:
             self._ctx.term()
 
     def __enter__(self) -> Publisher:
@@ -549,14 +580,14 @@ class Publisher:
 
 
 class Subscriber:
-    """SUB socket that connects (engine/RL side) and receives every DraftPublished; anything else or
-    invalid is counted in ``rejected`` and skipped."""
+    """SUB socket that connects (engine/RL side) and receives every DraftPublished; anything else, invalid
+    or replayed is counted in ``rejected`` and skipped."""
 
     def __init__(self, endpoint: str, key: bytes | None, *, allow_remote: bool = False,
                  max_bytes: int = 1024 * 1024) -> None:
         check_endpoint(endpoint, key, allow_remote)
         self._inbox = _Inbox("SUB", endpoint, key, bind=False, max_bytes=max_bytes,
-                             max_tokens=DEFAULT_MAX_TOKENS, rcvhwm=64)
+                             max_tokens=DEFAULT_MAX_TOKENS, buffer_bytes=64 * max_bytes)
         self.endpoint = endpoint
 
     @property

@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from draft_align.wire.messages import TapBatch, TapPart, validate
+from draft_align.wire.codec import validate
+from draft_align.wire.messages import TapBatch, TapPart
 
 logger = logging.getLogger(__name__)
 

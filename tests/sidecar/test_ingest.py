@@ -9,7 +9,8 @@ from draft_align.heads.layers import rms_norm
 from draft_align.sidecar.ingest import Ingest, split_records
 from draft_align.sidecar.state import Rates, SidecarState
 from draft_align.train.replay import ReplayBuffer
-from draft_align.wire.messages import HeadSync, TapBatch, TapPart, pack_sequences
+from draft_align.wire.messages import HeadSync, TapBatch, TapPart
+from draft_align.wire.packing import pack_sequences
 
 H, V, AUX = 8, 50, (1, 2, 3)
 
@@ -112,12 +113,15 @@ def test_stage_parts_are_joined_and_end_run_flushes():
 def test_garbage_forged_and_nonfinite_input_is_counted_and_survived(sidecar_world, until):
     import zmq
 
-    from draft_align.wire.messages import encode, pack_sequences
+    from draft_align.wire.channel import authenticate
+    from draft_align.wire.codec import encode
+    from draft_align.wire.packing import pack_sequences
 
     recipe, sc, feeder = sidecar_world
     ctx = zmq.Context()
     raw = ctx.socket(zmq.PUSH)
     raw.setsockopt(zmq.LINGER, 0)
+    authenticate(raw, feeder.key)  # a key holder's socket (without it the handshake is refused)
     raw.connect(sc.receiver.endpoint)
     raw.send_multipart([b"not json", b"\x00" * 7, b"x" * 32])
     raw.send_multipart([b"{}"])
@@ -130,7 +134,7 @@ def test_garbage_forged_and_nonfinite_input_is_counted_and_survived(sidecar_worl
                            step=0, aux_layer_ids=sc.aux_ids, hidden_size=h, vocab_size=sc.vocab,
                            final_norm="post", temperature=1.0)
     raw.send_multipart(encode(batch, b"k" * 32))  # forged: signed with another key
-    raw.send_multipart(encode(batch, feeder.key))
+    raw.send_multipart(encode(batch, feeder.key, sender="t", seq=0))
     assert until(lambda: sc.state.ingested_messages >= 1, 10, every=lambda: sc.drain(0.1, 100))
     rej = sc.rejected
     assert rej["mac"] == 2 and rej["frames"] == 1  # 3 garbage frames and the forged batch fail the MAC
@@ -140,7 +144,7 @@ def test_garbage_forged_and_nonfinite_input_is_counted_and_survived(sidecar_worl
     other = pack_sequences([good], run_id=recipe.run, policy_version=0, source_rank=0, batch_id=1, step=0,
                            aux_layer_ids=(1, 2, 5), hidden_size=h, vocab_size=sc.vocab, final_norm="post",
                            temperature=1.0)
-    raw.send_multipart(encode(other, feeder.key))
+    raw.send_multipart(encode(other, feeder.key, sender="t", seq=1))
     assert until(lambda: sc.state.mismatched_messages == 1, 10, every=lambda: sc.drain(0.1, 100))
     raw.close()
     ctx.term()

@@ -61,7 +61,7 @@ def _sequences(n: int, sc_hidden: int, vocab: int, seed: int) -> list[dict[str, 
 
 def _tap_batch(run: str, seqs: list[dict[str, torch.Tensor]], aux: tuple[int, ...], hidden: int, vocab: int,
                step: int, version: int, batch_id: int):
-    from draft_align.wire.messages import pack_sequences
+    from draft_align.wire.packing import pack_sequences
 
     return pack_sequences(seqs, run_id=run, policy_version=version, source_rank=0, batch_id=batch_id, step=step,
                           aux_layer_ids=aux, hidden_size=hidden, vocab_size=vocab, final_norm="post",

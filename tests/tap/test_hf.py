@@ -284,7 +284,8 @@ def test_nan_logits_are_counted_not_raised(tiny_lm):
 
 
 def test_messages_split_by_policy_version_and_survive_the_wire(tiny_lm):
-    from draft_align.wire.messages import decode, encode
+    from draft_align.wire.codec import encode
+    from draft_align.wire.messages import decode
 
     sink = ListSink()
     tap = HFPolicyTap(tiny_lm, AUX, sink, run_id="r", tokens_per_step=100, topk=2)

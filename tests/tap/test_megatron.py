@@ -17,8 +17,9 @@ from torch import nn
 from draft_align.hf.capture import TapError
 from draft_align.tap.hf import HFPolicyTap
 from draft_align.tap.protocol import PolicyTap, PolicyTapError
+from draft_align.wire.codec import encode
 from draft_align.wire.join import StageJoiner
-from draft_align.wire.messages import HeadSync, TapBatch, TapPart, decode, encode
+from draft_align.wire.messages import HeadSync, TapBatch, TapPart, decode
 
 pytest.importorskip("megatron.core")
 

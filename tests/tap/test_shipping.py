@@ -15,7 +15,7 @@ from draft_align.tap.shipping import (
     logit_stats,
     ship,
 )
-from draft_align.wire.messages import WireError
+from draft_align.wire.schema import WireError
 
 
 class FakeHooks:

@@ -22,11 +22,13 @@ from draft_align.wire.channel import (
     Receiver,
     Subscriber,
     TapSender,
+    authenticate,
     check_endpoint,
     default_endpoint,
     resolve_key,
 )
-from draft_align.wire.messages import DraftPublished, HeadSync, StepReport, TapBatch, encode
+from draft_align.wire.codec import encode
+from draft_align.wire.messages import DraftPublished, HeadSync, StepReport, TapBatch
 
 KEY = bytes(range(32))
 
@@ -99,22 +101,24 @@ def test_receiver_survives_garbage_and_forgeries(endpoint):
         ctx = zmq.Context()
         raw = ctx.socket(zmq.PUSH)
         raw.setsockopt(zmq.LINGER, 1000)
+        authenticate(raw, KEY)  # a key holder's socket: the garbage reaches the decoder
         raw.connect(endpoint)
         good = StepReport.make_dummy(step=7)
-        forged = encode(good, KEY)[:-1] + [b"\0" * 32]
+        forged = encode(good, KEY, sender="s", seq=1)[:-1] + [b"\0" * 32]
         raw.send_multipart([b"one frame"])  # frames
         raw.send_multipart([b"{not json", b"junk"])  # mac (checked before the header)
         raw.send_multipart(forged)  # mac
         raw.send_multipart(encode(good, bytes(32)))  # mac: another key
         raw.send_multipart([b"x" * 60_000, b"y" * 60_000])  # size: 120 kB > max_bytes
-        raw.send_multipart(encode(good, KEY))
+        raw.send_multipart(encode(good, KEY))  # replay: no sender id
+        raw.send_multipart(encode(good, KEY, sender="s", seq=1))
         got = rx.recv(timeout_ms=5000)
         raw.close()
         ctx.term()
     assert same(got, good)
-    assert rx.rejected == {"frames": 1, "mac": 3, "size": 1}
+    assert rx.rejected == {"frames": 1, "mac": 3, "size": 1, "replay": 1}
     st = rx.stats()
-    assert st["received"] == 1 and st["rejected"] == 5 and st["rejected_by_reason"] == dict(rx.rejected)
+    assert st["received"] == 1 and st["rejected"] == 6 and st["rejected_by_reason"] == dict(rx.rejected)
 
 
 def test_wrong_key_sender_is_rejected_and_recv_times_out(endpoint):
@@ -125,7 +129,8 @@ def test_wrong_key_sender_is_rejected_and_recv_times_out(endpoint):
             t0 = time.monotonic()
             assert rx.recv(timeout_ms=100) is None  # never raises, waits out its timeout
             assert time.monotonic() - t0 >= 0.09
-        assert set(rx.rejected) == {"mac"}
+        assert set(rx.rejected) == {"auth"}  # refused at the handshake: not one frame was read
+        assert rx.stats()["bytes_received"] == 0
 
 
 def test_recv_timeout_returns_none(endpoint):
@@ -257,7 +262,7 @@ def test_pub_sub_delivers_draft_published(tmp_path):
         while not sub.rejected and time.monotonic() < deadline:
             pub.publish(msg)
             assert sub.poll(timeout_ms=50) is None
-        assert set(sub.rejected) == {"mac"}
+        assert set(sub.rejected) == {"auth"}
 
 
 def test_subscriber_rejects_other_kinds(tmp_path):
@@ -336,6 +341,8 @@ def test_key_sources_and_precedence(tmp_path, monkeypatch):
     raw_file.write_bytes(bytes(range(200, 240)))
     short = tmp_path / "short.key"
     short.write_text("abcd")
+    for f in (hex_file, raw_file, short):
+        f.chmod(0o600)
     monkeypatch.setenv(KEY_ENV, "cd" * 16)
     assert resolve_key(str(hex_file), tmp_path, create=True) == b"\xab" * 20  # key_file first
     assert resolve_key(str(raw_file), tmp_path, create=True) == bytes(range(200, 240))
@@ -351,9 +358,24 @@ def test_key_sources_and_precedence(tmp_path, monkeypatch):
         resolve_key(None, tmp_path, create=True)
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "wire.key").write_text("00")
+    (tmp_path / "run" / "wire.key").chmod(0o600)
     monkeypatch.delenv(KEY_ENV)
     with pytest.raises(ValueError, match="at least 16"):
         resolve_key(None, tmp_path / "run", create=True)
+
+
+def test_key_file_others_can_read_is_refused(tmp_path, caplog):
+    f = tmp_path / "k"
+    f.write_text("ab" * 16)
+    for mode in (0o644, 0o604, 0o602):
+        f.chmod(mode)
+        with pytest.raises(ValueError, match="chmod 600"):
+            resolve_key(str(f), tmp_path, create=False)
+    f.chmod(0o640)  # group access: allowed, with a warning
+    assert resolve_key(str(f), tmp_path, create=False) == b"\xab" * 16
+    assert "accessible by its group" in caplog.text
+    with pytest.raises(ValueError, match="not a regular file"):
+        resolve_key(str(tmp_path), tmp_path, create=False)
 
 
 # --------------------------------------------------------------------------------------------- endpoints
@@ -361,16 +383,44 @@ def test_default_endpoint(tmp_path):
     assert default_endpoint(tmp_path, "tap") == f"ipc://{tmp_path}/tap.sock"
     deep = tmp_path / ("d" * 60) / ("e" * 60)
     ep = default_endpoint(deep, "tap")
-    path = ep.removeprefix("ipc://")
-    assert ep.startswith("ipc://") and len(path) <= 100 and path.startswith(tempfile.gettempdir())
+    path = Path(ep.removeprefix("ipc://"))
+    assert ep.startswith("ipc://") and len(str(path)) <= 100 and str(path).startswith(tempfile.gettempdir())
+    # a private folder with an unpredictable name, recorded in the run folder for the other side
+    folder = path.parent
+    assert folder.name != "draft_align" and len(folder.name) > len("draft_align-") + 6
+    st = folder.stat()
+    assert stat.S_IMODE(st.st_mode) == 0o700 and st.st_uid == os.getuid()
+    assert (deep / ".ipc_dir").read_text().strip() == str(folder)
     assert default_endpoint(deep, "tap") == ep != default_endpoint(deep / "x", "tap")
-    assert default_endpoint(deep, "notify") != ep
+    assert default_endpoint(deep, "notify") == f"ipc://{folder}/notify.sock"
+    folder.rmdir()  # the temp dir was cleared (a reboot): made again, private
+    assert default_endpoint(deep, "tap") == ep and stat.S_IMODE(folder.stat().st_mode) == 0o700
+    folder.chmod(0o755)  # not private (or another user's): refused
+    with pytest.raises(ValueError, match="not a private folder"):
+        default_endpoint(deep, "tap")
+    folder.chmod(0o700)
+
+
+def test_ipc_socket_is_private_whatever_the_umask(tmp_path):
+    old = os.umask(0)
+    try:
+        ep = default_endpoint(tmp_path / "new", "tap")
+        with Receiver(ep, None), Publisher(default_endpoint(tmp_path / "new", "notify"), None):
+            assert stat.S_IMODE((tmp_path / "new").stat().st_mode) == 0o700
+            for name in ("tap.sock", "notify.sock"):
+                assert stat.S_IMODE((tmp_path / "new" / name).lstat().st_mode) == 0o600
+    finally:
+        os.umask(old)
+
+
+def test_endpoint_names_are_checked(tmp_path):
     for bad in ("", "a/b", "a b"):
         with pytest.raises(ValueError):
             default_endpoint(tmp_path, bad)
+    ep = default_endpoint(tmp_path / ("d" * 60) / ("e" * 60), "tap")
     with Receiver(ep, None) as rx, TapSender(ep, None) as tx:  # the short path works as a socket
         connect(tx, rx)
-    assert os.path.dirname(path) == tempfile.gettempdir()
+    assert os.path.dirname(os.path.dirname(ep.removeprefix("ipc://"))) == tempfile.gettempdir()
 
 
 @pytest.mark.parametrize(

@@ -9,8 +9,10 @@ import json
 import pytest
 import torch
 
+from draft_align.wire.codec import encode, validate
 from draft_align.wire.join import JOIN_REASONS, JoinError, StageJoiner
-from draft_align.wire.messages import TapBatch, TapPart, WireError, decode, encode, validate
+from draft_align.wire.messages import TapBatch, TapPart, decode
+from draft_align.wire.schema import WireError
 
 KEY = b"j" * 32
 STAGES = [(1,), (), (2, 3)]  # three pipeline stages; the middle one owns no aux layer
@@ -58,7 +60,7 @@ def test_make_dummy_and_frames_roundtrip():
 
 def test_tap_batch_encoding_is_unchanged_by_the_new_kind():
     header = json.loads(encode(batch(), None)[0])
-    assert header["kind"] == "TapBatch" and header["version"] == 1
+    assert header["kind"] == "TapBatch" and header["version"] == 2
     assert list(header["fields"]) == ["run_id", "policy_version", "source_rank", "batch_id", "step",
                                       "aux_layer_ids", "hidden_size", "vocab_size", "final_norm", "temperature"]
 
@@ -236,7 +238,8 @@ def test_sidecar_trains_only_joined_batches(tiny_run, tiny_env, tmp_path):
     from draft_align.sidecar.launch import starting_draft
     from draft_align.sidecar.loop import Sidecar
     from draft_align.wire import channel
-    from draft_align.wire.messages import StepReport, pack_sequences
+    from draft_align.wire.messages import StepReport
+    from draft_align.wire.packing import pack_sequences
 
     recipe = load_recipe(None, tiny_run.cotrain_overrides(tmp_path), CotrainRecipe)
     sc = Sidecar(recipe, starting_draft(recipe)).setup()
@@ -244,6 +247,7 @@ def test_sidecar_trains_only_joined_batches(tiny_run, tiny_env, tmp_path):
     ctx = zmq.Context()
     raw = ctx.socket(zmq.PUSH)
     raw.setsockopt(zmq.LINGER, 0)
+    channel.authenticate(raw, key)
     raw.connect(sc.receiver.endpoint)
     try:
         h, aux = sc.hidden, sc.aux_ids
@@ -265,17 +269,17 @@ def test_sidecar_trains_only_joined_batches(tiny_run, tiny_env, tmp_path):
             return cond()
 
         p0, p1 = TapPart.split(whole(0), split)
-        raw.send_multipart(encode(p1, key))
-        raw.send_multipart(encode(p0, key))
+        raw.send_multipart(encode(p1, key, sender="t", seq=1))
+        raw.send_multipart(encode(p0, key, sender="t", seq=2))
         assert drain_until(lambda: sc.state.ingested_messages == 1)
         assert sc.state.ingested_tokens == 10 and sc.ingest.joiner.joined == 1
         q0, q1 = TapPart.split(whole(1), split)
-        raw.send_multipart(encode(q0, key))  # its other stage never comes
+        raw.send_multipart(encode(q0, key, sender="t", seq=3))  # its other stage never comes
         assert drain_until(lambda: sc.ingest.joiner.pending == 1)
         raw.send_multipart(encode(StepReport(run_id=recipe.run, step=0, policy_version=0, metrics={"final": 1.0}),
-                                  key))
+                                  key, sender="t", seq=9))
         assert drain_until(lambda: sc.state.done)
-        raw.send_multipart(encode(q1, key))
+        raw.send_multipart(encode(q1, key, sender="t", seq=10))
         assert drain_until(lambda: sc.rejected["join_after_end"] == 1)
         assert sc.rejected["join_ended_incomplete"] == 1
         assert sc.state.ingested_messages == 1  # nothing from the incomplete batch

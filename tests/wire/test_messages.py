@@ -14,19 +14,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from draft_align.wire.messages import (
-    REASONS,
-    DraftPublished,
-    HeadSync,
-    StepReport,
-    TapBatch,
-    WireError,
-    decode,
-    drop_nonfinite,
-    encode,
-    pack_sequences,
-    validate,
-)
+from draft_align.wire.codec import encode, validate
+from draft_align.wire.messages import DraftPublished, HeadSync, StepReport, TapBatch, decode
+from draft_align.wire.packing import drop_nonfinite, pack_sequences
+from draft_align.wire.schema import REASONS, WireError
 
 KEY = bytes(range(32))
 OTHER_KEY = bytes(range(1, 33))
@@ -61,7 +52,8 @@ def parts(msg) -> tuple[dict, list[tuple[dict, bytes]]]:
         v = getattr(msg, fd.name)
         if not isinstance(v, torch.Tensor) and v is not None or fd.name == "final_norm":
             f[fd.name] = list(v) if isinstance(v, tuple) else v
-    header = {"schema": "draft_align.wire", "version": 1, "kind": type(msg).__name__, "fields": f}
+    header = {"schema": "draft_align.wire", "version": 2, "kind": type(msg).__name__, "sender": "", "seq": 0,
+              "fields": f}
     return header, [tensor_entry(n, t) for n, t in msg.tensors().items()]
 
 
@@ -245,7 +237,8 @@ def test_rebuild_helper_is_faithful():
 @pytest.mark.parametrize(
     ("header", "want"),
     [
-        ({"version": 2}, "version"),
+        ({"version": 1}, "version"),  # schema 1 had no envelope
+        ({"version": 3}, "version"),
         ({"version": True}, "version"),
         ({"version": "1"}, "version"),
         ({"schema": "other"}, "schema"),
@@ -319,8 +312,10 @@ def test_final_norm_needs_final_hidden():
 
 def test_tensor_list_rejections():
     assert reason(rebuild(B, drop={"input_ids"})) == "fields"  # missing required
-    assert reason(rebuild(B, add=[tensor_entry("bogus", torch.zeros(3))])) == "fields"  # extra
-    assert reason(rebuild(B, add=[tensor_entry("logit_lse", B.logit_lse)], drop=())) == "fields"  # duplicate
+    bogus = tensor_entry("bogus", torch.zeros(3))
+    assert reason(rebuild(B, drop={"topk_ids", "topk_logprobs"}, add=[bogus])) == "fields"  # extra
+    assert reason(rebuild(B, add=[bogus])) == "frames"  # more frames than any kind has (MAX_FRAMES)
+    assert reason(rebuild(B, add=[tensor_entry("logit_lse", B.logit_lse)], drop={"topk_ids", "topk_logprobs"})) == "fields"  # dup
     assert reason(rebuild(B, drop={"topk_logprobs"})) == "fields"  # topk pair
     assert reason(rebuild(HeadSync.make_dummy(), add=[tensor_entry("extra", torch.zeros(1))])) == "fields"
     assert reason(rebuild(StepReport.make_dummy(), add=[tensor_entry("x", torch.zeros(1))])) == "fields"
@@ -471,7 +466,8 @@ def test_size_rejections():
     with pytest.raises(WireError) as ei:
         encode(big, None)
     assert ei.value.reason == "size"
-    h = json.dumps({"schema": "draft_align.wire", "version": 1, "kind": "StepReport", "tensors": [],
+    h = json.dumps({"schema": "draft_align.wire", "version": 2, "kind": "StepReport", "sender": "", "seq": 0,
+                    "tensors": [],
                     "fields": {"run_id": "r" * 70_000, "step": 0, "policy_version": 0, "metrics": {}}})
     assert reason([h.encode(), b""]) == "size"
 
@@ -589,7 +585,8 @@ JSON = st.recursive(
     st.lists(st.binary(max_size=24), max_size=3),
 )
 def test_fuzz_structured_headers(kind, fields, tensors, blobs):
-    header = {"schema": "draft_align.wire", "version": 1, "kind": kind, "fields": fields, "tensors": tensors}
+    header = {"schema": "draft_align.wire", "version": 2, "kind": kind, "sender": "", "seq": 0, "fields": fields,
+              "tensors": tensors}
     frames = [json.dumps(header).encode(), *blobs, b""]
     try:
         msg = decode(frames, None)

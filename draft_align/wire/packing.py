@@ -1,0 +1,77 @@
+"""Batch construction (docs/wire.md, "TapBatch"): :func:`pack_sequences` packs per-sequence tensors into a
+ragged TapBatch, :func:`drop_nonfinite` removes the sequences whose hidden states are not finite."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from draft_align.wire.codec import validate
+from draft_align.wire.messages import TapBatch
+from draft_align.wire.schema import _FIELD_SPECS, _TENSOR_SPECS
+
+
+def pack_sequences(
+    seqs: Sequence[dict[str, torch.Tensor]],
+    *,
+    run_id: str,
+    policy_version: int,
+    source_rank: int,
+    batch_id: int,
+    step: int,
+    aux_layer_ids: Sequence[int],
+    hidden_size: int,
+    vocab_size: int,
+    final_norm: str | None,
+    temperature: float,
+) -> TapBatch:
+    """Pack per-sequence tensors (``input_ids`` [T], ``loss_mask`` [T], ``aux_hidden`` [T, n_aux·H] and
+    optionally ``final_hidden`` [T, H], ``next_logprob`` [T], ``logit_lse`` [T], ``topk_ids`` [T, K],
+    ``topk_logprobs`` [T, K]) into one CPU TapBatch with wire dtypes; the result is validated as
+    :func:`encode` would (raises :class:`WireError`).  The packed tensors are new memory."""
+    if not seqs:
+        raise ValueError("pack_sequences needs at least one sequence")
+    spec = _TENSOR_SPECS["TapBatch"]
+    names = [n for n in spec if n in seqs[0]]
+    for i, s in enumerate(seqs):
+        unknown = set(s) - (spec.keys() - {"cu_seqlens"})
+        if unknown:
+            raise ValueError(f"sequence {i}: unknown tensors {sorted(unknown)}")
+        if [n for n in spec if n in s] != names:
+            raise ValueError(f"sequence {i} has tensors {sorted(s)}, sequence 0 has {sorted(names)}")
+    lengths = torch.tensor([s["input_ids"].shape[0] for s in seqs], dtype=torch.int64)
+    cu = torch.zeros(len(seqs) + 1, dtype=torch.int64)
+    cu[1:] = lengths.cumsum(0)
+    packed = {n: torch.cat([s[n].detach().to("cpu", spec[n][0]) for s in seqs]) for n in names}
+    batch = TapBatch(
+        run_id=run_id, policy_version=policy_version, source_rank=source_rank, batch_id=batch_id, step=step,
+        aux_layer_ids=tuple(aux_layer_ids), hidden_size=hidden_size, vocab_size=vocab_size,
+        final_norm=final_norm, temperature=temperature, cu_seqlens=cu, **packed,
+    )
+    validate(batch)
+    return batch
+
+
+def drop_nonfinite(batch: TapBatch) -> tuple[TapBatch | None, int]:
+    """Remove the sequences whose ``aux_hidden`` or ``final_hidden`` hold NaN/Inf.  Returns (the batch, or
+    the same object when nothing is dropped, or None when nothing is left; the number of sequences dropped)."""
+    bad_tok = ~batch.aux_hidden.isfinite().all(dim=-1)  # [N]
+    if batch.final_hidden is not None:
+        bad_tok |= ~batch.final_hidden.isfinite().all(dim=-1)
+    if not bool(bad_tok.any()):
+        return batch, 0
+    cu = batch.cu_seqlens
+    lengths = cu[1:] - cu[:-1]  # [S]
+    seq_of_tok = torch.repeat_interleave(torch.arange(batch.num_sequences), lengths)  # [N]
+    bad_seq = torch.zeros(batch.num_sequences, dtype=torch.bool)  # [S]
+    bad_seq[seq_of_tok[bad_tok]] = True
+    dropped = int(bad_seq.sum())
+    if dropped == batch.num_sequences:
+        return None, dropped
+    keep_tok = ~bad_seq[seq_of_tok]  # [N]
+    new_cu = torch.zeros(batch.num_sequences - dropped + 1, dtype=torch.int64)
+    new_cu[1:] = lengths[~bad_seq].cumsum(0)
+    kept = {n: t[keep_tok] for n, t in batch.tensors().items() if n != "cu_seqlens"}
+    scalars = {n: getattr(batch, n) for n in _FIELD_SPECS["TapBatch"]}
+    return TapBatch(**scalars, cu_seqlens=new_cu, **kept), dropped
