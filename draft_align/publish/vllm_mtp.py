@@ -1,0 +1,156 @@
+"""Our MTP folders through vLLM's own MTP model classes (``deepseek_mtp.DeepSeekMTP``,
+``qwen3_next_mtp.Qwen3NextMTP``), built on CPU without an engine, fed through their ``load_weights``.
+
+The class is built from a tiny config of the *real* target architecture shaped like our head (hidden,
+heads, kv heads, intermediate, vocab, N target layers, D MTP modules; dense MLP, no experts), inside a
+one-process gloo group and ``set_current_vllm_config``.  Each tensor of ``model.safetensors`` is offered to
+``load_weights`` on its own, so the report says, per tensor, whether it landed in a parameter, was
+dropped without a word, or was refused with an error; and which of vLLM's parameters nothing wrote.
+vLLM is imported lazily here only (docs/engines.md, "Which client read which format").
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import safetensors.torch
+import torch
+
+from draft_align.publish.folder import CONFIG_FILE, WEIGHTS_FILE
+
+_SENTINEL = 7.75  # exactly representable; no random weight equals it
+VLLM_CLASSES = {"deepseek_v3": "DeepSeekMTP", "qwen3_next": "Qwen3NextMTP"}
+
+
+@dataclass
+class MTPLoadReport:
+    """What vLLM's ``load_weights`` did with each tensor of one MTP folder."""
+
+    layout: str
+    vllm_class: str
+    landed: dict[str, list[str]] = field(default_factory=dict)  # our tensor → vLLM parameter(s) it wrote
+    dropped: list[str] = field(default_factory=list)  # accepted without error, wrote nothing
+    refused: dict[str, str] = field(default_factory=dict)  # our tensor → the loader's error
+    unloaded: list[str] = field(default_factory=list)  # vLLM parameters no tensor wrote (embed_tokens excluded)
+
+    @property
+    def ok(self) -> bool:
+        return not (self.dropped or self.refused or self.unloaded)
+
+    def problems(self) -> list[str]:
+        out = [f"{n}: dropped silently by {self.vllm_class}.load_weights" for n in self.dropped]
+        out += [f"{n}: refused by {self.vllm_class}.load_weights ({e})" for n, e in self.refused.items()]
+        out += [f"vLLM parameter {p} is never written (keeps its initial values)" for p in self.unloaded]
+        return out
+
+
+def _target_config(layout: str, cfg: Mapping[str, Any]) -> Any:
+    """A tiny HF config of the real architecture with our head's shapes (dense MLP, no experts)."""
+    n, depth = int(cfg["num_hidden_layers"]), int(cfg.get("num_nextn_predict_layers", 1))
+    common = dict(
+        vocab_size=int(cfg["vocab_size"]), hidden_size=int(cfg["hidden_size"]),
+        intermediate_size=int(cfg["intermediate_size"]), num_hidden_layers=n,
+        num_attention_heads=int(cfg["num_attention_heads"]), num_key_value_heads=int(cfg["num_key_value_heads"]),
+        max_position_embeddings=int(cfg["max_position_embeddings"]), rms_norm_eps=float(cfg["rms_norm_eps"]),
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    if layout == "deepseek_v3":
+        from transformers import DeepseekV3Config
+
+        # qk_nope/qk_rope 0 → vLLM's plain multi-head DeepseekAttention (the closest to our Llama block);
+        # first_k_dense_replace past every MTP layer → a dense MLP there.
+        c = DeepseekV3Config(
+            **common, num_nextn_predict_layers=depth, first_k_dense_replace=n + depth, n_routed_experts=1, n_shared_experts=0, num_experts_per_tok=1,
+            q_lora_rank=None, kv_lora_rank=0, qk_nope_head_dim=0, qk_rope_head_dim=0, v_head_dim=0,
+            head_dim=int(cfg["head_dim"]), n_group=1, topk_group=1,
+        )  # fmt: skip
+        c.architectures = ["DeepseekV3ForCausalLM"]
+        return c
+    from transformers import Qwen3NextConfig
+
+    # Qwen3NextMTP.__init__ raises "No Qwen3Next layer found" unless its block is a sparse-MoE one
+    # (set_moe_parameters): the smallest such block, two experts, one shared expert.
+    inter = int(cfg["intermediate_size"])
+    c = Qwen3NextConfig(
+        **common, num_experts=2, num_experts_per_tok=1, moe_intermediate_size=inter,
+        shared_expert_intermediate_size=inter, decoder_sparse_step=1, mlp_only_layers=[],
+        head_dim=int(cfg["head_dim"]), num_nextn_predict_layers=depth, mtp_num_hidden_layers=depth,
+    )  # fmt: skip
+    c.architectures = ["Qwen3NextForCausalLM"]
+    return c
+
+
+def _build(layout: str, hf_config: Any, workdir: Path) -> Any:
+    """vLLM's MTP model for ``hf_config`` on CPU, outside any engine (a one-process gloo group)."""
+    import types
+
+    from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
+    from vllm.distributed import parallel_state as ps
+
+    hf_config.save_pretrained(workdir)
+    with set_current_vllm_config(VllmConfig()):
+        if not ps.model_parallel_is_initialized():
+            ps.init_distributed_environment(
+                world_size=1, rank=0, local_rank=0, backend="gloo",
+                distributed_init_method=f"file://{workdir / 'dist-init'}",
+            )  # fmt: skip
+            ps.initialize_model_parallel(1, 1)
+    mc = ModelConfig(model=str(workdir), skip_tokenizer_init=True, dtype="float32")
+    vc = VllmConfig(model_config=mc)
+    # the MTP classes read the draft's config from the speculative config (here: the same folder)
+    vc.speculative_config = types.SimpleNamespace(
+        draft_model_config=mc, enable_adaptive_verification=False, method="mtp", num_speculative_tokens=1
+    )
+    with set_current_vllm_config(vc), torch.device("cpu"):
+        if layout == "deepseek_v3":
+            from vllm.model_executor.models.deepseek_mtp import DeepSeekMTP
+
+            return DeepSeekMTP(vllm_config=vc), vc
+        from vllm.model_executor.models.qwen3_next_mtp import Qwen3NextMTP
+
+        return Qwen3NextMTP(vllm_config=vc), vc
+
+
+def vllm_mtp_load(folder: Path) -> MTPLoadReport:
+    """Offer every tensor of the MTP folder at ``folder`` to vLLM's own MTP class; see the module doc."""
+    from vllm.config import set_current_vllm_config
+
+    folder = Path(folder)
+    cfg = json.loads((folder / CONFIG_FILE).read_text())
+    layout = str(cfg["model_type"]).removesuffix("_mtp")
+    tensors = safetensors.torch.load_file(str(folder / WEIGHTS_FILE))
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+        model, vc = _build(layout, _target_config(layout, cfg), Path(tmp))
+        rep = MTPLoadReport(layout=layout, vllm_class=VLLM_CLASSES[layout])
+        params = dict(model.named_parameters())
+        with torch.no_grad():
+            for v in params.values():  # vLLM allocates with torch.empty: mark every element as unwritten
+                v.fill_(_SENTINEL)
+        written: set[str] = set()
+        with set_current_vllm_config(vc):
+            for name, t in tensors.items():
+                snap = {k: v.detach().clone() for k, v in params.items()}
+                try:
+                    model.load_weights([(name, t)])
+                except Exception as e:  # noqa: BLE001 - any loader error is the finding
+                    rep.refused[name] = f"{type(e).__name__}: {e}"
+                    continue
+                hit = [k for k, v in params.items() if not torch.equal(v.detach(), snap[k])]
+                if hit:
+                    rep.landed[name] = hit
+                    written.update(hit)
+                else:
+                    rep.dropped.append(name)
+        # a parameter with any element still at the sentinel was (partly) never written, e.g. the k/v
+        # rows of a fused qkv_proj when only q_proj landed
+        rep.unloaded = sorted(
+            k for k, v in params.items() if "embed_tokens" not in k and bool((v.detach() == _SENTINEL).any())
+        )
+    return rep
