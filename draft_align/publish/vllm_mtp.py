@@ -154,3 +154,24 @@ def vllm_mtp_load(folder: Path) -> MTPLoadReport:
             k for k, v in params.items() if "embed_tokens" not in k and bool((v.detach() == _SENTINEL).any())
         )
     return rep
+
+
+def vllm_mtp_load_isolated(folder: Path, timeout_s: float = 600.0) -> MTPLoadReport:
+    """:func:`vllm_mtp_load` in a child interpreter: building the class initialises vLLM's process-wide
+    distributed state, which an engine started later in the same process must not inherit."""
+    import dataclasses
+    import subprocess
+    import sys
+
+    code = (
+        "import dataclasses, json, sys; from draft_align.publish.vllm_mtp import vllm_mtp_load; "
+        "print('REPORT ' + json.dumps(dataclasses.asdict(vllm_mtp_load(sys.argv[1]))))"
+    )
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", code, str(folder)], capture_output=True, text=True,
+                          timeout=timeout_s, env=env, check=False)  # fmt: skip
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("REPORT ")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"vLLM MTP load failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
+    data = json.loads(lines[-1][len("REPORT ") :])
+    return MTPLoadReport(**{f.name: data[f.name] for f in dataclasses.fields(MTPLoadReport)})
