@@ -1,6 +1,7 @@
-"""publish/vllm_mtp.py: our MTP exports offered, tensor by tensor, to vLLM's own MTP classes built on CPU
-(DeepSeekMTP, Qwen3NextMTP).  Pins what vLLM 0.32 does with each tensor: the MTP-specific tensors land,
-our Llama-shaped block does not fit either class (docs/engines.md, "Which client read which format")."""
+"""publish/vllm_client.py: our exports offered, tensor by tensor, to vLLM's own draft classes built on CPU
+(Eagle3LlamaForCausalLM for both EAGLE-3 dialects; DeepSeekMTP, Qwen3NextMTP).  Pins what vLLM 0.32 does
+with each tensor: every EAGLE-3 tensor lands; of the MTP exports only the MTP-specific tensors land, our
+Llama-shaped block does not fit either MTP class (docs/engines.md, "Which client read which format")."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from draft_align.publish import export_draft
 
 pytest.importorskip("vllm", reason="vllm not installed (pip install -e '.[vllm]')")
 
-from draft_align.publish.vllm_mtp import vllm_mtp_load_isolated  # noqa: E402
+from draft_align.publish.vllm_client import vllm_load_isolated  # noqa: E402
 
 N = 4  # target layers
 
@@ -24,18 +25,31 @@ def export(tiny_llama, tmp_path, layout):
                         draft_version=1, policy_version=0, tokenizer_fingerprint="fp", dtype=torch.float32)
 
 
+# the kit's default ids (left out of config.json) and explicit ones
+@pytest.mark.parametrize(("dialect", "aux"), [("hf", (2, 4, 5)), ("hf", (1, 2, 3)), ("speculators", (1, 2, 3))])
+def test_eagle3_folder_through_vllm_eagle3_llama(e3, tmp_path, dialect, aux):
+    out = e3.export(e3.make_draft(aux), tmp_path / "v", dialect=dialect, dtype=torch.float32)
+    rep = vllm_load_isolated(out)
+    accounted(rep, out)
+    assert rep.vllm_class == "Eagle3LlamaForCausalLM"
+    assert rep.ok, rep.problems()
+    assert len(rep.landed) == 14 and rep.skipped == ["t2d"]  # vLLM skips t2d by design
+    assert rep.landed["d2t"] == ["draft_id_to_target_id"]
+    assert rep.aux_ids == (None if aux == e3.DEFAULT_IDS else list(aux))  # vLLM id = HF index
+
+
 def accounted(rep, folder):
     import safetensors.torch
 
     names = set(safetensors.torch.load_file(str(folder / "model.safetensors")))
-    parts = [set(rep.landed), set(rep.dropped), set(rep.refused)]
+    parts = [set(rep.landed), set(rep.dropped), set(rep.skipped), set(rep.refused)]
     assert set().union(*parts) == names  # every tensor we wrote has a verdict
     assert sum(map(len, parts)) == len(names)  # exactly one
 
 
 def test_deepseek_v3_layout_through_vllm_deepseek_mtp(tiny_llama, tmp_path):
     out = export(tiny_llama, tmp_path, "deepseek_v3")
-    rep = vllm_mtp_load_isolated(out)
+    rep = vllm_load_isolated(out)
     accounted(rep, out)
     p = f"model.layers.{N}."
     for name in ("enorm", "hnorm", "eh_proj", "shared_head.norm", "shared_head.head"):
@@ -51,7 +65,7 @@ def test_deepseek_v3_layout_through_vllm_deepseek_mtp(tiny_llama, tmp_path):
 
 def test_qwen3_next_layout_through_vllm_qwen3_next_mtp(tiny_llama, tmp_path):
     out = export(tiny_llama, tmp_path, "qwen3_next")
-    rep = vllm_mtp_load_isolated(out)
+    rep = vllm_load_isolated(out)
     accounted(rep, out)
     for ours, theirs in [("mtp.fc.weight", "model.fc.weight"), ("mtp.norm.weight", "model.norm.weight"),
                          ("mtp.pre_fc_norm_embedding.weight", "model.pre_fc_norm_embedding.weight"),
