@@ -66,7 +66,7 @@ def test_our_export_loads_and_every_tensor_lands(tiny_world, target, tmp_path):
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 def test_same_draft_logits_every_ttt_step(tiny_world, target, tmp_path, attn):
     """fp32 export; speculators' forward (teacher-forced TTT) vs our unroll on the same aux states and
-    tokens: max |Δlogit| ≤ 1e-5 at every step (measured ≈ 5e-8)."""
+    tokens: max |Δlogit| ≤ 1e-5 at every step (measured 1.1e-6 – 2.7e-6 on logits up to 4.6)."""
     d = our_draft(target.config, seed=1)
     out = export_spec(d, tiny_world.model, tmp_path / "spec")
     model, _ = speculators_load(out, attn_implementation=attn)
