@@ -126,14 +126,16 @@ def cmd_export(args: argparse.Namespace) -> int:
         speculative_tokens=args.k,
     )
     print(f"exported {src} → {out} ({args.dialect} dialect)")
-    if args.check == "sglang":
-        from draft_align.publish.sglang import check_sglang_compatible
+    if args.check:
+        from draft_align.publish.client_check import check_with_client
 
-        problems = check_sglang_compatible(out, target.config)
-        for p in problems:
-            print(f"sglang: {p}")
-        print("sglang: compatible" if not problems else f"sglang: {len(problems)} problem(s)")
-        return 1 if problems else 0
+        verifier = getattr(target.config, "_name_or_path", None) or None
+        res = check_with_client(out, args.check, target.config, verifier=verifier)
+        print(f"{res.client}: ran {res.ran}")
+        for p in res.problems:
+            print(f"{res.client}: {p}")
+        print(f"{res.client}: compatible" if not res.problems else f"{res.client}: {len(res.problems)} problem(s)")
+        return 1 if res.problems else 0
     return 0
 
 
@@ -268,8 +270,9 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--dialect", choices=["hf", "speculators"], default="hf")
     x.add_argument("--k", type=int, default=3, help="speculative tokens recorded in the speculators config")
     x.add_argument("--overwrite", action="store_true")
-    x.add_argument("--check", choices=["sglang"], default=None,
-                   help="check the written folder against SGLang's EAGLE-3 loader rules (exit 1 on problems)")
+    x.add_argument("--check", choices=["vllm", "sglang", "speculators"], default=None,
+                   help="load the written folder with that client's own loader when it is installed, else check "
+                        "it against the client's rules; prints which ran (exit 1 on problems)")
     x.set_defaults(fn=cmd_export)
     return ap
 
