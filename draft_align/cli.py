@@ -127,7 +127,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     )
     print(f"exported {src} → {out} ({args.dialect} dialect)")
     if args.check:
-        from draft_align.publish.client_check import check_with_client
+        from draft_align.engines.client_check import check_with_client
 
         verifier = getattr(target.config, "_name_or_path", None) or None
         res = check_with_client(out, args.check, target.config, verifier=verifier)

@@ -52,7 +52,7 @@ def check_vllm(folder: Path) -> ClientCheck:
         except Exception as e:  # noqa: BLE001 - the refusal is the finding
             problems = [f"{type(e).__name__}: {e}"]
         return ClientCheck("vllm", False, "rule-based (vllm not installed): sha256, names, shapes, d2t", problems)
-    from draft_align.publish.vllm_client import vllm_load_isolated
+    from draft_align.engines.vllm.load_check import vllm_load_isolated
 
     rep = vllm_load_isolated(folder)
     problems = rep.problems()

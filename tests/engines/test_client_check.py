@@ -8,7 +8,7 @@ import importlib.util
 import pytest
 
 from draft_align import cli
-from draft_align.publish import client_check
+from draft_align.engines import client_check
 
 HAS = {p: importlib.util.find_spec(p) is not None for p in ("vllm", "speculators")}
 

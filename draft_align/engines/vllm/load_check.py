@@ -204,7 +204,7 @@ def vllm_load_isolated(folder: Path, timeout_s: float = 600.0) -> LoadReport:
     import sys
 
     code = (
-        "import dataclasses, json, sys; from draft_align.publish.vllm_client import vllm_load; "
+        "import dataclasses, json, sys; from draft_align.engines.vllm.load_check import vllm_load; "
         "print('REPORT ' + json.dumps(dataclasses.asdict(vllm_load(sys.argv[1]))))"
     )
     env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "OMP_NUM_THREADS": "1"}

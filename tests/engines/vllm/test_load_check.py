@@ -1,4 +1,4 @@
-"""publish/vllm_client.py: our exports offered, tensor by tensor, to vLLM's own draft classes built on CPU
+"""engines/vllm/load_check.py: our exports offered, tensor by tensor, to vLLM's own draft classes built on CPU
 (Eagle3LlamaForCausalLM for both EAGLE-3 dialects; DeepSeekMTP, Qwen3NextMTP).  Pins what vLLM 0.32 does
 with each tensor: every EAGLE-3 tensor lands; of the MTP exports only the MTP-specific tensors land, our
 Llama-shaped block does not fit either MTP class (docs/engines.md, "Which client read which format")."""
@@ -13,7 +13,7 @@ from draft_align.publish import export_draft
 
 pytest.importorskip("vllm", reason="vllm not installed (pip install -e '.[vllm]')")
 
-from draft_align.publish.vllm_client import vllm_load_isolated  # noqa: E402
+from draft_align.engines.vllm.load_check import vllm_load_isolated  # noqa: E402
 
 N = 4  # target layers
 
