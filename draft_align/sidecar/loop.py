@@ -17,7 +17,7 @@ One loop (:meth:`Sidecar.run`), all its state in :class:`~draft_align.sidecar.st
 Nothing here can reach the policy: the sidecar holds a frozen copy of the target's embedding and the head
 rows it was sent, and its own optimizer.
 
-Under torchrun (``sidecar.ranks: N``, docs/wire.md) :func:`ranked_loop` runs instead: every step boundary the
+Under torchrun (``sidecar.ranks: N``, docs/wire.md) :func:`~draft_align.sidecar.ranked.ranked_loop` runs instead: every step boundary the
 ranks exchange flags and the HeadSync/StepReports each received (re-encoded in the wire format) and apply
 them in rank order; a step is taken iff every rank has a batch (DDP or FSDP2, ``train/parallel.py``); rank 0
 alone gates, publishes, writes monitoring rows and checkpoints, and under FSDP2 every rank first gathers the
@@ -59,8 +59,9 @@ from draft_align.sidecar.layout import (
     TAP_SOCKET,
     TRAINER_DIR,
 )
+from draft_align.sidecar.ranked import ranked_loop
 from draft_align.sidecar.state import Rates, SidecarState, sidecar_stats
-from draft_align.train.parallel import RankError, RankGroup, attach, is_comm_error, rank_device
+from draft_align.train.parallel import RankGroup, attach, rank_device
 from draft_align.train.records import Batch, TappedRecord
 from draft_align.train.replay import ReplayBuffer
 from draft_align.train.trainer import (
@@ -70,12 +71,9 @@ from draft_align.train.trainer import (
     OptimSettings,
     checkpoint_exists,
 )
-from draft_align.wire.messages import HeadSync, StepReport, TapBatch, TapPart, decode, encode
+from draft_align.wire.messages import HeadSync, StepReport, TapBatch, TapPart
 
 log = logging.getLogger(__name__)
-
-# flags each rank sends at every step boundary (RankGroup.exchange); the *_DUE ones are rank 0's decisions
-HAVE_BATCH, STOP, TIME_UP, PUBLISH_DUE, CKPT_DUE = 0, 1, 2, 3, 4
 
 Control = HeadSync | StepReport  # what every rank applies, whichever rank received it
 
@@ -479,60 +477,3 @@ class Sidecar:
         if self.gate.publisher is not None:
             self.gate.publisher.close()
         self.sinks.close()
-
-
-# ---------------------------------------------------------------------------------------------- multi-rank
-def ranked_step(sc: Sidecar, max_seconds: float | None = None) -> bool:
-    """One iteration of the multi-rank loop; False when the ranks agreed to stop.
-
-    Every rank: sample a batch (if it can) → exchange flags and control messages → apply every rank's
-    HeadSync/StepReport in rank order → train iff all ranks have a batch → drain its socket.  When rank 0
-    announced a publish attempt or checkpoint in the exchange, every rank then syncs the full state
-    (:meth:`Sidecar.sync_full`, a gather under FSDP2) and rank 0 gates/publishes and checkpoints.
-    """
-    group = sc.ranks
-    assert group is not None
-    batch = sc.next_batch()
-    time_up = sc.time_up(max_seconds)
-    outgoing = [encode(m, sc.wire_key) for m in sc.take_shared_control()]
-    publish_due = group.is_lead and sc.publish_due()
-    ckpt_due = group.is_lead and sc.checkpoint_due()
-    flags, incoming = group.exchange([batch is not None, sc.stop_requested, time_up, publish_due, ckpt_due],
-                                     outgoing)
-    for messages in incoming:
-        for frames in messages:
-            sc.on_control(decode(frames, sc.wire_key))
-    if bool(flags[:, STOP].any()) or bool(flags[:, TIME_UP].any()):
-        return False
-    trained = False
-    if bool(flags[:, HAVE_BATCH].all()):
-        assert batch is not None
-        try:
-            trained = sc.train_on(batch)
-        except RuntimeError as e:
-            if isinstance(e, RankError) or not is_comm_error(e):
-                raise
-            raise group.failed("the gradient all-reduce", e) from e
-    sc.drain(budget_s=0.05, timeout_ms=0 if trained else 200)
-    publish_due, ckpt_due = bool(flags[0, PUBLISH_DUE]), bool(flags[0, CKPT_DUE])  # rank 0's decisions
-    if publish_due or ckpt_due:
-        sc.sync_full()
-        if group.is_lead:
-            published = publish_due and sc.maybe_publish(force=True)  # a publish checkpoints too
-            if ckpt_due and not published:
-                sc.checkpoint()
-    if sc.state.done and sc.exit_when_done:  # the final StepReport reached every rank in the same exchange
-        sc.sync_full()
-        if group.is_lead:
-            sc.maybe_publish(force=True)
-        return False
-    return True
-
-
-def ranked_loop(sc: Sidecar, max_seconds: float | None = None) -> None:
-    """Run :func:`ranked_step` until the ranks agree to stop (stop requested, time up, or done)."""
-    group = sc.ranks
-    assert group is not None
-    log.info("sidecar rank %d/%d pulling from %s", group.rank, group.world_size, sc.receiver.endpoint)
-    while ranked_step(sc, max_seconds):
-        pass

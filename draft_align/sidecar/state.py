@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from draft_align.monitor.rows import SidecarStats
+
+log = logging.getLogger(__name__)
+
+
+class StateError(ValueError):
+    """A ``state.json`` that cannot be read (not JSON, not an object, a field of the wrong type)."""
 
 
 @dataclass
@@ -27,7 +34,13 @@ class SidecarState:
     ingested_messages: int = 0
     nonfinite_sequences: int = 0
     nonfinite_steps: int = 0
-    nonfinite_heads: int = 0
+    nonfinite_heads: int = 0  # HeadSyncs rejected: non-finite or out-of-range rows / norm
+    nonfinite_alarms: int = 0  # heads dropped after max_consecutive_nonfinite non-finite steps in a row
+    held_dropped_records: int = 0  # tapped records dropped while waiting for their step's report (bound)
+    held_dropped_tokens: int = 0
+    rl_restarts: int = 0  # HeadSync version regressions (the RL job restarted)
+    policy_offset: int = 0  # added to every policy version the RL job sends (raised at each RL restart)
+    publish_failures: int = 0  # publishes or checkpoints that failed (disk full, export error)
     gate_rejections: int = 0
     foreign_messages: int = 0
     mismatched_messages: int = 0
@@ -40,7 +53,27 @@ class SidecarState:
 
     @classmethod
     def load(cls, path: Path) -> SidecarState:
-        return cls(**json.loads(path.read_text()))
+        """The state saved at ``path``; fields this version does not know are logged and ignored (a newer
+        sidecar wrote them), missing ones take their defaults; StateError when it cannot be read."""
+        try:
+            raw = json.loads(Path(path).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise StateError(f"{path}: unreadable sidecar state ({e})") from e
+        if not isinstance(raw, dict):
+            raise StateError(f"{path}: expected a JSON object, got {type(raw).__name__}")
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(raw) - set(known))
+        if unknown:
+            log.warning("%s: unknown fields %s ignored (written by another version?)", path, unknown)
+        out = cls()
+        for name, value in raw.items():
+            if name not in known:
+                continue
+            want = (str, type(None)) if name == "lora_base_dir" else type(getattr(out, name))
+            if not isinstance(value, want) or (isinstance(value, bool) and want is int):
+                raise StateError(f"{path}: field {name!r} is {value!r} ({type(value).__name__}): wrong type")
+            setattr(out, name, value)
+        return out
 
     def save(self, path: Path) -> None:
         """Atomically (a temp file in the same folder, then rename)."""
@@ -86,5 +119,9 @@ def sidecar_stats(state: SidecarState, buffer: Mapping[str, Any], rates: Rates,
         nonfinite_heads=state.nonfinite_heads,
         gate_rejections=state.gate_rejections,
         restarts=state.restarts,
+        nonfinite_alarms=state.nonfinite_alarms,
+        held_dropped=state.held_dropped_records,
+        rl_restarts=state.rl_restarts,
+        publish_failures=state.publish_failures,
         rejected=dict(rejected),
     )

@@ -1,4 +1,4 @@
-"""draft_align.sidecar.loop's multi-rank loop (``ranked_step``): a 2-rank sidecar on CPU (gloo) trains to the same
+"""draft_align.sidecar.ranked, the multi-rank loop (``ranked_step``): a 2-rank sidecar on CPU (gloo) trains to the same
 weights as one process, survives ``kill -9`` of a rank (the other stops with a clear error, a restarted job
 resumes and keeps publishing), and refuses a misconfigured world.
 
@@ -144,7 +144,8 @@ def _rank_worker(overrides: list[str]) -> None:
     (and writes the steps' gradient norms beside the run).  Then rank 1 alone draws a batch whose loss is not
     finite: both ranks skip that step (no hang, no update)."""
     from draft_align.sidecar.launch import starting_draft
-    from draft_align.sidecar.loop import Sidecar, ranked_step
+    from draft_align.sidecar.loop import Sidecar
+    from draft_align.sidecar.ranked import ranked_step
     from draft_align.train.records import Record, TappedRecord
     from draft_align.train.replay import ReplayBuffer
 
@@ -254,7 +255,8 @@ def _resume_worker(overrides: list[str]) -> None:
     from safetensors.torch import load_file
 
     from draft_align.sidecar.launch import starting_draft
-    from draft_align.sidecar.loop import Sidecar, ranked_step
+    from draft_align.sidecar.loop import Sidecar
+    from draft_align.sidecar.ranked import ranked_step
 
     torch.set_num_threads(1)
     recipe = load_recipe(None, overrides, CotrainRecipe)
