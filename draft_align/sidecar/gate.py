@@ -168,6 +168,6 @@ class Gate:
         ))
         with open(self.dir / PUBLISH_FILE, "a", encoding="utf-8") as f:
             f.write(json.dumps({"time": time.time(), "draft_version": v, "policy_version": policy_version,
-                                **metrics}) + "\n")
+                                "sha256": pub.weights_sha256, **metrics}) + "\n")
         log.info("published draft v%04d (policy v%d): gate %.4f vs %.4f", v, policy_version,
                  cand["acceptance_length_est"], base["acceptance_length_est"])

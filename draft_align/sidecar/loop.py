@@ -17,11 +17,13 @@ One loop (:meth:`Sidecar.run`), all its state in :class:`~draft_align.sidecar.st
 Nothing here can reach the policy: the sidecar holds a frozen copy of the target's embedding and the head
 rows it was sent, and its own optimizer.
 
-Under torchrun (``sidecar.ranks: N``, docs/wire.md) :func:`~draft_align.sidecar.ranked.ranked_loop` runs instead: every step boundary the
-ranks exchange flags and the HeadSync/StepReports each received (re-encoded in the wire format) and apply
-them in rank order; a step is taken iff every rank has a batch (DDP or FSDP2, ``train/parallel.py``); rank 0
-alone gates, publishes, writes monitoring rows and checkpoints, and under FSDP2 every rank first gathers the
-full state onto it (:meth:`Sidecar.sync_full`) when rank 0 announced a publish attempt or checkpoint.
+A full disk (any OSError) or an export refused (ExportError: e.g. weights finite in fp32, ±inf in bf16) at
+publish or checkpoint time is one logged line and a counter (``publish_failures``; an export refusal is a
+gate rejection); the last published draft keeps serving and the next attempt waits (:class:`Backoff`).  After
+``max_consecutive_nonfinite`` non-finite steps in a row the head in use is dropped (ERROR, ``nonfinite_alarms``)
+and training waits for the next HeadSync.  A restart trusts only what verifies (``sidecar/resume.py``).
+Published versions beyond the newest ``keep_versions`` (never ``latest``) are deleted after each publish.
+Under torchrun the multi-rank loop (``sidecar/ranked.py``) runs instead.
 """
 
 from __future__ import annotations
@@ -46,13 +48,15 @@ from draft_align.monitor.rows import SidecarStats, StepRow
 from draft_align.monitor.sinks import METRICS_FILE, JsonlSink, PromSink, Sinks, open_sinks
 from draft_align.publish import load_draft
 from draft_align.publish.compat import check_compatible, tokenizer_fingerprint
-from draft_align.publish.versions import discard_tmp_versions, read_latest
+from draft_align.publish.folder import ExportError
+from draft_align.publish.versions import discard_tmp_versions, folder_version, prune_versions
 from draft_align.sidecar.gate import Gate, plain_copy
 from draft_align.sidecar.ingest import Ingest
 from draft_align.sidecar.layout import (
     MONITOR_FILE,
     NOTIFY_SOCKET,
     PORT_FILE,
+    PUBLISH_FILE,
     READY_FILE,
     SIDECAR_DIR,
     STATE_FILE,
@@ -60,7 +64,8 @@ from draft_align.sidecar.layout import (
     TRAINER_DIR,
 )
 from draft_align.sidecar.ranked import ranked_loop
-from draft_align.sidecar.state import Rates, SidecarState, sidecar_stats
+from draft_align.sidecar.resume import set_aside, trusted_published
+from draft_align.sidecar.state import Backoff, Rates, SidecarState, StateError, sidecar_stats
 from draft_align.train.parallel import RankGroup, attach, rank_device
 from draft_align.train.records import Batch, TappedRecord
 from draft_align.train.replay import ReplayBuffer
@@ -102,6 +107,8 @@ class Sidecar:
         self.device = torch.device(recipe.device) if ranks is None else rank_device(recipe.device, ranks.info)
         self.state = SidecarState()
         self.rates = Rates()
+        self.backoff = Backoff()  # after a failed publish / checkpoint (disk full)
+        self.nonfinite_in_a_row = 0
         self.resumed = False
         self._shared_control: list[Control] = []  # received here, for every rank to apply (multi-rank only)
 
@@ -112,8 +119,12 @@ class Sidecar:
         discard_tmp_versions(self.run_dir)
         draft = self._setup_drafts()
         self._setup_trainer(draft)
-        self._setup_wire()
-        self._setup_sinks()
+        try:
+            self._setup_wire()
+            self._setup_sinks()
+        except BaseException:  # e.g. a busy Prometheus port: release the sockets already bound
+            self.close()
+            raise
         self._last_ckpt = time.monotonic()
         self._t0 = time.monotonic()
         return self
@@ -142,14 +153,21 @@ class Sidecar:
         sfile = self.dir / STATE_FILE
         self.resumed = checkpoint_exists(self.dir / TRAINER_DIR) and sfile.is_file()
         if self.resumed:
-            self.state = SidecarState.load(sfile)
+            try:
+                self.state = SidecarState.load(sfile)
+            except StateError as e:  # the trainer checkpoint goes with it: its counters are gone
+                set_aside(sfile, e)
+                set_aside(self.dir / TRAINER_DIR, e)
+                self.resumed = False
             self.state.restarts += 1
             self.state.done = False
-        # the published draft the gate compares against: the run's latest, else the starting draft
-        latest = read_latest(self.run_dir)
-        if latest is not None:
-            published, man = load_draft(latest, device=self.device)
-            self.state.published_version = max(self.state.published_version, int(man["draft_version"]))
+        # the published draft the gate compares against: the newest trusted version, else the starting draft
+        found = trusted_published(self.run_dir, self.dir / PUBLISH_FILE, self.device)
+        latest = found[0] if found is not None else None
+        if found is not None:
+            published, man = found[1], found[2]
+            v = folder_version(found[0])
+            self.state.published_version = max(self.state.published_version, v if v is not None else 0)
             self.state.published_policy_version = int(man["policy_version"])
         else:
             published = plain_copy(self.frozen, self.device)
@@ -194,7 +212,12 @@ class Sidecar:
         if ranks is not None:  # before the load: under fsdp2 the checkpoint is loaded into the shards
             attach(self.trainer, ranks, sc.parallel)
         if self.resumed:
-            self.trainer.load(self.dir / TRAINER_DIR)
+            try:
+                self.trainer.load(self.dir / TRAINER_DIR)
+            except RuntimeError as e:  # unreadable or another configuration's: train on from the published draft
+                set_aside(self.dir / TRAINER_DIR, e)
+                self.resumed = False
+                return
             log.info("resumed sidecar at train step %d (restart %d)", self.state.train_steps, self.state.restarts)
 
     def _setup_wire(self) -> None:
@@ -206,8 +229,10 @@ class Sidecar:
         # only rank 0 gates, so only its buffer holds records out; each rank samples with its own seed
         buffer = ReplayBuffer(sc.buffer_tokens, sc.recency_half_life, sc.holdout_records if self.is_lead else 0,
                               recipe.seed + (ranks.rank if ranks is not None else 0))
+        # records of steps whose report has not come are held at most this many tokens (docs/sizing.md)
+        held = max(sc.buffer_tokens // 4, 2 * recipe.tap.tokens_per_step)
         self.ingest = Ingest(buffer, self.state, self.rates, aux_ids=self.aux_ids, hidden=self.hidden,
-                             vocab=self.vocab, draft_to_target=self.frozen.draft_to_target)
+                             vocab=self.vocab, draft_to_target=self.frozen.draft_to_target, max_held_tokens=held)
         self.wire_key = channel.resolve_key(wire.key_file, self.run_dir, create=True)
         tap_ep = wire.endpoint or channel.default_endpoint(self.run_dir, TAP_SOCKET)
         if ranks is not None:
@@ -261,7 +286,7 @@ class Sidecar:
         return max_seconds is not None and time.monotonic() - self._t0 >= max_seconds
 
     def checkpoint_due(self) -> bool:
-        return time.monotonic() - self._last_ckpt >= self.recipe.sidecar.checkpoint_every_s
+        return self.backoff.ready() and time.monotonic() - self._last_ckpt >= self.recipe.sidecar.checkpoint_every_s
 
     def drain(self, budget_s: float, timeout_ms: int) -> int:
         """Handle the messages waiting on the PULL socket for at most ``budget_s`` (the first one waited for
@@ -377,8 +402,16 @@ class Sidecar:
             stats = self.trainer.train_step(batch)
         except NonFiniteLossError as e:
             self.state.nonfinite_steps += 1
+            self.nonfinite_in_a_row += 1
             log.warning("%s", e)
+            if self.nonfinite_in_a_row >= sc.max_consecutive_nonfinite:
+                self.state.nonfinite_alarms += 1
+                log.error("ALARM: %d non-finite steps in a row on the head of policy v%d: head dropped, waiting "
+                          "for the next HeadSync", self.nonfinite_in_a_row, self.state.head_policy_version)
+                self.ingest.drop_head()
+                self.nonfinite_in_a_row = 0
             return True
+        self.nonfinite_in_a_row = 0
         self.rates.train_tokens += batch.num_tokens
         self.rates.train_s += time.perf_counter() - t0
         self.state.train_steps += 1
@@ -391,7 +424,7 @@ class Sidecar:
     def publish_due(self, force: bool = False) -> bool:
         """Whether a publish attempt (gate) is due on this rank: the lead rank, a head to score with, enough
         steps, the interval passed (or ``force``)."""
-        return self.is_lead and self.has_head and self.gate.due(force)
+        return self.is_lead and self.has_head and self.backoff.ready() and self.gate.due(force)
 
     def sync_full(self) -> None:
         """fsdp2: gather the trainer's full draft and optimizer state onto rank 0 (a collective: every rank
@@ -418,20 +451,44 @@ class Sidecar:
         """Gate and publish the candidate; True when a new version was published (then checkpointed)."""
         if not self.publish_due(force):
             return False
-        if not self.gate.maybe_publish(self._candidate, self.ingest.buffer.holdout(), self.estimate):
+        try:
+            if not self.gate.maybe_publish(self._candidate, self.ingest.buffer.holdout(), self.estimate):
+                return False
+        except ExportError as e:  # e.g. weights finite in fp32 but ±inf in bf16: as if the gate refused it
+            self.state.gate_rejections += 1
+            log.error("candidate not published: %s", e)
+            return False
+        except OSError as e:
+            self._storage_failed("publish", e)
             return False
         self.sinks.observe_stats(self.stats())
+        try:
+            prune_versions(self.run_dir, self.recipe.sidecar.keep_versions,
+                           protect=(self.start_draft, Path(self.state.lora_base_dir or self.start_draft)))
+        except OSError as e:
+            log.error("retention: %s", e)
         self.checkpoint()  # the published version and the trainer state move together
         return True
+
+    def _storage_failed(self, what: str, e: OSError) -> None:
+        self.state.publish_failures += 1
+        delay = self.backoff.fail()
+        log.error("%s failed: %s; still serving draft v%04d, next attempt in %.0f s", what, e,
+                  self.state.published_version, delay)
 
     def checkpoint(self) -> None:
         if not self.is_lead:
             return  # rank 0's checkpoint is every rank's (DDP: the same weights; fsdp2: gathered by sync_full)
         assert not self._sharded or self._full is not None, "sync_full() before checkpointing"
-        self.trainer.save(self.dir / TRAINER_DIR, self._full if self._sharded else None)
-        self.state.rejected = dict(self.rejected)
-        self.state.save(self.dir / STATE_FILE)
         self._last_ckpt = time.monotonic()
+        try:
+            self.trainer.save(self.dir / TRAINER_DIR, self._full if self._sharded else None)
+            self.state.rejected = dict(self.rejected)
+            self.state.save(self.dir / STATE_FILE)
+        except OSError as e:
+            self._storage_failed("checkpoint", e)
+            return
+        self.backoff.ok()
 
     # ------------------------------------------------------------------ the loop
     def run(self, max_seconds: float | None = None) -> SidecarState:
@@ -469,11 +526,15 @@ class Sidecar:
         ready = {"pid": os.getpid(), "ppid": os.getppid(), "time": time.time(),
                  "draft_version": self.state.published_version, "tap_endpoint": self.receiver.endpoint}
         tmp = self.dir / f".{READY_FILE}.tmp-{os.getpid()}"
-        tmp.write_text(json.dumps(ready))
-        os.replace(tmp, self.dir / READY_FILE)
+        try:
+            tmp.write_text(json.dumps(ready))
+            os.replace(tmp, self.dir / READY_FILE)
+        except OSError as e:  # a full disk: serve anyway (the launcher then times out waiting, and says so)
+            tmp.unlink(missing_ok=True)
+            log.error("cannot write %s: %s", self.dir / READY_FILE, e)
 
     def close(self) -> None:
-        self.receiver.close()
-        if self.gate.publisher is not None:
-            self.gate.publisher.close()
-        self.sinks.close()
+        """Close what was set up (also after a failed :meth:`setup`)."""
+        for part in (getattr(self, "receiver", None), self.gate.publisher, getattr(self, "sinks", None)):
+            if part is not None:
+                part.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -78,8 +79,36 @@ class SidecarState:
     def save(self, path: Path) -> None:
         """Atomically (a temp file in the same folder, then rename)."""
         tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
-        tmp.write_text(json.dumps(asdict(self)))
-        os.replace(tmp, path)
+        try:
+            tmp.write_text(json.dumps(asdict(self)))
+            os.replace(tmp, path)
+        except BaseException:  # a full disk: no temp file stays behind
+            tmp.unlink(missing_ok=True)
+            raise
+
+
+@dataclass
+class Backoff:
+    """Retry spacing after a failed publish or checkpoint (a full disk): ``first_s``, doubling per failure in
+    a row, at most ``max_s``; one success resets it."""
+
+    first_s: float = 5.0
+    max_s: float = 300.0
+    failures: int = 0
+    retry_at: float = 0.0  # time.monotonic() before which nothing is retried
+
+    def ready(self) -> bool:
+        return time.monotonic() >= self.retry_at
+
+    def fail(self) -> float:
+        """Record a failure; returns the delay until the next attempt (s)."""
+        self.failures += 1
+        delay = min(self.max_s, self.first_s * 2 ** (self.failures - 1))
+        self.retry_at = time.monotonic() + delay
+        return delay
+
+    def ok(self) -> None:
+        self.failures, self.retry_at = 0, 0.0
 
 
 @dataclass
