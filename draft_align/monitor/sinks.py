@@ -59,10 +59,16 @@ class JsonlSink:
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
+        self.failed = 0  # lines lost to a write error (a full disk): logging must never stop training
 
     def write(self, obj: Mapping[str, Any]) -> None:
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(obj) + "\n")
+        try:
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(obj) + "\n")
+        except OSError as e:
+            self.failed += 1
+            if self.failed in (1, 10) or self.failed % 1000 == 0:
+                log.error("%s: line not written (%s); %d lost so far", self.path, e, self.failed)
 
     def log(self, metrics: Mapping[str, Any], step: int) -> None:
         """A scalar series point: ``{"step", "time", **metrics}``."""

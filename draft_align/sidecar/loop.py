@@ -1,23 +1,16 @@
 """The sidecar's loop: receive → validate → replay buffer → TTT training → gate → versioned publish → notify.
 
 One loop (:meth:`Sidecar.run`), all its state in :class:`~draft_align.sidecar.state.SidecarState`
-(checkpointed beside the trainer):
+(checkpointed beside the trainer): (1) drain the PULL socket for at most ``drain_s``: ``TapBatch`` records go
+to the replay buffer (``sidecar/ingest.py``), ``HeadSync`` replaces the head rows the soft targets are
+computed from, ``StepReport`` closes an RL step: the estimated acceptance of the published and frozen drafts
+on the step's fresh records, merged with the RL job's own measurements into one monitoring row
+(``monitor/rows.py``) for the sinks; (2) one optimizer step on a recency-weighted batch (a non-finite loss
+skips it, counted); (3) every ``publish_every_s`` the candidate is gated against the published draft
+(``sidecar/gate.py``); (4) every ``checkpoint_every_s`` the trainer state is saved atomically.  Published
+versions are complete folders renamed into place, never half-visible.  Nothing here can reach the policy.
 
-1. drain the PULL socket for at most ``drain_s``: ``TapBatch`` records go to the replay buffer (sequences
-   with NaN/Inf states are dropped and counted; ``sidecar/ingest.py``), ``HeadSync`` replaces the head rows
-   the soft targets are computed from, ``StepReport`` closes an RL step: the step's freshly tapped records
-   (not trained on yet) give the estimated acceptance of the published and of the frozen draft, merged with
-   the RL job's own measurements into one monitoring row (``monitor/rows.py``) handed to the sinks;
-2. one optimizer step on a recency-weighted batch (a non-finite loss skips the step and is counted);
-3. every ``publish_every_s`` the candidate is gated against the published draft and published if not worse
-   beyond noise (``sidecar/gate.py``);
-4. every ``checkpoint_every_s`` the trainer state is saved (atomic), so a ``kill -9`` loses at most that much
-   training; published versions are complete folders renamed into place, so none is ever half-visible.
-
-Nothing here can reach the policy: the sidecar holds a frozen copy of the target's embedding and the head
-rows it was sent, and its own optimizer.
-
-A full disk (any OSError) or an export refused (ExportError: e.g. weights finite in fp32, ±inf in bf16) at
+A full disk (OSError) or an export refused (ExportError: e.g. weights finite in fp32, ±inf in bf16) at
 publish or checkpoint time is one logged line and a counter (``publish_failures``; an export refusal is a
 gate rejection); the last published draft keeps serving and the next attempt waits (:class:`Backoff`).  After
 ``max_consecutive_nonfinite`` non-finite steps in a row the head in use is dropped (ERROR, ``nonfinite_alarms``)
@@ -29,7 +22,6 @@ Under torchrun the multi-rank loop (``sidecar/ranked.py``) runs instead.
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import os
 import threading
@@ -48,24 +40,22 @@ from draft_align.monitor.rows import SidecarStats, StepRow
 from draft_align.monitor.sinks import METRICS_FILE, JsonlSink, PromSink, Sinks, open_sinks
 from draft_align.publish import load_draft
 from draft_align.publish.compat import check_compatible, tokenizer_fingerprint
-from draft_align.publish.folder import ExportError
-from draft_align.publish.versions import discard_tmp_versions, folder_version, prune_versions
+from draft_align.publish.versions import discard_tmp_versions
 from draft_align.sidecar.gate import Gate, plain_copy
 from draft_align.sidecar.ingest import Ingest
 from draft_align.sidecar.layout import (
     MONITOR_FILE,
     NOTIFY_SOCKET,
     PORT_FILE,
-    PUBLISH_FILE,
-    READY_FILE,
     SIDECAR_DIR,
     STATE_FILE,
     TAP_SOCKET,
     TRAINER_DIR,
+    write_ready,
 )
 from draft_align.sidecar.ranked import ranked_loop
-from draft_align.sidecar.resume import set_aside, trusted_published
-from draft_align.sidecar.state import Backoff, Rates, SidecarState, StateError, sidecar_stats
+from draft_align.sidecar.resume import resume_state, set_aside, start_published
+from draft_align.sidecar.state import Backoff, Rates, SidecarState, sidecar_stats
 from draft_align.train.parallel import RankGroup, attach, rank_device
 from draft_align.train.records import Batch, TappedRecord
 from draft_align.train.replay import ReplayBuffer
@@ -74,7 +64,6 @@ from draft_align.train.trainer import (
     LossSettings,
     NonFiniteLossError,
     OptimSettings,
-    checkpoint_exists,
 )
 from draft_align.wire.messages import HeadSync, StepReport, TapBatch, TapPart
 
@@ -150,31 +139,14 @@ class Sidecar:
         self.hidden = int(self.target_config.hidden_size)
         self.vocab = int(self.target_config.vocab_size)
 
-        sfile = self.dir / STATE_FILE
-        self.resumed = checkpoint_exists(self.dir / TRAINER_DIR) and sfile.is_file()
-        if self.resumed:
-            try:
-                self.state = SidecarState.load(sfile)
-            except StateError as e:  # the trainer checkpoint goes with it: its counters are gone
-                set_aside(sfile, e)
-                set_aside(self.dir / TRAINER_DIR, e)
-                self.resumed = False
-            self.state.restarts += 1
-            self.state.done = False
+        self.state, self.resumed = resume_state(self.dir)
         # the published draft the gate compares against: the newest trusted version, else the starting draft
-        found = trusted_published(self.run_dir, self.dir / PUBLISH_FILE, self.device)
-        latest = found[0] if found is not None else None
-        if found is not None:
-            published, man = found[1], found[2]
-            v = folder_version(found[0])
-            self.state.published_version = max(self.state.published_version, v if v is not None else 0)
-            self.state.published_policy_version = int(man["policy_version"])
-        else:
-            published = plain_copy(self.frozen, self.device)
+        published, latest = start_published(self.run_dir, self.dir, self.state, self.frozen, self.device)
         published.eval()
         self.gate = Gate(recipe, self.state, published, device=self.device, target_config=self.target_config,
                          target_name=self.target_name, tokenizer_fingerprint=self.tok_fp,
-                         frozen_manifest=self.frozen_manifest, publisher=None)  # its socket: _setup_wire
+                         frozen_manifest=self.frozen_manifest, publisher=None,  # its socket: _setup_wire
+                         protect=(self.start_draft,))
         draft = plain_copy(published, self.device)
         if sc.adapt == "lora":  # adapters over the frozen starting point, with their own optimizer settings
             from draft_align.heads.lora import apply_lora, lora_settings
@@ -319,18 +291,6 @@ class Sidecar:
                 self.state.mismatched_messages += 1
         return n
 
-    def take_shared_control(self) -> list[Control]:
-        """The HeadSync/StepReports this rank received since the last call, for every rank to apply."""
-        out, self._shared_control = self._shared_control, []
-        return out
-
-    def on_control(self, msg: Control) -> None:
-        """A HeadSync or StepReport that one of the ranks received (multi-rank only)."""
-        if isinstance(msg, HeadSync):
-            self.on_head(msg)
-        else:
-            self.on_report(msg)
-
     def on_head(self, msg: HeadSync) -> None:
         """New head rows for the soft targets (MTP: also the drafts' shared lm_head), once accepted."""
         if not self.ingest.accept_head(msg):
@@ -454,19 +414,10 @@ class Sidecar:
         try:
             if not self.gate.maybe_publish(self._candidate, self.ingest.buffer.holdout(), self.estimate):
                 return False
-        except ExportError as e:  # e.g. weights finite in fp32 but ±inf in bf16: as if the gate refused it
-            self.state.gate_rejections += 1
-            log.error("candidate not published: %s", e)
-            return False
         except OSError as e:
             self._storage_failed("publish", e)
             return False
         self.sinks.observe_stats(self.stats())
-        try:
-            prune_versions(self.run_dir, self.recipe.sidecar.keep_versions,
-                           protect=(self.start_draft, Path(self.state.lora_base_dir or self.start_draft)))
-        except OSError as e:
-            log.error("retention: %s", e)
         self.checkpoint()  # the published version and the trainer state move together
         return True
 
@@ -495,8 +446,10 @@ class Sidecar:
         """Loop until stopped, out of time or done (see the class docstring); returns the final state."""
         log.info("sidecar %s listening; draft v%d; aux %s", self.recipe.run, self.state.published_version,
                  self.aux_ids)
-        if self.is_lead:
-            self._write_ready()
+        if self.is_lead:  # the launcher waits for it (ppid: torchrun's agent)
+            write_ready(self.dir, {"pid": os.getpid(), "ppid": os.getppid(), "time": time.time(),
+                                   "draft_version": self.state.published_version,
+                                   "tap_endpoint": self.receiver.endpoint})
         ended = False  # whether the loop ended normally (every rank leaves it at the same step)
         try:
             if self.ranks is not None:  # torchrun: the ranks agree on every step
@@ -520,18 +473,6 @@ class Sidecar:
                 self.checkpoint()
             self.close()
         return self.state
-
-    def _write_ready(self) -> None:
-        """``ready.json``: the sockets are bound (the launcher waits for it; ppid: torchrun's agent)."""
-        ready = {"pid": os.getpid(), "ppid": os.getppid(), "time": time.time(),
-                 "draft_version": self.state.published_version, "tap_endpoint": self.receiver.endpoint}
-        tmp = self.dir / f".{READY_FILE}.tmp-{os.getpid()}"
-        try:
-            tmp.write_text(json.dumps(ready))
-            os.replace(tmp, self.dir / READY_FILE)
-        except OSError as e:  # a full disk: serve anyway (the launcher then times out waiting, and says so)
-            tmp.unlink(missing_ok=True)
-            log.error("cannot write %s: %s", self.dir / READY_FILE, e)
 
     def close(self) -> None:
         """Close what was set up (also after a failed :meth:`setup`)."""

@@ -37,15 +37,31 @@ class RankedSidecar(Protocol):
     def stop_requested(self) -> bool: ...
     def next_batch(self) -> Batch | None: ...
     def time_up(self, max_seconds: float | None) -> bool: ...
-    def take_shared_control(self) -> list[HeadSync | StepReport]: ...
+    _shared_control: list[HeadSync | StepReport]
+
     def publish_due(self, force: bool = False) -> bool: ...
     def checkpoint_due(self) -> bool: ...
-    def on_control(self, msg: HeadSync | StepReport) -> None: ...
+    def on_head(self, msg: HeadSync) -> None: ...
+    def on_report(self, msg: StepReport) -> None: ...
     def train_on(self, batch: Batch) -> bool: ...
     def drain(self, budget_s: float, timeout_ms: int) -> int: ...
     def sync_full(self) -> None: ...
     def maybe_publish(self, force: bool = False) -> bool: ...
     def checkpoint(self) -> None: ...
+
+
+def take_shared_control(sc: RankedSidecar) -> list[HeadSync | StepReport]:
+    """The HeadSync/StepReports this rank received (``Sidecar.drain`` queues them) since the last call."""
+    out, sc._shared_control = sc._shared_control, []
+    return out
+
+
+def on_control(sc: RankedSidecar, msg: HeadSync | StepReport) -> None:
+    """A HeadSync or StepReport that one of the ranks received: every rank applies it."""
+    if isinstance(msg, HeadSync):
+        sc.on_head(msg)
+    else:
+        sc.on_report(msg)
 
 
 def ranked_step(sc: RankedSidecar, max_seconds: float | None = None) -> bool:
@@ -60,14 +76,14 @@ def ranked_step(sc: RankedSidecar, max_seconds: float | None = None) -> bool:
     assert group is not None
     batch = sc.next_batch()
     time_up = sc.time_up(max_seconds)
-    outgoing = [encode(m, sc.wire_key) for m in sc.take_shared_control()]
+    outgoing = [encode(m, sc.wire_key) for m in take_shared_control(sc)]
     publish_due = group.is_lead and sc.publish_due()
     ckpt_due = group.is_lead and sc.checkpoint_due()
     flags, incoming = group.exchange([batch is not None, sc.stop_requested, time_up, publish_due, ckpt_due],
                                      outgoing)
     for messages in incoming:
         for frames in messages:
-            sc.on_control(decode(frames, sc.wire_key))
+            on_control(sc, decode(frames, sc.wire_key))
     if bool(flags[:, STOP].any()) or bool(flags[:, TIME_UP].any()):
         return False
     trained = False

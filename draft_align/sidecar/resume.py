@@ -24,9 +24,14 @@ from typing import Any
 
 import torch
 
+from draft_align.heads.protocol import DraftHead
 from draft_align.publish import load_draft
 from draft_align.publish.folder import ExportError, weights_sha256
-from draft_align.publish.versions import check_folder_version, published_versions, read_latest
+from draft_align.publish.versions import check_folder_version, folder_version, published_versions, read_latest
+from draft_align.sidecar.gate import plain_copy
+from draft_align.sidecar.layout import PUBLISH_FILE, STATE_FILE, TRAINER_DIR
+from draft_align.sidecar.state import SidecarState, StateError
+from draft_align.train.trainer import checkpoint_exists
 
 log = logging.getLogger(__name__)
 
@@ -92,3 +97,36 @@ def set_aside(path: Path, why: Exception) -> Path:
     os.replace(path, dest)
     log.error("%s is unusable (%s): moved to %s; training restarts from the published draft", path, why, dest)
     return dest
+
+
+def resume_state(sidecar_dir: Path) -> tuple[SidecarState, bool]:
+    """(state, resumed): the saved state when a trainer checkpoint and ``state.json`` exist (restarts counted,
+    ``done`` cleared), else a fresh one.  An unreadable ``state.json`` is set aside with the checkpoint it
+    belongs to, and the sidecar starts afresh."""
+    sfile, tdir = Path(sidecar_dir) / STATE_FILE, Path(sidecar_dir) / TRAINER_DIR
+    if not (checkpoint_exists(tdir) and sfile.is_file()):
+        return SidecarState(), False
+    try:
+        state, resumed = SidecarState.load(sfile), True
+    except StateError as e:  # the trainer checkpoint goes with it: its counters are gone
+        set_aside(sfile, e)
+        set_aside(tdir, e)
+        state, resumed = SidecarState(), False
+    state.restarts += 1
+    state.done = False
+    return state, resumed
+
+
+def start_published(run_dir: Path, sidecar_dir: Path, state: SidecarState, frozen: DraftHead,
+                    device: torch.device) -> tuple[DraftHead, Path | None]:
+    """(the published draft the gate compares against, its folder): the trusted published version
+    (:func:`trusted_published`; ``state`` takes its number and policy version), else a copy of ``frozen``
+    and None."""
+    found = trusted_published(run_dir, Path(sidecar_dir) / PUBLISH_FILE, device)
+    if found is None:
+        return plain_copy(frozen, device).eval(), None
+    path, published, man = found
+    v = folder_version(path)
+    state.published_version = max(state.published_version, v if v is not None else 0)
+    state.published_policy_version = int(man["policy_version"])
+    return published.eval(), path

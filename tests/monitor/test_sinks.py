@@ -201,3 +201,26 @@ def test_sinks_fan_out_rows_and_scalars(tmp_path, prom):
     assert {k for k in metrics[1] if k not in ("step", "time")} == set(r.series())
     assert scrape(prom.url)["draft_align_published_versions"] == 2.0  # the stats after a publish
     sinks.close()
+
+
+def test_jsonl_write_errors_are_counted_not_raised(tmp_path, monkeypatch, caplog):
+    import builtins
+    import errno
+
+    sink = JsonlSink(tmp_path / "m.jsonl")
+    sink.write({"a": 1})
+    real_open = builtins.open
+
+    def full(path, *a, **k):
+        if str(path) == str(sink.path):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_open(path, *a, **k)
+
+    monkeypatch.setattr(builtins, "open", full)
+    with caplog.at_level("ERROR"):
+        sink.write({"a": 2})
+        sink.log({"b": 1}, step=3)
+    monkeypatch.undo()
+    assert sink.failed == 2 and "No space left" in caplog.text
+    sink.write({"a": 3})
+    assert [json.loads(x)["a"] for x in sink.path.read_text().splitlines()] == [1, 3]
