@@ -117,6 +117,10 @@ def _serve(registry: Any, host: str, port: int, timeout_s: float, max_connection
 
     class Server(ThreadingMixIn, WSGIServer):
         daemon_threads = True
+        request_queue_size = 128  # listen backlog: a burst of connections is accepted (and refused) quickly
+
+        def handle_error(self, request: Any, client_address: Any) -> None:
+            log.debug("Prometheus connection from %s dropped", client_address, exc_info=True)  # e.g. timed out
 
         def process_request(self, request: Any, client_address: Any) -> None:
             if not slots.acquire(blocking=False):
@@ -148,8 +152,8 @@ class PromSink:
     see ``.port``).  A field that is None or not a number leaves its gauge at the last value set.  Names,
     bounds and the server's limits: the module docstring.  PromError when the port cannot be bound."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, max_gauges: int = 1000, timeout_s: float = 10.0,
-                 max_connections: int = 16) -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, max_gauges: int = 1000, timeout_s: float = 5.0,
+                 max_connections: int = 32) -> None:
         from prometheus_client import CollectorRegistry
 
         self._lock = threading.Lock()
