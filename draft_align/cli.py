@@ -8,10 +8,64 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
 log = logging.getLogger("draft_align")
+
+# what a user's input, files, disk, ports or environment can cause: one line ``error: ...`` (exit 2), the
+# traceback only with -v; anything else is a bug and keeps its traceback
+EXPECTED_ERRORS: tuple[type[BaseException], ...] = (ValueError, RuntimeError, OSError, ImportError)
+_LOADS_MODELS = {"warmstart", "sidecar", "cotrain", "eval", "export"}
+
+
+def _is_expected(e: BaseException) -> bool:
+    # pyzmq's errors (a socket that cannot bind) are not imported here: pyzmq lives in wire/channel.py
+    return isinstance(e, EXPECTED_ERRORS) or type(e).__module__.split(".")[0] == "zmq"
+
+
+def _one_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {' '.join(str(e).split())}"
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be ≥ 1, got {value}")
+    return value
+
+
+def _check_device(device: str) -> None:
+    """RuntimeError (one line) for a CUDA device this machine does not have."""
+    import torch
+
+    if not str(device).startswith("cuda"):
+        return
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"device={device} but CUDA is not available on this machine (use device=cpu)")
+    index = torch.device(device).index
+    if index is not None and index >= torch.cuda.device_count():
+        raise RuntimeError(f"device={device} but this machine has {torch.cuda.device_count()} CUDA device(s)")
+
+
+def _hub_offline_without_network(timeout_s: float = 2.0) -> None:
+    """No route to the Hugging Face hub: set ``HF_HUB_OFFLINE=1`` (before transformers is imported) so that a
+    hub id that is not cached fails at once instead of retrying the network for half a minute."""
+    import socket
+    from urllib.parse import urlparse
+
+    if os.environ.get("HF_HUB_OFFLINE") or any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy")):
+        return
+    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    try:
+        socket.create_connection((url.hostname or "huggingface.co", url.port or 443), timeout=timeout_s).close()
+    except OSError as e:
+        log.info("the Hugging Face hub is unreachable (%s): HF_HUB_OFFLINE=1, models come from the cache only", e)
+        os.environ["HF_HUB_OFFLINE"] = "1"
 
 
 def _log_format(rank: int | None = None) -> str:
@@ -49,6 +103,7 @@ def cmd_warmstart(args: argparse.Namespace) -> int:
     from draft_align.warmstart import run
 
     recipe = load_recipe(args.recipe, args.overrides)
+    _check_device(recipe.device)
     if recipe.train.num_threads:
         torch.set_num_threads(recipe.train.num_threads)
     summary = run(recipe)
@@ -142,7 +197,9 @@ def cmd_export(args: argparse.Namespace) -> int:
 def _cotrain_recipe(args: argparse.Namespace):
     from draft_align.config import CotrainRecipe, load_recipe
 
-    return load_recipe(args.recipe, args.overrides, CotrainRecipe)
+    recipe = load_recipe(args.recipe, args.overrides, CotrainRecipe)
+    _check_device(recipe.device)
+    return recipe
 
 
 def cmd_sidecar(args: argparse.Namespace) -> int:
@@ -252,14 +309,14 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--heldout-seed", type=int, default=0,
                    help="take prompts from the held-out split with this seed (as warmstart does); -1: all")
     e.add_argument("--prompts-pool", type=int, default=64, help="size of the held-out split")
-    e.add_argument("--prompts", type=int, default=32)
-    e.add_argument("--max-prompt-tokens", type=int, default=256)
-    e.add_argument("--max-new-tokens", type=int, default=128)
-    e.add_argument("--k", type=int, default=3)
+    e.add_argument("--prompts", type=_positive_int, default=32)
+    e.add_argument("--max-prompt-tokens", type=_positive_int, default=256)
+    e.add_argument("--max-new-tokens", type=_positive_int, default=128)
+    e.add_argument("--k", type=_positive_int, default=3)
     e.add_argument("--verify-mode", choices=VERIFY_MODES, default="greedy")
     e.add_argument("--temperature", type=float, default=0.0)
     e.add_argument("--seed", type=int, default=0)
-    e.add_argument("--threads", type=int, default=None)
+    e.add_argument("--threads", type=_positive_int, default=None)
     e.add_argument("--json", action="store_true", help="print one JSON object")
     e.set_defaults(fn=cmd_eval)
 
@@ -282,10 +339,17 @@ def main(argv: list[str] | None = None) -> int:
     _setup_logging(args.verbose)
     if getattr(args, "heldout_seed", None) == -1:
         args.heldout_seed = None
+    if args.cmd in _LOADS_MODELS:
+        _hub_offline_without_network()
     try:
         return int(args.fn(args) or 0)
-    except (ValueError, RuntimeError, FileNotFoundError) as e:
-        log.error("%s: %s", type(e).__name__, e)
+    except Exception as e:
+        if not _is_expected(e):
+            raise
+        if args.verbose:
+            log.exception("error: %s", _one_line(e))
+        else:
+            log.error("error: %s", _one_line(e))
         return 2
 
 

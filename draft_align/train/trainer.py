@@ -249,12 +249,35 @@ class DraftTrainer:
         """
         import shutil
 
-        from safetensors.torch import save_file
 
         path = Path(path)
         _discard_leftovers(path, "tmp")
         tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
         tmp.mkdir(parents=True)
+        try:
+            self._write_checkpoint(tmp, state)
+        except BaseException:  # e.g. a full disk (ENOSPC): no temp folder stays behind
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        if not checkpoint_exists(path):
+            if path.exists():  # an unusable leftover (no progress file): replace it
+                shutil.rmtree(path)
+            os.replace(tmp, path)
+            return
+        old = path.with_name(f".old-{path.name}-{os.getpid()}")
+        os.replace(path, old)
+        try:
+            os.replace(tmp, path)
+        except BaseException:
+            os.replace(old, path)  # put the previous checkpoint back before giving up
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        shutil.rmtree(old)
+
+    def _write_checkpoint(self, tmp: Path, state: tuple[dict[str, torch.Tensor], dict] | None) -> None:
+        """The checkpoint's files, fsynced, into the folder ``tmp``."""
+        from safetensors.torch import save_file
+
         draft_sd, opt = state if state is not None else (self.draft.state_dict(), self.optimizer.state_dict())
         tensors = {f"draft.{k}": v.detach().contiguous() for k, v in draft_sd.items()}
         for idx, st in opt["state"].items():
@@ -271,20 +294,6 @@ class DraftTrainer:
         for f in tmp.iterdir():
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
-        if not checkpoint_exists(path):
-            if path.exists():  # an unusable leftover (no progress file): replace it
-                shutil.rmtree(path)
-            os.replace(tmp, path)
-            return
-        old = path.with_name(f".old-{path.name}-{os.getpid()}")
-        os.replace(path, old)
-        try:
-            os.replace(tmp, path)
-        except BaseException:
-            os.replace(old, path)  # put the previous checkpoint back before giving up
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        shutil.rmtree(old)
 
     def load(self, path: Path) -> None:
         """Restore a checkpoint written by :meth:`save` (weights, optimizer, schedule, progress, RNG).
