@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 from pathlib import Path
 
@@ -17,7 +16,6 @@ log = logging.getLogger("draft_align")
 # what a user's input, files, disk, ports or environment can cause: one line ``error: ...`` (exit 2), the
 # traceback only with -v; anything else is a bug and keeps its traceback
 EXPECTED_ERRORS: tuple[type[BaseException], ...] = (ValueError, RuntimeError, OSError, ImportError)
-_LOADS_MODELS = {"warmstart", "sidecar", "cotrain", "eval", "export"}
 
 
 def _is_expected(e: BaseException) -> bool:
@@ -52,20 +50,6 @@ def _check_device(device: str) -> None:
         raise RuntimeError(f"device={device} but this machine has {torch.cuda.device_count()} CUDA device(s)")
 
 
-def _hub_offline_without_network(timeout_s: float = 2.0) -> None:
-    """No route to the Hugging Face hub: set ``HF_HUB_OFFLINE=1`` (before transformers is imported) so that a
-    hub id that is not cached fails at once instead of retrying the network for half a minute."""
-    import socket
-    from urllib.parse import urlparse
-
-    if os.environ.get("HF_HUB_OFFLINE") or any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy")):
-        return
-    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
-    try:
-        socket.create_connection((url.hostname or "huggingface.co", url.port or 443), timeout=timeout_s).close()
-    except OSError as e:
-        log.info("the Hugging Face hub is unreachable (%s): HF_HUB_OFFLINE=1, models come from the cache only", e)
-        os.environ["HF_HUB_OFFLINE"] = "1"
 
 
 def _log_format(rank: int | None = None) -> str:
@@ -339,8 +323,6 @@ def main(argv: list[str] | None = None) -> int:
     _setup_logging(args.verbose)
     if getattr(args, "heldout_seed", None) == -1:
         args.heldout_seed = None
-    if args.cmd in _LOADS_MODELS:
-        _hub_offline_without_network()
     try:
         return int(args.fn(args) or 0)
     except Exception as e:

@@ -223,19 +223,26 @@ def test_yaml_syntax_error_and_directory_recipe(tmp_path, caplog):
     assert "not valid YAML" in caplog.text and "is a directory" in caplog.text
 
 
-def test_no_network_makes_the_hub_offline(monkeypatch):
+def test_a_hub_id_without_network_fails_at_once_from_the_cache(monkeypatch, tmp_path):
+    """No route to the hub: a hub id loads from the cache only (no network retries) and fails in one line."""
     import socket
+    import time
+
+    from draft_align import assets
 
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("HTTPS_PROXY", raising=False)
     monkeypatch.delenv("https_proxy", raising=False)
-    monkeypatch.setenv("HF_ENDPOINT", "https://127.0.0.1:9")  # nothing listens on the discard port
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # an empty cache
 
     def refuse(*a, **k):
         raise OSError("no route")
 
     monkeypatch.setattr(socket, "create_connection", refuse)
-    cli._hub_offline_without_network()
-    import os
-
-    assert os.environ["HF_HUB_OFFLINE"] == "1"
+    assert assets.hub_reachable() is False
+    t0 = time.monotonic()
+    with pytest.raises(assets.AssetError, match="could not load target model 'nobody/no-such-model'"):
+        assets.load_target("nobody/no-such-model", torch.float32, "cpu")
+    assert time.monotonic() - t0 < 10.0  # the cache alone: no retry loop
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert assets.hub_reachable() is False
