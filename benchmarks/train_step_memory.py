@@ -63,8 +63,9 @@ def child(tokens: int, steps: int, threads: int, response_frac: float, cap: int 
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, cfg.vocab_size, (tokens,), generator=g)
     mask = torch.arange(tokens) >= int(tokens * (1 - response_frac))
-    aux = torch.randn(tokens, cfg.fc_in_features, generator=g).to(torch.bfloat16)
-    final = torch.randn(tokens, cfg.target_hidden_size, generator=g).to(torch.bfloat16)
+    dtype = torch.bfloat16 if autocast else torch.float32  # as tapped (bf16); fp32 runs need fp32 inputs
+    aux = torch.randn(tokens, cfg.fc_in_features, generator=g).to(dtype)
+    final = torch.randn(tokens, cfg.target_hidden_size, generator=g).to(dtype)
     batch = collate([Record(ids, mask, aux, final)], steps).to(dev)
     kw = {} if cap is None else {"max_seq_tokens": cap}
     trainer = DraftTrainer(draft, embed, rows, OptimSettings(lr=5e-4, warmup_steps=1, total_steps=10),
@@ -118,7 +119,10 @@ def main() -> None:
             cmd.append("--no-autocast")
         if a.max_seq_tokens is not None:
             cmd += ["--max-seq-tokens", str(a.max_seq_tokens)]
-        r = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1])
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode:
+            raise SystemExit(f"T={t}: the measuring child failed:\n{done.stderr[-3000:]}")
+        r = json.loads(done.stdout.strip().splitlines()[-1])
         rows.append(r)
         note = " (setup peak higher: bound only)" if r["setup_peak_above_step"] else ""
         print(f"| {t} | {r['chain_starts']} | {r['step_bytes'] / 2**20:,.0f}{note} | {r['peak_rss'] / 2**20:,.0f} | "
