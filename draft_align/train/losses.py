@@ -5,6 +5,10 @@ distribution p restricted to the draft vocabulary and renormalised:
 
     L_j = mean_{valid chains} − Σ_x p(x) log q_j(x)          (soft CE = forward KL + const)
     L   = Σ_j w_j L_j,   w_j = decay^j                         (EAGLE/SpecForge: K = 7, decay 0.8)
+
+The ``*_head`` forms and :func:`soft_targets` compute the same sums with no [rows, Vd] tensor kept for
+backward (row blocks, each checkpointed); :func:`truncate_batch` is the trainer's per-sequence cap
+(docs/sizing.md §5).
 """
 
 from __future__ import annotations
