@@ -265,9 +265,12 @@ class SidecarConfig:
     prometheus_port: int | None = 0  # 0 = any free port (written to <run_dir>/sidecar/prometheus.port); null = off
     num_threads: int = 1
     max_consecutive_nonfinite: int = 5
+    # longer tapped sequences train on their first this-many tokens (the rest counted as truncated): one train
+    # step's memory is linear in sequence length with this as its bound (docs/sizing.md §6)
+    max_seq_tokens: int = 8192
     adapt: AdaptChoice = AdaptChoice("full")  # lora: adapters over the frozen starting draft; publishes merge them
     lora: LoraAdaptConfig = field(default_factory=LoraAdaptConfig)
-    # torchrun ranks (train/distributed.py): the policy's tap connects to this many sidecar endpoints, and
+    # torchrun ranks (train/parallel.py): the policy's tap connects to this many sidecar endpoints, and
     # `torchrun --nproc-per-node` must equal it; gradients averaged by DDP or, with the draft's parameters and
     # optimizer state sharded over the ranks, FSDP2 (`parallel`: ddp | fsdp2)
     ranks: int = 1
@@ -354,7 +357,7 @@ class CotrainRecipe:
             raise RecipeError("sidecar.max_replay_ratio must be > 0")
         _check_positive(self, [
             ("sidecar.batch_tokens", 1), ("sidecar.ttt_steps", 1), ("sidecar.eval_k", 1),
-            ("sidecar.buffer_tokens", 1), ("sidecar.max_consecutive_nonfinite", 1), ("sidecar.keep_versions", 2),
+            ("sidecar.buffer_tokens", 1), ("sidecar.max_consecutive_nonfinite", 1), ("sidecar.keep_versions", 2), ("sidecar.max_seq_tokens", 2),
             ("sidecar.num_threads", 1), ("sidecar.log_every", 1), ("wire.max_message_mb", 1), ("wire.max_tokens", 1),
             ("wire.queue_messages", 1), ("wire.queue_mb", 1), ("rl.spec_k", 1), ("rl.steps", 1),
         ])

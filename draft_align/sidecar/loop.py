@@ -175,6 +175,7 @@ class Sidecar:
                 ttt_steps=sc.ttt_steps, step_decay=step_decay(sc.step_decay, draft.kind), kind=sc.loss,
                 train_lm_head=True, autocast_bf16=sc.autocast_bf16,
             ),
+            max_seq_tokens=sc.max_seq_tokens,
         )
         # fsdp2 (train/parallel.py): the trainer's draft is sharded over the ranks; rank 0 gates and exports
         # a plain copy that sync_full() refreshes from the gathered full state (``full_state``)
