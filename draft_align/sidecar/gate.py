@@ -132,20 +132,22 @@ class Gate:
                      c["acceptance_length_est"], b["acceptance_length_est"], diff, stderr)
             return False
         policy_version = max(tr.policy_version for tr in holdout)
+        # retention before the publish: with the new version there are at most keep_versions, even when the
+        # process is killed right after the rename (pruning afterwards would leave keep_versions + 1)
+        self._prune(self.recipe.sidecar.keep_versions - 1)
         try:
             self._publish(cand, c, b, diff, stderr, policy_version)
         except ExportError as e:
             self.state.gate_rejections += 1
             log.error("candidate not published: %s", e)
             return False
-        self._prune()
         return True
 
-    def _prune(self) -> None:
-        """Retention (the module docstring); a failure to delete is logged, never fatal."""
+    def _prune(self, keep: int) -> None:
+        """Retention (the module docstring) down to ``keep`` versions; a failure to delete is logged, never fatal."""
         lora_base = (Path(self.state.lora_base_dir),) if self.state.lora_base_dir else ()
         try:
-            prune_versions(self.run_dir, self.recipe.sidecar.keep_versions, protect=self.protect + lora_base)
+            prune_versions(self.run_dir, keep, protect=self.protect + lora_base)
         except OSError as e:
             log.error("retention: %s", e)
 

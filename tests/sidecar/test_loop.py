@@ -146,10 +146,9 @@ def test_kill9_mid_run_and_mid_publish_then_resume(tiny_run, tiny_env, tmp_path,
                 worst = max(worst, time.perf_counter() - t)
             assert worst < 2.0
             versions = _check_visible_versions(recipe.run_dir)
-            # consecutive, the newest sidecar.keep_versions of them (retention deletes older ones after each
-            # publish; a kill between a publish and its pruning leaves more, within docs/sizing.md §5's N + 2)
+            # consecutive, the newest sidecar.keep_versions of them (retention runs before each publish)
             assert versions == list(range(versions[0], versions[0] + len(versions)))
-            assert len(versions) <= recipe.sidecar.keep_versions + 2
+            assert len(versions) <= recipe.sidecar.keep_versions
             newest = versions[-1]
             proc = _spawn(resolved, start, env_log)
             assert until(lambda n=newest: max(_check_visible_versions(recipe.run_dir)) > n, 90,
