@@ -412,16 +412,38 @@ def resolve_data(source: str) -> str:
     return source
 
 
+def hub_reachable(timeout_s: float = 2.0) -> bool:
+    """Whether the Hugging Face hub (``$HF_ENDPOINT``) accepts a TCP connection; False at once when
+    ``HF_HUB_OFFLINE`` is set.  Asked only before a hub id is loaded: a machine without a route to the hub then
+    loads from the cache alone and fails at once instead of retrying the network for half a minute."""
+    import socket
+    from urllib.parse import urlparse
+
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes"):
+        return False
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy")):
+        return True  # a proxy decides; transformers goes through it
+    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    try:
+        socket.create_connection((url.hostname or "huggingface.co", url.port or 443), timeout=timeout_s).close()
+    except OSError as e:
+        logger.info("the Hugging Face hub is unreachable (%s): loading from the local cache only", e)
+        return False
+    return True
+
+
 def load_target(
     name_or_path: str, dtype: torch.dtype, device: torch.device | str
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load a causal LM and its tokenizer (eval mode) by alias, directory or hub id."""
+    """Load a causal LM and its tokenizer (eval mode) by alias, directory or hub id (a hub id from the local
+    cache only when the hub is unreachable)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     resolved = resolve_model(name_or_path)
+    local_only = not Path(resolved).is_dir() and not hub_reachable()
     try:
-        tokenizer = AutoTokenizer.from_pretrained(resolved)
-        model = AutoModelForCausalLM.from_pretrained(resolved, dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(resolved, local_files_only=local_only)
+        model = AutoModelForCausalLM.from_pretrained(resolved, dtype=dtype, local_files_only=local_only)
     except Exception as e:  # transformers raises OSError, ValueError, HTTP errors...: translate all
         raise AssetError(
             f"could not load target model {name_or_path!r} (resolved to {resolved!r}): {e}. "

@@ -13,6 +13,44 @@ from pathlib import Path
 
 log = logging.getLogger("draft_align")
 
+# what a user's input, files, disk, ports or environment can cause: one line ``error: ...`` (exit 2), the
+# traceback only with -v; anything else is a bug and keeps its traceback
+EXPECTED_ERRORS: tuple[type[BaseException], ...] = (ValueError, RuntimeError, OSError, ImportError)
+
+
+def _is_expected(e: BaseException) -> bool:
+    # pyzmq's errors (a socket that cannot bind) are not imported here: pyzmq lives in wire/channel.py
+    return isinstance(e, EXPECTED_ERRORS) or type(e).__module__.split(".")[0] == "zmq"
+
+
+def _one_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {' '.join(str(e).split())}"
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be ≥ 1, got {value}")
+    return value
+
+
+def _check_device(device: str) -> None:
+    """RuntimeError (one line) for a CUDA device this machine does not have."""
+    import torch
+
+    if not str(device).startswith("cuda"):
+        return
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"device={device} but CUDA is not available on this machine (use device=cpu)")
+    index = torch.device(device).index
+    if index is not None and index >= torch.cuda.device_count():
+        raise RuntimeError(f"device={device} but this machine has {torch.cuda.device_count()} CUDA device(s)")
+
+
+
 
 def _log_format(rank: int | None = None) -> str:
     prefix = f"[rank {rank}] " if rank is not None else ""
@@ -49,6 +87,7 @@ def cmd_warmstart(args: argparse.Namespace) -> int:
     from draft_align.warmstart import run
 
     recipe = load_recipe(args.recipe, args.overrides)
+    _check_device(recipe.device)
     if recipe.train.num_threads:
         torch.set_num_threads(recipe.train.num_threads)
     summary = run(recipe)
@@ -126,21 +165,25 @@ def cmd_export(args: argparse.Namespace) -> int:
         speculative_tokens=args.k,
     )
     print(f"exported {src} → {out} ({args.dialect} dialect)")
-    if args.check == "sglang":
-        from draft_align.publish.sglang import check_sglang_compatible
+    if args.check:
+        from draft_align.engines.client_check import check_with_client
 
-        problems = check_sglang_compatible(out, target.config)
-        for p in problems:
-            print(f"sglang: {p}")
-        print("sglang: compatible" if not problems else f"sglang: {len(problems)} problem(s)")
-        return 1 if problems else 0
+        verifier = getattr(target.config, "_name_or_path", None) or None
+        res = check_with_client(out, args.check, target.config, verifier=verifier)
+        print(f"{res.client}: ran {res.ran}")
+        for p in res.problems:
+            print(f"{res.client}: {p}")
+        print(f"{res.client}: compatible" if not res.problems else f"{res.client}: {len(res.problems)} problem(s)")
+        return 1 if res.problems else 0
     return 0
 
 
 def _cotrain_recipe(args: argparse.Namespace):
     from draft_align.config import CotrainRecipe, load_recipe
 
-    return load_recipe(args.recipe, args.overrides, CotrainRecipe)
+    recipe = load_recipe(args.recipe, args.overrides, CotrainRecipe)
+    _check_device(recipe.device)
+    return recipe
 
 
 def cmd_sidecar(args: argparse.Namespace) -> int:
@@ -250,14 +293,14 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--heldout-seed", type=int, default=0,
                    help="take prompts from the held-out split with this seed (as warmstart does); -1: all")
     e.add_argument("--prompts-pool", type=int, default=64, help="size of the held-out split")
-    e.add_argument("--prompts", type=int, default=32)
-    e.add_argument("--max-prompt-tokens", type=int, default=256)
-    e.add_argument("--max-new-tokens", type=int, default=128)
-    e.add_argument("--k", type=int, default=3)
+    e.add_argument("--prompts", type=_positive_int, default=32)
+    e.add_argument("--max-prompt-tokens", type=_positive_int, default=256)
+    e.add_argument("--max-new-tokens", type=_positive_int, default=128)
+    e.add_argument("--k", type=_positive_int, default=3)
     e.add_argument("--verify-mode", choices=VERIFY_MODES, default="greedy")
     e.add_argument("--temperature", type=float, default=0.0)
     e.add_argument("--seed", type=int, default=0)
-    e.add_argument("--threads", type=int, default=None)
+    e.add_argument("--threads", type=_positive_int, default=None)
     e.add_argument("--json", action="store_true", help="print one JSON object")
     e.set_defaults(fn=cmd_eval)
 
@@ -268,8 +311,9 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--dialect", choices=["hf", "speculators"], default="hf")
     x.add_argument("--k", type=int, default=3, help="speculative tokens recorded in the speculators config")
     x.add_argument("--overwrite", action="store_true")
-    x.add_argument("--check", choices=["sglang"], default=None,
-                   help="check the written folder against SGLang's EAGLE-3 loader rules (exit 1 on problems)")
+    x.add_argument("--check", choices=["vllm", "sglang", "speculators"], default=None,
+                   help="load the written folder with that client's own loader when it is installed, else check "
+                        "it against the client's rules; prints which ran (exit 1 on problems)")
     x.set_defaults(fn=cmd_export)
     return ap
 
@@ -281,8 +325,13 @@ def main(argv: list[str] | None = None) -> int:
         args.heldout_seed = None
     try:
         return int(args.fn(args) or 0)
-    except (ValueError, RuntimeError, FileNotFoundError) as e:
-        log.error("%s: %s", type(e).__name__, e)
+    except Exception as e:
+        if not _is_expected(e):
+            raise
+        if args.verbose:
+            log.exception("error: %s", _one_line(e))
+        else:
+            log.error("error: %s", _one_line(e))
         return 2
 
 

@@ -205,6 +205,8 @@ class WarmstartRecipe:
             raise RecipeError("train.ttt_steps must be ≥ 1")
         if self.eval.k < 1:
             raise RecipeError("eval.k must be ≥ 1")
+        _check_positive(self, [("train.batch_tokens", 1), ("train.max_consecutive_nonfinite", 1)])
+        _check_above_zero(self, ("train.lr", "train.grad_clip"))
 
 
 # ----------------------------------------------------------------------------- co-training (RL + sidecar)
@@ -257,12 +259,18 @@ class SidecarConfig:
     eval_mode: VerifyModeChoice = VerifyModeChoice("greedy_draft")  # the gate's verify mode (vLLM's default)
     eval_temperature: float = 1.0
     checkpoint_every_s: float = 60.0
+    # retention: published versions beyond the newest keep_versions are deleted (never the one `latest` names);
+    # ≥ 2 so that an engine can always roll back to the version before
+    keep_versions: int = 5
     prometheus_port: int | None = 0  # 0 = any free port (written to <run_dir>/sidecar/prometheus.port); null = off
     num_threads: int = 1
     max_consecutive_nonfinite: int = 5
+    # longer tapped sequences train on their first this-many tokens (the rest counted as truncated): one train
+    # step's memory is linear in sequence length with this as its bound (docs/sizing.md §6)
+    max_seq_tokens: int = 8192
     adapt: AdaptChoice = AdaptChoice("full")  # lora: adapters over the frozen starting draft; publishes merge them
     lora: LoraAdaptConfig = field(default_factory=LoraAdaptConfig)
-    # torchrun ranks (train/distributed.py): the policy's tap connects to this many sidecar endpoints, and
+    # torchrun ranks (train/parallel.py): the policy's tap connects to this many sidecar endpoints, and
     # `torchrun --nproc-per-node` must equal it; gradients averaged by DDP or, with the draft's parameters and
     # optimizer state sharded over the ranks, FSDP2 (`parallel`: ddp | fsdp2)
     ranks: int = 1
@@ -347,10 +355,47 @@ class CotrainRecipe:
             raise RecipeError(f"tap.{e}") from e
         if self.sidecar.max_replay_ratio <= 0:
             raise RecipeError("sidecar.max_replay_ratio must be > 0")
+        _check_positive(self, [
+            ("sidecar.batch_tokens", 1), ("sidecar.ttt_steps", 1), ("sidecar.eval_k", 1),
+            ("sidecar.buffer_tokens", 1), ("sidecar.max_consecutive_nonfinite", 1), ("sidecar.keep_versions", 2), ("sidecar.max_seq_tokens", 2),
+            ("sidecar.num_threads", 1), ("sidecar.log_every", 1), ("wire.max_message_mb", 1), ("wire.max_tokens", 1),
+            ("wire.queue_messages", 1), ("wire.queue_mb", 1), ("rl.spec_k", 1), ("rl.steps", 1),
+        ])
+        # a negative grad_clip turns descent into ascent, 0 zeroes every gradient
+        _check_above_zero(self, ("sidecar.checkpoint_every_s", "sidecar.lr", "rl.lr", "sidecar.grad_clip",
+                                 "rl.grad_clip"))
+        if not self.sidecar.publish_every_s >= 0:
+            raise RecipeError(f"sidecar.publish_every_s must be ≥ 0, got {self.sidecar.publish_every_s}")
+        port = self.sidecar.prometheus_port
+        if port is not None and not 0 <= port <= 65535:
+            raise RecipeError(f"sidecar.prometheus_port must be in 0..65535 (0: any free port) or null, got {port}")
         if self.sidecar.buffer_tokens < self.sidecar.batch_tokens:
             raise RecipeError("sidecar.buffer_tokens must be ≥ sidecar.batch_tokens")
         if self.sidecar.ranks < 1 or not self.sidecar.collective_timeout_s > 0:
             raise RecipeError("sidecar.ranks must be ≥ 1 and sidecar.collective_timeout_s > 0")
+
+
+def _get(recipe: Any, dotted: str) -> Any:
+    obj = recipe
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _check_positive(recipe: Any, rules: list[tuple[str, int]]) -> None:
+    """RecipeError unless each ``(key, least)`` integer field is ≥ least."""
+    for key, least in rules:
+        value = _get(recipe, key)
+        if value < least:
+            raise RecipeError(f"{key} must be ≥ {least}, got {value}")
+
+
+def _check_above_zero(recipe: Any, keys: tuple[str, ...]) -> None:
+    """RecipeError unless each float field is > 0 (NaN fails too)."""
+    for key in keys:
+        value = _get(recipe, key)
+        if not value > 0:
+            raise RecipeError(f"{key} must be > 0, got {value}")
 
 
 Recipe = WarmstartRecipe | CotrainRecipe
@@ -435,6 +480,7 @@ def load_recipe(
     """Schema defaults ← YAML file ← ``key=value`` overrides (dotted keys), validated.  Unknown keys, values
     of the wrong type and values outside a field's choices fail with a RecipeError naming where they came
     from (the file or the overrides) and the key."""
+    import yaml
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
@@ -447,7 +493,12 @@ def load_recipe(
             if not p.exists():
                 raise RecipeError(f"recipe {p} does not exist")
             where = f"recipe {p}"
-            raw = OmegaConf.load(p)
+            if p.is_dir():
+                raise RecipeError(f"recipe {p} is a directory: expected a YAML file")
+            try:
+                raw = OmegaConf.load(p)
+            except (yaml.YAMLError, UnicodeDecodeError, OSError) as e:
+                raise RecipeError(f"recipe {p} is not valid YAML: {' '.join(str(e).split())}") from e
             kind, want = _declared_kind(raw), schema.kind
             if kind != want:
                 raise RecipeError(

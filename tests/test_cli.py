@@ -139,3 +139,110 @@ def test_monitor_and_report_commands_on_a_run_folder(tmp_path, capsys):
     assert summary["steps"] == 4 and (run / "report.png").is_file()
     assert summary["accept_margin"] > 0
     assert main(["report", str(tmp_path / "missing")]) == 2
+
+
+# ----------------------------------------------------------------------------- operator input: one-line errors
+@pytest.mark.parametrize("bad", [["--max-new-tokens", "0"], ["--prompts", "0"], ["--k", "0"], ["--prompts", "x"]])
+def test_eval_refuses_zero_counts(tiny_run, capsys, bad):
+    with pytest.raises(SystemExit) as e:
+        cli.main(eval_args(tiny_run, *bad))
+    assert e.value.code == 2
+    assert bad[0] in capsys.readouterr().err
+
+
+def test_eval_with_latest_as_a_directory_is_one_line(tiny_run, tmp_path, caplog):
+    run = tmp_path / "run"
+    (run / "latest").mkdir(parents=True)
+    args = eval_args(tiny_run)
+    args[args.index("--draft") + 1] = str(run)
+    with caplog.at_level(logging.ERROR, logger="draft_align"):
+        assert cli.main(args) == 2
+    assert f"error: ExportError: {run / 'latest'} is a directory" in caplog.text
+    assert not any(r.exc_info for r in caplog.records)  # no traceback without -v
+
+
+@pytest.fixture
+def sidecar_cli(tiny_run, tmp_path):
+    """``draft-align sidecar`` in this process on the tiny run, restoring what cmd_sidecar sets process-wide."""
+    import signal
+
+    recipe = tmp_path / "cotrain.yaml"
+    recipe.write_text("kind: cotrain\n")
+    n, handlers = torch.get_num_threads(), {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+
+    def run(*overrides: str, verbose: bool = False) -> int:
+        argv = ["-v"] if verbose else []
+        return cli.main([*argv, "sidecar", str(recipe), *tiny_run.cotrain_overrides(tmp_path / "out"), *overrides,
+                         "--max-seconds", "0"])
+
+    yield run
+    torch.set_num_threads(n)
+    for s, h in handlers.items():
+        signal.signal(s, h)
+
+
+def test_sidecar_operator_mistakes_are_one_line_errors(sidecar_cli, tmp_path, caplog):
+    import socket
+
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    (tmp_path / "keydir").mkdir()
+    cases = [
+        (["wire.key_file=" + str(tmp_path / "keydir")], "IsADirectoryError"),
+        ([f"sidecar.prometheus_port={busy.getsockname()[1]}"], f"127.0.0.1:{busy.getsockname()[1]}"),
+        (["wire.endpoint=ipc:///etc/hostname/tap"], "/etc/hostname"),
+        (["sidecar.batch_tokens=0"], "sidecar.batch_tokens must be ≥ 1"),
+    ]
+    if not torch.cuda.is_available():
+        cases.append((["device=cuda"], "CUDA is not available"))
+    try:
+        for overrides, match in cases:
+            caplog.clear()
+            with caplog.at_level(logging.ERROR, logger="draft_align"):
+                assert sidecar_cli(*overrides) == 2, overrides
+            errors = [r for r in caplog.records if r.levelno >= logging.ERROR and r.getMessage().startswith("error:")]
+            assert len(errors) == 1 and match in errors[0].getMessage(), (overrides, caplog.text)
+            assert "\n" not in errors[0].getMessage() and errors[0].exc_info is None
+    finally:
+        busy.close()
+
+
+def test_verbose_keeps_the_traceback(sidecar_cli, caplog):
+    with caplog.at_level(logging.ERROR, logger="draft_align"):
+        assert sidecar_cli("sidecar.batch_tokens=0", verbose=True) == 2
+    assert any(r.exc_info for r in caplog.records)
+
+
+def test_yaml_syntax_error_and_directory_recipe(tmp_path, caplog):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("kind: cotrain\nsidecar: {lr: [\n")
+    with caplog.at_level(logging.ERROR, logger="draft_align"):
+        assert cli.main(["sidecar", str(bad)]) == 2
+        assert cli.main(["sidecar", str(tmp_path)]) == 2
+    assert "not valid YAML" in caplog.text and "is a directory" in caplog.text
+
+
+def test_a_hub_id_without_network_fails_at_once_from_the_cache(monkeypatch, tmp_path):
+    """No route to the hub: a hub id loads from the cache only (no network retries) and fails in one line."""
+    import socket
+    import time
+
+    from draft_align import assets
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HTTPS_PROXY", raising=False)
+    monkeypatch.delenv("https_proxy", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # an empty cache
+
+    def refuse(*a, **k):
+        raise OSError("no route")
+
+    monkeypatch.setattr(socket, "create_connection", refuse)
+    assert assets.hub_reachable() is False
+    t0 = time.monotonic()
+    with pytest.raises(assets.AssetError, match="could not load target model 'nobody/no-such-model'"):
+        assets.load_target("nobody/no-such-model", torch.float32, "cpu")
+    assert time.monotonic() - t0 < 10.0  # the cache alone: no retry loop
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert assets.hub_reachable() is False

@@ -276,3 +276,52 @@ def test_load_recipe_returns_the_schemas_type():
     assert type(load_recipe(None)) is WarmstartRecipe
     assert type(load_recipe(None, None, CotrainRecipe)) is CotrainRecipe
     assert type(load_recipe(None, schema=CotrainRecipe)) is CotrainRecipe
+
+
+@pytest.mark.parametrize(
+    ("override", "match"),
+    [
+        ("sidecar.batch_tokens=0", "sidecar.batch_tokens must be ≥ 1, got 0"),
+        ("sidecar.batch_tokens=-5", "sidecar.batch_tokens must be ≥ 1"),
+        ("sidecar.ttt_steps=0", "sidecar.ttt_steps must be ≥ 1"),
+        ("sidecar.eval_k=0", "sidecar.eval_k must be ≥ 1"),
+        ("sidecar.grad_clip=-1", "sidecar.grad_clip must be > 0, got -1"),
+        ("sidecar.grad_clip=0", "sidecar.grad_clip must be > 0"),
+        ("sidecar.checkpoint_every_s=0", "sidecar.checkpoint_every_s must be > 0"),
+        ("sidecar.keep_versions=1", "sidecar.keep_versions must be ≥ 2"),
+        ("sidecar.max_seq_tokens=1", "sidecar.max_seq_tokens must be ≥ 2"),
+        ("sidecar.max_consecutive_nonfinite=0", "max_consecutive_nonfinite must be ≥ 1"),
+        ("sidecar.prometheus_port=70000", "prometheus_port must be in 0..65535"),
+        ("sidecar.prometheus_port=-1", "prometheus_port"),
+        ("wire.max_message_mb=0", "wire.max_message_mb must be ≥ 1"),
+        ("wire.max_message_mb=-3", "wire.max_message_mb"),
+        ("wire.max_tokens=0", "wire.max_tokens must be ≥ 1"),
+        ("rl.grad_clip=-1", "rl.grad_clip must be > 0"),
+        ("rl.lr=nan", "rl.lr must be > 0"),
+    ],
+)
+def test_cotrain_operator_mistakes_fail_at_load(override, match):
+    from draft_align.config import CotrainRecipe
+
+    with pytest.raises(RecipeError, match=match):
+        load_recipe(None, override.split(), CotrainRecipe)
+
+
+@pytest.mark.parametrize(("override", "match"), [("train.grad_clip=-1", "train.grad_clip must be > 0"),
+                                                 ("train.batch_tokens=0", "train.batch_tokens must be ≥ 1")])
+def test_warmstart_operator_mistakes_fail_at_load(override, match):
+    with pytest.raises(RecipeError, match=match):
+        load_recipe(None, override.split())
+
+
+def test_yaml_syntax_errors_and_directories_are_one_line_recipe_errors(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("sidecar:\n  batch_tokens: [1, 2\n  lr: 3\n")
+    with pytest.raises(RecipeError, match="is not valid YAML") as e:
+        load_recipe(bad)
+    assert "\n" not in str(e.value)
+    (tmp_path / "binary.yaml").write_bytes(b"\xff\xfe\x00")
+    with pytest.raises(RecipeError, match="not valid YAML"):
+        load_recipe(tmp_path / "binary.yaml")
+    with pytest.raises(RecipeError, match="is a directory"):
+        load_recipe(tmp_path)

@@ -4,6 +4,7 @@
   (the reference decoder, an engine's refresher);
 - :class:`RolloutPlan`: which prompt each rollout of a step decodes, with which draft, and where its seed
   comes from;
+- :class:`Decoding`: how every rollout of a step is decoded (temperature, length limit, stop tokens);
 - :class:`Rollout`: one decoded response and what the job adds to it (reward, advantage).
 
 The RL job's interface to an engine is :class:`draft_align.rl.rollouts.RolloutEngine`.
@@ -76,6 +77,16 @@ class RolloutPlan:
         rng = random.Random()
         rng.setstate(self.rng_state)
         return [rng.getrandbits(bits) for _ in self.rollouts]
+
+
+@dataclass(frozen=True)
+class Decoding:
+    """How every rollout of a step is decoded: sampling ``temperature`` (the policy's; 0 is greedy), at most
+    ``max_tokens`` new tokens, a response ends after any token of ``eos_ids``."""
+
+    temperature: float
+    max_tokens: int
+    eos_ids: frozenset[int]
 
 
 @dataclass

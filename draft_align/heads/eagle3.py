@@ -26,7 +26,20 @@ import torch
 from torch import nn
 
 from draft_align.conventions import default_aux_layer_ids
-from draft_align.heads.layers import MLP, Attention, KVCache, RMSNorm, Rotary, attend, block_shape_from_target
+from draft_align.heads.layers import (
+    MLP,
+    Attention,
+    KVCache,
+    LayerWidths,
+    PrefixMask,
+    RMSNorm,
+    Rotary,
+    at_rows,
+    attend,
+    block_shape_from_target,
+    chain_tokens,
+    next_tokens,
+)
 from draft_align.heads.protocol import HeadKind
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -157,19 +170,9 @@ def check_engine_aux_ids(ids: tuple[int, ...], num_layers: int) -> None:
         )
 
 
-class Eagle3Shape(Protocol):
+class Eagle3Shape(LayerWidths, Protocol):
     """The sizes that fix an EAGLE-3 head's engine tensors (:class:`Eagle3Config` has them all)."""
 
-    @property
-    def hidden_size(self) -> int: ...
-    @property
-    def intermediate_size(self) -> int: ...
-    @property
-    def num_attention_heads(self) -> int: ...
-    @property
-    def num_key_value_heads(self) -> int: ...
-    @property
-    def head_dim(self) -> int: ...
     @property
     def fc_in_features(self) -> int: ...
     @property
@@ -287,40 +290,29 @@ class Eagle3Draft(nn.Module):
         normed hidden states that ``lm_head`` maps to logits (the loss may apply it in its own way).
         """
         b, t = input_ids.shape
-        dev = input_ids.device
         layer = self.midlayer
         attn = layer.self_attn
-        pos_all = torch.arange(t, device=dev).expand(b, t)
-        next_ids = torch.cat((input_ids[:, 1:], input_ids[:, -1:]), dim=1)  # x[t+1], last clamped
+        pos_all = torch.arange(t, device=input_ids.device).expand(b, t)
         h0 = self.fc(aux)  # [B, T, H]
         cos, sin = self.rotary(h0, pos_all)
-        x0 = layer.attn_input(embed(next_ids), h0)
+        x0 = layer.attn_input(embed(next_tokens(input_ids)), h0)
         k0, v0 = attn.kv(x0, cos, sin)
         # Only keys/values are needed at every position; queries and everything after attention run
         # on the chain starts alone (prompt positions that start no chain cost just fc + qkv).
-        m = starts.shape[1]
-        causal = torch.arange(t, device=dev).view(1, 1, t) <= starts.unsqueeze(-1)  # [B, M, T]
-        allow = (causal & valid.unsqueeze(1) & starts_valid.unsqueeze(-1)).unsqueeze(1)  # [B, 1, M, T]
-        allow = allow | ~starts_valid.view(b, 1, m, 1)  # padded rows see everything: no all -inf rows
-        pick = starts.unsqueeze(-1)
-        xs = torch.gather(x0, 1, pick.expand(b, m, x0.shape[-1]))  # [B, M, 2H]
-        cs, sn = (torch.gather(c, 1, pick.expand(b, m, c.shape[-1])) for c in (cos, sin))
-        q = attn.q(xs, cs, sn)
-        hid = torch.gather(h0, 1, pick.expand(b, m, h0.shape[-1]))  # [B, M, H]
-        hid = layer.finish(hid, attend(q, k0, v0, allow, [], []))
+        mask = PrefixMask.chains(starts, starts_valid, valid)
+        q = attn.q(at_rows(x0, starts), at_rows(cos, starts), at_rows(sin, starts))
+        hid = layer.finish(at_rows(h0, starts), attend(q, k0, v0, mask, [], []))
         logits = [self.norm(hid)]
         diag_k: list[torch.Tensor] = []
         diag_v: list[torch.Tensor] = []
         for j in range(1, steps):
-            tok_pos = (starts + 1 + j).clamp(max=t - 1)
-            tok = torch.gather(input_ids, 1, tok_pos)  # [B, M]
             cos, sin = self.rotary(hid, starts + j)
-            x = layer.attn_input(embed(tok), hid)
+            x = layer.attn_input(embed(chain_tokens(input_ids, starts, j)), hid)
             q = attn.q(x, cos, sin)
             k, v = attn.kv(x, cos, sin)
             diag_k.append(k)
             diag_v.append(v)
-            out = attend(q, k0, v0, allow, diag_k, diag_v)
+            out = attend(q, k0, v0, mask, diag_k, diag_v)
             hid = layer.finish(hid, out)
             logits.append(self.norm(hid))
         return logits
@@ -357,8 +349,6 @@ class Eagle3Draft(nn.Module):
         k, v = self.midlayer.self_attn.kv(x, cos, sin)
         past = cache.length
         cache.append(k, v)
-        allow = torch.ones(m, past + m, dtype=torch.bool, device=h.device)
-        allow[:, past:] = torch.ones(m, m, dtype=torch.bool, device=h.device).tril()
-        out = attend(q, cache.k, cache.v, allow.view(1, 1, m, past + m), [], [])
+        out = attend(q, cache.k, cache.v, PrefixMask.appended(past, m, h.device), [], [])
         hid = self.midlayer.finish(h, out)
         return self.lm_head(self.norm(hid))[0], hid[0]

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 
-class BlockShape(Protocol):
-    """The shape fields a decoder block reads (``Eagle3Config`` and ``MTPConfig`` both have them)."""
+class LayerWidths(Protocol):
+    """The widths of a decoder layer's weights (every draft config has them)."""
 
     @property
     def hidden_size(self) -> int: ...
@@ -26,6 +26,12 @@ class BlockShape(Protocol):
     def num_key_value_heads(self) -> int: ...
     @property
     def head_dim(self) -> int: ...
+
+
+class BlockShape(LayerWidths, Protocol):
+    """The shape fields a decoder block reads (``Eagle3Config`` and ``MTPConfig`` both have them): the
+    widths and the RoPE."""
+
     @property
     def max_position_embeddings(self) -> int: ...
     @property
@@ -157,7 +163,103 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+def next_tokens(input_ids: torch.Tensor) -> torch.Tensor:
+    """input_ids [B, T] → x[t+1] at every t [B, T], the last one clamped (such steps are masked out)."""
+    return torch.cat((input_ids[:, 1:], input_ids[:, -1:]), dim=1)
+
+
+def chain_tokens(input_ids: torch.Tensor, starts: torch.Tensor, j: int) -> torch.Tensor:
+    """The token that draft step j of each chain reads, x[s+1+j] (clamped at the row's end) → [B, M]."""
+    return torch.gather(input_ids, 1, (starts + 1 + j).clamp(max=input_ids.shape[1] - 1))
+
+
+def at_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """x [B, T, F] at positions idx [B, M] → [B, M, F]."""
+    return torch.gather(x, 1, idx.unsqueeze(-1).expand(*idx.shape, x.shape[-1]))
+
+
+ATTN_BLOCK_BYTES = 16 * 2**20  # fp32 scores of one query block at most (attend's default)
+
+
+@dataclass(frozen=True)
+class PrefixMask:
+    """Which shared keys each query sees, without an [M, T] tensor: query m of row b sees key j iff
+    j ≤ last[b, m] and key_valid[b, j], or every key when query_valid[b, m] is False (padding queries:
+    no all −inf row).  :meth:`rows` builds the bool block of a range of queries when it is needed."""
+
+    last: torch.Tensor  # [B, M] int64: the last shared key each query sees
+    key_valid: torch.Tensor | None = None  # [B, T] bool: None = every key exists
+    query_valid: torch.Tensor | None = None  # [B, M] bool: None = every query is real
+
+    @classmethod
+    def chains(cls, starts: torch.Tensor, starts_valid: torch.Tensor, valid: torch.Tensor) -> PrefixMask:
+        """TTT chains: the chain starting at s (starts [B, M], starts_valid [B, M]) sees the row's valid
+        (valid [B, T]) positions 0..s."""
+        return cls(starts, valid, starts_valid)
+
+    @classmethod
+    def appended(cls, past: int, m: int, device: torch.device) -> PrefixMask:
+        """m new rows appended after ``past`` cached ones: new row i sees 0..past+i (causal among the new)."""
+        return cls(torch.arange(past, past + m, device=device).unsqueeze(0))
+
+    def rows(self, lo: int, hi: int, t: int) -> torch.Tensor:
+        """The bool mask [B, 1, hi−lo, t] of queries lo..hi−1 over t shared keys."""
+        allow = torch.arange(t, device=self.last.device).view(1, 1, t) <= self.last[:, lo:hi].unsqueeze(-1)
+        if self.key_valid is not None:
+            allow = allow & self.key_valid.unsqueeze(1)
+        if self.query_valid is not None:
+            allow = allow | ~self.query_valid[:, lo:hi].unsqueeze(-1)
+        return allow.unsqueeze(1)
+
+
 def attend(
+    q: torch.Tensor,
+    k0: torch.Tensor,
+    v0: torch.Tensor,
+    mask: PrefixMask,
+    diag_k: list[torch.Tensor],
+    diag_v: list[torch.Tensor],
+    block_bytes: int | None = None,
+) -> torch.Tensor:
+    """Attention over a shared key set plus per-query private keys, in query blocks.
+
+    q [B, h, M, d]; k0, v0 [B, kv, T, d]; ``mask`` which shared keys each query sees;
+    diag_k[i], diag_v[i] [B, kv, M, d]: key/value i is seen only by the query in the same row m (the
+    earlier steps of the same draft chain).  Returns [B, M, h·d].
+
+    Queries run in blocks of c = ⌊block_bytes / (4·B·h·(T + len(diag_k)))⌋ rows (``block_bytes`` None:
+    :data:`ATTN_BLOCK_BYTES`), so the fp32 scores never exceed ``block_bytes`` per block.  Under autograd
+    each block is checkpointed (its scores are recomputed in backward rather than kept), so memory is
+    linear in T: O(B·M·h·d) saved, one block's scores alive at a time.
+    When all M queries fit one block this is a single plain computation (nothing recomputed).
+    """
+    b, h, m, _ = q.shape
+    t = k0.shape[2]
+    per_query = 4 * b * h * (t + len(diag_k))
+    c = max(1, (block_bytes or ATTN_BLOCK_BYTES) // max(1, per_query))
+    if c >= m:
+        return _attend_rows(q, k0, v0, mask.rows(0, m, t), diag_k, diag_v)
+    recompute = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k0, v0, *diag_k, *diag_v))
+    outs = []
+    for lo in range(0, m, c):
+        hi = min(m, lo + c)
+        args = (q[:, :, lo:hi], k0, v0, mask, lo, hi, [x[:, :, lo:hi] for x in diag_k],
+                [x[:, :, lo:hi] for x in diag_v])
+        if recompute:
+            from torch.utils.checkpoint import checkpoint
+
+            outs.append(checkpoint(_attend_block, *args, use_reentrant=False))
+        else:
+            outs.append(_attend_block(*args))
+    return torch.cat(outs, dim=1)
+
+
+def _attend_block(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, mask: PrefixMask, lo: int, hi: int,
+                  diag_k: list[torch.Tensor], diag_v: list[torch.Tensor]) -> torch.Tensor:
+    return _attend_rows(q, k0, v0, mask.rows(lo, hi, k0.shape[2]), diag_k, diag_v)
+
+
+def _attend_rows(
     q: torch.Tensor,
     k0: torch.Tensor,
     v0: torch.Tensor,
@@ -165,16 +267,11 @@ def attend(
     diag_k: list[torch.Tensor],
     diag_v: list[torch.Tensor],
 ) -> torch.Tensor:
-    """Attention over a shared key set plus per-query private keys.
-
-    q [B, h, M, d]; k0, v0 [B, kv, T, d]; allow [B, 1, M, T] bool (which shared keys each query sees);
-    diag_k[i], diag_v[i] [B, kv, M, d]: key/value i is seen only by the query in the same row m (the
-    earlier steps of the same draft chain).  Returns [B, M, h·d].
-    """
+    """:func:`attend` of one query block with its bool mask allow [B, 1, M, T]; fp32 softmax."""
     b, h, m, d = q.shape
     rep = h // k0.shape[1]
     scale = 1.0 / math.sqrt(d)
-    qg = q.view(b, k0.shape[1], rep, m, d)  # group queries by kv head: no K/V copies for GQA
+    qg = q.reshape(b, k0.shape[1], rep, m, d)  # group queries by kv head: no K/V copies for GQA
     s0 = torch.matmul(qg, k0.unsqueeze(2).transpose(-1, -2)).float() * scale  # [B, kv, rep, M, T]
     s0 = s0.masked_fill(~allow.unsqueeze(2), float("-inf"))
     parts = [s0]

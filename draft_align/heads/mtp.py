@@ -36,7 +36,19 @@ from torch import nn
 
 from draft_align.conventions import MTPLayout
 from draft_align.heads.eagle3 import DraftConfigError, config_from_dict
-from draft_align.heads.layers import MLP, Attention, KVCache, RMSNorm, Rotary, attend, block_shape_from_target
+from draft_align.heads.layers import (
+    MLP,
+    Attention,
+    KVCache,
+    PrefixMask,
+    RMSNorm,
+    Rotary,
+    at_rows,
+    attend,
+    block_shape_from_target,
+    chain_tokens,
+    next_tokens,
+)
 from draft_align.heads.protocol import HeadKind
 
 Layout = MTPLayout
@@ -266,35 +278,26 @@ class MTPDraft(nn.Module):
         predicts x[s+2+j].  Returns ``steps`` tensors [B, M, H]: norm(out), the lm_head's input.
         """
         b, t = input_ids.shape
-        dev = input_ids.device
         d = self.cfg.depth
         aux = aux.detach()
-        pos_all = torch.arange(t, device=dev).expand(b, t)
-        next_ids = torch.cat((input_ids[:, 1:], input_ids[:, -1:]), dim=1)  # x[t+1], last clamped
+        pos_all = torch.arange(t, device=input_ids.device).expand(b, t)
         m0 = self.layers[0]
-        x0 = m0.fuse(self._embed(embed, next_ids, pos_all), aux)  # [B, T, H] block inputs of step 0
+        x0 = m0.fuse(self._embed(embed, next_tokens(input_ids), pos_all), aux)  # [B, T, H] block inputs of step 0
         cos, sin = self.rotary(x0, pos_all)
         k0, v0 = m0.self_attn.kv(m0.input_layernorm(x0), cos, sin)
-        m = starts.shape[1]
-        causal = torch.arange(t, device=dev).view(1, 1, t) <= starts.unsqueeze(-1)  # [B, M, T]
-        allow = (causal & valid.unsqueeze(1) & starts_valid.unsqueeze(-1)).unsqueeze(1)  # [B, 1, M, T]
-        allow = allow | ~starts_valid.view(b, 1, m, 1)  # padded rows see everything: no all −inf rows
-        pick = starts.unsqueeze(-1)
-        xs = torch.gather(x0, 1, pick.expand(b, m, x0.shape[-1]))  # [B, M, H]
-        cs, sn = (torch.gather(c, 1, pick.expand(b, m, c.shape[-1])) for c in (cos, sin))
-        q = m0.self_attn.q(m0.input_layernorm(xs), cs, sn)
-        out = m0.finish(xs, attend(q, k0, v0, allow, [], []))
+        mask = PrefixMask.chains(starts, starts_valid, valid)
+        xs = at_rows(x0, starts)  # [B, M, H]
+        q = m0.self_attn.q(m0.input_layernorm(xs), at_rows(cos, starts), at_rows(sin, starts))
+        out = m0.finish(xs, attend(q, k0, v0, mask, [], []))
         hidden = [self.norm(out)]
         diag: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = [([], []) for _ in range(d)]
         empty_k = k0[:, :, :0]
-        no_shared = allow[..., :0]
+        no_shared = PrefixMask(starts)  # modules d ≥ 1 see only their own chain rows
         for j in range(1, steps):
             mod_i = j % d
             mod = self.layers[mod_i]
-            tok_pos = (starts + 1 + j).clamp(max=t - 1)
-            tok = torch.gather(input_ids, 1, tok_pos)  # [B, M]
             pos = starts + j
-            x = mod.fuse(self._embed(embed, tok, pos), self._chain(out))
+            x = mod.fuse(self._embed(embed, chain_tokens(input_ids, starts, j), pos), self._chain(out))
             cos, sin = self.rotary(x, pos)
             a_in = mod.input_layernorm(x)
             q = mod.self_attn.q(a_in, cos, sin)
@@ -303,7 +306,7 @@ class MTPDraft(nn.Module):
             dk.append(k)
             dv.append(v)
             if mod_i == 0:
-                att = attend(q, k0, v0, allow, dk, dv)
+                att = attend(q, k0, v0, mask, dk, dv)
             else:
                 att = attend(q, empty_k, empty_k, no_shared, dk, dv)
             out = mod.finish(x, att)
@@ -358,9 +361,7 @@ class MTPDraft(nn.Module):
         k, v = mod.self_attn.kv(a_in, cos, sin)
         past = kv.length
         kv.append(k, v)
-        allow = torch.ones(m, past + m, dtype=torch.bool, device=x.device)
-        allow[:, past:] = torch.ones(m, m, dtype=torch.bool, device=x.device).tril()
-        out = mod.finish(x, attend(q, kv.k, kv.v, allow.view(1, 1, m, past + m), [], []))
+        out = mod.finish(x, attend(q, kv.k, kv.v, PrefixMask.appended(past, m, x.device), [], []))
         normed = self.norm(out)
         chained = normed if self.cfg.chain_post_norm else out
         return self.lm_head(normed)[0], chained[0]

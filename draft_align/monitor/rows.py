@@ -33,9 +33,13 @@ class SidecarStats:
     wire_nonfinite: int  # sequences dropped for NaN/Inf states
     wire_mismatched: int  # messages for another draft/target shape, or out of order
     nonfinite_steps: int  # optimizer steps skipped for a non-finite loss
-    nonfinite_heads: int  # HeadSyncs ignored for non-finite rows
+    nonfinite_heads: int  # HeadSyncs ignored for non-finite or out-of-range rows
     gate_rejections: int
     restarts: int
+    nonfinite_alarms: int = 0  # heads dropped after sidecar.max_consecutive_nonfinite non-finite steps in a row
+    held_dropped: int = 0  # tapped records dropped while waiting for their step's report (bound reached)
+    rl_restarts: int = 0  # HeadSync policy-version regressions, handled as RL restarts
+    publish_failures: int = 0  # publishes/checkpoints that failed (disk full, export error); retried later
     rejected: Mapping[str, int] = field(default_factory=dict)  # wire rejections by reason (this process)
 
     def to_dict(self) -> dict[str, Any]:
@@ -58,6 +62,10 @@ class SidecarStats:
             "published_versions": self.draft_version,
             "gate_rejections": self.gate_rejections,
             "sidecar_restarts": self.restarts,
+            "nonfinite_alarms": self.nonfinite_alarms,
+            "held_dropped": self.held_dropped,
+            "rl_restarts": self.rl_restarts,
+            "publish_failures": self.publish_failures,
         }
 
 

@@ -3,8 +3,12 @@
 - :class:`JsonlSink`: one JSON object per line, appended (``metrics.jsonl``, ``monitor.jsonl``).
 - :class:`WandbSink`: wandb, offline unless configured; wandb is imported here only.
 - :class:`PromSink`: ``GET /metrics`` served by ``prometheus_client`` from a registry of its own (never the
-  process-global one), one gauge ``draft_align_<key>`` per numeric field of the latest row and the counter
-  ``draft_align_wire_rejected_total{reason}``.
+  process-global one), one gauge ``draft_align_<key>`` per numeric field of the latest row (``key``
+  sanitised: every character outside ``[a-zA-Z0-9_:]`` becomes ``_``, so ``reward/mean`` is
+  ``draft_align_reward_mean``; at most ``max_gauges`` distinct names, later new names are dropped and counted
+  in ``draft_align_prom_dropped_names_total``) and the counter ``draft_align_wire_rejected_total{reason}``
+  (at most ``max_gauges`` reasons).  The HTTP server gives each connection ``timeout_s`` per read and serves
+  at most ``max_connections`` at once (more are closed at once), so idle clients cannot pile up threads.
 - :class:`Sinks`: what a loop hands its training scalars (:meth:`Sinks.log`) and its monitoring rows
   (:meth:`Sinks.observe`, a :class:`~draft_align.monitor.rows.StepRow`) to.
 """
@@ -34,7 +38,18 @@ log = logging.getLogger(__name__)
 METRICS_FILE = "metrics.jsonl"  # training scalars, in the folder open_sinks is given
 PREFIX = "draft_align_"
 REJECTED = "draft_align_wire_rejected"  # exposed as the counter draft_align_wire_rejected_total{reason}
-_METRIC_NAME = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")  # the text format's metric names
+DROPPED_NAMES = "draft_align_prom_dropped_names"  # counter: new metric names refused over max_gauges
+_NOT_NAME_CHAR = re.compile(r"[^a-zA-Z0-9_:]")
+
+
+def prom_name(key: str) -> str:
+    """``draft_align_<key>`` with every character outside ``[a-zA-Z0-9_:]`` replaced by ``_`` (a valid
+    Prometheus metric name for any string key: the prefix supplies the leading letter)."""
+    return PREFIX + _NOT_NAME_CHAR.sub("_", str(key))
+
+
+class PromError(RuntimeError):
+    """The Prometheus page cannot be served (port in use, invalid, not permitted)."""
 
 
 class JsonlSink:
@@ -44,10 +59,16 @@ class JsonlSink:
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
+        self.failed = 0  # lines lost to a write error (a full disk): logging must never stop training
 
     def write(self, obj: Mapping[str, Any]) -> None:
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(obj) + "\n")
+        try:
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(obj) + "\n")
+        except OSError as e:
+            self.failed += 1
+            if self.failed in (1, 10) or self.failed % 1000 == 0:
+                log.error("%s: line not written (%s); %d lost so far", self.path, e, self.failed)
 
     def log(self, metrics: Mapping[str, Any], step: int) -> None:
         """A scalar series point: ``{"step", "time", **metrics}``."""
@@ -78,19 +99,71 @@ class WandbSink:
             self.run.finish()
 
 
+def _serve(registry: Any, host: str, port: int, timeout_s: float, max_connections: int) -> tuple[Any, threading.Thread]:
+    """A threaded WSGI server for ``registry`` whose connections time out after ``timeout_s`` without a byte
+    and of which at most ``max_connections`` are served at once (prometheus_client's own has neither)."""
+    from socketserver import ThreadingMixIn
+    from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+    from prometheus_client import make_wsgi_app
+
+    slots = threading.BoundedSemaphore(max_connections)
+
+    class Handler(WSGIRequestHandler):
+        timeout = timeout_s  # StreamRequestHandler: settimeout on the connection
+
+        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
+            pass
+
+    class Server(ThreadingMixIn, WSGIServer):
+        daemon_threads = True
+        request_queue_size = 128  # listen backlog: a burst of connections is accepted (and refused) quickly
+
+        def handle_error(self, request: Any, client_address: Any) -> None:
+            log.debug("Prometheus connection from %s dropped", client_address, exc_info=True)  # e.g. timed out
+
+        def process_request(self, request: Any, client_address: Any) -> None:
+            if not slots.acquire(blocking=False):
+                self.shutdown_request(request)  # over the bound: closed, no thread
+                return
+            try:
+                super().process_request(request, client_address)
+            except BaseException:
+                slots.release()
+                raise
+
+        def process_request_thread(self, request: Any, client_address: Any) -> None:
+            try:
+                super().process_request_thread(request, client_address)
+            finally:
+                slots.release()
+
+    try:
+        httpd = make_server(host, port, make_wsgi_app(registry), Server, handler_class=Handler)
+    except (OSError, OverflowError) as e:
+        raise PromError(f"cannot serve Prometheus metrics on {host}:{port}: {e}") from e
+    t = threading.Thread(target=httpd.serve_forever, name="prometheus", daemon=True)
+    t.start()
+    return httpd, t
+
+
 class PromSink:
     """The latest row's numbers as Prometheus gauges at ``http://host:port/metrics`` (port 0: any free port,
-    see ``.port``).  A field that is None or not a number leaves its gauge at the last value set."""
+    see ``.port``).  A field that is None or not a number leaves its gauge at the last value set.  Names,
+    bounds and the server's limits: the module docstring.  PromError when the port cannot be bound."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
-        from prometheus_client import CollectorRegistry, start_http_server
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, max_gauges: int = 1000, timeout_s: float = 5.0,
+                 max_connections: int = 32) -> None:
+        from prometheus_client import CollectorRegistry
 
         self._lock = threading.Lock()
         self._gauges: dict[str, float] = {}
         self._rejected: dict[str, float] = {}
+        self.max_gauges = int(max_gauges)
+        self.dropped_names = 0  # new names refused because max_gauges were in use
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
-        self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        self._server, self._thread = _serve(self.registry, host, port, timeout_s, max_connections)
         self.host = host
         self.port: int = int(self._server.server_port)
         self._closed = False
@@ -101,29 +174,33 @@ class PromSink:
         return f"http://{self.host}:{self.port}/metrics"
 
     def observe(self, row: StepRow | SidecarStats) -> None:
-        """Set ``draft_align_<key>`` for each int/float field of ``row.to_dict()`` (not bools, not ``time``)
-        and the rejection counter; ValueError for a key that is not a valid metric name."""
+        """Set :func:`prom_name` ``(key)`` for each int/float field of ``row.to_dict()`` (not bools, not
+        ``time``) and the rejection counter; names beyond ``max_gauges`` are dropped and counted."""
         stats = row.sidecar if isinstance(row, StepRow) else row
         gauges = {}
         for k, v in row.to_dict().items():
             if isinstance(v, bool) or not isinstance(v, (int, float)) or k == "time":
                 continue
-            name = PREFIX + k
-            if not _METRIC_NAME.match(name):
-                raise ValueError(f"invalid Prometheus metric name {name!r}: must match {_METRIC_NAME.pattern}")
-            gauges[name] = float(v)
+            gauges[prom_name(k)] = float(v)
         with self._lock:
-            self._gauges.update(gauges)
-            self._rejected.update({reason: float(n) for reason, n in stats.rejected.items()})
+            for name, v in gauges.items():
+                if name in self._gauges or len(self._gauges) < self.max_gauges:
+                    self._gauges[name] = v
+                else:
+                    self.dropped_names += 1
+            for reason, n in stats.rejected.items():
+                if reason in self._rejected or len(self._rejected) < self.max_gauges:
+                    self._rejected[str(reason)] = float(n)
 
     def collect(self) -> Iterator[Metric]:
         """The registry's collector interface (called by the HTTP server's thread)."""
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         with self._lock:
-            gauges, rejected = dict(self._gauges), dict(self._rejected)
+            gauges, rejected, dropped = dict(self._gauges), dict(self._rejected), self.dropped_names
         for name in sorted(gauges):
             yield GaugeMetricFamily(name, "", value=gauges[name])
+        yield CounterMetricFamily(DROPPED_NAMES, "metric names dropped over the bound", value=dropped)
         if rejected:
             c = CounterMetricFamily(REJECTED, "wire messages rejected", labels=["reason"])
             for reason in sorted(rejected):

@@ -21,7 +21,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-import safetensors.torch
 import torch
 
 from draft_align.conventions import default_aux_layer_ids
@@ -40,16 +39,15 @@ from draft_align.publish.config_json import block_config_fields, special_token_i
 from draft_align.publish.folder import (
     EAGLE3_FORMAT,
     FORMAT_VERSION,
-    MANIFEST_FILE,
     RESERVED_KEYS,
-    WEIGHTS_FILE,
-    CorruptCheckpointError,
     ExportError,
     ExportRequest,
     check_destination,
     draft_manifest,
     float_dtype_name,
     publish_folder,
+    read_head_config,
+    read_weights,
 )
 
 SPECULATORS_ARCHITECTURE = "Eagle3Speculator"  # speculators' Eagle3SpeculatorConfig.architectures default
@@ -334,15 +332,8 @@ def load_eagle3(
     tensors cast to ``dtype``; d2t int64, t2d bool), then moved to ``device``.
     """
     path = Path(path)
-    try:
-        cfg = Eagle3Config.from_dict(dict(manifest["eagle3_config"]))
-    except (KeyError, TypeError, DraftConfigError) as e:
-        raise ExportError(f"{path / MANIFEST_FILE}: eagle3_config unusable: {e}") from e
-    try:
-        raw = safetensors.torch.load_file(str(path / WEIGHTS_FILE), device="cpu")
-    except Exception as e:  # safetensors raises its own error types for truncated headers / data
-        raise CorruptCheckpointError(f"{WEIGHTS_FILE}: unreadable ({e}); truncated or corrupt") from e
-    tensors = {engine_name(k): v for k, v in raw.items()}
+    cfg = read_head_config(path, manifest, "eagle3_config", Eagle3Config.from_dict)
+    tensors = {engine_name(k): v for k, v in read_weights(path).items()}
     check_tensors(tensors, cfg)
     state = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in tensors.items()}
     with torch.device("meta"):

@@ -14,9 +14,10 @@ import os
 import shutil
 import tempfile
 import uuid
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import safetensors.torch
 import torch
@@ -31,6 +32,8 @@ FORMAT_VERSION = 1
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 MANIFEST_FILE = "manifest.json"
+
+C = TypeVar("C")
 
 #: Manifest keys every draft format writes; ``extra_manifest`` may not shadow them.
 RESERVED_KEYS = frozenset({
@@ -279,6 +282,26 @@ def read_manifest(path: Path, *, verify: bool = True) -> dict[str, Any]:
         for name, info in files.items():
             verify_file(path, name, info)
     return manifest
+
+
+def read_head_config(
+    path: Path, manifest: Mapping[str, Any], key: str, from_dict: Callable[[dict[str, Any]], C]
+) -> C:
+    """The head config a format stores under ``manifest[key]`` (``eagle3_config``, ``mtp_config``), parsed by
+    ``from_dict``; ExportError naming the manifest when it is missing, not a mapping, or refused by
+    ``from_dict`` (a DraftConfigError is a ValueError)."""
+    try:
+        return from_dict(dict(manifest[key]))
+    except (KeyError, TypeError, ValueError) as e:
+        raise ExportError(f"{Path(path) / MANIFEST_FILE}: {key} unusable: {e}") from e
+
+
+def read_weights(path: Path) -> dict[str, torch.Tensor]:
+    """The folder's model.safetensors, loaded on the CPU; CorruptCheckpointError when it cannot be read."""
+    try:
+        return safetensors.torch.load_file(str(Path(path) / WEIGHTS_FILE), device="cpu")
+    except Exception as e:  # safetensors raises its own error types for truncated headers / data
+        raise CorruptCheckpointError(f"{WEIGHTS_FILE}: unreadable ({e}); truncated or corrupt") from e
 
 
 def weights_sha256(manifest: dict[str, Any]) -> str:

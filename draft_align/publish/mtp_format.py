@@ -25,10 +25,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import safetensors.torch
 import torch
 
-from draft_align.heads.eagle3 import DraftConfigError
 from draft_align.heads.layers import Rotary
 from draft_align.heads.mtp import LAYOUTS, MTPConfig, MTPDraft
 from draft_align.publish.compat import check_rope
@@ -37,14 +35,14 @@ from draft_align.publish.folder import (
     MANIFEST_FILE,
     MTP_FORMAT,
     RESERVED_KEYS,
-    WEIGHTS_FILE,
-    CorruptCheckpointError,
     ExportError,
     ExportRequest,
     check_destination,
     draft_manifest,
     float_dtype_name,
     publish_folder,
+    read_head_config,
+    read_weights,
 )
 
 MTP_FORMAT_VERSION = 1
@@ -389,14 +387,7 @@ def load_mtp(
     """Rebuild the MTP head published at ``path`` from its (already read) ``manifest``; names, depth and
     shapes are checked against the manifest's ``mtp_config``."""
     path = Path(path)
-    try:
-        cfg = MTPConfig.from_dict(dict(manifest["mtp_config"]))
-    except (KeyError, TypeError, DraftConfigError) as e:
-        raise ExportError(f"{path / MANIFEST_FILE}: mtp_config unusable: {e}") from e
+    cfg = read_head_config(path, manifest, "mtp_config", MTPConfig.from_dict)
     if manifest.get("layout") != cfg.layout:
         raise ExportError(f"{path / MANIFEST_FILE}: layout {manifest.get('layout')!r} ≠ mtp_config.layout {cfg.layout!r}")
-    try:
-        raw = safetensors.torch.load_file(str(path / WEIGHTS_FILE), device="cpu")
-    except Exception as e:  # safetensors raises its own error types
-        raise CorruptCheckpointError(f"{WEIGHTS_FILE}: unreadable ({e}); truncated or corrupt") from e
-    return import_mtp(raw, cfg, device=device, dtype=dtype)
+    return import_mtp(read_weights(path), cfg, device=device, dtype=dtype)

@@ -7,7 +7,12 @@ Layout inside a run folder (docs/formats.md §4)::
     run_dir/latest             text file: "drafts/v0007"
 
 :func:`publish_version` is the one way both loops (warm-start and sidecar) publish: next version →
-export → ``latest`` → optional delta.
+export → ``latest`` → optional delta.  A publish that fails (a full disk: ``OSError``; an export refused:
+``ExportError``) leaves no folder behind and ``latest`` where it was.
+
+A version's number is its folder's name (``v0007`` is version 7); a manifest whose ``draft_version`` says
+otherwise is refused (:func:`check_folder_version`), so an edited manifest cannot jump ahead of genuine later
+versions.  :func:`prune_versions` keeps the newest ``keep`` versions and the one ``latest`` names.
 """
 
 from __future__ import annotations
@@ -54,12 +59,71 @@ def next_version(run_dir: Path) -> int:
     return max(found, default=0) + 1
 
 
+def folder_version(path: Path) -> int | None:
+    """The version a ``vNNNN`` folder's name gives (None for a folder not named so, e.g. a starting draft)."""
+    m = _VERSION_RE.match(Path(path).name)
+    return int(m.group(1)) if m else None
+
+
+def check_folder_version(path: Path, manifest: dict[str, Any]) -> int | None:
+    """The version of the published folder ``path``: its name's number, which its manifest's ``draft_version``
+    must equal (ExportError otherwise); None for a folder not named ``vNNNN``."""
+    want = folder_version(path)
+    if want is None:
+        return None
+    got = manifest.get("draft_version")
+    if isinstance(got, bool) or not isinstance(got, int) or got != want:
+        raise ExportError(f"{path}: manifest says draft_version {got!r}, the folder is version {want}: refused")
+    return want
+
+
+def published_versions(run_dir: Path) -> list[Path]:
+    """The run's ``drafts/vNNNN`` folders, newest first (whether they verify is the caller's check)."""
+    drafts = Path(run_dir) / DRAFTS_DIR
+    if not drafts.is_dir():
+        return []
+    found = [(v, p) for p in drafts.iterdir() if p.is_dir() and (v := folder_version(p)) is not None]
+    return [p for _, p in sorted(found, reverse=True)]
+
+
+def prune_versions(run_dir: Path, keep: int, protect: tuple[Path, ...] = ()) -> list[int]:
+    """Delete all but the newest ``keep`` ≥ 1 versions (and their adapter deltas), never the one ``latest``
+    names nor any folder in ``protect``; returns the versions deleted.  Each goes first to a ``.tmp-`` name
+    (gone from readers at once; a kill mid-delete leaves only what :func:`discard_tmp_versions` removes)."""
+    if keep < 1:
+        raise ValueError(f"keep must be ≥ 1, got {keep}")
+    run_dir = Path(run_dir)
+    try:
+        latest = read_latest(run_dir)
+    except ExportError:
+        latest = None
+    keep_paths = {p.resolve() for p in protect if p is not None}
+    if latest is not None:
+        keep_paths.add(latest.resolve())
+    deleted = []
+    for p in published_versions(run_dir)[keep:]:
+        if p.resolve() in keep_paths:
+            continue
+        v = folder_version(p)
+        assert v is not None
+        for folder in (p, adapter_dir(run_dir, v)):
+            if folder.is_dir():
+                gone = folder.with_name(f".tmp-prune-{folder.name}")
+                os.replace(folder, gone)
+                shutil.rmtree(gone, ignore_errors=True)
+        deleted.append(v)
+    if deleted:
+        log.info("retention: deleted draft versions %s (keeping the newest %d and latest)", sorted(deleted), keep)
+    return deleted
+
+
 def discard_tmp_versions(run_dir: Path) -> None:
     """Remove temp folders that a publish killed mid-write left behind (never visible as versions)."""
-    drafts = Path(run_dir) / DRAFTS_DIR
-    if drafts.is_dir():
-        for p in drafts.glob(".tmp-*"):
-            shutil.rmtree(p, ignore_errors=True)
+    for sub in (DRAFTS_DIR, ADAPTERS_DIR):
+        folder = Path(run_dir) / sub
+        if folder.is_dir():
+            for p in folder.glob(".tmp-*"):
+                shutil.rmtree(p, ignore_errors=True)
 
 
 def write_latest(run_dir: Path, version_dir: Path) -> None:
@@ -93,14 +157,20 @@ def write_latest(run_dir: Path, version_dir: Path) -> None:
 
 
 def read_latest(run_dir: Path) -> Path | None:
-    """The folder ``run_dir/latest`` names, or None when nothing has been published yet."""
+    """The folder ``run_dir/latest`` names, or None when nothing has been published yet.  ExportError (one
+    line) for a ``latest`` that is not a UTF-8 text file naming a folder inside ``run_dir``."""
     run_dir = Path(run_dir)
+    path = run_dir / LATEST_FILE
     try:
-        text = (run_dir / LATEST_FILE).read_text(encoding="utf-8").strip()
+        text = path.read_text(encoding="utf-8").strip()
     except FileNotFoundError:
         return None
+    except IsADirectoryError:
+        raise ExportError(f"{path} is a directory: expected a text file naming a published folder") from None
+    except UnicodeDecodeError as e:
+        raise ExportError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
     rel = Path(text)
-    if not text or rel.is_absolute() or ".." in rel.parts:
+    if not text or "\x00" in text or rel.is_absolute() or ".." in rel.parts:
         raise ExportError(
             f"{run_dir / LATEST_FILE} holds {text!r}: expected a folder path relative to {run_dir}"
         )
@@ -160,8 +230,15 @@ def publish_version(
         target_config=target_config, target_name=target_name, metrics=metrics, draft_version=v,
         policy_version=policy_version, tokenizer_fingerprint=tokenizer_fingerprint, extra_manifest=extra_manifest,
     )  # fmt: skip
-    manifest = write_draft(draft, out, req)
-    write_latest(run_dir, out)
+    manifest = write_draft(draft, out, req)  # leaves no temp folder when it fails
+    try:
+        write_latest(run_dir, out)
+    except BaseException:
+        # never announced: no folder may stay that `latest` does not name and a later publish would skip
+        gone = out.with_name(f".tmp-failed-{out.name}")
+        os.replace(out, gone)
+        shutil.rmtree(gone, ignore_errors=True)
+        raise
     delta: Path | None = None
     if delta_base is not None:
         try:

@@ -10,8 +10,10 @@ HeadSync ships and the shapes an engine reloads in place are fixed for a run.  T
 both the reference decoder and an engine's refresher serve.
 
 Anything wrong with a new version (corrupt or half-written files, a config that does not fit, an unreadable
-``latest``, a notification whose sha256 differs from the folder's) is logged and counted, and the previous
-draft stays in use.  A failed version is not re-read until its files change.
+``latest`` — not UTF-8, a directory —, a notification whose sha256 or version differs from the folder's, a
+manifest whose ``draft_version`` is not its ``vNNNN`` folder's number) is logged and counted, and the
+previous draft stays in use: :meth:`DraftSource.poll` never raises for what it reads.  A failed version is
+not re-read until its files change.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from draft_align.engines.rollout_types import DraftVersion
 from draft_align.heads.protocol import DraftHead
 from draft_align.publish import load_draft
 from draft_align.publish.folder import MANIFEST_FILE, WEIGHTS_FILE, CorruptCheckpointError, ExportError
-from draft_align.publish.versions import read_latest, resolve_draft_dir
+from draft_align.publish.versions import check_folder_version, read_latest, resolve_draft_dir
 from draft_align.wire.messages import DraftPublished
 
 log = logging.getLogger(__name__)
@@ -118,13 +120,18 @@ class DraftSource:
         if not torch.equal(draft.draft_to_target.cpu(), self.frozen.draft_to_target.cpu()):
             raise ExportError("config mismatch: draft_to_target differs from the frozen draft's vocab map")
 
-    def verify(self, path: Path, sha256: str | None = None) -> tuple[DraftVersion, DraftHead]:
-        """Load the version at ``path`` with its files verified and check that it fits; ``sha256``: the weights
-        digest a notification announced, which must be the folder's.  Raises ExportError / OSError."""
+    def verify(self, path: Path, sha256: str | None = None,
+               announced: int | None = None) -> tuple[DraftVersion, DraftHead]:
+        """Load the version at ``path`` with its files verified and check that it fits; ``sha256``/``announced``:
+        the weights digest and version a notification announced, which must be the folder's; the manifest's
+        ``draft_version`` must be the folder name's.  Raises ExportError / OSError."""
         draft, manifest = load_draft(path, verify=True, device=self.device, dtype=self.dtype)
+        check_folder_version(path, manifest)
         version = DraftVersion.of(path, manifest)
         if sha256 is not None and version.sha256 != sha256:
             raise CorruptCheckpointError("the notification's sha256 differs from the folder's (rewritten since?)")
+        if announced is not None and version.version != announced:
+            raise ExportError(f"the notification announced v{announced}, the folder is v{version.version}")
         self.check_fits(draft)
         return version, draft
 
@@ -142,28 +149,28 @@ class DraftSource:
         """Take the newest published version if it is newer than the adapted one; True when one was taken."""
         msg = self._newest_notification()
         if msg is not None and int(msg.draft_version) > self.current_version:
-            if self._take(Path(msg.path), msg.sha256):
+            if self._take(Path(msg.path), msg.sha256, int(msg.draft_version)):
                 self.notified += 1
                 return True
             return False
         try:
             path = read_latest(self.run_dir)
-        except (ExportError, OSError) as e:
+        except (ExportError, OSError, ValueError) as e:
             return self._fail(f"{self.run_dir}/latest unreadable", e, None)
         current = self.adapted_version
         if path is None or (current is not None and path.resolve() == current.path.resolve()):
             return False
         return self._take(path, None)
 
-    def _take(self, path: Path, sha256: str | None) -> bool:
+    def _take(self, path: Path, sha256: str | None, announced: int | None = None) -> bool:
         try:
             sig = _signature(path)
-        except OSError as e:
+        except (OSError, ValueError) as e:
             return self._fail(f"{path} incomplete", e, None)
         if sig in self._skip:
             return False
         try:
-            version, draft = self.verify(path, sha256)
+            version, draft = self.verify(path, sha256, announced)
         except (ExportError, CorruptCheckpointError, OSError, KeyError, TypeError, ValueError) as e:
             return self._fail(f"{path} rejected", e, sig)
         if version.version <= self.current_version:

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from draft_align.engines.rollout_types import DRAFT_KINDS, DraftKind, Rollout
+from draft_align.engines.rollout_types import DRAFT_KINDS, Decoding, DraftKind, Rollout
 from draft_align.monitor.acceptance import AcceptanceTally
 from draft_align.rl.drafts import DraftSource
 from draft_align.rl.loss import GRPOError, clipped_surrogate, group_advantages, k3_kl, token_logprobs
@@ -244,9 +244,8 @@ class GRPOJob:
         rl = self.rl
         plan = plan_rollouts(self.recipe.seed, step, len(self.prompts), rl.prompts_per_step, rl.group_size,
                              rl.frozen_fraction)  # fmt: skip
-        rollouts, tallies = self.engine.rollouts(
-            plan, self.prompts, temperature=rl.temperature, max_tokens=rl.max_new_tokens, eos_ids=self.eos_ids
-        )
+        decoding = Decoding(rl.temperature, rl.max_new_tokens, self.eos_ids)
+        rollouts, tallies = self.engine.rollouts(plan, self.prompts, decoding)
         for r in rollouts:
             text = self.tokenizer.decode(r.response.tolist(), skip_special_tokens=True)
             r.reward = self.reward(text, r.finished)

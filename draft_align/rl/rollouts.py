@@ -21,6 +21,7 @@ from torch import nn
 from draft_align.conventions import VerifyMode
 from draft_align.engines.rollout_types import (
     DRAFT_KINDS,
+    Decoding,
     DraftKind,
     DraftVersion,
     PlannedRollout,
@@ -48,15 +49,10 @@ class RolloutEngine(Protocol):
         ...
 
     def rollouts(
-        self,
-        plan: RolloutPlan,
-        prompts: Sequence[torch.Tensor],
-        *,
-        temperature: float,
-        max_tokens: int,
-        eos_ids: frozenset[int],
+        self, plan: RolloutPlan, prompts: Sequence[torch.Tensor], decoding: Decoding
     ) -> tuple[list[Rollout], dict[DraftKind, AcceptanceTally]]:
-        """The plan's rollouts (its order, reward not set) and each draft's measured acceptance."""
+        """The plan's rollouts (its order, reward not set), decoded as ``decoding`` says, and each draft's
+        measured acceptance."""
         ...
 
     def step_metrics(self, rollouts: Sequence[Rollout], old_logprobs: torch.Tensor) -> dict[str, float]:
@@ -107,17 +103,11 @@ class ReferenceRollouts:
         return {}
 
     def rollouts(
-        self,
-        plan: RolloutPlan,
-        prompts: Sequence[torch.Tensor],
-        *,
-        temperature: float,
-        max_tokens: int,
-        eos_ids: frozenset[int],
+        self, plan: RolloutPlan, prompts: Sequence[torch.Tensor], decoding: Decoding
     ) -> tuple[list[Rollout], dict[DraftKind, AcceptanceTally]]:
         model = self.policy_model
         decoders = {
-            kind: SpecDecoder(model, draft, self.k, self.verify_mode, temperature)  # type: ignore[arg-type]
+            kind: SpecDecoder(model, draft, self.k, self.verify_mode, decoding.temperature)  # type: ignore[arg-type]
             for kind, draft in (("adapted", self.drafts.adapted), ("frozen", self.drafts.frozen))
         }
         dev = next(model.parameters()).device
@@ -127,9 +117,9 @@ class ReferenceRollouts:
         for p, seed in zip(plan.rollouts, plan.seeds(SEED_BITS), strict=True):
             prompt = prompts[p.prompt_index]
             gen = torch.Generator(device=dev).manual_seed(seed)
-            new, tally = decoders[p.draft].generate(prompt, max_tokens, eos_ids, gen)
+            new, tally = decoders[p.draft].generate(prompt, decoding.max_tokens, decoding.eos_ids, gen)
             new = new.cpu()
-            finished = new.numel() > 0 and int(new[-1]) in eos_ids
+            finished = new.numel() > 0 and int(new[-1]) in decoding.eos_ids
             out.append(Rollout(p.prompt_index, prompt.cpu(), new, finished, p.draft, tally))
             tallies[p.draft].merge(tally)
         return out, tallies

@@ -23,7 +23,8 @@ from torch import nn
 from draft_align.config import CotrainRecipe
 from draft_align.heads.protocol import DraftHead
 from draft_align.monitor.records import RecordEstimateError
-from draft_align.publish.versions import publish_version
+from draft_align.publish.folder import ExportError
+from draft_align.publish.versions import prune_versions, publish_version
 from draft_align.sidecar.layout import PUBLISH_FILE, SIDECAR_DIR
 from draft_align.sidecar.state import SidecarState
 from draft_align.train.records import TappedRecord
@@ -85,7 +86,7 @@ class Gate:
 
     def __init__(self, recipe: CotrainRecipe, state: SidecarState, published: DraftHead, *, device: torch.device,
                  target_config: Any, target_name: str, tokenizer_fingerprint: str | None,
-                 frozen_manifest: dict[str, Any], publisher: Publisher | None) -> None:
+                 frozen_manifest: dict[str, Any], publisher: Publisher | None, protect: tuple[Path, ...] = ()) -> None:
         self.recipe = recipe
         self.state = state
         self.published = published
@@ -97,6 +98,7 @@ class Gate:
         self.tok_fp = tokenizer_fingerprint
         self.frozen_manifest = frozen_manifest
         self.publisher = publisher
+        self.protect = tuple(Path(p) for p in protect)  # folders retention never deletes (the starting draft)
         self.last_publish = time.monotonic()
         self.steps_since_publish = 0
 
@@ -130,8 +132,24 @@ class Gate:
                      c["acceptance_length_est"], b["acceptance_length_est"], diff, stderr)
             return False
         policy_version = max(tr.policy_version for tr in holdout)
-        self._publish(cand, c, b, diff, stderr, policy_version)
+        # retention before the publish: with the new version there are at most keep_versions, even when the
+        # process is killed right after the rename (pruning afterwards would leave keep_versions + 1)
+        self._prune(self.recipe.sidecar.keep_versions - 1)
+        try:
+            self._publish(cand, c, b, diff, stderr, policy_version)
+        except ExportError as e:
+            self.state.gate_rejections += 1
+            log.error("candidate not published: %s", e)
+            return False
         return True
+
+    def _prune(self, keep: int) -> None:
+        """Retention (the module docstring) down to ``keep`` versions; a failure to delete is logged, never fatal."""
+        lora_base = (Path(self.state.lora_base_dir),) if self.state.lora_base_dir else ()
+        try:
+            prune_versions(self.run_dir, keep, protect=self.protect + lora_base)
+        except OSError as e:
+            log.error("retention: %s", e)
 
     def _publish(self, cand_draft: nn.Module, cand: dict, base: dict, diff: float, stderr: float,
                  policy_version: int) -> None:
@@ -168,6 +186,6 @@ class Gate:
         ))
         with open(self.dir / PUBLISH_FILE, "a", encoding="utf-8") as f:
             f.write(json.dumps({"time": time.time(), "draft_version": v, "policy_version": policy_version,
-                                **metrics}) + "\n")
+                                "sha256": pub.weights_sha256, **metrics}) + "\n")
         log.info("published draft v%04d (policy v%d): gate %.4f vs %.4f", v, policy_version,
                  cand["acceptance_length_est"], base["acceptance_length_est"])

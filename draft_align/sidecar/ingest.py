@@ -4,8 +4,16 @@
 :class:`~draft_align.train.records.TappedRecord`s; sequences with NaN/Inf states are dropped and counted,
 a pre-norm final state is normalised with the HeadSync's norm.  The records of RL step n wait in
 :attr:`Ingest.fresh` until step n's ``StepReport`` (so the monitoring row estimates acceptance on records no
-draft was trained on) or until a batch of a later step arrives, then enter the replay buffer.  ``HeadSync``
-messages are checked here (:meth:`Ingest.accept_head`); the sidecar applies the accepted ones.
+draft was trained on) or until a batch of a later step arrives, then enter the replay buffer.  Held records
+are bounded: beyond ``max_held_tokens`` (the sidecar: ``buffer_tokens // 4``) the longest-held are dropped and
+counted (``held_dropped_records``/``held_dropped_tokens``), so batches of steps whose report never comes
+cannot pile up.  ``HeadSync`` messages are checked here (:meth:`Ingest.accept_head`: shapes, finite,
+``|x| ≤ HEAD_MAX_ABS``); the sidecar applies the accepted ones.
+
+Policy versions: a HeadSync whose version is lower than the one in use is a restart of the RL job (it
+started again from version 0 beside this sidecar, or the head in use came with a bogus version): it is
+logged, counted (``rl_restarts``) and accepted, and from then on every version the RL job sends is shifted
+by ``policy_offset`` so that the versions the sidecar trains, weights and publishes with keep increasing.
 """
 
 from __future__ import annotations
@@ -25,6 +33,10 @@ from draft_align.wire.messages import HeadSync, TapBatch, TapPart
 from draft_align.wire.packing import drop_nonfinite
 
 log = logging.getLogger(__name__)
+
+#: the largest |value| accepted in a HeadSync's rows and norm weight (real lm_head rows and RMSNorm weights
+#: are O(1); 3e38 rows make every logit non-finite)
+HEAD_MAX_ABS = 1e4
 
 
 def split_records(batch: TapBatch) -> list[tuple[Record, dict[str, torch.Tensor | None]]]:
@@ -56,7 +68,7 @@ class Ingest:
     """
 
     def __init__(self, buffer: ReplayBuffer, state: SidecarState, rates: Rates, *, aux_ids: tuple[int, ...],
-                 hidden: int, vocab: int, draft_to_target: torch.Tensor) -> None:
+                 hidden: int, vocab: int, draft_to_target: torch.Tensor, max_held_tokens: int | None = None) -> None:
         self.buffer = buffer
         self.state = state
         self.rates = rates
@@ -65,27 +77,45 @@ class Ingest:
         self.vocab = int(vocab)
         self.draft_to_target = draft_to_target.cpu()
         self.fresh: dict[int, list[tuple[TappedRecord, float]]] = {}  # RL step → (record, temperature)
+        self.max_held_tokens = max_held_tokens  # None: unbounded
+        self.held_tokens = 0  # tokens in ``fresh``
         self.joiner = StageJoiner()  # joins the TapParts of pipeline-parallel policies into TapBatches
         self.has_head = False  # a HeadSync was accepted: training and estimates can start
         self.norm: tuple[torch.Tensor, float] | None = None  # the HeadSync's final-norm (weight, eps)
 
+    def policy_version(self, sent: int) -> int:
+        """The sidecar's policy version for a version the RL job sent (shifted after an RL restart)."""
+        return int(sent) + self.state.policy_offset
+
     def accept_head(self, msg: HeadSync) -> bool:
         """Whether ``msg`` should replace the head rows: it matches the draft's vocabulary and the target, is
-        finite and not older than the head in use (mismatched and non-finite ones are counted)."""
+        finite and within ``HEAD_MAX_ABS`` (mismatched and rejected ones are counted); a version lower than
+        the one in use is an RL restart (the module docstring)."""
         if msg.hidden_size != self.hidden or msg.vocab_size != self.vocab or not torch.equal(
             msg.draft_to_target.cpu(), self.draft_to_target
         ):
             self.state.mismatched_messages += 1
             log.warning("HeadSync v%d does not match the draft vocab/target: ignored", msg.policy_version)
             return False
-        if not (torch.isfinite(msg.rows).all() and torch.isfinite(msg.norm_weight).all()):
+        bad = _head_problem(msg)
+        if bad is not None:
             self.state.nonfinite_heads += 1
-            log.warning("HeadSync v%d has non-finite rows or norm: ignored", msg.policy_version)
+            log.warning("HeadSync v%d rejected: %s", msg.policy_version, bad)
             return False
-        if msg.policy_version < self.state.head_policy_version:
-            return False  # an older head arriving late
+        version = self.policy_version(msg.policy_version)
+        if version < self.state.head_policy_version:
+            offset = self.state.head_policy_version + 1 - int(msg.policy_version)
+            log.warning(
+                "HeadSync policy version %d is lower than the head in use (v%d): the RL job restarted; its "
+                "versions are counted from v%d on (offset %d)", msg.policy_version, self.state.head_policy_version,
+                self.state.head_policy_version + 1, offset,
+            )
+            self.state.rl_restarts += 1
+            self.state.policy_offset = offset
+            self.flush()  # the previous run's held records go to the buffer as they are
+            version = self.policy_version(msg.policy_version)
         self.norm = (msg.norm_weight, float(msg.norm_eps))
-        self.state.head_policy_version = int(msg.policy_version)
+        self.state.head_policy_version = version
         self.has_head = True
         return True
 
@@ -128,12 +158,16 @@ class Ingest:
             if not bool(rec.loss_mask.any()):
                 continue
             tr = TappedRecord(
-                record=rec, policy_version=int(clean.policy_version), step=int(clean.step), **extras
+                record=rec, policy_version=self.policy_version(clean.policy_version), step=int(clean.step),
+                **extras,
             )
             self.fresh.setdefault(int(clean.step), []).append((tr, clean.temperature))
+            self.held_tokens += tr.num_tokens
         # a step whose report never came (dropped) must not hold its records back from training
         self.flush(upto_step=int(clean.step) - 1)
-        self.state.newest_policy_version = max(self.state.newest_policy_version, int(clean.policy_version))
+        self._bound_held()
+        self.state.newest_policy_version = max(self.state.newest_policy_version,
+                                               self.policy_version(clean.policy_version))
         self.state.ingested_tokens += clean.num_tokens
         self.state.ingested_messages += 1
         self.rates.ingest_tokens += clean.num_tokens
@@ -158,10 +192,44 @@ class Ingest:
             if upto_step is not None and step > upto_step:
                 continue
             for tr, _ in self.fresh.pop(step):
+                self.held_tokens -= tr.num_tokens
                 self.buffer_record(tr)
+
+    def _bound_held(self) -> None:
+        """Drop (and count) the longest-held records while more than ``max_held_tokens`` are held."""
+        if self.max_held_tokens is None:
+            return
+        dropped = 0
+        while self.held_tokens > self.max_held_tokens and self.fresh:
+            step = next(iter(self.fresh))  # dicts keep insertion order: the step held longest
+            tr, _ = self.fresh[step].pop(0)
+            if not self.fresh[step]:
+                del self.fresh[step]
+            self.held_tokens -= tr.num_tokens
+            self.state.held_dropped_records += 1
+            self.state.held_dropped_tokens += tr.num_tokens
+            dropped += 1
+        if dropped:
+            log.warning("%d tapped records of steps without a StepReport dropped (%d tokens held at most)", dropped,
+                        self.max_held_tokens)
+
+    def drop_head(self) -> None:
+        """Stop using the head in use (training and estimates wait for the next HeadSync)."""
+        self.has_head = False
 
     def end_run(self) -> None:
         """The RL job's final report: incomplete stage joins are dropped (later TapParts are refused) and
         every record still held goes to the buffer."""
         self.joiner.end_run()
         self.flush()
+
+
+def _head_problem(msg: HeadSync) -> str | None:
+    """Why a HeadSync's rows or norm weight cannot be used (None: they can)."""
+    for name, t in (("rows", msg.rows), ("norm_weight", msg.norm_weight)):
+        if not bool(torch.isfinite(t).all()):
+            return f"non-finite {name}"
+        peak = float(t.detach().abs().max()) if t.numel() else 0.0
+        if peak > HEAD_MAX_ABS:
+            return f"{name} magnitude {peak:.3g} > {HEAD_MAX_ABS:g}"
+    return None

@@ -3,6 +3,16 @@
 The launcher (``cotrain.py``) and the RL side find the sidecar by these names; the monitor reads its files.
 """
 
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
 SIDECAR_DIR = "sidecar"  # <run>/sidecar/
 TRAINER_DIR = "trainer"  # <run>/sidecar/trainer/: the trainer checkpoint
 STATE_FILE = "state.json"  # SidecarState, beside the trainer checkpoint
@@ -12,3 +22,15 @@ PORT_FILE = "prometheus.port"  # the Prometheus page's port
 READY_FILE = "ready.json"  # written once the sockets are bound: {"pid", "ppid", "time", "draft_version", …}
 TAP_SOCKET = "tap"  # PULL: TapBatch / TapPart / HeadSync / StepReport from the policy side
 NOTIFY_SOCKET = "notify"  # PUB: DraftPublished
+
+
+def write_ready(sidecar_dir: Path, info: dict[str, Any]) -> None:
+    """``ready.json`` (atomically): the sockets are bound.  On a full disk the error is logged and the
+    sidecar serves anyway (the launcher then times out waiting, and says so)."""
+    tmp = Path(sidecar_dir) / f".{READY_FILE}.tmp-{os.getpid()}"
+    try:
+        tmp.write_text(json.dumps(info))
+        os.replace(tmp, Path(sidecar_dir) / READY_FILE)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        log.error("cannot write %s: %s", Path(sidecar_dir) / READY_FILE, e)

@@ -1,33 +1,27 @@
 """The sidecar's loop: receive → validate → replay buffer → TTT training → gate → versioned publish → notify.
 
 One loop (:meth:`Sidecar.run`), all its state in :class:`~draft_align.sidecar.state.SidecarState`
-(checkpointed beside the trainer):
+(checkpointed beside the trainer): (1) drain the PULL socket for at most ``drain_s``: ``TapBatch`` records go
+to the replay buffer (``sidecar/ingest.py``), ``HeadSync`` replaces the head rows the soft targets are
+computed from, ``StepReport`` closes an RL step: the estimated acceptance of the published and frozen drafts
+on the step's fresh records, merged with the RL job's own measurements into one monitoring row
+(``monitor/rows.py``) for the sinks; (2) one optimizer step on a recency-weighted batch (a non-finite loss
+skips it, counted); (3) every ``publish_every_s`` the candidate is gated against the published draft
+(``sidecar/gate.py``); (4) every ``checkpoint_every_s`` the trainer state is saved atomically.  Published
+versions are complete folders renamed into place, never half-visible.  Nothing here can reach the policy.
 
-1. drain the PULL socket for at most ``drain_s``: ``TapBatch`` records go to the replay buffer (sequences
-   with NaN/Inf states are dropped and counted; ``sidecar/ingest.py``), ``HeadSync`` replaces the head rows
-   the soft targets are computed from, ``StepReport`` closes an RL step: the step's freshly tapped records
-   (not trained on yet) give the estimated acceptance of the published and of the frozen draft, merged with
-   the RL job's own measurements into one monitoring row (``monitor/rows.py``) handed to the sinks;
-2. one optimizer step on a recency-weighted batch (a non-finite loss skips the step and is counted);
-3. every ``publish_every_s`` the candidate is gated against the published draft and published if not worse
-   beyond noise (``sidecar/gate.py``);
-4. every ``checkpoint_every_s`` the trainer state is saved (atomic), so a ``kill -9`` loses at most that much
-   training; published versions are complete folders renamed into place, so none is ever half-visible.
-
-Nothing here can reach the policy: the sidecar holds a frozen copy of the target's embedding and the head
-rows it was sent, and its own optimizer.
-
-Under torchrun (``sidecar.ranks: N``, docs/wire.md) :func:`ranked_loop` runs instead: every step boundary the
-ranks exchange flags and the HeadSync/StepReports each received (re-encoded in the wire format) and apply
-them in rank order; a step is taken iff every rank has a batch (DDP or FSDP2, ``train/parallel.py``); rank 0
-alone gates, publishes, writes monitoring rows and checkpoints, and under FSDP2 every rank first gathers the
-full state onto it (:meth:`Sidecar.sync_full`) when rank 0 announced a publish attempt or checkpoint.
+A full disk (OSError) or an export refused (ExportError: e.g. weights finite in fp32, ±inf in bf16) at
+publish or checkpoint time is one logged line and a counter (``publish_failures``; an export refusal is a
+gate rejection); the last published draft keeps serving and the next attempt waits (:class:`Backoff`).  After
+``max_consecutive_nonfinite`` non-finite steps in a row the head in use is dropped (ERROR, ``nonfinite_alarms``)
+and training waits for the next HeadSync.  A restart trusts only what verifies (``sidecar/resume.py``).
+Published versions beyond the newest ``keep_versions`` (never ``latest``) are deleted after each publish.
+Under torchrun the multi-rank loop (``sidecar/ranked.py``) runs instead.
 """
 
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import os
 import threading
@@ -46,21 +40,23 @@ from draft_align.monitor.rows import SidecarStats, StepRow
 from draft_align.monitor.sinks import METRICS_FILE, JsonlSink, PromSink, Sinks, open_sinks
 from draft_align.publish import load_draft
 from draft_align.publish.compat import check_compatible, tokenizer_fingerprint
-from draft_align.publish.versions import discard_tmp_versions, read_latest
+from draft_align.publish.versions import discard_tmp_versions
 from draft_align.sidecar.gate import Gate, plain_copy
 from draft_align.sidecar.ingest import Ingest
 from draft_align.sidecar.layout import (
     MONITOR_FILE,
     NOTIFY_SOCKET,
     PORT_FILE,
-    READY_FILE,
     SIDECAR_DIR,
     STATE_FILE,
     TAP_SOCKET,
     TRAINER_DIR,
+    write_ready,
 )
-from draft_align.sidecar.state import Rates, SidecarState, sidecar_stats
-from draft_align.train.parallel import RankError, RankGroup, attach, is_comm_error, rank_device
+from draft_align.sidecar.ranked import ranked_loop
+from draft_align.sidecar.resume import resume_state, set_aside, start_published
+from draft_align.sidecar.state import Backoff, Rates, SidecarState, sidecar_stats
+from draft_align.train.parallel import RankGroup, attach, rank_device
 from draft_align.train.records import Batch, TappedRecord
 from draft_align.train.replay import ReplayBuffer
 from draft_align.train.trainer import (
@@ -68,16 +64,11 @@ from draft_align.train.trainer import (
     LossSettings,
     NonFiniteLossError,
     OptimSettings,
-    checkpoint_exists,
 )
 from draft_align.wire.channel import DRAIN_MAX_MESSAGES
-from draft_align.wire.codec import encode
-from draft_align.wire.messages import HeadSync, StepReport, TapBatch, TapPart, decode
+from draft_align.wire.messages import HeadSync, StepReport, TapBatch, TapPart
 
 log = logging.getLogger(__name__)
-
-# flags each rank sends at every step boundary (RankGroup.exchange); the *_DUE ones are rank 0's decisions
-HAVE_BATCH, STOP, TIME_UP, PUBLISH_DUE, CKPT_DUE = 0, 1, 2, 3, 4
 
 Control = HeadSync | StepReport  # what every rank applies, whichever rank received it
 
@@ -106,6 +97,8 @@ class Sidecar:
         self.device = torch.device(recipe.device) if ranks is None else rank_device(recipe.device, ranks.info)
         self.state = SidecarState()
         self.rates = Rates()
+        self.backoff = Backoff()  # after a failed publish / checkpoint (disk full)
+        self.nonfinite_in_a_row = 0
         self.resumed = False
         self._shared_control: list[Control] = []  # received here, for every rank to apply (multi-rank only)
 
@@ -116,8 +109,12 @@ class Sidecar:
         discard_tmp_versions(self.run_dir)
         draft = self._setup_drafts()
         self._setup_trainer(draft)
-        self._setup_wire()
-        self._setup_sinks()
+        try:
+            self._setup_wire()
+            self._setup_sinks()
+        except BaseException:  # e.g. a busy Prometheus port: release the sockets already bound
+            self.close()
+            raise
         self._last_ckpt = time.monotonic()
         self._t0 = time.monotonic()
         return self
@@ -143,24 +140,14 @@ class Sidecar:
         self.hidden = int(self.target_config.hidden_size)
         self.vocab = int(self.target_config.vocab_size)
 
-        sfile = self.dir / STATE_FILE
-        self.resumed = checkpoint_exists(self.dir / TRAINER_DIR) and sfile.is_file()
-        if self.resumed:
-            self.state = SidecarState.load(sfile)
-            self.state.restarts += 1
-            self.state.done = False
-        # the published draft the gate compares against: the run's latest, else the starting draft
-        latest = read_latest(self.run_dir)
-        if latest is not None:
-            published, man = load_draft(latest, device=self.device)
-            self.state.published_version = max(self.state.published_version, int(man["draft_version"]))
-            self.state.published_policy_version = int(man["policy_version"])
-        else:
-            published = plain_copy(self.frozen, self.device)
+        self.state, self.resumed = resume_state(self.dir)
+        # the published draft the gate compares against: the newest trusted version, else the starting draft
+        published, latest = start_published(self.run_dir, self.dir, self.state, self.frozen, self.device)
         published.eval()
         self.gate = Gate(recipe, self.state, published, device=self.device, target_config=self.target_config,
                          target_name=self.target_name, tokenizer_fingerprint=self.tok_fp,
-                         frozen_manifest=self.frozen_manifest, publisher=None)  # its socket: _setup_wire
+                         frozen_manifest=self.frozen_manifest, publisher=None,  # its socket: _setup_wire
+                         protect=(self.start_draft,))
         draft = plain_copy(published, self.device)
         if sc.adapt == "lora":  # adapters over the frozen starting point, with their own optimizer settings
             from draft_align.heads.lora import apply_lora, lora_settings
@@ -189,6 +176,7 @@ class Sidecar:
                 ttt_steps=sc.ttt_steps, step_decay=step_decay(sc.step_decay, draft.kind), kind=sc.loss,
                 train_lm_head=True, autocast_bf16=sc.autocast_bf16,
             ),
+            max_seq_tokens=sc.max_seq_tokens,
         )
         # fsdp2 (train/parallel.py): the trainer's draft is sharded over the ranks; rank 0 gates and exports
         # a plain copy that sync_full() refreshes from the gathered full state (``full_state``)
@@ -198,7 +186,12 @@ class Sidecar:
         if ranks is not None:  # before the load: under fsdp2 the checkpoint is loaded into the shards
             attach(self.trainer, ranks, sc.parallel)
         if self.resumed:
-            self.trainer.load(self.dir / TRAINER_DIR)
+            try:
+                self.trainer.load(self.dir / TRAINER_DIR)
+            except RuntimeError as e:  # unreadable or another configuration's: train on from the published draft
+                set_aside(self.dir / TRAINER_DIR, e)
+                self.resumed = False
+                return
             log.info("resumed sidecar at train step %d (restart %d)", self.state.train_steps, self.state.restarts)
 
     def _setup_wire(self) -> None:
@@ -210,8 +203,10 @@ class Sidecar:
         # only rank 0 gates, so only its buffer holds records out; each rank samples with its own seed
         buffer = ReplayBuffer(sc.buffer_tokens, sc.recency_half_life, sc.holdout_records if self.is_lead else 0,
                               recipe.seed + (ranks.rank if ranks is not None else 0))
+        # records of steps whose report has not come are held at most this many tokens (docs/sizing.md)
+        held = max(sc.buffer_tokens // 4, 2 * recipe.tap.tokens_per_step)
         self.ingest = Ingest(buffer, self.state, self.rates, aux_ids=self.aux_ids, hidden=self.hidden,
-                             vocab=self.vocab, draft_to_target=self.frozen.draft_to_target)
+                             vocab=self.vocab, draft_to_target=self.frozen.draft_to_target, max_held_tokens=held)
         self.wire_key = channel.resolve_key(wire.key_file, self.run_dir, create=True)
         tap_ep = wire.endpoint or channel.default_endpoint(self.run_dir, TAP_SOCKET)
         if ranks is not None:
@@ -265,7 +260,7 @@ class Sidecar:
         return max_seconds is not None and time.monotonic() - self._t0 >= max_seconds
 
     def checkpoint_due(self) -> bool:
-        return time.monotonic() - self._last_ckpt >= self.recipe.sidecar.checkpoint_every_s
+        return self.backoff.ready() and time.monotonic() - self._last_ckpt >= self.recipe.sidecar.checkpoint_every_s
 
     def drain(self, budget_s: float, timeout_ms: int, max_messages: int = DRAIN_MAX_MESSAGES) -> int:
         """Handle the messages waiting on the PULL socket: up to ``max_messages`` consumed (rejected ones
@@ -292,18 +287,6 @@ class Sidecar:
             else:
                 self.state.mismatched_messages += 1
         return n
-
-    def take_shared_control(self) -> list[Control]:
-        """The HeadSync/StepReports this rank received since the last call, for every rank to apply."""
-        out, self._shared_control = self._shared_control, []
-        return out
-
-    def on_control(self, msg: Control) -> None:
-        """A HeadSync or StepReport that one of the ranks received (multi-rank only)."""
-        if isinstance(msg, HeadSync):
-            self.on_head(msg)
-        else:
-            self.on_report(msg)
 
     def on_head(self, msg: HeadSync) -> None:
         """New head rows for the soft targets (MTP: also the drafts' shared lm_head), once accepted."""
@@ -376,8 +359,16 @@ class Sidecar:
             stats = self.trainer.train_step(batch)
         except NonFiniteLossError as e:
             self.state.nonfinite_steps += 1
+            self.nonfinite_in_a_row += 1
             log.warning("%s", e)
+            if self.nonfinite_in_a_row >= sc.max_consecutive_nonfinite:
+                self.state.nonfinite_alarms += 1
+                log.error("ALARM: %d non-finite steps in a row on the head of policy v%d: head dropped, waiting "
+                          "for the next HeadSync", self.nonfinite_in_a_row, self.state.head_policy_version)
+                self.ingest.drop_head()
+                self.nonfinite_in_a_row = 0
             return True
+        self.nonfinite_in_a_row = 0
         self.rates.train_tokens += batch.num_tokens
         self.rates.train_s += time.perf_counter() - t0
         self.state.train_steps += 1
@@ -390,7 +381,7 @@ class Sidecar:
     def publish_due(self, force: bool = False) -> bool:
         """Whether a publish attempt (gate) is due on this rank: the lead rank, a head to score with, enough
         steps, the interval passed (or ``force``)."""
-        return self.is_lead and self.has_head and self.gate.due(force)
+        return self.is_lead and self.has_head and self.backoff.ready() and self.gate.due(force)
 
     def sync_full(self) -> None:
         """fsdp2: gather the trainer's full draft and optimizer state onto rank 0 (a collective: every rank
@@ -417,28 +408,45 @@ class Sidecar:
         """Gate and publish the candidate; True when a new version was published (then checkpointed)."""
         if not self.publish_due(force):
             return False
-        if not self.gate.maybe_publish(self._candidate, self.ingest.buffer.holdout(), self.estimate):
+        try:
+            if not self.gate.maybe_publish(self._candidate, self.ingest.buffer.holdout(), self.estimate):
+                return False
+        except OSError as e:
+            self._storage_failed("publish", e)
             return False
         self.sinks.observe_stats(self.stats())
         self.checkpoint()  # the published version and the trainer state move together
         return True
 
+    def _storage_failed(self, what: str, e: OSError) -> None:
+        self.state.publish_failures += 1
+        delay = self.backoff.fail()
+        log.error("%s failed: %s; still serving draft v%04d, next attempt in %.0f s", what, e,
+                  self.state.published_version, delay)
+
     def checkpoint(self) -> None:
         if not self.is_lead:
             return  # rank 0's checkpoint is every rank's (DDP: the same weights; fsdp2: gathered by sync_full)
         assert not self._sharded or self._full is not None, "sync_full() before checkpointing"
-        self.trainer.save(self.dir / TRAINER_DIR, self._full if self._sharded else None)
-        self.state.rejected = dict(self.rejected)
-        self.state.save(self.dir / STATE_FILE)
         self._last_ckpt = time.monotonic()
+        try:
+            self.trainer.save(self.dir / TRAINER_DIR, self._full if self._sharded else None)
+            self.state.rejected = dict(self.rejected)
+            self.state.save(self.dir / STATE_FILE)
+        except OSError as e:
+            self._storage_failed("checkpoint", e)
+            return
+        self.backoff.ok()
 
     # ------------------------------------------------------------------ the loop
     def run(self, max_seconds: float | None = None) -> SidecarState:
         """Loop until stopped, out of time or done (see the class docstring); returns the final state."""
         log.info("sidecar %s listening; draft v%d; aux %s", self.recipe.run, self.state.published_version,
                  self.aux_ids)
-        if self.is_lead:
-            self._write_ready()
+        if self.is_lead:  # the launcher waits for it (ppid: torchrun's agent)
+            write_ready(self.dir, {"pid": os.getpid(), "ppid": os.getppid(), "time": time.time(),
+                                   "draft_version": self.state.published_version,
+                                   "tap_endpoint": self.receiver.endpoint})
         ended = False  # whether the loop ended normally (every rank leaves it at the same step)
         try:
             if self.ranks is not None:  # torchrun: the ranks agree on every step
@@ -463,73 +471,8 @@ class Sidecar:
             self.close()
         return self.state
 
-    def _write_ready(self) -> None:
-        """``ready.json``: the sockets are bound (the launcher waits for it; ppid: torchrun's agent)."""
-        ready = {"pid": os.getpid(), "ppid": os.getppid(), "time": time.time(),
-                 "draft_version": self.state.published_version, "tap_endpoint": self.receiver.endpoint}
-        tmp = self.dir / f".{READY_FILE}.tmp-{os.getpid()}"
-        tmp.write_text(json.dumps(ready))
-        os.replace(tmp, self.dir / READY_FILE)
-
     def close(self) -> None:
-        self.receiver.close()
-        if self.gate.publisher is not None:
-            self.gate.publisher.close()
-        self.sinks.close()
-
-
-# ---------------------------------------------------------------------------------------------- multi-rank
-def ranked_step(sc: Sidecar, max_seconds: float | None = None) -> bool:
-    """One iteration of the multi-rank loop; False when the ranks agreed to stop.
-
-    Every rank: sample a batch (if it can) → exchange flags and control messages → apply every rank's
-    HeadSync/StepReport in rank order → train iff all ranks have a batch → drain its socket.  When rank 0
-    announced a publish attempt or checkpoint in the exchange, every rank then syncs the full state
-    (:meth:`Sidecar.sync_full`, a gather under FSDP2) and rank 0 gates/publishes and checkpoints.
-    """
-    group = sc.ranks
-    assert group is not None
-    batch = sc.next_batch()
-    time_up = sc.time_up(max_seconds)
-    outgoing = [encode(m, sc.wire_key) for m in sc.take_shared_control()]
-    publish_due = group.is_lead and sc.publish_due()
-    ckpt_due = group.is_lead and sc.checkpoint_due()
-    flags, incoming = group.exchange([batch is not None, sc.stop_requested, time_up, publish_due, ckpt_due],
-                                     outgoing)
-    for messages in incoming:
-        for frames in messages:
-            sc.on_control(decode(frames, sc.wire_key))
-    if bool(flags[:, STOP].any()) or bool(flags[:, TIME_UP].any()):
-        return False
-    trained = False
-    if bool(flags[:, HAVE_BATCH].all()):
-        assert batch is not None
-        try:
-            trained = sc.train_on(batch)
-        except RuntimeError as e:
-            if isinstance(e, RankError) or not is_comm_error(e):
-                raise
-            raise group.failed("the gradient all-reduce", e) from e
-    sc.drain(budget_s=0.05, timeout_ms=0 if trained else 200)
-    publish_due, ckpt_due = bool(flags[0, PUBLISH_DUE]), bool(flags[0, CKPT_DUE])  # rank 0's decisions
-    if publish_due or ckpt_due:
-        sc.sync_full()
-        if group.is_lead:
-            published = publish_due and sc.maybe_publish(force=True)  # a publish checkpoints too
-            if ckpt_due and not published:
-                sc.checkpoint()
-    if sc.state.done and sc.exit_when_done:  # the final StepReport reached every rank in the same exchange
-        sc.sync_full()
-        if group.is_lead:
-            sc.maybe_publish(force=True)
-        return False
-    return True
-
-
-def ranked_loop(sc: Sidecar, max_seconds: float | None = None) -> None:
-    """Run :func:`ranked_step` until the ranks agree to stop (stop requested, time up, or done)."""
-    group = sc.ranks
-    assert group is not None
-    log.info("sidecar rank %d/%d pulling from %s", group.rank, group.world_size, sc.receiver.endpoint)
-    while ranked_step(sc, max_seconds):
-        pass
+        """Close what was set up (also after a failed :meth:`setup`)."""
+        for part in (getattr(self, "receiver", None), self.gate.publisher, getattr(self, "sinks", None)):
+            if part is not None:
+                part.close()

@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
+import time
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from draft_align.monitor.rows import SidecarStats
+
+log = logging.getLogger(__name__)
+
+
+class StateError(ValueError):
+    """A ``state.json`` that cannot be read (not JSON, not an object, a field of the wrong type)."""
 
 
 @dataclass
@@ -27,7 +35,13 @@ class SidecarState:
     ingested_messages: int = 0
     nonfinite_sequences: int = 0
     nonfinite_steps: int = 0
-    nonfinite_heads: int = 0
+    nonfinite_heads: int = 0  # HeadSyncs rejected: non-finite or out-of-range rows / norm
+    nonfinite_alarms: int = 0  # heads dropped after max_consecutive_nonfinite non-finite steps in a row
+    held_dropped_records: int = 0  # tapped records dropped while waiting for their step's report (bound)
+    held_dropped_tokens: int = 0
+    rl_restarts: int = 0  # HeadSync version regressions (the RL job restarted)
+    policy_offset: int = 0  # added to every policy version the RL job sends (raised at each RL restart)
+    publish_failures: int = 0  # publishes or checkpoints that failed (disk full, export error)
     gate_rejections: int = 0
     foreign_messages: int = 0
     mismatched_messages: int = 0
@@ -40,13 +54,61 @@ class SidecarState:
 
     @classmethod
     def load(cls, path: Path) -> SidecarState:
-        return cls(**json.loads(path.read_text()))
+        """The state saved at ``path``; fields this version does not know are logged and ignored (a newer
+        sidecar wrote them), missing ones take their defaults; StateError when it cannot be read."""
+        try:
+            raw = json.loads(Path(path).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise StateError(f"{path}: unreadable sidecar state ({e})") from e
+        if not isinstance(raw, dict):
+            raise StateError(f"{path}: expected a JSON object, got {type(raw).__name__}")
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(raw) - set(known))
+        if unknown:
+            log.warning("%s: unknown fields %s ignored (written by another version?)", path, unknown)
+        out = cls()
+        for name, value in raw.items():
+            if name not in known:
+                continue
+            want = (str, type(None)) if name == "lora_base_dir" else type(getattr(out, name))
+            if not isinstance(value, want) or (isinstance(value, bool) and want is int):
+                raise StateError(f"{path}: field {name!r} is {value!r} ({type(value).__name__}): wrong type")
+            setattr(out, name, value)
+        return out
 
     def save(self, path: Path) -> None:
         """Atomically (a temp file in the same folder, then rename)."""
         tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
-        tmp.write_text(json.dumps(asdict(self)))
-        os.replace(tmp, path)
+        try:
+            tmp.write_text(json.dumps(asdict(self)))
+            os.replace(tmp, path)
+        except BaseException:  # a full disk: no temp file stays behind
+            tmp.unlink(missing_ok=True)
+            raise
+
+
+@dataclass
+class Backoff:
+    """Retry spacing after a failed publish or checkpoint (a full disk): ``first_s``, doubling per failure in
+    a row, at most ``max_s``; one success resets it."""
+
+    first_s: float = 5.0
+    max_s: float = 300.0
+    failures: int = 0
+    retry_at: float = 0.0  # time.monotonic() before which nothing is retried
+
+    def ready(self) -> bool:
+        return time.monotonic() >= self.retry_at
+
+    def fail(self) -> float:
+        """Record a failure; returns the delay until the next attempt (s)."""
+        self.failures += 1
+        delay = min(self.max_s, self.first_s * 2 ** (self.failures - 1))
+        self.retry_at = time.monotonic() + delay
+        return delay
+
+    def ok(self) -> None:
+        self.failures, self.retry_at = 0, 0.0
 
 
 @dataclass
@@ -86,5 +148,9 @@ def sidecar_stats(state: SidecarState, buffer: Mapping[str, Any], rates: Rates,
         nonfinite_heads=state.nonfinite_heads,
         gate_rejections=state.gate_rejections,
         restarts=state.restarts,
+        nonfinite_alarms=state.nonfinite_alarms,
+        held_dropped=state.held_dropped_records,
+        rl_restarts=state.rl_restarts,
+        publish_failures=state.publish_failures,
         rejected=dict(rejected),
     )

@@ -19,8 +19,15 @@ import torch
 from torch import nn
 
 from draft_align.heads.eagle3 import Eagle3Draft
-from draft_align.heads.vocab import draft_logits
-from draft_align.train.losses import StepStats, hard_ce_step, soft_ce_step, step_weights
+from draft_align.train.losses import (
+    MAX_SEQ_TOKENS,
+    StepStats,
+    hard_ce_head,
+    soft_ce_head,
+    soft_targets,
+    step_weights,
+    truncate_batch,
+)
 from draft_align.train.records import Batch
 
 log = logging.getLogger(__name__)
@@ -60,6 +67,8 @@ class Progress:
     tokens_seen: int = 0
     targets_seen: int = 0
     skipped_nonfinite: int = 0
+    truncated_sequences: int = 0  # rows longer than the trainer's max_seq_tokens, cut to it
+    truncated_targets: int = 0  # response tokens past the cap in those rows (not trained on)
     seconds: float = 0.0
     total_steps: int = 0  # the schedule's length (may adapt to a time budget)
     history: list[dict] = field(default_factory=list)
@@ -94,13 +103,7 @@ def ttt_loss(
     if loss.kind == "soft":
         # CE(p, q) = logsumexp(z) − Σ_x p(x) z(x) with z = W x: the second term is x · (Wᵀp), so Wᵀp is
         # formed once per position ([B, T, H]) instead of gathering p [B, M, Vd] at every step.
-        with torch.no_grad():
-            tl = draft_logits(batch.final, rows).float()  # [B, T, Vd]
-            p_arg = tl.argmax(-1)  # [B, T]
-            p = torch.softmax(tl, dim=-1).to(w.dtype)
-            del tl
-        ep = torch.matmul(p, w)  # [B, T, H]; gradient reaches lm_head through it
-        del p
+        ep, p_arg = soft_targets(batch.final, rows, w)  # [B, T, H] (gradient reaches lm_head), [B, T]
     else:
         dev = batch.input_ids.device
         to_draft = torch.full((draft.cfg.vocab_size,), -1, dtype=torch.long, device=dev)
@@ -114,13 +117,13 @@ def ttt_loss(
         inside = nxt <= t - 1
         nxt_c = nxt.clamp(max=t - 1)
         mask = batch.starts_valid & inside & torch.gather(batch.loss_mask, 1, nxt_c)
-        z = draft.lm_head(xs[j])  # [B, M, Vd]
+        # the [B, M, Vd] logits z = lm_head(xs[j]) exist one row block at a time (losses.soft_ce_head)
         if loss.kind == "soft":
             pos = (batch.starts + 1 + j).clamp(max=t - 1)
             e = torch.gather(ep, 1, pos.unsqueeze(-1).expand(*pos.shape, ep.shape[-1]))  # [B, M, H]
-            ce, agree, n = soft_ce_step(z, (xs[j] * e).sum(-1), torch.gather(p_arg, 1, pos), mask)
+            ce, agree, n = soft_ce_head(draft.lm_head, xs[j], e, torch.gather(p_arg, 1, pos), mask)
         else:
-            ce, agree, n = hard_ce_step(z, torch.gather(tgt_ids, 1, nxt_c), mask)
+            ce, agree, n = hard_ce_head(draft.lm_head, xs[j], torch.gather(tgt_ids, 1, nxt_c), mask)
         total = total + weights[j] * ce / n.clamp(min=1)
         sums[0, j], sums[1, j], sums[2, j] = ce.detach(), agree, n
     return total, StepStats(loss=sums[0], correct=sums[1], count=sums[2])
@@ -153,7 +156,12 @@ class DraftTrainer:
         rows: torch.Tensor,
         optim: OptimSettings,
         loss: LossSettings,
+        max_seq_tokens: int = MAX_SEQ_TOKENS,
     ) -> None:
+        if max_seq_tokens < 2:
+            raise ValueError(f"max_seq_tokens must be ≥ 2, got {max_seq_tokens}")
+        # rows longer than this are cut to it before the step (counted in progress): bounds one step's memory
+        self.max_seq_tokens = int(max_seq_tokens)
         self.draft = draft
         self.embed = embed.requires_grad_(False)
         self.rows = rows.detach()
@@ -203,7 +211,7 @@ class DraftTrainer:
         """One step.  Raises NonFiniteLossError (after zeroing grads, applying nothing) on NaN/Inf."""
         self.draft.train()
         dev = self.rows.device
-        batch = batch.to(dev)
+        batch = self._cap(batch.to(dev))
         ctx = torch.autocast(dev.type, dtype=torch.bfloat16) if self.loss_settings.autocast_bf16 else nullcontext()
         with ctx:
             loss, stats = self.loss(batch) if self.parallel is None else self.parallel.loss(batch)
@@ -236,6 +244,17 @@ class DraftTrainer:
             out[f"acc_{j}"] = float(stats.correct[j] / n[j])
         return out
 
+    def _cap(self, batch: Batch) -> Batch:
+        """The batch cut to ``max_seq_tokens`` positions (losses.truncate_batch), counted in progress."""
+        batch, rows_cut, targets = truncate_batch(batch, self.max_seq_tokens, self.loss_settings.ttt_steps)
+        if rows_cut:
+            if not self.progress.truncated_sequences:
+                log.warning("sequences longer than max_seq_tokens=%d are cut to it for training (%d targets "
+                            "dropped in this batch; counted in progress.truncated_*)", self.max_seq_tokens, targets)
+            self.progress.truncated_sequences += rows_cut
+            self.progress.truncated_targets += targets
+        return batch
+
     # ------------------------------------------------------------------ checkpoint (no pickle)
     def save(self, path: Path, state: tuple[dict[str, torch.Tensor], dict] | None = None) -> None:
         """Write draft weights, optimizer moments and progress to ``path`` atomically (temp + rename).
@@ -249,12 +268,35 @@ class DraftTrainer:
         """
         import shutil
 
-        from safetensors.torch import save_file
 
         path = Path(path)
         _discard_leftovers(path, "tmp")
         tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
         tmp.mkdir(parents=True)
+        try:
+            self._write_checkpoint(tmp, state)
+        except BaseException:  # e.g. a full disk (ENOSPC): no temp folder stays behind
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        if not checkpoint_exists(path):
+            if path.exists():  # an unusable leftover (no progress file): replace it
+                shutil.rmtree(path)
+            os.replace(tmp, path)
+            return
+        old = path.with_name(f".old-{path.name}-{os.getpid()}")
+        os.replace(path, old)
+        try:
+            os.replace(tmp, path)
+        except BaseException:
+            os.replace(old, path)  # put the previous checkpoint back before giving up
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        shutil.rmtree(old)
+
+    def _write_checkpoint(self, tmp: Path, state: tuple[dict[str, torch.Tensor], dict] | None) -> None:
+        """The checkpoint's files, fsynced, into the folder ``tmp``."""
+        from safetensors.torch import save_file
+
         draft_sd, opt = state if state is not None else (self.draft.state_dict(), self.optimizer.state_dict())
         tensors = {f"draft.{k}": v.detach().contiguous() for k, v in draft_sd.items()}
         for idx, st in opt["state"].items():
@@ -271,20 +313,6 @@ class DraftTrainer:
         for f in tmp.iterdir():
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
-        if not checkpoint_exists(path):
-            if path.exists():  # an unusable leftover (no progress file): replace it
-                shutil.rmtree(path)
-            os.replace(tmp, path)
-            return
-        old = path.with_name(f".old-{path.name}-{os.getpid()}")
-        os.replace(path, old)
-        try:
-            os.replace(tmp, path)
-        except BaseException:
-            os.replace(old, path)  # put the previous checkpoint back before giving up
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        shutil.rmtree(old)
 
     def load(self, path: Path) -> None:
         """Restore a checkpoint written by :meth:`save` (weights, optimizer, schedule, progress, RNG).

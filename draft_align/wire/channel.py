@@ -59,6 +59,7 @@ __all__ = [
 _MESSAGE_OVERHEAD = 1024  # estimated header + MAC bytes, for the send queue's byte budget
 DEFAULT_BUFFER_BYTES = 1 << 30  # a receiver's queue per connection: RCVHWM = this // max_bytes messages
 DRAIN_MAX_MESSAGES = 1024  # messages (valid or not) one drain consumes at most
+_REFILL_GRACE_MS = 20  # after a rejection, how long a drain waits for the queue to refill before calling it empty
 _ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # where libzmq asks a context's ZAP handler (RFC 27)
 _ZAP_USER = b"draft_align"
 _ZAP_DOMAIN = "draft_align.wire"
@@ -407,7 +408,10 @@ class _Inbox:
         self._count_auth_failures()
         if not self._sock.poll(timeout_ms, zmq.POLLIN):
             return False, None
-        frames = self._sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+        try:
+            frames = self._sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:  # readable, then gone: a peer that died mid-message has its partial one rolled back
+            return False, None
         self.counts["bytes_received"] += sum(len(f) for f in frames)
         try:
             msg, origin = decode_with_origin(frames, self._key, max_bytes=self._max_bytes,
@@ -445,15 +449,18 @@ class _Inbox:
         t0 = time.monotonic()
         first_by = t0 + timeout_ms / 1000
         end = max(t0 + budget_s, first_by)
-        yielded = False
+        yielded = rejected = False
         for i in range(max_messages):
             now = time.monotonic()
             if i and now >= end:
                 return
             wait = 0 if yielded else max(0, int((first_by - now) * 1000))
+            if rejected:  # the queue is only RCVHWM deep and refills from the peer as it is read
+                wait = max(wait, _REFILL_GRACE_MS)
             got, msg = self.take(wait, expect)
             if not got:
                 return
+            rejected = msg is None
             if msg is not None:
                 yielded = True
                 yield msg

@@ -47,7 +47,8 @@ def test_page_has_a_gauge_per_number_and_the_rejection_counter(prom):
     got = parse_metrics(page)
     want = {f"draft_align_{k}": float(v) for k, v in row(reward_mean=0.5).to_dict().items()
             if isinstance(v, (int, float)) and k != "time"}
-    assert got == {**want, 'draft_align_wire_rejected_total{reason="mac"}': 3.0}
+    assert got == {**want, 'draft_align_wire_rejected_total{reason="mac"}': 3.0,
+                   "draft_align_prom_dropped_names_total": 0.0}
     assert "draft_align_time" not in got and "draft_align_ok" not in got and "draft_align_note" not in got
     # a field that is None later keeps its gauge; counters follow the receiver's totals
     prom.observe(replace(STATS, ingest_tokens_per_s=None, train_steps=5, rejected={"mac": 4, "frames": 1}))
@@ -75,10 +76,62 @@ def test_http_content_type(prom):
         assert parse_metrics(r.read().decode())["draft_align_published_versions"] == 1.0
 
 
-@pytest.mark.parametrize("key", ["a-b", "a b", "a{b}", "é"])
-def test_invalid_metric_names_rejected(prom, key):
-    with pytest.raises(ValueError, match="invalid Prometheus metric name"):
-        prom.observe(row(**{key: 1.0}))
+@pytest.mark.parametrize(("key", "name"), [("reward/mean", "draft_align_reward_mean"),
+                                            ("kl-to-initial", "draft_align_kl_to_initial"),
+                                            ("accept len", "draft_align_accept_len"), ("a{b}", "draft_align_a_b_"),
+                                            ("é", "draft_align__"), ("9lives", "draft_align_9lives")])
+def test_any_key_becomes_a_valid_metric_name(prom, key, name):
+    prom.observe(row(**{key: 1.5}))
+    got = scrape(prom.url)  # the page parses: every name is valid in the text format
+    assert got[name] == 1.5
+
+
+def test_distinct_names_are_bounded_and_the_dropped_ones_counted():
+    p = PromSink(max_gauges=30)
+    try:
+        base = len([k for k, v in row().to_dict().items() if isinstance(v, (int, float)) and k != "time"])
+        p.observe(row(**{f"m{i}": float(i) for i in range(100)}))
+        got = parse_metrics(_page(p))
+        gauges = [k for k in got if not k.endswith("_total") and "_total{" not in k]
+        assert len(gauges) == 30
+        assert got["draft_align_prom_dropped_names_total"] == base + 100 - 30
+        # names already exported keep updating; new ones stay out
+        p.observe(row(m0=7.0, fresh=1.0))
+        got = parse_metrics(_page(p))
+        assert "draft_align_fresh" not in got
+        assert got.get("draft_align_m0", 7.0) == 7.0
+    finally:
+        p.close()
+
+
+def test_idle_connections_time_out_and_are_bounded():
+    import socket
+    import time
+
+    p = PromSink(timeout_s=0.5, max_connections=4)
+    try:
+        before = threading.active_count()
+        idle = [socket.create_connection(("127.0.0.1", p.port)) for _ in range(40)]
+        time.sleep(0.2)
+        assert threading.active_count() - before <= 4  # at most max_connections handler threads
+        # a scrape is served again once the idle ones timed out
+        time.sleep(1.0)
+        assert "draft_align_prom_dropped_names_total" in scrape(p.url)
+        for s in idle:
+            s.close()
+        time.sleep(0.3)
+        assert threading.active_count() - before <= 1
+    finally:
+        p.close()
+
+
+def test_busy_or_invalid_port_is_a_prom_error(prom):
+    from draft_align.monitor.sinks import PromError
+
+    with pytest.raises(PromError, match=f"127.0.0.1:{prom.port}"):
+        PromSink(port=prom.port)
+    with pytest.raises(PromError, match="70000"):
+        PromSink(port=70000)
 
 
 def test_each_sink_has_its_own_registry():
@@ -148,3 +201,26 @@ def test_sinks_fan_out_rows_and_scalars(tmp_path, prom):
     assert {k for k in metrics[1] if k not in ("step", "time")} == set(r.series())
     assert scrape(prom.url)["draft_align_published_versions"] == 2.0  # the stats after a publish
     sinks.close()
+
+
+def test_jsonl_write_errors_are_counted_not_raised(tmp_path, monkeypatch, caplog):
+    import builtins
+    import errno
+
+    sink = JsonlSink(tmp_path / "m.jsonl")
+    sink.write({"a": 1})
+    real_open = builtins.open
+
+    def full(path, *a, **k):
+        if str(path) == str(sink.path):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_open(path, *a, **k)
+
+    monkeypatch.setattr(builtins, "open", full)
+    with caplog.at_level("ERROR"):
+        sink.write({"a": 2})
+        sink.log({"b": 1}, step=3)
+    monkeypatch.undo()
+    assert sink.failed == 2 and "No space left" in caplog.text
+    sink.write({"a": 3})
+    assert [json.loads(x)["a"] for x in sink.path.read_text().splitlines()] == [1, 3]

@@ -290,3 +290,16 @@ def test_expected_shapes_are_the_engine_state_dict(e3):
     d = e3.make_draft(e3.CUSTOM_IDS)
     assert expected_shapes(d.cfg) == {k: tuple(v.shape) for k, v in d.engine_state_dict().items()}
 
+
+
+def test_load_refuses_an_unusable_eagle3_config(e3, tmp_path):
+    out = e3.export(e3.make_draft(), tmp_path / "v0001")
+    man = json.loads((out / "manifest.json").read_text())
+    man["eagle3_config"]["bogus_field"] = 1
+    (out / "manifest.json").write_text(json.dumps(man))
+    with pytest.raises(ExportError, match=r"manifest\.json: eagle3_config unusable: .*bogus_field"):
+        load_draft(out)
+    del man["eagle3_config"]
+    (out / "manifest.json").write_text(json.dumps(man))
+    with pytest.raises(ExportError, match=r"manifest\.json: eagle3_config unusable: 'eagle3_config'$"):
+        load_draft(out)

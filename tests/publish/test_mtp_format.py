@@ -197,6 +197,33 @@ def test_load_refuses_a_tampered_or_mismatched_folder(target, tmp_path):
     assert not (tmp_path / "v2").exists()
 
 
+def test_load_refuses_an_unusable_config_or_unreadable_weights(target, tmp_path):
+    """The loaders' shared readers (folder.read_head_config / read_weights) name the file that is wrong."""
+    import json
+
+    from draft_align.publish.folder import CorruptCheckpointError
+
+    d = make_head(target, "deepseek_v3")
+    out = export_draft(d, tmp_path / "v1", target_config=target.config, target_name="tiny", metrics={},
+                       draft_version=1, policy_version=0, tokenizer_fingerprint="fp")
+    weights = out / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CorruptCheckpointError, match=r"^model\.safetensors: unreadable .*truncated or corrupt$"):
+        load_draft(out, verify=False)
+    weights.write_bytes(data)
+    man = json.loads((out / "manifest.json").read_text())
+    del man["mtp_config"]
+    (out / "manifest.json").write_text(json.dumps(man))
+    with pytest.raises(ExportError, match=r"manifest\.json: mtp_config unusable: 'mtp_config'$") as err:
+        load_draft(out)
+    assert not isinstance(err.value, CorruptCheckpointError)
+    man["mtp_config"] = ["not", "a", "mapping"]
+    (out / "manifest.json").write_text(json.dumps(man))
+    with pytest.raises(ExportError, match=r"mtp_config unusable"):
+        load_draft(out)
+
+
 def test_generic_export_dispatches_to_mtp(target, tmp_path):
     d = make_head(target)
     out = export_draft(d, tmp_path / "drafts" / "v0001", target_config=target.config, target_name="t",

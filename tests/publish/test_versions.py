@@ -137,3 +137,79 @@ def test_publish_version_delta_for_another_base(e3, tmp_path, lora_over_base, ca
     assert pub.version == 2 and pub.delta_path is None and read_latest(run) == pub.path
     assert "adapter delta v0002 not published" in caplog.text
     assert not adapter_dir(run, 2).exists()
+
+
+# ----------------------------------------------------------------------------- hostile folders, full disks
+def test_latest_that_is_not_text_or_a_directory_is_a_one_line_export_error(e3, tmp_path):
+    run = tmp_path / "run"
+    publish(e3, run, e3.make_draft())
+    (run / "latest").write_bytes(b"drafts/v\xff\xfe0001\n")
+    with pytest.raises(ExportError, match="not UTF-8"):
+        read_latest(run)
+    with pytest.raises(ExportError, match="not UTF-8"):
+        resolve_draft_dir(run)
+    (run / "latest").write_bytes(b"drafts/v0001\x00\n")
+    with pytest.raises(ExportError, match="relative"):
+        read_latest(run)
+    (run / "latest").unlink()
+    (run / "latest").mkdir()
+    with pytest.raises(ExportError, match="is a directory"):
+        read_latest(run)
+
+
+def test_the_version_is_the_folders_name_not_the_manifests(e3, tmp_path):
+    import json
+
+    from draft_align.publish.versions import check_folder_version, folder_version
+
+    run = tmp_path / "run"
+    p1 = publish(e3, run, e3.make_draft())
+    assert folder_version(p1.path) == 1 and folder_version(tmp_path) is None
+    assert check_folder_version(p1.path, read_manifest(p1.path)) == 1
+    forged = dict(read_manifest(p1.path), draft_version=999)
+    with pytest.raises(ExportError, match="draft_version 999, the folder is version 1"):
+        check_folder_version(p1.path, forged)
+    with pytest.raises(ExportError, match="draft_version '1'"):
+        check_folder_version(p1.path, dict(forged, draft_version="1"))
+    assert check_folder_version(tmp_path, forged) is None  # a starting draft outside drafts/
+    (p1.path / "manifest.json").write_text(json.dumps(forged))
+    assert next_version(run) == 2  # the folder names count, not what a manifest claims
+
+
+def test_prune_keeps_the_newest_and_latest(e3, tmp_path):
+    from draft_align.publish.versions import prune_versions, published_versions
+
+    run = tmp_path / "run"
+    for seed in range(5):
+        publish(e3, run, e3.make_draft(seed=seed))
+    write_latest(run, version_dir(run, 2))  # e.g. the engine rolled back
+    assert prune_versions(run, keep=2) == [3, 1]
+    assert [p.name for p in published_versions(run)] == ["v0005", "v0004", "v0002"]
+    assert read_latest(run) == version_dir(run, 2)
+    assert prune_versions(run, keep=1, protect=(version_dir(run, 4),)) == []
+    assert [p.name for p in (run / "drafts").iterdir() if p.name.startswith(".")] == []
+    with pytest.raises(ValueError, match="keep"):
+        prune_versions(run, keep=0)
+
+
+def test_disk_full_at_publish_leaves_no_folder_and_latest_unchanged(e3, tmp_path, monkeypatch):
+    import errno
+    import os
+
+    from draft_align.publish import versions
+
+    run = tmp_path / "run"
+    p1 = publish(e3, run, e3.make_draft())
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    for where in ("draft_align.publish.folder.safetensors.torch.save_file", "draft_align.publish.versions.write_latest"):
+        with monkeypatch.context() as m:
+            m.setattr(where, full)
+            with pytest.raises(OSError) as e:
+                publish(e3, run, e3.make_draft(seed=1))
+            assert e.value.errno == errno.ENOSPC
+        assert read_latest(run) == p1.path
+        assert sorted(os.listdir(run / "drafts")) == ["v0001"]  # no temp folder, no unannounced version
+    assert versions.next_version(run) == 2

@@ -174,3 +174,46 @@ def test_draft_published_over_the_wire_is_picked_up(tmp_path, frozen_dir, kit, t
             took = w.poll()
         assert took and w.notified == 1 and w.adapted_version.path == v1 and w.failures == 0
         assert w.poll() is False  # repeats of the same version are not newer
+
+
+# --------------------------------------------------------------------------------------- hostile folders
+def test_a_manifest_claiming_a_later_version_is_refused(tmp_path, frozen_dir, kit, target_config, caplog):
+    import json
+
+    run = tmp_path / "run"
+    w = DraftSource(run, frozen_dir)
+    forged = kit.publish(kit.make(target_config, seed=11), run, target_config, 1, 1)
+    man = json.loads((forged / "manifest.json").read_text())
+    (forged / "manifest.json").write_text(json.dumps({**man, "draft_version": 999}))
+    with caplog.at_level(logging.WARNING, logger="draft_align.rl.drafts"):
+        assert w.poll() is False
+    assert "draft_version 999, the folder is version 1" in caplog.text and w.failures == 1
+    # a notification naming the forged folder is refused too
+    notes = ListNotifications()
+    w2 = DraftSource(run, frozen_dir, notifications=notes)
+    notes.queue.append(announce(forged, 999))
+    assert w2.poll() is False and w2.adapted_version is None
+    # the genuine later version is taken
+    d2 = kit.make(target_config, seed=12)
+    kit.publish(d2, run, target_config, 2, 2)
+    assert w.poll() is True and w.current_version == 2 and same_weights(w.adapted, d2)
+    # a notification whose version is not the folder's
+    notes.queue.append(announce(version_dir(run, 2), 7))
+    assert w2.poll() is False and w2.current_version == 0
+
+
+@pytest.mark.parametrize("latest", [b"drafts/v\xff0001\n", "dir"])
+def test_unreadable_latest_never_raises_out_of_poll(tmp_path, frozen_dir, kit, target_config, latest, caplog):
+    run = tmp_path / "run"
+    w = DraftSource(run, frozen_dir)
+    kit.publish(kit.make(target_config, seed=11), run, target_config, 1, 1)
+    assert w.poll() is True
+    (run / "latest").unlink()
+    if latest == "dir":
+        (run / "latest").mkdir()
+    else:
+        (run / "latest").write_bytes(latest)
+    with caplog.at_level(logging.WARNING, logger="draft_align.rl.drafts"):
+        assert w.poll() is False
+    assert ("is a directory" if latest == "dir" else "not UTF-8") in caplog.text
+    assert w.failures == 1 and w.current_version == 1

@@ -256,11 +256,11 @@ class RefusingEngine:
         self.offered.append((policy_version, adapted))
         return {"engine_refused": 1.0}
 
-    def rollouts(self, plan, prompts, **kw):
+    def rollouts(self, plan, prompts, decoding):
         drafts = self.inner.drafts
         kept, drafts.adapted = drafts.adapted, drafts.frozen
         try:
-            return self.inner.rollouts(plan, prompts, **kw)
+            return self.inner.rollouts(plan, prompts, decoding)
         finally:
             drafts.adapted = kept
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from draft_align.engines.rollout_types import DRAFT_KINDS
+from draft_align.engines.rollout_types import DRAFT_KINDS, Decoding
 from draft_align.monitor.acceptance import AcceptanceTally
 from draft_align.rl.drafts import DraftSource
 from draft_align.rl.rollouts import SEED_BITS, ReferenceRollouts, RolloutEngine, plan_rollouts
@@ -60,8 +60,8 @@ def test_reference_rollouts_follow_the_plan(reference, kit, target_config):
     prompts = [torch.tensor([1, 40, 41, 42]), torch.tensor([1, 50, 51]), torch.tensor([1, 60])]
     plan = plan_rollouts(seed=0, step=0, num_prompts=3, prompts_per_step=2, group_size=2, frozen_fraction=0.5)
     assert engine.prepare(model, 0, None) == {} and engine.adapted is None
-    out, tallies = engine.rollouts(plan, prompts, temperature=1.0, max_tokens=6, eos_ids=EOS)
-    again, _ = engine.rollouts(plan, prompts, temperature=1.0, max_tokens=6, eos_ids=EOS)
+    out, tallies = engine.rollouts(plan, prompts, Decoding(1.0, 6, EOS))
+    again, _ = engine.rollouts(plan, prompts, Decoding(1.0, 6, EOS))
     assert [r.response.tolist() for r in out] == [r.response.tolist() for r in again]  # seeded per rollout
     assert [(r.prompt_index, r.draft) for r in out] == [(p.prompt_index, p.draft) for p in plan.rollouts]
     for r in out:

@@ -94,9 +94,51 @@ def test_head_sync_checks():
     nan.rows[0, 0] = float("nan")
     assert not ing.accept_head(nan) and ing.state.nonfinite_heads == 1 and not ing.has_head
     assert ing.accept_head(head) and ing.state.head_policy_version == 3
-    late = HeadSync.make_dummy(hidden_size=H, vocab_size=V, policy_version=2)
-    assert not ing.accept_head(late) and ing.state.head_policy_version == 3  # an older head arriving late
     assert ing.norm is not None and ing.norm[1] == head.norm_eps
+
+
+def test_out_of_range_heads_are_rejected_with_a_reason(caplog):
+    ing = _ingest()
+    for name, value in (("rows", 3e38), ("norm_weight", -2e4)):
+        bad = HeadSync.make_dummy(hidden_size=H, vocab_size=V)
+        getattr(bad, name)[0] = value
+        with caplog.at_level("WARNING"):
+            assert not ing.accept_head(bad)
+        assert f"{name} magnitude" in caplog.text and not ing.has_head
+    assert ing.state.nonfinite_heads == 2
+    assert ing.accept_head(HeadSync.make_dummy(hidden_size=H, vocab_size=V))
+
+
+def test_a_version_regression_is_an_rl_restart_not_a_lock_out(caplog):
+    ing = _ingest()
+    huge = HeadSync.make_dummy(hidden_size=H, vocab_size=V, policy_version=10**12)
+    assert ing.accept_head(huge) and ing.state.head_policy_version == 10**12
+    ing.on_batch(_batch([_seq(6, 2, 0)], step=5, version=10**12))
+    restarted = HeadSync.make_dummy(hidden_size=H, vocab_size=V, policy_version=0)
+    with caplog.at_level("WARNING"):
+        assert ing.accept_head(restarted)  # not ignored: the RL job restarted from version 0
+    assert "the RL job restarted" in caplog.text and ing.state.rl_restarts == 1
+    assert ing.state.head_policy_version == 10**12 + 1 and not ing.fresh  # held records went to the buffer
+    # the restarted job's versions keep increasing on the sidecar's side
+    ing.on_batch(_batch([_seq(6, 2, 1)], step=0, version=1, batch_id=1))
+    assert ing.step_records(0)[0][0].policy_version == 10**12 + 2 == ing.state.newest_policy_version
+    assert ing.accept_head(HeadSync.make_dummy(hidden_size=H, vocab_size=V, policy_version=1))
+    assert ing.state.head_policy_version == 10**12 + 2 and ing.state.rl_restarts == 1
+
+
+def test_records_of_steps_without_a_report_are_bounded_and_counted():
+    head = HeadSync.make_dummy(hidden_size=H, vocab_size=V)
+    ing = Ingest(ReplayBuffer(10_000, 2.0, 0, 0), SidecarState(), Rates(), aux_ids=AUX, hidden=H, vocab=V,
+                 draft_to_target=head.draft_to_target, max_held_tokens=50)
+    # steps arriving in decreasing order are never flushed by a later step: only the bound frees them
+    for i in range(30):
+        ing.on_batch(_batch([_seq(10, 2, i)], step=1000 - i, batch_id=i))
+        assert ing.held_tokens <= 50
+    assert ing.held_tokens == sum(tr.num_tokens for recs in ing.fresh.values() for tr, _ in recs) == 50
+    assert ing.state.held_dropped_records == 25 and ing.state.held_dropped_tokens == 250
+    assert sorted(ing.fresh) == list(range(971, 976))  # the five held last
+    ing.flush()
+    assert ing.held_tokens == 0 and len(ing.buffer) == 5
 
 
 def test_stage_parts_are_joined_and_end_run_flushes():

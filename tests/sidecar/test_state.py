@@ -33,6 +33,29 @@ def test_rates_and_stats():
         "sidecar_train_steps": 7, "sidecar_trained_tokens": 70, "sidecar_train_tokens_per_s": 25.0,
         "sidecar_ingest_tokens_per_s": 60.0, "sidecar_ingested_tokens": 90, "wire_rejected": 3,
         "wire_nonfinite": 1, "wire_mismatched": 2, "nonfinite_steps": 3, "nonfinite_heads": 4,
-        "published_versions": 2, "gate_rejections": 5, "sidecar_restarts": 6,
+        "published_versions": 2, "gate_rejections": 5, "sidecar_restarts": 6, "nonfinite_alarms": 0,
+        "held_dropped": 0, "rl_restarts": 0, "publish_failures": 0,
     }
     assert stats.rejected == {"mac": 2, "frames": 1}
+
+
+def test_unknown_fields_are_ignored_and_bad_files_are_state_errors(tmp_path, caplog):
+    import pytest
+
+    from draft_align.sidecar.state import StateError
+
+    path = tmp_path / "state.json"
+    path.write_text(json.dumps({"train_steps": 4, "from_the_future": 1, "lora_base_dir": "/b"}))
+    with caplog.at_level("WARNING"):
+        s = SidecarState.load(path)
+    assert s.train_steps == 4 and s.lora_base_dir == "/b" and s.published_version == 0
+    assert "from_the_future" in caplog.text
+    for text, match in [("{not json", "unreadable"), ("[1, 2]", "expected a JSON object"),
+                        ('{"train_steps": "4"}', "train_steps"), ('{"train_steps": true}', "train_steps"),
+                        (b"\xff\xfe", "unreadable")]:
+        if isinstance(text, bytes):
+            path.write_bytes(text)
+        else:
+            path.write_text(text)
+        with pytest.raises(StateError, match=match):
+            SidecarState.load(path)

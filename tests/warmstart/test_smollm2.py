@@ -71,7 +71,7 @@ def test_smollm2_demo_recipe_short(tmp_path, monkeypatch):
     losses = [json.loads(line)["loss"] for line in (recipe.run_dir / "metrics.jsonl").read_text().splitlines()
               if '"lr"' in line]
     assert all(math.isfinite(x) for x in losses)
-    assert sum(losses[-5:]) < sum(losses[:5]), losses  # it learned on its own data
+    assert len(losses) >= 2 and losses[-1] < losses[0], losses  # it learned on its own data
 
     out = read_latest(recipe.run_dir)
     assert out == Path(summary["draft"])

@@ -32,7 +32,14 @@ import torch
 from torch import nn
 
 from draft_align.conventions import float_dtype
-from draft_align.engines.rollout_types import DRAFT_KINDS, DraftKind, DraftVersion, Rollout, RolloutPlan
+from draft_align.engines.rollout_types import (
+    DRAFT_KINDS,
+    Decoding,
+    DraftKind,
+    DraftVersion,
+    Rollout,
+    RolloutPlan,
+)
 from draft_align.engines.vllm.counters import SpecCounters
 from draft_align.engines.vllm.refresher import DraftRefresher, ProbeGuard
 from draft_align.engines.vllm.start import EngineError, collective_rpc, import_vllm, start_engine
@@ -205,13 +212,7 @@ class VLLMRollouts:
         return {"engine_vllm": 1.0, "policy_sync_s": sync_s, "draft_offer_s": time.perf_counter() - t0}
 
     def rollouts(
-        self,
-        plan: RolloutPlan,
-        prompts: Sequence[torch.Tensor],
-        *,
-        temperature: float,
-        max_tokens: int,
-        eos_ids: frozenset[int],
+        self, plan: RolloutPlan, prompts: Sequence[torch.Tensor], decoding: Decoding
     ) -> tuple[list[Rollout], dict[DraftKind, AcceptanceTally]]:
         """All rollouts of ``plan``: one batched generate per draft, the serving draft's first; each draft's
         acceptance is the counter difference around its generate."""
@@ -226,7 +227,7 @@ class VLLMRollouts:
             self.use(kind)
             outs, counts = self.generate(
                 [prompts[p.prompt_index] for p, _ in mine], [seed for _, seed in mine],
-                temperature=temperature, max_tokens=max_tokens, stop_ids=sorted(eos_ids),
+                temperature=decoding.temperature, max_tokens=decoding.max_tokens, stop_ids=sorted(decoding.eos_ids),
             )  # fmt: skip
             tallies[kind] = counts.as_tally(self.k)
             results.update({p.index: o for (p, _), o in zip(mine, outs, strict=True)})

@@ -1,0 +1,217 @@
+"""Our folders through vLLM's own draft model classes, built on CPU without an engine, fed through their
+``load_weights``: EAGLE-3 (either dialect) → ``llama_eagle3.Eagle3LlamaForCausalLM`` with the draft's
+config parsed by vLLM's own ``ModelConfig`` (the speculators dialect through vLLM's speculators reader);
+MTP → ``deepseek_mtp.DeepSeekMTP`` / ``qwen3_next_mtp.Qwen3NextMTP``.
+
+The class is built inside a one-process gloo group and ``set_current_vllm_config``; the target is a tiny
+config shaped like the draft's target (EAGLE-3: a Llama with the manifest's layers / vocab / hidden; MTP: the
+*real* architecture with our head's shapes, the smallest block vLLM builds).  Each tensor of ``model.safetensors`` is offered to
+``load_weights`` on its own, so the report says, per tensor, whether it landed in a parameter, was
+dropped without a word, or was refused with an error; and which of vLLM's parameters nothing wrote.
+vLLM is imported lazily here only (docs/engines.md, "Which client read which format").
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import safetensors.torch
+import torch
+
+from draft_align.publish.folder import CONFIG_FILE, MANIFEST_FILE, WEIGHTS_FILE
+
+# llama_eagle3.py load_weights: `if "t2d" in name: continue` (vLLM maps with d2t only)
+_SKIPPED_BY_DESIGN = {"eagle3": ("t2d",)}
+_SENTINEL = 7.75  # exactly representable; no random weight equals it
+VLLM_CLASSES = {"eagle3": "Eagle3LlamaForCausalLM", "deepseek_v3": "DeepSeekMTP", "qwen3_next": "Qwen3NextMTP"}
+
+
+@dataclass
+class LoadReport:
+    """What vLLM's ``load_weights`` did with each tensor of one folder."""
+
+    layout: str  # eagle3 / deepseek_v3 / qwen3_next
+    vllm_class: str
+    aux_ids: list[int] | None = None  # EAGLE-3: the HF indices vLLM will capture (None: its default)
+    landed: dict[str, list[str]] = field(default_factory=dict)  # our tensor → vLLM parameter(s) it wrote
+    dropped: list[str] = field(default_factory=list)  # accepted without error, wrote nothing
+    skipped: list[str] = field(default_factory=list)  # dropped on purpose by the loader (EAGLE-3: t2d)
+    refused: dict[str, str] = field(default_factory=dict)  # our tensor → the loader's error
+    unloaded: list[str] = field(default_factory=list)  # vLLM parameters no tensor wrote (embed_tokens excluded)
+
+    @property
+    def ok(self) -> bool:
+        return not (self.dropped or self.refused or self.unloaded)
+
+    def problems(self) -> list[str]:
+        out = [f"{n}: dropped silently by {self.vllm_class}.load_weights" for n in self.dropped]
+        out += [f"{n}: refused by {self.vllm_class}.load_weights ({e})" for n, e in self.refused.items()]
+        out += [f"vLLM parameter {p} is never written (keeps its initial values)" for p in self.unloaded]
+        return out
+
+
+def _target_config(layout: str, cfg: Mapping[str, Any]) -> Any:
+    """A tiny HF config of the real architecture with our head's shapes (dense MLP, no experts)."""
+    n, depth = int(cfg["num_hidden_layers"]), int(cfg.get("num_nextn_predict_layers", 1))
+    common = dict(
+        vocab_size=int(cfg["vocab_size"]), hidden_size=int(cfg["hidden_size"]),
+        intermediate_size=int(cfg["intermediate_size"]), num_hidden_layers=n,
+        num_attention_heads=int(cfg["num_attention_heads"]), num_key_value_heads=int(cfg["num_key_value_heads"]),
+        max_position_embeddings=int(cfg["max_position_embeddings"]), rms_norm_eps=float(cfg["rms_norm_eps"]),
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    if layout == "deepseek_v3":
+        from transformers import DeepseekV3Config
+
+        # qk_nope/qk_rope 0 → vLLM's plain multi-head DeepseekAttention (the closest to our Llama block);
+        # first_k_dense_replace past every MTP layer → a dense MLP there.
+        c = DeepseekV3Config(
+            **common, num_nextn_predict_layers=depth, first_k_dense_replace=n + depth, n_routed_experts=1, n_shared_experts=0, num_experts_per_tok=1,
+            q_lora_rank=None, kv_lora_rank=0, qk_nope_head_dim=0, qk_rope_head_dim=0, v_head_dim=0,
+            head_dim=int(cfg["head_dim"]), n_group=1, topk_group=1,
+        )  # fmt: skip
+        c.architectures = ["DeepseekV3ForCausalLM"]
+        return c
+    from transformers import Qwen3NextConfig
+
+    # Qwen3NextMTP.__init__ raises "No Qwen3Next layer found" unless its block is a sparse-MoE one
+    # (set_moe_parameters): the smallest such block, two experts, one shared expert.
+    inter = int(cfg["intermediate_size"])
+    c = Qwen3NextConfig(
+        **common, num_experts=2, num_experts_per_tok=1, moe_intermediate_size=inter,
+        shared_expert_intermediate_size=inter, decoder_sparse_step=1, mlp_only_layers=[],
+        head_dim=int(cfg["head_dim"]), num_nextn_predict_layers=depth, mtp_num_hidden_layers=depth,
+    )  # fmt: skip
+    c.architectures = ["Qwen3NextForCausalLM"]
+    return c
+
+
+def _build(layout: str, hf_config: Any, workdir: Path, draft_dir: Path | None = None) -> Any:
+    """vLLM's draft model on CPU, outside any engine (a one-process gloo group); ``hf_config`` is the
+    target's, ``draft_dir`` the EAGLE-3 folder (MTP drafts are configured by the target's config)."""
+    import types
+
+    from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
+    from vllm.distributed import parallel_state as ps
+
+    hf_config.save_pretrained(workdir)
+    with set_current_vllm_config(VllmConfig()):
+        if not ps.model_parallel_is_initialized():
+            ps.init_distributed_environment(
+                world_size=1, rank=0, local_rank=0, backend="gloo",
+                distributed_init_method=f"file://{workdir / 'dist-init'}",
+            )  # fmt: skip
+            ps.initialize_model_parallel(1, 1)
+    mc = ModelConfig(model=str(workdir), skip_tokenizer_init=True, dtype="float32")
+    vc = VllmConfig(model_config=mc)
+    dm = mc if draft_dir is None else ModelConfig(model=str(draft_dir), skip_tokenizer_init=True, dtype="float32")
+    # the draft classes read the draft's config from the speculative config (MTP: the target's folder)
+    vc.speculative_config = types.SimpleNamespace(
+        draft_model_config=dm, enable_adaptive_verification=False, method="eagle3" if draft_dir else "mtp",
+        num_speculative_tokens=1, draft_parallel_config=vc.parallel_config, parallel_drafting=False,
+    )
+    with set_current_vllm_config(vc), torch.device("cpu"):
+        if layout == "eagle3":
+            from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
+
+            return Eagle3LlamaForCausalLM(vllm_config=vc), vc
+        if layout == "deepseek_v3":
+            from vllm.model_executor.models.deepseek_mtp import DeepSeekMTP
+
+            return DeepSeekMTP(vllm_config=vc), vc
+        from vllm.model_executor.models.qwen3_next_mtp import Qwen3NextMTP
+
+        return Qwen3NextMTP(vllm_config=vc), vc
+
+
+def _eagle3_target_config(folder: Path) -> Any:
+    """A Llama target with the layers / vocab / hidden size the EAGLE-3 draft's manifest records."""
+    from transformers import LlamaConfig
+
+    e3 = json.loads((folder / MANIFEST_FILE).read_text())["eagle3_config"]
+    heads = int(e3["num_attention_heads"])
+    h = int(e3["target_hidden_size"])
+    c = LlamaConfig(
+        vocab_size=int(e3["vocab_size"]), hidden_size=h, intermediate_size=2 * h, num_hidden_layers=int(e3["target_num_layers"]),
+        num_attention_heads=heads, num_key_value_heads=heads, head_dim=h // heads,
+        max_position_embeddings=int(e3["max_position_embeddings"]),
+    )  # fmt: skip
+    c.architectures = ["LlamaForCausalLM"]
+    return c
+
+
+def vllm_load(folder: Path) -> LoadReport:
+    """Offer every tensor of the folder at ``folder`` to vLLM's own draft class; see the module doc."""
+    from vllm.config import set_current_vllm_config
+
+    folder = Path(folder)
+    cfg = json.loads((folder / CONFIG_FILE).read_text())
+    mtp = str(cfg.get("model_type", "")).endswith("_mtp")
+    layout = str(cfg["model_type"]).removesuffix("_mtp") if mtp else "eagle3"
+    tensors = safetensors.torch.load_file(str(folder / WEIGHTS_FILE))
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+        if mtp:
+            model, vc = _build(layout, _target_config(layout, cfg), Path(tmp))
+        else:
+            model, vc = _build(layout, _eagle3_target_config(folder), Path(tmp), draft_dir=folder)
+        rep = LoadReport(layout=layout, vllm_class=VLLM_CLASSES[layout])
+        if not mtp:
+            from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import get_eagle3_aux_layers_from_config
+
+            ids = get_eagle3_aux_layers_from_config(vc.speculative_config)
+            rep.aux_ids = None if ids is None else [int(i) for i in ids]
+        params = dict(model.named_parameters())
+        with torch.no_grad():
+            for v in params.values():  # vLLM allocates with torch.empty: mark every element as unwritten
+                v.fill_(_SENTINEL)
+        written: set[str] = set()
+        with set_current_vllm_config(vc):
+            for name, t in tensors.items():
+                snap = {k: v.detach().clone() for k, v in params.items()}
+                try:
+                    model.load_weights([(name, t)])
+                except Exception as e:  # noqa: BLE001 - any loader error is the finding
+                    rep.refused[name] = f"{type(e).__name__}: {e}"
+                    continue
+                hit = [k for k, v in params.items() if not torch.equal(v.detach(), snap[k])]
+                if hit:
+                    rep.landed[name] = hit
+                    written.update(hit)
+                elif name in _SKIPPED_BY_DESIGN.get(layout, ()):
+                    rep.skipped.append(name)
+                else:
+                    rep.dropped.append(name)
+        # a parameter with any element still at the sentinel was (partly) never written, e.g. the k/v
+        # rows of a fused qkv_proj when only q_proj landed
+        rep.unloaded = sorted(
+            k for k, v in params.items() if "embed_tokens" not in k and "draft_id_to_target_id" != k and bool((v.detach() == _SENTINEL).any())
+        )
+    return rep
+
+
+def vllm_load_isolated(folder: Path, timeout_s: float = 600.0) -> LoadReport:
+    """:func:`vllm_load` in a child interpreter: building the class initialises vLLM's process-wide
+    distributed state, which an engine started later in the same process must not inherit."""
+    import dataclasses
+    import subprocess
+    import sys
+
+    code = (
+        "import dataclasses, json, sys; from draft_align.engines.vllm.load_check import vllm_load; "
+        "print('REPORT ' + json.dumps(dataclasses.asdict(vllm_load(sys.argv[1]))))"
+    )
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", code, str(folder)], capture_output=True, text=True,
+                          timeout=timeout_s, env=env, check=False)  # fmt: skip
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("REPORT ")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"vLLM load failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
+    data = json.loads(lines[-1][len("REPORT ") :])
+    return LoadReport(**{f.name: data[f.name] for f in dataclasses.fields(LoadReport)})

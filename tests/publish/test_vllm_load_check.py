@@ -1,0 +1,79 @@
+"""engines/vllm/load_check.py: our exports offered, tensor by tensor, to vLLM's own draft classes built on CPU
+(Eagle3LlamaForCausalLM for both EAGLE-3 dialects; DeepSeekMTP, Qwen3NextMTP).  Pins what vLLM 0.32 does
+with each tensor: every EAGLE-3 tensor lands; of the MTP exports only the MTP-specific tensors land, our
+Llama-shaped block does not fit either MTP class (docs/engines.md, "Which client read which format")."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from draft_align.heads.mtp import MTPDraft
+from draft_align.publish import export_draft
+
+pytest.importorskip("vllm", reason="vllm not installed (pip install -e '.[vllm]')")
+
+from draft_align.engines.vllm.load_check import vllm_load_isolated  # noqa: E402
+
+N = 4  # target layers
+
+
+def export(tiny_llama, tmp_path, layout):
+    target = tiny_llama(N, 48, 32)
+    d = MTPDraft.attach(target, depth=1, layout=layout)
+    return export_draft(d, tmp_path / layout, target_config=target.config, target_name="tiny", metrics={},
+                        draft_version=1, policy_version=0, tokenizer_fingerprint="fp", dtype=torch.float32)
+
+
+# the kit's default ids (left out of config.json) and explicit ones
+@pytest.mark.parametrize(("dialect", "aux"), [("hf", (2, 4, 5)), ("hf", (1, 2, 3)), ("speculators", (1, 2, 3))])
+def test_eagle3_folder_through_vllm_eagle3_llama(e3, tmp_path, dialect, aux):
+    out = e3.export(e3.make_draft(aux), tmp_path / "v", dialect=dialect, dtype=torch.float32)
+    rep = vllm_load_isolated(out)
+    accounted(rep, out)
+    assert rep.vllm_class == "Eagle3LlamaForCausalLM"
+    assert rep.ok, rep.problems()
+    assert len(rep.landed) == 14 and rep.skipped == ["t2d"]  # vLLM skips t2d by design
+    assert rep.landed["d2t"] == ["draft_id_to_target_id"]
+    assert rep.aux_ids == (None if aux == e3.DEFAULT_IDS else list(aux))  # vLLM id = HF index
+
+
+def accounted(rep, folder):
+    import safetensors.torch
+
+    names = set(safetensors.torch.load_file(str(folder / "model.safetensors")))
+    parts = [set(rep.landed), set(rep.dropped), set(rep.skipped), set(rep.refused)]
+    assert set().union(*parts) == names  # every tensor we wrote has a verdict
+    assert sum(map(len, parts)) == len(names)  # exactly one
+
+
+def test_deepseek_v3_layout_through_vllm_deepseek_mtp(tiny_llama, tmp_path):
+    out = export(tiny_llama, tmp_path, "deepseek_v3")
+    rep = vllm_load_isolated(out)
+    accounted(rep, out)
+    p = f"model.layers.{N}."
+    for name in ("enorm", "hnorm", "eh_proj", "shared_head.norm", "shared_head.head"):
+        assert rep.landed[p + name + ".weight"] == [p + name + ".weight"]
+    assert rep.landed[p + "mlp.gate_proj.weight"] == [p + "mtp_block.mlp.gate_up_proj.weight"]
+    assert rep.landed[p + "self_attn.o_proj.weight"] == [p + "mtp_block.self_attn.o_proj.weight"]
+    # deepseek_mtp.load_weights has no q/k/v → qkv_proj stacking: KeyError, and qkv_proj stays unwritten
+    assert sorted(rep.refused) == [p + f"self_attn.{x}_proj.weight" for x in "kqv"]
+    assert all("KeyError" in e for e in rep.refused.values())
+    assert rep.unloaded == [p + "mtp_block.self_attn.qkv_proj.weight"]
+    assert not rep.dropped and not rep.ok
+
+
+def test_qwen3_next_layout_through_vllm_qwen3_next_mtp(tiny_llama, tmp_path):
+    out = export(tiny_llama, tmp_path, "qwen3_next")
+    rep = vllm_load_isolated(out)
+    accounted(rep, out)
+    for ours, theirs in [("mtp.fc.weight", "model.fc.weight"), ("mtp.norm.weight", "model.norm.weight"),
+                         ("mtp.pre_fc_norm_embedding.weight", "model.pre_fc_norm_embedding.weight"),
+                         ("mtp.pre_fc_norm_hidden.weight", "model.pre_fc_norm_hidden.weight"),
+                         ("lm_head.weight", "lm_head.weight")]:  # fmt: skip
+        assert rep.landed[ours] == [theirs]
+    # its block is sparse-MoE with a gated q_proj (2× rows) and q/k norms: our dense Llama block misses
+    assert {f"mtp.layers.0.mlp.{x}_proj.weight" for x in ("gate", "up", "down")} <= set(rep.refused)
+    assert "mtp.layers.0.self_attn.q_proj.weight" in rep.refused
+    assert {"model.layers.0.self_attn.q_norm.weight", "model.layers.0.self_attn.k_norm.weight"} <= set(rep.unloaded)
+    assert not rep.dropped and not rep.ok
