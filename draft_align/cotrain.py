@@ -234,6 +234,7 @@ def run_cotrain(
     sender = channel.TapSender(
         channel.tap_endpoints(endpoint, recipe.sidecar.ranks), key, queue_messages=recipe.wire.queue_messages,
         queue_bytes=recipe.wire.queue_mb << 20, allow_remote=recipe.wire.allow_remote,
+        max_message_bytes=recipe.wire.max_message_mb << 20,
     )
     notify = None
     if sidecar:  # the sidecar's DraftPublished notifications; the job falls back to `latest` without them
