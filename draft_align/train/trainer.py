@@ -28,6 +28,7 @@ from draft_align.train.losses import (
     step_weights,
     truncate_batch,
 )
+from draft_align.train.precision import resolve_autocast
 from draft_align.train.records import Batch
 
 log = logging.getLogger(__name__)
@@ -54,7 +55,7 @@ class LossSettings:
     step_decay: float = 0.8
     kind: str = "soft"  # soft | hard
     train_lm_head: bool = True
-    autocast_bf16: bool = True
+    autocast_bf16: bool | None = None  # None: bf16 where the device computes it natively (precision.py)
 
 
 @dataclass
@@ -167,6 +168,7 @@ class DraftTrainer:
         self.rows = rows.detach()
         self.optim_settings = optim
         self.loss_settings = loss
+        self.autocast_bf16 = resolve_autocast(loss.autocast_bf16, self.rows.device)
         # an MTP head's lm_head is the target's (shared, frozen); under LoRA only the adapters train
         from draft_align.heads.lora import is_lora
 
@@ -212,7 +214,7 @@ class DraftTrainer:
         self.draft.train()
         dev = self.rows.device
         batch = self._cap(batch.to(dev))
-        ctx = torch.autocast(dev.type, dtype=torch.bfloat16) if self.loss_settings.autocast_bf16 else nullcontext()
+        ctx = torch.autocast(dev.type, dtype=torch.bfloat16) if self.autocast_bf16 else nullcontext()
         with ctx:
             loss, stats = self.loss(batch) if self.parallel is None else self.parallel.loss(batch)
         if not (torch.isfinite(loss) if self.parallel is None else self.parallel.all_finite(loss)):
