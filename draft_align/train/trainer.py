@@ -169,6 +169,9 @@ class DraftTrainer:
         self.optim_settings = optim
         self.loss_settings = loss
         self.autocast_bf16 = resolve_autocast(loss.autocast_bf16, self.rows.device)
+        # without autocast every input meets the draft in its own dtype (taps and head rows are stored bf16)
+        self._compute_dtype = None if self.autocast_bf16 else next(draft.parameters()).dtype
+        self._rows = self.rows if self._compute_dtype is None else self.rows.to(self._compute_dtype)
         # an MTP head's lm_head is the target's (shared, frozen); under LoRA only the adapters train
         from draft_align.heads.lora import is_lora
 
@@ -197,7 +200,11 @@ class DraftTrainer:
 
     def loss(self, batch: Batch) -> tuple[torch.Tensor, StepStats]:
         """This trainer's loss of one batch (on the trainer's device)."""
-        return ttt_loss(self.draft, self.embed, self.rows, batch, self.loss_settings)
+        if self._compute_dtype is None:
+            return ttt_loss(self.draft, self.embed, self.rows, batch, self.loss_settings)
+        dtype = self._compute_dtype
+        return ttt_loss(self.draft, lambda ids: self.embed(ids).to(dtype), self._rows, batch.cast(dtype),
+                        self.loss_settings)
 
     def set_total_steps(self, total: int) -> None:
         """Change the schedule's length (e.g. to end the cosine when a time budget ends).
