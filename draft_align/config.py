@@ -172,22 +172,30 @@ class LoggingConfig:
 
 
 @dataclass
-class WarmstartRecipe:
-    kind: str = "warmstart"
-    run: str = "warmstart"
+class _RecipeHeader:
+    """What every recipe starts with; ``kind`` says which schema a file uses."""
+
+    kind: str
+    run: str
     output_dir: str = "checkpoints"
     seed: int = 0
-    device: str = "cpu"  # cpu | cuda | cuda:N: target forward, training and eval
+    device: str = "cpu"  # cpu | cuda | cuda:N: every forward, training and eval of the run
     target: TargetConfig = field(default_factory=TargetConfig)
+
+    @property
+    def run_dir(self) -> Path:
+        return _run_dir(self)
+
+
+@dataclass
+class WarmstartRecipe(_RecipeHeader):
+    kind: str = "warmstart"
+    run: str = "warmstart"
     data: DataConfig = field(default_factory=DataConfig)
     draft: DraftConfig = field(default_factory=DraftConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
-
-    @property
-    def run_dir(self) -> Path:
-        return _run_dir(self)
 
     def validate(self) -> None:
         """The cross-field rules (field types and choices are the schema's, checked again here for a
@@ -315,13 +323,9 @@ class RLConfig:
 
 
 @dataclass
-class CotrainRecipe:
+class CotrainRecipe(_RecipeHeader):
     kind: str = "cotrain"
     run: str = "cotrain"
-    output_dir: str = "checkpoints"
-    seed: int = 0
-    device: str = "cpu"
-    target: TargetConfig = field(default_factory=TargetConfig)
     # the starting draft: a published draft folder (or a run folder with `latest`); when null, the
     # warm-start recipe below is run (or its published draft reused)
     draft: str | None = None
@@ -332,10 +336,6 @@ class CotrainRecipe:
     sidecar: SidecarConfig = field(default_factory=SidecarConfig)
     rl: RLConfig = field(default_factory=RLConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
-
-    @property
-    def run_dir(self) -> Path:
-        return _run_dir(self)
 
     def validate(self) -> None:
         """The cross-field rules (field types and choices are the schema's, checked again here for a

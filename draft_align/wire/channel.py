@@ -145,6 +145,16 @@ def _zap_server(ctx: Any, sock: Any, key: bytes | None) -> _ZapHandler | None:
     return handler
 
 
+def _close_bound(sock: Any, zap: _ZapHandler | None, ctx: Any) -> None:
+    """Close a socket, its ZAP handler and its context (each once)."""
+    if not sock.closed:
+        sock.close(linger=0)
+    if zap is not None:
+        zap.close()
+    if not ctx.closed:
+        ctx.term()
+
+
 def _message_bytes(msg: Message) -> int:
     tensors = msg.tensors().values()
     return _MESSAGE_OVERHEAD + sum(t.numel() * t.element_size() for t in tensors if hasattr(t, "element_size"))
@@ -154,7 +164,20 @@ _MESSAGE_TYPES = (TapBatch, HeadSync, DraftPublished, StepReport, TapPart)
 
 
 # ------------------------------------------------------------------------------------------------ sender
-class TapSender:
+class _Closing:
+    """``with`` closes it."""
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class TapSender(_Closing):
     """PUSH socket (connects; to every rank of a multi-rank sidecar, which ZeroMQ then serves round-robin)
     on a background thread behind a bounded queue.  :meth:`offer` never blocks:
     a full queue (``queue_messages`` messages or ``queue_bytes`` estimated bytes) drops the message; the
@@ -326,12 +349,6 @@ class TapSender:
         else:
             self._ctx.term()
 
-    def __enter__(self) -> TapSender:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
 
 # ---------------------------------------------------------------------------------------------- receivers
 class _Inbox:
@@ -473,15 +490,10 @@ class _Inbox:
         if self._monitor is not None and not self._monitor.closed:
             self._sock.disable_monitor()
             self._monitor.close(linger=0)
-        if not self._sock.closed:
-            self._sock.close(linger=0)
-        if self._zap is not None:
-            self._zap.close()
-        if not self._ctx.closed:
-            self._ctx.term()
+        _close_bound(self._sock, self._zap, self._ctx)
 
 
-class _Listening:
+class _Listening(_Closing):
     """A receiving end that owns an :class:`_Inbox`: its counters, ``close`` and ``with``."""
 
     _inbox: _Inbox
@@ -498,12 +510,6 @@ class _Listening:
 
     def close(self) -> None:
         self._inbox.close()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 class Receiver(_Listening):
@@ -543,7 +549,7 @@ class Receiver(_Listening):
 
 
 
-class Publisher:
+class Publisher(_Closing):
     """PUB socket that binds (sidecar side): announces DraftPublished to any subscriber (none is fine).
     With a key, subscribers authenticate at the handshake."""
 
@@ -580,18 +586,7 @@ class Publisher:
                            msg.draft_version)
 
     def close(self) -> None:
-        if not self._sock.closed:
-            self._sock.close(linger=0)
-        if self._zap is not None:
-            self._zap.close()
-        if not self._ctx.closed:
-            self._ctx.term()
-
-    def __enter__(self) -> Publisher:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+        _close_bound(self._sock, self._zap, self._ctx)
 
 
 class Subscriber(_Listening):
