@@ -145,23 +145,24 @@ class _Hostile:
         self.draft = draft
         self.ctx = zmq.Context()
         ep = channel.default_endpoint(recipe.run_dir, "tap")
-        self.noauth = self._sock(ep, None)
-        self.wrongkey = self._sock(ep, os.urandom(32))
-        self.keyed = self._sock(ep, key)
+        # the unauthenticated sockets never pass the handshake: a tiny queue bounds this process's own memory
+        self.noauth = self._sock(ep, None, hwm=4)
+        self.wrongkey = self._sock(ep, os.urandom(32), hwm=4)
+        self.keyed = self._sock(ep, key, hwm=200)
         self.sent: dict[str, int] = {}
         self.blocked: dict[str, int] = {}
         self.rng = random.Random(1)
         self.seq = 0
         self.limit = recipe.wire.max_message_mb << 20
 
-    def _sock(self, ep: str, key: bytes | None) -> Any:
+    def _sock(self, ep: str, key: bytes | None, hwm: int) -> Any:
         import zmq
 
         from draft_align.wire import channel
 
         s = self.ctx.socket(zmq.PUSH)
         s.setsockopt(zmq.LINGER, 0)
-        s.setsockopt(zmq.SNDHWM, 200)
+        s.setsockopt(zmq.SNDHWM, hwm)
         if key is not None:
             channel.authenticate(s, key)
         s.connect(ep)
