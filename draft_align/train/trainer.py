@@ -165,13 +165,14 @@ class DraftTrainer:
         self.max_seq_tokens = int(max_seq_tokens)
         self.draft = draft
         self.embed = embed.requires_grad_(False)
-        self.rows = rows.detach()
+        self._compute_dtype: torch.dtype | None = None
+        self.rows = rows
         self.optim_settings = optim
         self.loss_settings = loss
         self.autocast_bf16 = resolve_autocast(loss.autocast_bf16, self.rows.device)
         # without autocast every input meets the draft in its own dtype (taps and head rows are stored bf16)
         self._compute_dtype = None if self.autocast_bf16 else next(draft.parameters()).dtype
-        self._rows = self.rows if self._compute_dtype is None else self.rows.to(self._compute_dtype)
+        self.rows = self._rows_stored  # in the compute dtype
         # an MTP head's lm_head is the target's (shared, frozen); under LoRA only the adapters train
         from draft_align.heads.lora import is_lora
 
@@ -181,6 +182,16 @@ class DraftTrainer:
         self.build_optimizer()
         # under torchrun: the loss through DDP or FSDP2 and a rank-wide finiteness vote (train/parallel.py)
         self.parallel: StepParallel | None = None
+
+    @property
+    def rows(self) -> torch.Tensor:
+        """The target's lm_head rows [Vd, H] the soft targets come from (replaced at each HeadSync)."""
+        return self._rows_stored
+
+    @rows.setter
+    def rows(self, value: torch.Tensor) -> None:
+        self._rows_stored = value.detach()
+        self._rows = self._rows_stored if self._compute_dtype is None else self._rows_stored.to(self._compute_dtype)
 
     def build_optimizer(self) -> None:
         """A fresh AdamW and schedule over the draft's trainable parameters as they are now (FSDP2 replaces

@@ -287,3 +287,14 @@ def test_fp32_training_on_bf16_taps(head):
         assert trainer.autocast_bf16 is False
         out.append(trainer.train_step(collate(rs, 3))["loss"])
     assert math.isfinite(out[0]) and out[0] == pytest.approx(out[1], rel=1e-5)
+
+
+def test_replaced_head_rows_are_used_in_fp32_training():
+    """A HeadSync replaces ``trainer.rows``: the fp32 copy the loss uses follows it."""
+    draft, rows, aux_w = HEADS["eagle3"](3)
+    trainer = DraftTrainer(draft, nn.Embedding(VOCAB, HID), rows.bfloat16(), OptimSettings(),
+                           LossSettings(ttt_steps=2, autocast_bf16=False))
+    new = torch.randn_like(rows).bfloat16()
+    trainer.rows = new
+    assert trainer.rows is not None and torch.equal(trainer.rows, new)
+    assert trainer._rows.dtype == torch.float32 and torch.equal(trainer._rows, new.float())
