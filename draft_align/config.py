@@ -49,6 +49,7 @@ AdaptChoice = _choice("AdaptChoice", ("full", "lora"), "adaptation")  # whole dr
 LossChoice = _choice("LossChoice", ("soft", "hard"), "loss")  # target distribution (KL) | target token (CE)
 VerifyModeChoice = _choice("VerifyModeChoice", VERIFY_MODES, "verify mode")
 EngineChoice = _choice("EngineChoice", ("auto", "vllm", "reference"), "rollout engine")
+TrainTriggerChoice = _choice("TrainTriggerChoice", ("always", "drift"), "training trigger")  # sidecar/trigger.py
 ParallelChoice = _choice("ParallelChoice", ("ddp", "fsdp2"), "parallelism")  # draft replicated | sharded
 WandbModeChoice = _choice("WandbModeChoice", ("offline", "online", "disabled"), "wandb mode")
 DtypeChoice = _choice("DtypeChoice", FLOAT_DTYPE_NAMES, "dtype")
@@ -284,6 +285,14 @@ class SidecarConfig:
     ranks: int = 1
     parallel: ParallelChoice = ParallelChoice("ddp")
     collective_timeout_s: float = 300.0  # a rank that died or hangs stops the others after this long
+    # when to train (sidecar/trigger.py): always (whenever data allows), or drift: idle after each publish while
+    # the published draft's estimated acceptance on fresh taps holds (its gain over plain decoding within
+    # drift_tolerance, relative, of its level over the drift_window steps after publication) and the head rows
+    # moved less than drift_head_threshold (relative) since; single-process sidecars only
+    train_trigger: TrainTriggerChoice = TrainTriggerChoice("always")
+    drift_tolerance: float = 0.1
+    drift_head_threshold: float = 0.05
+    drift_window: int = 3
 
 
 @dataclass
@@ -373,6 +382,12 @@ class CotrainRecipe(_RecipeHeader):
             raise RecipeError("sidecar.buffer_tokens must be ≥ sidecar.batch_tokens")
         if self.sidecar.ranks < 1 or not self.sidecar.collective_timeout_s > 0:
             raise RecipeError("sidecar.ranks must be ≥ 1 and sidecar.collective_timeout_s > 0")
+        sc = self.sidecar
+        if not 0.0 < sc.drift_tolerance < 1.0 or not sc.drift_head_threshold > 0 or sc.drift_window < 1:
+            raise RecipeError("sidecar.drift_tolerance must be in (0, 1), sidecar.drift_head_threshold > 0 and "
+                              "sidecar.drift_window ≥ 1")
+        if sc.train_trigger == "drift" and sc.ranks > 1:
+            raise RecipeError("sidecar.train_trigger=drift runs in a single-process sidecar only (sidecar.ranks=1)")
 
 
 def _get(recipe: Any, dotted: str) -> Any:

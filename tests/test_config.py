@@ -172,7 +172,7 @@ def test_every_enum_like_field_is_a_choice():
                                          "draft.adapt", "train.loss", "eval.modes", "logging.wandb_mode")
     } | {
         ("CotrainRecipe", k) for k in ("target.dtype", "sidecar.loss", "sidecar.eval_mode", "sidecar.adapt",
-                                       "sidecar.parallel", "rl.verify_mode", "rl.engine", "logging.wandb_mode")
+                                       "sidecar.parallel", "sidecar.train_trigger", "rl.verify_mode", "rl.engine", "logging.wandb_mode")
     }
 
 
