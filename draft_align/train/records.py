@@ -9,7 +9,6 @@ read them from here.
 from __future__ import annotations
 
 import dataclasses
-
 from dataclasses import dataclass
 
 import torch

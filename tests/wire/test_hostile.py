@@ -13,11 +13,12 @@ from pathlib import Path
 import pytest
 import zmq
 
-from draft_align.wire.channel import Receiver, TapSender, _zap_server, authenticate, default_endpoint
+from draft_align.wire.channel import Receiver, TapSender, authenticate, default_endpoint
 from draft_align.wire.codec import Origin, encode
 from draft_align.wire.messages import HeadSync, StepReport, TapBatch
 from draft_align.wire.replay import ReplayGuard
 from draft_align.wire.schema import WireError
+from draft_align.wire.sockets import zap_server
 
 KEY = bytes(range(32))
 
@@ -163,7 +164,7 @@ def _capture(tmp_path: Path, msgs: list) -> list[list[bytes]]:
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
     pull.setsockopt(zmq.LINGER, 0)
-    zap = _zap_server(ctx, pull, KEY)  # the sender authenticates; the eavesdropper sees the frames
+    zap = zap_server(ctx, pull, KEY)  # the sender authenticates; the eavesdropper sees the frames
     pull.bind(ep)
     out = []
     with TapSender(ep, KEY, send_timeout_s=2.0) as tx:
