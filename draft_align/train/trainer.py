@@ -87,7 +87,7 @@ class LossSettings:
         both); ``step_decay`` resolved for the head (``config.step_decay``)."""
         mode = section.accept_mode
         return cls(ttt_steps=int(section.ttt_steps), step_decay=float(step_decay), kind=str(section.loss),  # type: ignore[arg-type]
-                   train_lm_head=bool(train_lm_head), autocast_bf16=bool(section.autocast_bf16),
+                   train_lm_head=bool(train_lm_head), autocast_bf16=section.autocast_bf16,
                    accept_mode=None if mode is None else str(mode),  # type: ignore[arg-type]
                    soft_ce_weight=float(section.soft_ce_weight), surrogate_tau=float(section.surrogate_tau))
 
