@@ -211,6 +211,26 @@ def test_blocked_logits_keep_no_vocab_sized_tensor():
     assert torch.equal(parts[1], whole[1])
 
 
+@pytest.mark.parametrize("mode", ["probabilistic", "greedy_draft", "greedy"])
+def test_blocked_acceptance_keeps_no_vocab_sized_tensor(mode):
+    """The acceptance objectives' p and z live one block at a time too: O(N·(H + H_t)) kept for backward."""
+    n, h, vd = 64, 8, 2048
+    g = torch.Generator().manual_seed(0)
+    head = nn.Linear(h, vd, bias=False)
+    x = torch.randn(1, n, h, generator=g, requires_grad=True)
+    final, rows = torch.randn(1, n, h, generator=g), torch.randn(vd, h, generator=g)
+
+    def run(block_bytes):
+        return losses.acceptance_head(head, rows, x, final, mode, 0.5, block_bytes=block_bytes)
+
+    dense = saved_bytes(lambda: run(1 << 40))
+    blocked = saved_bytes(lambda: run(4 * losses.ACCEPT_ROW_TENSORS * vd * 8))  # 8 rows a block
+    assert dense >= 4 * n * vd  # at least one [N, Vd] fp32 tensor
+    assert blocked < 4 * n * vd / 8
+    for a, b in zip(run(4 * losses.ACCEPT_ROW_TENSORS * vd * 8), run(1 << 40), strict=True):
+        torch.testing.assert_close(a, b)
+
+
 def test_row_blocks_cover_every_row_once():
     assert losses.row_blocks(10, 4, 12) == [(0, 3), (3, 6), (6, 9), (9, 10)]
     assert losses.row_blocks(10, 100, 1) == [(i, i + 1) for i in range(10)]  # at least one row per block
