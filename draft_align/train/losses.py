@@ -179,7 +179,11 @@ def _blocked(fn: Callable[..., Any], args: tuple[torch.Tensor, ...], bounds: lis
 
 
 def soft_targets(
-    final: torch.Tensor, rows: torch.Tensor, w: torch.Tensor, block_bytes: int | None = None
+    final: torch.Tensor,
+    rows: torch.Tensor,
+    w: torch.Tensor,
+    block_bytes: int | None = None,
+    at: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The soft target's two uses, without a [B, T, Vd] tensor: (e = Wᵀp [B, T, H], argmax p [B, T]).
 
@@ -187,10 +191,16 @@ def soft_targets(
     w [Vd, H] the draft's lm_head weight.  p = softmax(final · rowsᵀ) is the target's distribution over
     the draft vocab; CE(p, q) = logsumexp(z) − Σ_x p(x) z(x) with z = W x, and the second term is x · e.
     Positions run in blocks of ⌊block_bytes / (4·Vd)⌋; p is recomputed per block in backward (the gradient
-    reaches w through e = Wᵀp), so memory is O(T·H) plus one block's [rows, Vd].
+    reaches w through e = Wᵀp), so memory is O(T·H) plus one block's [rows, Vd].  ``at`` [B, T] bool: the
+    positions some step scores (:func:`scored_positions`); only they are computed, the others are 0.
     """
     b, t, _ = final.shape
     vd = rows.shape[0]
+    if at is not None:
+        idx = at.reshape(-1).nonzero().squeeze(-1)
+        ep, p_arg = soft_targets(final.reshape(1, b * t, -1)[:, idx], rows, w, block_bytes)
+        full = ep.new_zeros(b * t, ep.shape[-1]).index_copy(0, idx, ep[0])
+        return full.view(b, t, -1), p_arg.new_zeros(b * t).index_copy(0, idx, p_arg[0]).view(b, t)
 
     def block(f: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         with torch.no_grad():
@@ -205,6 +215,39 @@ def soft_targets(
     ep = torch.cat([e for e, _ in parts]).view(b, t, -1)
     p_arg = torch.cat([a for _, a in parts]).view(b, t)
     return ep, p_arg
+
+
+@dataclass(frozen=True)
+class ScoredStep:
+    """Where TTT step j of every chain is scored: the target position pos = s+1+j [B, M] (clamped to the row),
+    the predicted token's position nxt = s+2+j [B, M] (clamped) and whether it counts, mask [B, M]: a response
+    token inside the row."""
+
+    pos: torch.Tensor
+    nxt: torch.Tensor
+    mask: torch.Tensor
+
+
+def scored_steps(batch: Batch, steps: int) -> list[ScoredStep]:
+    """The :class:`ScoredStep` of each of ``steps`` TTT steps of ``batch``'s chains."""
+    t = batch.input_ids.shape[1]
+    out = []
+    for j in range(steps):
+        nxt = batch.starts + 2 + j
+        nxt_c = nxt.clamp(max=t - 1)
+        mask = batch.starts_valid & (nxt <= t - 1) & torch.gather(batch.loss_mask, 1, nxt_c)
+        out.append(ScoredStep((batch.starts + 1 + j).clamp(max=t - 1), nxt_c, mask))
+    return out
+
+
+def scored_positions(scored: list[ScoredStep], shape: torch.Size) -> torch.Tensor:
+    """[B, T] bool: the target positions that some step scores (prompt and padding targets are not among them,
+    except where a step's chain counts)."""
+    at = torch.zeros(shape, dtype=torch.bool, device=scored[0].pos.device)
+    row = torch.arange(shape[0], device=at.device).unsqueeze(-1).expand_as(scored[0].pos)
+    for st in scored:
+        at[row[st.mask], st.pos[st.mask]] = True
+    return at
 
 
 def soft_ce_head(

@@ -26,6 +26,8 @@ from draft_align.train.losses import (
     acceptance_head,
     chain_objective,
     hard_ce_head,
+    scored_positions,
+    scored_steps,
     soft_ce_head,
     soft_targets,
     step_objective,
@@ -139,13 +141,15 @@ def ttt_loss(
     """
     k = loss.ttt_steps
     xs = draft.unroll_hidden(batch.aux, embed, batch.input_ids, batch.valid, batch.starts, batch.starts_valid, k)
-    t = batch.input_ids.shape[1]
     vd = rows.shape[0]
     mode = loss.verify_mode  # None: soft or hard CE
+    scored = scored_steps(batch, k)
     if loss.kind == "soft":
         # CE(p, q) = logsumexp(z) − Σ_x p(x) z(x) with z = W x: the second term is x · (Wᵀp), so Wᵀp is
-        # formed once per position ([B, T, H]) instead of gathering p [B, M, Vd] at every step.
-        ep, p_arg = soft_targets(batch.final, rows, draft.lm_head.weight)  # [B, T, H] (gradient reaches lm_head), [B, T]
+        # formed once per scored position ([B, T, H]; prompt and padding targets skipped) instead of gathering
+        # p [B, M, Vd] at every step.
+        at = scored_positions(scored, batch.input_ids.shape)
+        ep, p_arg = soft_targets(batch.final, rows, draft.lm_head.weight, at=at)  # gradient reaches lm_head
     elif loss.kind == "hard":
         dev = batch.input_ids.device
         to_draft = torch.full((draft.cfg.vocab_size,), -1, dtype=torch.long, device=dev)
@@ -155,12 +159,8 @@ def ttt_loss(
     ce_total = xs[0].new_zeros((), dtype=torch.promote_types(xs[0].dtype, torch.float32))  # float64 stays
     sums = torch.zeros(3, k, device=batch.input_ids.device)
     alphas, masks = [], []
-    for j in range(k):
-        nxt = batch.starts + 2 + j
-        inside = nxt <= t - 1
-        nxt_c = nxt.clamp(max=t - 1)
-        mask = batch.starts_valid & inside & torch.gather(batch.loss_mask, 1, nxt_c)
-        pos = (batch.starts + 1 + j).clamp(max=t - 1)
+    for j, st in enumerate(scored):
+        pos, mask = st.pos, st.mask
         # the [B, M, Vd] logits z = lm_head(xs[j]) exist one row block at a time (losses.*_head)
         if mode is not None:
             # α needs p itself: the target's logits at this step's scored positions only, per row block
@@ -174,7 +174,7 @@ def ttt_loss(
             e = torch.gather(ep, 1, pos.unsqueeze(-1).expand(*pos.shape, ep.shape[-1]))  # [B, M, H]
             ce, agree, n = soft_ce_head(draft.lm_head, xs[j], e, torch.gather(p_arg, 1, pos), mask)
         else:
-            ce, agree, n = hard_ce_head(draft.lm_head, xs[j], torch.gather(tgt_ids, 1, nxt_c), mask)
+            ce, agree, n = hard_ce_head(draft.lm_head, xs[j], torch.gather(tgt_ids, 1, st.nxt), mask)
         ce_total = ce_total + weights[j] * ce / n.clamp(min=1)
         sums[0, j], sums[1, j], sums[2, j] = ce.detach(), agree, n
     stats = StepStats(loss=sums[0], correct=sums[1], count=sums[2])

@@ -231,6 +231,24 @@ def test_blocked_acceptance_keeps_no_vocab_sized_tensor(mode):
         torch.testing.assert_close(a, b)
 
 
+def test_soft_targets_only_at_scored_positions():
+    """Soft CE's p is computed at the positions some step scores (not at prompt or padding targets): the same
+    values there as over every position, zeros elsewhere, and the loss unchanged."""
+    recs = records([14, 9], N_AUX * H_T, H_T, seed=2)  # response from t // 3 on
+    batch = collate(recs, steps=3)
+    at = losses.scored_positions(losses.scored_steps(batch, 3), batch.input_ids.shape)
+    # row 0 (T = 14, response from 4): positions 3..12 predict response tokens 4..13; row 1 (T = 9, from 3): 2..7
+    assert at[0].nonzero().squeeze(-1).tolist() == list(range(3, 13))
+    assert at[1].nonzero().squeeze(-1).tolist() == list(range(2, 8))
+    g = torch.Generator().manual_seed(0)
+    rows, w = torch.randn(VD, H_T, generator=g), torch.randn(VD, HID, generator=g)
+    every = losses.soft_targets(batch.final, rows, w)
+    some = losses.soft_targets(batch.final, rows, w, block_bytes=4 * VD * 3, at=at)
+    torch.testing.assert_close(some[0][at], every[0][at])
+    assert torch.equal(some[1][at], every[1][at])
+    assert some[0][~at].abs().sum() == 0 and some[1][~at].abs().sum() == 0
+
+
 def test_row_blocks_cover_every_row_once():
     assert losses.row_blocks(10, 4, 12) == [(0, 3), (3, 6), (6, 9), (9, 10)]
     assert losses.row_blocks(10, 100, 1) == [(i, i + 1) for i in range(10)]  # at least one row per block
@@ -409,7 +427,7 @@ def ttt_parts(head: str, lengths: list[int], seed: int = 0, dtype=torch.float32)
 
 
 def settings_loss(draft, embed, rows, batch, name: str):
-    return ttt_loss(draft, embed, rows, batch, LossSettings(ttt_steps=3, **ACCEPT_SETTINGS[name]))
+    return ttt_loss(draft, embed, rows, batch, LossSettings(ttt_steps=3, **ACCEPT_SETTINGS.get(name, {})))
 
 
 @pytest.mark.parametrize("name", sorted(ACCEPT_SETTINGS))
@@ -467,7 +485,7 @@ def test_tv_objective_is_one_minus_the_monitors_alpha_by_hand():
     assert loss.item() == pytest.approx(1 - torch.cat(alphas).mean().item(), rel=1e-5)
 
 
-@pytest.mark.parametrize("name", sorted(ACCEPT_SETTINGS))
+@pytest.mark.parametrize("name", sorted(ACCEPT_SETTINGS) + ["soft"])
 def test_unscored_targets_change_nothing_and_scored_ones_do(name):
     """Prompt and padding targets are masked: the target's state where the next token is a prompt token or
     padding never reaches the loss; at a response target it does."""
