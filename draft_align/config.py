@@ -154,7 +154,7 @@ class TrainConfig:
     max_steps: int | None = None
     time_budget_s: float | None = None  # stop training after this many seconds (schedule adapts)
     checkpoint_every: int = 50
-    autocast_bf16: bool = True
+    autocast_bf16: bool | None = None  # null: bf16 where the device computes it natively, else fp32 (train/precision.py)
     cache_hidden: bool = True  # keep captured target states on disk for later epochs / reruns
     max_consecutive_nonfinite: int = 3
     num_threads: int | None = None
@@ -265,7 +265,7 @@ class SidecarConfig:
     warmup_steps: int = 10
     weight_decay: float = 0.0
     grad_clip: float = 0.5
-    autocast_bf16: bool = True
+    autocast_bf16: bool | None = None  # null: bf16 where native (train/precision.py), else fp32
     min_train_steps_per_publish: int = 10
     publish_every_s: float = 20.0  # try to publish at most this often (after enough steps)
     # publish iff candidate − published ≥ −max(gate_tolerance, 2·stderr) (paired, mean acceptance length)

@@ -34,6 +34,7 @@ from draft_align.train.losses import (
     step_weights,
     truncate_batch,
 )
+from draft_align.train.precision import resolve_autocast
 from draft_align.train.records import Batch
 
 log = logging.getLogger(__name__)
@@ -62,7 +63,7 @@ class LossSection(Protocol):
     accept_mode: str | None
     soft_ce_weight: float
     surrogate_tau: float
-    autocast_bf16: bool
+    autocast_bf16: bool | None
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,7 @@ class LossSettings:
     step_decay: float = 0.8
     kind: LossKind = "soft"
     train_lm_head: bool = True
-    autocast_bf16: bool = True
+    autocast_bf16: bool | None = None  # None: bf16 where the device computes it natively (precision.py)
     accept_mode: VerifyMode | None = None
     soft_ce_weight: float = 0.0
     surrogate_tau: float = 0.5
@@ -224,6 +225,10 @@ class DraftTrainer:
         self.rows = rows.detach()
         self.optim_settings = optim
         self.loss_settings = loss
+        self.autocast_bf16 = resolve_autocast(loss.autocast_bf16, self.rows.device)
+        # without autocast every input meets the draft in its own dtype (taps and head rows are stored bf16)
+        self._compute_dtype = None if self.autocast_bf16 else next(draft.parameters()).dtype
+        self._rows = self.rows if self._compute_dtype is None else self.rows.to(self._compute_dtype)
         # an MTP head's lm_head is the target's (shared, frozen); under LoRA only the adapters train
         from draft_align.heads.lora import is_lora
 
@@ -252,7 +257,11 @@ class DraftTrainer:
 
     def loss(self, batch: Batch) -> tuple[torch.Tensor, StepStats]:
         """This trainer's loss of one batch (on the trainer's device)."""
-        return ttt_loss(self.draft, self.embed, self.rows, batch, self.loss_settings)
+        if self._compute_dtype is None:
+            return ttt_loss(self.draft, self.embed, self.rows, batch, self.loss_settings)
+        dtype = self._compute_dtype
+        return ttt_loss(self.draft, lambda ids: self.embed(ids).to(dtype), self._rows, batch.cast(dtype),
+                        self.loss_settings)
 
     def set_total_steps(self, total: int) -> None:
         """Change the schedule's length (e.g. to end the cosine when a time budget ends).
@@ -269,7 +278,7 @@ class DraftTrainer:
         self.draft.train()
         dev = self.rows.device
         batch = self._cap(batch.to(dev))
-        ctx = torch.autocast(dev.type, dtype=torch.bfloat16) if self.loss_settings.autocast_bf16 else nullcontext()
+        ctx = torch.autocast(dev.type, dtype=torch.bfloat16) if self.autocast_bf16 else nullcontext()
         with ctx:
             loss, stats = self.loss(batch) if self.parallel is None else self.parallel.loss(batch)
         if not (torch.isfinite(loss) if self.parallel is None else self.parallel.all_finite(loss)):

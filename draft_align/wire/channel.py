@@ -24,7 +24,7 @@ import secrets
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Self
 
 from draft_align.wire.codec import encode
 from draft_align.wire.endpoints import (
@@ -481,7 +481,32 @@ class _Inbox:
             self._ctx.term()
 
 
-class Receiver:
+class _Listening:
+    """A receiving end that owns an :class:`_Inbox`: its counters, ``close`` and ``with``."""
+
+    _inbox: _Inbox
+
+    @property
+    def rejected(self) -> collections.Counter[str]:
+        """Rejections so far, by reason (refused handshakes included)."""
+        self._inbox._count_auth_failures()
+        return self._inbox.rejected
+
+    def stats(self) -> dict[str, Any]:
+        """received, bytes_received (valid or not), rejected, rejected_by_reason."""
+        return self._inbox.stats()
+
+    def close(self) -> None:
+        self._inbox.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Receiver(_Listening):
     """PULL socket that binds (sidecar side).  :meth:`recv` returns the next valid message or None on
     timeout, :meth:`drain` yields what is waiting within a budget; invalid, replayed and unauthenticated
     messages are counted in ``rejected`` (by reason) and skipped.  Not thread-safe.  Non-finite hidden
@@ -505,11 +530,6 @@ class Receiver:
                              buffer_bytes=buffer_bytes)
         self.endpoint = self._inbox.endpoint  # the bound address (a tcp '*' port resolved)
 
-    @property
-    def rejected(self) -> collections.Counter[str]:
-        self._inbox._count_auth_failures()
-        return self._inbox.rejected
-
     def recv(self, timeout_ms: int | None = None) -> Message | None:
         """Next valid message; None when ``timeout_ms`` passes (None waits forever) or, with 0, when
         nothing valid is waiting.  Never raises for a bad message."""
@@ -521,18 +541,6 @@ class Receiver:
         most about ``budget_s`` seconds after the first valid one, which is waited for up to ``timeout_ms``."""
         return self._inbox.drain(budget_s, timeout_ms, max_messages, None)
 
-    def stats(self) -> dict[str, Any]:
-        """received, bytes_received (valid or not), rejected, rejected_by_reason."""
-        return self._inbox.stats()
-
-    def close(self) -> None:
-        self._inbox.close()
-
-    def __enter__(self) -> Receiver:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 class Publisher:
@@ -586,7 +594,7 @@ class Publisher:
         self.close()
 
 
-class Subscriber:
+class Subscriber(_Listening):
     """SUB socket that connects (engine/RL side) and receives every DraftPublished; anything else, invalid
     or replayed is counted in ``rejected`` and skipped."""
 
@@ -597,24 +605,9 @@ class Subscriber:
                              max_tokens=DEFAULT_MAX_TOKENS, buffer_bytes=64 * max_bytes)
         self.endpoint = endpoint
 
-    @property
-    def rejected(self) -> collections.Counter[str]:
-        return self._inbox.rejected
-
     def poll(self, timeout_ms: int | None = 0) -> DraftPublished | None:
         """Next valid DraftPublished, or None after ``timeout_ms`` (0: only what already arrived)."""
         msg = self._inbox.next(timeout_ms, DraftPublished)
         assert msg is None or isinstance(msg, DraftPublished)
         return msg
 
-    def stats(self) -> dict[str, Any]:
-        return self._inbox.stats()
-
-    def close(self) -> None:
-        self._inbox.close()
-
-    def __enter__(self) -> Subscriber:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

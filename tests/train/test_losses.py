@@ -1,6 +1,7 @@
 """draft_align.train.losses: soft / hard cross-entropy per TTT step, masks, agreement counts; the blocked
 (memory-bounded) forms against the single-block one; the per-sequence cap."""
 
+import copy
 import dataclasses
 import math
 from types import SimpleNamespace
@@ -308,6 +309,26 @@ def test_trainer_cuts_long_rows_and_counts_them():
     assert DraftTrainer(draft, embed, rows, OptimSettings(), LossSettings()).max_seq_tokens == losses.MAX_SEQ_TOKENS
     with pytest.raises(ValueError, match="max_seq_tokens must be ≥ 2"):
         DraftTrainer(draft, embed, rows, OptimSettings(), LossSettings(), max_seq_tokens=1)
+
+
+@pytest.mark.parametrize("head", ["eagle3", "mtp2"])
+def test_fp32_training_on_bf16_taps(head):
+    """Without autocast, bf16-stored states, head rows and embedding meet the fp32 draft in fp32: the
+    step equals the one on the same states given in fp32 (and does not raise a dtype mismatch)."""
+    draft, rows, aux_w = HEADS[head](2)
+    recs = records([18, 12], aux_w, rows.shape[1], seed=8)
+    bf = [Record(r.input_ids, r.loss_mask, r.aux.bfloat16(), r.final.bfloat16()) for r in recs]
+    fp = [Record(r.input_ids, r.loss_mask, r.aux.bfloat16().float(), r.final.bfloat16().float()) for r in recs]
+    emb = nn.Embedding(VOCAB, HID).bfloat16()
+    out = []
+    for rs, rw, emb_dtype in ((bf, rows.bfloat16(), torch.bfloat16), (fp, rows.bfloat16().float(), torch.float32)):
+        d = copy.deepcopy(draft)
+        embed = copy.deepcopy(emb).to(emb_dtype)
+        trainer = DraftTrainer(d, embed, rw, OptimSettings(warmup_steps=1, total_steps=4),
+                               LossSettings(ttt_steps=3, autocast_bf16=False))
+        assert trainer.autocast_bf16 is False
+        out.append(trainer.train_step(collate(rs, 3))["loss"])
+    assert math.isfinite(out[0]) and out[0] == pytest.approx(out[1], rel=1e-5)
 
 
 # --------------------------------------------------------------------------------- objectives on acceptance

@@ -91,9 +91,10 @@ def test_legit_batches_flow_under_a_junk_flood(tmp_path: Path, key: bytes | None
 
 def test_drain_counts_rejections_toward_its_budget(tmp_path: Path):
     """30 junk messages in front of one legit one: one drain with no wait gets the legit one; a budget of
-    10 messages stops after 10 consumed (rejections included)."""
+    10 messages stops after 10 consumed (rejections included).  (1 MiB messages: all 62 fit the receive
+    queue, RCVHWM = 1 GiB // 1 MiB, so none waits in the sender's queue to refill it.)"""
     ep = default_endpoint(tmp_path, "tap")
-    with Receiver(ep, None) as rx:
+    with Receiver(ep, None, max_bytes=1 << 20) as rx:
         ctx = zmq.Context()
         raw = ctx.socket(zmq.PUSH)
         raw.setsockopt(zmq.LINGER, 1000)
