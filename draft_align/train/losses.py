@@ -241,8 +241,8 @@ def scored_steps(batch: Batch, steps: int) -> list[ScoredStep]:
 
 
 def scored_positions(scored: list[ScoredStep], shape: torch.Size) -> torch.Tensor:
-    """[B, T] bool: the target positions that some step scores (prompt and padding targets are not among them,
-    except where a step's chain counts)."""
+    """[B, T] bool: the target positions some step scores, i.e. those whose next token is a response token
+    that a counted chain step predicts (positions before prompt tokens and padding are not among them)."""
     at = torch.zeros(shape, dtype=torch.bool, device=scored[0].pos.device)
     row = torch.arange(shape[0], device=at.device).unsqueeze(-1).expand_as(scored[0].pos)
     for st in scored:
