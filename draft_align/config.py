@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import types
 import typing
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -16,11 +17,14 @@ from pathlib import Path
 from typing import Any, TypeVar, overload
 
 from draft_align.conventions import (
+    DISTRIBUTION_LOSSES,
     FLOAT_DTYPE_NAMES,
     LORA_TARGETS,
+    LOSS_KINDS,
     VERIFY_MODES,
     HeadKind,
     MTPLayout,
+    check_loss,
     check_tap_budgets,
 )
 
@@ -46,7 +50,7 @@ HeadChoice = _choice("HeadChoice", typing.get_args(HeadKind), "draft head")
 MTPLayoutChoice = _choice("MTPLayoutChoice", typing.get_args(MTPLayout), "MTP layout")
 MTPInitChoice = _choice("MTPInitChoice", ("last_layer", "random"), "MTP init")
 AdaptChoice = _choice("AdaptChoice", ("full", "lora"), "adaptation")  # whole draft | LoRA over a frozen one
-LossChoice = _choice("LossChoice", ("soft", "hard"), "loss")  # target distribution (KL) | target token (CE)
+LossChoice = _choice("LossChoice", LOSS_KINDS, "loss")  # training objectives (conventions.LossKind)
 VerifyModeChoice = _choice("VerifyModeChoice", VERIFY_MODES, "verify mode")
 EngineChoice = _choice("EngineChoice", ("auto", "vllm", "reference"), "rollout engine")
 TrainTriggerChoice = _choice("TrainTriggerChoice", ("always", "drift"), "training trigger")  # sidecar/trigger.py
@@ -135,7 +139,12 @@ class DraftConfig:
 class TrainConfig:
     ttt_steps: int = 7
     step_decay: float | None = None  # TTT step weights decay^j; None = the head's default (STEP_DECAY)
+    # the objective (train/losses.py, docs/acceptance.md "Training objectives"): soft CE (forward KL), hard CE,
+    # or one on acceptance: tv | greedy_surrogate | expected_length, plus soft_ce_weight × soft CE
     loss: LossChoice = LossChoice("soft")
+    accept_mode: VerifyModeChoice | None = None  # the verify mode greedy_surrogate / expected_length score
+    soft_ce_weight: float = 0.0  # λ of L = L_acceptance + λ·L_softCE (acceptance objectives only)
+    surrogate_tau: float = 0.5  # τ of the greedy surrogates' softmax(z/τ)
     lr: float = 1e-3
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.0
@@ -212,6 +221,8 @@ class WarmstartRecipe(_RecipeHeader):
             raise RecipeError("draft.adapt=lora adapts a warm-started EAGLE-3 draft: set draft.init_from")
         if self.train.ttt_steps < 1:
             raise RecipeError("train.ttt_steps must be ≥ 1")
+        # every warm-start record carries the target's final hidden state (its capture), so every loss has p
+        _check_loss("train", self.train)
         if self.eval.k < 1:
             raise RecipeError("eval.k must be ≥ 1")
         _check_positive(self, [("train.batch_tokens", 1), ("train.max_consecutive_nonfinite", 1)])
@@ -253,7 +264,11 @@ class SidecarConfig:
     batch_tokens: int = 1536
     ttt_steps: int = 7
     step_decay: float | None = None  # TTT step weights decay^j; None = the head's default (STEP_DECAY)
+    # the objective and its settings, as train.* in a warm-start recipe (docs/acceptance.md "Training objectives")
     loss: LossChoice = LossChoice("soft")
+    accept_mode: VerifyModeChoice | None = None
+    soft_ce_weight: float = 0.0
+    surrogate_tau: float = 0.5
     lr: float = 5e-4
     min_lr_ratio: float = 1.0  # 1.0 = constant after warmup (online training has no end)
     warmup_steps: int = 10
@@ -351,6 +366,14 @@ class CotrainRecipe(_RecipeHeader):
         recipe built in code)."""
         _check_header(self)
         _check_lora("sidecar", self.sidecar.adapt, self.sidecar.lora)
+        _check_loss("sidecar", self.sidecar)
+        if not self.tap.send_final:
+            if self.sidecar.loss in DISTRIBUTION_LOSSES:
+                raise RecipeError(f"sidecar.loss={self.sidecar.loss} needs the target's distribution, but "
+                                  f"tap.send_final=false ships hard tokens only (no final hidden state): set "
+                                  f"tap.send_final=true")
+            raise RecipeError("tap.send_final=false: the sidecar drops tapped batches without the final hidden "
+                              "state (its publish gate estimates acceptance from it), so nothing would train")
         if self.rl.engine == "vllm" and self.rl.verify_mode == "greedy" and self.rl.temperature > 0:
             raise RecipeError("rl.verify_mode greedy (argmax everywhere) at T > 0 has no vLLM equivalent: use "
                               "greedy_draft (vLLM's default) or probabilistic, or rl.engine=reference")
@@ -388,6 +411,14 @@ class CotrainRecipe(_RecipeHeader):
                               "sidecar.drift_window ≥ 1")
         if sc.train_trigger == "drift" and sc.ranks > 1:
             raise RecipeError("sidecar.train_trigger=drift runs in a single-process sidecar only (sidecar.ranks=1)")
+
+
+def _check_loss(where: str, section: TrainConfig | SidecarConfig) -> None:
+    """The objective's rule (conventions.check_loss) on a ``train`` or ``sidecar`` section."""
+    try:
+        check_loss(section.loss, section.accept_mode, section.soft_ce_weight, section.surrogate_tau)
+    except ValueError as e:
+        raise RecipeError(f"{where}.{e}") from e
 
 
 def _get(recipe: Any, dotted: str) -> Any:
@@ -446,14 +477,18 @@ def _check_choices(obj: Any, prefix: str) -> None:
         elif choice is not None:
             items = [(f"{key}[{i}]", v) for i, v in enumerate(value)] if isinstance(value, list) else [(key, value)]
             for k, v in items:
-                if v not in {m.value for m in choice}:
+                if v is not None and v not in {m.value for m in choice}:  # None: an optional choice unset
                     raise _choice_error(k, v, choice)
 
 
 def _choice_type(hint: Any) -> type[Enum] | None:
-    """The choice enum of a field's type hint (``list[...]``: of its items), or None."""
+    """The choice enum of a field's type hint (``list[...]``: of its items; ``... | None``: of the other), or
+    None."""
     if typing.get_origin(hint) is list:
         (hint,) = typing.get_args(hint)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        hint = args[0] if len(args) == 1 else None
     return hint if hint in _CHOICE_NAMES else None
 
 

@@ -177,10 +177,7 @@ class Sidecar:
                 weight_decay=sc.lora.weight_decay if lora else sc.weight_decay,
                 warmup_steps=sc.lora.warmup_steps if lora else sc.warmup_steps, total_steps=10**9, grad_clip=sc.grad_clip,
             ),
-            LossSettings(
-                ttt_steps=sc.ttt_steps, step_decay=step_decay(sc.step_decay, draft.kind), kind=sc.loss,
-                train_lm_head=True, autocast_bf16=sc.autocast_bf16,
-            ),
+            LossSettings.from_section(sc, step_decay(sc.step_decay, draft.kind), train_lm_head=True),
             max_seq_tokens=sc.max_seq_tokens,
         )
         # fsdp2 (train/parallel.py): the trainer's draft is sharded over the ranks; rank 0 gates and exports
