@@ -16,6 +16,7 @@ PKG = Path(__file__).resolve().parents[1] / "draft_align"
 # part → the parts it may import (besides itself).  "face" modules (CLI, launcher) may import anything.
 ALLOWED: dict[str, set[str]] = {
     "conventions": set(),
+    "storage": set(),
     "assets": set(),
     "data": {"assets"},
     "config": {"conventions"},
@@ -23,13 +24,14 @@ ALLOWED: dict[str, set[str]] = {
     "hf": {"conventions"},
     "wire": {"conventions"},
     "tap": {"conventions", "hf", "wire"},
-    "train": {"conventions", "heads", "hf"},
-    "publish": {"conventions", "heads", "hf"},
+    "train": {"conventions", "heads", "hf", "storage"},
+    "publish": {"conventions", "heads", "hf", "storage"},
     "monitor": {"conventions", "config", "heads", "hf", "train", "wire"},
     "engines": {"conventions", "heads", "hf", "publish", "monitor", "wire", "assets"},
     "rl": {"conventions", "config", "assets", "data", "heads", "hf", "tap", "wire", "publish", "monitor", "engines"},
     "sidecar": {"conventions", "config", "assets", "heads", "hf", "wire", "train", "publish", "monitor"},
-    "warmstart": {"conventions", "config", "assets", "data", "heads", "hf", "tap", "train", "publish", "monitor"},
+    "warmstart": {"conventions", "config", "assets", "data", "heads", "hf", "tap", "train", "publish", "monitor",
+                  "storage"},
     "integrations": {"conventions", "config", "heads", "hf", "tap", "wire", "publish", "monitor", "engines", "rl",
                      "sidecar"},
 }

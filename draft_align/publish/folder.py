@@ -24,6 +24,7 @@ import torch
 
 import draft_align
 from draft_align.conventions import FLOAT_DTYPE_NAMES, dtype_name
+from draft_align.storage import save_tensors
 
 EAGLE3_FORMAT = "draft_align.eagle3"  # written by publish/eagle3_format.py
 MTP_FORMAT = "draft_align.mtp"  # written by publish/mtp_format.py
@@ -184,7 +185,7 @@ def publish_folder(
         if config_text is not None:
             _write_text(tmp / CONFIG_FILE, config_text)
             names.insert(0, CONFIG_FILE)
-        safetensors.torch.save_file(tensors, str(tmp / weights_file), metadata={"format": "pt"})
+        save_tensors(tensors, tmp / weights_file, metadata={"format": "pt"})
         fsync_path(tmp / weights_file)
         for name in names:
             sha, size = digest(tmp / name)

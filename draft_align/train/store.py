@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from draft_align.storage import save_tensors
 from draft_align.train.records import Record
 
 log = logging.getLogger(__name__)
@@ -87,8 +88,6 @@ class HiddenStore:
         return n
 
     def write_shard(self, n: int, records: list[Record]) -> None:
-        from safetensors.torch import save_file
-
         self.root.mkdir(parents=True, exist_ok=True)
         lens = torch.tensor([0] + [len(r) for r in records])
         tensors = {
@@ -99,7 +98,7 @@ class HiddenStore:
             "final": torch.cat([r.final for r in records]).contiguous(),
         }
         tmp = self.root / f".tmp-{self.shard_path(n).name}"
-        save_file(tensors, str(tmp), metadata={"meta": json.dumps(self.meta, sort_keys=True)})
+        save_tensors(tensors, tmp, metadata={"meta": json.dumps(self.meta, sort_keys=True)})
         os.replace(tmp, self.shard_path(n))
 
     def finish(self) -> None:

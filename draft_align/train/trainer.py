@@ -20,6 +20,7 @@ from torch import nn
 
 from draft_align.conventions import LossKind, VerifyMode, check_loss, objective_mode
 from draft_align.heads.eagle3 import Eagle3Draft
+from draft_align.storage import save_tensors
 from draft_align.train.losses import (
     MAX_SEQ_TOKENS,
     StepStats,
@@ -372,14 +373,12 @@ class DraftTrainer:
 
     def _write_checkpoint(self, tmp: Path, state: tuple[dict[str, torch.Tensor], dict] | None) -> None:
         """The checkpoint's files, fsynced, into the folder ``tmp``."""
-        from safetensors.torch import save_file
-
         draft_sd, opt = state if state is not None else (self.draft.state_dict(), self.optimizer.state_dict())
         tensors = {f"draft.{k}": v.detach().contiguous() for k, v in draft_sd.items()}
         for idx, st in opt["state"].items():
             for name, val in st.items():
                 tensors[f"opt.{idx}.{name}"] = torch.as_tensor(val).detach().contiguous()
-        save_file(tensors, str(tmp / STATE_FILE))
+        save_tensors(tensors, tmp / STATE_FILE)
         meta = {
             "progress": asdict(self.progress),
             "param_groups": opt["param_groups"],

@@ -195,9 +195,9 @@ def capture(
             if g % 10 == 0:
                 log.info("capture: %d/%d batches, %.0f s", g + 1, len(groups), time.time() - t0)
     if not store.complete:
-        from safetensors.torch import save_file
+        from draft_align.storage import save_tensors
 
-        save_file({"counts": counts, "mass": mass}, str(store.root / "vocab_stats.safetensors"))
+        save_tensors({"counts": counts, "mass": mass}, store.root / "vocab_stats.safetensors")
         store.finish()
     else:
         from safetensors.torch import load_file

@@ -204,9 +204,15 @@ def test_disk_full_at_publish_leaves_no_folder_and_latest_unchanged(e3, tmp_path
     def full(*a, **k):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    for where in ("draft_align.publish.folder.safetensors.torch.save_file", "draft_align.publish.versions.write_latest"):
+    def full_safetensors(*a, **k):  # safetensors' own error type for a full disk (not an OSError)
+        from safetensors import SafetensorError
+
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    for where, fail in (("safetensors.torch.save_file", full_safetensors),
+                        ("draft_align.publish.versions.write_latest", full)):
         with monkeypatch.context() as m:
-            m.setattr(where, full)
+            m.setattr(where, fail)
             with pytest.raises(OSError) as e:
                 publish(e3, run, e3.make_draft(seed=1))
             assert e.value.errno == errno.ENOSPC
