@@ -286,7 +286,8 @@ class _Hostile:
         hs = HeadSync(run_id=self.recipe.run, policy_version=10**12, hidden_size=cfg.target_hidden_size,
                       vocab_size=cfg.vocab_size, norm_eps=1e-5, norm_weight=torch.ones(cfg.target_hidden_size),
                       draft_to_target=d2t, rows=torch.zeros(d2t.numel(), cfg.target_hidden_size).bfloat16())
-        self._send("insider_huge_policy_version", self.keyed, self._signed(hs))
+        self.sent["insider_huge_policy_version"] = 1
+        self.keyed.send_multipart(self._signed(hs))  # blocks until queued: this one must arrive
 
 
 def role_hostile(a: argparse.Namespace) -> None:
@@ -410,7 +411,7 @@ def _fill(disk: Path) -> int:
 def orchestrate(a: argparse.Namespace) -> dict[str, Any]:
     from draft_align.cotrain import spawn_sidecar, write_resolved
     from draft_align.sidecar.launch import starting_draft
-    from draft_align.sidecar.layout import SIDECAR_DIR, STATE_FILE
+    from draft_align.sidecar.layout import READY_FILE, SIDECAR_DIR, STATE_FILE
 
     disk, mounted = _mount_disk(a.disk_mb)
     work = Path(tempfile.mkdtemp(prefix="draft-align-soak-work-"))
@@ -450,6 +451,14 @@ def orchestrate(a: argparse.Namespace) -> dict[str, Any]:
     down_s = 0.0
     legit_windows: list[tuple[bool, dict[str, Any]]] = []  # (sidecar up, legit stats) every second
     crashes = []
+    up_s = 0.0  # seconds (one-second samples) the sidecar was running with its sockets bound
+
+    def ready() -> bool:
+        """The running sidecar has bound its sockets (its ready file names its pid)."""
+        try:
+            return json.loads((recipe.run_dir / SIDECAR_DIR / READY_FILE).read_text())["pid"] == sidecar.pid
+        except (OSError, ValueError, KeyError):
+            return False
 
     def legit_stats() -> dict[str, Any]:
         try:
@@ -474,7 +483,9 @@ def orchestrate(a: argparse.Namespace) -> dict[str, Any]:
         s = _scrape(recipe.run_dir)
         if s is not None:
             last_scrape = s
-        legit_windows.append((down_since is None and sidecar.poll() is None, legit_stats()))
+        up = sidecar.poll() is None and ready()
+        legit_windows.append((up, legit_stats()))
+        up_s += 1.0 if up else 0.0
         if sidecar.poll() is not None:  # it exited by itself: a crash (or a clean stop we did not ask for)
             crashes.append({"t": now - t0, "rc": sidecar.returncode})
             down_since = now
@@ -550,6 +561,7 @@ def orchestrate(a: argparse.Namespace) -> dict[str, Any]:
             if k.startswith("rejected:"):
                 rejected[k.split(":", 1)[1]] = rejected.get(k.split(":", 1)[1], 0) + v
     rss_mb = [v / 2**20 for _, v in rss]
+    delivered = sum(hostile_stats["sent"].values()) - sum(hostile_stats["blocked"].values())
     quarter = max(1, len(rss) // 4)
     out = {
         "command": "python benchmarks/soak.py " + " ".join(sys.argv[1:]),
@@ -558,6 +570,8 @@ def orchestrate(a: argparse.Namespace) -> dict[str, Any]:
         "hostile_sent_total": sum(hostile_stats["sent"].values()),
         "hostile_msgs_per_s": round(sum(hostile_stats["sent"].values()) / max(1e-9, hostile_stats["seconds"]), 1),
         "hostile_not_delivered_by_category": hostile_stats["blocked"],
+        "hostile_delivered_total": delivered,
+        "hostile_delivered_per_s": round(delivered / max(1e-9, hostile_stats["seconds"]), 1),
         "sidecar_rejected_by_reason": rejected,
         "sidecar_state": {k: state.get(k) for k in (
             "published_version", "train_steps", "trained_tokens", "ingested_messages", "restarts", "rl_restarts",
@@ -566,6 +580,7 @@ def orchestrate(a: argparse.Namespace) -> dict[str, Any]:
         "legit": {"steps": final_legit.get("steps"), "sender": final_legit.get("sender"),
                   "dropped_while_up": up_drops, "dropped_while_down": down_drops},
         "sidecar_down_s": round(down_s, 1),
+        "sidecar_ready_s": round(up_s, 1),
         "kills": kills, "crashes": crashes, "restarts_survived": len(kills),
         "versions_verified": verified, "version_problems": problems, "tmp_folders_left": tmp_left,
         "rss_mib": {"min": round(min(rss_mb), 1), "max": round(max(rss_mb), 1),
@@ -581,6 +596,10 @@ def orchestrate(a: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def _nonzero(d: dict[str, int]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in d.items() if v) or "0"
+
+
 def _markdown(r: dict[str, Any]) -> str:
     sent = r["hostile_sent_by_category"]
     rej = r["sidecar_rejected_by_reason"]
@@ -589,10 +608,14 @@ def _markdown(r: dict[str, Any]) -> str:
         f"`{r['command']}` — measured on this 2-core CPU: SmolLM2-135M fp32, the sidecar as `cotrain` starts it "
         f"(one torch thread), for {r['minutes']} minutes.", "",
         "| figure | value |", "|---|---|",
-        f"| hostile messages sent | {r['hostile_sent_total']:,} ({r['hostile_msgs_per_s']} msgs/s) |",
+        f"| hostile messages attempted | {r['hostile_sent_total']:,} ({r['hostile_msgs_per_s']} msgs/s) |",
+        f"| hostile messages delivered (the rest stayed in the attacker's own full queue or failed the handshake) | "
+        f"{r['hostile_delivered_total']:,} ({r['hostile_delivered_per_s']} msgs/s) |",
         f"| legit RL steps offered | {r['legit']['steps']} |",
-        f"| legit drops while the sidecar was up (goal 0) | {r['legit']['dropped_while_up']} |",
-        f"| legit drops while it was down ({r['sidecar_down_s']} s down in all) | {r['legit']['dropped_while_down']} |",
+        f"| legit drops while the sidecar was up, sockets bound ({r['sidecar_ready_s']:.0f} s; goal 0) | "
+        f"{_nonzero(r['legit']['dropped_while_up'])} |",
+        f"| legit drops while it was dead or starting (killed: {r['sidecar_down_s']} s before each restart; "
+        f"then loading until bound) | {_nonzero(r['legit']['dropped_while_down'])} |",
         f"| kill -9 and restarts survived | {r['restarts_survived']} (crashes: {len(r['crashes'])}) |",
         f"| draft versions verified (sha256) | {r['versions_verified']} (problems: {len(r['version_problems'])}; "
         f"temp folders left: {len(r['tmp_folders_left'])}) |",
@@ -605,9 +628,11 @@ def _markdown(r: dict[str, Any]) -> str:
         f"{r['sidecar_state']['nonfinite_heads']} / {r['sidecar_state']['rl_restarts']} / "
         f"{r['sidecar_state']['held_dropped_records']} |",
         f"| sidecar exit after the final report | {r['sidecar_exit']} |", "",
-        "Hostile messages by category (attempts; `not delivered`: the sidecar was down or refused the handshake):", "",
-        "| category | sent | not delivered |", "|---|---|---|",
-        *[f"| {k} | {v:,} | {r['hostile_not_delivered_by_category'].get(k, 0):,} |" for k, v in sorted(sent.items())],
+        "Hostile messages by category (`delivered`: taken by the sidecar's socket; the others waited in the attacker's "
+        "own queue, bounded by its high-water mark, or failed the handshake):", "",
+        "| category | attempted | delivered |", "|---|---|---|",
+        *[f"| {k} | {v:,} | {v - r['hostile_not_delivered_by_category'].get(k, 0):,} |"
+          for k, v in sorted(sent.items())],
         "",
         "Rejections counted by the sidecar, by reason (summed over its incarnations, from its Prometheus page):", "",
         "| reason | count |", "|---|---|", *[f"| {k} | {int(v):,} |" for k, v in sorted(rej.items())], "",
