@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -23,9 +22,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from draft_align.config import CotrainRecipe
+from draft_align.rl.rollouts import start_rollout_engine
+from draft_align.sidecar.process import spawn_sidecar, stop_sidecar, wait_ready
 
 if TYPE_CHECKING:
-    from draft_align.engines.rollout_types import DraftVersion
     from draft_align.rl.drafts import Notifications
 
 log = logging.getLogger(__name__)
@@ -62,51 +62,6 @@ def write_resolved(recipe: CotrainRecipe) -> Path:
     from draft_align.config import save_recipe
 
     return save_recipe(recipe, recipe.run_dir / RESOLVED_RECIPE)
-
-
-def spawn_sidecar(recipe_file: Path, start: Path, log_file: Path, ranks: int = 1) -> subprocess.Popen:
-    """The sidecar as a child process; with ``ranks`` > 1 under torchrun (one rank per process)."""
-    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"] if ranks > 1 else []
-    cmd = [sys.executable, *launcher, "-m", "draft_align", "sidecar", str(recipe_file), "--draft", str(start),
-           "--exit-when-done"]
-    fh = open(log_file, "ab")  # noqa: SIM115 - owned by the child for its lifetime
-    return subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def wait_ready(proc: subprocess.Popen, run_dir: Path, timeout_s: float) -> bool:
-    """At start only: wait until the sidecar has bound its sockets (its ready file names its pid), so the
-    first steps' taps are not dropped while it loads.  False on timeout or if it died (the RL job then runs
-    on: it never depends on the sidecar)."""
-    from draft_align.sidecar.layout import READY_FILE, SIDECAR_DIR
-
-    path = run_dir / SIDECAR_DIR / READY_FILE
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end and proc.poll() is None:
-        try:
-            ready = json.loads(path.read_text())
-            if proc.pid in (ready.get("pid"), ready.get("ppid")):  # ppid: torchrun's agent (sidecar.ranks > 1)
-                return True
-        except (FileNotFoundError, json.JSONDecodeError):
-            pass
-        time.sleep(0.2)
-    log.warning("the sidecar is not ready after %.0f s (exit code %s): the RL job starts without it",
-                timeout_s, proc.poll())
-    return False
-
-
-def stop_sidecar(proc: subprocess.Popen, timeout_s: float) -> int | None:
-    """Wait up to ``timeout_s`` for the sidecar to finish on its own, then SIGTERM, then SIGKILL."""
-    try:
-        return proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        proc.terminate()
-    try:
-        return proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        return proc.wait()
-
-
 
 
 def build_job(
@@ -149,47 +104,6 @@ def build_job(
     engine = start_rollout_engine(recipe, drafts.frozen_version, kl_prompts)
     return GRPOJob(recipe, policy, tok, prompts, kl_sequences, drafts, tap, sink, recipe.run_dir, eos,
                    extra_metrics=extra, engine=engine)
-
-
-def start_rollout_engine(recipe: CotrainRecipe, frozen: DraftVersion | None, probe_prompts: list[torch.Tensor]) -> Any:
-    """The vLLM rollout engine ``rl.engine`` asks for, or None for the reference decoder.
-
-    ``frozen``: the verified starting draft.  ``auto``: vLLM when it is importable and starts on the target; a
-    start failure is logged as an error and the job continues on the reference decoder.  ``vllm``: a failure
-    raises.  The probe guard decodes the first ``rl.engine_probe_prompts`` held-out prompts at T = 0 after
-    each newly offered draft.  The launcher sets the vLLM-CPU environment first (``set_cpu_env``).
-    """
-    from draft_align.engines.vllm import start as vllm_start
-    from draft_align.engines.vllm.refresher import ProbeGuard
-
-    rl = recipe.rl
-    if rl.engine == "reference" or (rl.engine == "auto" and not vllm_start.vllm_available()):
-        if rl.engine == "auto":
-            log.warning("rl.engine auto: vLLM is not installed; rollouts use the reference decoder (batch 1)")
-        return None
-    from draft_align.publish.folder import MTP_FORMAT
-
-    if frozen is not None and frozen.manifest.get("format") == MTP_FORMAT:
-        if rl.engine == "vllm":
-            raise ValueError("rl.engine=vllm: the vLLM adapter serves EAGLE-3 drafts; an MTP draft needs "
-                             "rl.engine=reference (or auto)")
-        log.warning("rl.engine auto: the starting draft is an MTP head; rollouts use the reference decoder")
-        return None
-    from draft_align.engines.vllm import rollouts as vllm_rollouts
-
-    probes = [{"prompt_token_ids": p.tolist()} for p in probe_prompts[: max(1, rl.engine_probe_prompts)]]
-    try:
-        guard = ProbeGuard(tuple(probes), max_tokens=rl.engine_probe_tokens, min_ratio=rl.engine_probe_min_ratio)
-        return vllm_rollouts.VLLMRollouts(
-            recipe.target.model, frozen, k=rl.spec_k, verify_mode=rl.verify_mode, dtype=recipe.target.dtype,
-            max_model_len=rl.engine_max_model_len, seed=recipe.seed, guard=guard, enforce_eager=True,
-        )  # fmt: skip
-    except (vllm_start.EngineError, ValueError) as e:
-        if rl.engine == "vllm":
-            raise
-        log.error("rl.engine auto: vLLM could not serve %s (%s); rollouts use the reference decoder",
-                  recipe.target.model, e)  # fmt: skip
-        return None
 
 
 def set_process_env(recipe: CotrainRecipe) -> None:

@@ -66,3 +66,31 @@ def merged_layer_weights(model: nn.Module, dtype: torch.dtype | None = None) -> 
         if decoder_layer_of(name) in layers and not name.endswith("inv_freq"):
             out.setdefault(name, buf.detach())
     return out
+
+
+def policy_layer_weights(model: nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """What an engine reloads to serve ``model``'s current weights: :func:`merged_layer_weights` when it holds
+    LoRA modules; for a fully fine-tuned model (no LoRA), every decoder layer's tensors.
+
+    Full fine-tuning must leave the embedding, the final norm and the lm_head frozen: they are not reloaded
+    (the EAGLE-3 draft shares the embedding), so a trainable one raises LoraLayoutError instead of serving a
+    policy the engine does not hold.
+    """
+    from peft.tuners.lora import LoraLayer
+
+    if any(isinstance(m, LoraLayer) for m in model.modules()):
+        return merged_layer_weights(model, dtype)
+    outside = [n for n, p in model.named_parameters() if p.requires_grad and decoder_layer_of(n) is None]
+    if outside:
+        raise LoraLayoutError(
+            f"full fine-tuning trains {outside[:3]} outside the decoder layers: the engine sync reloads decoder "
+            f"layers only; freeze them (requires_grad_(False)) or train a LoRA"
+        )
+    out: dict[str, torch.Tensor] = {}
+    for name, param in model.named_parameters():
+        if decoder_layer_of(name) is not None:
+            out[name] = param.detach().to(dtype) if dtype is not None else param.detach()
+    for name, buf in model.named_buffers():
+        if decoder_layer_of(name) is not None and not name.endswith("inv_freq"):
+            out.setdefault(name, buf.detach())
+    return out

@@ -11,9 +11,10 @@ and :class:`draft_align.engines.vllm.rollouts.VLLMRollouts`.
 
 from __future__ import annotations
 
+import logging
 import random
 from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -31,6 +32,11 @@ from draft_align.engines.rollout_types import (
 from draft_align.monitor.acceptance import AcceptanceTally
 from draft_align.monitor.specdec import SpecDecoder
 from draft_align.rl.drafts import DraftSource
+
+if TYPE_CHECKING:
+    from draft_align.config import CotrainRecipe
+
+log = logging.getLogger(__name__)
 
 SEED_BITS = 63  # torch.Generator seeds of the reference decoder
 
@@ -81,6 +87,20 @@ def plan_rollouts(
     return RolloutPlan(planned, rng.getstate())
 
 
+def plan_given(seed: int, step: int, num_rollouts: int, frozen_fraction: float) -> RolloutPlan:
+    """A plan for rollouts whose prompts are given (another framework chose them): rollout i decodes prompt i,
+    a random ``round(frozen_fraction · n)`` of them on the frozen draft; drawn from
+    ``random.Random(f"given:{seed}:{step}")``, so the same step gets the same plan."""
+    if num_rollouts < 1:
+        raise ValueError(f"num_rollouts must be ≥ 1, got {num_rollouts}")
+    if not 0.0 <= frozen_fraction <= 1.0:
+        raise ValueError(f"frozen_fraction={frozen_fraction} must be in [0, 1]")
+    rng = random.Random(f"given:{seed}:{step}")
+    frozen = set(rng.sample(range(num_rollouts), round(frozen_fraction * num_rollouts)))
+    planned = tuple(PlannedRollout(i, i, "frozen" if i in frozen else "adapted") for i in range(num_rollouts))
+    return RolloutPlan(planned, rng.getstate())
+
+
 class ReferenceRollouts:
     """Rollouts by :class:`~draft_align.monitor.specdec.SpecDecoder` (batch 1, target = the policy, ``k``
     drafts per round, ``verify_mode``) with the drafts of ``drafts``; acceptance from its per-rollout tallies.
@@ -128,4 +148,45 @@ class ReferenceRollouts:
         return {}
 
     def shutdown(self) -> None:
+        return None
+
+
+def start_rollout_engine(recipe: CotrainRecipe, frozen: DraftVersion | None, probe_prompts: list[torch.Tensor]) -> Any:
+    """The vLLM rollout engine ``rl.engine`` asks for, or None for the reference decoder.
+
+    ``frozen``: the verified starting draft.  ``auto``: vLLM when it is importable and starts on the target; a
+    start failure is logged as an error and the job continues on the reference decoder.  ``vllm``: a failure
+    raises.  The probe guard decodes the first ``rl.engine_probe_prompts`` held-out prompts at T = 0 after
+    each newly offered draft.  The launcher sets the vLLM-CPU environment first (``set_cpu_env``).
+    """
+    from draft_align.engines.vllm import start as vllm_start
+    from draft_align.engines.vllm.refresher import ProbeGuard
+
+    rl = recipe.rl
+    if rl.engine == "reference" or (rl.engine == "auto" and not vllm_start.vllm_available()):
+        if rl.engine == "auto":
+            log.warning("rl.engine auto: vLLM is not installed; rollouts use the reference decoder (batch 1)")
+        return None
+    from draft_align.publish.folder import MTP_FORMAT
+
+    if frozen is not None and frozen.manifest.get("format") == MTP_FORMAT:
+        if rl.engine == "vllm":
+            raise ValueError("rl.engine=vllm: the vLLM adapter serves EAGLE-3 drafts; an MTP draft needs "
+                             "rl.engine=reference (or auto)")
+        log.warning("rl.engine auto: the starting draft is an MTP head; rollouts use the reference decoder")
+        return None
+    from draft_align.engines.vllm import rollouts as vllm_rollouts
+
+    probes = [{"prompt_token_ids": p.tolist()} for p in probe_prompts[: max(1, rl.engine_probe_prompts)]]
+    try:
+        guard = ProbeGuard(tuple(probes), max_tokens=rl.engine_probe_tokens, min_ratio=rl.engine_probe_min_ratio)
+        return vllm_rollouts.VLLMRollouts(
+            recipe.target.model, frozen, k=rl.spec_k, verify_mode=rl.verify_mode, dtype=recipe.target.dtype,
+            max_model_len=rl.engine_max_model_len, seed=recipe.seed, guard=guard, enforce_eager=True,
+        )  # fmt: skip
+    except (vllm_start.EngineError, ValueError) as e:
+        if rl.engine == "vllm":
+            raise
+        log.error("rl.engine auto: vLLM could not serve %s (%s); rollouts use the reference decoder",
+                  recipe.target.model, e)  # fmt: skip
         return None

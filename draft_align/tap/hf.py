@@ -22,11 +22,14 @@ from draft_align.tap.shipping import (
     check_head_sync_args,
     check_step_args,
     check_tap_args,
+    full_tensor,
+    head_logit_stats,
     host_ids,
     host_masks,
     host_tensors,
     logit_stats,
     offer_head_sync,
+    row_starts,
     ship,
 )
 from draft_align.wire.messages import HeadSync
@@ -54,7 +57,9 @@ class HFPolicyTap:
     skipped: the draft has nothing to learn from them.
 
     ``logits`` given to :meth:`submit` must be the policy's raw logits (temperature 1, not divided by
-    the sampling temperature): next_logprob, logit_lse and top-k are defined at temperature 1.
+    the sampling temperature): next_logprob, logit_lse and top-k are defined at temperature 1.  Where the
+    job's pass never materialises logits (a fused LM head that computes log-probs only), ``logits=None``:
+    the statistics of the kept rows are computed from the captured final state × the model's lm_head.
     """
 
     def __init__(
@@ -81,7 +86,7 @@ class HFPolicyTap:
         self.send_final = bool(send_final)
         self.rank = int(rank)
         self.max_tokens_per_message = int(max_tokens_per_message)
-        self._tap = HFTap(model, tuple(aux_layer_ids), capture_final=self.send_final)
+        self._tap = HFTap(model, tuple(aux_layer_ids), capture_final=True)  # a reference; copied only when kept
         self.aux_layer_ids = self._tap.aux_layer_ids
         self.hidden_size = int(norm.weight.shape[0])
         self.vocab_size = int(lm_head.weight.shape[0])
@@ -102,34 +107,48 @@ class HFPolicyTap:
 
     def submit(
         self, *, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor,
-        logits: torch.Tensor, policy_version: int, step: int, temperature: float,
+        logits: torch.Tensor | None, policy_version: int, step: int, temperature: float,
     ) -> None:
         """Offer the micro-batch whose forward just ran inside ``capturing()`` to this step's sample.
 
-        input_ids, attention_mask, loss_mask [B, T] (right-padded: row b's valid tokens are the prefix
-        where attention_mask is 1; loss_mask marks response tokens, never padding); logits [B, T, V].
+        input_ids, attention_mask, loss_mask [B, T]: row b's valid tokens (attention_mask 1) are one
+        contiguous block — right-padded, or a left-padded prompt followed by a right-padded response —;
+        loss_mask marks response tokens, never padding.  logits [B, T, V], or None: computed for the kept
+        rows only from the captured final state × lm_head (see the class docstring).
         """
         cap = self._capture.take()
         check_step_args(policy_version, step, temperature)
         shape, valid, response = host_masks(input_ids, attention_mask, loss_mask)
-        if not isinstance(logits, torch.Tensor) or logits.dim() != 3 or tuple(logits.shape[:2]) != shape:
-            raise PolicyTapError(f"logits must be [B, T, V] with [B, T] = {shape}, got {tuple(logits.shape)}")
-        if int(logits.shape[2]) != self.vocab_size:
-            raise PolicyTapError(f"logits vocab {logits.shape[2]} ≠ model vocab {self.vocab_size}")
+        if logits is not None:
+            if not isinstance(logits, torch.Tensor) or logits.dim() != 3 or tuple(logits.shape[:2]) != shape:
+                raise PolicyTapError(
+                    f"logits must be [B, T, V] with [B, T] = {shape}, got {tuple(getattr(logits, 'shape', ()))}"
+                )
+            if int(logits.shape[2]) != self.vocab_size:
+                raise PolicyTapError(f"logits vocab {logits.shape[2]} ≠ model vocab {self.vocab_size}")
         if tuple(cap.aux.shape[:2]) != shape:
             raise PolicyTapError(
                 f"captured forward was on a [{cap.aux.shape[0]}, {cap.aux.shape[1]}] batch, submit got {shape}:"
                 " submit() must follow the forward pass of the same batch"
             )
-        ids_host = host_ids(input_ids, valid, response, self.vocab_size)
+        ids_host = host_ids(input_ids, valid, response, self.vocab_size, padding="block")
+        starts = row_starts(valid)
 
         lengths, kept = self._sample.admit(valid, response)
+        head = None
+        if logits is None and kept:
+            _, _, _, lm_head = decoder_parts(self.model)
+            head = (lm_head.weight.detach(), None if lm_head.bias is None else lm_head.bias.detach())
         ready = None
         for b, h in kept:
-            n = lengths[b]
-            stats = logit_stats(logits[b, :n].detach(), input_ids[b, :n], self.topk)
-            final = cap.final[b, :n] if self.send_final else None
-            tensors = host_tensors(ids_host[b, :n], response[b, :n], cap.aux[b, :n], final, stats)
+            n, s0 = lengths[b], starts[b]
+            rows = slice(s0, s0 + n)
+            if head is None:
+                stats = logit_stats(logits[b, rows].detach(), input_ids[b, rows], self.topk)
+            else:
+                stats = head_logit_stats(cap.final[b, rows], head[0], head[1], input_ids[b, rows], self.topk)
+            final = cap.final[b, rows] if self.send_final else None
+            tensors = host_tensors(ids_host[b, rows], response[b, rows], cap.aux[b, rows], final, stats)
             seq = KeptSequence(int(step), int(policy_version), float(temperature), n, tensors)
             if cap.aux.device.type == "cuda":
                 if ready is None:
@@ -169,7 +188,7 @@ class HFPolicyTap:
             raise PolicyTapError("lm_head is adapter-wrapped: its .weight would miss the adapter's update")
         if getattr(norm, "weight", None) is None:
             raise PolicyTapError(f"{type(norm).__name__}: final norm has no weight")
-        weight = lm_head.weight.detach()
+        weight = full_tensor(lm_head.weight.detach())
         rows = weight[d2t.to(weight.device)].to(torch.bfloat16).to("cpu").contiguous()  # a copy (gather)
         message = HeadSync(
             run_id=self.run_id, policy_version=int(policy_version), hidden_size=self.hidden_size,

@@ -1,7 +1,7 @@
 """What an RL job sees of a policy-side Tap, whatever its framework (HF transformers, megatron-core).
 
 The RL job wraps the forward passes it already runs (log-prob or training pass) in ``capturing()`` and
-hands each micro-batch's logits to ``submit()``; ``end_step()`` packs what was kept into ``TapBatch``
+hands each micro-batch's logits (or None, after a fused LM head) to ``submit()``; ``end_step()`` packs what was kept into ``TapBatch``
 messages and offers them to a non-blocking :class:`TapSink`; ``head_sync()`` ships the final norm and
 lm_head rows once per policy version.  No extra forward pass, no blocking send, drops are counted.
 """
@@ -43,9 +43,10 @@ class PolicyTap(Protocol):
 
     def submit(
         self, *, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor,
-        logits: torch.Tensor, policy_version: int, step: int, temperature: float,
+        logits: torch.Tensor | None, policy_version: int, step: int, temperature: float,
     ) -> None:
-        """Offer the micro-batch whose forward just ran to this step's sample."""
+        """Offer the micro-batch whose forward just ran to this step's sample (``logits`` None: a fused head
+        gave none; a tap that can, computes the kept rows' statistics from the captured final state)."""
         ...
 
     def end_step(self) -> int:

@@ -10,7 +10,7 @@ import contextlib
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, Literal, Protocol, TypeVar
 
 import torch
 
@@ -21,6 +21,9 @@ from draft_align.wire.messages import HeadSync
 from draft_align.wire.schema import WireError
 
 logger = logging.getLogger(__name__)
+
+#: How a policy tap's rows are padded (see :func:`host_ids`).
+Padding = Literal["right", "block"]
 
 C = TypeVar("C")
 C_co = TypeVar("C_co", covariant=True)
@@ -145,12 +148,52 @@ def logit_stats(
     Works in chunks of ≤ ``max_elements`` logits so a long sequence never materialises [L, V] in float32.
     """
     length, vocab = logits.shape
-    nxt, lse, k_ids, k_lp = stat_buffers(length, topk, logits.device)
-    ids = input_ids.to(device=logits.device, dtype=torch.int64)
+    return _chunked_stats(lambda s, e: logits[s:e], length, vocab, input_ids, topk, logits.device, max_elements)
+
+
+def head_logit_stats(
+    final: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, input_ids: torch.Tensor, topk: int,
+    max_elements: int = 1 << 26,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """:func:`logit_stats` of one sequence whose logits were never materialised (a fused LM head computes
+    only log-probs): final post-norm states [L, H] × the lm_head ``weight`` [V, H] (+ ``bias`` [V]), in the
+    weight's dtype as the model's own head would, chunk by chunk (≤ ``max_elements`` logits at a time).
+    A sharded weight (a DTensor under FSDP2) is gathered first; under ZeRO-3 the caller gathers it."""
+    weight = full_tensor(weight)
+    bias = full_tensor(bias) if bias is not None else None
+    if final.dim() != 2 or weight.dim() != 2 or int(final.shape[1]) != int(weight.shape[1]):
+        raise PolicyTapError(
+            f"final states {tuple(final.shape)} and lm_head weight {tuple(weight.shape)} do not multiply "
+            "([L, H] × [V, H]ᵀ); under ZeRO-3 gather the head first"
+        )
+    h = final.to(device=weight.device, dtype=weight.dtype)
+
+    def chunk(s: int, e: int) -> torch.Tensor:
+        return torch.nn.functional.linear(h[s:e], weight, bias)
+
+    return _chunked_stats(chunk, int(h.shape[0]), int(weight.shape[0]), input_ids, topk, weight.device,
+                          max_elements)  # fmt: skip
+
+
+def full_tensor(x: torch.Tensor) -> torch.Tensor:
+    """``x`` whole: a DTensor (FSDP2 / tensor-parallel shards) gathered, any other tensor as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return x.full_tensor() if isinstance(x, DTensor) else x
+
+
+def _chunked_stats(
+    chunk_logits: Callable[[int, int], torch.Tensor], length: int, vocab: int, input_ids: torch.Tensor,
+    topk: int, device: torch.device, max_elements: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The statistics of :func:`logit_stats` from ``chunk_logits(s, e)`` → the logits [e − s, V] of
+    positions s..e−1, at most ``max_elements`` logits per chunk."""
+    nxt, lse, k_ids, k_lp = stat_buffers(length, topk, device)
+    ids = input_ids.to(device=device, dtype=torch.int64)
     rows = max(1, max_elements // max(vocab, 1))
     for s in range(0, length, rows):
         e = min(length, s + rows)
-        lg = logits[s:e].float()  # [c, V]
+        lg = chunk_logits(s, e).float()  # [c, V]
         z = torch.logsumexp(lg, dim=-1)  # [c]
         lse[s:e] = z
         last = min(e, length - 1)  # positions s..last−1 have a next token
@@ -218,17 +261,33 @@ def host_masks(
     return shape, as_binary("attention_mask", attention_mask, shape), as_binary("loss_mask", loss_mask, shape)
 
 
-def host_ids(input_ids: torch.Tensor, valid: torch.Tensor, response: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """input_ids [B, T] as int64 on the host, after checking the masks [B, T] (right-padded, loss only on
-    valid tokens) and that valid ids are in 0..vocab_size−1."""
-    if valid.shape[1] > 1 and bool((valid[:, 1:] & ~valid[:, :-1]).any()):
-        raise PolicyTapError("attention_mask must be right-padded (each row's valid tokens a prefix)")
+def host_ids(
+    input_ids: torch.Tensor, valid: torch.Tensor, response: torch.Tensor, vocab_size: int,
+    padding: Padding = "right",
+) -> torch.Tensor:
+    """input_ids [B, T] as int64 on the host, after checking the masks [B, T] (``padding``: ``right`` — each
+    row's valid tokens a prefix —, or ``block`` — one contiguous block, left and/or right padded —; loss only
+    on valid tokens) and that valid ids are in 0..vocab_size−1."""
+    if padding == "right":
+        if valid.shape[1] > 1 and bool((valid[:, 1:] & ~valid[:, :-1]).any()):
+            raise PolicyTapError("attention_mask must be right-padded (each row's valid tokens a prefix)")
+    elif padding == "block":
+        if valid.shape[1] > 1 and bool(((valid[:, 1:] & ~valid[:, :-1]).sum(dim=1) + valid[:, 0] > 1).any()):
+            raise PolicyTapError("attention_mask must hold one contiguous block of valid tokens per row "
+                                 "(left- and/or right-padded)")
+    else:
+        raise PolicyTapError(f"padding {padding!r}: expected 'right' or 'block'")
     if bool((response & ~valid).any()):
         raise PolicyTapError("loss_mask marks padding positions (attention_mask == 0)")
     ids_host = input_ids.detach().to("cpu").to(torch.int64)
     if bool(((ids_host < 0) | (ids_host >= vocab_size))[valid].any()):
         raise PolicyTapError(f"input_ids outside 0..{vocab_size - 1} at valid positions")
     return ids_host
+
+
+def row_starts(valid: torch.Tensor) -> list[int]:
+    """The first valid position of each row of ``valid`` [B, T] bool (0 for an empty row)."""
+    return valid.to(torch.int8).argmax(dim=1).tolist()
 
 
 def eligible_rows(valid: torch.Tensor, response: torch.Tensor, counters: TapCounters) -> tuple[list[int], list[int]]:

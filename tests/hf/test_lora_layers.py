@@ -60,3 +60,21 @@ def test_lora_outside_decoder_layers_is_refused(tiny_world):
     policy = _policy(tiny_world.model, targets=("q_proj", "lm_head"))
     with pytest.raises(LoraLayoutError, match="outside the decoder layers"):
         merged_layer_weights(policy.hf_model)
+
+
+def test_policy_layer_weights_full_fine_tuning(tiny_llama):
+    """No LoRA: every decoder layer's tensors, as they are; a trainable embedding/lm_head is refused."""
+    from draft_align.hf.lora_layers import policy_layer_weights
+
+    model = tiny_llama(2, 40, 32)
+    model.requires_grad_(False)
+    for p in model.model.layers.parameters():
+        p.requires_grad_(True)
+    weights = policy_layer_weights(model, torch.bfloat16)
+    names = {n for n, _ in model.named_parameters() if n.startswith("model.layers.")}
+    assert set(weights) == names and all(t.dtype == torch.bfloat16 for t in weights.values())
+    assert torch.equal(weights["model.layers.1.mlp.up_proj.weight"],
+                       model.model.layers[1].mlp.up_proj.weight.to(torch.bfloat16))
+    model.lm_head.weight.requires_grad_(True)
+    with pytest.raises(LoraLayoutError, match="outside the decoder layers"):
+        policy_layer_weights(model)

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 from draft_align.engines.rollout_types import DRAFT_KINDS, Decoding
 from draft_align.monitor.acceptance import AcceptanceTally
 from draft_align.rl.drafts import DraftSource
-from draft_align.rl.rollouts import SEED_BITS, ReferenceRollouts, RolloutEngine, plan_rollouts
+from draft_align.rl.rollouts import SEED_BITS, ReferenceRollouts, RolloutEngine, plan_given, plan_rollouts
 
 K = 2
 EOS = frozenset({2})
@@ -32,6 +32,18 @@ def test_plan_is_seeded_group_major_and_splits_the_drafts():
     assert {p.index for p in plan.rollouts if p.draft == "frozen"} == frozen
     assert plan.seeds(63) == [rng.getrandbits(63) for _ in range(12)] == plan.seeds(63)
     assert all(p.draft == "adapted" for p in plan_rollouts(3, 5, 10, 3, 4, 0.0).rollouts)
+
+
+def test_plan_given_keeps_the_prompt_order_and_splits_the_drafts():
+    plan = plan_given(seed=3, step=5, num_rollouts=8, frozen_fraction=0.5)
+    assert plan == plan_given(3, 5, 8, 0.5) and plan != plan_given(3, 6, 8, 0.5)
+    assert [(p.index, p.prompt_index) for p in plan.rollouts] == [(i, i) for i in range(8)]
+    assert sum(p.draft == "frozen" for p in plan.rollouts) == 4
+    assert all(p.draft == "frozen" for p in plan_given(0, 0, 3, 1.0).rollouts)
+    with pytest.raises(ValueError, match="frozen_fraction"):
+        plan_given(0, 0, 3, 1.5)
+    with pytest.raises(ValueError, match="num_rollouts"):
+        plan_given(0, 0, 0, 0.5)
 
 
 def test_both_engines_have_the_protocol_members():

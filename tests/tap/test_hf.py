@@ -139,6 +139,45 @@ def test_kept_sequences_equal_single_sequence_forward(tiny_lm, topk):
     assert (st["sequences_seen"], st["messages_offered"], st["messages_dropped"]) == (3, 1, 0)
 
 
+@pytest.mark.parametrize("send_final", [True, False])
+def test_fused_head_and_left_padding_give_the_same_batch(tiny_lm, send_final):
+    """logits=None (a fused LM head): statistics from the captured final state × lm_head; rows a left-padded
+    prompt then a right-padded response (one block each): the same TapBatch as right-padded rows with logits."""
+    seqs = random_seqs(3, [7, 4, 10], seed=4)
+    prompts = [3, 2, 4]
+    right, left = ListSink(), ListSink()
+    kw = dict(run_id="r", tokens_per_step=1000, topk=3, send_final=send_final)
+    ref_tap = HFPolicyTap(tiny_lm, AUX, right, **kw)
+    tap_forward(ref_tap, tiny_lm, seqs, prompts)
+    ref_tap.end_step()
+    tap = HFPolicyTap(tiny_lm, AUX, left, **kw)
+    pw = max(prompts)
+    cw = max(len(s) - p for s, p in zip(seqs, prompts, strict=True))
+    ids = torch.zeros(3, pw + cw, dtype=torch.long)
+    am = torch.zeros_like(ids)
+    for i, (s, p) in enumerate(zip(seqs, prompts, strict=True)):
+        ids[i, pw - p : pw - p + len(s)] = torch.tensor(s)
+        am[i, pw - p : pw - p + len(s)] = 1
+    lm = am.bool() & (torch.arange(pw + cw) >= pw)
+    with torch.no_grad(), tap.capturing():
+        tiny_lm.model(input_ids=ids, attention_mask=am)  # the backbone only: no logits exist
+        tap.submit(input_ids=ids, attention_mask=am, loss_mask=lm, logits=None, policy_version=0, step=0,
+                   temperature=1.0)
+    tap.end_step()
+    for want, got in zip(unpack(right.messages[0]), unpack(left.messages[0]), strict=True):
+        assert torch.equal(want["input_ids"], got["input_ids"]) and torch.equal(want["loss_mask"], got["loss_mask"])
+        assert torch.equal(want["topk_ids"], got["topk_ids"])
+        for name in ("aux", "final_hidden", "next_logprob", "logit_lse", "topk_logprobs"):
+            if want[name] is None:
+                assert got[name] is None
+                continue
+            torch.testing.assert_close(got[name].float(), want[name].float(), atol=2e-2, rtol=1e-2)
+    with pytest.raises(PolicyTapError, match="do not multiply"):
+        from draft_align.tap.shipping import head_logit_stats
+
+        head_logit_stats(torch.zeros(3, 32), torch.zeros(0), None, torch.zeros(3, dtype=torch.long), 1)
+
+
 def test_no_final_no_topk(tiny_lm):
     sink = ListSink()
     tap = HFPolicyTap(tiny_lm, (1, 4), sink, run_id="r", tokens_per_step=100, send_final=False, topk=0)
@@ -375,9 +414,10 @@ def test_submit_errors(tiny_lm):
     on_pad[1, 4] = True
     with pytest.raises(PolicyTapError, match="padding"):
         submit_after_forward(loss_mask=on_pad)
-    left = am.flip(1)
-    with pytest.raises(PolicyTapError, match="right-padded"):
-        submit_after_forward(attention_mask=left, loss_mask=lm & left.bool())
+    holed = am.clone()
+    holed[0, 2] = 0  # two blocks of valid tokens in row 0
+    with pytest.raises(PolicyTapError, match="one contiguous block"):
+        submit_after_forward(attention_mask=holed, loss_mask=lm & holed.bool())
     with pytest.raises(PolicyTapError, match="0/1"):
         submit_after_forward(attention_mask=am * 2)
     with pytest.raises(PolicyTapError, match="outside"):

@@ -7,8 +7,9 @@ serialisation).  It implements :class:`draft_align.rl.rollouts.RolloutEngine`.
 - **Policy sync** (:meth:`VLLMRollouts.sync_policy`): before a step's rollouts the engine's target must be the
   current policy.  The LoRA policy is merged per tensor (:func:`~draft_align.hf.lora_layers.merged_layer_weights`)
   for every decoder layer that holds an adapter, and the worker reloads exactly those layers in place
-  (:func:`~draft_align.engines.vllm.worker_rpc.rpc_load_policy_layers`).  Version 0 (adapter B = 0) is the
-  base model the engine started from: no sync.
+  (:func:`~draft_align.engines.vllm.worker_rpc.rpc_load_policy_layers`); a fully fine-tuned policy (no LoRA)
+  reloads every decoder layer (:func:`~draft_align.hf.lora_layers.policy_layer_weights`).  Version 0 (adapter
+  B = 0, or the untouched weights) is the base model the engine started from: no sync.
 - **Drafts**: the engine serves either the frozen warm-start draft or the adapted one (the newest version that
   passed the :class:`~draft_align.engines.vllm.refresher.ProbeGuard`); :meth:`offer` applies a new verified
   version once (probe, rollback on collapse), :meth:`use` swaps between the two known-good versions without a
@@ -26,7 +27,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -44,12 +45,16 @@ from draft_align.engines.vllm.counters import SpecCounters
 from draft_align.engines.vllm.refresher import DraftRefresher, ProbeGuard
 from draft_align.engines.vllm.start import EngineError, collective_rpc, import_vllm, start_engine
 from draft_align.engines.vllm.worker_rpc import rpc_load_policy_layers
-from draft_align.hf.lora_layers import merged_layer_weights
+from draft_align.hf.lora_layers import policy_layer_weights
 from draft_align.monitor.acceptance import AcceptanceTally
 from draft_align.monitor.logprob_gap import logprob_gap
 
 log = logging.getLogger(__name__)
 
+#: Who keeps the engine's target on the current policy: ``layers`` — :meth:`VLLMRollouts.sync_policy` reloads
+#: the changed decoder layers —, ``external`` — the engine's owner does (TRL's colocate engine).
+PolicySync = Literal["layers", "external"]
+POLICY_SYNCS: tuple[str, ...] = ("layers", "external")
 VERIFY_TO_SAMPLE_METHOD = {"greedy_draft": "greedy", "probabilistic": "probabilistic"}
 SEED_BITS = 62  # per-request seeds vLLM's sampler takes
 
@@ -68,7 +73,8 @@ class VLLMRollouts:
 
     ``target``: the base model the policy's LoRA sits on (alias, folder or hub id); ``frozen``: the verified
     warm-start draft.  ``verify_mode``: ``greedy_draft`` (vLLM's default draft sampling) or ``probabilistic``;
-    vLLM has no "argmax everywhere" mode at T > 0.
+    vLLM has no "argmax everywhere" mode at T > 0.  ``llm``: an engine already running with ``frozen`` as its
+    EAGLE-3 draft (else one is started); ``policy_sync``: see :data:`PolicySync`.
     """
 
     def __init__(
@@ -82,6 +88,8 @@ class VLLMRollouts:
         max_model_len: int = 1024,
         seed: int = 0,
         guard: ProbeGuard | None = None,
+        llm: Any = None,
+        policy_sync: PolicySync = "layers",
         **llm_kwargs: Any,
     ) -> None:
         if verify_mode not in VERIFY_TO_SAMPLE_METHOD:
@@ -92,12 +100,19 @@ class VLLMRollouts:
         self.frozen = frozen
         self.k = int(k)
         self.verify_mode = verify_mode
+        if policy_sync not in POLICY_SYNCS:
+            raise EngineError(f"policy_sync {policy_sync!r}: expected one of {POLICY_SYNCS}")
+        self.policy_sync: PolicySync = policy_sync
         t0 = time.perf_counter()
-        llm_kwargs.setdefault("logprobs_mode", "processed_logprobs")  # after temperature, like the RL's log π
-        self.llm = start_engine(
-            target, frozen.path, k=self.k, draft_sample_method=VERIFY_TO_SAMPLE_METHOD[verify_mode],  # type: ignore[arg-type]
-            max_model_len=max_model_len, seed=seed, dtype=dtype, **llm_kwargs,
-        )  # fmt: skip
+        if llm is None:
+            llm_kwargs.setdefault("logprobs_mode", "processed_logprobs")  # after temperature, like the RL's log π
+            llm = start_engine(
+                target, frozen.path, k=self.k, draft_sample_method=VERIFY_TO_SAMPLE_METHOD[verify_mode],  # type: ignore[arg-type]
+                max_model_len=max_model_len, seed=seed, dtype=dtype, **llm_kwargs,
+            )  # fmt: skip
+        elif llm_kwargs:
+            raise EngineError(f"an engine that is already running takes no LLM arguments, got {sorted(llm_kwargs)}")
+        self.llm = llm
         self.start_s = time.perf_counter() - t0
         self.dtype = float_dtype(dtype)
         self.refresher = DraftRefresher(self.llm, guard=guard, serving=frozen)
@@ -118,8 +133,11 @@ class VLLMRollouts:
         weights were sent."""
         if version == self.policy_version:
             return False
+        if self.policy_sync == "external":  # its owner (TRL's colocate engine) synced it before the rollouts
+            self.policy_version = int(version)
+            return False
         t0 = time.perf_counter()
-        weights = merged_layer_weights(model, self.dtype)
+        weights = policy_layer_weights(model, self.dtype)
         info = collective_rpc(self.llm, rpc_load_policy_layers, weights, int(version))[0]
         self.llm.reset_prefix_cache()  # cached prompt blocks hold the previous policy's K/V
         self.policy_version = int(version)

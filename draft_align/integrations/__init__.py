@@ -1,0 +1,2 @@
+"""Adapters that attach draft_align to other RL frameworks (thin: they map a framework's hooks onto the
+Protocols of ``tap/``, ``rl/`` and ``engines/``)."""

@@ -1,0 +1,271 @@
+"""One draft_align run beside one TRL ``GRPOTrainer``: the sidecar, the wire, the drafts, the Tap and the
+rollout engine, started by :class:`~draft_align.integrations.trl.callback.DraftAlignCallback` and used by
+:meth:`DraftAlign.rollout_func`.
+
+The recipe is a co-training recipe (``kind: cotrain``, validated like every recipe): its ``target``, ``tap``,
+``wire``, ``sidecar`` and ``logging`` sections configure the sidecar side; of ``rl`` only what concerns
+rollouts is read (``temperature``, which must equal TRL's, ``spec_k``, ``verify_mode``, ``frozen_fraction``,
+``engine*``).  TRL owns everything else (prompts, rewards, the optimizer, steps).  ``sidecar``: ``spawn`` (a
+child process, like ``draft-align cotrain``), ``connect`` (one already running on the same run folder, e.g.
+``draft-align sidecar RECIPE``) or ``off`` (taps go nowhere; drafts are still picked up from ``latest``).
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from draft_align.config import CotrainRecipe, load_recipe, save_recipe
+from draft_align.engines.rollout_types import DRAFT_KINDS, Decoding
+from draft_align.integrations.trl.callback import DraftAlignCallback
+from draft_align.integrations.trl.checks import TRLConfigError, check_trainer
+from draft_align.integrations.trl.tap import TRLTap, policy_model
+from draft_align.rl.drafts import DraftSource
+from draft_align.rl.rollouts import RolloutEngine, plan_given, start_rollout_engine
+
+log = logging.getLogger(__name__)
+
+SidecarMode = Literal["spawn", "connect", "off"]
+SIDECAR_MODES: tuple[str, ...] = ("spawn", "connect", "off")
+RESOLVED_RECIPE = "cotrain_recipe.yaml"  # the same name `draft-align cotrain` writes: the sidecar reads it
+
+
+class DraftAlign:
+    """See the module docstring.  ``recipe``: a CotrainRecipe or a recipe file (``overrides``: key=value);
+    ``draft``: the starting draft (default: the recipe's ``draft`` or its warm-start's published draft)."""
+
+    def __init__(
+        self, recipe: CotrainRecipe | str | Path, overrides: Sequence[str] = (), *, draft: str | None = None,
+        sidecar: SidecarMode = "spawn", ready_timeout_s: float = 180.0, exit_timeout_s: float = 120.0,
+    ) -> None:
+        if sidecar not in SIDECAR_MODES:
+            raise TRLConfigError(f"sidecar={sidecar!r}: expected one of {SIDECAR_MODES}")
+        if isinstance(recipe, CotrainRecipe):
+            if overrides:
+                raise TRLConfigError("overrides apply to a recipe file, not to a CotrainRecipe object")
+            self.recipe = recipe
+        else:
+            self.recipe = load_recipe(recipe, list(overrides), CotrainRecipe)
+        self.recipe.validate()
+        from draft_align.sidecar.launch import starting_draft
+
+        self.start_draft = starting_draft(self.recipe, draft)  # a clear SidecarError when there is none
+        self.sidecar_mode: SidecarMode = sidecar
+        self.ready_timeout_s = float(ready_timeout_s)
+        self.exit_timeout_s = float(exit_timeout_s)
+        self.trainer: Any = None
+        self.proc: subprocess.Popen | None = None
+        self.sender: Any = None
+        self.notify: Any = None
+        self.drafts: DraftSource | None = None
+        self.tap: TRLTap | None = None
+        self.engine: RolloutEngine | None = None
+        self.step_metrics: dict[str, float | None] = {}  # this optimizer step's, reported at its end
+        self.reports_refused = 0
+        self.callback_s = 0.0
+
+    @property
+    def run_dir(self) -> Path:
+        return self.recipe.run_dir
+
+    def callback(self, trainer: Any) -> DraftAlignCallback:
+        """The TrainerCallback for ``trainer`` (``trainer.add_callback(da.callback(trainer))``); checks the
+        trainer's configuration now, so what cannot work fails before training starts."""
+        check_trainer(trainer, self.recipe, uses_rollout_func=self.uses_rollout_func(trainer))
+        self.trainer = trainer
+        return DraftAlignCallback(self, trainer)
+
+    def uses_rollout_func(self, trainer: Any) -> bool:
+        return trainer.rollout_func == self.rollout_func
+
+    # ----------------------------------------------------------------- lifecycle (driven by the callback)
+    def start(self, trainer: Any) -> None:
+        """on_train_begin: sidecar, wire, drafts, Tap, engine (in this order: taps of the first step reach a
+        sidecar that is up)."""
+        from draft_align.sidecar.layout import NOTIFY_SOCKET, SIDECAR_DIR, TAP_SOCKET
+        from draft_align.sidecar.process import spawn_sidecar, wait_ready
+        from draft_align.tap.hf import HFPolicyTap
+        from draft_align.wire import channel
+
+        recipe = self.recipe
+        self.trainer = trainer
+        run_dir = recipe.run_dir
+        run_dir.mkdir(parents=True, exist_ok=True)
+        main = bool(trainer.accelerator.is_local_main_process)
+        key = channel.resolve_key(recipe.wire.key_file, run_dir, create=main)
+        if self.sidecar_mode == "spawn" and main:
+            if (run_dir / SIDECAR_DIR).exists():
+                log.info("draft_align: %s has a sidecar folder: the spawned sidecar resumes from it", run_dir)
+            resolved = save_recipe(recipe, run_dir / RESOLVED_RECIPE)
+            self.proc = spawn_sidecar(resolved, self.start_draft, run_dir / "sidecar.log", ranks=recipe.sidecar.ranks)
+        if self.sidecar_mode != "off":
+            endpoint = recipe.wire.endpoint or channel.default_endpoint(run_dir, TAP_SOCKET)
+            self.sender = channel.TapSender(
+                channel.tap_endpoints(endpoint, recipe.sidecar.ranks), key, queue_messages=recipe.wire.queue_messages,
+                queue_bytes=recipe.wire.queue_mb << 20, allow_remote=recipe.wire.allow_remote,
+                max_message_bytes=recipe.wire.max_message_mb << 20,
+            )  # fmt: skip
+            notify_ep = recipe.wire.notify_endpoint or channel.default_endpoint(run_dir, NOTIFY_SOCKET)
+            self.notify = channel.Subscriber(notify_ep, key, allow_remote=recipe.wire.allow_remote)
+        device = trainer.accelerator.device
+        self.drafts = DraftSource(run_dir, self.start_draft, device=device, notifications=self.notify)
+        if recipe.tap.enabled and self.sender is not None:
+            from draft_align.publish.tap_spec import read_tap_spec
+
+            hf_tap = HFPolicyTap(
+                policy_model(trainer), read_tap_spec(self.start_draft).aux_layer_ids, self.sender, run_id=recipe.run,
+                tokens_per_step=recipe.tap.tokens_per_step, max_tokens_per_message=recipe.tap.max_tokens_per_message,
+                send_final=recipe.tap.send_final, topk=recipe.tap.topk, rank=int(trainer.accelerator.process_index),
+                seed=recipe.seed,
+            )  # fmt: skip
+            drafts = self.drafts
+            self.tap = TRLTap(trainer, hf_tap, lambda version: hf_tap.head_sync(version, drafts.draft_to_target))
+        if self.uses_rollout_func(trainer):
+            self.engine = self._start_engine(trainer)
+        if self.proc is not None:
+            wait_ready(self.proc, run_dir, self.ready_timeout_s)
+
+    def _start_engine(self, trainer: Any) -> RolloutEngine:
+        """The engine the rollout_func decodes with: draft_align's vLLM engine (``rl.engine``), or the reference
+        decoder on the live policy."""
+        from draft_align.engines.vllm.start import set_cpu_env, vllm_available
+        from draft_align.rl.rollouts import ReferenceRollouts
+
+        rl = self.recipe.rl
+        if trainer.use_vllm:
+            from draft_align.integrations.trl.colocate import colocate_rollouts
+
+            return colocate_rollouts(trainer, self.drafts.frozen_version, self.recipe)
+        if rl.engine != "reference" and vllm_available():
+            set_cpu_env(rl.engine_kv_cache_gb)  # this session is the launcher of the TRL run's engine
+        probes = self._probe_prompts(trainer)
+        engine = start_rollout_engine(self.recipe, self.drafts.frozen_version, probes)
+        if engine is None:
+            return ReferenceRollouts(policy_model(trainer), self.drafts, rl.spec_k, rl.verify_mode)
+        return engine
+
+    def _probe_prompts(self, trainer: Any) -> list[torch.Tensor]:
+        ds = trainer.train_dataset
+        n = min(len(ds), max(1, self.recipe.rl.engine_probe_prompts))
+        ids = trainer._tokenize_prompts([ds[i]["prompt"] for i in range(n)])[0]
+        return [torch.tensor(x, dtype=torch.long) for x in ids]
+
+    def refresh(self) -> bool:
+        """on_step_begin: pick up the newest published draft (never waits); the engine is offered it before
+        the step's rollouts."""
+        refreshed = self.drafts.poll()
+        self.step_metrics["draft_refreshed"] = float(refreshed)
+        return refreshed
+
+    def end_step(self, trainer: Any) -> dict[str, float | None]:
+        """on_step_end: ship the step's taps, send the StepReport; returns the step's draft_align metrics."""
+        from draft_align.wire.messages import StepReport
+
+        metrics = dict(self.step_metrics)
+        self.step_metrics = {}
+        version = int(trainer.state.global_step)
+        if self.tap is not None:
+            t0 = time.perf_counter()
+            metrics["tap_tokens_accepted"] = float(self.tap.tap.end_step())
+            metrics["tap_s"] = self.tap.take_seconds() + time.perf_counter() - t0
+            metrics.update({f"tap_{k}": float(v) for k, v in self.tap.tap.stats().items()})
+        if self.sender is not None:
+            metrics.update({f"wire_{k}": float(v) for k, v in self.sender.stats().items()})
+        metrics["draft_failures"] = float(self.drafts.failures)
+        metrics["draft_refreshes"] = float(self.drafts.refreshes)
+        trl = trainer._metrics["train"]  # this step's values TRL will average into its next log
+        for name, key in (("reward", "reward_mean"), ("reward_std", "reward_std"), ("kl", "kl_ref")):
+            if trl.get(name):
+                metrics[key] = float(trl[name][-1])
+        if self.sender is not None:
+            report = StepReport(run_id=self.recipe.run, step=version - 1, policy_version=version,
+                                metrics={k: v for k, v in metrics.items() if v is None or v == v})  # fmt: skip
+            if not self.sender.offer(report):
+                self.reports_refused += 1
+        metrics.update(self._estimates())
+        return metrics
+
+    def _estimates(self) -> dict[str, float | None]:
+        """The sidecar's newest estimates (from ``monitor.jsonl``: they arrive a step or more later)."""
+        from draft_align.monitor.live import read_jsonl
+        from draft_align.sidecar.layout import MONITOR_FILE, SIDECAR_DIR
+
+        path = self.run_dir / SIDECAR_DIR / MONITOR_FILE
+        if not path.exists():
+            return {}
+        rows = read_jsonl(path)
+        if not rows:
+            return {}
+        row = rows[-1]
+        out = {k: row[k] for k in ("accept_est_adapted", "accept_est_frozen", "sidecar_draft_version", "buffer_fill")
+               if isinstance(row.get(k), int | float)}  # fmt: skip
+        out["est_step"] = row.get("step")
+        return out
+
+    def stop(self) -> int | None:
+        """on_train_end: a final report, close the wire, let the sidecar publish and exit; its exit code."""
+        from draft_align.sidecar.process import stop_sidecar
+        from draft_align.wire.messages import StepReport
+
+        if self.tap is not None:
+            self.tap.uninstall()
+        if self.engine is not None:
+            self.engine.shutdown()
+        if self.sender is not None:
+            version = int(self.trainer.state.global_step)
+            self.sender.offer(StepReport(run_id=self.recipe.run, step=version, policy_version=version,
+                                         metrics={"final": 1.0}))  # fmt: skip
+            time.sleep(0.5)  # let the background thread hand the last messages to ZeroMQ
+            self.sender.close(timeout_s=5.0)
+        if self.notify is not None:
+            self.notify.close()
+        rc = None
+        if self.proc is not None:
+            rc = stop_sidecar(self.proc, self.exit_timeout_s)
+            self.proc = None
+        return rc
+
+    # ----------------------------------------------------------------- TRL's rollout_func
+    def rollout_func(self, prompts: list[Any], trainer: Any) -> dict[str, Any]:
+        """TRL's ``rollout_func(prompts, trainer)``: this generation batch's completions by speculative decoding
+        (the policy synced into the engine first, the newest draft offered), a seeded ``rl.frozen_fraction`` on
+        the frozen draft; returns TRL's ``prompt_ids``/``completion_ids``/``logprobs`` (the engine's, so TRL
+        can compare them with its own)."""
+        if self.engine is None or self.drafts is None:
+            raise TRLConfigError("draft_align's rollout_func needs its callback: trainer.add_callback(da.callback(trainer))")
+        rl = self.recipe.rl
+        version = int(trainer.state.global_step)
+        metrics = self.engine.prepare(policy_model(trainer), version, self.drafts.adapted_version)
+        prompt_ids = trainer._tokenize_prompts(prompts)[0]  # TRL's own chat template and tokenisation
+        tensors = [torch.tensor(p, dtype=torch.long) for p in prompt_ids]
+        plan = plan_given(self.recipe.seed, version, len(tensors), rl.frozen_fraction)
+        max_tokens = int(trainer.args.max_completion_length)
+        decoding = Decoding(float(trainer.temperature), max_tokens, frozenset(int(i) for i in trainer.eos_token_ids))
+        t0 = time.perf_counter()
+        rollouts, tallies = self.engine.rollouts(plan, tensors, decoding)
+        metrics["rollout_s"] = time.perf_counter() - t0
+        served = self.engine.adapted
+        metrics["draft_version"] = float(served.version if served is not None else 0)
+        metrics["draft_policy_version"] = float(served.policy_version if served is not None else 0)
+        metrics["staleness"] = float(version - (served.policy_version if served is not None else 0))
+        for kind in DRAFT_KINDS:
+            tally = tallies[kind]
+            metrics[f"accept_measured_{kind}"] = tally.mean_length() if tally.rounds else None
+            metrics[f"accept_rounds_{kind}"] = float(tally.rounds)
+            metrics[f"rollouts_{kind}"] = float(sum(r.draft == kind for r in rollouts))
+        if hasattr(self.engine, "metrics"):
+            metrics.update(self.engine.metrics())
+        self.step_metrics.update(metrics)
+        logprobs = []
+        for r in rollouts:
+            lp = r.engine_logprobs
+            logprobs.append([None if x != x else float(x) for x in lp.tolist()] if lp is not None else
+                            [0.0] * int(r.response.numel()))  # fmt: skip
+        return {"prompt_ids": [list(p) for p in prompt_ids], "completion_ids": [r.response.tolist() for r in rollouts],
+                "logprobs": logprobs}  # fmt: skip

@@ -1,0 +1,102 @@
+"""DraftAlign beside a real TRL GRPOTrainer on the tiny target (reference rollouts, sidecar as a child
+process): taps reach the sidecar, acceptance lands in TRL's logs, a killed sidecar does not stop TRL, and
+configurations that cannot work fail at start."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import pytest
+from transformers import TrainerCallback
+
+from draft_align.config import CotrainRecipe, load_recipe
+from draft_align.integrations.trl import DraftAlign, TRLConfigError
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _session(tiny_run, tmp_path, run, **extra):
+    recipe = load_recipe(None, tiny_run.cotrain_overrides(tmp_path, run=run, **extra), CotrainRecipe)
+    return DraftAlign(recipe, ready_timeout_s=120)
+
+
+def _rows(path):
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+def test_trl_run_taps_reports_and_logs_acceptance(tiny_run, tiny_env, tmp_path, make_trainer):
+    da = _session(tiny_run, tmp_path, "trl")
+    trainer = make_trainer(rollout_func=da.rollout_func, max_steps=3)
+    cb = da.callback(trainer)
+    trainer.add_callback(cb)
+    trainer.train()
+    assert cb.sidecar_rc == 0
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logs) == 3
+    for h in logs:  # TRL's own logging, in its own form, plus draft_align's keys
+        assert {"loss", "reward", "reward_std", "completions/mean_length"} <= set(h)
+        assert h["draft_align/accept_measured_frozen"] >= 1.0 and h["draft_align/accept_measured_adapted"] >= 1.0
+        assert h["draft_align/tap_tokens_accepted"] > 0  # the sidecar was up before the first step
+        assert h["draft_align/callback_s"] >= 0
+    mon = _rows(da.run_dir / "sidecar" / "monitor.jsonl")
+    assert [r["step"] for r in mon[:3]] == [0, 1, 2]
+    assert all(r["est_records"] > 0 for r in mon[:3])
+    assert mon[0]["reward_mean"] == pytest.approx(logs[0]["reward"])
+    assert (da.run_dir / "latest").exists()  # the sidecar published a draft (gate tolerance 100 here)
+
+
+def test_trl_continues_when_the_sidecar_is_killed(tiny_run, tiny_env, tmp_path, make_trainer):
+    da = _session(tiny_run, tmp_path, "trl-k9")
+    trainer = make_trainer(rollout_func=da.rollout_func, max_steps=4)
+    trainer.add_callback(da.callback(trainer))
+
+    class Kill(TrainerCallback):
+        in_use = None
+
+        def on_step_end(self, args, state, control, **kw):
+            if state.global_step == 2:
+                end = time.monotonic() + 30
+                while time.monotonic() < end and not (da.run_dir / "latest").exists():
+                    time.sleep(0.2)
+                os.kill(da.proc.pid, signal.SIGKILL)
+                da.proc.wait()
+                Kill.in_use = da.drafts.current_version
+
+    trainer.add_callback(Kill())
+    trainer.train()  # no error: TRL's steps 3 and 4 ran without the sidecar
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logs) == 4
+    assert da.drafts.current_version >= Kill.in_use and da.drafts.failures == 0
+    assert logs[-1]["draft_align/draft_version"] == da.drafts.current_version  # the last draft stays in use
+    assert logs[-1]["draft_align/wire_dropped_peer"] > logs[1].get("draft_align/wire_dropped_peer", 0)
+
+
+@pytest.mark.parametrize("case", ["lora_lm_head", "sleep_mode", "temperature", "top_p", "layout"])
+def test_configs_that_cannot_work_fail_at_start(tiny_run, tiny_env, tmp_path, make_trainer, case, monkeypatch):
+    da = _session(tiny_run, tmp_path, "trl-bad", **({"rl.temperature": 0.7} if case == "temperature" else {}))
+    over = {"lora_lm_head": {}, "sleep_mode": {}, "temperature": {},
+            "top_p": dict(top_p=0.9), "layout": dict(gradient_accumulation_steps=2, steps_per_generation=3)}[case]
+    trainer = make_trainer(rollout_func=da.rollout_func, **over)
+    if case == "lora_lm_head":  # TRL 1.16 refuses target_modules=["lm_head"] itself; a model adapted before
+        from peft import LoraConfig, inject_adapter_in_model
+
+        from draft_align.integrations.trl.tap import policy_model
+
+        inject_adapter_in_model(LoraConfig(r=2, target_modules=["lm_head"]), policy_model(trainer), "other")
+    if case == "sleep_mode":  # what TRL would run with use_vllm=True, vllm_enable_sleep_mode=True (GPU)
+        monkeypatch.setattr(trainer, "use_vllm", True)
+        monkeypatch.setattr(trainer.args, "vllm_enable_sleep_mode", True)
+    match = {"lora_lm_head": "lm_head is in the policy's LoRA", "sleep_mode": "wipes the EAGLE-3 draft",
+             "temperature": "rl.temperature", "top_p": "top_p", "layout": "neither divides the other"}[case]
+    with pytest.raises(TRLConfigError, match=match):
+        da.callback(trainer)
+
+
+def test_rollout_func_without_its_callback_is_a_clear_error(tiny_run, tiny_env, tmp_path, make_trainer):
+    da = _session(tiny_run, tmp_path, "trl-nocb")
+    trainer = make_trainer(rollout_func=da.rollout_func)
+    with pytest.raises(TRLConfigError, match="needs its callback"):
+        trainer.train()
