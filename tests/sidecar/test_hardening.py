@@ -6,9 +6,9 @@ restart, and retention."""
 from __future__ import annotations
 
 import errno
-import re
 import json
 import logging
+import re
 
 import pytest
 import torch
