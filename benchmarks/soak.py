@@ -498,7 +498,7 @@ def orchestrate(a: argparse.Namespace) -> dict[str, Any]:
             verified += n
             problems += bad
             kills.append({"t": round(now - t0, 1), "versions_visible": n, "problems": bad,
-                          "disk_full": filled})
+                          "disk_full": filled and "end_s" not in disk_full})
             time.sleep(rng.uniform(0.5, 3.0))  # the RL side runs on while the sidecar is dead
             restart("kill")
             next_kill = time.monotonic() + rng.uniform(a.kill_every_s * 0.5, a.kill_every_s * 1.5)
