@@ -461,7 +461,7 @@ def advice_section(run_dir: str | os.PathLike[str]) -> str:
     """``format_advice`` for report.md; a one-line note instead when the run cannot be advised on."""
     try:
         return format_advice(advise_run(run_dir))
-    except (AdviseError, OSError) as e:
+    except (ValueError, OSError) as e:  # AdviseError, a malformed round_cost.json or recipe, a missing log
         return f"{SECTION_HEAD}\n\nNot available: {' '.join(str(e).split())}\n"
 
 

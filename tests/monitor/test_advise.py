@@ -25,7 +25,7 @@ from draft_align.monitor.advise import (
     advise_run,
     format_advice,
 )
-from draft_align.monitor.round_cost import ROUND_COST_FILE, RoundCostTable, StepTiming
+from draft_align.monitor.round_cost import ROUND_COST_FILE, RoundCostError, RoundCostTable, StepTiming
 
 FIXTURE = Path(__file__).parent / "fixtures" / "advise_run"
 
@@ -170,7 +170,7 @@ def test_bad_run_folders_are_one_line_errors(tmp_path, caplog):
         advise_run(blank)
     bad_cost = write_run(tmp_path / "badcost")
     (bad_cost / ROUND_COST_FILE).write_text('{"source": "x"}')
-    with pytest.raises(AdviseError.__mro__[1], match="missing"):
+    with pytest.raises(RoundCostError, match="missing"):
         advise_run(bad_cost)
     for run, text in ((tmp_path / "missing", "does not exist"), (tmp_path / "empty", "no step log"),
                       (tmp_path / "plain", "no engine acceptance counters")):  # fmt: skip
