@@ -310,11 +310,12 @@ def advice_lines(settings: RunSettings, serving: Projection, costs: CostModel | 
         return lines
     best = serving.best
     if best is None:
-        lines.append(f"only k={sorted(costs.measured)} has a measured round cost: calibrate a second k "
-                     "(`--calibrate-k 1,3`) to project the others")  # fmt: skip
         return lines
     chosen = next((r for r in serving.rows if r.k == settings.k), None)
-    if chosen is not None and chosen.speedup is not None and settings.k != best.k:
+    if costs.b is None:
+        lines.append(f"only k={', '.join(map(str, sorted(costs.measured)))} has a measured round cost: calibrate a "
+                     "second k (`--calibrate-k 1,3`) to compare k")  # fmt: skip
+    elif chosen is not None and chosen.speedup is not None and settings.k != best.k:
         if settings.k > best.k:
             lines.append(f"rl.spec_k={settings.k} is beyond the best k={best.k} at batch size {serving.batch_size}: "
                          f"{_x(chosen.speedup)} vs {_x(best.speedup)}; set rl.spec_k={best.k}")  # fmt: skip

@@ -188,3 +188,13 @@ def test_the_fixture_is_a_copyable_run_folder(tmp_path):
     shutil.copytree(FIXTURE, dst)
     a, b = advise_run(FIXTURE), advise_run(dst)
     assert a.serving.rates == b.serving.rates and a.lines == b.lines
+
+
+def test_one_calibrated_k_gives_no_k_advice(tmp_path):
+    run = write_run(tmp_path / "run", cost=False)
+    RoundCostTable((StepTiming(6, 0, 0.02, 50), StepTiming(6, 2, 0.042, 50)), "one k").save(run / ROUND_COST_FILE)
+    a = advise_run(run)
+    assert [r.k for r in a.projections[0].rows if r.speedup is not None] == [2]
+    assert any("only k=2 has a measured round cost" in x for x in a.lines)
+    assert not any("beyond the best" in x or "a larger k" in x for x in a.lines)
+    assert any("projected slower" in x for x in a.lines)
