@@ -21,7 +21,8 @@ def _rows(path):
 
 def _report_table(path) -> dict[int, dict[str, str]]:
     """report.md's step table: step → {column title: cell}."""
-    lines = [x for x in path.read_text().splitlines() if x.startswith("|")]
+    steps = path.read_text().split("## Steps")[1].split("\n## ")[0]  # later sections (advice) have tables too
+    lines = [x for x in steps.splitlines() if x.startswith("|")]
     titles = [c.strip() for c in lines[0].strip("|").split("|")]
     rows = [dict(zip(titles, (c.strip() for c in x.strip("|").split("|")), strict=True)) for x in lines[2:]]
     return {int(r["step"]): r for r in rows}
