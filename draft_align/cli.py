@@ -1,4 +1,4 @@
-"""``draft-align`` command line: fetch | warmstart | sidecar | cotrain | monitor | report | eval | export.
+"""``draft-align`` command line: fetch | warmstart | sidecar | cotrain | monitor | report | advise | eval | export.
 
 Logging is configured here and nowhere else.
 """
@@ -238,10 +238,68 @@ def cmd_monitor(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
+    from draft_align.monitor.advise import add_to_report
     from draft_align.monitor.report import write_report
 
     summary = write_report(Path(args.run_dir))
+    add_to_report(args.run_dir)
     print(json.dumps(summary, indent=1, default=str))
+    return 0
+
+
+def _int_list(text: str) -> list[int]:
+    values = [_positive_int(t) for t in text.split(",") if t.strip()]
+    if not values:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers ≥ 1")
+    return values
+
+
+def _calibrate_round_cost(run: Path, args: argparse.Namespace) -> Path:
+    """Time plain and speculative vLLM engine steps for ``run`` (its recipe's target, draft, prompts,
+    temperature and verify mode) into ``run/round_cost.json``."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from draft_align import assets, data
+    from draft_align.config import CotrainRecipe, load_recipe
+    from draft_align.engines.vllm.rollouts import VERIFY_TO_SAMPLE_METHOD
+    from draft_align.engines.vllm.round_cost import calibrate_round_cost
+    from draft_align.engines.vllm.start import set_cpu_env
+    from draft_align.monitor.advise import RESOLVED_RECIPE, advise_run
+    from draft_align.monitor.round_cost import ROUND_COST_FILE
+    from draft_align.rl.prompts import build_prompts
+    from draft_align.sidecar.launch import starting_draft
+
+    settings = advise_run(run).settings  # the run must be advisable before minutes are spent timing it
+    if not (run / RESOLVED_RECIPE).is_file():
+        raise ValueError(f"--calibrate needs {run / RESOLVED_RECIPE} (the resolved recipe cotrain writes)")
+    recipe = load_recipe(run / RESOLVED_RECIPE, None, CotrainRecipe)
+    rl = recipe.rl
+    draft = run if (run / "latest").is_file() else starting_draft(recipe, None)
+    ks = args.calibrate_k or sorted({1, settings.k if settings.k > 1 else 3})
+    sizes = args.batch_sizes or sorted({1, settings.batch_size})
+    tok = AutoTokenizer.from_pretrained(assets.resolve_model(recipe.target.model))
+    convs, _ = data.split_heldout(data.load_conversations(recipe.data.source), recipe.data.heldout,
+                                  recipe.data.split_seed)  # fmt: skip
+    prompts = [p.tolist() for p in build_prompts(tok, convs[rl.first_prompt :], max(sizes), rl.max_prompt_tokens)]
+    set_cpu_env(rl.engine_kv_cache_gb)
+    torch.set_num_threads(rl.num_threads)
+    table = calibrate_round_cost(
+        recipe.target.model, draft, prompts, ks=ks, batch_sizes=sizes, temperature=rl.temperature,
+        draft_sample_method=VERIFY_TO_SAMPLE_METHOD.get(str(rl.verify_mode)),  # type: ignore[arg-type]
+        max_tokens=args.calibrate_tokens, dtype=recipe.target.dtype, max_model_len=rl.engine_max_model_len,
+        seed=recipe.seed, enforce_eager=True,
+    )  # fmt: skip
+    return table.save(run / ROUND_COST_FILE)
+
+
+def cmd_advise(args: argparse.Namespace) -> int:
+    from draft_align.monitor.advise import advise_run, format_advice
+
+    run = Path(args.run_dir)
+    if args.calibrate:
+        print(f"round cost measured: {_calibrate_round_cost(run, args)}")
+    print(format_advice(advise_run(run)))
     return 0
 
 
@@ -285,6 +343,18 @@ def build_parser() -> argparse.ArgumentParser:
     rp = sub.add_parser("report", help="plot acceptance vs RL step (frozen vs adapted) and summarise a run")
     rp.add_argument("run_dir")
     rp.set_defaults(fn=cmd_report)
+
+    ad = sub.add_parser("advise", help="a run's step profile, projected speed-up of speculative decoding per k, "
+                                       "the best k, and advice")  # fmt: skip
+    ad.add_argument("run_dir")
+    ad.add_argument("--calibrate", action="store_true",
+                    help="first time plain and speculative vLLM engine steps at the run's batch size and 1 into "
+                         "RUN/round_cost.json (a few minutes on a CPU)")
+    ad.add_argument("--calibrate-k", type=_int_list, default=None, help="k values to time (default: 1 and the run's k)")
+    ad.add_argument("--batch-sizes", type=_int_list, default=None,
+                    help="batch sizes to time (default: the run's requests per generate call, and 1)")
+    ad.add_argument("--calibrate-tokens", type=_positive_int, default=32, help="tokens decoded per timed request")
+    ad.set_defaults(fn=cmd_advise)
 
     e = sub.add_parser("eval", help="acceptance of a draft: estimated and measured by speculative decoding")
     e.add_argument("--target", default=None, help="target model (default: the one named in the manifest)")

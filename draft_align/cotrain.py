@@ -124,6 +124,7 @@ def run_cotrain(
     out: Any = None,
 ) -> dict[str, Any]:
     """Run the co-training job; returns {"report": summary, "sidecar_rc": …}."""
+    from draft_align.monitor.advise import add_to_report
     from draft_align.monitor.live import HEADER, format_row
     from draft_align.monitor.report import write_report
     from draft_align.sidecar.layout import NOTIFY_SOCKET, SIDECAR_DIR, TAP_SOCKET
@@ -177,5 +178,6 @@ def run_cotrain(
         if proc is not None:
             rc = stop_sidecar(proc, sidecar_exit_timeout_s)
     report = write_report(run_dir)
+    add_to_report(run_dir)  # the advice section (draft-align advise) at the end of report.md
     (run_dir / "cotrain_summary.json").write_text(json.dumps({"report": report, "sidecar_rc": rc}, default=str))
     return {"report": report, "sidecar_rc": rc}

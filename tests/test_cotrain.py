@@ -21,7 +21,8 @@ def _rows(path):
 
 def _report_table(path) -> dict[int, dict[str, str]]:
     """report.md's step table: step → {column title: cell}."""
-    lines = [x for x in path.read_text().splitlines() if x.startswith("|")]
+    steps = path.read_text().split("## Steps")[1].split("\n## ")[0]  # later sections (advice) have tables too
+    lines = [x for x in steps.splitlines() if x.startswith("|")]
     titles = [c.strip() for c in lines[0].strip("|").split("|")]
     rows = [dict(zip(titles, (c.strip() for c in x.strip("|").split("|")), strict=True)) for x in lines[2:]]
     return {int(r["step"]): r for r in rows}
@@ -64,6 +65,10 @@ def test_cotrain_runs_rl_with_a_live_sidecar_and_reports(tiny_run, tiny_env, tmp
         assert cells["drf.v"] == str(int(step["draft_version"]))
     assert (run / "report.png").stat().st_size > 10_000
     assert summary["report"]["steps"] == 3
+    # the sidecar's per-position estimates (sidecar.eval_k = 2) and advise's section at the end of report.md
+    assert all(0 <= r["accept_est_r1_adapted"] <= r["accept_est_r0_adapted"] <= 1 for r in mon)
+    advice = (run / "report.md").read_text().split("## Speculative decoding: profile, projection, advice")[1]
+    assert "### Stage profile of the RL step (measured" in advice and "### Advice" in advice
     # every policy version is saved (adapters) and the final one merged
     assert sorted(p.name for p in (run / "policy").iterdir()) == ["v0001", "v0002", "v0003"]
     assert (run / "policy_merged" / "v0003" / "config.json").is_file()

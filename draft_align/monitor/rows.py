@@ -81,7 +81,8 @@ class StepRow:
     """One RL step as the monitor sees it.
 
     ``estimates``: ``accept_est_{adapted,frozen}`` (``greedy_draft``) and ``..._prob`` (``probabilistic``),
-    mean acceptance lengths estimated on ``est_records`` records (both absent before the first HeadSync or
+    mean acceptance lengths estimated on ``est_records`` records, with their cumulative per-position rates
+    ``accept_est_r{i}_{adapted,frozen}[_prob]`` (i < sidecar.eval_k; all absent before the first HeadSync or
     for a step without records).  ``staleness_sidecar`` = policy_version − the published draft's policy
     version.
     """

@@ -158,6 +158,7 @@ class GRPOJob:
         t_start = time.perf_counter()
         s = self.step_index
         refreshed = self.drafts.poll()
+        poll_s = time.perf_counter() - t_start
         rollout_version = self.policy.version
         engine_metrics = self.engine.prepare(self.policy.hf_model, rollout_version, self.drafts.adapted_version)
 
@@ -212,6 +213,7 @@ class GRPOJob:
             "rollout_tokens": sum(r.response.numel() for r in rollouts),
             "response_tokens_mean": sum(r.response.numel() for r in rollouts) / len(rollouts),
             **{k: upd[k] for k in ("loss", "grad_norm", "clip_frac", "ratio_mean", "kl_penalty")},
+            "draft_poll_s": poll_s,
             "rollout_s": rollout_s,
             "logprob_s": logprob_s,
             "tap_s": tap_s,

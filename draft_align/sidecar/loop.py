@@ -321,6 +321,8 @@ class Sidecar:
                 for mode, suffix in (("greedy_draft", ""), ("probabilistic", "_prob")):
                     est = self.estimate(draft, records, mode, temp)
                     estimates[f"accept_est_{name}{suffix}"] = est["acceptance_length_est"]
+                    estimates.update({f"accept_est_r{i}_{name}{suffix}": r
+                                      for i, r in enumerate(est["per_position_est"])})  # fmt: skip
         self.ingest.flush(upto_step=step)
         self.state.last_step_report = max(self.state.last_step_report, step)
         suffix = "_prob" if self.recipe.sidecar.eval_mode == "probabilistic" else ""  # the gate's verify mode

@@ -24,7 +24,7 @@ REQUIRED = {
     "step", "policy_version", "reward_mean", "reward_std", "kl_to_initial", "accept_measured_adapted",
     "accept_measured_frozen", "accept_r0_adapted", "accept_r1_adapted", "accept_r0_frozen", "accept_r1_frozen",
     "draft_version", "draft_policy_version", "staleness", "rollout_tokens", "rollout_s", "logprob_s", "tap_s",
-    "update_s", "kl_s", "tap_tokens_seen",
+    "update_s", "kl_s", "tap_tokens_seen", "draft_poll_s",
 }  # fmt: skip
 
 

@@ -20,6 +20,7 @@ NUM_DRAFTS = "vllm:spec_decode_num_drafts"
 NUM_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
 NUM_ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
 ACCEPTED_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+ITERATION_TOKENS = "vllm:iteration_tokens_total"  # a histogram with one observation per engine step
 
 
 @dataclass(frozen=True)
@@ -31,23 +32,29 @@ class SpecCounters:
 
     ``num_drafts``: verification rounds that carried drafts; ``num_draft_tokens`` = k · num_drafts;
     ``num_accepted_tokens`` = Σ_i accepted_per_pos[i]; ``accepted_per_pos[i]``: rounds whose first i+1
-    drafts were all accepted.
+    drafts were all accepted.  ``engine_steps``: engine iterations (the count of vLLM's per-step token
+    histogram), so seconds / engine_steps is the mean time of one (speculative) engine step.
     """
 
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_pos: tuple[int, ...] = ()
+    engine_steps: int = 0
 
     @classmethod
     def from_metrics(cls, metrics: Iterable[Any]) -> SpecCounters:
-        """From ``LLM.get_metrics()`` (Counter ``.value`` / Vector ``.values`` objects, matched by name)."""
+        """From ``LLM.get_metrics()`` (Counter ``.value`` / Vector ``.values`` / Histogram ``.count`` objects,
+        matched by name)."""
         totals = {NUM_DRAFTS: 0, NUM_DRAFT_TOKENS: 0, NUM_ACCEPTED: 0}
         per_pos: list[int] = []
+        steps = 0
         for m in metrics:
             name = getattr(m, "name", None)
             if name in totals:
                 totals[name] += int(m.value)
+            elif name == ITERATION_TOKENS:
+                steps += int(m.count)
             elif name == ACCEPTED_PER_POS:
                 values = [int(v) for v in m.values]
                 width = max(len(per_pos), len(values))
@@ -55,7 +62,7 @@ class SpecCounters:
                     (per_pos[i] if i < len(per_pos) else 0) + (values[i] if i < len(values) else 0)
                     for i in range(width)
                 ]
-        return cls(totals[NUM_DRAFTS], totals[NUM_DRAFT_TOKENS], totals[NUM_ACCEPTED], tuple(per_pos))
+        return cls(totals[NUM_DRAFTS], totals[NUM_DRAFT_TOKENS], totals[NUM_ACCEPTED], tuple(per_pos), steps)
 
     @classmethod
     def snapshot(cls, llm: Any) -> SpecCounters:
@@ -76,8 +83,10 @@ class SpecCounters:
             self.num_draft_tokens - earlier.num_draft_tokens,
             self.num_accepted_tokens - earlier.num_accepted_tokens,
             tuple(a - b for a, b in zip(self.accepted_per_pos, before, strict=True)),
+            self.engine_steps - earlier.engine_steps,
         )
-        if min((diff.num_drafts, diff.num_draft_tokens, diff.num_accepted_tokens, *diff.accepted_per_pos)) < 0:
+        counts = (diff.num_drafts, diff.num_draft_tokens, diff.num_accepted_tokens, diff.engine_steps)
+        if min((*counts, *diff.accepted_per_pos)) < 0:
             raise ValueError(f"counters went backwards (engine restarted?): {earlier} → {self}")
         return diff
 

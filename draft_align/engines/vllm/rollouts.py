@@ -14,7 +14,9 @@ serialisation).  It implements :class:`draft_align.rl.rollouts.RolloutEngine`.
   passed the :class:`~draft_align.engines.vllm.refresher.ProbeGuard`); :meth:`offer` applies a new verified
   version once (probe, rollback on collapse), :meth:`use` swaps between the two known-good versions without a
   probe.  Rollouts are grouped by draft so a step swaps at most once.
-- **Measured acceptance**: the engine's spec-decode counters, differenced around each draft's ``generate``.
+- **Measured acceptance**: the engine's spec-decode counters, differenced around each draft's ``generate``;
+  with them the seconds and engine steps of each ``generate`` (``generate_s_<kind>``, ``engine_steps_<kind>``)
+  and the seconds spent swapping between the drafts (``draft_swap_s``), the inputs of ``draft-align advise``.
 - **Log-probs**: each sampled token's log-prob under the engine (``logprobs=0``, ``processed_logprobs``: after
   temperature), compared with the RL job's recomputed ones (:func:`~draft_align.monitor.logprob_gap.logprob_gap`).
 """
@@ -121,6 +123,7 @@ class VLLMRollouts:
         self.policy_version = 0  # the policy version the engine's target holds
         self.syncs = 0
         self.offers_refused = 0
+        self.last_timings: dict[str, float] = {}  # the latest rollouts' generate/swap seconds and engine steps
 
     @property
     def adapted(self) -> DraftVersion | None:
@@ -238,15 +241,21 @@ class VLLMRollouts:
         order = sorted(DRAFT_KINDS, key=lambda kind: kind != self.serving)
         results: dict[int, EngineOutput] = {}
         tallies = {kind: AcceptanceTally.empty(self.k) for kind in DRAFT_KINDS}
+        timings = {"draft_swap_s": 0.0}
         for kind in order:
             mine = [(p, seed) for p, seed in seeded if p.draft == kind]
             if not mine:
                 continue
+            t0 = time.perf_counter()
             self.use(kind)
+            t1 = time.perf_counter()
             outs, counts = self.generate(
                 [prompts[p.prompt_index] for p, _ in mine], [seed for _, seed in mine],
                 temperature=decoding.temperature, max_tokens=decoding.max_tokens, stop_ids=sorted(decoding.eos_ids),
             )  # fmt: skip
+            timings["draft_swap_s"] += t1 - t0
+            timings[f"generate_s_{kind}"] = time.perf_counter() - t1
+            timings[f"engine_steps_{kind}"] = float(counts.engine_steps)
             tallies[kind] = counts.as_tally(self.k)
             results.update({p.index: o for (p, _), o in zip(mine, outs, strict=True)})
         out = [
@@ -254,12 +263,14 @@ class VLLMRollouts:
                     p.draft, None, engine_logprobs=results[p.index].logprobs)
             for p in plan.rollouts
         ]  # fmt: skip
+        self.last_timings = timings
         return out, tallies
 
     def step_metrics(self, rollouts: Sequence[Rollout], old_logprobs: torch.Tensor) -> dict[str, float]:
-        """The engine's log-probs vs the job's recomputed ones (``engine_logprob_gap_*``), then the gauges."""
+        """The engine's log-probs vs the job's recomputed ones (``engine_logprob_gap_*``), the rollouts' timings
+        (:attr:`last_timings`), then the gauges."""
         engine_lp = torch.cat([r.engine_logprobs for r in rollouts if r.engine_logprobs is not None])
-        return {**logprob_gap(engine_lp, old_logprobs.cpu()), **self.metrics()}
+        return {**logprob_gap(engine_lp, old_logprobs.cpu()), **self.last_timings, **self.metrics()}
 
     def metrics(self) -> dict[str, float]:
         """Gauges for the step's metrics (the refresher's plus the policy sync's); the adapted version and the

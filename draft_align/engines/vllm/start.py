@@ -153,3 +153,30 @@ def start_engine(
         time.perf_counter() - start, resolved, int(manifest["draft_version"]), draft, k,
     )
     return llm
+
+
+def start_plain_engine(target: str, *, max_model_len: int = 2048, seed: int = 0, dtype: str = "bfloat16",
+                       **llm_kwargs: Any) -> LLM:  # fmt: skip
+    """A ``vllm.LLM`` on ``target`` without a draft (plain decoding), statistics on: the baseline a speculative
+    engine is timed against (``draft_align.engines.vllm.round_cost``)."""
+    from draft_align.assets import resolve_model
+
+    if "speculative_config" in llm_kwargs:
+        raise ValueError("a plain engine has no speculative_config")
+    vllm = import_vllm()
+    resolved = resolve_model(target)
+    start = time.perf_counter()
+    try:
+        llm = vllm.LLM(model=resolved, max_model_len=int(max_model_len), seed=int(seed), dtype=dtype,
+                       disable_log_stats=False, **llm_kwargs)  # fmt: skip
+    except Exception as e:  # as in start_engine: one named error
+        raise EngineError(f"vLLM could not start {resolved}: {e}") from e
+    log.info("vLLM started in %.1f s: target %s, no draft", time.perf_counter() - start, resolved)
+    return llm
+
+
+def stop_engine(llm: Any) -> None:
+    """Stop an engine's core (frees its KV cache) so that the next one can start in this process."""
+    core = getattr(llm.llm_engine, "engine_core", None)
+    if core is not None:
+        core.shutdown()

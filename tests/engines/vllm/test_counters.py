@@ -60,6 +60,15 @@ def test_spec_counters_diff_gives_acceptance_length_and_rates():
     assert two == SpecCounters(15, 45, 11, (7, 3, 1))
 
 
+def test_engine_steps_are_the_iteration_histograms_count():
+    hist = SimpleNamespace(name="vllm:iteration_tokens_total", labels={"engine": "0"}, count=7, sum=90.0,
+                           buckets={"+Inf": 7})  # fmt: skip
+    a = SpecCounters.from_metrics(_metrics(10, [6, 3, 1]) + [hist])
+    assert a.engine_steps == 7
+    hist.count = 12
+    assert (SpecCounters.from_metrics(_metrics(30, [16, 7, 2]) + [hist]) - a).engine_steps == 5
+
+
 def test_spec_counters_errors_and_empty():
     assert math.isnan(SpecCounters().mean_acceptance_length())
     assert SpecCounters.from_metrics([]) == SpecCounters()
@@ -110,6 +119,8 @@ def test_trained_draft_is_accepted_by_vllm(engine, chat_prompts, vllm_world):
     # of each request, except that a request's last round may overshoot max_tokens by up to k (truncated)
     overshoot = c.num_drafts + c.num_accepted_tokens - sum(len(x) - 1 for x in ids)
     assert 0 <= overshoot <= 3 * len(ids), overshoot
+    # engine steps: each drafts for at most the 4 requests; one prefill step drafts for none
+    assert c.num_drafts / len(QUESTIONS) <= c.engine_steps <= c.num_drafts + 1, c
     r = c.per_position()
     assert r[0] >= r[1] >= r[2]  # r_i: the first i+1 drafts all accepted
     assert c.mean_acceptance_length() > 1.8, c  # measured 2.53 (r 0.71, 0.47, 0.35); 1 step: ≈ 1.5

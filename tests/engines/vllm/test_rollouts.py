@@ -180,6 +180,13 @@ def test_grpo_steps_on_vllm_rollouts(rollouts, vllm_world, tmp_path):
     for kind in ("frozen", "adapted"):
         assert m0[f"accept_rounds_{kind}"] > 0 and m0[f"accept_measured_{kind}"] > 1.0
     assert m0["engine_logprob_gap_abs_max"] < 1e-3
+    # the timings advise profiles: each draft's generate (seconds, engine steps) and the swaps between them
+    for kind in ("frozen", "adapted"):
+        assert m0[f"generate_s_{kind}"] > 0
+        # 3 requests per generate: every engine step drafts for at most 3 of them, and at least one
+        assert m0[f"accept_rounds_{kind}"] / 3 <= m0[f"engine_steps_{kind}"] <= m0[f"accept_rounds_{kind}"] + 1
+    assert m0["generate_s_frozen"] + m0["generate_s_adapted"] + m0["draft_swap_s"] <= m0["rollout_s"]
+    assert m0["draft_poll_s"] >= 0
     assert all(r.tally is None and r.engine_logprobs.shape == r.response.shape for r in job.last_rollouts)
 
     # the sidecar publishes: the next step offers the version to the engine (probe guard) and uses it
