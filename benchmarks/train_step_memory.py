@@ -1,12 +1,12 @@
 """Peak memory of one draft train step on one long sequence (docs/sizing.md, "Memory of one train step").
 
     .venv/bin/python benchmarks/train_step_memory.py [--lengths 512 1024 2048] [--steps 7] [--threads 2]
-        [--response-frac 0.75] [--max-seq-tokens N] [--device cpu]
+        [--response-frac 0.75] [--max-seq-tokens N] [--device cpu] [--loss soft]
 
 One child process per length (``ru_maxrss`` only ever grows, so a process measures one step): a random-weight
 EAGLE-3 draft shaped like SmolLM2-135M's (hidden 576, intermediate 1536, 9 query / 3 KV heads of 64, draft
 vocab 16,384, target vocab 49,152, 3 aux layers), no model download; one record of T tokens whose last
-``response-frac`` are response tokens; one ``DraftTrainer.train_step`` with TTT K = ``--steps`` (soft loss,
+``response-frac`` are response tokens; one ``DraftTrainer.train_step`` with TTT K = ``--steps`` (``--loss``: soft by default, any ``train.loss``,
 bf16 autocast, the sidecar's defaults; ``--no-autocast``: fp32).  Reported per length: the resident set before the step, the peak
 during it (``getrusage`` high-water mark) and their difference, and the step's wall time.  On CUDA the
 figure is ``torch.cuda.max_memory_allocated`` growth instead.
@@ -41,7 +41,7 @@ def rss_now() -> int:
 
 
 def child(tokens: int, steps: int, threads: int, response_frac: float, cap: int | None, device: str,
-          autocast: bool) -> dict:
+          autocast: bool, loss: str) -> dict:
     import torch
     from torch import nn
 
@@ -69,7 +69,7 @@ def child(tokens: int, steps: int, threads: int, response_frac: float, cap: int 
     batch = collate([Record(ids, mask, aux, final)], steps).to(dev)
     kw = {} if cap is None else {"max_seq_tokens": cap}
     trainer = DraftTrainer(draft, embed, rows, OptimSettings(lr=5e-4, warmup_steps=1, total_steps=10),
-                           LossSettings(ttt_steps=steps, autocast_bf16=autocast), **kw)
+                           LossSettings(ttt_steps=steps, autocast_bf16=autocast, kind=loss), **kw)
     if dev.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -83,7 +83,7 @@ def child(tokens: int, steps: int, threads: int, response_frac: float, cap: int 
     secs = time.perf_counter() - t0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     res = {
-        "tokens": tokens, "chain_starts": int(batch.starts_valid.sum()), "steps": steps, "seconds": secs,
+        "loss_kind": loss, "tokens": tokens, "chain_starts": int(batch.starts_valid.sum()), "steps": steps, "seconds": secs,
         "rss_before": before, "peak_rss": peak, "step_bytes": peak - before, "loss": out["loss"],
         "setup_peak_above_step": peak_before >= peak,
     }
@@ -102,19 +102,21 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--no-autocast", action="store_true", help="fp32 throughout (bf16 is emulated, slow, on CPUs "
                     "without AVX-512 BF16)")
+    ap.add_argument("--loss", default="soft", help="the objective (train.loss: soft | hard | tv | greedy_surrogate "
+                    "| expected_length)")
     ap.add_argument("--json", type=Path, default=None, help="also write the rows here")
     ap.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child is not None:
         print(json.dumps(child(a.child, a.steps, a.threads, a.response_frac, a.max_seq_tokens, a.device,
-                               not a.no_autocast)))
+                               not a.no_autocast, a.loss)))
         return
     rows = []
     print("| T | chain starts | step peak − before (MiB) | peak RSS (MiB) | seconds | loss |")
     print("|---|---|---|---|---|---|")
     for t in a.lengths:
         cmd = [sys.executable, __file__, "--child", str(t), "--steps", str(a.steps), "--threads", str(a.threads),
-               "--response-frac", str(a.response_frac), "--device", a.device]
+               "--response-frac", str(a.response_frac), "--device", a.device, "--loss", a.loss]
         if a.no_autocast:
             cmd.append("--no-autocast")
         if a.max_seq_tokens is not None:

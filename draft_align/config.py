@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import types
 import typing
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -16,11 +17,14 @@ from pathlib import Path
 from typing import Any, TypeVar, overload
 
 from draft_align.conventions import (
+    DISTRIBUTION_LOSSES,
     FLOAT_DTYPE_NAMES,
     LORA_TARGETS,
+    LOSS_KINDS,
     VERIFY_MODES,
     HeadKind,
     MTPLayout,
+    check_loss,
     check_tap_budgets,
 )
 
@@ -46,9 +50,10 @@ HeadChoice = _choice("HeadChoice", typing.get_args(HeadKind), "draft head")
 MTPLayoutChoice = _choice("MTPLayoutChoice", typing.get_args(MTPLayout), "MTP layout")
 MTPInitChoice = _choice("MTPInitChoice", ("last_layer", "random"), "MTP init")
 AdaptChoice = _choice("AdaptChoice", ("full", "lora"), "adaptation")  # whole draft | LoRA over a frozen one
-LossChoice = _choice("LossChoice", ("soft", "hard"), "loss")  # target distribution (KL) | target token (CE)
+LossChoice = _choice("LossChoice", LOSS_KINDS, "loss")  # training objectives (conventions.LossKind)
 VerifyModeChoice = _choice("VerifyModeChoice", VERIFY_MODES, "verify mode")
 EngineChoice = _choice("EngineChoice", ("auto", "vllm", "reference"), "rollout engine")
+TrainTriggerChoice = _choice("TrainTriggerChoice", ("always", "drift"), "training trigger")  # sidecar/trigger.py
 ParallelChoice = _choice("ParallelChoice", ("ddp", "fsdp2"), "parallelism")  # draft replicated | sharded
 WandbModeChoice = _choice("WandbModeChoice", ("offline", "online", "disabled"), "wandb mode")
 DtypeChoice = _choice("DtypeChoice", FLOAT_DTYPE_NAMES, "dtype")
@@ -134,7 +139,12 @@ class DraftConfig:
 class TrainConfig:
     ttt_steps: int = 7
     step_decay: float | None = None  # TTT step weights decay^j; None = the head's default (STEP_DECAY)
+    # the objective (train/losses.py, docs/acceptance.md "Training objectives"): soft CE (forward KL), hard CE,
+    # or one on acceptance: tv | greedy_surrogate | expected_length, plus soft_ce_weight × soft CE
     loss: LossChoice = LossChoice("soft")
+    accept_mode: VerifyModeChoice | None = None  # the verify mode greedy_surrogate / expected_length score
+    soft_ce_weight: float = 0.0  # λ of L = L_acceptance + λ·L_softCE (acceptance objectives only)
+    surrogate_tau: float = 0.5  # τ of the greedy surrogates' softmax(z/τ)
     lr: float = 1e-3
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.0
@@ -145,7 +155,7 @@ class TrainConfig:
     max_steps: int | None = None
     time_budget_s: float | None = None  # stop training after this many seconds (schedule adapts)
     checkpoint_every: int = 50
-    autocast_bf16: bool = True
+    autocast_bf16: bool | None = None  # null: bf16 where the device computes it natively, else fp32 (train/precision.py)
     cache_hidden: bool = True  # keep captured target states on disk for later epochs / reruns
     max_consecutive_nonfinite: int = 3
     num_threads: int | None = None
@@ -172,22 +182,30 @@ class LoggingConfig:
 
 
 @dataclass
-class WarmstartRecipe:
-    kind: str = "warmstart"
-    run: str = "warmstart"
+class _RecipeHeader:
+    """What every recipe starts with; ``kind`` says which schema a file uses."""
+
+    kind: str
+    run: str
     output_dir: str = "checkpoints"
     seed: int = 0
-    device: str = "cpu"  # cpu | cuda | cuda:N: target forward, training and eval
+    device: str = "cpu"  # cpu | cuda | cuda:N: every forward, training and eval of the run
     target: TargetConfig = field(default_factory=TargetConfig)
+
+    @property
+    def run_dir(self) -> Path:
+        return _run_dir(self)
+
+
+@dataclass
+class WarmstartRecipe(_RecipeHeader):
+    kind: str = "warmstart"
+    run: str = "warmstart"
     data: DataConfig = field(default_factory=DataConfig)
     draft: DraftConfig = field(default_factory=DraftConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
-
-    @property
-    def run_dir(self) -> Path:
-        return _run_dir(self)
 
     def validate(self) -> None:
         """The cross-field rules (field types and choices are the schema's, checked again here for a
@@ -203,6 +221,8 @@ class WarmstartRecipe:
             raise RecipeError("draft.adapt=lora adapts a warm-started EAGLE-3 draft: set draft.init_from")
         if self.train.ttt_steps < 1:
             raise RecipeError("train.ttt_steps must be ≥ 1")
+        # every warm-start record carries the target's final hidden state (its capture), so every loss has p
+        _check_loss("train", self.train)
         if self.eval.k < 1:
             raise RecipeError("eval.k must be ≥ 1")
         _check_positive(self, [("train.batch_tokens", 1), ("train.max_consecutive_nonfinite", 1)])
@@ -244,13 +264,17 @@ class SidecarConfig:
     batch_tokens: int = 1536
     ttt_steps: int = 7
     step_decay: float | None = None  # TTT step weights decay^j; None = the head's default (STEP_DECAY)
+    # the objective and its settings, as train.* in a warm-start recipe (docs/acceptance.md "Training objectives")
     loss: LossChoice = LossChoice("soft")
+    accept_mode: VerifyModeChoice | None = None
+    soft_ce_weight: float = 0.0
+    surrogate_tau: float = 0.5
     lr: float = 5e-4
     min_lr_ratio: float = 1.0  # 1.0 = constant after warmup (online training has no end)
     warmup_steps: int = 10
     weight_decay: float = 0.0
     grad_clip: float = 0.5
-    autocast_bf16: bool = True
+    autocast_bf16: bool | None = None  # null: bf16 where native (train/precision.py), else fp32
     min_train_steps_per_publish: int = 10
     publish_every_s: float = 20.0  # try to publish at most this often (after enough steps)
     # publish iff candidate − published ≥ −max(gate_tolerance, 2·stderr) (paired, mean acceptance length)
@@ -276,6 +300,14 @@ class SidecarConfig:
     ranks: int = 1
     parallel: ParallelChoice = ParallelChoice("ddp")
     collective_timeout_s: float = 300.0  # a rank that died or hangs stops the others after this long
+    # when to train (sidecar/trigger.py): always (whenever data allows), or drift: idle after each publish while
+    # the published draft's estimated acceptance on fresh taps holds (its gain over plain decoding within
+    # drift_tolerance, relative, of its level over the drift_window steps after publication) and the head rows
+    # moved less than drift_head_threshold (relative) since; single-process sidecars only
+    train_trigger: TrainTriggerChoice = TrainTriggerChoice("always")
+    drift_tolerance: float = 0.1
+    drift_head_threshold: float = 0.05
+    drift_window: int = 3
 
 
 @dataclass
@@ -315,13 +347,9 @@ class RLConfig:
 
 
 @dataclass
-class CotrainRecipe:
+class CotrainRecipe(_RecipeHeader):
     kind: str = "cotrain"
     run: str = "cotrain"
-    output_dir: str = "checkpoints"
-    seed: int = 0
-    device: str = "cpu"
-    target: TargetConfig = field(default_factory=TargetConfig)
     # the starting draft: a published draft folder (or a run folder with `latest`); when null, the
     # warm-start recipe below is run (or its published draft reused)
     draft: str | None = None
@@ -333,15 +361,19 @@ class CotrainRecipe:
     rl: RLConfig = field(default_factory=RLConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
-    @property
-    def run_dir(self) -> Path:
-        return _run_dir(self)
-
     def validate(self) -> None:
         """The cross-field rules (field types and choices are the schema's, checked again here for a
         recipe built in code)."""
         _check_header(self)
         _check_lora("sidecar", self.sidecar.adapt, self.sidecar.lora)
+        _check_loss("sidecar", self.sidecar)
+        if not self.tap.send_final:
+            if self.sidecar.loss in DISTRIBUTION_LOSSES:
+                raise RecipeError(f"sidecar.loss={self.sidecar.loss} needs the target's distribution, but "
+                                  f"tap.send_final=false ships hard tokens only (no final hidden state): set "
+                                  f"tap.send_final=true")
+            raise RecipeError("tap.send_final=false: the sidecar drops tapped batches without the final hidden "
+                              "state (its publish gate estimates acceptance from it), so nothing would train")
         if self.rl.engine == "vllm" and self.rl.verify_mode == "greedy" and self.rl.temperature > 0:
             raise RecipeError("rl.verify_mode greedy (argmax everywhere) at T > 0 has no vLLM equivalent: use "
                               "greedy_draft (vLLM's default) or probabilistic, or rl.engine=reference")
@@ -373,6 +405,20 @@ class CotrainRecipe:
             raise RecipeError("sidecar.buffer_tokens must be ≥ sidecar.batch_tokens")
         if self.sidecar.ranks < 1 or not self.sidecar.collective_timeout_s > 0:
             raise RecipeError("sidecar.ranks must be ≥ 1 and sidecar.collective_timeout_s > 0")
+        sc = self.sidecar
+        if not 0.0 < sc.drift_tolerance < 1.0 or not sc.drift_head_threshold > 0 or sc.drift_window < 1:
+            raise RecipeError("sidecar.drift_tolerance must be in (0, 1), sidecar.drift_head_threshold > 0 and "
+                              "sidecar.drift_window ≥ 1")
+        if sc.train_trigger == "drift" and sc.ranks > 1:
+            raise RecipeError("sidecar.train_trigger=drift runs in a single-process sidecar only (sidecar.ranks=1)")
+
+
+def _check_loss(where: str, section: TrainConfig | SidecarConfig) -> None:
+    """The objective's rule (conventions.check_loss) on a ``train`` or ``sidecar`` section."""
+    try:
+        check_loss(section.loss, section.accept_mode, section.soft_ce_weight, section.surrogate_tau)
+    except ValueError as e:
+        raise RecipeError(f"{where}.{e}") from e
 
 
 def _get(recipe: Any, dotted: str) -> Any:
@@ -431,14 +477,18 @@ def _check_choices(obj: Any, prefix: str) -> None:
         elif choice is not None:
             items = [(f"{key}[{i}]", v) for i, v in enumerate(value)] if isinstance(value, list) else [(key, value)]
             for k, v in items:
-                if v not in {m.value for m in choice}:
+                if v is not None and v not in {m.value for m in choice}:  # None: an optional choice unset
                     raise _choice_error(k, v, choice)
 
 
 def _choice_type(hint: Any) -> type[Enum] | None:
-    """The choice enum of a field's type hint (``list[...]``: of its items), or None."""
+    """The choice enum of a field's type hint (``list[...]``: of its items; ``... | None``: of the other), or
+    None."""
     if typing.get_origin(hint) is list:
         (hint,) = typing.get_args(hint)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        hint = args[0] if len(args) == 1 else None
     return hint if hint in _CHOICE_NAMES else None
 
 

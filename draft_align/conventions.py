@@ -17,6 +17,57 @@ import torch
 VerifyMode = Literal["greedy", "greedy_draft", "probabilistic"]
 VERIFY_MODES: tuple[str, ...] = get_args(VerifyMode)
 
+#: The draft's training objectives (``train.loss`` / ``sidecar.loss``; formulas in train/losses.py and
+#: docs/acceptance.md "Training objectives"): ``soft`` cross-entropy against the target's distribution p
+#: (forward KL); ``hard`` cross-entropy on the sampled next tokens; ``tv`` per-step 1 − Σ min(p, q) (what
+#: ``probabilistic`` verification rejects); ``greedy_surrogate`` per-step 1 − a smooth α of greedy-draft
+#: verification; ``expected_length`` the chain's expected number of accepted drafts Σ_i Π_{j≤i} α_j.
+LossKind = Literal["soft", "hard", "tv", "greedy_surrogate", "expected_length"]
+LOSS_KINDS: tuple[str, ...] = get_args(LossKind)
+#: the objectives on acceptance α, and the verify mode each scores by default
+ACCEPTANCE_LOSSES: dict[str, str] = {"tv": "probabilistic", "greedy_surrogate": "greedy_draft",
+                                     "expected_length": "probabilistic"}
+#: every objective but ``hard`` needs the target's distribution p (its final hidden state and head rows), not
+#: only the tokens it produced
+DISTRIBUTION_LOSSES: tuple[str, ...] = tuple(k for k in LOSS_KINDS if k != "hard")
+
+
+def objective_mode(loss: str, accept_mode: str | None) -> str | None:
+    """The verify mode whose acceptance α the objective ``loss`` scores (None for ``soft`` and ``hard``):
+    ``accept_mode`` where given, else the loss's default (:data:`ACCEPTANCE_LOSSES`).  ValueError, naming the
+    field, for a combination that scores nothing or something else than asked."""
+    if loss not in LOSS_KINDS:
+        raise ValueError(f"loss {loss!r} unknown; expected one of {' | '.join(LOSS_KINDS)}")
+    if accept_mode is not None and accept_mode not in VERIFY_MODES:
+        raise ValueError(f"accept_mode {accept_mode!r} unknown; expected one of {' | '.join(VERIFY_MODES)}")
+    if loss not in ACCEPTANCE_LOSSES:
+        if accept_mode is not None:
+            raise ValueError(f"accept_mode={accept_mode} is for the acceptance objectives "
+                             f"({' | '.join(ACCEPTANCE_LOSSES)}), not loss={loss}")
+        return None
+    mode = accept_mode or ACCEPTANCE_LOSSES[loss]
+    if loss == "tv" and mode != "probabilistic":
+        raise ValueError(f"accept_mode={mode}: loss=tv is probabilistic verification's α = 1 − TV; use "
+                         f"loss=greedy_surrogate or loss=expected_length for {mode}")
+    if loss == "greedy_surrogate" and mode == "probabilistic":
+        raise ValueError("accept_mode=probabilistic: loss=greedy_surrogate smooths greedy verification (greedy | "
+                         "greedy_draft); probabilistic verification's α is loss=tv")
+    return mode
+
+
+def check_loss(loss: str, accept_mode: str | None, soft_ce_weight: float, surrogate_tau: float) -> None:
+    """The rule on a training objective's settings (the trainer's LossSettings and the recipe's ``train`` /
+    ``sidecar`` sections both apply it).  ValueError whose message starts with the offending field's name."""
+    objective_mode(loss, accept_mode)
+    if not soft_ce_weight >= 0:
+        raise ValueError(f"soft_ce_weight must be ≥ 0, got {soft_ce_weight}")
+    if soft_ce_weight > 0 and loss not in ACCEPTANCE_LOSSES:
+        raise ValueError(f"soft_ce_weight={soft_ce_weight} mixes soft CE into an acceptance objective "
+                         f"({' | '.join(ACCEPTANCE_LOSSES)}), not into loss={loss}")
+    if not surrogate_tau > 0:
+        raise ValueError(f"surrogate_tau must be > 0, got {surrogate_tau}")
+
+
 #: Draft head architectures (and so export formats): EAGLE-3 heads and multi-token-prediction (MTP) heads.
 HeadKind = Literal["eagle3", "mtp"]
 #: The MTP tensor layouts draft_align imports and exports (docs/formats.md §3).

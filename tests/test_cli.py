@@ -255,7 +255,7 @@ def test_sidecar_operator_mistakes_are_one_line_errors(sidecar_cli, tmp_path, ca
     busy.listen()
     (tmp_path / "keydir").mkdir()
     cases = [
-        (["wire.key_file=" + str(tmp_path / "keydir")], "IsADirectoryError"),
+        (["wire.key_file=" + str(tmp_path / "keydir")], "is not a regular file"),
         ([f"sidecar.prometheus_port={busy.getsockname()[1]}"], f"127.0.0.1:{busy.getsockname()[1]}"),
         (["wire.endpoint=ipc:///etc/hostname/tap"], "/etc/hostname"),
         (["sidecar.batch_tokens=0"], "sidecar.batch_tokens must be ≥ 1"),

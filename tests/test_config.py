@@ -1,5 +1,6 @@
 """draft_align.config: every recipe loads; unknown keys and bad values fail loudly; overrides apply."""
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -91,6 +92,13 @@ def test_missing_file_is_an_error(tmp_path):
         ("draft.head=mtp draft.aux_layer_ids=[1,2,3]", "final hidden state only"),
         ("draft.head=mtp draft.mtp_layout=mimo", "mtp_layout"),
         ("train.loss=kl", "train.loss"),
+        ("train.accept_mode=greedy", r"^train\.accept_mode=greedy is for the acceptance objectives"),
+        ("train.loss=tv train.accept_mode=greedy_draft", r"^train\.accept_mode=greedy_draft: loss=tv is"),
+        ("train.loss=greedy_surrogate train.accept_mode=probabilistic", r"^train\.accept_mode=probabilistic"),
+        ("train.soft_ce_weight=0.5", r"^train\.soft_ce_weight=0\.5 mixes soft CE into an acceptance objective"),
+        ("train.loss=tv train.soft_ce_weight=-1", r"^train\.soft_ce_weight must be ≥ 0"),
+        ("train.loss=tv train.soft_ce_weight=nan", r"^train\.soft_ce_weight must be ≥ 0"),
+        ("train.loss=greedy_surrogate train.surrogate_tau=0", r"^train\.surrogate_tau must be > 0"),
         ("eval.modes=[greedy,typical]", "unknown verify mode 'typical'"),
         ("train.ttt_steps=0", "ttt_steps"),
         ("eval.k=0", "eval.k"),
@@ -169,10 +177,12 @@ def test_every_enum_like_field_is_a_choice():
     keys = {(s.__name__, k) for s, k, _, _ in CHOICE_FIELDS}
     assert keys == {
         ("WarmstartRecipe", k) for k in ("target.dtype", "draft.head", "draft.mtp_layout", "draft.mtp_init",
-                                         "draft.adapt", "train.loss", "eval.modes", "logging.wandb_mode")
+                                         "draft.adapt", "train.loss", "train.accept_mode", "eval.modes",
+                                         "logging.wandb_mode")
     } | {
-        ("CotrainRecipe", k) for k in ("target.dtype", "sidecar.loss", "sidecar.eval_mode", "sidecar.adapt",
-                                       "sidecar.parallel", "rl.verify_mode", "rl.engine", "logging.wandb_mode")
+        ("CotrainRecipe", k) for k in ("target.dtype", "sidecar.loss", "sidecar.accept_mode", "sidecar.eval_mode",
+                                       "sidecar.adapt", "sidecar.parallel", "sidecar.train_trigger", "rl.verify_mode",
+                                       "rl.engine", "logging.wandb_mode")
     }
 
 
@@ -194,7 +204,8 @@ def test_bad_choice_names_the_key_and_the_allowed_values(tmp_path, schema, key, 
     with pytest.raises(RecipeError, match=rf"^recipe .*bad\.yaml: {re.escape(shown)}: unknown .*'bogus'; expected"):
         load_recipe(p, None, schema)
     # every allowed value loads, as a string (with what the cross-field rules ask for besides)
-    extra = {"draft.adapt": ["draft.init_from=x"]}.get(key, [])
+    extra = {"draft.adapt": ["draft.init_from=x"], "train.accept_mode": ["train.loss=expected_length"],
+             "sidecar.accept_mode": ["sidecar.loss=expected_length"]}.get(key, [])
     for v in allowed:
         r = load_recipe(None, [f"{key}=[{v}]" if is_list else f"{key}={v}", *extra], schema)
         got = getattr(getattr(r, section), leaf)
@@ -325,3 +336,43 @@ def test_yaml_syntax_errors_and_directories_are_one_line_recipe_errors(tmp_path)
         load_recipe(tmp_path / "binary.yaml")
     with pytest.raises(RecipeError, match="is a directory"):
         load_recipe(tmp_path)
+
+
+# -- the training objective: one rule for train.* and sidecar.*, checked at load ------------------------------
+def test_objective_fields_load_in_both_schemas_and_reach_the_same_loss_settings():
+    from draft_align.config import CotrainRecipe
+    from draft_align.train.trainer import LossSettings
+
+    keys = {"loss": "expected_length", "accept_mode": "greedy_draft", "soft_ce_weight": "0.25", "surrogate_tau": "0.3"}
+    w = load_recipe(None, [f"train.{k}={v}" for k, v in keys.items()])
+    c = load_recipe(None, [f"sidecar.{k}={v}" for k, v in keys.items()], CotrainRecipe)
+    a = LossSettings.from_section(w.train, 0.8, True)
+    b = LossSettings.from_section(c.sidecar, 0.8, True)
+    assert (a.kind, a.accept_mode, a.soft_ce_weight, a.surrogate_tau) == ("expected_length", "greedy_draft", 0.25, 0.3)
+    assert dataclasses.replace(a, ttt_steps=b.ttt_steps, autocast_bf16=b.autocast_bf16) == b
+    assert a.verify_mode == "greedy_draft" and type(a.kind) is str and type(a.accept_mode) is str
+    assert LossSettings.from_section(load_recipe(None, ["train.loss=tv"]).train, 0.8, True).verify_mode == "probabilistic"
+    assert LossSettings.from_section(w.train.__class__(), 0.8, True).verify_mode is None  # soft CE
+    with pytest.raises(RecipeError, match=r"^sidecar\.soft_ce_weight=1\.0 mixes soft CE"):
+        load_recipe(None, ["sidecar.soft_ce_weight=1"], CotrainRecipe)
+    with pytest.raises(ValueError, match="loss 'kl' unknown"):
+        LossSettings(kind="kl")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("loss", ["soft", "tv", "greedy_surrogate", "expected_length"])
+def test_a_distribution_loss_on_hard_tokens_only_fails_at_load(loss):
+    from draft_align.config import CotrainRecipe
+
+    with pytest.raises(RecipeError) as e:
+        load_recipe(None, [f"sidecar.loss={loss}", "tap.send_final=false"], CotrainRecipe)
+    assert str(e.value) == (f"sidecar.loss={loss} needs the target's distribution, but tap.send_final=false ships "
+                            f"hard tokens only (no final hidden state): set tap.send_final=true")
+    load_recipe(None, [f"sidecar.loss={loss}", "tap.send_final=true"], CotrainRecipe)
+
+
+def test_hard_tokens_only_fail_at_load_for_the_hard_loss_too():
+    """The sidecar's ingest drops batches without a final hidden state whatever the loss."""
+    from draft_align.config import CotrainRecipe
+
+    with pytest.raises(RecipeError, match=r"^tap\.send_final=false: the sidecar drops tapped batches"):
+        load_recipe(None, ["sidecar.loss=hard", "tap.send_final=false"], CotrainRecipe)

@@ -41,6 +41,9 @@ class SidecarStats:
     rl_restarts: int = 0  # HeadSync policy-version regressions, handled as RL restarts
     publish_failures: int = 0  # publishes/checkpoints that failed (disk full, export error); retried later
     rejected: Mapping[str, int] = field(default_factory=dict)  # wire rejections by reason (this process)
+    train_state: str = "training"  # sidecar.train_trigger: training | settling | idle (always: training)
+    waiting_for: str | None = None  # why the sidecar is not training now (None: it is)
+    drift_triggers: int = 0  # idle → training transitions of the drift trigger (this process)
 
     def to_dict(self) -> dict[str, Any]:
         """The sidecar's keys of a ``monitor.jsonl`` row."""
@@ -66,6 +69,10 @@ class SidecarStats:
             "held_dropped": self.held_dropped,
             "rl_restarts": self.rl_restarts,
             "publish_failures": self.publish_failures,
+            "sidecar_training": int(self.train_state == "training"),  # a number: Prometheus plots it
+            "sidecar_train_state": self.train_state,
+            "sidecar_waiting_for": self.waiting_for,
+            "drift_triggers": self.drift_triggers,
         }
 
 

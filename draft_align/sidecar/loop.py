@@ -56,6 +56,7 @@ from draft_align.sidecar.layout import (
 from draft_align.sidecar.ranked import ranked_loop
 from draft_align.sidecar.resume import resume_state, set_aside, start_published
 from draft_align.sidecar.state import Backoff, Rates, SidecarState, sidecar_stats
+from draft_align.sidecar.trigger import DriftTrigger
 from draft_align.train.parallel import RankGroup, attach, rank_device
 from draft_align.train.records import Batch, TappedRecord
 from draft_align.train.replay import ReplayBuffer
@@ -100,6 +101,10 @@ class Sidecar:
         self.backoff = Backoff()  # after a failed publish / checkpoint (disk full)
         self.nonfinite_in_a_row = 0
         self.resumed = False
+        sc = recipe.sidecar
+        self.trigger = DriftTrigger(sc.train_trigger.value, tolerance=sc.drift_tolerance,
+                                    head_threshold=sc.drift_head_threshold, window=sc.drift_window)
+        self.waiting: str | None = "no head yet"  # why the last next_batch() gave no batch (None: it did)
         self._shared_control: list[Control] = []  # received here, for every rank to apply (multi-rank only)
 
     # ------------------------------------------------------------------ setup
@@ -172,10 +177,7 @@ class Sidecar:
                 weight_decay=sc.lora.weight_decay if lora else sc.weight_decay,
                 warmup_steps=sc.lora.warmup_steps if lora else sc.warmup_steps, total_steps=10**9, grad_clip=sc.grad_clip,
             ),
-            LossSettings(
-                ttt_steps=sc.ttt_steps, step_decay=step_decay(sc.step_decay, draft.kind), kind=sc.loss,
-                train_lm_head=True, autocast_bf16=sc.autocast_bf16,
-            ),
+            LossSettings.from_section(sc, step_decay(sc.step_decay, draft.kind), train_lm_head=True),
             max_seq_tokens=sc.max_seq_tokens,
         )
         # fsdp2 (train/parallel.py): the trainer's draft is sharded over the ranks; rank 0 gates and exports
@@ -293,6 +295,7 @@ class Sidecar:
         if not self.ingest.accept_head(msg):
             return
         self.trainer.rows = msg.rows.to(self.device)
+        self.trigger.on_head(msg.rows)
         if self.frozen.shares_target_head:  # MTP: the engine uses the policy's own lm_head
             for d in (self.trainer.draft, self.gate.published, self.frozen, self._plain):
                 if d is not None:
@@ -320,6 +323,8 @@ class Sidecar:
                     estimates[f"accept_est_{name}{suffix}"] = est["acceptance_length_est"]
         self.ingest.flush(upto_step=step)
         self.state.last_step_report = max(self.state.last_step_report, step)
+        suffix = "_prob" if self.recipe.sidecar.eval_mode == "probabilistic" else ""  # the gate's verify mode
+        self.trigger.on_estimate(estimates.get(f"accept_est_adapted{suffix}"))
         row = StepRow.from_report(msg, self.stats(), time=t, estimates=estimates,
                                   est_records=len(records) if estimates else None)
         self.sinks.observe(row)
@@ -333,7 +338,8 @@ class Sidecar:
                                 temperature)
 
     def stats(self) -> SidecarStats:
-        return sidecar_stats(self.state, self.ingest.buffer.stats(), self.rates, self.rejected)
+        return sidecar_stats(self.state, self.ingest.buffer.stats(), self.rates, self.rejected,
+                             trigger=self.trigger, waiting=self.waiting)
 
     def train_one(self) -> bool:
         """One optimizer step if a batch is ready (True also when a non-finite loss skipped it)."""
@@ -344,12 +350,18 @@ class Sidecar:
         """A training batch from the replay buffer, or None while training should wait."""
         sc = self.recipe.sidecar
         if not self.has_head:
-            return None
-        if self.state.trained_tokens >= sc.max_replay_ratio * self.state.buffered_tokens:
-            return None  # wait for new data rather than over-fit what is there
-        if self.ingest.buffer.trainable_tokens < min(sc.min_buffer_tokens, sc.buffer_tokens):
-            return None  # a few dozen sequences would be memorised, not learned from
-        return self.ingest.buffer.sample(sc.batch_tokens, sc.ttt_steps)
+            self.waiting = "no head yet"
+        elif not self.trigger.wants_training():
+            self.waiting = self.trigger.reason  # drift trigger: the published draft holds
+        elif self.state.trained_tokens >= sc.max_replay_ratio * self.state.buffered_tokens:
+            self.waiting = "replay cap"  # wait for new data rather than over-fit what is there
+        elif self.ingest.buffer.trainable_tokens < min(sc.min_buffer_tokens, sc.buffer_tokens):
+            self.waiting = "min buffer"  # a few dozen sequences would be memorised, not learned from
+        else:
+            batch = self.ingest.buffer.sample(sc.batch_tokens, sc.ttt_steps)
+            self.waiting = None if batch is not None else "no trainable record"
+            return batch
+        return None
 
     def train_on(self, batch: Batch) -> bool:
         """One optimizer step on ``batch`` (True also when a non-finite loss skipped it)."""
@@ -414,6 +426,7 @@ class Sidecar:
         except OSError as e:
             self._storage_failed("publish", e)
             return False
+        self.trigger.on_publish(self.trainer.rows)
         self.sinks.observe_stats(self.stats())
         self.checkpoint()  # the published version and the trainer state move together
         return True

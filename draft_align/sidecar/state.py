@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from draft_align.monitor.rows import SidecarStats
+from draft_align.sidecar.trigger import DriftTrigger
 
 log = logging.getLogger(__name__)
 
@@ -130,9 +131,14 @@ class Rates:
 
 
 def sidecar_stats(state: SidecarState, buffer: Mapping[str, Any], rates: Rates,
-                  rejected: Mapping[str, int]) -> SidecarStats:
-    """The monitor's view of the sidecar (``buffer``: ``ReplayBuffer.stats()``; ``rejected``: by reason)."""
+                  rejected: Mapping[str, int], *, trigger: DriftTrigger | None = None,
+                  waiting: str | None = None) -> SidecarStats:
+    """The monitor's view of the sidecar (``buffer``: ``ReplayBuffer.stats()``; ``rejected``: by reason;
+    ``waiting``: why it is not training, None while it is)."""
     return SidecarStats(
+        train_state=trigger.state.value if trigger is not None else "training",
+        waiting_for=waiting,
+        drift_triggers=trigger.triggers if trigger is not None else 0,
         draft_version=state.published_version,
         draft_policy_version=state.published_policy_version,
         buffer_tokens=buffer["tokens"],

@@ -1,10 +1,21 @@
-"""Training-time-test (TTT) losses for EAGLE-3 heads (docs/formats.md §1 and docs/acceptance.md).
+"""Training-time-test (TTT) losses for draft heads (docs/formats.md §1 and docs/acceptance.md).
 
-Per step j the draft's distribution q_j over the draft vocabulary is fitted to the target's
-distribution p restricted to the draft vocabulary and renormalised:
+Per step j the draft's distribution q_j = softmax(z_j) over the draft vocabulary is fitted to the target's
+distribution p restricted to the draft vocabulary and renormalised (p = softmax(final · rowsᵀ)).  Chain s's
+step j scores the target position s+1+j and counts (m_j(s) = 1) iff token s+2+j is a response token inside
+the row: prompt and padding targets never count.  N_j = Σ_s m_j(s).
 
-    L_j = mean_{valid chains} − Σ_x p(x) log q_j(x)          (soft CE = forward KL + const)
-    L   = Σ_j w_j L_j,   w_j = decay^j                         (EAGLE/SpecForge: K = 7, decay 0.8)
+    soft               L = Σ_j w_j Σ_s m_j CE_j / N_j,   CE_j = −Σ_x p(x) log q_j(x)   (forward KL + const)
+    hard               the same with p one-hot at the sampled next token
+    tv                 L = Σ_j w_j Σ_s m_j (1 − α_j) / N_j,   α_j = Σ_x min(p, q_j) = 1 − TV(p, q_j)
+    greedy_surrogate   the same with α̃_j, a smooth α of greedy verification (:func:`acceptance_step`)
+    expected_length    L = Σ_s Σ_{i<K} c_i (1 − Π_{j≤i} α_j) / N_0,   c_i(s) = Π_{j≤i} m_j(s)
+                       (K − L = E[accepted drafts] per chain: α_j of the chosen verify mode)
+    w_j = decay^j (EAGLE/SpecForge: K = 7, decay 0.8); an acceptance objective adds λ·L_soft (``soft_ce_weight``)
+
+The acceptance objectives score p renormalised over the draft vocab, as soft CE does; an engine's α uses the
+target's full-vocabulary p, which puts mass m ≤ 1 on the draft vocab, so its α is Σ_x min(m·p(x), q(x)) ≤ m.
+q = p (renormalised) attains that bound, so the optimum of ``tv`` is an optimum of the engine's α too.
 
 The ``*_head`` forms and :func:`soft_targets` compute the same sums with no [rows, Vd] tensor kept for
 backward (row blocks, each checkpointed); :func:`truncate_batch` is the trainer's per-sequence cap
@@ -20,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from draft_align.conventions import VerifyMode
 from draft_align.heads.vocab import draft_logits
 from draft_align.train.records import Batch
 
@@ -75,6 +87,70 @@ def hard_ce_step(
     return (ce * m).sum(), (agree * m).sum(), m.sum()
 
 
+# ----------------------------------------------------------------------------- objectives on acceptance
+RowTerms = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # per row: (α, soft CE, argmax agreement)
+
+
+def _f32(x: torch.Tensor) -> torch.Tensor:
+    """x in float32 at least (float64 stays: the finite-difference tests run in it)."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
+def acceptance_step(
+    q_logits: torch.Tensor, p: torch.Tensor, p_argmax: torch.Tensor, mode: VerifyMode, tau: float
+) -> torch.Tensor:
+    """Per-row acceptance α [...] of one draft token, differentiable in the draft logits z = q_logits [..., Vd];
+    p [..., Vd] the target's distribution and p_argmax [...] its argmax (constants):
+
+        probabilistic   α = Σ_x min(p(x), q(x)) = 1 − TV(p, q),   q = softmax(z)      (exact)
+        greedy_draft    α̃ = Σ_x p(x) softmax(z/τ)(x)   → p(argmax q), the exact α, as τ → 0
+        greedy          α̃ = softmax(z/τ)(argmax p)      → 1[argmax q = argmax p] as τ → 0
+
+    The greedy α's are step functions of z (zero gradient almost everywhere); their surrogates are maximised by
+    a q that puts its top mass on argmax p, at every τ > 0.
+    """
+    z = _f32(q_logits)
+    if mode == "probabilistic":
+        return torch.minimum(p, torch.softmax(z, dim=-1)).sum(-1)
+    if mode == "greedy_draft":
+        return (p * torch.softmax(z / tau, dim=-1)).sum(-1)
+    if mode == "greedy":
+        return torch.log_softmax(z / tau, dim=-1).gather(-1, p_argmax.unsqueeze(-1)).squeeze(-1).exp()
+    raise ValueError(f"unknown verify mode {mode!r}")
+
+
+def acceptance_rows(q_logits: torch.Tensor, p_logits: torch.Tensor, mode: VerifyMode, tau: float) -> RowTerms:
+    """(α [...], soft CE [...], 1[argmax q = argmax p] [...]) per row of draft logits z [..., Vd] against the
+    target logits over the draft vocab [..., Vd] (constants: p = softmax(p_logits)); α by
+    :func:`acceptance_step`, CE = −Σ_x p(x) log q(x)."""
+    z, tl = _f32(q_logits), _f32(p_logits.detach())
+    p, p_arg = torch.softmax(tl, dim=-1), tl.argmax(-1)
+    ce = -(p * torch.log_softmax(z, dim=-1)).sum(-1)
+    agree = (z.argmax(-1) == p_arg).to(ce.dtype)
+    return acceptance_step(z, p, p_arg, mode, tau), ce, agree
+
+
+def step_objective(alpha: torch.Tensor, mask: torch.Tensor, weights: list[float]) -> torch.Tensor:
+    """Σ_j w_j Σ_s m_j(s) (1 − α_j(s)) / max(1, N_j): alpha [K, B, M], mask [K, B, M] (bool), weights [K]."""
+    m = mask.to(alpha.dtype)
+    w = torch.tensor(weights, dtype=alpha.dtype, device=alpha.device)
+    per_step = ((1 - alpha) * m).flatten(1).sum(1) / m.flatten(1).sum(1).clamp(min=1)  # [K]
+    return (w * per_step).sum()
+
+
+def chain_objective(alpha: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(L, E[accepted]) of the expected acceptance length over the unroll: alpha, mask [K, B, M].
+
+    A chain's draft i is accepted iff all drafts j ≤ i are, with probability Π_{j≤i} α_j; only drafts whose
+    every earlier step counts score (c_i = Π_{j≤i} m_j: a chain ends at its first prompt/padding target).
+    E[accepted] = Σ_s Σ_i c_i Π_{j≤i} α_j / max(1, N_0) and L = Σ_s Σ_i c_i (1 − Π_{j≤i} α_j) / max(1, N_0).
+    """
+    c = torch.cumprod(mask.to(alpha.dtype), dim=0)
+    prod = torch.cumprod(torch.where(mask, alpha, torch.ones_like(alpha)), dim=0)
+    n0 = c[0].sum().clamp(min=1)
+    return (c * (1 - prod)).sum() / n0, (c * prod).sum() / n0
+
+
 # ----------------------------------------------------------------------------- memory-bounded forms
 LOGITS_BLOCK_BYTES = 32 * 2**20  # fp32 logits of one row block at most (the blocked losses' default)
 MAX_SEQ_TOKENS = 8192  # the trainer's default per-sequence cap (longer rows are truncated, counted)
@@ -103,7 +179,11 @@ def _blocked(fn: Callable[..., Any], args: tuple[torch.Tensor, ...], bounds: lis
 
 
 def soft_targets(
-    final: torch.Tensor, rows: torch.Tensor, w: torch.Tensor, block_bytes: int | None = None
+    final: torch.Tensor,
+    rows: torch.Tensor,
+    w: torch.Tensor,
+    block_bytes: int | None = None,
+    at: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The soft target's two uses, without a [B, T, Vd] tensor: (e = Wᵀp [B, T, H], argmax p [B, T]).
 
@@ -111,10 +191,16 @@ def soft_targets(
     w [Vd, H] the draft's lm_head weight.  p = softmax(final · rowsᵀ) is the target's distribution over
     the draft vocab; CE(p, q) = logsumexp(z) − Σ_x p(x) z(x) with z = W x, and the second term is x · e.
     Positions run in blocks of ⌊block_bytes / (4·Vd)⌋; p is recomputed per block in backward (the gradient
-    reaches w through e = Wᵀp), so memory is O(T·H) plus one block's [rows, Vd].
+    reaches w through e = Wᵀp), so memory is O(T·H) plus one block's [rows, Vd].  ``at`` [B, T] bool: the
+    positions some step scores (:func:`scored_positions`); only they are computed, the others are 0.
     """
     b, t, _ = final.shape
     vd = rows.shape[0]
+    if at is not None:
+        idx = at.reshape(-1).nonzero().squeeze(-1)
+        ep, p_arg = soft_targets(final.reshape(1, b * t, -1)[:, idx], rows, w, block_bytes)
+        full = ep.new_zeros(b * t, ep.shape[-1]).index_copy(0, idx, ep[0])
+        return full.view(b, t, -1), p_arg.new_zeros(b * t).index_copy(0, idx, p_arg[0]).view(b, t)
 
     def block(f: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         with torch.no_grad():
@@ -129,6 +215,39 @@ def soft_targets(
     ep = torch.cat([e for e, _ in parts]).view(b, t, -1)
     p_arg = torch.cat([a for _, a in parts]).view(b, t)
     return ep, p_arg
+
+
+@dataclass(frozen=True)
+class ScoredStep:
+    """Where TTT step j of every chain is scored: the target position pos = s+1+j [B, M] (clamped to the row),
+    the predicted token's position nxt = s+2+j [B, M] (clamped) and whether it counts, mask [B, M]: a response
+    token inside the row."""
+
+    pos: torch.Tensor
+    nxt: torch.Tensor
+    mask: torch.Tensor
+
+
+def scored_steps(batch: Batch, steps: int) -> list[ScoredStep]:
+    """The :class:`ScoredStep` of each of ``steps`` TTT steps of ``batch``'s chains."""
+    t = batch.input_ids.shape[1]
+    out = []
+    for j in range(steps):
+        nxt = batch.starts + 2 + j
+        nxt_c = nxt.clamp(max=t - 1)
+        mask = batch.starts_valid & (nxt <= t - 1) & torch.gather(batch.loss_mask, 1, nxt_c)
+        out.append(ScoredStep((batch.starts + 1 + j).clamp(max=t - 1), nxt_c, mask))
+    return out
+
+
+def scored_positions(scored: list[ScoredStep], shape: torch.Size) -> torch.Tensor:
+    """[B, T] bool: the target positions some step scores, i.e. those whose next token is a response token
+    that a counted chain step predicts (positions before prompt tokens and padding are not among them)."""
+    at = torch.zeros(shape, dtype=torch.bool, device=scored[0].pos.device)
+    row = torch.arange(shape[0], device=at.device).unsqueeze(-1).expand_as(scored[0].pos)
+    for st in scored:
+        at[row[st.mask], st.pos[st.mask]] = True
+    return at
 
 
 def soft_ce_head(
@@ -163,6 +282,42 @@ def hard_ce_head(
     :func:`soft_ce_head`."""
     return _sum_blocks(lambda xc, ic, mc: hard_ce_step(head(xc), ic, mc), x, (target_draft_ids, mask),
                        head.weight.shape[0], block_bytes)
+
+
+#: fp32 [rows, Vd] tensors one acceptance-objective block holds at once (target logits, p, the draft's logits and
+#: log q or q): its rows are sized so that they fit in LOGITS_BLOCK_BYTES together
+ACCEPT_ROW_TENSORS = 4
+
+
+def acceptance_head(
+    head: Callable[[torch.Tensor], torch.Tensor],
+    rows: torch.Tensor,
+    x: torch.Tensor,
+    final: torch.Tensor,
+    mode: VerifyMode,
+    tau: float,
+    block_bytes: int | None = None,
+) -> RowTerms:
+    """:func:`acceptance_rows` of z = head(x) against p = softmax(final · rowsᵀ), per row, in row blocks.
+
+    head the draft's lm_head (z = head(x)); x [B, M, H] its input; final [B, M, H_t] the target's final hidden state at each chain's scored
+    position; rows [Vd, H_t] the target's head rows over the draft vocab.  Returns (α, CE, agreement), each
+    [B, M].  Blocks of ⌊block_bytes / (4·ACCEPT_ROW_TENSORS·Vd)⌋ rows, checkpointed under autograd: the target
+    and draft logits are recomputed in backward (one more target-logit matmul than soft CE per scored row),
+    saved memory O(B·M·(H + H_t)).
+    """
+
+    def block(xc: torch.Tensor, fc: torch.Tensor) -> RowTerms:
+        with torch.no_grad():
+            p_logits = draft_logits(fc, rows)
+        return acceptance_rows(head(xc), p_logits, mode, tau)
+
+    lead = x.shape[:-1]
+    n = lead.numel()
+    bounds = row_blocks(n, 4 * ACCEPT_ROW_TENSORS * rows.shape[0], block_bytes)
+    parts = _blocked(block, (x.reshape(n, x.shape[-1]), final.reshape(n, final.shape[-1])), bounds)
+    a, ce, agree = (torch.cat(list(v)).view(lead) for v in zip(*parts, strict=True))
+    return a, ce, agree
 
 
 def _sum_blocks(

@@ -8,6 +8,7 @@ read them from here.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -98,6 +99,12 @@ class Batch:
     @property
     def num_tokens(self) -> int:
         return int(self.valid.sum())
+
+    def cast(self, dtype: torch.dtype) -> Batch:
+        """The states (aux, final) in ``dtype``: bf16-stored taps meet an fp32 draft without autocast."""
+        if self.aux.dtype == dtype and self.final.dtype == dtype:
+            return self
+        return dataclasses.replace(self, aux=self.aux.to(dtype), final=self.final.to(dtype))
 
     def to(self, device: torch.device | str) -> Batch:
         if self.input_ids.device == torch.device(device):

@@ -18,16 +18,23 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from draft_align.conventions import LossKind, VerifyMode, check_loss, objective_mode
 from draft_align.heads.eagle3 import Eagle3Draft
 from draft_align.train.losses import (
     MAX_SEQ_TOKENS,
     StepStats,
+    acceptance_head,
+    chain_objective,
     hard_ce_head,
+    scored_positions,
+    scored_steps,
     soft_ce_head,
     soft_targets,
+    step_objective,
     step_weights,
     truncate_batch,
 )
+from draft_align.train.precision import resolve_autocast
 from draft_align.train.records import Batch
 
 log = logging.getLogger(__name__)
@@ -48,13 +55,49 @@ class OptimSettings:
     grad_clip: float = 0.5
 
 
+class LossSection(Protocol):
+    """A recipe section that sets the objective (``config.TrainConfig``, ``config.SidecarConfig``)."""
+
+    ttt_steps: int
+    loss: str
+    accept_mode: str | None
+    soft_ce_weight: float
+    surrogate_tau: float
+    autocast_bf16: bool | None
+
+
 @dataclass(frozen=True)
 class LossSettings:
+    """The TTT objective (train/losses.py): ``kind`` (conventions.LossKind); for the acceptance objectives the
+    verify mode they score (``accept_mode``, None: the loss's default), the soft-CE mix weight λ and the greedy
+    surrogates' τ."""
+
     ttt_steps: int = 7
     step_decay: float = 0.8
-    kind: str = "soft"  # soft | hard
+    kind: LossKind = "soft"
     train_lm_head: bool = True
-    autocast_bf16: bool = True
+    autocast_bf16: bool | None = None  # None: bf16 where the device computes it natively (precision.py)
+    accept_mode: VerifyMode | None = None
+    soft_ce_weight: float = 0.0
+    surrogate_tau: float = 0.5
+
+    def __post_init__(self) -> None:
+        check_loss(self.kind, self.accept_mode, self.soft_ce_weight, self.surrogate_tau)
+
+    @classmethod
+    def from_section(cls, section: LossSection, step_decay: float, train_lm_head: bool) -> LossSettings:
+        """The settings a warm-start's ``train`` or the sidecar's ``sidecar`` section asks for (one path for
+        both); ``step_decay`` resolved for the head (``config.step_decay``)."""
+        mode = section.accept_mode
+        return cls(ttt_steps=int(section.ttt_steps), step_decay=float(step_decay), kind=str(section.loss),  # type: ignore[arg-type]
+                   train_lm_head=bool(train_lm_head), autocast_bf16=section.autocast_bf16,
+                   accept_mode=None if mode is None else str(mode),  # type: ignore[arg-type]
+                   soft_ce_weight=float(section.soft_ce_weight), surrogate_tau=float(section.surrogate_tau))
+
+    @property
+    def verify_mode(self) -> VerifyMode | None:
+        """The verify mode an acceptance objective scores; None for soft and hard CE."""
+        return objective_mode(self.kind, self.accept_mode)  # type: ignore[return-value]
 
 
 @dataclass
@@ -90,43 +133,58 @@ def ttt_loss(
     batch: Batch,
     loss: LossSettings,
 ) -> tuple[torch.Tensor, StepStats]:
-    """Weighted TTT loss of one batch.  rows [draft_vocab, H]: the target's lm_head rows.
+    """Weighted TTT loss of one batch (objectives in train/losses.py).  rows [draft_vocab, H]: the target's
+    lm_head rows.
 
     Step j of chain s is scored at target position p = s+1+j (the target's distribution of token
-    s+2+j) and counts iff token s+2+j is a response token inside the row.
+    s+2+j) and counts iff token s+2+j is a response token inside the row.  StepStats.loss sums soft CE
+    (hard CE for ``hard``) whatever the objective.
     """
     k = loss.ttt_steps
     xs = draft.unroll_hidden(batch.aux, embed, batch.input_ids, batch.valid, batch.starts, batch.starts_valid, k)
-    t = batch.input_ids.shape[1]
     vd = rows.shape[0]
-    w = draft.lm_head.weight  # [Vd, H]
+    mode = loss.verify_mode  # None: soft or hard CE
+    scored = scored_steps(batch, k)
     if loss.kind == "soft":
         # CE(p, q) = logsumexp(z) − Σ_x p(x) z(x) with z = W x: the second term is x · (Wᵀp), so Wᵀp is
-        # formed once per position ([B, T, H]) instead of gathering p [B, M, Vd] at every step.
-        ep, p_arg = soft_targets(batch.final, rows, w)  # [B, T, H] (gradient reaches lm_head), [B, T]
-    else:
+        # formed once per scored position ([B, T, H]; prompt and padding targets skipped) instead of gathering
+        # p [B, M, Vd] at every step.
+        at = scored_positions(scored, batch.input_ids.shape)
+        ep, p_arg = soft_targets(batch.final, rows, draft.lm_head.weight, at=at)  # gradient reaches lm_head
+    elif loss.kind == "hard":
         dev = batch.input_ids.device
         to_draft = torch.full((draft.cfg.vocab_size,), -1, dtype=torch.long, device=dev)
         to_draft[draft.draft_to_target] = torch.arange(vd, device=dev)
         tgt_ids = to_draft[batch.input_ids]  # [B, T] draft id of each token (−1 outside)
     weights = step_weights(k, loss.step_decay)
-    total = xs[0].new_zeros((), dtype=torch.float32)
+    ce_total = xs[0].new_zeros((), dtype=torch.promote_types(xs[0].dtype, torch.float32))  # float64 stays
     sums = torch.zeros(3, k, device=batch.input_ids.device)
-    for j in range(k):
-        nxt = batch.starts + 2 + j
-        inside = nxt <= t - 1
-        nxt_c = nxt.clamp(max=t - 1)
-        mask = batch.starts_valid & inside & torch.gather(batch.loss_mask, 1, nxt_c)
-        # the [B, M, Vd] logits z = lm_head(xs[j]) exist one row block at a time (losses.soft_ce_head)
-        if loss.kind == "soft":
-            pos = (batch.starts + 1 + j).clamp(max=t - 1)
+    alphas, masks = [], []
+    for j, st in enumerate(scored):
+        pos, mask = st.pos, st.mask
+        # the [B, M, Vd] logits z = lm_head(xs[j]) exist one row block at a time (losses.*_head)
+        if mode is not None:
+            # α needs p itself: the target's logits at this step's scored positions only, per row block
+            f = torch.gather(batch.final, 1, pos.unsqueeze(-1).expand(*pos.shape, batch.final.shape[-1]))
+            alpha, ce_rows, agree_rows = acceptance_head(draft.lm_head, rows, xs[j], f, mode, loss.surrogate_tau)
+            m = mask.to(ce_rows.dtype)
+            ce, agree, n = (ce_rows * m).sum(), (agree_rows * m).sum(), m.sum()
+            alphas.append(alpha)
+            masks.append(mask)
+        elif loss.kind == "soft":
             e = torch.gather(ep, 1, pos.unsqueeze(-1).expand(*pos.shape, ep.shape[-1]))  # [B, M, H]
             ce, agree, n = soft_ce_head(draft.lm_head, xs[j], e, torch.gather(p_arg, 1, pos), mask)
         else:
-            ce, agree, n = hard_ce_head(draft.lm_head, xs[j], torch.gather(tgt_ids, 1, nxt_c), mask)
-        total = total + weights[j] * ce / n.clamp(min=1)
+            ce, agree, n = hard_ce_head(draft.lm_head, xs[j], torch.gather(tgt_ids, 1, st.nxt), mask)
+        ce_total = ce_total + weights[j] * ce / n.clamp(min=1)
         sums[0, j], sums[1, j], sums[2, j] = ce.detach(), agree, n
-    return total, StepStats(loss=sums[0], correct=sums[1], count=sums[2])
+    stats = StepStats(loss=sums[0], correct=sums[1], count=sums[2])
+    if mode is None:
+        return ce_total, stats
+    a, m = torch.stack(alphas), torch.stack(masks)  # [K, B, M]
+    objective = chain_objective(a, m)[0] if loss.kind == "expected_length" else step_objective(a, m, weights)
+    total = objective + loss.soft_ce_weight * ce_total if loss.soft_ce_weight else objective
+    return total, stats
 
 
 class StepParallel(Protocol):
@@ -164,9 +222,14 @@ class DraftTrainer:
         self.max_seq_tokens = int(max_seq_tokens)
         self.draft = draft
         self.embed = embed.requires_grad_(False)
-        self.rows = rows.detach()
+        self._compute_dtype: torch.dtype | None = None
+        self.rows = rows
         self.optim_settings = optim
         self.loss_settings = loss
+        self.autocast_bf16 = resolve_autocast(loss.autocast_bf16, self.rows.device)
+        # without autocast every input meets the draft in its own dtype (taps and head rows are stored bf16)
+        self._compute_dtype = None if self.autocast_bf16 else next(draft.parameters()).dtype
+        self.rows = self._rows_stored  # in the compute dtype
         # an MTP head's lm_head is the target's (shared, frozen); under LoRA only the adapters train
         from draft_align.heads.lora import is_lora
 
@@ -176,6 +239,16 @@ class DraftTrainer:
         self.build_optimizer()
         # under torchrun: the loss through DDP or FSDP2 and a rank-wide finiteness vote (train/parallel.py)
         self.parallel: StepParallel | None = None
+
+    @property
+    def rows(self) -> torch.Tensor:
+        """The target's lm_head rows [Vd, H] the soft targets come from (replaced at each HeadSync)."""
+        return self._rows_stored
+
+    @rows.setter
+    def rows(self, value: torch.Tensor) -> None:
+        self._rows_stored = value.detach()
+        self._rows = self._rows_stored if self._compute_dtype is None else self._rows_stored.to(self._compute_dtype)
 
     def build_optimizer(self) -> None:
         """A fresh AdamW and schedule over the draft's trainable parameters as they are now (FSDP2 replaces
@@ -195,7 +268,11 @@ class DraftTrainer:
 
     def loss(self, batch: Batch) -> tuple[torch.Tensor, StepStats]:
         """This trainer's loss of one batch (on the trainer's device)."""
-        return ttt_loss(self.draft, self.embed, self.rows, batch, self.loss_settings)
+        if self._compute_dtype is None:
+            return ttt_loss(self.draft, self.embed, self.rows, batch, self.loss_settings)
+        dtype = self._compute_dtype
+        return ttt_loss(self.draft, lambda ids: self.embed(ids).to(dtype), self._rows, batch.cast(dtype),
+                        self.loss_settings)
 
     def set_total_steps(self, total: int) -> None:
         """Change the schedule's length (e.g. to end the cosine when a time budget ends).
@@ -212,7 +289,7 @@ class DraftTrainer:
         self.draft.train()
         dev = self.rows.device
         batch = self._cap(batch.to(dev))
-        ctx = torch.autocast(dev.type, dtype=torch.bfloat16) if self.loss_settings.autocast_bf16 else nullcontext()
+        ctx = torch.autocast(dev.type, dtype=torch.bfloat16) if self.autocast_bf16 else nullcontext()
         with ctx:
             loss, stats = self.loss(batch) if self.parallel is None else self.parallel.loss(batch)
         if not (torch.isfinite(loss) if self.parallel is None else self.parallel.all_finite(loss)):

@@ -109,10 +109,7 @@ def train(
         if not is_lora(draft):
             apply_lora(draft, lora_settings(lc), seed=recipe.seed)
         optim = dataclasses.replace(optim, lr=lc.lr, weight_decay=lc.weight_decay, warmup_steps=lc.warmup_steps)
-    loss = LossSettings(
-        ttt_steps=tc.ttt_steps, step_decay=step_decay(tc.step_decay, recipe.draft.head), kind=tc.loss,
-        train_lm_head=recipe.draft.train_lm_head, autocast_bf16=tc.autocast_bf16,
-    )
+    loss = LossSettings.from_section(tc, step_decay(tc.step_decay, recipe.draft.head), recipe.draft.train_lm_head)
     dev = torch.device(recipe.device)
     draft.to(dev)
     trainer = DraftTrainer(draft, frozen_embedding(prep.target).to(dev),

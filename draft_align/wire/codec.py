@@ -98,14 +98,6 @@ def _seq(v: Any) -> int:
     return v
 
 
-def _frame_mac(key: bytes, frames: Sequence[Any]) -> bytes:
-    m = hmac.new(key, digestmod=hashlib.sha256)
-    for fr in frames:
-        m.update(memoryview(fr).nbytes.to_bytes(8, "big"))
-        m.update(fr)
-    return m.digest()
-
-
 def _json_fields(msg: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for fd in fields(msg):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Self
 
 import torch
 
@@ -25,8 +25,30 @@ from draft_align.wire.codec import (
 from draft_align.wire.schema import _STAGE_LAST_TENSORS, _TENSOR_SPECS, WireError
 
 
+class _WireMessage:
+    """What every message has: its tensors in wire order (those present) and its frames both ways."""
+
+    KIND: ClassVar[str]
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The present tensors in wire order."""
+        return {n: getattr(self, n) for n in _TENSOR_SPECS[self.KIND] if getattr(self, n) is not None}
+
+    def to_frames(self, key: bytes | None) -> list[bytes]:
+        return encode(self, key)
+
+    @classmethod
+    def from_frames(cls, frames: Sequence[Any], key: bytes | None, **limits: int) -> Self:
+        """Decode ``frames`` as this kind of message; another kind is a ``kind`` WireError."""
+        msg = decode(frames, key, **limits)
+        if type(msg) is not cls:
+            raise WireError("kind", f"expected {cls.KIND}, got {type(msg).KIND}")
+        return msg
+
+
+
 @dataclass(frozen=True, eq=False)
-class TapBatch:
+class TapBatch(_WireMessage):
     """Policy → sidecar: S sequences, N tokens, ragged-packed by ``cu_seqlens``."""
 
     run_id: str
@@ -71,9 +93,6 @@ class TapBatch:
         a, b = int(self.cu_seqlens[i]), int(self.cu_seqlens[i + 1])
         return {name: t[a:b] for name, t in self.tensors().items() if name != "cu_seqlens"}
 
-    def tensors(self) -> dict[str, torch.Tensor]:
-        """The present tensors in wire order."""
-        return {n: getattr(self, n) for n in _TENSOR_SPECS["TapBatch"] if getattr(self, n) is not None}
 
     @classmethod
     def make_dummy(
@@ -123,16 +142,10 @@ class TapBatch:
             **{n: torch.cat([s[n] for s in seqs]) for n in seqs[0]},
         )
 
-    def to_frames(self, key: bytes | None) -> list[bytes]:
-        return encode(self, key)
-
-    @classmethod
-    def from_frames(cls, frames: Sequence[Any], key: bytes | None, **limits: int) -> TapBatch:
-        return _decode_as(cls, frames, key, **limits)
 
 
 @dataclass(frozen=True, eq=False)
-class TapPart:
+class TapPart(_WireMessage):
     """Policy → sidecar: one pipeline stage's share of a TapBatch (megatron pipeline parallelism).
 
     Every stage of pipeline ``source_rank`` sends one part per ``batch_id`` with the same sequences
@@ -175,9 +188,6 @@ class TapPart:
     def num_tokens(self) -> int:
         return self.input_ids.numel()
 
-    def tensors(self) -> dict[str, torch.Tensor]:
-        """The present tensors in wire order."""
-        return {n: getattr(self, n) for n in _TENSOR_SPECS["TapPart"] if getattr(self, n) is not None}
 
     @classmethod
     def split(cls, batch: TapBatch, layers_per_stage: Sequence[Sequence[int]]) -> list[TapPart]:
@@ -214,16 +224,10 @@ class TapPart:
         """Stage ``stage``'s part of ``TapBatch.make_dummy(**batch_kwargs)`` (tests only)."""
         return cls.split(TapBatch.make_dummy(**batch_kwargs), layers_per_stage)[stage]
 
-    def to_frames(self, key: bytes | None) -> list[bytes]:
-        return encode(self, key)
-
-    @classmethod
-    def from_frames(cls, frames: Sequence[Any], key: bytes | None, **limits: int) -> TapPart:
-        return _decode_as(cls, frames, key, **limits)
 
 
 @dataclass(frozen=True, eq=False)
-class HeadSync:
+class HeadSync(_WireMessage):
     """Policy → sidecar, once per policy version: what turns ``final_hidden`` into draft-vocab logits."""
 
     run_id: str
@@ -237,8 +241,6 @@ class HeadSync:
 
     KIND: ClassVar[str] = "HeadSync"
 
-    def tensors(self) -> dict[str, torch.Tensor]:
-        return {n: getattr(self, n) for n in _TENSOR_SPECS["HeadSync"]}
 
     @classmethod
     def make_dummy(
@@ -253,16 +255,10 @@ class HeadSync:
             rows=torch.randn(draft_vocab, hidden_size, generator=g).bfloat16(),
         )
 
-    def to_frames(self, key: bytes | None) -> list[bytes]:
-        return encode(self, key)
-
-    @classmethod
-    def from_frames(cls, frames: Sequence[Any], key: bytes | None, **limits: int) -> HeadSync:
-        return _decode_as(cls, frames, key, **limits)
 
 
 @dataclass(frozen=True)
-class DraftPublished:
+class DraftPublished(_WireMessage):
     """Sidecar → anyone (PUB/SUB): a new draft version is on disk."""
 
     run_id: str
@@ -274,8 +270,6 @@ class DraftPublished:
 
     KIND: ClassVar[str] = "DraftPublished"
 
-    def tensors(self) -> dict[str, torch.Tensor]:
-        return {}
 
     @classmethod
     def make_dummy(
@@ -287,16 +281,10 @@ class DraftPublished:
             metrics={"acceptance_length": 2.5, "loss": 0.75},
         )
 
-    def to_frames(self, key: bytes | None) -> list[bytes]:
-        return encode(self, key)
-
-    @classmethod
-    def from_frames(cls, frames: Sequence[Any], key: bytes | None, **limits: int) -> DraftPublished:
-        return _decode_as(cls, frames, key, **limits)
 
 
 @dataclass(frozen=True)
-class StepReport:
+class StepReport(_WireMessage):
     """RL job → sidecar: the job's own per-step measurements (None = not measured this step)."""
 
     run_id: str
@@ -306,8 +294,6 @@ class StepReport:
 
     KIND: ClassVar[str] = "StepReport"
 
-    def tensors(self) -> dict[str, torch.Tensor]:
-        return {}
 
     @classmethod
     def make_dummy(cls, *, step: int = 0, policy_version: int = 0) -> StepReport:
@@ -316,12 +302,6 @@ class StepReport:
             metrics={"reward": 0.5, "kl": 0.01, "acceptance_length/v0001": None, "tap_dropped": 0.0},
         )
 
-    def to_frames(self, key: bytes | None) -> list[bytes]:
-        return encode(self, key)
-
-    @classmethod
-    def from_frames(cls, frames: Sequence[Any], key: bytes | None, **limits: int) -> StepReport:
-        return _decode_as(cls, frames, key, **limits)
 
 
 Message = TapBatch | HeadSync | DraftPublished | StepReport | TapPart
@@ -355,9 +335,3 @@ def decode(
     :class:`WireError` on any violation; the returned tensors own their memory."""
     return decode_with_origin(frames, key, max_bytes=max_bytes, max_tokens=max_tokens)[0]
 
-
-def _decode_as(cls: type, frames: Sequence[Any], key: bytes | None, **limits: int) -> Any:
-    msg = decode(frames, key, **limits)
-    if type(msg) is not cls:
-        raise WireError("kind", f"expected {cls.KIND}, got {type(msg).KIND}")
-    return msg

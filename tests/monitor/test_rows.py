@@ -13,7 +13,8 @@ SIDECAR_KEYS = ["sidecar_draft_version", "sidecar_draft_policy_version", "buffer
                 "sidecar_train_steps", "sidecar_trained_tokens", "sidecar_train_tokens_per_s",
                 "sidecar_ingest_tokens_per_s", "sidecar_ingested_tokens", "wire_rejected", "wire_nonfinite",
                 "wire_mismatched", "nonfinite_steps", "nonfinite_heads", "published_versions", "gate_rejections",
-                "sidecar_restarts", "nonfinite_alarms", "held_dropped", "rl_restarts", "publish_failures"]
+                "sidecar_restarts", "nonfinite_alarms", "held_dropped", "rl_restarts", "publish_failures",
+                "sidecar_training", "sidecar_train_state", "sidecar_waiting_for", "drift_triggers"]
 
 
 def _report(**metrics) -> StepReport:

@@ -66,11 +66,14 @@ def feeder_cls() -> type[Feeder]:
 
 
 @pytest.fixture
-def sidecar_world(tiny_run, tiny_env, tmp_path):
+def sidecar_world(tiny_run, tiny_env, tmp_path, request):
+    """(recipe, set-up Sidecar, Feeder) on the tiny target; ``indirect`` parametrization passes a dict of further
+    recipe overrides as the param."""
     from draft_align.sidecar.launch import starting_draft
     from draft_align.sidecar.loop import Sidecar
 
-    recipe = load_recipe(None, tiny_run.cotrain_overrides(tmp_path), CotrainRecipe)
+    extra = request.param if hasattr(request, "param") else {}
+    recipe = load_recipe(None, tiny_run.cotrain_overrides(tmp_path, **extra), CotrainRecipe)
     sc = Sidecar(recipe, starting_draft(recipe)).setup()
     feeder = Feeder(recipe, sc.frozen.draft_to_target, sc.aux_ids)
     yield recipe, sc, feeder

@@ -10,9 +10,11 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from draft_align.config import CotrainRecipe, load_recipe
+from draft_align.train.trainer import LossSettings
 
 
 def test_ingest_train_gate_publish_notify_and_monitor(sidecar_world, until):
@@ -56,11 +58,15 @@ def test_ingest_train_gate_publish_notify_and_monitor(sidecar_world, until):
     sub.close()
 
 
+@pytest.mark.parametrize("sidecar_world", [{}, {"sidecar.loss": "tv", "sidecar.soft_ce_weight": 0.5},
+                                           {"sidecar.loss": "expected_length"}],
+                         indirect=True, ids=["soft", "tv+ce", "expected_length"])
 def test_nonfinite_loss_skips_the_step_and_publishes_nothing(sidecar_world, until):
     from draft_align.train.records import Record, TappedRecord
     from draft_align.train.replay import ReplayBuffer
 
     recipe, sc, feeder = sidecar_world
+    assert sc.trainer.loss_settings == LossSettings.from_section(recipe.sidecar, 0.8, True)  # the recipe's objective
     feeder.step(0, 0)
     assert until(lambda: sc.state.monitor_rows >= 1, 20, every=lambda: sc.drain(0.1, 100))
     before = {k: v.clone() for k, v in sc.trainer.draft.state_dict().items()}

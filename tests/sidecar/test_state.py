@@ -34,7 +34,8 @@ def test_rates_and_stats():
         "sidecar_ingest_tokens_per_s": 60.0, "sidecar_ingested_tokens": 90, "wire_rejected": 3,
         "wire_nonfinite": 1, "wire_mismatched": 2, "nonfinite_steps": 3, "nonfinite_heads": 4,
         "published_versions": 2, "gate_rejections": 5, "sidecar_restarts": 6, "nonfinite_alarms": 0,
-        "held_dropped": 0, "rl_restarts": 0, "publish_failures": 0,
+        "held_dropped": 0, "rl_restarts": 0, "publish_failures": 0, "sidecar_training": 1,
+        "sidecar_train_state": "training", "sidecar_waiting_for": None, "drift_triggers": 0,
     }
     assert stats.rejected == {"mac": 2, "frames": 1}
 

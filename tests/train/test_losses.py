@@ -1,7 +1,10 @@
 """draft_align.train.losses: soft / hard cross-entropy per TTT step, masks, agreement counts; the blocked
 (memory-bounded) forms against the single-block one; the per-sequence cap."""
 
+import copy
+import dataclasses
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,6 +17,8 @@ from draft_align.train import losses
 from draft_align.train.losses import hard_ce_step, soft_ce_reference, soft_ce_step, step_weights
 from draft_align.train.records import Record, collate
 from draft_align.train.trainer import DraftTrainer, LossSettings, OptimSettings, ttt_loss
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def log_softmax_list(xs: list[float]) -> list[float]:
@@ -207,6 +212,44 @@ def test_blocked_logits_keep_no_vocab_sized_tensor():
     assert torch.equal(parts[1], whole[1])
 
 
+@pytest.mark.parametrize("mode", ["probabilistic", "greedy_draft", "greedy"])
+def test_blocked_acceptance_keeps_no_vocab_sized_tensor(mode):
+    """The acceptance objectives' p and z live one block at a time too: O(N·(H + H_t)) kept for backward."""
+    n, h, vd = 64, 8, 2048
+    g = torch.Generator().manual_seed(0)
+    head = nn.Linear(h, vd, bias=False)
+    x = torch.randn(1, n, h, generator=g, requires_grad=True)
+    final, rows = torch.randn(1, n, h, generator=g), torch.randn(vd, h, generator=g)
+
+    def run(block_bytes):
+        return losses.acceptance_head(head, rows, x, final, mode, 0.5, block_bytes=block_bytes)
+
+    dense = saved_bytes(lambda: run(1 << 40))
+    blocked = saved_bytes(lambda: run(4 * losses.ACCEPT_ROW_TENSORS * vd * 8))  # 8 rows a block
+    assert dense >= 4 * n * vd  # at least one [N, Vd] fp32 tensor
+    assert blocked < 4 * n * vd / 8
+    for a, b in zip(run(4 * losses.ACCEPT_ROW_TENSORS * vd * 8), run(1 << 40), strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_soft_targets_only_at_scored_positions():
+    """Soft CE's p is computed at the positions some step scores (not at prompt or padding targets): the same
+    values there as over every position, zeros elsewhere, and the loss unchanged."""
+    recs = records([14, 9], N_AUX * H_T, H_T, seed=2)  # response from t // 3 on
+    batch = collate(recs, steps=3)
+    at = losses.scored_positions(losses.scored_steps(batch, 3), batch.input_ids.shape)
+    # row 0 (T = 14, response from 4): positions 3..12 predict response tokens 4..13; row 1 (T = 9, from 3): 2..7
+    assert at[0].nonzero().squeeze(-1).tolist() == list(range(3, 13))
+    assert at[1].nonzero().squeeze(-1).tolist() == list(range(2, 8))
+    g = torch.Generator().manual_seed(0)
+    rows, w = torch.randn(VD, H_T, generator=g), torch.randn(VD, HID, generator=g)
+    every = losses.soft_targets(batch.final, rows, w)
+    some = losses.soft_targets(batch.final, rows, w, block_bytes=4 * VD * 3, at=at)
+    torch.testing.assert_close(some[0][at], every[0][at])
+    assert torch.equal(some[1][at], every[1][at])
+    assert some[0][~at].abs().sum() == 0 and some[1][~at].abs().sum() == 0
+
+
 def test_row_blocks_cover_every_row_once():
     assert losses.row_blocks(10, 4, 12) == [(0, 3), (3, 6), (6, 9), (9, 10)]
     assert losses.row_blocks(10, 100, 1) == [(i, i + 1) for i in range(10)]  # at least one row per block
@@ -266,3 +309,251 @@ def test_trainer_cuts_long_rows_and_counts_them():
     assert DraftTrainer(draft, embed, rows, OptimSettings(), LossSettings()).max_seq_tokens == losses.MAX_SEQ_TOKENS
     with pytest.raises(ValueError, match="max_seq_tokens must be ≥ 2"):
         DraftTrainer(draft, embed, rows, OptimSettings(), LossSettings(), max_seq_tokens=1)
+
+
+@pytest.mark.parametrize("head", ["eagle3", "mtp2"])
+def test_fp32_training_on_bf16_taps(head):
+    """Without autocast, bf16-stored states, head rows and embedding meet the fp32 draft in fp32: the
+    step equals the one on the same states given in fp32 (and does not raise a dtype mismatch)."""
+    draft, rows, aux_w = HEADS[head](2)
+    recs = records([18, 12], aux_w, rows.shape[1], seed=8)
+    bf = [Record(r.input_ids, r.loss_mask, r.aux.bfloat16(), r.final.bfloat16()) for r in recs]
+    fp = [Record(r.input_ids, r.loss_mask, r.aux.bfloat16().float(), r.final.bfloat16().float()) for r in recs]
+    emb = nn.Embedding(VOCAB, HID).bfloat16()
+    out = []
+    for rs, rw, emb_dtype in ((bf, rows.bfloat16(), torch.bfloat16), (fp, rows.bfloat16().float(), torch.float32)):
+        d = copy.deepcopy(draft)
+        embed = copy.deepcopy(emb).to(emb_dtype)
+        trainer = DraftTrainer(d, embed, rw, OptimSettings(warmup_steps=1, total_steps=4),
+                               LossSettings(ttt_steps=3, autocast_bf16=False))
+        assert trainer.autocast_bf16 is False
+        out.append(trainer.train_step(collate(rs, 3))["loss"])
+    assert math.isfinite(out[0]) and out[0] == pytest.approx(out[1], rel=1e-5)
+
+
+def test_replaced_head_rows_are_used_in_fp32_training():
+    """A HeadSync replaces ``trainer.rows``: the fp32 copy the loss uses follows it."""
+    draft, rows, aux_w = HEADS["eagle3"](3)
+    trainer = DraftTrainer(draft, nn.Embedding(VOCAB, HID), rows.bfloat16(), OptimSettings(),
+                           LossSettings(ttt_steps=2, autocast_bf16=False))
+    new = torch.randn_like(rows).bfloat16()
+    trainer.rows = new
+    assert trainer.rows is not None and torch.equal(trainer.rows, new)
+    assert trainer._rows.dtype == torch.float32 and torch.equal(trainer._rows, new.float())
+
+
+# --------------------------------------------------------------------------------- objectives on acceptance
+def softmax_list(xs: list[float], tau: float = 1.0) -> list[float]:
+    return [math.exp(v) for v in log_softmax_list([x / tau for x in xs])]
+
+
+def test_acceptance_step_by_hand():
+    """α of each verify mode for an explicit 3-token p and draft logits z."""
+    z = [0.0, 1.0, 2.0]
+    p = [0.5, 0.3, 0.2]  # argmax p = 0, argmax q = 2
+    q = softmax_list(z)  # ≈ [0.090, 0.245, 0.665]
+    zt, pt = torch.tensor([z], dtype=torch.float64), torch.tensor([p], dtype=torch.float64)
+    arg = pt.argmax(-1)
+    tv = losses.acceptance_step(zt, pt, arg, "probabilistic", 0.5)
+    assert tv.item() == pytest.approx(sum(min(a, b) for a, b in zip(p, q, strict=True)), rel=1e-12)
+    assert tv.item() == pytest.approx(q[0] + q[1] + p[2], rel=1e-12)  # min picks q, q, p
+    for tau in (0.5, 1.0, 0.05):
+        qt = softmax_list(z, tau)
+        gd = losses.acceptance_step(zt, pt, arg, "greedy_draft", tau)
+        assert gd.item() == pytest.approx(sum(a * b for a, b in zip(p, qt, strict=True)), rel=1e-12)
+        g = losses.acceptance_step(zt, pt, arg, "greedy", tau)
+        assert g.item() == pytest.approx(qt[0], rel=1e-12)
+    # small τ: the surrogates approach the exact α (p(argmax q) = 0.2; 1[argmax q = argmax p] = 0)
+    assert losses.acceptance_step(zt, pt, arg, "greedy_draft", 0.01).item() == pytest.approx(0.2, abs=1e-6)
+    assert losses.acceptance_step(zt, pt, arg, "greedy", 0.01).item() == pytest.approx(0.0, abs=1e-6)
+    with pytest.raises(ValueError, match="unknown verify mode"):
+        losses.acceptance_step(zt, pt, arg, "typical", 1.0)  # type: ignore[arg-type]
+
+
+def test_acceptance_rows_match_the_monitors_formulas():
+    """α = 1 − TV and α̃ → p(argmax q) as the monitor's acceptance_prob computes them (its own code)."""
+    from draft_align.monitor.acceptance import acceptance_prob
+
+    g = torch.Generator().manual_seed(3)
+    z, tl = torch.randn(6, 7, generator=g) * 2, torch.randn(6, 7, generator=g) * 2
+    ident = torch.arange(7)
+    a, ce, agree = losses.acceptance_rows(z, tl, "probabilistic", 1.0)
+    torch.testing.assert_close(a, acceptance_prob(tl, z, ident, "probabilistic", 1.0))
+    torch.testing.assert_close(ce, soft_ce_reference(z, torch.log_softmax(tl, -1)))
+    assert torch.equal(agree, acceptance_prob(tl, z, ident, "greedy", 0.0))
+    a, _, _ = losses.acceptance_rows(z, tl, "greedy_draft", 1e-3)
+    torch.testing.assert_close(a, acceptance_prob(tl, z, ident, "greedy_draft", 1.0), atol=1e-4, rtol=0)
+
+
+def test_step_and_chain_objectives_by_hand():
+    # K = 3 steps, one row, three chains: all steps count | step 1 masked (the chain ends there) | step 0 masked
+    alpha = torch.tensor([[[0.5, 0.9, 0.3]], [[0.4, 0.2, 0.7]], [[0.9, 0.6, 0.8]]])  # [K, B=1, M=3]
+    mask = torch.tensor([[[True, True, False]], [[True, False, True]], [[True, True, True]]])
+    loss, accepted = losses.chain_objective(alpha, mask)
+    chain0 = 0.5 + 0.5 * 0.4 + 0.5 * 0.4 * 0.9  # Σ_i Π_{j≤i} α_j = 0.88
+    chain1 = 0.9  # only draft 0 scores: draft 1's target is masked
+    # chain 2 has no valid first step: it is not a chain the engine drafts (N_0 = 2)
+    assert accepted.item() == pytest.approx((chain0 + chain1) / 2)
+    assert loss.item() == pytest.approx(((3 - chain0) + (1 - chain1)) / 2)
+    w = [1.0, 0.8, 0.64]
+    per_step = [((1 - 0.5) + (1 - 0.9)) / 2, ((1 - 0.4) + (1 - 0.7)) / 2, ((1 - 0.9) + (1 - 0.6) + (1 - 0.8)) / 3]
+    got = losses.step_objective(alpha, mask, w)
+    assert got.item() == pytest.approx(sum(a * b for a, b in zip(w, per_step, strict=True)))
+    none = torch.zeros_like(mask)
+    assert losses.chain_objective(alpha, none)[0].item() == 0.0 and losses.step_objective(alpha, none, w).item() == 0.0
+
+
+@pytest.mark.parametrize("mode", ["probabilistic", "greedy_draft", "greedy"])
+def test_acceptance_gradients_match_finite_differences(mode):
+    g = torch.Generator().manual_seed(5)
+    z = (torch.randn(4, 6, generator=g, dtype=torch.float64) * 1.5).requires_grad_()
+    tl = torch.randn(4, 6, generator=g, dtype=torch.float64) * 1.5
+    assert torch.autograd.gradcheck(lambda x: losses.acceptance_rows(x, tl, mode, 0.7)[0], (z,))
+    assert torch.autograd.gradcheck(lambda x: losses.acceptance_rows(x, tl, mode, 0.7)[1], (z,))
+
+
+def test_chain_objective_gradient_matches_finite_differences():
+    g = torch.Generator().manual_seed(6)
+    alpha = torch.rand(3, 2, 4, generator=g, dtype=torch.float64).requires_grad_()
+    mask = torch.rand(3, 2, 4, generator=g) > 0.3
+    assert torch.autograd.gradcheck(lambda a: losses.chain_objective(a, mask)[0], (alpha,))
+    assert torch.autograd.gradcheck(lambda a: losses.step_objective(a, mask, [1.0, 0.8, 0.64]), (alpha,))
+
+
+@pytest.mark.parametrize("block_bytes", [1, 1 << 40])
+@pytest.mark.parametrize("mode", ["probabilistic", "greedy_draft", "greedy"])
+def test_acceptance_head_gradients_match_finite_differences(block_bytes, mode):
+    """Through the checkpointed row blocks too: d/dx and d/dW of the per-row α and CE of z = W x."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(2, 3, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(6, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    f = torch.randn(2, 3, 4, generator=g, dtype=torch.float64)
+    rows = torch.randn(6, 4, generator=g, dtype=torch.float64)
+
+    def fn(xx, ww):
+        a, ce, _ = losses.acceptance_head(lambda h: h @ ww.t(), rows, xx, f, mode, 0.8, block_bytes=block_bytes)
+        return a, ce
+
+    assert torch.autograd.gradcheck(fn, (x, w))
+
+
+# --------------------------------------------------------------------------------- the acceptance objectives in TTT
+ACCEPT_SETTINGS = {
+    "tv": dict(kind="tv"),
+    "tv+ce": dict(kind="tv", soft_ce_weight=0.3),
+    "greedy_surrogate": dict(kind="greedy_surrogate", surrogate_tau=0.7),
+    "greedy_surrogate_t0": dict(kind="greedy_surrogate", accept_mode="greedy"),
+    "expected_length": dict(kind="expected_length"),
+    "expected_length_greedy_draft+ce": dict(kind="expected_length", accept_mode="greedy_draft", soft_ce_weight=0.5),
+}
+
+
+def ttt_parts(head: str, lengths: list[int], seed: int = 0, dtype=torch.float32):
+    draft, rows, aux_w = HEADS[head](seed)
+    embed = nn.Embedding(VOCAB, HID)
+    with torch.no_grad():
+        embed.weight.copy_(torch.randn(VOCAB, HID, generator=torch.Generator().manual_seed(9)))
+    embed.requires_grad_(False)
+    recs = records(lengths, aux_w, rows.shape[1], seed=sum(lengths))
+    return draft.to(dtype), embed.to(dtype), rows.to(dtype), collate(recs, steps=3)
+
+
+def settings_loss(draft, embed, rows, batch, name: str):
+    return ttt_loss(draft, embed, rows, batch, LossSettings(ttt_steps=3, **ACCEPT_SETTINGS.get(name, {})))
+
+
+@pytest.mark.parametrize("name", sorted(ACCEPT_SETTINGS))
+@pytest.mark.parametrize("head", ["eagle3", "mtp2"])
+def test_blocked_acceptance_loss_equals_one_block(head, name, monkeypatch):
+    out = []
+    for attn_bytes, logit_bytes in ((1 << 40, 1 << 40), (1, 1), (700, 2500)):
+        monkeypatch.setattr(layers, "ATTN_BLOCK_BYTES", attn_bytes)
+        monkeypatch.setattr(losses, "LOGITS_BLOCK_BYTES", logit_bytes)
+        draft, embed, rows, batch = ttt_parts(head, [23, 14])
+        loss, stats = settings_loss(draft, embed, rows, batch, name)
+        out.append((loss, stats, torch.autograd.grad(loss, [p for p in draft.parameters() if p.requires_grad])))
+    whole = out[0]
+    assert whole[0].item() > 0 and all(g.abs().sum() > 0 for g in whole[2][-1:])
+    for blocked in out[1:]:
+        torch.testing.assert_close(blocked[0], whole[0], rtol=1e-5, atol=1e-6)
+        for a, b in zip(blocked[1].__dict__.values(), whole[1].__dict__.values(), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        for a, b in zip(blocked[2], whole[2], strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("head", ["eagle3", "mtp2"])
+def test_acceptance_objectives_report_the_soft_ce_stats(head):
+    """StepStats (soft CE, agreement, counts) are the soft objective's whatever is optimised: the p gathered at
+    each step's scored positions is the one soft CE uses."""
+    draft, embed, rows, batch = ttt_parts(head, [19, 30, 11])
+    with torch.no_grad():
+        _, want = ttt_loss(draft, embed, rows, batch, LossSettings(ttt_steps=3))
+        for name in ACCEPT_SETTINGS:
+            _, got = settings_loss(draft, embed, rows, batch, name)
+            for a, b in zip(got.__dict__.values(), want.__dict__.values(), strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-4)
+
+
+def test_tv_objective_is_one_minus_the_monitors_alpha_by_hand():
+    """loss=tv over one step (K = 1) is the mean of 1 − Σ min(p, q) over the response targets, computed here
+    from the draft's logits with the monitor's acceptance_prob."""
+    from draft_align.monitor.acceptance import acceptance_prob
+
+    draft, embed, rows, batch = ttt_parts("eagle3", [17, 12])
+    with torch.no_grad():
+        loss, stats = ttt_loss(draft, embed, rows, batch, LossSettings(ttt_steps=1, kind="tv"))
+        xs = draft.unroll_hidden(batch.aux, embed, batch.input_ids, batch.valid, batch.starts, batch.starts_valid, 1)
+        alphas = []
+        for b in range(batch.input_ids.shape[0]):
+            n = int(batch.valid[b].sum())
+            for m in range(batch.starts.shape[1]):
+                s = int(batch.starts[b, m])
+                if batch.starts_valid[b, m] and s + 2 < n and batch.loss_mask[b, s + 2]:
+                    z = draft.lm_head(xs[0][b, m])[None]
+                    tl = batch.final[b, s + 1][None].float() @ rows.t()
+                    alphas.append(acceptance_prob(tl, z, torch.arange(rows.shape[0]), "probabilistic", 1.0))
+    assert len(alphas) == int(stats.count[0]) > 5
+    assert loss.item() == pytest.approx(1 - torch.cat(alphas).mean().item(), rel=1e-5)
+
+
+@pytest.mark.parametrize("name", sorted(ACCEPT_SETTINGS) + ["soft"])
+def test_unscored_targets_change_nothing_and_scored_ones_do(name):
+    """Prompt and padding targets are masked: the target's state where the next token is a prompt token or
+    padding never reaches the loss; at a response target it does."""
+    draft, embed, rows, batch = ttt_parts("eagle3", [21, 13])
+    with torch.no_grad():
+        base, _ = settings_loss(draft, embed, rows, batch, name)
+        nxt_scored = torch.zeros_like(batch.loss_mask)
+        nxt_scored[:, :-1] = batch.loss_mask[:, 1:] & batch.valid[:, 1:]  # position t predicts a response token
+        poked = batch.final.clone()
+        poked[~nxt_scored] = torch.randn_like(poked[~nxt_scored]) * 5
+        assert (~nxt_scored[1]).sum() > 8  # row 1's prompt and its padding
+        same, _ = settings_loss(draft, embed, rows, dataclasses.replace(batch, final=poked), name)
+        assert same.item() == pytest.approx(base.item(), rel=1e-6)
+        scored = batch.final.clone()
+        t = int(nxt_scored[0].nonzero()[3])
+        scored[0, t] = scored[0, t] + 3
+        moved, _ = settings_loss(draft, embed, rows, dataclasses.replace(batch, final=scored), name)
+        assert abs(moved.item() - base.item()) > 1e-4
+
+
+@pytest.mark.parametrize("name", sorted(ACCEPT_SETTINGS))
+def test_ttt_acceptance_gradient_matches_finite_differences(name, monkeypatch):
+    """ttt_loss's objective (gathers, masks, step weights or chain products, the soft-CE mix, row blocks) in
+    float64 by gradcheck, with respect to the unroll's hidden states and the lm_head weight (the unroll itself
+    runs in float32 inside: its states are fixed here and given as inputs)."""
+    monkeypatch.setattr(losses, "LOGITS_BLOCK_BYTES", 3000)  # several blocks
+    draft, embed, rows, batch = ttt_parts("eagle3", [15, 11], seed=3)
+    with torch.no_grad():
+        xs = draft.unroll_hidden(batch.aux, embed, batch.input_ids, batch.valid, batch.starts, batch.starts_valid, 3)
+    xs = [x.double().requires_grad_() for x in xs]
+    w = draft.lm_head.weight.detach().double().requires_grad_()
+    batch = dataclasses.replace(batch, final=batch.final.double())
+
+    def fn(x0, x1, x2, ww):
+        fixed = SimpleNamespace(unroll_hidden=lambda *_: [x0, x1, x2], lm_head=lambda h: h @ ww.t())
+        return settings_loss(fixed, embed, rows.double(), batch, name)[0]
+
+    assert fn(*xs, w).dtype == torch.float64
+    assert torch.autograd.gradcheck(fn, (*xs, w), fast_mode=True)

@@ -13,11 +13,12 @@ from pathlib import Path
 import pytest
 import zmq
 
-from draft_align.wire.channel import Receiver, TapSender, _zap_server, authenticate, default_endpoint
+from draft_align.wire.channel import Receiver, TapSender, authenticate, default_endpoint
 from draft_align.wire.codec import Origin, encode
 from draft_align.wire.messages import HeadSync, StepReport, TapBatch
 from draft_align.wire.replay import ReplayGuard
 from draft_align.wire.schema import WireError
+from draft_align.wire.sockets import zap_server
 
 KEY = bytes(range(32))
 
@@ -91,9 +92,10 @@ def test_legit_batches_flow_under_a_junk_flood(tmp_path: Path, key: bytes | None
 
 def test_drain_counts_rejections_toward_its_budget(tmp_path: Path):
     """30 junk messages in front of one legit one: one drain with no wait gets the legit one; a budget of
-    10 messages stops after 10 consumed (rejections included)."""
+    10 messages stops after 10 consumed (rejections included).  (1 MiB messages: all 62 fit the receive
+    queue, RCVHWM = 1 GiB // 1 MiB, so none waits in the sender's queue to refill it.)"""
     ep = default_endpoint(tmp_path, "tap")
-    with Receiver(ep, None) as rx:
+    with Receiver(ep, None, max_bytes=1 << 20) as rx:
         ctx = zmq.Context()
         raw = ctx.socket(zmq.PUSH)
         raw.setsockopt(zmq.LINGER, 1000)
@@ -162,7 +164,7 @@ def _capture(tmp_path: Path, msgs: list) -> list[list[bytes]]:
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
     pull.setsockopt(zmq.LINGER, 0)
-    zap = _zap_server(ctx, pull, KEY)  # the sender authenticates; the eavesdropper sees the frames
+    zap = zap_server(ctx, pull, KEY)  # the sender authenticates; the eavesdropper sees the frames
     pull.bind(ep)
     out = []
     with TapSender(ep, KEY, send_timeout_s=2.0) as tx:

@@ -1,0 +1,651 @@
+"""Soak: a real sidecar trains and publishes for ``--minutes`` while a legit RL-side sender and a hostile
+sender run beside it, the sidecar is killed (-9) and restarted at random, and its disk fills up for a while.
+
+Three processes besides the sidecar (``draft-align sidecar``, started exactly as ``cotrain`` starts it):
+
+- **legit** (``--role legit``): the RL side.  SmolLM2-135M's own log-prob forward over ShareGPT prompt +
+  reply pairs, the real ``HFPolicyTap`` and ``TapSender`` (the receiver's size limit given), one StepReport per
+  step with slash- and dash-named metrics as TRL/wandb jobs send them, a HeadSync every few steps.
+- **hostile** (``--role hostile``): ≥ ``--hostile-rate`` messages/s of every category the wire must survive
+  (no key, a wrong key, junk frames, bit flips, forged MACs, truncations, 401-digit numbers, headers that
+  claim huge tensors, frames over the limit, replays and stale sequence numbers, another run's id) and, at a
+  low rate, signed insider input (thousands of metric names, taps of steps never reported, poisoned and
+  non-finite heads, a HeadSync with a huge policy version).
+- **the orchestrator** (this process): samples the sidecar's RSS every second, scrapes its Prometheus page for
+  rejections by reason, kills and restarts it at random, fills its disk (a tmpfs mounted for the run, when
+  the process may mount one) for ``--full-disk-s`` seconds, verifies every visible draft version (sha256
+  manifests) after every kill and every 30 s, and writes ``benchmarks/out/soak.json`` and RESULTS.md's section.
+
+    python benchmarks/soak.py --minutes 10 --draft checkpoints/smollm2-demo
+
+Run it alone on the machine (it uses both cores).  Drops of legit batches are split into those while the
+sidecar was down (killed, restarting: the RL side must not wait, so these are expected and counted) and those
+while it was up (the goal: 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import json
+import os
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.results_md import replace_section, repo_relative  # noqa: E402
+
+RUN = "soak"
+SECTION = "## Soak: hostile input, kills and a full disk (`benchmarks/soak.py`)"
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj))
+    os.replace(tmp, path)
+
+
+def _recipe(disk: Path, draft: str, extra: list[str]):
+    from draft_align.config import CotrainRecipe, load_recipe
+
+    overrides = [
+        f"run={RUN}", f"output_dir={disk}", f"draft={draft}", "logging.wandb=false",
+        "sidecar.keep_versions=3", "sidecar.checkpoint_every_s=20",
+        "sidecar.publish_every_s=10", "sidecar.min_train_steps_per_publish=1", "sidecar.min_buffer_tokens=1024",
+        "sidecar.batch_tokens=512", "sidecar.gate_tolerance=100.0", "sidecar.prometheus_port=0",
+        "wire.max_message_mb=16", "tap.tokens_per_step=1024", *extra,
+    ]
+    return load_recipe(ROOT / "recipes" / "smollm2_cotrain.yaml", overrides, CotrainRecipe)
+
+
+# ----------------------------------------------------------------------------------------------- legit side
+def role_legit(a: argparse.Namespace) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from draft_align import assets, data
+    from draft_align.publish import load_draft
+    from draft_align.rl.policy import Sequences
+    from draft_align.tap.hf import HFPolicyTap
+    from draft_align.wire import channel
+    from draft_align.wire.messages import StepReport
+
+    torch.set_num_threads(1)
+    recipe = _recipe(Path(a.disk), a.draft, a.override)
+    draft, _ = load_draft(Path(a.start))
+    path = assets.resolve_model(recipe.target.model)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(path)
+    convs = [c for c in data.load_conversations(assets.resolve_data("sharegpt"), limit=400)
+             if any(m.role == "assistant" for m in c.messages)]
+    pairs = []
+    for c in convs:
+        reply = next(m.content for m in c.messages if m.role == "assistant")
+        p = data.encode_prompt(tok, c)[-96:]
+        r = torch.tensor(tok.encode(reply, add_special_tokens=False)[:64], dtype=torch.long)
+        if p.numel() and r.numel():
+            pairs.append((p, r))
+    key = channel.resolve_key(None, recipe.run_dir, create=False)
+    sender = channel.TapSender(channel.default_endpoint(recipe.run_dir, "tap"), key,
+                               max_message_bytes=recipe.wire.max_message_mb << 20, send_timeout_s=0.5)
+    tap = HFPolicyTap(model, tuple(draft.cfg.aux_layer_ids), sender, run_id=recipe.run,
+                      tokens_per_step=recipe.tap.tokens_per_step)
+    stop_file = Path(a.work) / "legit.stop"
+    stats_file = Path(a.work) / "legit.json"
+    step = version = 0
+    offered_steps = 0
+    t0 = time.monotonic()
+    while not stop_file.exists():
+        t_step = time.monotonic()
+        if step % 5 == 0:
+            version = step // 5
+            tap.head_sync(version, draft.draft_to_target)
+        batch = [pairs[(step * 4 + i) % len(pairs)] for i in range(4)]
+        seqs = Sequences.pack(batch, pad_id=tok.pad_token_id or 0)
+        with torch.no_grad(), tap.capturing():
+            logits = model(input_ids=seqs.input_ids, attention_mask=seqs.attention_mask).logits
+            tap.submit(input_ids=seqs.input_ids, attention_mask=seqs.attention_mask, loss_mask=seqs.loss_mask,
+                       logits=logits, policy_version=version, step=step, temperature=1.0)
+        tap.end_step()
+        sender.offer(StepReport(run_id=recipe.run, step=step, policy_version=version, metrics={
+            "reward/mean": 0.01 * step, "kl-to-initial": 0.001 * step, "accept len": 1.5, "tap/dropped": 0.0}))
+        offered_steps += 1
+        step += 1
+        _write_json(stats_file, {"time": time.time(), "steps": offered_steps, "sender": sender.stats(),
+                                 "tap": tap.stats()})
+        time.sleep(max(0.0, a.step_s - (time.monotonic() - t_step)))
+    sender.offer(StepReport(run_id=recipe.run, step=step, policy_version=version, metrics={"final": 1.0}))
+    sender.close()  # flushes what is queued (bounded by its close timeout)
+    _write_json(stats_file, {"time": time.time(), "steps": offered_steps, "sender": sender.stats(),
+                             "seconds": time.monotonic() - t0, "final_sent": True})
+
+
+# --------------------------------------------------------------------------------------------- hostile side
+class _Hostile:
+    """Every category of bad input, as frames; ``sent`` counts each category's attempts."""
+
+    def __init__(self, recipe: Any, key: bytes, draft: Any) -> None:
+        import zmq
+
+        from draft_align.wire import channel
+
+        self.recipe = recipe
+        self.key = key
+        self.draft = draft
+        self.ctx = zmq.Context()
+        ep = channel.default_endpoint(recipe.run_dir, "tap")
+        # the unauthenticated sockets never pass the handshake: a tiny queue bounds this process's own memory
+        self.noauth = self._sock(ep, None, hwm=4)
+        self.wrongkey = self._sock(ep, os.urandom(32), hwm=4)
+        self.keyed = self._sock(ep, key, hwm=200)
+        self.sent: dict[str, int] = {}
+        self.blocked: dict[str, int] = {}
+        self.rng = random.Random(1)
+        self.seq = 0
+        self.limit = recipe.wire.max_message_mb << 20
+
+    def _sock(self, ep: str, key: bytes | None, hwm: int) -> Any:
+        import zmq
+
+        from draft_align.wire import channel
+
+        s = self.ctx.socket(zmq.PUSH)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.SNDHWM, hwm)
+        if key is not None:
+            channel.authenticate(s, key)
+        s.connect(ep)
+        return s
+
+    def _send(self, cat: str, sock: Any, frames: list[bytes]) -> None:
+        import zmq
+
+        self.sent[cat] = self.sent.get(cat, 0) + 1
+        try:
+            sock.send_multipart(frames, flags=zmq.NOBLOCK)
+        except zmq.Again:  # the peer is down or its queue full: counted as attempted, not delivered
+            self.blocked[cat] = self.blocked.get(cat, 0) + 1
+
+    def _signed(self, msg: Any, sender: str = "hostile", seq: int | None = None) -> list[bytes]:
+        from draft_align.wire.codec import encode
+
+        if seq is None:
+            seq = self.seq = self.seq + 1
+        return encode(msg, self.key, sender=sender, seq=seq)
+
+    def _resign(self, frames: list[bytes]) -> list[bytes]:
+        from draft_align.wire.codec import frame_mac
+
+        return frames[:-1] + [frame_mac(self.key, frames[:-1])]
+
+    def _report(self, step: int, **metrics: float) -> Any:
+        from draft_align.wire.messages import StepReport
+
+        return StepReport(run_id=self.recipe.run, step=step, policy_version=0, metrics=metrics or {"x": 0.0})
+
+    def flood_one(self) -> None:
+        """One message of a random rejected category."""
+        r = self.rng.random()
+        valid = self._signed(self._report(10**6 + self.rng.randrange(10**6)))
+        if r < 0.12:
+            self._send("no_key", self.noauth, [os.urandom(64)])
+        elif r < 0.22:
+            self._send("wrong_key", self.wrongkey, valid)
+        elif r < 0.32:
+            self._send("junk_frames", self.keyed, [os.urandom(self.rng.randrange(1, 300))
+                                                   for _ in range(self.rng.randrange(1, 14))])
+        elif r < 0.42:
+            frames = [bytearray(f) for f in valid]
+            i = self.rng.randrange(len(frames))
+            if frames[i]:
+                j = self.rng.randrange(len(frames[i]))
+                frames[i][j] ^= 1 << self.rng.randrange(8)
+            self._send("bit_flip", self.keyed, [bytes(f) for f in frames])
+        elif r < 0.50:
+            self._send("forged_mac", self.keyed, valid[:-1] + [os.urandom(32)])
+        elif r < 0.58:
+            self._send("truncated", self.keyed, [valid[0][: self.rng.randrange(len(valid[0]))]] + valid[1:])
+        elif r < 0.66:
+            head = json.loads(valid[0])
+            head["fields"]["metrics"] = {"x": 10**400}
+            self._send("huge_number", self.keyed, self._resign([json.dumps(head).encode(), valid[-1]]))
+        elif r < 0.74:
+            self._send("bomb_header", self.keyed, self._bomb())
+        elif r < 0.82:  # the same signed message again: the first copy was accepted, the rest are replays
+            if not hasattr(self, "_replayed"):
+                self._replayed = self._signed(self._report(999_999), sender="hostile-replay", seq=5)
+            self._send("replay", self.keyed, self._replayed)
+        elif r < 0.88:
+            self._send("stale_seq", self.keyed, self._signed(self._report(999_998), sender="hostile", seq=1))
+        elif r < 0.94:
+            from dataclasses import replace
+
+            self._send("other_run", self.keyed, self._signed(replace(self._report(3), run_id="someone-else")))
+        else:
+            self._send("big_unauth", self.noauth, [b"\0" * (15 << 20)] * 2)
+
+    def _bomb(self) -> list[bytes]:
+        """A TapBatch header whose tensors claim ~10^9 tokens, with tiny frames, correctly signed."""
+        from draft_align.wire.messages import TapBatch
+
+        cfg = self.draft.cfg
+        dummy = TapBatch.make_dummy(2, hidden_size=cfg.target_hidden_size, vocab_size=cfg.vocab_size,
+                                    aux_layer_ids=tuple(cfg.aux_layer_ids))
+        frames = self._signed(dummy)
+        head = json.loads(frames[0])
+        for t in head["tensors"]:
+            t["shape"] = [10**9] + t["shape"][1:]
+        return self._resign([json.dumps(head).encode(), *frames[1:-1], b""])
+
+    def insider_one(self) -> None:
+        """One signed, well-formed message an insider could send (low rate)."""
+        import torch
+
+        from draft_align.wire.messages import HeadSync, TapBatch
+
+        cfg = self.draft.cfg
+        r = self.rng.random()
+        if r < 0.4:  # a hundred new metric names per report: the Prometheus families stay bounded
+            names = {f"junk/{self.rng.randrange(10**9)}": 1.0 for _ in range(100)}
+            self._send("insider_metric_names", self.keyed, self._signed(self._report(2_000_000 + self.seq, **names)))
+        elif r < 0.75:  # taps of a step never reported: the held records stay bounded
+            tb = TapBatch.make_dummy(4, min_len=64, max_len=128, hidden_size=cfg.target_hidden_size,
+                                     vocab_size=cfg.vocab_size, aux_layer_ids=tuple(cfg.aux_layer_ids),
+                                     topk=1)
+            from dataclasses import replace
+
+            tb = replace(tb, run_id=self.recipe.run, step=3_000_000 + self.seq)
+            self._send("insider_unreported_taps", self.keyed, self._signed(tb))
+        else:  # a poisoned (finite, 3e38) head
+            d2t = self.draft.draft_to_target
+            hs = HeadSync(run_id=self.recipe.run, policy_version=0, hidden_size=cfg.target_hidden_size,
+                          vocab_size=cfg.vocab_size, norm_eps=1e-5,
+                          norm_weight=torch.ones(cfg.target_hidden_size), draft_to_target=d2t,
+                          rows=torch.full((d2t.numel(), cfg.target_hidden_size), 3e38).bfloat16())
+            self._send("insider_poisoned_head", self.keyed, self._signed(hs))
+
+    def huge_version(self) -> None:
+        """A HeadSync with a huge policy version (once): the RL side's lower versions become a restart."""
+        import torch
+
+        from draft_align.wire.messages import HeadSync
+
+        cfg = self.draft.cfg
+        d2t = self.draft.draft_to_target
+        hs = HeadSync(run_id=self.recipe.run, policy_version=10**12, hidden_size=cfg.target_hidden_size,
+                      vocab_size=cfg.vocab_size, norm_eps=1e-5, norm_weight=torch.ones(cfg.target_hidden_size),
+                      draft_to_target=d2t, rows=torch.zeros(d2t.numel(), cfg.target_hidden_size).bfloat16())
+        self._send("insider_huge_policy_version", self.keyed, self._signed(hs))
+
+
+def role_hostile(a: argparse.Namespace) -> None:
+    import torch
+
+    from draft_align.publish import load_draft
+    from draft_align.wire import channel
+
+    torch.set_num_threads(1)
+    recipe = _recipe(Path(a.disk), a.draft, a.override)
+    draft, _ = load_draft(Path(a.start))
+    key = channel.resolve_key(None, recipe.run_dir, create=False)
+    h = _Hostile(recipe, key, draft)
+    stop_file = Path(a.work) / "hostile.stop"
+    stats_file = Path(a.work) / "hostile.json"
+    t0 = time.monotonic()
+    n = 0
+    huge_sent = False
+    last_write = 0.0
+    while not stop_file.exists():
+        now = time.monotonic() - t0
+        h.flood_one()
+        n += 1
+        if n % max(1, int(a.hostile_rate)) == 0:  # ~1 insider message per second
+            h.insider_one()
+        if not huge_sent and now > a.huge_version_at_s:
+            h.huge_version()
+            huge_sent = True
+        if now - last_write > 1.0:
+            _write_json(stats_file, {"seconds": now, "sent": h.sent, "blocked": h.blocked})
+            last_write = now
+        ahead = n / a.hostile_rate - (time.monotonic() - t0)
+        if ahead > 0:
+            time.sleep(ahead)
+    _write_json(stats_file, {"seconds": time.monotonic() - t0, "sent": h.sent, "blocked": h.blocked})
+    h.ctx.destroy(linger=0)
+
+
+# ----------------------------------------------------------------------------------------------- orchestrator
+def _rss(pid: int) -> int | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) << 10
+    except OSError:
+        return None
+    return None
+
+
+def _scrape(run_dir: Path) -> dict[str, float] | None:
+    from draft_align.monitor.sinks import REJECTED
+    from draft_align.sidecar.layout import PORT_FILE, SIDECAR_DIR
+
+    try:
+        port = int((run_dir / SIDECAR_DIR / PORT_FILE).read_text())
+        page = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
+    except (OSError, ValueError):
+        return None
+    out: dict[str, float] = {}
+    for line in page.splitlines():
+        if line.startswith(REJECTED + "_total{"):
+            reason = line.split('reason="', 1)[1].split('"', 1)[0]
+            out["rejected:" + reason] = float(line.rsplit(" ", 1)[1])
+        elif line.startswith("draft_align_") and not line.startswith("#") and "{" not in line:
+            name, _, v = line.partition(" ")
+            try:
+                out[name] = float(v)
+            except ValueError:
+                pass
+    return out
+
+
+def _verify_versions(run_dir: Path) -> tuple[int, list[str]]:
+    """(versions verified, problems): every visible ``v*`` folder's manifest and files, and ``latest``."""
+    from draft_align.publish.folder import CorruptCheckpointError, read_manifest
+    from draft_align.publish.versions import read_latest
+
+    ok, problems = 0, []
+    for d in sorted((run_dir / "drafts").glob("v*")):
+        try:
+            read_manifest(d, verify=True)
+            ok += 1
+        except CorruptCheckpointError as e:
+            if d.exists():  # (deleted by retention while being read is fine)
+                problems.append(f"{d.name}: {e}")
+    try:
+        latest = read_latest(run_dir)
+        if latest is not None:
+            read_manifest(latest, verify=True)
+    except Exception as e:  # noqa: BLE001 - any failure is a finding
+        problems.append(f"latest: {e}")
+    return ok, problems
+
+
+def _mount_disk(size_mb: int) -> tuple[Path, bool]:
+    d = Path(tempfile.mkdtemp(prefix="draft-align-soak-"))
+    if os.geteuid() == 0 and shutil.which("mount"):
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mb}m,mode=0700", "tmpfs", str(d)],
+                              capture_output=True)
+        if done.returncode == 0:
+            return d, True
+    return d, False
+
+
+def _fill(disk: Path) -> int:
+    """Fill the disk until ENOSPC; returns the bytes written."""
+    n = 0
+    chunk = b"\0" * (1 << 20)
+    with open(disk / "filler.bin", "wb") as f:
+        try:
+            while True:
+                f.write(chunk)
+                f.flush()
+                n += len(chunk)
+        except OSError as e:
+            if e.errno != errno.ENOSPC:
+                raise
+    return n
+
+
+def orchestrate(a: argparse.Namespace) -> dict[str, Any]:
+    from draft_align.cotrain import spawn_sidecar, write_resolved
+    from draft_align.sidecar.launch import starting_draft
+    from draft_align.sidecar.layout import SIDECAR_DIR, STATE_FILE
+
+    disk, mounted = _mount_disk(a.disk_mb)
+    work = Path(tempfile.mkdtemp(prefix="draft-align-soak-work-"))
+    rng = random.Random(a.seed)
+    recipe = _recipe(disk, a.draft, a.override)
+    resolved = write_resolved(recipe)
+    start = starting_draft(recipe)
+    from draft_align.wire import channel
+
+    channel.resolve_key(None, recipe.run_dir, create=True)
+    log_file = work / "sidecar.log"
+    common = ["--disk", str(disk), "--draft", a.draft, "--start", str(start), "--work", str(work),
+              *sum((["--override", o] for o in a.override), [])]
+    print(f"soak: run folder {recipe.run_dir} ({f'tmpfs {a.disk_mb} MiB' if mounted else 'no tmpfs'}), "
+          f"work {work}", flush=True)
+    sidecar = spawn_sidecar(resolved, start, log_file)
+    time.sleep(a.warmup_s)
+    legit = subprocess.Popen([sys.executable, __file__, "--role", "legit", "--step-s", str(a.step_s), *common],
+                             stdout=open(work / "legit.log", "wb"), stderr=subprocess.STDOUT)
+    hostile = subprocess.Popen([sys.executable, __file__, "--role", "hostile", "--hostile-rate", str(a.hostile_rate),
+                                "--huge-version-at-s", str(a.minutes * 60 * 0.6), *common],
+                               stdout=open(work / "hostile.log", "wb"), stderr=subprocess.STDOUT)
+    t0 = time.monotonic()
+    end = t0 + a.minutes * 60
+    kills: list[dict[str, Any]] = []
+    next_kill = t0 + rng.uniform(a.kill_every_s * 0.5, a.kill_every_s * 1.5)
+    disk_full_at = t0 + a.minutes * 60 * 0.45
+    disk_full: dict[str, Any] = {"mounted": mounted}
+    filled = False
+    rss: list[tuple[float, int]] = []
+    incarnations: list[dict[str, float]] = []
+    last_scrape: dict[str, float] | None = None
+    verified = 0
+    problems: list[str] = []
+    next_verify = t0 + 30
+    down_since: float | None = None
+    down_s = 0.0
+    legit_windows: list[tuple[bool, dict[str, Any]]] = []  # (sidecar up, legit stats) every second
+    crashes = []
+
+    def legit_stats() -> dict[str, Any]:
+        try:
+            return json.loads((work / "legit.json").read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def restart(reason: str) -> None:
+        nonlocal sidecar, last_scrape, down_since, down_s
+        if last_scrape:
+            incarnations.append(last_scrape)
+        last_scrape = None
+        sidecar = spawn_sidecar(resolved, start, log_file)
+        down_s += time.monotonic() - (down_since or time.monotonic())
+        down_since = None
+
+    while time.monotonic() < end:
+        now = time.monotonic()
+        r = _rss(sidecar.pid)
+        if r is not None:
+            rss.append((now - t0, r))
+        s = _scrape(recipe.run_dir)
+        if s is not None:
+            last_scrape = s
+        legit_windows.append((down_since is None and sidecar.poll() is None, legit_stats()))
+        if sidecar.poll() is not None:  # it exited by itself: a crash (or a clean stop we did not ask for)
+            crashes.append({"t": now - t0, "rc": sidecar.returncode})
+            down_since = now
+            restart("crash")
+        if now >= next_kill:
+            os.kill(sidecar.pid, signal.SIGKILL)
+            sidecar.wait()
+            down_since = time.monotonic()
+            n, bad = _verify_versions(recipe.run_dir)
+            verified += n
+            problems += bad
+            kills.append({"t": round(now - t0, 1), "versions_visible": n, "problems": bad,
+                          "disk_full": filled})
+            time.sleep(rng.uniform(0.5, 3.0))  # the RL side runs on while the sidecar is dead
+            restart("kill")
+            next_kill = time.monotonic() + rng.uniform(a.kill_every_s * 0.5, a.kill_every_s * 1.5)
+        if mounted and not filled and now >= disk_full_at:
+            disk_full["filled_bytes"] = _fill(disk)
+            disk_full["start_s"] = round(now - t0, 1)
+            filled = True
+        if filled and "end_s" not in disk_full and now >= disk_full_at + a.full_disk_s:
+            (disk / "filler.bin").unlink()
+            disk_full["end_s"] = round(now - t0, 1)
+        if now >= next_verify:
+            n, bad = _verify_versions(recipe.run_dir)
+            verified += n
+            problems += bad
+            next_verify = now + 30
+        time.sleep(1.0)
+    if filled and "end_s" not in disk_full:
+        (disk / "filler.bin").unlink()
+        disk_full["end_s"] = round(time.monotonic() - t0, 1)
+    (work / "hostile.stop").touch()
+    hostile.wait(timeout=60)
+    time.sleep(3)
+    (work / "legit.stop").touch()
+    legit.wait(timeout=120)
+    try:  # the final StepReport ends the sidecar (--exit-when-done)
+        rc = sidecar.wait(timeout=180)
+    except subprocess.TimeoutExpired:
+        sidecar.kill()
+        rc = None
+    if last_scrape:
+        incarnations.append(last_scrape)
+    n, bad = _verify_versions(recipe.run_dir)
+    verified += n
+    problems += bad
+    tmp_left = [p.name for p in (recipe.run_dir / "drafts").glob(".tmp-*")]
+    state = json.loads((recipe.run_dir / SIDECAR_DIR / STATE_FILE).read_text())
+    hostile_stats = json.loads((work / "hostile.json").read_text())
+    final_legit = legit_stats()
+
+    # legit drops, split by whether the sidecar was up over each one-second window
+    drop_keys = [k for k in final_legit.get("sender", {}) if k.startswith("dropped")]
+    up_drops = dict.fromkeys(drop_keys, 0)
+    down_drops = dict.fromkeys(drop_keys, 0)
+    prev: dict[str, Any] = {}
+    for up, st in legit_windows:
+        cur = st.get("sender", {})
+        for k in drop_keys:
+            d = cur.get(k, 0) - prev.get(k, 0)
+            if d > 0:
+                (up_drops if up else down_drops)[k] += d
+        if cur:
+            prev = cur
+    for k in drop_keys:  # after the loop (the final flush): the sidecar was up
+        d = final_legit["sender"].get(k, 0) - prev.get(k, 0)
+        if d > 0:
+            up_drops[k] += d
+    rejected: dict[str, float] = {}
+    for inc in incarnations:
+        for k, v in inc.items():
+            if k.startswith("rejected:"):
+                rejected[k.split(":", 1)[1]] = rejected.get(k.split(":", 1)[1], 0) + v
+    rss_mb = [v / 2**20 for _, v in rss]
+    quarter = max(1, len(rss) // 4)
+    out = {
+        "command": "python benchmarks/soak.py " + " ".join(sys.argv[1:]),
+        "minutes": a.minutes, "hostile_rate_target": a.hostile_rate,
+        "hostile_sent_by_category": hostile_stats["sent"],
+        "hostile_sent_total": sum(hostile_stats["sent"].values()),
+        "hostile_msgs_per_s": round(sum(hostile_stats["sent"].values()) / max(1e-9, hostile_stats["seconds"]), 1),
+        "hostile_not_delivered_by_category": hostile_stats["blocked"],
+        "sidecar_rejected_by_reason": rejected,
+        "sidecar_state": {k: state.get(k) for k in (
+            "published_version", "train_steps", "trained_tokens", "ingested_messages", "restarts", "rl_restarts",
+            "nonfinite_heads", "nonfinite_alarms", "held_dropped_records", "publish_failures", "foreign_messages",
+            "mismatched_messages", "last_step_report", "done")},
+        "legit": {"steps": final_legit.get("steps"), "sender": final_legit.get("sender"),
+                  "dropped_while_up": up_drops, "dropped_while_down": down_drops},
+        "sidecar_down_s": round(down_s, 1),
+        "kills": kills, "crashes": crashes, "restarts_survived": len(kills),
+        "versions_verified": verified, "version_problems": problems, "tmp_folders_left": tmp_left,
+        "rss_mib": {"min": round(min(rss_mb), 1), "max": round(max(rss_mb), 1),
+                    "median": round(statistics.median(rss_mb), 1),
+                    "max_by_quarter": [round(max(rss_mb[i:i + quarter]) , 1) for i in range(0, len(rss_mb), quarter)][:4]},
+        "disk_full": disk_full,
+        "sidecar_exit": rc,
+    }
+    if mounted:
+        subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+    shutil.rmtree(work / "none", ignore_errors=True)
+    print(f"soak: logs in {work}", flush=True)
+    return out
+
+
+def _markdown(r: dict[str, Any]) -> str:
+    sent = r["hostile_sent_by_category"]
+    rej = r["sidecar_rejected_by_reason"]
+    lines = [
+        SECTION, "",
+        f"`{r['command']}` — measured on this 2-core CPU: SmolLM2-135M fp32, the sidecar as `cotrain` starts it "
+        f"(one torch thread), for {r['minutes']} minutes.", "",
+        "| figure | value |", "|---|---|",
+        f"| hostile messages sent | {r['hostile_sent_total']:,} ({r['hostile_msgs_per_s']} msgs/s) |",
+        f"| legit RL steps offered | {r['legit']['steps']} |",
+        f"| legit drops while the sidecar was up (goal 0) | {r['legit']['dropped_while_up']} |",
+        f"| legit drops while it was down ({r['sidecar_down_s']} s down in all) | {r['legit']['dropped_while_down']} |",
+        f"| kill -9 and restarts survived | {r['restarts_survived']} (crashes: {len(r['crashes'])}) |",
+        f"| draft versions verified (sha256) | {r['versions_verified']} (problems: {len(r['version_problems'])}; "
+        f"temp folders left: {len(r['tmp_folders_left'])}) |",
+        f"| sidecar RSS MiB min / median / max | {r['rss_mib']['min']} / {r['rss_mib']['median']} / "
+        f"{r['rss_mib']['max']} (max by quarter: {r['rss_mib']['max_by_quarter']}) |",
+        f"| full disk | {r['disk_full']} |",
+        f"| sidecar: published / train steps / publish failures | {r['sidecar_state']['published_version']} / "
+        f"{r['sidecar_state']['train_steps']} / {r['sidecar_state']['publish_failures']} |",
+        f"| sidecar: poisoned heads refused / RL restarts / held records dropped | "
+        f"{r['sidecar_state']['nonfinite_heads']} / {r['sidecar_state']['rl_restarts']} / "
+        f"{r['sidecar_state']['held_dropped_records']} |",
+        f"| sidecar exit after the final report | {r['sidecar_exit']} |", "",
+        "Hostile messages by category (attempts; `not delivered`: the sidecar was down or refused the handshake):", "",
+        "| category | sent | not delivered |", "|---|---|---|",
+        *[f"| {k} | {v:,} | {r['hostile_not_delivered_by_category'].get(k, 0):,} |" for k, v in sorted(sent.items())],
+        "",
+        "Rejections counted by the sidecar, by reason (summed over its incarnations, from its Prometheus page):", "",
+        "| reason | count |", "|---|---|", *[f"| {k} | {int(v):,} |" for k, v in sorted(rej.items())], "",
+    ]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--role", choices=["orchestrate", "legit", "hostile"], default="orchestrate")
+    ap.add_argument("--minutes", type=float, default=10.0)
+    ap.add_argument("--draft", default=str(ROOT / "checkpoints" / "smollm2-demo"))
+    ap.add_argument("--hostile-rate", type=float, default=60.0, help="hostile messages per second")
+    ap.add_argument("--step-s", type=float, default=2.0, help="seconds per legit RL step")
+    ap.add_argument("--kill-every-s", type=float, default=100.0, help="mean seconds between kill -9s")
+    ap.add_argument("--full-disk-s", type=float, default=60.0)
+    ap.add_argument("--disk-mb", type=int, default=1024)
+    ap.add_argument("--warmup-s", type=float, default=20.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--override", action="append", default=[], help="extra recipe key=value (repeatable)")
+    ap.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "out" / "soak.json")
+    ap.add_argument("--disk", help=argparse.SUPPRESS)
+    ap.add_argument("--start", help=argparse.SUPPRESS)
+    ap.add_argument("--work", help=argparse.SUPPRESS)
+    ap.add_argument("--huge-version-at-s", type=float, default=1e9, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.role == "legit":
+        return role_legit(a)
+    if a.role == "hostile":
+        return role_hostile(a)
+    r = orchestrate(a)
+    a.json.parent.mkdir(parents=True, exist_ok=True)
+    r["draft"] = repo_relative(a.draft)
+    a.json.write_text(json.dumps(r, indent=1))
+    md = _markdown(r)
+    print(md)
+    replace_section(ROOT / "benchmarks" / "RESULTS.md", SECTION, md)
+
+
+if __name__ == "__main__":
+    main()
