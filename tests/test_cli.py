@@ -57,9 +57,16 @@ def test_bad_override_exits_2_naming_the_key(caplog):
     assert "nope" in caplog.text
 
 
-def eval_args(tiny_run, *extra: str) -> list[str]:
-    return ["eval", "--draft", str(tiny_run.run_dir), "--data", str(tiny_run.world.data), "--prompts-pool", "8",
-            "--prompts", "2", "--max-new-tokens", "6", "--k", "2", "--json", *extra]
+def eval_args(tiny_run, *extra: str, engine: str = "reference", pool: str = "8") -> list[str]:
+    """eval on the tiny run (the reference decoder unless told: vLLM cannot serve the tiny target's head_dim 16)."""
+    return ["eval", "--draft", str(tiny_run.run_dir), "--data", str(tiny_run.world.data), "--prompts-pool", pool,
+            "--prompts", "2", "--max-new-tokens", "6", "--k", "2", "--json", "--engine", engine, *extra]
+
+
+def eval_json(capsys) -> dict:
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
+    assert len(lines) == 1
+    return json.loads(lines[0])
 
 
 def test_eval_json_prints_one_object_with_the_required_keys(tiny_run, capsys):
@@ -68,10 +75,70 @@ def test_eval_json_prints_one_object_with_the_required_keys(tiny_run, capsys):
     assert len(lines) == 1
     res = json.loads(lines[0])
     assert EVAL_KEYS <= res.keys()
+    assert res["engine"] == "reference"
     assert res["k"] == 2 and res["verify_mode"] == "greedy" and res["temperature"] == 0.0
     assert res["num_prompts"] == 2 and res["num_tokens"] > 0
     assert 1.0 <= res["acceptance_length_measured"] <= 3.0 and 1.0 <= res["acceptance_length_est"] <= 3.0
     assert len(res["per_position_measured"]) == 2
+
+
+def test_eval_of_a_small_file_evaluates_all_of_it(tiny_run, capsys, caplog):
+    """The tiny data file holds 40 conversations: with the default pool of 64 it is evaluated whole (as with
+    --heldout-seed -1) instead of failing on a held-out split larger than the file."""
+    n = len(tiny_run.world.data.read_text().splitlines())
+    assert n < 64
+    every = ("--prompts", "64", "--max-new-tokens", "2")  # as many prompts as there are: the count shows the set
+    with caplog.at_level(logging.INFO, logger="draft_align"):
+        assert cli.main(eval_args(tiny_run, *every, pool="64")) == 0
+    whole = eval_json(capsys)
+    assert f"holds {n} conversations (≤ --prompts-pool 64): evaluating all of them" in caplog.text
+    assert cli.main(eval_args(tiny_run, *every, "--heldout-seed", "-1")) == 0
+    everything = eval_json(capsys)
+    assert cli.main(eval_args(tiny_run, *every)) == 0  # a pool of 8 < 40: the held-out split
+    held = eval_json(capsys)
+    same = ("acceptance_length_measured", "per_position_measured", "num_tokens", "num_prompts")
+    assert [whole[k] for k in same] == [everything[k] for k in same]
+    assert whole["num_prompts"] > 8 >= held["num_prompts"]
+
+
+def test_eval_engine_choice(tiny_run, capsys, caplog, monkeypatch):
+    """auto: vLLM when installed, else (and for a mode vLLM lacks) the reference decoder, said in the log and
+    the JSON; --engine vllm insists, with a one-line error."""
+    from draft_align.engines.vllm import start
+
+    monkeypatch.setattr(start, "vllm_available", lambda: False)
+    with caplog.at_level(logging.INFO, logger="draft_align"):
+        assert cli.main(eval_args(tiny_run, engine="auto")) == 0
+        assert eval_json(capsys)["engine"] == "reference"
+        assert "vLLM is not installed; measuring with the reference decoder" in caplog.text
+        caplog.clear()
+        assert cli.main(eval_args(tiny_run, engine="vllm")) == 2
+        assert "error: ImportError: --engine vllm: vLLM is not installed" in caplog.text
+        monkeypatch.setattr(start, "vllm_available", lambda: True)  # nothing starts before the mode is checked
+        caplog.clear()
+        greedy_t1 = ("--verify-mode", "greedy", "--temperature", "1.0")
+        assert cli.main(eval_args(tiny_run, *greedy_t1, engine="vllm")) == 2
+        assert "vLLM has no argmax-everywhere verification at T > 0" in caplog.text
+        caplog.clear()
+        assert cli.main(eval_args(tiny_run, *greedy_t1, engine="auto")) == 0
+        res = eval_json(capsys)
+        assert res["engine"] == "reference" and res["temperature"] == 1.0
+        assert "measuring with the reference decoder" in caplog.text
+
+
+@pytest.mark.parametrize("verbose, preset, expected", [(False, None, "WARNING"), (True, None, None),
+                                                       (False, "DEBUG", "DEBUG")])
+def test_vllm_info_logging_is_quiet_unless_verbose(verbose, preset, expected, monkeypatch, tmp_path):
+    """Without -v the CLI sets VLLM_LOGGING_LEVEL=WARNING (before anything imports vllm); -v leaves vLLM's INFO
+    lines on; a level the user set is kept."""
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "x")  # recorded, so the test's end restores the environment
+    monkeypatch.delenv("VLLM_LOGGING_LEVEL")
+    if preset is not None:
+        monkeypatch.setenv("VLLM_LOGGING_LEVEL", preset)
+    assert cli.main(["-v"] * verbose + ["report", str(tmp_path / "missing")]) == 2
+    import os
+
+    assert os.environ.get("VLLM_LOGGING_LEVEL") == expected
 
 
 def test_eval_with_too_long_prompts_exits_2(tiny_run, caplog):

@@ -19,6 +19,25 @@ def _rows(path):
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
 
 
+def _printed_table(text: str) -> dict[int, dict[str, str]]:
+    """The live table cotrain printed: step → {column title: cell} (cells right-aligned to the titles)."""
+    from draft_align.monitor.live import COLUMNS, HEADER
+
+    lines = text.splitlines()
+    assert lines[0] == HEADER
+    rows = {}
+    for line in lines[1:]:
+        cells, pos = {}, 0
+        for c in COLUMNS:
+            cells[c.title] = line[pos : pos + c.width].strip()
+            pos += c.width + 1
+        rows[int(cells["step"])] = cells
+    return rows
+
+
+SIDECAR_COLUMNS = ("est.ad", "est.fr", "buf", "drops", "rej", "train tok/s")
+
+
 def _report_table(path) -> dict[int, dict[str, str]]:
     """report.md's step table: step → {column title: cell}."""
     steps = path.read_text().split("## Steps")[1].split("\n## ")[0]  # later sections (advice) have tables too
@@ -63,6 +82,16 @@ def test_cotrain_runs_rl_with_a_live_sidecar_and_reports(tiny_run, tiny_env, tmp
         assert cells["acc.ad"] == f"{step['accept_measured_adapted']:.3f}"
         assert cells["acc.fr"] == f"{step['accept_measured_frozen']:.3f}"
         assert cells["drf.v"] == str(int(step["draft_version"]))
+    # the live table printed while it ran holds the sidecar's columns too: the same cells as report.md
+    printed = _printed_table(out.getvalue())
+    assert sorted(printed) == [0, 1, 2]
+    for step, cells in printed.items():
+        for title in ("step", "pol.v", "drf.v", "acc.ad", "acc.fr", "reward", *SIDECAR_COLUMNS):
+            assert cells[title] == table[step][title].replace("–", "-"), (step, title)
+        for title in ("est.ad", "est.fr", "buf", "drops", "rej"):
+            assert cells[title] != "-", (step, title, cells)
+    assert cells["train tok/s"] != "-"  # the sidecar had trained by the last step
+    assert [printed[r["step"]]["drops"] for r in steps] == [str(int(r["wire_dropped"])) for r in steps]
     assert (run / "report.png").stat().st_size > 10_000
     assert summary["report"]["steps"] == 3
     # the sidecar's per-position estimates (sidecar.eval_k = 2) and advise's section at the end of report.md

@@ -18,6 +18,7 @@ is the greedy one.  With k drafts per round the mean acceptance length (bonus to
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -140,6 +141,21 @@ class AcceptanceTally:
         for n in (0, 1, 3, 2):
             t.add(n)
         return t
+
+
+def length_stderr(rounds: float, per_position: Sequence[float]) -> float:
+    """Standard error of a measured mean acceptance length, from its rounds and per-position rates alone.
+
+    A round accepts A ∈ 0..k drafts with P(A ≥ i+1) = r_i, so E[A] = Σ_i r_i, E[A²] = Σ_i (2i+1)·r_i
+    (A² = Σ_{i<A} (2i+1)) and se = √((E[A²] − E[A]²) / rounds).  Rounds are taken as independent: rounds of
+    one rollout share its prompt and policy, so with few rollouts the true noise is larger.  NaN with fewer
+    than two rounds or a non-finite rate.
+    """
+    if not rounds >= 2 or not all(math.isfinite(r) for r in per_position):
+        return math.nan
+    mean = sum(per_position)
+    second = sum((2 * i + 1) * r for i, r in enumerate(per_position))
+    return math.sqrt(max(second - mean * mean, 0.0) / rounds)
 
 
 def _check_table(alpha: torch.Tensor, valid: torch.Tensor) -> None:

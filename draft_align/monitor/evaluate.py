@@ -5,6 +5,9 @@ the measured counters: in expectation at T > 0, exactly at T = 0.  ``acceptance_
 drafts) reconstructs the counters from the outputs themselves and equals the measured value at any T.
 Both exact statements hold up to each prompt's last round, whose drafts accepted past max_new_tokens or
 eos the decoder counts (as engines do) and the output cannot show: at most k per prompt.
+
+:func:`scored` is the scoring half alone: ``engines/vllm/evaluate.py`` decodes with vLLM (batched, the
+engine's own counters as the measurement) and scores its outputs the same way.
 """
 
 from __future__ import annotations
@@ -21,8 +24,8 @@ from draft_align.monitor.estimator import estimate
 from draft_align.monitor.specdec import SpecDecoder
 
 REQUIRED_KEYS = frozenset({
-    "acceptance_length_est", "acceptance_length_measured", "per_position_est", "per_position_measured", "k",
-    "verify_mode", "temperature", "num_tokens",
+    "engine", "acceptance_length_est", "acceptance_length_measured", "per_position_est", "per_position_measured",
+    "k", "verify_mode", "temperature", "num_tokens",
 })  # what `draft-align eval --json` promises
 
 
@@ -52,10 +55,11 @@ def evaluate(
     max_new_tokens: int = 128,
     seed: int = 0,
 ) -> dict[str, Any]:
-    """Decode every prompt (measured acceptance) and estimate acceptance on the decoded sequences.
+    """Decode every prompt with the reference decoder (measured acceptance, batch 1) and estimate acceptance
+    on the decoded sequences.
 
     ``tokenizer`` only supplies the eos id (None: the target's generation config alone).  One generator
-    seeded with ``seed`` drives all prompts in order.  Returns a JSON-able dict.
+    seeded with ``seed`` drives all prompts in order.  Returns a JSON-able dict (:func:`scored`).
     """
     start = time.perf_counter()
     dev = next(target.parameters()).device
@@ -69,8 +73,29 @@ def evaluate(
         measured.merge(tally)
         sequences.append((prompt.flatten(), out))
     decode_s = time.perf_counter() - start
+    return scored(target, draft, sequences, measured, mode=mode, temperature=temperature, engine="reference",
+                  seconds_decode=decode_s, started=start)
+
+
+def scored(
+    target: nn.Module,
+    draft: Eagle3Draft,
+    sequences: list[tuple[torch.Tensor, torch.Tensor]],  # (prompt [P], decoded new tokens [R]) per prompt
+    measured: AcceptanceTally,
+    *,
+    mode: VerifyMode,
+    temperature: float,
+    engine: str,
+    seconds_decode: float,
+    started: float,
+) -> dict[str, Any]:
+    """The eval result: ``measured`` (the decoding engine's counters over exactly these sequences) beside the
+    estimator's replay on them (k = ``measured.k``); ``engine`` names what decoded (``reference``: the
+    lossless batch-1 decoder here, ``vllm``), ``started`` is the ``time.perf_counter()`` the eval began at."""
+    k = measured.k
     est = estimate(target, draft, sequences, k, mode, temperature)
     return {
+        "engine": engine,
         "verify_mode": mode,
         "temperature": float(temperature),
         "k": k,
@@ -85,9 +110,9 @@ def evaluate(
         "rounds_est": est["rounds_est"],
         "rounds_measured": measured.rounds,
         "num_tokens": est["num_tokens"],
-        "num_prompts": len(prompts),
-        "seconds": time.perf_counter() - start,
-        "seconds_decode": decode_s,
+        "num_prompts": len(sequences),
+        "seconds": time.perf_counter() - started,
+        "seconds_decode": seconds_decode,
     }
 
 

@@ -3,7 +3,8 @@
 ``monitor.jsonl`` holds one JSON object per RL step (the RL job's StepReport merged with the sidecar's
 state); every key is optional and unknown keys are ignored.  ``follow`` prints ``HEADER`` then one
 ``format_row`` line per record, like ``tail -f``: it waits for the file to appear, and for a partially
-written last line to get its newline before printing it.
+written last line to get its newline before printing it.  :class:`LiveTable` is the table ``draft-align
+cotrain`` prints as it runs: the RL job's metrics of each step merged with the sidecar's row of that step.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import logging
 import math
 import os
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Callable, Mapping
@@ -71,6 +73,10 @@ class Column:
         return ("-" if v is None else self.fmt(v)).rjust(self.width)
 
 
+# Messages that never reached the sidecar: every drop the wire sender counted (queue full, peer gone, too
+# large, invalid, closed), else the Tap's own count of messages its sink refused.
+DROP_KEYS: tuple[str, ...] = ("wire_dropped", "tap_messages_dropped")
+
 # Estimated acceptance falls back to the probabilistic-mode estimate when a run only computes that one.
 COLUMNS: tuple[Column, ...] = (
     Column(("step",), "step", 6, _fmt_int),
@@ -84,7 +90,7 @@ COLUMNS: tuple[Column, ...] = (
     Column(("accept_est_adapted", "accept_est_adapted_prob"), "est.ad", 6, _fixed(3)),
     Column(("accept_est_frozen", "accept_est_frozen_prob"), "est.fr", 6, _fixed(3)),
     Column(("buffer_fill",), "buf", 4, _percent),
-    Column(("tap_dropped_messages",), "drops", 6, _fmt_int),
+    Column(DROP_KEYS, "drops", 6, _fmt_int),
     Column(("wire_rejected",), "rej", 5, _fmt_int),
     Column(("sidecar_train_tokens_per_s",), "train tok/s", 11, _fixed(0)),
 )
@@ -215,6 +221,93 @@ def follow(
         if max_wait_s is not None and time.monotonic() - last_news >= max_wait_s:
             return rows
         time.sleep(interval_s)
+
+
+class LiveTable:
+    """The co-training run's table as it runs: one row per RL step, the RL job's metrics merged with the
+    sidecar's ``monitor.jsonl`` row of the same step (its estimates, buffer fill, training rate and counters;
+    its keys win, as in ``monitor.jsonl`` and ``report.md``).
+
+    The RL job never waits for it: :meth:`add` hands over a step's metrics and returns.  A background thread
+    polls ``monitor_path`` every ``poll_s`` and prints the steps in order, each as soon as the sidecar's row of
+    that step is there, or without it (``-`` in the sidecar's columns) once ``row_wait_s`` has passed since
+    :meth:`add`, a later step's sidecar row has arrived, or ``sidecar_alive()`` is false.  :meth:`close`
+    prints what is left (call it after the sidecar has exited, so its last rows are in).
+    """
+
+    def __init__(
+        self, monitor_path: str | os.PathLike[str], out: IO[str], *, row_wait_s: float = 30.0, poll_s: float = 0.2,
+        sidecar_alive: Callable[[], bool] = lambda: True,
+    ) -> None:
+        if row_wait_s < 0 or poll_s <= 0:
+            raise ValueError(f"row_wait_s must be ≥ 0 and poll_s > 0, got {row_wait_s}, {poll_s}")
+        self._tail = _Tail(Path(monitor_path))
+        self._out = out
+        self._row_wait_s = row_wait_s
+        self._poll_s = poll_s
+        self._alive = sidecar_alive
+        self._sidecar: dict[int, dict[str, Any]] = {}
+        self._pending: list[tuple[int, dict[str, Any], float]] = []  # (step, RL metrics, time added)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.rows: list[str] = []  # what was printed, in order (header excluded)
+        self.merged = 0  # rows printed with the sidecar's row of their step
+
+    def start(self) -> LiveTable:
+        """Print the header and start the printing thread; returns self."""
+        self._out.write(HEADER + "\n")
+        self._out.flush()
+        self._thread = threading.Thread(target=self._run, name="draft-align-live-table", daemon=True)
+        self._thread.start()
+        return self
+
+    def add(self, metrics: Mapping[str, Any]) -> None:
+        """Queue one RL step's metrics (they must hold its ``step``); never blocks on the sidecar."""
+        step = number(metrics.get("step"))
+        if step is None:
+            raise ValueError("a step's metrics must hold its step number")
+        with self._lock:
+            self._pending.append((int(step), dict(metrics), time.monotonic()))
+
+    def close(self) -> None:
+        """Stop the thread, read the sidecar's last rows and print every step still pending."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self._print_ready(final=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._poll_s):
+            self._print_ready(final=False)
+
+    def _read(self) -> None:
+        for line in self._tail.poll():
+            rec = parse_line(line, str(self._tail.path))
+            step = number(rec.get("step")) if rec is not None else None
+            if rec is not None and step is not None:
+                self._sidecar.setdefault(int(step), {}).update({k: v for k, v in rec.items() if v is not None})
+
+    def _print_ready(self, final: bool) -> None:
+        with self._lock:
+            self._read()
+            newest = max(self._sidecar, default=-1)
+            # final: the caller has stopped the sidecar, so every row it wrote is in
+            give_up = final or not self._alive()
+            now = time.monotonic()
+            lines = []
+            while self._pending:
+                step, metrics, added = self._pending[0]
+                side = self._sidecar.get(step)
+                if side is None and not (give_up or newest > step or now - added >= self._row_wait_s):
+                    break  # later steps wait behind this one: rows stay in step order
+                self._pending.pop(0)
+                self.merged += side is not None
+                lines.append(format_row({**metrics, **(side or {})}))
+            self.rows += lines
+        if lines:
+            self._out.write("".join(x + "\n" for x in lines))
+            self._out.flush()
 
 
 # --- Prometheus text pages ---------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""End-of-run report of a co-training run: ``report.png`` (two panels) and ``report.md`` (summary + table).
+"""End-of-run report of a co-training run: ``report.png`` (three panels: acceptance with the measured points'
+intervals, the serving draft version, KL and reward) and ``report.md`` (summary + table).
 
 Reads ``<run>/sidecar/monitor.jsonl``, or ``<run>/rl/steps.jsonl`` when the sidecar log is absent.  Records
 of the same step are merged (later non-null values win) and sorted by step; missing, null or non-finite
@@ -19,13 +20,15 @@ cumulative counters in the log: their totals are the last reported values.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from draft_align.monitor.live import COLUMNS, MONITOR_LOG, RL_LOG, number, read_jsonl
+from draft_align.monitor.acceptance import length_stderr
+from draft_align.monitor.live import COLUMNS, DROP_KEYS, MONITOR_LOG, RL_LOG, number, read_jsonl
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +84,11 @@ def _last(records: Sequence[dict[str, Any]], key: str) -> float | None:
     return ys[-1] if ys else None
 
 
+def _last_of(records: Sequence[dict[str, Any]], keys: Sequence[str]) -> float | None:
+    """The last value of the first of ``keys`` the records hold."""
+    return next((v for v in (_last(records, k) for k in keys) if v is not None), None)
+
+
 def _first_ahead(records: Sequence[dict[str, Any]], adapted: str, frozen: str) -> int | None:
     """First step where the adapted draft leads by more than the threshold; steps still served by the
     starting draft (``draft_version`` 0: adapted and frozen are the same draft there) do not count."""
@@ -130,7 +138,7 @@ def summarize(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "published_versions": None if published is None else int(published),
         "staleness_mean": _mean(stale),
         "staleness_max": max(stale) if stale else None,
-        "tap_dropped_messages": _int_or_none(_last(records, "tap_dropped_messages")),
+        "tap_dropped_messages": _int_or_none(_last_of(records, DROP_KEYS)),
         "wire_rejected": _int_or_none(_last(records, "wire_rejected")),
         "gate_rejections": _int_or_none(_last(records, "gate_rejections")),
     }
@@ -153,35 +161,78 @@ def _atomic_write(path: Path, write: Callable[[Path], None]) -> None:
         raise
 
 
+Z95 = 1.96  # the measured points' error bars: ±1.96 standard errors (length_stderr), about 95%
+
+
+def measured_interval(record: dict[str, Any], kind: str) -> float | None:
+    """Half-width of the ~95% interval of a step's measured acceptance length of draft ``kind``
+    (``adapted``/``frozen``), from the step's rounds and per-position rates (``accept_rounds_<kind>``,
+    ``accept_r<i>_<kind>``); None when the record lacks them."""
+    rounds = number(record.get(f"accept_rounds_{kind}"))
+    rates = []
+    while (r := number(record.get(f"accept_r{len(rates)}_{kind}"))) is not None:
+        rates.append(r)
+    if rounds is None or not rates:
+        return None
+    se = length_stderr(rounds, rates)
+    return Z95 * se if math.isfinite(se) else None
+
+
 def plot(records: Sequence[dict[str, Any]], out_png: Path, title: str = "") -> None:
-    """Two panels against RL step: acceptance lengths (measured solid with markers, estimated dashed), and
-    KL-to-initial (left axis) with mean reward (right axis).  Written atomically as PNG."""
+    """:func:`figure` written atomically as PNG."""
+    fig = figure(records, title)
+    _atomic_write(out_png, lambda tmp: fig.savefig(tmp, format="png"))
+
+
+def figure(records: Sequence[dict[str, Any]], title: str = "") -> Any:
+    """Three panels against RL step: acceptance lengths (measured solid with ~95% error bars over the step's
+    rounds, estimated dashed); the draft version that served the adapted rollouts (and the sidecar's newest
+    published one); KL-to-initial (left axis) with mean reward (right axis).  A matplotlib Figure (Agg)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg  # Agg, without touching pyplot's state
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
-    fig = Figure(figsize=(8.0, 7.0), dpi=100, layout="constrained")
+    fig = Figure(figsize=(8.0, 9.0), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
-    ax_acc, ax_kl = fig.subplots(2, 1, sharex=True)
-    acc_lines = (
-        ("accept_measured_adapted", "measured, adapted draft", "C0", dict(linestyle="-", marker="o")),
-        ("accept_measured_frozen", "measured, frozen draft", "C1", dict(linestyle="-", marker="s")),
-        ("accept_est_adapted", "estimated, adapted draft", "C0", dict(linestyle="--")),
-        ("accept_est_frozen", "estimated, frozen draft", "C1", dict(linestyle="--")),
-        ("accept_est_adapted_prob", "estimated (prob.), adapted", "C0", dict(linestyle=":")),
-        ("accept_est_frozen_prob", "estimated (prob.), frozen", "C1", dict(linestyle=":")),
-    )
-    for key, label, color, style in acc_lines:
+    ax_acc, ax_ver, ax_kl = fig.subplots(3, 1, sharex=True, height_ratios=(3, 1.2, 2))
+    for kind, label, color, marker in (("adapted", "measured, adapted draft", "C0", "o"),
+                                       ("frozen", "measured, frozen draft", "C1", "s")):
+        key = f"accept_measured_{kind}"
         xs, ys = series(records, key)
         if xs:
-            ax_acc.plot(xs, ys, label=label, color=color, markersize=4, **style)
+            by_step = {r["step"]: r for r in records}
+            err = [measured_interval(by_step[x], kind) for x in xs]
+            yerr = [e if e is not None else 0.0 for e in err] if any(e is not None for e in err) else None
+            ax_acc.errorbar(xs, ys, yerr=yerr, label=label + (" (±95%, rounds)" if yerr else ""), color=color,
+                            marker=marker, markersize=4, linestyle="-", capsize=3, elinewidth=0.8)
+    est_lines = (
+        ("accept_est_adapted", "estimated, adapted draft", "C0", "--"),
+        ("accept_est_frozen", "estimated, frozen draft", "C1", "--"),
+        ("accept_est_adapted_prob", "estimated (prob.), adapted", "C0", ":"),
+        ("accept_est_frozen_prob", "estimated (prob.), frozen", "C1", ":"),
+    )
+    for key, label, color, style in est_lines:
+        xs, ys = series(records, key)
+        if xs:
+            ax_acc.plot(xs, ys, label=label, color=color, linestyle=style)
     ax_acc.set_ylabel("mean acceptance length")
     ax_acc.set_title(title or "acceptance length vs RL step")
     ax_acc.grid(alpha=0.3)
-    if ax_acc.lines:
+    if ax_acc.lines or ax_acc.containers:
         ax_acc.legend(fontsize=8)
     else:
         ax_acc.text(0.5, 0.5, "no acceptance data", ha="center", va="center", transform=ax_acc.transAxes)
+
+    for key, label, color, style in (("draft_version", "serving the adapted rollouts", "C0", "-"),
+                                     ("sidecar_draft_version", "newest published (sidecar)", "C7", ":")):
+        xs, ys = series(records, key)
+        if xs:
+            ax_ver.step(xs, ys, where="mid", color=color, linestyle=style, marker=".", label=label)
+    ax_ver.set_ylabel("draft version")
+    ax_ver.yaxis.set_major_locator(MaxNLocator(integer=True))
+    ax_ver.grid(alpha=0.3)
+    if ax_ver.lines:
+        ax_ver.legend(fontsize=8, loc="upper left")
 
     handles = []
     xs, ys = series(records, "kl_to_initial")
@@ -198,7 +249,7 @@ def plot(records: Sequence[dict[str, Any]], out_png: Path, title: str = "") -> N
         ax_r.set_ylabel("mean reward")
     if handles:
         ax_kl.legend(handles=handles, fontsize=8, loc="best")
-    _atomic_write(out_png, lambda tmp: fig.savefig(tmp, format="png"))
+    return fig
 
 
 def _fmt(v: Any, digits: int = 3) -> str:

@@ -59,6 +59,11 @@ def _clean(v: Any) -> float | None:
     return f if math.isfinite(f) else None
 
 
+def _rounded(v: float | None, digits: int = 3) -> str:
+    """A log line's number: ``digits`` decimals, ``-`` when there is none (no rollouts of that draft)."""
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
 class GRPOJob:
     """The RL loop; its whole state is this object (see the module docstring for one step).
 
@@ -234,8 +239,8 @@ class GRPOJob:
         self.step_index += 1
         log.info(
             "rl step %d: v%d reward %.3f kl %.4f acc adapted %s frozen %s (draft v%d) %.1fs",
-            s, self.policy.version, metrics["reward_mean"], kl, clean["accept_measured_adapted"],
-            clean["accept_measured_frozen"], served_version, metrics["step_s"],
+            s, self.policy.version, metrics["reward_mean"], kl, _rounded(clean["accept_measured_adapted"]),
+            _rounded(clean["accept_measured_frozen"]), served_version, metrics["step_s"],
         )  # fmt: skip
         return clean
 

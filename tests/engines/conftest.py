@@ -209,3 +209,24 @@ def engine(vllm_world, vllm_env):
             gc.collect()
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def reload_warnings():
+    """What vLLM's layerwise reload warns while the test runs (its logger does not propagate to the root, so
+    caplog cannot see it): a list of messages."""
+    import logging
+
+    seen: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record.getMessage())
+
+    logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    handler = Collect(level=logging.WARNING)
+    logger.addHandler(handler)
+    try:
+        yield seen
+    finally:
+        logger.removeHandler(handler)

@@ -9,6 +9,7 @@ from draft_align.monitor.acceptance import (
     acceptance_length_replay,
     acceptance_prob,
     draft_probs_on_target,
+    length_stderr,
     replay_tally,
 )
 
@@ -176,3 +177,22 @@ def test_tally_dummy_round_trips():
     t = AcceptanceTally.make_dummy()
     assert t.mean_length() == 2.5 and t.per_position() == [0.75, 0.5, 0.25]
     assert AcceptanceTally.from_dict(t.to_dict()) == t
+
+
+def test_length_stderr_is_the_standard_error_over_rounds():
+    """From r_i and rounds alone: the same number as the accepted counts' own plug-in standard error."""
+    gen = torch.Generator().manual_seed(0)
+    for k in (1, 3, 5):
+        counts = torch.randint(0, k + 1, (40,), generator=gen).tolist()
+        t = AcceptanceTally.empty(k)
+        for n in counts:
+            t.add(n)
+        mean = sum(counts) / len(counts)
+        sd = math.sqrt(sum((n - mean) ** 2 for n in counts) / len(counts))
+        assert length_stderr(t.rounds, t.per_position()) == pytest.approx(sd / math.sqrt(len(counts)))
+    every = AcceptanceTally.empty(3)
+    for _ in range(10):
+        every.add(3)
+    assert length_stderr(every.rounds, every.per_position()) == 0.0  # no spread: no noise
+    assert math.isnan(length_stderr(1, [1.0, 0.0]))  # one round: no estimate
+    assert math.isnan(length_stderr(10, [math.nan]))

@@ -11,6 +11,7 @@ import pytest
 from draft_align.monitor.live import (
     COLUMNS,
     HEADER,
+    LiveTable,
     _Tail,
     follow,
     format_row,
@@ -34,7 +35,7 @@ REC = {
     "accept_est_adapted": 2.25,
     "accept_est_frozen_prob": 1.5,  # only the probabilistic estimate: the column falls back to it
     "buffer_fill": 0.456,
-    "tap_dropped_messages": 3,
+    "wire_dropped": 3,
     "wire_rejected": 1,
     "sidecar_train_tokens_per_s": 12345.6,
     "some_future_key": "ignored",
@@ -196,3 +197,92 @@ def test_parse_metrics_format_details():
 def test_parse_metrics_rejects_malformed(line):
     with pytest.raises(ValueError):
         parse_metrics("# ok\n" + line + "\n")
+
+
+# ----------------------------------------------------------------------------- the live table of `cotrain`
+SIDECAR_TITLES = ("est.ad", "est.fr", "buf", "drops", "rej", "train tok/s")
+
+
+def rl_metrics(step: int) -> dict:
+    """What the RL job knows of a step (no sidecar keys)."""
+    return {"step": step, "policy_version": step + 1, "draft_version": 0, "staleness": 1, "reward_mean": 0.5,
+            "kl_to_initial": 0.01, "accept_measured_adapted": 1.8, "accept_measured_frozen": 1.7, "wire_dropped": 0}
+
+
+def sidecar_row(step: int) -> dict:
+    """The sidecar's monitor.jsonl row of a step (it repeats the RL metrics it was sent)."""
+    return {**rl_metrics(step), "accept_est_adapted": 1.9 + 0.01 * step, "accept_est_frozen": 1.85,
+            "buffer_fill": 0.25, "wire_rejected": 2, "sidecar_train_tokens_per_s": 1000.0 + step}
+
+
+def cells(row: str) -> dict[str, str]:
+    """A printed row's cells by column title (cells are right-aligned to the titles' widths)."""
+    out, pos = {}, 0
+    for c in COLUMNS:
+        out[c.title] = row[pos : pos + c.width].strip()
+        pos += c.width + 1
+    return out
+
+
+def append(path, rec):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps(rec) + "\n")
+
+
+def test_live_table_waits_for_the_sidecar_row_of_each_step(tmp_path, until):
+    mon = tmp_path / "sidecar" / "monitor.jsonl"
+    out = io.StringIO()
+    table = LiveTable(mon, out, row_wait_s=60, poll_s=0.02).start()
+    table.add(rl_metrics(0))
+    table.add(rl_metrics(1))
+    time.sleep(0.2)
+    assert out.getvalue() == HEADER + "\n"  # no sidecar row yet: nothing printed, the RL job was not held
+    append(mon, sidecar_row(0))
+    assert until(lambda: len(table.rows) == 1, 5)
+    append(mon, sidecar_row(1))
+    assert until(lambda: len(table.rows) == 2, 5)
+    table.close()
+    lines = out.getvalue().splitlines()
+    assert lines[0] == HEADER and len(lines) == 3 and table.merged == 2
+    for step, line in enumerate(lines[1:]):
+        c = cells(line)
+        assert c["step"] == str(step) and c["acc.ad"] == "1.800"
+        assert c["est.ad"] == f"{1.9 + 0.01 * step:.3f}" and c["est.fr"] == "1.850"
+        assert (c["buf"], c["drops"], c["rej"], c["train tok/s"]) == ("25%", "0", "2", str(1000 + step))
+
+
+def test_live_table_prints_without_the_sidecar_when_it_is_late_gone_or_skipped(tmp_path, until):
+    mon = tmp_path / "sidecar" / "monitor.jsonl"
+    out = io.StringIO()
+    alive = threading.Event()
+    alive.set()
+    table = LiveTable(mon, out, row_wait_s=0.3, poll_s=0.02, sidecar_alive=alive.is_set).start()
+    t0 = time.monotonic()
+    table.add(rl_metrics(0))  # never gets a sidecar row: printed after row_wait_s
+    assert until(lambda: len(table.rows) == 1, 5)
+    assert time.monotonic() - t0 >= 0.3
+    table.add(rl_metrics(1))  # skipped by the sidecar: released as soon as step 2's row arrives
+    table.add(rl_metrics(2))
+    append(mon, sidecar_row(2))
+    assert until(lambda: len(table.rows) == 3, 5)
+    table.add(rl_metrics(3))
+    alive.clear()  # the sidecar died: no more waiting
+    assert until(lambda: len(table.rows) == 4, 5)
+    table.add(rl_metrics(4))
+    table.close()  # close prints what is still pending
+    rows = [cells(x) for x in table.rows]
+    assert [r["step"] for r in rows] == ["0", "1", "2", "3", "4"]
+    for r in rows:
+        filled = r["step"] == "2"
+        assert all((r[t] != "-") == filled for t in SIDECAR_TITLES if t != "drops"), r
+        assert r["drops"] == "0" and r["acc.ad"] == "1.800"  # the RL job's own numbers are always there
+    assert table.merged == 1
+
+
+def test_live_table_rejects_bad_input(tmp_path):
+    with pytest.raises(ValueError, match="row_wait_s"):
+        LiveTable(tmp_path / "m.jsonl", io.StringIO(), row_wait_s=-1)
+    table = LiveTable(tmp_path / "m.jsonl", io.StringIO())
+    with pytest.raises(ValueError, match="step"):
+        table.add({"reward_mean": 1.0})

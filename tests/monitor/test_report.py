@@ -4,7 +4,15 @@ import struct
 
 import pytest
 
-from draft_align.monitor.report import load_steps, series, summarize, write_report
+from draft_align.monitor.report import (
+    Z95,
+    figure,
+    load_steps,
+    measured_interval,
+    series,
+    summarize,
+    write_report,
+)
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -33,7 +41,7 @@ def synthetic_records() -> list[dict]:
                 "accept_est_frozen": EST_FROZEN[s],
                 "staleness": STALENESS[s],
                 "published_versions": PUBLISHED[s],
-                "tap_dropped_messages": 2 * s,
+                "wire_dropped": 2 * s,
                 "wire_rejected": 1 if s >= 3 else 0,
                 "buffer_fill": 0.1 * s,
             }
@@ -90,8 +98,8 @@ def test_report_png_and_markdown(run_dir):
     data = png.read_bytes()
     assert data[:8] == PNG_SIGNATURE
     width, height = struct.unpack(">II", data[16:24])  # the IHDR chunk
-    assert (width, height) == (800, 700)
-    assert len(data) > 20_000  # two panels with lines and text, not a blank canvas
+    assert (width, height) == (800, 900)
+    assert len(data) > 20_000  # three panels with lines and text, not a blank canvas
     assert s["png"] == str(png)
     md = (run_dir / "report.md").read_text()
     assert "# Co-training report: run1" in md
@@ -141,3 +149,45 @@ def test_summarize_with_no_acceptance_and_single_step():
     assert s["final_kl"] is None and s["accept_margin"] is None and s["first_step_adapted_ahead"] is None
     with pytest.raises(ValueError, match="no step records"):
         summarize([])
+
+
+def with_rounds(rec: dict, kind: str, counts: list[int], k: int = 3) -> dict:
+    """``rec`` plus the step's measured tally for ``kind`` as the RL job logs it (rounds, r_i, mean length)."""
+    from draft_align.monitor.acceptance import AcceptanceTally
+
+    t = AcceptanceTally.empty(k)
+    for n in counts:
+        t.add(n)
+    rec = dict(rec, **{f"accept_rounds_{kind}": t.rounds, f"accept_measured_{kind}": t.mean_length()})
+    rec.update({f"accept_r{i}_{kind}": r for i, r in enumerate(t.per_position())})
+    return rec
+
+
+def test_measured_interval_from_the_steps_rounds():
+    counts = [0, 1, 3, 2, 3, 1, 0, 2]
+    rec = with_rounds({"step": 0}, "adapted", counts)
+    mean = sum(counts) / len(counts)
+    sd = math.sqrt(sum((n - mean) ** 2 for n in counts) / len(counts))
+    assert measured_interval(rec, "adapted") == pytest.approx(Z95 * sd / math.sqrt(len(counts)))
+    assert measured_interval(rec, "frozen") is None  # no tally logged for it
+    assert measured_interval(with_rounds({"step": 0}, "frozen", [2]), "frozen") is None  # one round
+
+
+def test_report_figure_shows_intervals_and_the_serving_draft_version():
+    recs = synthetic_records()
+    few, many = [0, 3, 1, 3], [0, 3, 1, 3] * 16  # the same spread over 4 and 64 rounds
+    recs = [with_rounds(r, "adapted", few if r["step"] < 3 else many) for r in recs]
+    recs = [dict(r, sidecar_draft_version=r["draft_version"] + 1) for r in recs]
+    fig = figure(recs)
+    ax_acc, ax_ver, _, _ = fig.axes  # acceptance, draft versions, KL (+ its reward twin)
+    bars = [c for c in ax_acc.containers if c.get_label().startswith("measured, adapted")]
+    assert len(bars) == 1 and "95%" in bars[0].get_label()
+    _, _, (segments,) = bars[0].lines
+    half = [(seg[1][1] - seg[0][1]) / 2 for seg in segments.get_segments()]
+    assert half[0] == pytest.approx(measured_interval(recs[0], "adapted"))
+    assert half[0] == pytest.approx(4 * half[5])  # 16× the rounds: a quarter of the width
+    frozen = [c for c in ax_acc.containers if c.get_label().startswith("measured, frozen")]
+    assert len(frozen) == 1 and "95%" not in frozen[0].get_label()  # no rounds logged: no error bars
+    serving = {line.get_label(): list(line.get_ydata()) for line in ax_ver.lines}
+    assert serving["serving the adapted rollouts"] == PUBLISHED
+    assert serving["newest published (sidecar)"] == [v + 1 for v in PUBLISHED]

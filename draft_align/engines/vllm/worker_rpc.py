@@ -81,6 +81,36 @@ def _private_subtrees(module: torch.nn.Module, shared: Sequence[str], prefix: st
     return out
 
 
+def _reloadable(roots: Sequence[torch.nn.Module]) -> list[torch.nn.Module]:
+    """The modules under ``roots`` to put through vLLM's layerwise reload, each on its own: every module that
+    owns a parameter or a persistent buffer, attention layers last (vLLM finalizes those after the others).
+
+    Left out: modules with no tensors of their own (nothing to reload), and modules whose only tensors are
+    non-persistent buffers, which no checkpoint carries: RotaryEmbedding's ``cos_sin_cache``, computed from
+    the config when the engine was built (and one instance shared by every layer, target and draft).  Handed
+    to the reload, such a module loads nothing, and vLLM puts its old tensors back with the warning
+    "RotaryEmbedding: Failed to load weights" (``finalize_layerwise_processing``): harmless, but on every
+    sync.  A policy or draft update never changes them.
+    """
+    from vllm.model_executor.layers.attention import is_deferred_attention_layer
+
+    plain: list[torch.nn.Module] = []
+    attention: list[torch.nn.Module] = []
+    seen: set[int] = set()
+    for root in roots:
+        for m in root.modules():
+            if id(m) in seen:
+                continue
+            seen.add(id(m))
+            if is_deferred_attention_layer(m):
+                attention.append(m)
+            elif any(True for _ in m.parameters(recurse=False)) or any(
+                name not in m._non_persistent_buffers_set for name, _ in m.named_buffers(recurse=False)
+            ):
+                plain.append(m)
+    return plain + attention
+
+
 def _digest_tensor(t: torch.Tensor) -> str:
     return hashlib.sha256(t.detach().to("cpu", torch.long).contiguous().numpy().tobytes()).hexdigest()
 
@@ -106,7 +136,8 @@ def rpc_load_draft(worker: Any, weights_path: str, sha256: str, record: dict[str
 
     Checks before touching the model (RefreshError, engine unchanged): the bytes read hash to ``sha256``; the
     vocab map equals the engine's; a tensor the draft shares with the target is either absent or identical.
-    Then, inside ``set_current_vllm_config``: ``initialize_layerwise_reload`` on every draft-private subtree,
+    Then, inside ``set_current_vllm_config``: ``initialize_layerwise_reload`` on every module of the
+    draft-private subtrees that holds weights (:func:`_reloadable`),
     ``draft.load_weights``, ``finalize_layerwise_reload`` (repacking for the CPU kernels happens there).
     Afterwards the tensors vLLM keeps unpacked (norms, lm_head) are compared with the file.  ``record`` is
     stored on the draft module as ``draft_align_loaded``.
@@ -151,15 +182,15 @@ def rpc_load_draft(worker: Any, weights_path: str, sha256: str, record: dict[str
     if not weights:
         raise RefreshError(f"{weights_path}: no draft-private tensors to load")
 
-    subtrees = _private_subtrees(draft, shared)
+    modules = _reloadable(_private_subtrees(draft, shared))
     model_config = worker.vllm_config.speculative_config.draft_model_config
     with set_current_vllm_config(worker.vllm_config):
-        for module in subtrees:
+        for module in modules:
             initialize_layerwise_reload(module)
         try:
             draft.load_weights(iter(weights))
         finally:
-            for module in subtrees:
+            for module in modules:
                 finalize_layerwise_reload(module, model_config)
 
     params = dict(draft.named_parameters(remove_duplicate=False))
@@ -182,9 +213,9 @@ def rpc_load_draft(worker: Any, weights_path: str, sha256: str, record: dict[str
 def rpc_load_policy_layers(worker: Any, weights: Mapping[str, torch.Tensor], version: int) -> dict[str, Any]:
     """(runs in each worker) Reload the target's decoder layers named by ``weights`` in place.
 
-    Inside ``set_current_vllm_config``: ``initialize_layerwise_reload`` on each layer, ``model.load_weights``
-    with the HF-named tensors (vLLM fuses q/k/v and gate/up itself), ``finalize_layerwise_reload`` (repacks
-    for the CPU kernels).  Unfused tensors (the layer norms) are read back and compared.  Nothing outside
+    Inside ``set_current_vllm_config``: ``initialize_layerwise_reload`` on each module of these layers that
+    holds weights (:func:`_reloadable`), ``model.load_weights`` with the HF-named tensors (vLLM fuses q/k/v
+    and gate/up itself), ``finalize_layerwise_reload`` (repacks for the CPU kernels).  Unfused tensors (the layer norms) are read back and compared.  Nothing outside
     these layers is touched.
     """
     from vllm.config import set_current_vllm_config
@@ -199,15 +230,16 @@ def rpc_load_policy_layers(worker: Any, weights: Mapping[str, torch.Tensor], ver
         layers = [model.get_submodule(n) for n in layer_names]
     except AttributeError as e:
         raise EngineError(f"policy sync: the engine's model has no {e}") from e
+    modules = _reloadable(layers)
     model_config = worker.vllm_config.model_config
     with set_current_vllm_config(worker.vllm_config):
-        for layer in layers:
-            initialize_layerwise_reload(layer)
+        for module in modules:
+            initialize_layerwise_reload(module)
         try:
             loaded = model.load_weights(iter(weights.items()))
         finally:
-            for layer in layers:
-                finalize_layerwise_reload(layer, model_config)
+            for module in modules:
+                finalize_layerwise_reload(module, model_config)
     params = dict(model.named_parameters())
     checked = 0
     for name, t in weights.items():

@@ -77,7 +77,8 @@ class ListNotifications:
 
 # --------------------------------------------------------------------------------------- engine tests
 @needs_vllm
-def test_refresh_good_bad_good_without_restart(engine, vllm_world, chat_prompts, baseline, tmp_path):
+def test_refresh_good_bad_good_without_restart(engine, vllm_world, chat_prompts, baseline, tmp_path,
+                                               reload_warnings):
     from draft_align.publish.versions import version_dir, write_latest
     from draft_align.rl.drafts import DraftSource
     from draft_align.wire.messages import DraftPublished
@@ -110,6 +111,7 @@ def test_refresh_good_bad_good_without_restart(engine, vllm_world, chat_prompts,
     notes.queue.append(msg)
     assert source.poll() is False  # not newer: ignored
     assert ref.metrics()["engine_draft_version"] == 3.0
+    assert reload_warnings == []  # two reloads, no "RotaryEmbedding: Failed to load weights"
 
 
 @needs_vllm

@@ -87,7 +87,7 @@ def _gap(eng, policy, seeds=(1, 2, 3, 4)):
 
 
 @needs_vllm
-def test_policy_sync_makes_engine_logprobs_match_the_policy(rollouts, vllm_world):
+def test_policy_sync_makes_engine_logprobs_match_the_policy(rollouts, vllm_world, reload_warnings):
     policy = _policy(vllm_world.target)
     before, outs, counts = _gap(rollouts, policy)  # version 0 = the base model the engine serves
     assert counts.num_drafts > 0 and all(o.tokens.numel() > 0 for o in outs)
@@ -114,6 +114,8 @@ def test_policy_sync_makes_engine_logprobs_match_the_policy(rollouts, vllm_world
     restored, _, counts = _gap(rollouts, base)
     assert restored["engine_logprob_gap_abs_max"] < 1e-3, restored
     assert counts.mean_acceptance_length() > 1.5  # the draft was trained for the base model
+    # only modules that hold weights go through the reload: no "RotaryEmbedding: Failed to load weights"
+    assert rollouts.syncs == 2 and reload_warnings == []
 
 
 @needs_vllm
