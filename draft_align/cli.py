@@ -58,18 +58,22 @@ def _log_format(rank: int | None = None) -> str:
     return f"%(asctime)s {prefix}%(levelname)s %(name)s: %(message)s"
 
 
-# vLLM configures its own logger (its own handler, at VLLM_LOGGING_LEVEL, read once when vllm is imported):
-# at INFO it prints hundreds of lines per engine start and weight reload, interleaved with the step table.
-# Without -v its warnings and errors alone are shown; a VLLM_LOGGING_LEVEL the user set is kept.
+# vLLM configures its own logger (its own handler, at VLLM_LOGGING_LEVEL, on VLLM_LOGGING_STREAM, both read
+# once when vllm is imported): at INFO on stdout it prints hundreds of lines per engine start and weight reload
+# into the step table.  Its lines go to stderr with ours (stdout keeps the table and results), and without -v
+# only its warnings and errors are shown.  What the user set in the environment is kept.
 VLLM_QUIET_LEVEL = "WARNING"
+VLLM_LOG_STREAM = "ext://sys.stderr"
 
 
 def _setup_logging(verbose: bool) -> None:
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format=_log_format(), datefmt="%H:%M:%S")
     for noisy in ("httpx", "urllib3", "filelock", "datasets"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    os.environ.setdefault("VLLM_LOGGING_STREAM", VLLM_LOG_STREAM)  # before anything imports vllm
     if not verbose:
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", VLLM_QUIET_LEVEL)  # before anything imports vllm
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", VLLM_QUIET_LEVEL)
+        logging.getLogger("vllm").setLevel(logging.WARNING)  # what it logs before configuring its logger
 
 
 def _say_rank(rank: int) -> None:
@@ -207,6 +211,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
                 str(args.target or manifest["target"]["name"]), draft_dir, target, draft.eval(), prompts,
                 eos_ids(target, tok), k=args.k, mode=args.verify_mode, temperature=args.temperature,
                 max_new_tokens=args.max_new_tokens, seed=args.seed, dtype=args.dtype,
+                use_tqdm_on_load=bool(args.verbose),
             )  # fmt: skip
         except EngineError as e:
             if args.engine == "vllm":

@@ -184,16 +184,18 @@ def _wait_until(cond, timeout_s: float, every=None, poll_s: float = 0.05) -> boo
 
 @pytest.fixture(autouse=True)
 def _keep_vllm_logging_env():
-    """``cli.main`` sets VLLM_LOGGING_LEVEL unless -v (a process-level choice); a test that calls it leaves the
-    environment as it found it."""
+    """``cli.main`` sets VLLM_LOGGING_STREAM, and VLLM_LOGGING_LEVEL unless -v (process-level choices); a test
+    that calls it leaves the environment as it found it."""
     import os
 
-    before = os.environ.get("VLLM_LOGGING_LEVEL")
+    names = ("VLLM_LOGGING_LEVEL", "VLLM_LOGGING_STREAM")
+    before = {name: os.environ.get(name) for name in names}
     yield
-    if before is None:
-        os.environ.pop("VLLM_LOGGING_LEVEL", None)
-    else:
-        os.environ["VLLM_LOGGING_LEVEL"] = before
+    for name, value in before.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 @pytest.fixture

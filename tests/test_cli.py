@@ -130,15 +130,19 @@ def test_eval_engine_choice(tiny_run, capsys, caplog, monkeypatch):
                                                        (False, "DEBUG", "DEBUG")])
 def test_vllm_info_logging_is_quiet_unless_verbose(verbose, preset, expected, monkeypatch, tmp_path):
     """Without -v the CLI sets VLLM_LOGGING_LEVEL=WARNING (before anything imports vllm); -v leaves vLLM's INFO
-    lines on; a level the user set is kept."""
-    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "x")  # recorded, so the test's end restores the environment
-    monkeypatch.delenv("VLLM_LOGGING_LEVEL")
-    if preset is not None:
-        monkeypatch.setenv("VLLM_LOGGING_LEVEL", preset)
-    assert cli.main(["-v"] * verbose + ["report", str(tmp_path / "missing")]) == 2
+    lines on; a level the user set is kept.  vLLM logs to stderr (stdout is the table's) unless told."""
     import os
 
+    for name in ("VLLM_LOGGING_LEVEL", "VLLM_LOGGING_STREAM"):
+        monkeypatch.setenv(name, "x")  # recorded, so the test's end restores the environment
+        monkeypatch.delenv(name)
+    if preset is not None:
+        monkeypatch.setenv("VLLM_LOGGING_LEVEL", preset)
+    vllm_logger = logging.getLogger("vllm")
+    monkeypatch.setattr(vllm_logger, "level", vllm_logger.level)
+    assert cli.main(["-v"] * verbose + ["report", str(tmp_path / "missing")]) == 2
     assert os.environ.get("VLLM_LOGGING_LEVEL") == expected
+    assert os.environ.get("VLLM_LOGGING_STREAM") == "ext://sys.stderr"
 
 
 def test_eval_with_too_long_prompts_exits_2(tiny_run, caplog):

@@ -53,19 +53,22 @@ def evaluate_vllm(
     max_new_tokens: int,
     seed: int = 0,
     dtype: str = "bfloat16",
+    **llm_kwargs: Any,
 ) -> dict[str, Any]:
     """Measured acceptance of the published draft ``draft_dir`` under vLLM on ``target_name``, estimated
     acceptance of ``draft`` (the same draft, loaded) with the HF ``target`` on vLLM's outputs.
 
     Request i is seeded ``seed + i``; decoding stops at ``max_new_tokens`` or a token of ``eos``.  The engine
     is started for this call and shut down after it (vLLM keeps its counters process-wide: one engine at a
-    time).  EngineError when vLLM cannot start; ValueError for a mode vLLM has no equivalent of.
+    time); ``llm_kwargs`` go to ``vllm.LLM``.  EngineError when vLLM cannot start; ValueError for a mode vLLM
+    has no equivalent of.
     """
     method = draft_sample_method(mode, temperature)
     started = time.perf_counter()
     llm = start_engine(
         target_name, draft_dir, k=k, draft_sample_method=method,  # type: ignore[arg-type]
         max_model_len=model_len(prompts, max_new_tokens, k), seed=seed, dtype=dtype, enforce_eager=True,
+        **llm_kwargs,
     )  # fmt: skip
     start_s = time.perf_counter() - started
     try:
