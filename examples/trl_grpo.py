@@ -30,7 +30,8 @@ def sharegpt_prompts(tokenizer, n: int, max_tokens: int) -> Dataset:
     rows = []
     for conv in train:
         msgs = [{"role": m.role, "content": m.content} for m in conv.prompt]
-        if msgs and len(tokenizer.apply_chat_template(msgs, add_generation_prompt=True)) <= max_tokens:
+        # the chat-templated prompt's token count (apply_chat_template returns a BatchEncoding in transformers 5)
+        if msgs and data.encode_prompt(tokenizer, conv).numel() <= max_tokens:
             rows.append({"prompt": msgs})
         if len(rows) == n:
             break
