@@ -55,3 +55,16 @@ def stop_sidecar(proc: subprocess.Popen, timeout_s: float) -> int | None:
     except subprocess.TimeoutExpired:
         proc.kill()
         return proc.wait()
+
+
+def kill_at_exit(proc: subprocess.Popen) -> None:
+    """Kill ``proc`` when this interpreter exits if it is still running (a caller that raised before its
+    clean stop must not leave a sidecar behind; a clean stop first makes this a no-op)."""
+    import atexit
+
+    def _reap() -> None:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+
+    atexit.register(_reap)

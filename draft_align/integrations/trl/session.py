@@ -89,7 +89,7 @@ class DraftAlign:
         """on_train_begin: sidecar, wire, drafts, Tap, engine (in this order: taps of the first step reach a
         sidecar that is up)."""
         from draft_align.sidecar.layout import NOTIFY_SOCKET, SIDECAR_DIR, TAP_SOCKET
-        from draft_align.sidecar.process import spawn_sidecar, wait_ready
+        from draft_align.sidecar.process import kill_at_exit, spawn_sidecar, wait_ready
         from draft_align.tap.hf import HFPolicyTap
         from draft_align.wire import channel
 
@@ -104,6 +104,7 @@ class DraftAlign:
                 log.info("draft_align: %s has a sidecar folder: the spawned sidecar resumes from it", run_dir)
             resolved = save_recipe(recipe, run_dir / RESOLVED_RECIPE)
             self.proc = spawn_sidecar(resolved, self.start_draft, run_dir / "sidecar.log", ranks=recipe.sidecar.ranks)
+            kill_at_exit(self.proc)  # TRL's train() may raise before on_train_end
         if self.sidecar_mode != "off":
             endpoint = recipe.wire.endpoint or channel.default_endpoint(run_dir, TAP_SOCKET)
             self.sender = channel.TapSender(
