@@ -203,21 +203,23 @@ def main() -> int:
     prompts, _ = held_out_prompts(args.prompts)
     r: dict[str, Any] = {
         "command": "python benchmarks/advise_check.py " + " ".join(sys.argv[1:]), "date": time.strftime("%Y-%m-%d"),
-        "machine": "2-core CPU", "draft": repo_relative(draft_dir), "args": vars(args), "plain": [], "spec": [],
+        "machine": "2-core CPU", "draft": repo_relative(draft_dir), "args": {**vars(args), "out": repo_relative(args.out)}, "plain": [], "spec": [],
     }  # fmt: skip
     kw = {"max_model_len": 1024, "enforce_eager": True}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     for k in (0, *sorted(args.ks), 0):
         llm = start_plain_engine(TARGET, **kw) if k == 0 else start_engine(TARGET, draft_dir, k=k, **kw)
         try:
             (r["plain"] if k == 0 else r["spec"]).append(measure_engine(llm, k, prompts, args))
         finally:
             _stop(llm)
+        (out / "advise_check.partial.json").write_text(json.dumps(r, indent=1, default=str))  # a killed run keeps these
     r["rows"] = analyse(r, args)
     r["rates_advise"] = pooled_rates(next(e for e in r["spec"] if e["k"] == args.rates_k))
     r["rates_all"] = pooled_rates(max(r["spec"], key=lambda e: e["k"]))
     r["seconds"] = time.perf_counter() - t_start
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    (out / "advise_check.partial.json").unlink(missing_ok=True)
     (out / "advise_check.json").write_text(json.dumps(r, indent=1, default=str))
     replace_section(ROOT / "benchmarks" / "RESULTS.md", HEAD, render(r))
     print(render(r))
