@@ -341,9 +341,9 @@ class RLConfig:
     engine: EngineChoice = EngineChoice("auto")
     engine_kv_cache_gb: float = 1.0
     engine_max_model_len: int = 1024
-    engine_probe_prompts: int = 4  # silent-zero guard: held-out prompts decoded at T=0 after each new draft
+    engine_probe_prompts: int = 4  # silent-zero guard: held-out prompts decoded at T=0 after each new draft (0: off)
     engine_probe_tokens: int = 32
-    engine_probe_min_ratio: float = 0.5  # alarm + rollback when L − 1 < ratio · (previous L − 1)
+    engine_probe_min_ratio: float = 0.5  # alarm + rollback when L − 1 < ratio · (previous L − 1); in (0, 1]
 
 
 @dataclass
@@ -381,6 +381,12 @@ class CotrainRecipe(_RecipeHeader):
             raise RecipeError("rl.frozen_fraction must be in [0, 1]")
         if self.rl.group_size < 2:
             raise RecipeError("rl.group_size must be ≥ 2 (GRPO normalises within a group)")
+        if self.rl.engine_probe_prompts < 0 or self.rl.engine_probe_tokens < 2:
+            raise RecipeError("rl.engine_probe_prompts must be ≥ 0 (0 turns the probe guard off) and "
+                              "rl.engine_probe_tokens ≥ 2 (one token gives no draft round)")
+        if not 0.0 < self.rl.engine_probe_min_ratio <= 1.0:
+            raise RecipeError(f"rl.engine_probe_min_ratio must be in (0, 1] (to turn the probe guard off: "
+                              f"rl.engine_probe_prompts=0), got {self.rl.engine_probe_min_ratio}")
         try:
             check_tap_budgets(self.tap.tokens_per_step, self.tap.max_tokens_per_message)  # the Tap's own rule
         except ValueError as e:

@@ -57,7 +57,7 @@ def test_trl_grpo_example_on_smollm2_with_vllm(tmp_path, monkeypatch):
             # the plumbing is under test (a published draft reaches the engine), not the drafts' quality: a draft
             # trained on four steps of taps may probe worse than the 6-step start, and the probe guard (tested in
             # tests/engines/vllm) would roll it back
-            "rl.engine_probe_min_ratio=0",
+            "rl.engine_probe_prompts=0",
         ])  # fmt: skip
     finally:
         torch.set_num_threads(n_threads)

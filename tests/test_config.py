@@ -309,6 +309,10 @@ def test_load_recipe_returns_the_schemas_type():
         ("wire.max_tokens=0", "wire.max_tokens must be ≥ 1"),
         ("rl.grad_clip=-1", "rl.grad_clip must be > 0"),
         ("rl.lr=nan", "rl.lr must be > 0"),
+        ("rl.engine_probe_min_ratio=0", r"engine_probe_min_ratio must be in \(0, 1\] \(to turn the probe guard off"),
+        ("rl.engine_probe_min_ratio=1.5", "engine_probe_min_ratio must be in"),
+        ("rl.engine_probe_prompts=-1", "engine_probe_prompts must be ≥ 0"),
+        ("rl.engine_probe_tokens=1", "engine_probe_tokens ≥ 2"),
     ],
 )
 def test_cotrain_operator_mistakes_fail_at_load(override, match):

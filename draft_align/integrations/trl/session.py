@@ -153,7 +153,9 @@ class DraftAlign:
 
     def _probe_prompts(self, trainer: Any) -> list[torch.Tensor]:
         ds = trainer.train_dataset
-        n = min(len(ds), max(1, self.recipe.rl.engine_probe_prompts))
+        n = min(len(ds), self.recipe.rl.engine_probe_prompts)
+        if n == 0:
+            return []
         ids = trainer._tokenize_prompts([ds[i]["prompt"] for i in range(n)])[0]
         return [torch.tensor(x, dtype=torch.long) for x in ids]
 
