@@ -60,6 +60,12 @@ class HFPolicyTap:
     the sampling temperature): next_logprob, logit_lse and top-k are defined at temperature 1.  Where the
     job's pass never materialises logits (a fused LM head that computes log-probs only), ``logits=None``:
     the statistics of the kept rows are computed from the captured final state × the model's lm_head.
+
+    Under FSDP2 (``fully_shard``: the lm_head weight is a sharded DTensor) every rank must call
+    :meth:`submit` for every micro-batch, and :meth:`head_sync` for every policy version: the head gather is
+    collective.  With ``logits=None`` each submit gathers the head exactly once on every rank, whether or not
+    that rank keeps a sequence of the micro-batch (ranks keep different numbers: each draws its own sample,
+    and rows without a response are never kept), so the ranks' collectives always match.
     """
 
     def __init__(
@@ -134,11 +140,9 @@ class HFPolicyTap:
         ids_host = host_ids(input_ids, valid, response, self.vocab_size, padding="block")
         starts = row_starts(valid)
 
+        # on every rank, before the sample is drawn: the gather is collective, and ranks keep different rows
+        head = self._gathered_head() if logits is None else None
         lengths, kept = self._sample.admit(valid, response)
-        head = None
-        if logits is None and kept:
-            _, _, _, lm_head = decoder_parts(self.model)
-            head = (lm_head.weight.detach(), None if lm_head.bias is None else lm_head.bias.detach())
         ready = None
         for b, h in kept:
             n, s0 = lengths[b], starts[b]
@@ -157,6 +161,14 @@ class HFPolicyTap:
             self._sample.keep(h, seq)
         if ready is not None:
             ready.record(torch.cuda.current_stream(cap.aux.device))  # the stream the copies were queued on
+
+    def _gathered_head(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The lm_head weight [V, H] and bias [V] (or None), whole: under FSDP2 (DTensor shards) one all-gather
+        each, which every rank must reach (see the class docstring); otherwise the parameters as they are."""
+        _, _, _, lm_head = decoder_parts(self.model)
+        weight = full_tensor(lm_head.weight.detach())
+        bias = None if lm_head.bias is None else full_tensor(lm_head.bias.detach())
+        return weight, bias
 
     # -- shipping --------------------------------------------------------------------------------------
 

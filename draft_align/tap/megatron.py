@@ -233,6 +233,8 @@ class MegatronPolicyTap:
         ids_host = host_ids(input_ids, valid, response, self.vocab_size)
 
         lengths, kept = self._sample.admit(valid, response)
+        # the collectives below are over the TP group, whose ranks all keep the same rows (the same batch and
+        # the same dp_rank-seeded sample), so returning here never leaves a TP peer waiting
         if not kept:
             return
         # [s(/tp), b, h] → the kept rows, sequence gathered under SP → [b_kept, s, ·]; one collective for all

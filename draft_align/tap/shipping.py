@@ -158,7 +158,10 @@ def head_logit_stats(
     """:func:`logit_stats` of one sequence whose logits were never materialised (a fused LM head computes
     only log-probs): final post-norm states [L, H] × the lm_head ``weight`` [V, H] (+ ``bias`` [V]), in the
     weight's dtype as the model's own head would, chunk by chunk (≤ ``max_elements`` logits at a time).
-    A sharded weight (a DTensor under FSDP2) is gathered first; under ZeRO-3 the caller gathers it."""
+    A sharded weight (a DTensor under FSDP2) is gathered first, a collective; under ZeRO-3 the caller
+    gathers it.  A caller looping over sequences must gather the head once itself (:func:`full_tensor`, on
+    every rank, however many sequences that rank has) and pass the plain tensors: one gather per sequence
+    issues different numbers of collectives on ranks with different numbers of sequences, and the job hangs."""
     weight = full_tensor(weight)
     bias = full_tensor(bias) if bias is not None else None
     if final.dim() != 2 or weight.dim() != 2 or int(final.shape[1]) != int(weight.shape[1]):
