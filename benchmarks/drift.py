@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import resource
 import statistics
 import subprocess
 import sys
@@ -378,6 +379,7 @@ def main() -> int:
     ap.add_argument("--out", default=str(ROOT / "benchmarks/out"))
     ap.add_argument("--name", default=None,
                     help="a variant (e.g. vllm): its own drift_<name>.json, run folder and RESULTS.md section")
+    ap.add_argument("--no-results-md", action="store_true", help="write the JSON only (drift_trigger.py renders)")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
@@ -431,8 +433,11 @@ def main() -> int:
         log.info("tap overhead: %s", {k: v for k, v in (result["overhead"] or {}).items() if "median" in k or "ratio" in k})
         jpath.write_text(json.dumps(result, indent=1, default=str))
         t0 = time.time()
+        cpu0 = resource.getrusage(resource.RUSAGE_CHILDREN)
         run_cotrain(recipe, str(start), sidecar_exit_timeout_s=300)
         result["run_seconds"] = time.time() - t0
+        cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)  # the sidecar (the engine runs in this process)
+        result["sidecar_cpu_s"] = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)
     else:
         prev = json.loads(jpath.read_text())
         result["overhead"] = prev["overhead"]
@@ -481,7 +486,8 @@ def main() -> int:
         jpath.write_text(json.dumps(result, indent=1, default=str))
     result["summary"] = summarise(result)
     jpath.write_text(json.dumps(result, indent=1, default=str))
-    write_results(result, ROOT / "benchmarks" / "RESULTS.md")
+    if not args.no_results_md:
+        write_results(result, ROOT / "benchmarks" / "RESULTS.md")
     print(render(result))
     return 0
 

@@ -36,6 +36,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -47,6 +48,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.results_md import replace_section, repo_relative  # noqa: E402
 
 RUN = "soak"
+LEGIT_SEND_TIMEOUT_S = 0.5  # the legit sender waits this long for a peer before it drops a message
 SECTION = "## Soak: hostile input, kills and a full disk (`benchmarks/soak.py`)"
 
 
@@ -98,11 +100,24 @@ def role_legit(a: argparse.Namespace) -> None:
             pairs.append((p, r))
     key = channel.resolve_key(None, recipe.run_dir, create=False)
     sender = channel.TapSender(channel.default_endpoint(recipe.run_dir, "tap"), key,
-                               max_message_bytes=recipe.wire.max_message_mb << 20, send_timeout_s=0.5)
+                               max_message_bytes=recipe.wire.max_message_mb << 20, send_timeout_s=LEGIT_SEND_TIMEOUT_S)
     tap = HFPolicyTap(model, tuple(draft.cfg.aux_layer_ids), sender, run_id=recipe.run,
                       tokens_per_step=recipe.tap.tokens_per_step)
     stop_file = Path(a.work) / "legit.stop"
     stats_file = Path(a.work) / "legit.json"
+    drops: list[dict[str, Any]] = []  # every drop with its wall-clock time (the orchestrator attributes them)
+
+    def watch_drops() -> None:
+        last = sender.stats()
+        while not stop_file.exists():
+            time.sleep(0.01)
+            cur = sender.stats()
+            for k, v in cur.items():
+                if k.startswith("dropped") and v > last.get(k, 0):
+                    drops.append({"t": time.time(), "key": k, "n": v - last.get(k, 0)})
+            last = cur
+
+    threading.Thread(target=watch_drops, daemon=True).start()
     step = version = 0
     offered_steps = 0
     t0 = time.monotonic()
@@ -123,12 +138,13 @@ def role_legit(a: argparse.Namespace) -> None:
         offered_steps += 1
         step += 1
         _write_json(stats_file, {"time": time.time(), "steps": offered_steps, "sender": sender.stats(),
-                                 "tap": tap.stats()})
+                                 "tap": tap.stats(), "drops": list(drops)})
         time.sleep(max(0.0, a.step_s - (time.monotonic() - t_step)))
     sender.offer(StepReport(run_id=recipe.run, step=step, policy_version=version, metrics={"final": 1.0}))
     sender.close()  # flushes what is queued (bounded by its close timeout)
     _write_json(stats_file, {"time": time.time(), "steps": offered_steps, "sender": sender.stats(),
-                             "seconds": time.monotonic() - t0, "final_sent": True})
+                             "seconds": time.monotonic() - t0, "final_sent": True, "drops": list(drops),
+                             "send_timeout_s": LEGIT_SEND_TIMEOUT_S})
 
 
 # --------------------------------------------------------------------------------------------- hostile side
@@ -435,6 +451,7 @@ def orchestrate(a: argparse.Namespace) -> dict[str, Any]:
                                 "--huge-version-at-s", str(a.minutes * 60 * 0.6), *common],
                                stdout=open(work / "hostile.log", "wb"), stderr=subprocess.STDOUT)
     t0 = time.monotonic()
+    wall0 = time.time()
     end = t0 + a.minutes * 60
     kills: list[dict[str, Any]] = []
     next_kill = t0 + rng.uniform(a.kill_every_s * 0.5, a.kill_every_s * 1.5)
@@ -450,6 +467,8 @@ def orchestrate(a: argparse.Namespace) -> dict[str, Any]:
     down_since: float | None = None
     down_s = 0.0
     legit_windows: list[tuple[bool, dict[str, Any]]] = []  # (sidecar up, legit stats) every second
+    # wall-clock intervals the sidecar was not serving: [killed or found dead, its ready file written]
+    down_intervals: list[list[float | None]] = []
     crashes = []
     up_s = 0.0  # seconds (one-second samples) the sidecar was running with its sockets bound
 
@@ -484,13 +503,17 @@ def orchestrate(a: argparse.Namespace) -> dict[str, Any]:
         if s is not None:
             last_scrape = s
         up = sidecar.poll() is None and ready()
+        if up and down_intervals and down_intervals[-1][1] is None:
+            down_intervals[-1][1] = (recipe.run_dir / SIDECAR_DIR / READY_FILE).stat().st_mtime
         legit_windows.append((up, legit_stats()))
         up_s += 1.0 if up else 0.0
         if sidecar.poll() is not None:  # it exited by itself: a crash (or a clean stop we did not ask for)
             crashes.append({"t": now - t0, "rc": sidecar.returncode})
             down_since = now
+            down_intervals.append([time.time() - 1.0, None])  # it died within the last sample
             restart("crash")
         if now >= next_kill:
+            down_intervals.append([time.time(), None])
             os.kill(sidecar.pid, signal.SIGKILL)
             sidecar.wait()
             down_since = time.monotonic()
@@ -555,6 +578,19 @@ def orchestrate(a: argparse.Namespace) -> dict[str, Any]:
         d = final_legit["sender"].get(k, 0) - prev.get(k, 0)
         if d > 0:
             up_drops[k] += d
+    # the same drops attributed exactly: each drop's wall-clock time against the down intervals, widened by the
+    # sender's timeout (a message offered while the sidecar was down is dropped up to that long after)
+    grace = final_legit.get("send_timeout_s", LEGIT_SEND_TIMEOUT_S) + 0.1
+    exact_up: dict[str, int] = {}
+    exact_down: dict[str, int] = {}
+    up_detail = []
+    for d in final_legit.get("drops", []):
+        iv = next((i for i in down_intervals if i[0] <= d["t"] <= (i[1] or float("inf")) + grace), None)
+        (exact_down if iv else exact_up)[d["key"]] = (exact_down if iv else exact_up).get(d["key"], 0) + d["n"]
+        if iv is None:
+            last_up = max((i[1] for i in down_intervals if i[1] is not None and i[1] <= d["t"]), default=None)
+            up_detail.append({"t_s": round(d["t"] - (wall0 or d["t"]), 2), "key": d["key"], "n": d["n"],
+                              "s_since_last_restart": None if last_up is None else round(d["t"] - last_up, 2)})
     rejected: dict[str, float] = {}
     for inc in incarnations:
         for k, v in inc.items():
@@ -578,7 +614,9 @@ def orchestrate(a: argparse.Namespace) -> dict[str, Any]:
             "nonfinite_heads", "nonfinite_alarms", "held_dropped_records", "publish_failures", "foreign_messages",
             "mismatched_messages", "last_step_report", "done")},
         "legit": {"steps": final_legit.get("steps"), "sender": final_legit.get("sender"),
-                  "dropped_while_up": up_drops, "dropped_while_down": down_drops},
+                  "dropped_while_up_sampled": up_drops, "dropped_while_down_sampled": down_drops,
+                  "dropped_while_up": exact_up, "dropped_while_down": exact_down, "dropped_while_up_detail": up_detail,
+                  "down_intervals_s": [[round(x - wall0, 2) if x else None for x in i] for i in down_intervals]},
         "sidecar_down_s": round(down_s, 1),
         "sidecar_ready_s": round(up_s, 1),
         "kills": kills, "crashes": crashes, "restarts_survived": len(kills),
@@ -600,6 +638,10 @@ def _nonzero(d: dict[str, int]) -> str:
     return ", ".join(f"{k} {v}" for k, v in d.items() if v) or "0"
 
 
+def _drop_times(detail: list[dict[str, Any]]) -> str:
+    return ", ".join(f"{d['t_s']} s ({d['s_since_last_restart']} s)" for d in detail) or "none"
+
+
 def _markdown(r: dict[str, Any]) -> str:
     sent = r["hostile_sent_by_category"]
     rej = r["sidecar_rejected_by_reason"]
@@ -616,6 +658,12 @@ def _markdown(r: dict[str, Any]) -> str:
         f"{_nonzero(r['legit']['dropped_while_up'])} |",
         f"| legit drops while it was dead or starting (killed: {r['sidecar_down_s']} s before each restart; "
         f"then loading until bound) | {_nonzero(r['legit']['dropped_while_down'])} |",
+        "| how drops are attributed | each drop's wall-clock time (the legit sender's counters read every 10 ms) "
+        "against the intervals from each kill to the restarted sidecar's ready file, widened by the sender's 0.5 s "
+        f"timeout; the old one-second sampling said up {_nonzero(r['legit'].get('dropped_while_up_sampled', {}))}, "
+        f"down {_nonzero(r['legit'].get('dropped_while_down_sampled', {}))} |",
+        f"| legit drops while up, each (s into the run, s since the last restart) | "
+        f"{_drop_times(r['legit'].get('dropped_while_up_detail', []))} |",
         f"| kill -9 and restarts survived | {r['restarts_survived']} (crashes: {len(r['crashes'])}) |",
         f"| draft versions verified (sha256) | {r['versions_verified']} (problems: {len(r['version_problems'])}; "
         f"temp folders left: {len(r['tmp_folders_left'])}) |",
