@@ -153,7 +153,8 @@ def _choice_fields():
     import dataclasses
     import typing
 
-    from draft_align.config import CotrainRecipe, _choice_type
+    from draft_align.config import CotrainRecipe
+    from draft_align.config.choices import choice_type
 
     out = []
 
@@ -162,7 +163,7 @@ def _choice_fields():
         for f in dataclasses.fields(cls):
             if dataclasses.is_dataclass(hints[f.name]):
                 walk(schema, hints[f.name], f"{prefix}{f.name}.")
-            elif (choice := _choice_type(hints[f.name])) is not None:
+            elif (choice := choice_type(hints[f.name])) is not None:
                 out.append((schema, f"{prefix}{f.name}", choice, typing.get_origin(hints[f.name]) is list))
 
     walk(WarmstartRecipe, WarmstartRecipe, "")
