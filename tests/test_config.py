@@ -342,7 +342,7 @@ def test_yaml_syntax_errors_and_directories_are_one_line_recipe_errors(tmp_path)
 # -- the training objective: one rule for train.* and sidecar.*, checked at load ------------------------------
 def test_objective_fields_load_in_both_schemas_and_reach_the_same_loss_settings():
     from draft_align.config import CotrainRecipe
-    from draft_align.train.trainer import LossSettings
+    from draft_align.train.objective import LossSettings
 
     keys = {"loss": "expected_length", "accept_mode": "greedy_draft", "soft_ce_weight": "0.25", "surrogate_tau": "0.3"}
     w = load_recipe(None, [f"train.{k}={v}" for k, v in keys.items()])

@@ -57,15 +57,11 @@ from draft_align.sidecar.ranked import ranked_loop
 from draft_align.sidecar.resume import resume_state, set_aside, start_published
 from draft_align.sidecar.state import Backoff, Rates, SidecarState, sidecar_stats
 from draft_align.sidecar.trigger import DriftTrigger
+from draft_align.train.objective import LossSettings
 from draft_align.train.parallel import RankGroup, attach, rank_device
 from draft_align.train.records import Batch, TappedRecord
 from draft_align.train.replay import ReplayBuffer
-from draft_align.train.trainer import (
-    DraftTrainer,
-    LossSettings,
-    NonFiniteLossError,
-    OptimSettings,
-)
+from draft_align.train.trainer import DraftTrainer, NonFiniteLossError, OptimSettings
 from draft_align.wire.channel import DRAIN_MAX_MESSAGES
 from draft_align.wire.messages import HeadSync, StepReport, TapBatch, TapPart
 

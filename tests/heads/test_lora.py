@@ -134,8 +134,9 @@ def without_adapters(d):
 def test_trainer_trains_only_adapters_and_resumes(target, tmp_path, kind):
     from draft_align.hf.capture import HFTap
     from draft_align.hf.parts import frozen_embedding, head_rows
+    from draft_align.train.objective import LossSettings
     from draft_align.train.records import Record, collate
-    from draft_align.train.trainer import DraftTrainer, LossSettings, OptimSettings
+    from draft_align.train.trainer import DraftTrainer, OptimSettings
 
     def build():
         d = eagle(target) if kind == "eagle3" else mtp(target)

@@ -147,8 +147,9 @@ def test_trunk_gets_no_gradient(target):
 # ---------------------------------------------------------------- trainer, estimators, decoder
 def trained_head(target, layout="deepseek_v3", depth=1, steps=60, kind="soft"):
     from draft_align.hf.parts import frozen_embedding
+    from draft_align.train.objective import LossSettings
     from draft_align.train.records import Record, collate
-    from draft_align.train.trainer import DraftTrainer, LossSettings, OptimSettings
+    from draft_align.train.trainer import DraftTrainer, OptimSettings
 
     g = torch.Generator().manual_seed(11)
     recs = []

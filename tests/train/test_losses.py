@@ -15,8 +15,9 @@ from draft_align.heads.eagle3 import Eagle3Config, Eagle3Draft
 from draft_align.heads.mtp import MTPConfig, MTPDraft
 from draft_align.train import losses
 from draft_align.train.losses import hard_ce_step, soft_ce_reference, soft_ce_step, step_weights
+from draft_align.train.objective import LossSettings, ttt_loss
 from draft_align.train.records import Record, collate
-from draft_align.train.trainer import DraftTrainer, LossSettings, OptimSettings, ttt_loss
+from draft_align.train.trainer import DraftTrainer, OptimSettings
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
