@@ -214,7 +214,8 @@ def test_bad_choice_names_the_key_and_the_allowed_values(tmp_path, schema, key, 
 
 
 def test_a_recipe_built_in_code_is_checked_too():
-    from draft_align.config import CotrainRecipe, EvalConfig, RLConfig
+    from draft_align.config import CotrainRecipe, RLConfig
+    from draft_align.config.sections import EvalConfig
 
     with pytest.raises(RecipeError, match=r"^rl\.engine: unknown rollout engine 'sglang'; expected one of "
                                           r"auto \| vllm \| reference$"):
@@ -228,7 +229,7 @@ def test_choices_come_from_their_one_source():
     import typing
 
     from draft_align.cli import build_parser
-    from draft_align.config import DtypeChoice, HeadChoice, MTPLayoutChoice, VerifyModeChoice
+    from draft_align.config.choices import DtypeChoice, HeadChoice, MTPLayoutChoice, VerifyModeChoice
     from draft_align.conventions import FLOAT_DTYPE_NAMES, VERIFY_MODES
     from draft_align.heads.mtp import Layout
     from draft_align.heads.protocol import HeadKind

@@ -3,71 +3,23 @@ mistyped or unknown key is an error rather than a silently ignored setting, and 
 values is typed by a ``StrEnum`` that OmegaConf checks on load (``validate()`` adds the cross-field rules).
 Its members are strings: ``recipe.draft.head == "mtp"`` and ``f"{mode}"`` work as with plain strings.
 
-``draft_align.config`` is the recipe API every part imports; its rooms: ``choices.py`` (the choice fields),
-``sections.py`` (one dataclass per recipe section), ``recipes.py`` (the two schemas and their cross-field
-rules), ``rules.py`` (the rule helpers, :class:`RecipeError`), ``loading.py`` (files and overrides)."""
+``draft_align.config`` is the recipe API the loops, the CLI and the examples import (the two schemas, loading and
+saving, :class:`RecipeError`); its rooms: ``choices.py`` (the choice fields), ``sections.py`` (one dataclass per
+recipe section), ``recipes.py`` (the two schemas and their cross-field rules), ``rules.py`` (the rule helpers,
+:class:`RecipeError`), ``loading.py`` (files and overrides)."""
 
-from draft_align.config.choices import (
-    AdaptChoice,
-    DtypeChoice,
-    EngineChoice,
-    HeadChoice,
-    LossChoice,
-    MTPInitChoice,
-    MTPLayoutChoice,
-    ParallelChoice,
-    TrainTriggerChoice,
-    VerifyModeChoice,
-    WandbModeChoice,
-)
 from draft_align.config.loading import load_recipe, recipe_kind, recipe_to_dict, save_recipe
 from draft_align.config.recipes import SCHEMAS, CotrainRecipe, Recipe, WarmstartRecipe
 from draft_align.config.rules import RecipeError
-from draft_align.config.sections import (
-    STEP_DECAY,
-    DataConfig,
-    DraftConfig,
-    EvalConfig,
-    LoggingConfig,
-    LoraAdaptConfig,
-    RLConfig,
-    SidecarConfig,
-    TapConfig,
-    TargetConfig,
-    TrainConfig,
-    WireConfig,
-    step_decay,
-)
+from draft_align.config.sections import RLConfig, step_decay
 
 __all__ = [
     "SCHEMAS",
-    "STEP_DECAY",
-    "AdaptChoice",
     "CotrainRecipe",
-    "DataConfig",
-    "DraftConfig",
-    "DtypeChoice",
-    "EngineChoice",
-    "EvalConfig",
-    "HeadChoice",
-    "LoggingConfig",
-    "LoraAdaptConfig",
-    "LossChoice",
-    "MTPInitChoice",
-    "MTPLayoutChoice",
-    "ParallelChoice",
     "RLConfig",
     "Recipe",
     "RecipeError",
-    "SidecarConfig",
-    "TapConfig",
-    "TargetConfig",
-    "TrainConfig",
-    "TrainTriggerChoice",
-    "VerifyModeChoice",
-    "WandbModeChoice",
     "WarmstartRecipe",
-    "WireConfig",
     "load_recipe",
     "recipe_kind",
     "recipe_to_dict",
