@@ -73,6 +73,16 @@ def random_draft(kind: str, target: nn.Module, seed: int = 0):
     return random_eagle3(target, seed) if kind == "eagle3" else jittered_mtp(target, depth=2, seed=seed)
 
 
+def perturb_adapters(draft: nn.Module, seed: int = 5, scale: float = 0.3) -> None:
+    """Set every LoRA adapter weight of ``draft`` to ``scale`` · N(0, 1) (non-zero B: the adapters change the
+    draft)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in draft.named_parameters():
+            if "lora_" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * scale)
+
+
 def make_mtp_head(
     target: nn.Module, layout: str = "deepseek_v3", depth: int = 1, seed: int = 1, noise: float = 0.1
 ):

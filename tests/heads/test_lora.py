@@ -15,7 +15,7 @@ from draft_align.heads.lora import (
     merged,
 )
 from draft_align.publish import engine_sha256, export_draft, load_draft
-from tests.helpers import random_draft
+from tests.helpers import perturb_adapters, random_draft
 
 V, H, L = 48, 32, 6
 
@@ -36,14 +36,6 @@ def inputs(target, draft, seed=3, t=12):
     starts = torch.arange(0, t - 1)[None]
     return (aux, target.model.embed_tokens, ids, torch.ones(1, t, dtype=torch.bool), starts,
             torch.ones_like(starts, dtype=torch.bool), 3)
-
-
-def perturb_adapters(d, seed=5, scale=0.3):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for n, p in d.named_parameters():
-            if "lora_" in n:
-                p.copy_(torch.randn(p.shape, generator=g) * scale)
 
 
 def logits(d, args):

@@ -12,7 +12,7 @@ from draft_align.heads.lora import AdapterMismatchError, LoraSettings, apply_lor
 from draft_align.publish import engine_sha256, export_draft, load_draft
 from draft_align.publish.folder import read_manifest
 from draft_align.publish.lora_delta import ADAPTER_FILE, export_adapter, load_adapter, publish_adapter
-from tests.helpers import random_draft
+from tests.helpers import perturb_adapters, random_draft
 
 V, H, L = 48, 32, 6
 
@@ -23,14 +23,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.fixture(scope="module")
 def target(tiny_llama):
     return tiny_llama(L, V, H).requires_grad_(False)
-
-
-def perturb_adapters(d, seed=5, scale=0.3):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for n, p in d.named_parameters():
-            if "lora_" in n:
-                p.copy_(torch.randn(p.shape, generator=g) * scale)
 
 
 def publish(d, path, target, dtype=torch.bfloat16, version=1):
