@@ -150,7 +150,8 @@ def train_for(trainer: Any, records: list, seconds: float, batch_tokens: int, st
 
 def make_trainer(draft: Any, embed: Any, rows: torch.Tensor, args: argparse.Namespace, lr: float, head: str) -> Any:
     from draft_align.config import step_decay
-    from draft_align.train.trainer import DraftTrainer, LossSettings, OptimSettings
+    from draft_align.train.objective import LossSettings
+    from draft_align.train.trainer import DraftTrainer, OptimSettings
 
     return DraftTrainer(draft, embed, rows,
                         OptimSettings(lr=lr, warmup_steps=5, total_steps=10**9, min_lr_ratio=1.0),

@@ -46,8 +46,9 @@ def child(tokens: int, steps: int, threads: int, response_frac: float, cap: int 
     from torch import nn
 
     from draft_align.heads.eagle3 import Eagle3Config, Eagle3Draft
+    from draft_align.train.objective import LossSettings
     from draft_align.train.records import Record, collate
-    from draft_align.train.trainer import DraftTrainer, LossSettings, OptimSettings
+    from draft_align.train.trainer import DraftTrainer, OptimSettings
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)

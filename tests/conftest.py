@@ -226,22 +226,12 @@ def tiny_world(tmp_path_factory) -> TinyWorld:
 @pytest.fixture(scope="session")
 def tiny_run(tiny_world) -> TinyRun:
     """The tiny warm-start, run once per session with caches under the world's DRAFT_ALIGN_HOME."""
-    import time
-
-    from draft_align import warmstart
     from draft_align.config import load_recipe
+    from tests.helpers import run_warmstart
 
     recipe = load_recipe(None, tiny_world.overrides())
-    n = torch.get_num_threads()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("DRAFT_ALIGN_HOME", str(tiny_world.home))
-        torch.set_num_threads(1)
-        t0 = time.time()
-        try:
-            summary = warmstart.run(recipe)
-        finally:
-            torch.set_num_threads(n)
-    return TinyRun(tiny_world, recipe, summary, recipe.run_dir, time.time() - t0)
+    summary, seconds = run_warmstart(recipe, tiny_world.home)
+    return TinyRun(tiny_world, recipe, summary, recipe.run_dir, seconds)
 
 
 @pytest.fixture

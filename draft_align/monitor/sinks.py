@@ -31,7 +31,7 @@ from draft_align.monitor.rows import SidecarStats, StepRow
 if TYPE_CHECKING:
     from prometheus_client.core import Metric
 
-    from draft_align.config import LoggingConfig
+    from draft_align.config.sections import LoggingConfig
 
 log = logging.getLogger(__name__)
 

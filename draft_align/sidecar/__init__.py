@@ -4,6 +4,10 @@
 - :mod:`~draft_align.sidecar.state`: :class:`SidecarState`, the progress checkpointed beside the trainer;
 - :mod:`~draft_align.sidecar.ingest`: tapped messages → validated records → the replay buffer;
 - :mod:`~draft_align.sidecar.gate`: the paired publish gate and the versioned publish;
-- :mod:`~draft_align.sidecar.loop`: :class:`Sidecar` (setup, hooks) and its single- and multi-rank loops;
+- :mod:`~draft_align.sidecar.build`: its parts built from the recipe (target side, starting drafts, gate, trainer,
+  ingest, sockets, sinks);
+- :mod:`~draft_align.sidecar.loop`: :class:`Sidecar` (setup order, hooks) and its single-process loop;
+- :mod:`~draft_align.sidecar.ranked`: the multi-rank loop and the gathered FSDP2 copy;
+- :mod:`~draft_align.sidecar.trigger`: when to train (always, or on drift);
 - :mod:`~draft_align.sidecar.launch`: the starting draft and the process entry point (``draft-align sidecar``).
 """

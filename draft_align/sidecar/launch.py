@@ -17,8 +17,8 @@ from draft_align.publish.versions import resolve_draft_dir
 from draft_align.sidecar.layout import SIDECAR_DIR, TRAINER_DIR
 from draft_align.sidecar.loop import Sidecar
 from draft_align.sidecar.state import SidecarState
+from draft_align.train.checkpoint import checkpoint_exists
 from draft_align.train.parallel import join_ranks
-from draft_align.train.trainer import checkpoint_exists
 
 
 class SidecarError(RuntimeError):

@@ -16,12 +16,12 @@ gate rejection); the last published draft keeps serving and the next attempt wai
 ``max_consecutive_nonfinite`` non-finite steps in a row the head in use is dropped (ERROR, ``nonfinite_alarms``)
 and training waits for the next HeadSync.  A restart trusts only what verifies (``sidecar/resume.py``).
 Published versions beyond the newest ``keep_versions`` (never ``latest``) are deleted after each publish.
-Under torchrun the multi-rank loop (``sidecar/ranked.py``) runs instead.
+Under torchrun the multi-rank loop (``sidecar/ranked.py``) runs instead.  The parts are built from the recipe
+in ``sidecar/build.py``.
 """
 
 from __future__ import annotations
 
-import copy
 import logging
 import os
 import threading
@@ -33,39 +33,33 @@ from typing import Any
 import torch
 from torch import nn
 
-from draft_align.config import CotrainRecipe, step_decay
-from draft_align.conventions import float_dtype
+from draft_align.config import CotrainRecipe
 from draft_align.heads.protocol import DraftHead
-from draft_align.monitor.rows import SidecarStats, StepRow
-from draft_align.monitor.sinks import METRICS_FILE, JsonlSink, PromSink, Sinks, open_sinks
-from draft_align.publish import load_draft
-from draft_align.publish.compat import check_compatible, tokenizer_fingerprint
+from draft_align.monitor.rows import SidecarStats, StepRow, estimate_key, row_estimates
 from draft_align.publish.versions import discard_tmp_versions
-from draft_align.sidecar.gate import Gate, plain_copy
-from draft_align.sidecar.ingest import Ingest
+from draft_align.sidecar.build import (
+    build_gate,
+    build_ingest,
+    build_trainer,
+    build_trigger,
+    load_starting_drafts,
+    load_target_side,
+    open_sidecar_sinks,
+    open_wire,
+    trainable_draft,
+)
 from draft_align.sidecar.layout import (
-    MONITOR_FILE,
-    NOTIFY_SOCKET,
-    PORT_FILE,
     SIDECAR_DIR,
     STATE_FILE,
-    TAP_SOCKET,
     TRAINER_DIR,
     write_ready,
 )
-from draft_align.sidecar.ranked import ranked_loop
-from draft_align.sidecar.resume import resume_state, set_aside, start_published
+from draft_align.sidecar.ranked import GatheredDraft, ranked_loop
+from draft_align.sidecar.resume import set_aside
 from draft_align.sidecar.state import Backoff, Rates, SidecarState, sidecar_stats
-from draft_align.sidecar.trigger import DriftTrigger
 from draft_align.train.parallel import RankGroup, attach, rank_device
 from draft_align.train.records import Batch, TappedRecord
-from draft_align.train.replay import ReplayBuffer
-from draft_align.train.trainer import (
-    DraftTrainer,
-    LossSettings,
-    NonFiniteLossError,
-    OptimSettings,
-)
+from draft_align.train.trainer import NonFiniteLossError
 from draft_align.wire.channel import DRAIN_MAX_MESSAGES
 from draft_align.wire.messages import HeadSync, StepReport, TapBatch, TapPart
 
@@ -84,8 +78,15 @@ class Sidecar:
     Threads, the global seed and signal handlers are the process's business (``cli.py``), not the sidecar's.
     """
 
-    def __init__(self, recipe: CotrainRecipe, start_draft: Path, *, exit_when_done: bool = False,
-                 ranks: RankGroup | None = None, stop: threading.Event | None = None) -> None:
+    def __init__(
+        self,
+        recipe: CotrainRecipe,
+        start_draft: Path,
+        *,
+        exit_when_done: bool = False,
+        ranks: RankGroup | None = None,
+        stop: threading.Event | None = None,
+    ) -> None:
         self.recipe = recipe
         self.start_draft = Path(start_draft)
         self.exit_when_done = exit_when_done
@@ -101,9 +102,7 @@ class Sidecar:
         self.backoff = Backoff()  # after a failed publish / checkpoint (disk full)
         self.nonfinite_in_a_row = 0
         self.resumed = False
-        sc = recipe.sidecar
-        self.trigger = DriftTrigger(sc.train_trigger.value, tolerance=sc.drift_tolerance,
-                                    head_threshold=sc.drift_head_threshold, window=sc.drift_window)
+        self.trigger = build_trigger(recipe)
         self.waiting: str | None = "no head yet"  # why the last next_batch() gave no batch (None: it did)
         self._shared_control: list[Control] = []  # received here, for every rank to apply (multi-rank only)
 
@@ -127,118 +126,67 @@ class Sidecar:
     def _setup_drafts(self) -> DraftHead:
         """The target's frozen embedding and tokenizer fingerprint, the starting ("frozen") draft, the resumed
         state, the gate with the published draft it compares against; returns the draft to train."""
-        from draft_align import assets
-        from draft_align.hf.parts import frozen_embedding
-
         recipe, sc = self.recipe, self.recipe.sidecar
-        target, tok = assets.load_target(recipe.target.model, float_dtype(recipe.target.dtype), "cpu")
-        self.target_config = target.config
-        self.target_name = recipe.target.model
-        self.tok_fp = tokenizer_fingerprint(tok)
-        self.embed: nn.Module = frozen_embedding(target).to(self.device)
-        del target
-
-        self.frozen, self.frozen_manifest = load_draft(self.start_draft, device=self.device)
-        self.frozen.eval()
-        check_compatible(self.frozen_manifest, self.target_config, self.tok_fp)
+        target = load_target_side(recipe, self.device)
+        self.target_config, self.target_name = target.config, target.name
+        self.tok_fp = target.tokenizer_fingerprint
+        self.embed: nn.Module = target.embed
+        start = load_starting_drafts(recipe, self.start_draft, target, self.device)
+        self.frozen, self.frozen_manifest = start.frozen, start.frozen_manifest
         self.aux_ids = tuple(self.frozen.cfg.aux_layer_ids)
         self.hidden = int(self.target_config.hidden_size)
         self.vocab = int(self.target_config.vocab_size)
-
-        self.state, self.resumed = resume_state(self.dir)
-        # the published draft the gate compares against: the newest trusted version, else the starting draft
-        published, latest = start_published(self.run_dir, self.dir, self.state, self.frozen, self.device)
-        published.eval()
-        self.gate = Gate(recipe, self.state, published, device=self.device, target_config=self.target_config,
-                         target_name=self.target_name, tokenizer_fingerprint=self.tok_fp,
-                         frozen_manifest=self.frozen_manifest, publisher=None,  # its socket: _setup_wire
-                         protect=(self.start_draft,))
-        draft = plain_copy(published, self.device)
-        if sc.adapt == "lora":  # adapters over the frozen starting point, with their own optimizer settings
-            from draft_align.heads.lora import apply_lora, lora_settings
-
-            apply_lora(draft, lora_settings(sc.lora), seed=recipe.seed)
-            if not self.resumed or not self.state.lora_base_dir:
-                self.state.lora_base_dir = str(latest if latest is not None else self.start_draft)
+        self.state, self.resumed = start.state, start.resumed
+        self.gate = build_gate(recipe, start, target, self.start_draft, self.device)
+        draft = trainable_draft(recipe, start.published, self.device)
+        if sc.adapt == "lora" and (not self.resumed or not self.state.lora_base_dir):
+            self.state.lora_base_dir = str(start.latest if start.latest is not None else self.start_draft)
         return draft
 
     def _setup_trainer(self, draft: DraftHead) -> None:
         """The trainer on ``draft`` (rows: the frozen head until the first HeadSync), attached to the ranks,
         resumed from the checkpoint."""
         sc, ranks = self.recipe.sidecar, self.ranks
-        lora = sc.adapt == "lora"
         rows = self.frozen.lm_head.weight.detach().clone()  # until the first HeadSync
-        self.trainer = DraftTrainer(
-            draft,
-            self.embed,
-            rows,
-            OptimSettings(
-                lr=sc.lora.lr if lora else sc.lr, min_lr_ratio=sc.min_lr_ratio,
-                weight_decay=sc.lora.weight_decay if lora else sc.weight_decay,
-                warmup_steps=sc.lora.warmup_steps if lora else sc.warmup_steps, total_steps=10**9, grad_clip=sc.grad_clip,
-            ),
-            LossSettings.from_section(sc, step_decay(sc.step_decay, draft.kind), train_lm_head=True),
-            max_seq_tokens=sc.max_seq_tokens,
-        )
+        self.trainer = build_trainer(self.recipe, draft, self.embed, rows)
         # fsdp2 (train/parallel.py): the trainer's draft is sharded over the ranks; rank 0 gates and exports
         # a plain copy that sync_full() refreshes from the gathered full state (``full_state``)
-        self._sharded = ranks is not None and sc.parallel == "fsdp2"
-        self._plain: nn.Module | None = copy.deepcopy(draft) if self._sharded and self.is_lead else None
-        self._full: tuple[dict[str, torch.Tensor], dict] | None = None
+        sharded = ranks is not None and sc.parallel == "fsdp2"
+        self._gathered = GatheredDraft(draft, self.is_lead) if sharded else None
         if ranks is not None:  # before the load: under fsdp2 the checkpoint is loaded into the shards
             attach(self.trainer, ranks, sc.parallel)
         if self.resumed:
             try:
                 self.trainer.load(self.dir / TRAINER_DIR)
-            except RuntimeError as e:  # unreadable or another configuration's: train on from the published draft
+            # unreadable or another configuration's: train on from the published draft
+            except RuntimeError as e:
                 set_aside(self.dir / TRAINER_DIR, e)
                 self.resumed = False
                 return
-            log.info("resumed sidecar at train step %d (restart %d)", self.state.train_steps, self.state.restarts)
+            log.info(
+                "resumed sidecar at train step %d (restart %d)", self.state.train_steps, self.state.restarts
+            )
 
     def _setup_wire(self) -> None:
         """The replay buffer and the ingest in front of it, the PULL socket (rank r: its own endpoint) and,
-        on the lead rank, the DraftPublished PUB socket."""
-        from draft_align.wire import channel
-
-        recipe, sc, ranks, wire = self.recipe, self.recipe.sidecar, self.ranks, self.recipe.wire
-        # only rank 0 gates, so only its buffer holds records out; each rank samples with its own seed
-        buffer = ReplayBuffer(sc.buffer_tokens, sc.recency_half_life, sc.holdout_records if self.is_lead else 0,
-                              recipe.seed + (ranks.rank if ranks is not None else 0))
-        # records of steps whose report has not come are held at most this many tokens (docs/sizing.md)
-        held = max(sc.buffer_tokens // 4, 2 * recipe.tap.tokens_per_step)
-        self.ingest = Ingest(buffer, self.state, self.rates, aux_ids=self.aux_ids, hidden=self.hidden,
-                             vocab=self.vocab, draft_to_target=self.frozen.draft_to_target, max_held_tokens=held)
-        self.wire_key = channel.resolve_key(wire.key_file, self.run_dir, create=True)
-        tap_ep = wire.endpoint or channel.default_endpoint(self.run_dir, TAP_SOCKET)
-        if ranks is not None:
-            tap_ep = channel.rank_endpoint(tap_ep, ranks.rank)
-        self.receiver = channel.Receiver(
-            tap_ep, self.wire_key, max_bytes=wire.max_message_mb << 20, max_tokens=wire.max_tokens,
-            allow_remote=wire.allow_remote,
+        on the lead rank, the DraftPublished PUB socket (``sidecar/build.py``)."""
+        rank, lead = self.rank, self.is_lead
+        self.ingest = build_ingest(
+            self.recipe, self.state, self.rates, self.frozen, self.target_config, rank, lead
         )
-        if self.is_lead:
-            note_ep = wire.notify_endpoint or channel.default_endpoint(self.run_dir, NOTIFY_SOCKET)
-            self.gate.publisher = channel.Publisher(note_ep, self.wire_key, allow_remote=wire.allow_remote)
+        self.wire_key, self.receiver, self.gate.publisher = open_wire(self.recipe, rank=rank, is_lead=lead)
 
     def _setup_sinks(self) -> None:
-        """Lead rank: ``monitor.jsonl``, ``metrics.jsonl``, wandb, Prometheus (port in ``prometheus.port``);
-        the other ranks: their training metrics in ``<run>/sidecar/rank<r>/metrics.jsonl`` only."""
-        from draft_align.config import recipe_to_dict
-
-        recipe, sc = self.recipe, self.recipe.sidecar
-        if not self.is_lead:
-            assert self.ranks is not None
-            self.sinks = Sinks(JsonlSink(self.dir / f"rank{self.ranks.rank}" / METRICS_FILE))
-            return
-        prom = None
-        if sc.prometheus_port is not None:
-            prom = PromSink(port=sc.prometheus_port)
-            prom.write_port_file(self.dir / PORT_FILE)
-        self.sinks = open_sinks(self.dir, recipe.logging, f"{recipe.run}-sidecar", recipe_to_dict(recipe),
-                                monitor=self.dir / MONITOR_FILE, prom=prom)
+        """Lead rank: ``monitor.jsonl``, ``metrics.jsonl``, wandb, Prometheus; the other ranks: their training
+        metrics only (``sidecar/build.py``)."""
+        self.sinks = open_sidecar_sinks(self.recipe, self.dir, rank=self.rank, is_lead=self.is_lead)
 
     # ------------------------------------------------------------------ hooks the loops drive
+    @property
+    def rank(self) -> int | None:
+        """This process's torchrun rank; None for a single-process sidecar."""
+        return self.ranks.rank if self.ranks is not None else None
+
     @property
     def has_head(self) -> bool:
         """Whether a HeadSync was accepted (training, estimates and the gate wait for one)."""
@@ -262,7 +210,10 @@ class Sidecar:
         return max_seconds is not None and time.monotonic() - self._t0 >= max_seconds
 
     def checkpoint_due(self) -> bool:
-        return self.backoff.ready() and time.monotonic() - self._last_ckpt >= self.recipe.sidecar.checkpoint_every_s
+        return (
+            self.backoff.ready()
+            and time.monotonic() - self._last_ckpt >= self.recipe.sidecar.checkpoint_every_s
+        )
 
     def drain(self, budget_s: float, timeout_ms: int, max_messages: int = DRAIN_MAX_MESSAGES) -> int:
         """Handle the messages waiting on the PULL socket: up to ``max_messages`` consumed (rejected ones
@@ -297,7 +248,8 @@ class Sidecar:
         self.trainer.rows = msg.rows.to(self.device)
         self.trigger.on_head(msg.rows)
         if self.frozen.shares_target_head:  # MTP: the engine uses the policy's own lm_head
-            for d in (self.trainer.draft, self.gate.published, self.frozen, self._plain):
+            plain = self._gathered.plain if self._gathered is not None else None
+            for d in (self.trainer.draft, self.gate.published, self.frozen, plain):
                 if d is not None:
                     d.set_head(msg.rows)
 
@@ -317,31 +269,37 @@ class Sidecar:
         temp = temp if temp is not None else self.recipe.rl.temperature
         estimates: dict[str, float] = {}
         if records and self.has_head:
-            for name, draft in (("adapted", self.gate.published), ("frozen", self.frozen)):
-                for mode, suffix in (("greedy_draft", ""), ("probabilistic", "_prob")):
-                    est = self.estimate(draft, records, mode, temp)
-                    estimates[f"accept_est_{name}{suffix}"] = est["acceptance_length_est"]
-                    estimates.update({f"accept_est_r{i}_{name}{suffix}": r
-                                      for i, r in enumerate(est["per_position_est"])})  # fmt: skip
+            drafts = {"adapted": self.gate.published, "frozen": self.frozen}
+            estimates = row_estimates(drafts, lambda draft, mode: self.estimate(draft, records, mode, temp))
         self.ingest.flush(upto_step=step)
         self.state.last_step_report = max(self.state.last_step_report, step)
-        suffix = "_prob" if self.recipe.sidecar.eval_mode == "probabilistic" else ""  # the gate's verify mode
-        self.trigger.on_estimate(estimates.get(f"accept_est_adapted{suffix}"))
-        row = StepRow.from_report(msg, self.stats(), time=t, estimates=estimates,
-                                  est_records=len(records) if estimates else None)
+        gate_mode = "probabilistic" if self.recipe.sidecar.eval_mode == "probabilistic" else "greedy_draft"
+        self.trigger.on_estimate(estimates.get(estimate_key("adapted", gate_mode)))
+        row = StepRow.from_report(
+            msg, self.stats(), time=t, estimates=estimates, est_records=len(records) if estimates else None
+        )
         self.sinks.observe(row)
         self.state.monitor_rows += 1
 
-    def estimate(self, draft: nn.Module, records: list[TappedRecord], mode: str, temperature: float) -> dict[str, Any]:
+    def estimate(
+        self, draft: nn.Module, records: list[TappedRecord], mode: str, temperature: float
+    ) -> dict[str, Any]:
         """:func:`~draft_align.monitor.records.estimate_records` with the current head rows and ``eval_k``."""
         from draft_align.monitor.records import estimate_records
 
-        return estimate_records(draft, self.embed, self.trainer.rows, records, self.recipe.sidecar.eval_k, mode,
-                                temperature)
+        return estimate_records(
+            draft, self.embed, self.trainer.rows, records, self.recipe.sidecar.eval_k, mode, temperature
+        )
 
     def stats(self) -> SidecarStats:
-        return sidecar_stats(self.state, self.ingest.buffer.stats(), self.rates, self.rejected,
-                             trigger=self.trigger, waiting=self.waiting)
+        return sidecar_stats(
+            self.state,
+            self.ingest.buffer.stats(),
+            self.rates,
+            self.rejected,
+            trigger=self.trigger,
+            waiting=self.waiting,
+        )
 
     def train_one(self) -> bool:
         """One optimizer step if a batch is ready (True also when a non-finite loss skipped it)."""
@@ -377,8 +335,12 @@ class Sidecar:
             log.warning("%s", e)
             if self.nonfinite_in_a_row >= sc.max_consecutive_nonfinite:
                 self.state.nonfinite_alarms += 1
-                log.error("ALARM: %d non-finite steps in a row on the head of policy v%d: head dropped, waiting "
-                          "for the next HeadSync", self.nonfinite_in_a_row, self.state.head_policy_version)
+                log.error(
+                    "ALARM: %d non-finite steps in a row on the head of policy v%d: head dropped, waiting "
+                    "for the next HeadSync",
+                    self.nonfinite_in_a_row,
+                    self.state.head_policy_version,
+                )
                 self.ingest.drop_head()
                 self.nonfinite_in_a_row = 0
             return True
@@ -400,23 +362,17 @@ class Sidecar:
     def sync_full(self) -> None:
         """fsdp2: gather the trainer's full draft and optimizer state onto rank 0 (a collective: every rank
         calls it at the same step) and refresh the plain copy that rank 0 gates, exports and checkpoints."""
-        if not self._sharded:
-            return
-        self._full = self.trainer.parallel.state_dicts()
-        if self._plain is not None and self._full is not None:
-            self._plain.load_state_dict(self._full[0], strict=True)
+        if self._gathered is not None:
+            self._gathered.sync(self.trainer)
 
     @property
     def full_state(self) -> tuple[dict[str, torch.Tensor], dict] | None:
         """fsdp2, rank 0: the (draft, optimizer) state dicts of the last :meth:`sync_full`; None otherwise."""
-        return self._full
+        return self._gathered.full if self._gathered is not None else None
 
     def _candidate(self) -> nn.Module:
         """The trainer's draft as a plain module (under fsdp2: as of the last :meth:`sync_full`)."""
-        if not self._sharded:
-            return self.trainer.draft
-        assert self._plain is not None and self._full is not None, "sync_full() before gating or exporting"
-        return self._plain
+        return self.trainer.draft if self._gathered is None else self._gathered.candidate()
 
     def maybe_publish(self, force: bool = False) -> bool:
         """Gate and publish the candidate; True when a new version was published (then checkpointed)."""
@@ -436,16 +392,21 @@ class Sidecar:
     def _storage_failed(self, what: str, e: OSError) -> None:
         self.state.publish_failures += 1
         delay = self.backoff.fail()
-        log.error("%s failed: %s; still serving draft v%04d, next attempt in %.0f s", what, e,
-                  self.state.published_version, delay)
+        log.error(
+            "%s failed: %s; still serving draft v%04d, next attempt in %.0f s",
+            what,
+            e,
+            self.state.published_version,
+            delay,
+        )
 
     def checkpoint(self) -> None:
         if not self.is_lead:
             return  # rank 0's checkpoint is every rank's (DDP: the same weights; fsdp2: gathered by sync_full)
-        assert not self._sharded or self._full is not None, "sync_full() before checkpointing"
+        assert self._gathered is None or self.full_state is not None, "sync_full() before checkpointing"
         self._last_ckpt = time.monotonic()
         try:
-            self.trainer.save(self.dir / TRAINER_DIR, self._full if self._sharded else None)
+            self.trainer.save(self.dir / TRAINER_DIR, self.full_state)
             self.state.rejected = dict(self.rejected)
             self.state.save(self.dir / STATE_FILE)
         except OSError as e:
@@ -456,12 +417,23 @@ class Sidecar:
     # ------------------------------------------------------------------ the loop
     def run(self, max_seconds: float | None = None) -> SidecarState:
         """Loop until stopped, out of time or done (see the class docstring); returns the final state."""
-        log.info("sidecar %s listening; draft v%d; aux %s", self.recipe.run, self.state.published_version,
-                 self.aux_ids)
+        log.info(
+            "sidecar %s listening; draft v%d; aux %s",
+            self.recipe.run,
+            self.state.published_version,
+            self.aux_ids,
+        )
         if self.is_lead:  # the launcher waits for it (ppid: torchrun's agent)
-            write_ready(self.dir, {"pid": os.getpid(), "ppid": os.getppid(), "time": time.time(),
-                                   "draft_version": self.state.published_version,
-                                   "tap_endpoint": self.receiver.endpoint})
+            write_ready(
+                self.dir,
+                {
+                    "pid": os.getpid(),
+                    "ppid": os.getppid(),
+                    "time": time.time(),
+                    "draft_version": self.state.published_version,
+                    "tap_endpoint": self.receiver.endpoint,
+                },
+            )
         ended = False  # whether the loop ended normally (every rank leaves it at the same step)
         try:
             if self.ranks is not None:  # torchrun: the ranks agree on every step
@@ -481,7 +453,7 @@ class Sidecar:
                 if self.time_up(max_seconds):
                     break
         finally:
-            if ended or not self._sharded:  # a failed rank cannot take part in gathering the shards
+            if ended or self._gathered is None:  # a failed rank cannot take part in gathering the shards
                 self.checkpoint()
             self.close()
         return self.state

@@ -9,12 +9,17 @@ rank 0 announced a publish attempt or checkpoint.
 
 from __future__ import annotations
 
+import copy
 import logging
 from typing import Protocol
+
+import torch
+from torch import nn
 
 from draft_align.sidecar.state import SidecarState
 from draft_align.train.parallel import RankError, RankGroup, is_comm_error
 from draft_align.train.records import Batch
+from draft_align.train.trainer import DraftTrainer
 from draft_align.wire.channel import Receiver
 from draft_align.wire.messages import HeadSync, StepReport, decode, encode
 
@@ -22,6 +27,28 @@ log = logging.getLogger(__name__)
 
 # flags each rank sends at every step boundary (RankGroup.exchange); the *_DUE ones are rank 0's decisions
 HAVE_BATCH, STOP, TIME_UP, PUBLISH_DUE, CKPT_DUE = 0, 1, 2, 3, 4
+
+
+class GatheredDraft:
+    """FSDP2: the sharded draft's full state gathered onto rank 0, and rank 0's plain copy of the draft that it
+    gates, exports and checkpoints (other ranks hold no copy)."""
+
+    def __init__(self, draft: nn.Module, is_lead: bool) -> None:
+        self.plain: nn.Module | None = copy.deepcopy(draft) if is_lead else None
+        self.full: tuple[dict[str, torch.Tensor], dict] | None = None  # (draft, optimizer) of the last sync
+
+    def sync(self, trainer: DraftTrainer) -> None:
+        """Gather the trainer's full draft and optimizer state onto rank 0 (a collective: every rank calls it at
+        the same step) and refresh the plain copy."""
+        assert trainer.parallel is not None
+        self.full = trainer.parallel.state_dicts()
+        if self.plain is not None and self.full is not None:
+            self.plain.load_state_dict(self.full[0], strict=True)
+
+    def candidate(self) -> nn.Module:
+        """The plain copy as of the last :meth:`sync` (rank 0)."""
+        assert self.plain is not None and self.full is not None, "sync_full() before gating or exporting"
+        return self.plain
 
 
 class RankedSidecar(Protocol):
@@ -37,6 +64,7 @@ class RankedSidecar(Protocol):
     def stop_requested(self) -> bool: ...
     def next_batch(self) -> Batch | None: ...
     def time_up(self, max_seconds: float | None) -> bool: ...
+
     _shared_control: list[HeadSync | StepReport]
 
     def publish_due(self, force: bool = False) -> bool: ...
@@ -79,8 +107,9 @@ def ranked_step(sc: RankedSidecar, max_seconds: float | None = None) -> bool:
     outgoing = [encode(m, sc.wire_key) for m in take_shared_control(sc)]
     publish_due = group.is_lead and sc.publish_due()
     ckpt_due = group.is_lead and sc.checkpoint_due()
-    flags, incoming = group.exchange([batch is not None, sc.stop_requested, time_up, publish_due, ckpt_due],
-                                     outgoing)
+    flags, incoming = group.exchange(
+        [batch is not None, sc.stop_requested, time_up, publish_due, ckpt_due], outgoing
+    )
     for messages in incoming:
         for frames in messages:
             on_control(sc, decode(frames, sc.wire_key))

@@ -31,7 +31,7 @@ from draft_align.publish.versions import check_folder_version, folder_version, p
 from draft_align.sidecar.gate import plain_copy
 from draft_align.sidecar.layout import PUBLISH_FILE, STATE_FILE, TRAINER_DIR
 from draft_align.sidecar.state import SidecarState, StateError
-from draft_align.train.trainer import checkpoint_exists
+from draft_align.train.checkpoint import checkpoint_exists
 
 log = logging.getLogger(__name__)
 

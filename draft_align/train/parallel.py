@@ -5,7 +5,7 @@
 gradients all-reduced) or :class:`ShardedStep` (FSDP2: parameters and AdamW moments sharded, gradients
 reduce-scattered, full state gathered onto rank 0 on request).  Every collective raises :class:`RankError`
 when another rank died or timed out.  The multi-rank sidecar loop that drives them is
-:mod:`draft_align.sidecar.loop` (docs/wire.md, "Multi-rank sidecar").
+:mod:`draft_align.sidecar.ranked` (docs/wire.md, "Multi-rank sidecar").
 """
 
 from __future__ import annotations

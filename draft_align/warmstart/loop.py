@@ -26,14 +26,10 @@ from draft_align.heads.vocab import select_vocab
 from draft_align.hf.generate import generate_responses
 from draft_align.hf.parts import frozen_embedding, head_rows
 from draft_align.monitor.sinks import Sinks, open_sinks
+from draft_align.train.checkpoint import checkpoint_exists
+from draft_align.train.objective import LossSettings
 from draft_align.train.records import collate, make_batches
-from draft_align.train.trainer import (
-    DraftTrainer,
-    LossSettings,
-    NonFiniteLossError,
-    OptimSettings,
-    checkpoint_exists,
-)
+from draft_align.train.trainer import DraftTrainer, NonFiniteLossError, OptimSettings
 from draft_align.warmstart.preparation import Prepared, WarmstartError, heldout_prompts, prepare
 
 log = logging.getLogger(__name__)

@@ -22,7 +22,6 @@ import dataclasses
 import gc
 import os
 import shutil
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ import pytest
 import torch
 
 from draft_align.engines.vllm.start import vllm_available
+from tests.helpers import run_warmstart
 
 ENGINE_K = 3
 TARGET_LAYERS = 4
@@ -98,7 +98,6 @@ def vllm_world(request, tmp_path_factory) -> VllmWorld:
         pytest.skip(SKIP_REASON)
     from transformers import AutoConfig
 
-    from draft_align import warmstart
     from draft_align.config import load_recipe
     from draft_align.heads.eagle3 import Eagle3Draft
     from draft_align.publish import load_draft
@@ -122,16 +121,7 @@ def vllm_world(request, tmp_path_factory) -> VllmWorld:
             },
         ),
     )  # fmt: skip
-    threads = torch.get_num_threads()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("DRAFT_ALIGN_HOME", str(root / "home"))  # its own caches: never the shared tiny world's
-        torch.set_num_threads(1)
-        t0 = time.perf_counter()
-        try:
-            summary = warmstart.run(recipe)
-        finally:
-            torch.set_num_threads(threads)
-        seconds = time.perf_counter() - t0
+    summary, seconds = run_warmstart(recipe, root / "home")  # its own caches: never the shared tiny world's
 
     tc = AutoConfig.from_pretrained(target)
     good, manifest = load_draft(Path(summary["draft"]))
@@ -209,6 +199,19 @@ def engine(vllm_world, vllm_env):
             gc.collect()
     finally:
         torch.set_num_threads(threads)
+
+
+# the tests' prompts: one user question each, rendered with the chat template and the generation prompt
+QUESTIONS = ["the cat runs on mat?", "why is the sun big?", "how fast dog sits?", "what red tree is small?"]
+
+
+@pytest.fixture(scope="module")
+def chat_prompts(engine) -> list[str]:
+    tok = engine.get_tokenizer()
+    return [
+        tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+        for q in QUESTIONS
+    ]
 
 
 @pytest.fixture

@@ -8,6 +8,7 @@ import torch
 
 from draft_align.heads import layers
 from draft_align.heads.layers import PrefixMask, attend
+from tests.helpers import saved_bytes
 
 B, H, KV, D = 2, 4, 2, 8
 
@@ -79,19 +80,6 @@ def test_no_shared_keys_uses_the_private_ones_only():
     out = attend(q, empty, empty, PrefixMask(starts), dk, dv, block_bytes=4 * B * H * 2)  # 1 query a block
     ref = dense_reference(q, empty, empty, torch.ones(B, 1, 4, 0, dtype=torch.bool), dk, dv)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
-
-
-def saved_bytes(fn) -> int:
-    """Bytes autograd keeps for backward while ``fn`` runs (checkpointed regions keep only their inputs)."""
-    seen: dict[int, int] = {}
-
-    def pack(x):
-        seen[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
-        return x
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
-        fn()
-    return sum(seen.values())
 
 
 def test_blocked_attention_keeps_linear_memory_dense_keeps_quadratic(monkeypatch):

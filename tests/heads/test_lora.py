@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 
-from draft_align.heads.eagle3 import DraftConfigError, Eagle3Config, Eagle3Draft
+from draft_align.heads.eagle3 import DraftConfigError
 from draft_align.heads.lora import (
     LoraSettings,
     apply_lora,
@@ -15,11 +14,10 @@ from draft_align.heads.lora import (
     lora_state_dict,
     merged,
 )
-from draft_align.heads.mtp import MTPDraft
 from draft_align.publish import engine_sha256, export_draft, load_draft
+from tests.helpers import perturb_adapters, random_draft
 
 V, H, L = 48, 32, 6
-AUX = (1, 3, 4)
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -30,25 +28,6 @@ def target(tiny_llama):
     return tiny_llama(L, V, H).requires_grad_(False)
 
 
-def eagle(target, seed=0) -> Eagle3Draft:
-    torch.manual_seed(seed)
-    d = Eagle3Draft(Eagle3Config.from_target(target.config, 24, AUX, torch_dtype="float32"))
-    for p in d.parameters():
-        nn.init.normal_(p, std=0.2)
-    d.set_vocab(torch.arange(0, 48, 2))
-    return d
-
-
-def mtp(target, seed=0) -> MTPDraft:
-    torch.manual_seed(seed)
-    d = MTPDraft.attach(target, depth=2)
-    with torch.no_grad():
-        for p in d.parameters():
-            if p.requires_grad:
-                p.add_(0.1 * torch.randn_like(p))
-    return d
-
-
 def inputs(target, draft, seed=3, t=12):
     ids = torch.randint(0, V, (1, t), generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():
@@ -57,14 +36,6 @@ def inputs(target, draft, seed=3, t=12):
     starts = torch.arange(0, t - 1)[None]
     return (aux, target.model.embed_tokens, ids, torch.ones(1, t, dtype=torch.bool), starts,
             torch.ones_like(starts, dtype=torch.bool), 3)
-
-
-def perturb_adapters(d, seed=5, scale=0.3):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for n, p in d.named_parameters():
-            if "lora_" in n:
-                p.copy_(torch.randn(p.shape, generator=g) * scale)
 
 
 def logits(d, args):
@@ -80,7 +51,7 @@ def publish(d, path, target, dtype=torch.bfloat16, version=1):
 # ---------------------------------------------------------------- adapters
 @pytest.mark.parametrize("kind", ["eagle3", "mtp"])
 def test_apply_freezes_base_and_starts_as_identity(target, kind):
-    d = eagle(target) if kind == "eagle3" else mtp(target)
+    d = random_draft(kind, target)
     args = inputs(target, d)
     before = logits(d, args)
     apply_lora(d, LoraSettings(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj", "down_proj")))
@@ -93,16 +64,16 @@ def test_apply_freezes_base_and_starts_as_identity(target, kind):
 
 def test_bad_targets_are_refused(target):
     with pytest.raises(DraftConfigError, match="match no Linear"):
-        apply_lora(eagle(target), LoraSettings(target_modules=("qkv_proj",)))
+        apply_lora(random_draft("eagle3", target), LoraSettings(target_modules=("qkv_proj",)))
     with pytest.raises(DraftConfigError, match="shared, frozen"):
-        apply_lora(mtp(target), LoraSettings(target_modules=("lm_head",)))
+        apply_lora(random_draft("mtp", target), LoraSettings(target_modules=("lm_head",)))
     with pytest.raises(DraftConfigError, match="rank"):
         LoraSettings(rank=0)
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "mtp"])
 def test_merged_publish_equals_the_peft_model(target, tmp_path, kind):
-    d = eagle(target) if kind == "eagle3" else mtp(target)
+    d = random_draft(kind, target)
     targets = ("q_proj", "k_proj", "o_proj", "up_proj") + (("fc",) if kind == "eagle3" else ("eh_proj",))
     apply_lora(d, LoraSettings(rank=4, alpha=8.0, target_modules=targets))
     perturb_adapters(d)
@@ -134,11 +105,12 @@ def without_adapters(d):
 def test_trainer_trains_only_adapters_and_resumes(target, tmp_path, kind):
     from draft_align.hf.capture import HFTap
     from draft_align.hf.parts import frozen_embedding, head_rows
+    from draft_align.train.objective import LossSettings
     from draft_align.train.records import Record, collate
-    from draft_align.train.trainer import DraftTrainer, LossSettings, OptimSettings
+    from draft_align.train.trainer import DraftTrainer, OptimSettings
 
     def build():
-        d = eagle(target) if kind == "eagle3" else mtp(target)
+        d = random_draft(kind, target)
         apply_lora(d, LoraSettings(rank=4, alpha=8.0))
         rows = head_rows(target, d.draft_to_target)
         return DraftTrainer(d, frozen_embedding(target), rows, OptimSettings(lr=1e-2, warmup_steps=1, total_steps=8),

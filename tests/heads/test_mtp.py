@@ -14,9 +14,8 @@ from draft_align.heads.mtp import MTPDraft
 from draft_align.hf.capture import HFTap
 from draft_align.hf.parts import decoder_parts
 from draft_align.publish import export_draft, load_draft
-from draft_align.publish.mtp_format import (
-    with_layout,
-)
+from draft_align.publish.mtp_format import with_layout
+from tests.helpers import make_mtp_head, peaky
 
 V, H, L = 48, 32, 4
 
@@ -26,21 +25,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def target(tiny_llama):
-    model = tiny_llama(L, V, H)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(8.0)  # peaky: a draft has something to learn
-    model.generation_config.pad_token_id = 0
-    return model
-
-
-def make_head(target, layout="deepseek_v3", depth=1, seed=1, noise=0.1) -> MTPDraft:
-    torch.manual_seed(seed)
-    d = MTPDraft.attach(target, depth=depth, layout=layout)
-    with torch.no_grad():
-        for p in d.parameters():
-            if p.requires_grad:
-                p.add_(noise * torch.randn_like(p))
-    return d.eval()
+    return peaky(tiny_llama(L, V, H))
 
 
 def final_hidden(target, ids):
@@ -50,7 +35,7 @@ def final_hidden(target, ids):
 
 # ---------------------------------------------------------------- structure
 def test_config_is_eagle3_shaped_for_the_pipeline(target):
-    d = make_head(target)
+    d = make_mtp_head(target)
     c = d.cfg
     assert c.aux_layer_ids == (L,) and c.fc_in_features == H and c.draft_vocab_size == V
     assert torch.equal(d.draft_to_target, torch.arange(V)) and bool(d.t2d.all())
@@ -78,7 +63,7 @@ def test_attach_copies_last_layer_and_shares_frozen_head(target):
 @pytest.mark.parametrize(("layout", "depth"), [("deepseek_v3", 1), ("deepseek_v3", 2), ("qwen3_next", 1),
                                                ("qwen3_next", 3)])
 def test_unroll_equals_kv_cached_steps(target, layout, depth):
-    d = make_head(target, layout, depth)
+    d = make_mtp_head(target, layout, depth)
     t, k = 12, 4
     ids = torch.randint(0, V, (1, t), generator=torch.Generator().manual_seed(3))
     fin = final_hidden(target, ids)
@@ -108,7 +93,7 @@ def test_unroll_equals_kv_cached_steps(target, layout, depth):
 def test_deepseek_zeroes_the_embedding_at_position_0(target):
     """vLLM's DeepSeek MTP zeroes the input embedding at position 0 (Qwen3-Next does not): the first step
     of the chain starting at 0 then cannot depend on x[1]."""
-    d = make_head(target, "deepseek_v3")
+    d = make_mtp_head(target, "deepseek_v3")
     q_ = with_layout(d, "qwen3_next")
     ids = torch.randint(1, V, (1, 10), generator=torch.Generator().manual_seed(4))
     ids2 = ids.clone()
@@ -147,8 +132,9 @@ def test_trunk_gets_no_gradient(target):
 # ---------------------------------------------------------------- trainer, estimators, decoder
 def trained_head(target, layout="deepseek_v3", depth=1, steps=60, kind="soft"):
     from draft_align.hf.parts import frozen_embedding
+    from draft_align.train.objective import LossSettings
     from draft_align.train.records import Record, collate
-    from draft_align.train.trainer import DraftTrainer, LossSettings, OptimSettings
+    from draft_align.train.trainer import DraftTrainer, OptimSettings
 
     g = torch.Generator().manual_seed(11)
     recs = []
@@ -210,7 +196,7 @@ def test_reference_decoder_is_lossless_at_t0(target, good_head, layout, depth):
     from draft_align.monitor.estimator import estimate
     from draft_align.monitor.specdec import SpecDecoder
 
-    d = good_head if (layout, depth) == ("deepseek_v3", 1) else make_head(target, layout, depth)
+    d = good_head if (layout, depth) == ("deepseek_v3", 1) else make_mtp_head(target, layout, depth)
     prompts = [[3, 17, 5], [40, 2, 9, 11, 30], [7]]
     total_acc = 0.0
     for p in prompts:

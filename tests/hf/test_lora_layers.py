@@ -5,25 +5,9 @@ import copy
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from draft_align.hf.lora_layers import LoraLayoutError, decoder_layer_of, merged_layer_weights
-from draft_align.rl.policy import Policy
-
-
-def _drift(policy: Policy, std: float, seed: int = 0) -> None:
-    """Give the adapter non-zero B matrices (a policy that moved away from the base model)."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in policy.peft_model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * std)
-    policy.version += 1
-
-
-def _policy(path, targets=("q_proj", "v_proj", "down_proj")) -> Policy:
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    return Policy(model, lora_r=4, lora_alpha=8, target_modules=list(targets), seed=0)
+from tests.helpers import drift, lora_policy
 
 
 def test_decoder_layer_of():
@@ -34,8 +18,8 @@ def test_decoder_layer_of():
 
 
 def test_merged_layer_weights_equal_peft_merge(tiny_world):
-    policy = _policy(tiny_world.model)
-    _drift(policy, 0.1)
+    policy = lora_policy(tiny_world.model)
+    drift(policy, 0.1)
     merged = merged_layer_weights(policy.hf_model)
 
     reference = copy.deepcopy(policy.peft_model).merge_and_unload().state_dict()
@@ -57,7 +41,7 @@ def test_merged_layer_weights_equal_peft_merge(tiny_world):
 
 
 def test_lora_outside_decoder_layers_is_refused(tiny_world):
-    policy = _policy(tiny_world.model, targets=("q_proj", "lm_head"))
+    policy = lora_policy(tiny_world.model, targets=("q_proj", "lm_head"))
     with pytest.raises(LoraLayoutError, match="outside the decoder layers"):
         merged_layer_weights(policy.hf_model)
 

@@ -7,17 +7,14 @@ import json
 
 import pytest
 import torch
-from torch import nn
 
-from draft_align.heads.eagle3 import Eagle3Config, Eagle3Draft
 from draft_align.heads.lora import AdapterMismatchError, LoraSettings, apply_lora
-from draft_align.heads.mtp import MTPDraft
 from draft_align.publish import engine_sha256, export_draft, load_draft
 from draft_align.publish.folder import read_manifest
 from draft_align.publish.lora_delta import ADAPTER_FILE, export_adapter, load_adapter, publish_adapter
+from tests.helpers import perturb_adapters, random_draft
 
 V, H, L = 48, 32, 6
-AUX = (1, 3, 4)
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -26,33 +23,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.fixture(scope="module")
 def target(tiny_llama):
     return tiny_llama(L, V, H).requires_grad_(False)
-
-
-def eagle(target, seed=0) -> Eagle3Draft:
-    torch.manual_seed(seed)
-    d = Eagle3Draft(Eagle3Config.from_target(target.config, 24, AUX, torch_dtype="float32"))
-    for p in d.parameters():
-        nn.init.normal_(p, std=0.2)
-    d.set_vocab(torch.arange(0, 48, 2))
-    return d
-
-
-def mtp(target, seed=0) -> MTPDraft:
-    torch.manual_seed(seed)
-    d = MTPDraft.attach(target, depth=2)
-    with torch.no_grad():
-        for p in d.parameters():
-            if p.requires_grad:
-                p.add_(0.1 * torch.randn_like(p))
-    return d
-
-
-def perturb_adapters(d, seed=5, scale=0.3):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for n, p in d.named_parameters():
-            if "lora_" in n:
-                p.copy_(torch.randn(p.shape, generator=g) * scale)
 
 
 def publish(d, path, target, dtype=torch.bfloat16, version=1):
@@ -64,7 +34,7 @@ def publish(d, path, target, dtype=torch.bfloat16, version=1):
 @pytest.fixture(params=["eagle3", "mtp"])
 def published_base(request, target, tmp_path):
     """A base draft published in bf16 and the LoRA draft trained over it (loaded back from the folder)."""
-    d = eagle(target) if request.param == "eagle3" else mtp(target)
+    d = random_draft(request.param, target)
     base_dir = publish(d, tmp_path / "base" / "v0001", target)
     base, _ = load_draft(base_dir)
     apply_lora(base, LoraSettings(rank=2, alpha=4.0, target_modules=("q_proj", "gate_proj")))
@@ -93,7 +63,7 @@ def test_delta_round_trip_matches_sha(target, tmp_path, published_base):
 def test_delta_for_another_base_is_refused(target, tmp_path, published_base):
     kind, base_dir, lora_draft = published_base
     info = export_adapter(lora_draft, tmp_path / "adapters" / "v0002", base_dir, draft_version=2, policy_version=0)
-    other = eagle(target, seed=9) if kind == "eagle3" else mtp(target, seed=9)
+    other = random_draft(kind, target, seed=9)
     other_dir = publish(other, tmp_path / "other" / "v0001", target)
     with pytest.raises(AdapterMismatchError, match="trained over base draft sha256"):
         load_adapter(info.path, other_dir)

@@ -23,6 +23,7 @@ from draft_align.publish.mtp_format import (
     with_layout,
 )
 from draft_align.publish.versions import resolve_draft_dir, write_latest
+from tests.helpers import make_mtp_head, peaky
 
 V, H, L = 48, 32, 4
 
@@ -32,21 +33,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def target(tiny_llama):
-    model = tiny_llama(L, V, H)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(8.0)  # peaky: a draft has something to learn
-    model.generation_config.pad_token_id = 0
-    return model
-
-
-def make_head(target, layout="deepseek_v3", depth=1, seed=1, noise=0.1) -> MTPDraft:
-    torch.manual_seed(seed)
-    d = MTPDraft.attach(target, depth=depth, layout=layout)
-    with torch.no_grad():
-        for p in d.parameters():
-            if p.requires_grad:
-                p.add_(noise * torch.randn_like(p))
-    return d.eval()
+    return peaky(tiny_llama(L, V, H))
 
 
 # ---------------------------------------------------------------- layouts: round trip and errors
@@ -67,7 +54,7 @@ class target_cfg_ns:  # noqa: N801 - a stand-in for an HF config
 
 @pytest.mark.parametrize(("layout", "depth"), [("deepseek_v3", 1), ("deepseek_v3", 2), ("qwen3_next", 1)])
 def test_export_import_round_trip_identical(target, tmp_path, layout, depth):
-    d = make_head(target, layout, depth)
+    d = make_mtp_head(target, layout, depth)
     out = export_draft(d, tmp_path / "v1", target_config=target.config, target_name="tiny", metrics={"x": 1.0},
                            draft_version=1, policy_version=0, tokenizer_fingerprint="fp", dtype=torch.float32)
     man = read_manifest(out)  # sha256 of both files verified
@@ -100,7 +87,7 @@ def test_export_import_round_trip_identical(target, tmp_path, layout, depth):
 
 
 def test_import_from_a_whole_checkpoint_ignores_the_trunk(target):
-    d = make_head(target, "deepseek_v3", depth=2)
+    d = make_mtp_head(target, "deepseek_v3", depth=2)
     ckpt = {**target.state_dict(), **to_layout(d)}
     for i in range(2):  # DeepSeek-V3 checkpoints carry the shared embedding per MTP layer
         ckpt[f"model.layers.{L + i}.embed_tokens.weight"] = target.model.embed_tokens.weight
@@ -109,7 +96,7 @@ def test_import_from_a_whole_checkpoint_ignores_the_trunk(target):
     back = import_mtp(ckpt, d.cfg)
     for k, v in d.engine_state_dict().items():
         assert torch.equal(v, back.engine_state_dict()[k]), k
-    q = make_head(target, "qwen3_next", depth=1)
+    q = make_mtp_head(target, "qwen3_next", depth=1)
     ckpt = {**target.state_dict(), **{k: v for k, v in to_layout(q).items() if k != "lm_head.weight"}}
     ckpt["lm_head.weight"] = q.lm_head.weight  # the target's own head, as in a Qwen3-Next checkpoint
     back = import_mtp(ckpt, q.cfg)
@@ -120,7 +107,7 @@ def test_import_from_a_whole_checkpoint_ignores_the_trunk(target):
 def test_import_from_a_sharded_checkpoint_folder(target, tmp_path, layout):
     import safetensors.torch
 
-    d = make_head(target, layout, depth=1)
+    d = make_mtp_head(target, layout, depth=1)
     full = {k: v.contiguous().clone() for k, v in {**target.state_dict(), **to_layout(d)}.items()}
     names = sorted(full)
     half = len(names) // 2
@@ -144,7 +131,7 @@ def test_import_from_a_sharded_checkpoint_folder(target, tmp_path, layout):
 
 
 def test_qwen3_next_without_head_needs_the_targets(target):
-    q = make_head(target, "qwen3_next")
+    q = make_mtp_head(target, "qwen3_next")
     mtp_only = {k: v for k, v in to_layout(q).items() if k.startswith("mtp.")}
     with pytest.raises(ExportError, match="no lm_head.weight.*pass the target's lm_head"):
         from_layout(mtp_only, q.cfg)
@@ -153,7 +140,7 @@ def test_qwen3_next_without_head_needs_the_targets(target):
 
 
 def test_import_errors_are_clear(target):
-    d = make_head(target, "deepseek_v3", depth=1)
+    d = make_mtp_head(target, "deepseek_v3", depth=1)
     sd = to_layout(d)
     with pytest.raises(ExportError, match="depth mismatch: the checkpoint has 1 MTP layers, the config expects 2"):
         from_layout(sd, dataclasses.replace(d.cfg, depth=2))
@@ -175,13 +162,13 @@ def test_import_errors_are_clear(target):
         from_layout(sd, dataclasses.replace(d.cfg, target_num_layers=2))
     with pytest.raises(ExportError, match="would change its outputs"):
         to_layout(d, "qwen3_next")
-    deep = make_head(target, "qwen3_next", depth=2)
+    deep = make_mtp_head(target, "qwen3_next", depth=2)
     with pytest.raises(ExportError, match="shares mtp.fc"):
         to_layout(deep)
 
 
 def test_load_refuses_a_tampered_or_mismatched_folder(target, tmp_path):
-    d = make_head(target, "deepseek_v3")
+    d = make_mtp_head(target, "deepseek_v3")
     out = export_draft(d, tmp_path / "v1", target_config=target.config, target_name="tiny", metrics={},
                            draft_version=1, policy_version=0, tokenizer_fingerprint="fp")
     import json
@@ -203,7 +190,7 @@ def test_load_refuses_an_unusable_config_or_unreadable_weights(target, tmp_path)
 
     from draft_align.publish.folder import CorruptCheckpointError
 
-    d = make_head(target, "deepseek_v3")
+    d = make_mtp_head(target, "deepseek_v3")
     out = export_draft(d, tmp_path / "v1", target_config=target.config, target_name="tiny", metrics={},
                        draft_version=1, policy_version=0, tokenizer_fingerprint="fp")
     weights = out / "model.safetensors"
@@ -225,7 +212,7 @@ def test_load_refuses_an_unusable_config_or_unreadable_weights(target, tmp_path)
 
 
 def test_generic_export_dispatches_to_mtp(target, tmp_path):
-    d = make_head(target)
+    d = make_mtp_head(target)
     out = export_draft(d, tmp_path / "drafts" / "v0001", target_config=target.config, target_name="t",
                           metrics={}, draft_version=1, policy_version=0, tokenizer_fingerprint="fp")
     man = read_manifest(out)

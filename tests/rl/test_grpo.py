@@ -17,6 +17,7 @@ from draft_align.rl.loss import GRPOError
 from draft_align.rl.policy import Policy, Sequences
 from draft_align.rl.prompts import build_prompts, make_kl_sequences
 from draft_align.wire.messages import StepReport
+from tests.helpers import ListSink
 
 EOS = {2}
 K = 2
@@ -66,15 +67,6 @@ class FakeTap:
 
     def stats(self):
         return {"tokens_seen": sum(int(s["attention_mask"].sum()) for s in self.submits)}
-
-
-class ListSink:
-    def __init__(self):
-        self.messages = []
-
-    def offer(self, message):
-        self.messages.append(message)
-        return True
 
 
 @pytest.fixture

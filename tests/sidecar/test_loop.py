@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from draft_align.config import CotrainRecipe, load_recipe
-from draft_align.train.trainer import LossSettings
+from draft_align.train.objective import LossSettings
 
 
 def test_ingest_train_gate_publish_notify_and_monitor(sidecar_world, until):

@@ -12,6 +12,7 @@ from draft_align.hf.capture import TapError
 from draft_align.tap.budget import generator_for
 from draft_align.tap.hf import HFPolicyTap
 from draft_align.tap.protocol import PolicyTapError
+from tests.helpers import ListSink
 
 V = 50
 AUX = (0, 2, 3)  # embedding output, layer-1 and layer-2 outputs of a 4-layer target
@@ -34,22 +35,6 @@ def tiny_lm():
         model.lm_head.weight.mul_(8.0)  # peaky next-token distributions: distinct top-k
         model.model.norm.weight.uniform_(0.5, 1.5)  # a norm weight that is not all ones
     return model
-
-
-class ListSink:
-    """A TapSink backed by a list; accepts at most ``capacity`` messages (None: all)."""
-
-    def __init__(self, capacity: int | None = None) -> None:
-        self.messages: list = []
-        self.refused = 0
-        self.capacity = capacity
-
-    def offer(self, message) -> bool:
-        if self.capacity is not None and len(self.messages) >= self.capacity:
-            self.refused += 1
-            return False
-        self.messages.append(message)
-        return True
 
 
 def make_batch(seqs: list[list[int]], prompt_lens: list[int], pad: int = 0):

@@ -7,17 +7,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from draft_align.hf.capture import TapError
 from draft_align.tap.hf import HFPolicyTap
 from draft_align.tap.protocol import PolicyTap, PolicyTapError, TapSink
+from tests.helpers import ListSink
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-class ListSink:
-    def __init__(self) -> None:
-        self.messages: list = []
-
-    def offer(self, message) -> bool:
-        self.messages.append(message)
-        return True
 
 
 def test_protocols():

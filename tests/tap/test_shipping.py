@@ -16,6 +16,7 @@ from draft_align.tap.shipping import (
     ship,
 )
 from draft_align.wire.schema import WireError
+from tests.helpers import ListSink
 
 
 class FakeHooks:
@@ -38,18 +39,6 @@ class FakeHooks:
         if not self.queue:
             raise TapError("nothing captured")
         return self.queue.pop(0)
-
-
-class Sink:
-    def __init__(self, capacity: int) -> None:
-        self.messages: list = []
-        self.capacity = capacity
-
-    def offer(self, message) -> bool:
-        if len(self.messages) >= self.capacity:
-            return False
-        self.messages.append(message)
-        return True
 
 
 def seq(n: int, version: int = 0, step: int = 0, temperature: float = 1.0) -> KeptSequence:
@@ -128,7 +117,7 @@ def test_step_sample_releases_evicted_sequences():
 
 def test_ship_counts_accepted_refused_and_invalid():
     counters = TapCounters()
-    sink = Sink(capacity=1)
+    sink = ListSink(capacity=1)
     chunks = [[seq(3)], [seq(2), seq(2)], [seq(5)]]
 
     def build(chunk):

@@ -15,8 +15,10 @@ from draft_align.heads.eagle3 import Eagle3Config, Eagle3Draft
 from draft_align.heads.mtp import MTPConfig, MTPDraft
 from draft_align.train import losses
 from draft_align.train.losses import hard_ce_step, soft_ce_reference, soft_ce_step, step_weights
+from draft_align.train.objective import LossSettings, ttt_loss
 from draft_align.train.records import Record, collate
-from draft_align.train.trainer import DraftTrainer, LossSettings, OptimSettings, ttt_loss
+from draft_align.train.trainer import DraftTrainer, OptimSettings
+from tests.helpers import saved_bytes
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -174,19 +176,6 @@ def test_blocked_hard_loss_equals_one_block(head, monkeypatch):
     torch.testing.assert_close(blocked[1].count, whole[1].count)
     for a, b in zip(blocked[2], whole[2], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
-
-
-def saved_bytes(fn) -> int:
-    """Bytes autograd keeps for backward while ``fn`` runs (checkpointed blocks keep only their inputs)."""
-    seen: dict[int, int] = {}
-
-    def pack(x):
-        seen[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
-        return x
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
-        fn()
-    return sum(seen.values())
 
 
 def test_blocked_logits_keep_no_vocab_sized_tensor():

@@ -9,16 +9,10 @@ import torch
 from torch import nn
 
 from draft_align.heads.eagle3 import Eagle3Config, Eagle3Draft
+from draft_align.train.checkpoint import checkpoint_exists
+from draft_align.train.objective import LossSettings, ttt_loss
 from draft_align.train.records import Record, chain_starts, collate
-from draft_align.train.trainer import (
-    DraftTrainer,
-    LossSettings,
-    NonFiniteLossError,
-    OptimSettings,
-    checkpoint_exists,
-    lr_factor,
-    ttt_loss,
-)
+from draft_align.train.trainer import DraftTrainer, NonFiniteLossError, OptimSettings, lr_factor
 
 H_T, N_AUX, VOCAB, VD = 24, 3, 50, 20
 

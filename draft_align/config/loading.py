@@ -1,0 +1,114 @@
+"""Recipe files: schema defaults ← YAML file ← ``key=value`` overrides, merged and validated
+(:func:`load_recipe`); a recipe written back as YAML (:func:`save_recipe`) or as plain values."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import typing
+from pathlib import Path
+from typing import Any, overload
+
+from draft_align.config.choices import choice_type
+from draft_align.config.recipes import KIND_NAMES, SCHEMAS, R, Recipe, WarmstartRecipe
+from draft_align.config.rules import RecipeError, choice_error
+
+
+def _recipe_error(schema: type, e: Exception, where: str) -> RecipeError:
+    """An OmegaConf error as a RecipeError; for a value outside a field's choices, one line."""
+    from omegaconf.errors import ValidationError
+
+    if isinstance(e, ValidationError):
+        key = str(e.full_key)
+        hint: Any = schema
+        for name in re.sub(r"\[\d+\]", "", key).split("."):  # eval.modes[1] → the hint of eval.modes
+            hint = typing.get_type_hints(hint).get(name) if dataclasses.is_dataclass(hint) else None
+        if (choice := choice_type(hint)) is not None:
+            return RecipeError(f"{where}: {choice_error(key, e.value, choice)}")
+    return RecipeError(f"{where}: {e}")
+
+
+def _declared_kind(raw: Any) -> str:
+    """The ``kind:`` a loaded recipe file declares (``warmstart`` when absent)."""
+    return str(raw.get("kind", "warmstart")) if hasattr(raw, "get") else "warmstart"
+
+
+@overload
+def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> WarmstartRecipe: ...
+@overload
+def load_recipe(path: str | Path | None, overrides: list[str] | None, schema: type[R]) -> R: ...
+@overload
+def load_recipe(path: str | Path | None, overrides: list[str] | None = None, *, schema: type[R]) -> R: ...
+def load_recipe(
+    path: str | Path | None, overrides: list[str] | None = None, schema: type[Recipe] = WarmstartRecipe
+) -> Recipe:
+    """Schema defaults ← YAML file ← ``key=value`` overrides (dotted keys), validated.  Unknown keys, values
+    of the wrong type and values outside a field's choices fail with a RecipeError naming where they came
+    from (the file or the overrides) and the key."""
+    import yaml
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    merged = OmegaConf.structured(schema)
+    # merged one source at a time so an error names where the bad key or value came from
+    where = "recipe defaults"
+    try:
+        if path is not None:
+            p = Path(path)
+            if not p.exists():
+                raise RecipeError(f"recipe {p} does not exist")
+            where = f"recipe {p}"
+            if p.is_dir():
+                raise RecipeError(f"recipe {p} is a directory: expected a YAML file")
+            try:
+                raw = OmegaConf.load(p)
+            except (yaml.YAMLError, UnicodeDecodeError, OSError) as e:
+                raise RecipeError(f"recipe {p} is not valid YAML: {' '.join(str(e).split())}") from e
+            kind, want = _declared_kind(raw), schema.kind
+            if kind != want:
+                raise RecipeError(
+                    f"recipe {p} is a {KIND_NAMES.get(kind, kind)} recipe (kind: {kind}); this command needs a "
+                    f"{KIND_NAMES[want]} recipe (kind: {want})"
+                )
+            merged = OmegaConf.merge(merged, raw)
+        if overrides:
+            where = f"overrides {list(overrides)}"
+            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)))
+        recipe: Recipe = OmegaConf.to_object(merged)  # type: ignore[assignment]
+    except OmegaConfBaseException as e:
+        raise _recipe_error(schema, e, where) from e
+    recipe.validate()
+    return recipe
+
+
+def recipe_kind(path: str | Path) -> str:
+    """The ``kind:`` a recipe file declares (``warmstart`` when absent): the key of its schema in SCHEMAS."""
+    from omegaconf import OmegaConf
+
+    kind = _declared_kind(OmegaConf.load(Path(path)))
+    if kind not in SCHEMAS:
+        raise RecipeError(f"recipe {path}: unknown kind {kind!r}; expected one of {sorted(SCHEMAS)}")
+    return kind
+
+
+def recipe_to_dict(recipe: Recipe) -> dict[str, Any]:
+    """Every field of ``recipe`` as plain YAML/JSON values (a choice as its string)."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(  # type: ignore[return-value]
+        OmegaConf.structured(recipe), resolve=True, enum_to_str=True
+    )
+
+
+def save_recipe(recipe: Recipe, path: str | Path) -> Path:
+    """Write every field of ``recipe`` as YAML to ``path`` (atomically: a reader never sees half a file);
+    :func:`load_recipe` with the same schema reads back an equal recipe.  Returns ``path``."""
+    from omegaconf import OmegaConf
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(OmegaConf.to_yaml(OmegaConf.create(recipe_to_dict(recipe))))
+    os.replace(tmp, path)
+    return path

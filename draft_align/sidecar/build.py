@@ -1,0 +1,217 @@
+"""The sidecar's parts built from its recipe: what it keeps of the target, the drafts it starts from, the trainer and its settings, the
+ingest in front of the replay buffer, the sockets, the sinks.  Plain functions; :class:`~draft_align.sidecar.loop.
+Sidecar` calls them in its fixed setup order and holds what they return."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from draft_align.config import CotrainRecipe, recipe_to_dict, step_decay
+from draft_align.conventions import float_dtype
+from draft_align.heads.protocol import DraftHead
+from draft_align.monitor.sinks import METRICS_FILE, JsonlSink, PromSink, Sinks, open_sinks
+from draft_align.publish import load_draft
+from draft_align.publish.compat import check_compatible, tokenizer_fingerprint
+from draft_align.sidecar.gate import Gate, plain_copy
+from draft_align.sidecar.ingest import Ingest
+from draft_align.sidecar.layout import MONITOR_FILE, NOTIFY_SOCKET, PORT_FILE, SIDECAR_DIR, TAP_SOCKET
+from draft_align.sidecar.resume import resume_state, start_published
+from draft_align.sidecar.state import Rates, SidecarState
+from draft_align.sidecar.trigger import DriftTrigger
+from draft_align.train.objective import LossSettings
+from draft_align.train.replay import ReplayBuffer
+from draft_align.train.trainer import DraftTrainer, OptimSettings
+
+
+@dataclass(frozen=True)
+class TargetSide:
+    """What the sidecar keeps of the target model: its config, its name, its tokenizer's fingerprint and its
+    frozen input embedding (the model itself is dropped once these are taken)."""
+
+    config: Any  # transformers PretrainedConfig
+    name: str
+    tokenizer_fingerprint: str
+    embed: nn.Module
+
+
+def load_target_side(recipe: CotrainRecipe, device: torch.device) -> TargetSide:
+    """Load the recipe's target on the CPU and keep :class:`TargetSide` of it (the embedding on ``device``)."""
+    from draft_align import assets
+    from draft_align.hf.parts import frozen_embedding
+
+    target, tok = assets.load_target(recipe.target.model, float_dtype(recipe.target.dtype), "cpu")
+    return TargetSide(
+        target.config, recipe.target.model, tokenizer_fingerprint(tok), frozen_embedding(target).to(device)
+    )
+
+
+@dataclass(frozen=True)
+class StartingDrafts:
+    """The drafts a sidecar starts from: the frozen starting draft (checked against the target) and its manifest,
+    the state a restart resumes (``resumed``: whether there was one to trust), the published draft the gate
+    compares against and the version folder it came from (None: the starting draft)."""
+
+    frozen: DraftHead
+    frozen_manifest: dict[str, Any]
+    state: SidecarState
+    resumed: bool
+    published: DraftHead
+    latest: Path | None
+
+
+def load_starting_drafts(
+    recipe: CotrainRecipe, start_draft: Path, target: TargetSide, device: torch.device
+) -> StartingDrafts:
+    """Load the starting draft and the newest trusted published version (``sidecar/resume.py``), in eval mode."""
+    run_dir = recipe.run_dir
+    frozen, manifest = load_draft(start_draft, device=device)
+    frozen.eval()
+    check_compatible(manifest, target.config, target.tokenizer_fingerprint)
+    state, resumed = resume_state(run_dir / SIDECAR_DIR)
+    published, latest = start_published(run_dir, run_dir / SIDECAR_DIR, state, frozen, device)
+    published.eval()
+    return StartingDrafts(frozen, manifest, state, resumed, published, latest)
+
+
+def build_gate(
+    recipe: CotrainRecipe, start: StartingDrafts, target: TargetSide, start_draft: Path, device: torch.device
+) -> Gate:
+    """The publish gate, comparing candidates against the published draft; its PUB socket is set by
+    :func:`open_wire`.  The starting draft's folder is never deleted by retention."""
+    return Gate(
+        recipe,
+        start.state,
+        start.published,
+        device=device,
+        target_config=target.config,
+        target_name=target.name,
+        tokenizer_fingerprint=target.tokenizer_fingerprint,
+        frozen_manifest=start.frozen_manifest,
+        publisher=None,
+        protect=(start_draft,),
+    )
+
+
+def trainable_draft(recipe: CotrainRecipe, published: DraftHead, device: torch.device) -> DraftHead:
+    """The draft to train: a plain copy of the published one (``adapt: lora``: with adapters over it, which
+    have their own optimizer settings)."""
+    draft = plain_copy(published, device)
+    if recipe.sidecar.adapt == "lora":
+        from draft_align.heads.lora import apply_lora, lora_settings
+
+        apply_lora(draft, lora_settings(recipe.sidecar.lora), seed=recipe.seed)
+    return draft
+
+
+def build_trainer(
+    recipe: CotrainRecipe, draft: DraftHead, embed: nn.Module, rows: torch.Tensor
+) -> DraftTrainer:
+    """The trainer of ``draft`` with the ``sidecar`` section's settings (``adapt: lora``: the LoRA section's
+    learning rate, weight decay and warmup); the schedule never ends (online training)."""
+    sc = recipe.sidecar
+    lora = sc.adapt == "lora"
+    optim = OptimSettings(
+        lr=sc.lora.lr if lora else sc.lr,
+        min_lr_ratio=sc.min_lr_ratio,
+        weight_decay=sc.lora.weight_decay if lora else sc.weight_decay,
+        warmup_steps=sc.lora.warmup_steps if lora else sc.warmup_steps,
+        total_steps=10**9,
+        grad_clip=sc.grad_clip,
+    )
+    loss = LossSettings.from_section(sc, step_decay(sc.step_decay, draft.kind), train_lm_head=True)
+    return DraftTrainer(draft, embed, rows, optim, loss, max_seq_tokens=sc.max_seq_tokens)
+
+
+def build_trigger(recipe: CotrainRecipe) -> DriftTrigger:
+    """When to train (``sidecar.train_trigger``: always, or drift with its tolerance, head threshold, window)."""
+    sc = recipe.sidecar
+    return DriftTrigger(
+        sc.train_trigger.value,
+        tolerance=sc.drift_tolerance,
+        head_threshold=sc.drift_head_threshold,
+        window=sc.drift_window,
+    )
+
+
+def build_ingest(
+    recipe: CotrainRecipe,
+    state: SidecarState,
+    rates: Rates,
+    frozen: DraftHead,
+    target_config: Any,
+    rank: int | None,
+    is_lead: bool,
+) -> Ingest:
+    """The replay buffer (only the lead rank, which gates, holds records out; each rank samples with its own
+    seed) and the ingest in front of it, checking records against the frozen draft and the target."""
+    sc = recipe.sidecar
+    buffer = ReplayBuffer(
+        sc.buffer_tokens,
+        sc.recency_half_life,
+        sc.holdout_records if is_lead else 0,
+        recipe.seed + (rank if rank is not None else 0),
+    )
+    # records of steps whose report has not come are held at most this many tokens (docs/sizing.md)
+    held = max(sc.buffer_tokens // 4, 2 * recipe.tap.tokens_per_step)
+    return Ingest(
+        buffer,
+        state,
+        rates,
+        aux_ids=tuple(frozen.cfg.aux_layer_ids),
+        hidden=int(target_config.hidden_size),
+        vocab=int(target_config.vocab_size),
+        draft_to_target=frozen.draft_to_target,
+        max_held_tokens=held,
+    )
+
+
+def open_wire(recipe: CotrainRecipe, *, rank: int | None, is_lead: bool) -> tuple[bytes, Any, Any | None]:
+    """``(key, receiver, publisher)``: the HMAC key (created in the run folder when none is configured), the PULL
+    socket (rank r: its own endpoint) and, on the lead rank, the DraftPublished PUB socket (else None)."""
+    from draft_align.wire import channel
+
+    wire, run_dir = recipe.wire, recipe.run_dir
+    key = channel.resolve_key(wire.key_file, run_dir, create=True)
+    tap_ep = wire.endpoint or channel.default_endpoint(run_dir, TAP_SOCKET)
+    if rank is not None:
+        tap_ep = channel.rank_endpoint(tap_ep, rank)
+    receiver = channel.Receiver(
+        tap_ep,
+        key,
+        max_bytes=wire.max_message_mb << 20,
+        max_tokens=wire.max_tokens,
+        allow_remote=wire.allow_remote,
+    )
+    publisher = None
+    if is_lead:
+        note_ep = wire.notify_endpoint or channel.default_endpoint(run_dir, NOTIFY_SOCKET)
+        try:
+            publisher = channel.Publisher(note_ep, key, allow_remote=wire.allow_remote)
+        except BaseException:
+            receiver.close()
+            raise
+    return key, receiver, publisher
+
+
+def open_sidecar_sinks(recipe: CotrainRecipe, sidecar_dir: Path, *, rank: int | None, is_lead: bool) -> Sinks:
+    """Lead rank: ``monitor.jsonl``, ``metrics.jsonl``, wandb, Prometheus (port in ``prometheus.port``); the
+    other ranks: their training metrics in ``<run>/sidecar/rank<r>/metrics.jsonl`` only."""
+    if not is_lead:
+        return Sinks(JsonlSink(sidecar_dir / f"rank{rank}" / METRICS_FILE))
+    prom = None
+    if recipe.sidecar.prometheus_port is not None:
+        prom = PromSink(port=recipe.sidecar.prometheus_port)
+        prom.write_port_file(sidecar_dir / PORT_FILE)
+    return open_sinks(
+        sidecar_dir,
+        recipe.logging,
+        f"{recipe.run}-sidecar",
+        recipe_to_dict(recipe),
+        monitor=sidecar_dir / MONITOR_FILE,
+        prom=prom,
+    )
