@@ -34,7 +34,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.pooled import pooled_acceptance  # noqa: E402
 from benchmarks.results_md import replace_section, repo_relative  # noqa: E402
+from draft_align.engines.rollout_types import DRAFT_KINDS  # noqa: E402
 
 HEAD = "## Drift on TRL: GRPOTrainer with draft_align beside it (benchmarks/trl_drift.py)"
 P = "draft_align/"
@@ -50,6 +52,11 @@ def _child(spec: dict[str, Any]) -> None:
     out = mod.main(spec["argv"])
     out["wall_s"] = time.perf_counter() - t0
     Path(spec["result"]).write_text(json.dumps(out, default=float))
+
+
+def _portable(args: dict[str, Any]) -> dict[str, Any]:
+    """The arguments as committed JSON records them: paths relative to the repository."""
+    return {k: repo_relative(v) if k in ("out", "work", "draft") and v else v for k, v in args.items()}
 
 
 def _median(xs: list[float]) -> float | None:
@@ -70,8 +77,7 @@ def step_rows(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
         rollout = g("rollout_s")
         rows.append({
             "step": i, "kl": h.get("kl"), "reward": h.get("reward"), "step_time": h.get("step_time"),
-            "measured_adapted": g("accept_measured_adapted"), "measured_frozen": g("accept_measured_frozen"),
-            "rounds_adapted": g("accept_rounds_adapted"), "rounds_frozen": g("accept_rounds_frozen"),
+            **{f"accept_{m}_{kind}": g(f"accept_{m}_{kind}") for m in ("measured", "rounds") for kind in DRAFT_KINDS},
             "est_adapted": g("accept_est_adapted"), "est_frozen": g("accept_est_frozen"), "est_step": g("est_step"),
             "draft_version": g("draft_version"), "staleness": g("staleness"), "rollout_s": rollout,
             "outside_generation_s": None if rollout is None or h.get("step_time") is None else h["step_time"] - rollout,
@@ -101,13 +107,7 @@ def summarise(arms: dict[str, dict[str, Any]], skip: int) -> dict[str, Any]:
         rows = arms["tap"]["rows"]
         tail = rows[len(rows) // 2 :]  # the second half of the run: the drift has happened
 
-        def pooled(kind: str, part: list[dict[str, Any]]) -> float | None:
-            """Accepted tokens per round pooled over steps (rounds-weighted), not a mean of per-step means."""
-            num = sum(r[f"measured_{kind}"] * r[f"rounds_{kind}"] for r in part if r[f"measured_{kind}"] is not None)
-            den = sum(r[f"rounds_{kind}"] for r in part if r[f"measured_{kind}"] is not None)
-            return num / den if den else None
-
-        out["pooled"] = {half: {k: pooled(k, part) for k in ("adapted", "frozen")}
+        out["pooled"] = {half: {k: pooled_acceptance(part, k) for k in DRAFT_KINDS}
                          for half, part in (("all", rows), ("second_half", tail))}  # fmt: skip
     return out
 
@@ -131,8 +131,8 @@ def render(r: dict[str, Any]) -> str:
         for row in tap["rows"]:
             mb = None if row["wire_bytes_sent"] is None else row["wire_bytes_sent"] / 2**20
             lines.append(
-                f"| {row['step']} | {_f(row['kl'], 4)} | {_f(row['reward'])} | {_f(row['measured_adapted'])} | "
-                f"{_f(row['measured_frozen'])} | {_f(row['est_adapted'])} | {_f(row['est_frozen'])} | "
+                f"| {row['step']} | {_f(row['kl'], 4)} | {_f(row['reward'])} | {_f(row['accept_measured_adapted'])} | "
+                f"{_f(row['accept_measured_frozen'])} | {_f(row['est_adapted'])} | {_f(row['est_frozen'])} | "
                 f"{_f(row['draft_version'], 0)} | {_f(row['staleness'], 0)} | {_f(row['step_time'], 1)} | "
                 f"{_f(row['rollout_s'], 1)} | {_f(row['callback_s'], 3)} | {_f(row['tap_s'], 3)} | {_f(mb, 2)} |")
         p = s["pooled"]
@@ -176,14 +176,21 @@ def main() -> int:
         _child(json.loads(a.child))
         return 0
     out_json = Path(a.out) / "trl_drift.json"
-    if a.skip_run:
+    if a.skip_run:  # the table again from the arms' saved TRL logs (the rows and medians recomputed)
         r = json.loads(out_json.read_text())
+        for name, arm in r["arms"].items():
+            saved = Path(a.work) / f"{name}.json"
+            if saved.exists():
+                arm["rows"] = step_rows(json.loads(saved.read_text())["log_history"])
+        r["summary"] = summarise(r["arms"], r["args"]["skip"])
+        r["args"] = _portable(r["args"])
+        out_json.write_text(json.dumps(r, indent=1))
     else:
         import trl
         import vllm
 
         r = {"date": time.strftime("%Y-%m-%d"), "command": "python benchmarks/trl_drift.py " + " ".join(sys.argv[1:]),
-             "args": vars(a), "draft": repo_relative(a.draft), "arms": {},
+             "args": _portable(vars(a)), "draft": repo_relative(a.draft), "arms": {},
              "versions": {"trl": trl.__version__, "vllm": vllm.__version__}}  # fmt: skip
         work = Path(a.work)
         for name in a.arms.split(","):
