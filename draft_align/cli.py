@@ -313,7 +313,7 @@ def cmd_monitor(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from draft_align.monitor.advise import add_to_report
+    from draft_align.monitor.advise_text import add_to_report
     from draft_align.monitor.report import write_report
 
     summary = write_report(Path(args.run_dir))
@@ -336,11 +336,11 @@ def _calibrate_round_cost(run: Path, args: argparse.Namespace) -> Path:
     from transformers import AutoTokenizer
 
     from draft_align import assets, data
-    from draft_align.config import CotrainRecipe, load_recipe
+    from draft_align.config import RESOLVED_RECIPE, CotrainRecipe, load_recipe
     from draft_align.engines.vllm.rollouts import VERIFY_TO_SAMPLE_METHOD
     from draft_align.engines.vllm.round_cost import calibrate_round_cost
     from draft_align.engines.vllm.start import set_cpu_env
-    from draft_align.monitor.advise import RESOLVED_RECIPE, advise_run
+    from draft_align.monitor.advise import advise_run
     from draft_align.monitor.round_cost import ROUND_COST_FILE
     from draft_align.rl.prompts import build_prompts
     from draft_align.sidecar.launch import starting_draft
@@ -369,7 +369,8 @@ def _calibrate_round_cost(run: Path, args: argparse.Namespace) -> Path:
 
 
 def cmd_advise(args: argparse.Namespace) -> int:
-    from draft_align.monitor.advise import advise_run, format_advice
+    from draft_align.monitor.advise import advise_run
+    from draft_align.monitor.advise_text import format_advice
 
     run = Path(args.run_dir)
     if args.calibrate:

@@ -10,6 +10,11 @@ from typing import Literal, get_args
 
 import torch
 
+#: The two drafts every RL step's rollouts are split between: the newest published ("adapted") and the starting
+#: one ("frozen", the control); rollouts, engines, the TRL integration and the advisor key their numbers by these.
+DraftKind = Literal["adapted", "frozen"]
+DRAFT_KINDS: tuple[DraftKind, ...] = get_args(DraftKind)
+
 #: How a speculative round verifies the draft's tokens (docs/acceptance.md):
 #: ``greedy`` target argmax vs draft argmax; ``greedy_draft`` the draft proposes its argmax and the target
 #: accepts it with probability p(x) (vLLM's default draft sampling at T > 0); ``probabilistic`` the draft

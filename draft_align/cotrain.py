@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from draft_align.config import CotrainRecipe
+from draft_align.config import RESOLVED_RECIPE, CotrainRecipe
 from draft_align.rl.rollouts import start_rollout_engine
 from draft_align.sidecar.process import spawn_sidecar, stop_sidecar, wait_ready
 
@@ -30,7 +30,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-RESOLVED_RECIPE = "cotrain_recipe.yaml"
 
 
 def ensure_start_draft(recipe: CotrainRecipe, start: str | None) -> Path:
@@ -127,7 +126,7 @@ def run_cotrain(
     out: Any = None,
 ) -> dict[str, Any]:
     """Run the co-training job; returns {"report": summary, "sidecar_rc": …}."""
-    from draft_align.monitor.advise import add_to_report
+    from draft_align.monitor.advise_text import add_to_report
     from draft_align.monitor.live import MONITOR_LOG, LiveTable
     from draft_align.monitor.report import write_report
     from draft_align.sidecar.layout import NOTIFY_SOCKET, SIDECAR_DIR, TAP_SOCKET

@@ -8,12 +8,13 @@ saving, :class:`RecipeError`); its rooms: ``choices.py`` (the choice fields), ``
 recipe section), ``recipes.py`` (the two schemas and their cross-field rules), ``rules.py`` (the rule helpers,
 :class:`RecipeError`), ``loading.py`` (files and overrides)."""
 
-from draft_align.config.loading import load_recipe, recipe_kind, recipe_to_dict, save_recipe
+from draft_align.config.loading import RESOLVED_RECIPE, load_recipe, recipe_kind, recipe_to_dict, save_recipe
 from draft_align.config.recipes import SCHEMAS, CotrainRecipe, Recipe, WarmstartRecipe
 from draft_align.config.rules import RecipeError
 from draft_align.config.sections import RLConfig, step_decay
 
 __all__ = [
+    "RESOLVED_RECIPE",
     "SCHEMAS",
     "CotrainRecipe",
     "RLConfig",

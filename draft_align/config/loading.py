@@ -101,6 +101,9 @@ def recipe_to_dict(recipe: Recipe) -> dict[str, Any]:
     )
 
 
+RESOLVED_RECIPE = "cotrain_recipe.yaml"  # a co-training run folder's resolved recipe: the sidecar and advise read it
+
+
 def save_recipe(recipe: Recipe, path: str | Path) -> Path:
     """Write every field of ``recipe`` as YAML to ``path`` (atomically: a reader never sees half a file);
     :func:`load_recipe` with the same schema reads back an equal recipe.  Returns ``path``."""

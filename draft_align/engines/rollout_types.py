@@ -16,16 +16,14 @@ import random
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
+from draft_align.conventions import DraftKind
 from draft_align.monitor.acceptance import AcceptanceTally
 from draft_align.publish.folder import WEIGHTS_FILE, read_manifest
 from draft_align.publish.versions import resolve_draft_dir
-
-DraftKind = Literal["adapted", "frozen"]
-DRAFT_KINDS: tuple[DraftKind, ...] = ("adapted", "frozen")
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,6 @@ batch size without a draft, and at which calibrated batch size, if any, it pays.
 
 from __future__ import annotations
 
-import math
 import os
 import statistics
 from collections.abc import Mapping, Sequence
@@ -30,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from draft_align.config import RESOLVED_RECIPE
+from draft_align.conventions import DRAFT_KINDS
 from draft_align.monitor.live import number
 from draft_align.monitor.projection import (
     K_MAX,
@@ -45,11 +46,8 @@ from draft_align.monitor.projection import (
 from draft_align.monitor.report import find_log, load_steps
 from draft_align.monitor.round_cost import ROUND_COST_FILE, RoundCostTable
 
-RESOLVED_RECIPE = "cotrain_recipe.yaml"  # what draft_align.cotrain writes into the run folder
-REPORT_MD = "report.md"  # what monitor.report writes into the run folder
 SECTION_HEAD = "## Speculative decoding: profile, projection, advice"
 LOW_ACCEPTANCE = 0.60  # accepted / proposed draft tokens below this: a larger or in-domain draft
-DRAFT_KINDS = ("adapted", "frozen")
 TAP_MODES = (("greedy_draft", ""), ("probabilistic", "_prob"))  # the sidecar's estimate key suffixes
 
 
@@ -286,7 +284,8 @@ def _run_spec_step_s(records: Sequence[Mapping[str, Any]]) -> float | None:
     return secs / steps if steps else None
 
 
-def _x(v: Labelled | None, digits: int = 2) -> str:
+def speedup_text(v: Labelled | None, digits: int = 2) -> str:
+    """A labelled speed-up as printed: ``1.23× projected``."""
     return "–" if v is None else f"{v.value:.{digits}f}× {v.label}"
 
 
@@ -318,17 +317,17 @@ def advice_lines(settings: RunSettings, serving: Projection, costs: CostModel | 
     elif chosen is not None and chosen.speedup is not None and settings.k != best.k:
         if settings.k > best.k:
             lines.append(f"rl.spec_k={settings.k} is beyond the best k={best.k} at batch size {serving.batch_size}: "
-                         f"{_x(chosen.speedup)} vs {_x(best.speedup)}; set rl.spec_k={best.k}")  # fmt: skip
+                         f"{speedup_text(chosen.speedup)} vs {speedup_text(best.speedup)}; set rl.spec_k={best.k}")  # fmt: skip
         else:
             lines.append(f"a larger k projects faster at batch size {serving.batch_size}: k={best.k} "
-                         f"{_x(best.speedup)} vs rl.spec_k={settings.k} {_x(chosen.speedup)} (positions beyond "
+                         f"{speedup_text(best.speedup)} vs rl.spec_k={settings.k} {speedup_text(chosen.speedup)} (positions beyond "
                          f"k={s.k} are extrapolated)")  # fmt: skip
     if best.speedup is not None and best.speedup.value < 1.0:
         pays = sorted(b for b, r in other_batches.items() if r is not None and r.speedup is not None
                       and r.speedup.value >= 1.0)  # fmt: skip
         where = (
             "; it pays at batch size " + ", ".join(
-                f"{b} (k={other_batches[b].k}: {_x(other_batches[b].speedup)})" for b in pays  # type: ignore[union-attr]
+                f"{b} (k={other_batches[b].k}: {speedup_text(other_batches[b].speedup)})" for b in pays  # type: ignore[union-attr]
             )
             if pays
             else f"; it pays at none of the calibrated batch sizes ({', '.join(map(str, sorted(other_batches)))})"
@@ -336,14 +335,14 @@ def advice_lines(settings: RunSettings, serving: Projection, costs: CostModel | 
             else ""
         )
         lines.append(f"speculative decoding is projected slower than plain decoding at batch size "
-                     f"{serving.batch_size} (best k={best.k}: {_x(best.speedup)}): decode batches of this size "
+                     f"{serving.batch_size} (best k={best.k}: {speedup_text(best.speedup)}): decode batches of this size "
                      f"without a draft{where}")  # fmt: skip
     else:
-        lines.append(f"best k={best.k} at batch size {serving.batch_size}: rollouts {_x(best.speedup)}")
+        lines.append(f"best k={best.k} at batch size {serving.batch_size}: rollouts {speedup_text(best.speedup)}")
     if profile.step_s > 0 and best.k in serving.step_speedup:
         share = profile.generation_s / profile.step_s
         lines.append(f"generation is {100 * share:.0f}% of the step (measured): at k={best.k} the whole step is "
-                     f"{_x(serving.step_speedup[best.k])} vs plain decoding (Amdahl)")  # fmt: skip
+                     f"{speedup_text(serving.step_speedup[best.k])} vs plain decoding (Amdahl)")  # fmt: skip
     return lines
 
 
@@ -385,94 +384,3 @@ def advise_run(run_dir: str | os.PathLike[str]) -> Advice:
     lines = advice_lines(settings, projections[0], costs, profile, other, str(run))
     return Advice(run.resolve().name, source, settings, profile, acceptance, table, costs, _run_spec_step_s(records),
                   plain, tuple(projections), other, tuple(lines))  # fmt: skip
-
-
-# ------------------------------------------------------------------------------------------- text
-def _n(v: float | None, digits: int = 3) -> str:
-    return "–" if v is None or not math.isfinite(v) else f"{v:.{digits}f}"
-
-
-def _lab(v: Labelled | None, digits: int = 3) -> str:
-    return "–" if v is None else f"{v.value:.{digits}f} {v.label}"
-
-
-def _steps(steps: Sequence[int]) -> str:
-    if not steps:
-        return "no steps"
-    return f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}–{steps[-1]} ({len(steps)})"
-
-
-def format_advice(a: Advice, heading: str = "##") -> str:
-    """The advice as markdown (also readable in a terminal): profile, acceptance, round cost, projection, advice."""
-    st, p = a.settings, a.profile
-    temp = "–" if st.temperature is None else f"{st.temperature:g}"
-    h3 = heading + "#"
-    out = [f"{heading} {SECTION_HEAD.removeprefix('## ')}", "",
-           f"Run `{a.run}` (source `{a.source}`): rollouts by {st.engine}, k={st.k}, verify mode {st.verify_mode}, "
-           f"T={temp}, {st.batch_size} request(s) per generate call of the serving draft.", "",
-           f"{h3} Stage profile of the RL step (measured, mean over {_steps(p.steps)})", "",
-           "| stage | s / step | share |", "|---|---:|---:|"]  # fmt: skip
-    for s in p.stages:
-        share = s.seconds / p.step_s if p.step_s > 0 else math.nan
-        out.append(f"| {s.name} | {_n(s.seconds)} measured | {_n(100 * share, 0)}% |")
-    out.append(f"| **step** | **{_n(p.step_s)}** measured | 100% |")
-    out += ["", f"{h3} Acceptance (measured; P_i = the probability that the first i drafts were all accepted)", "",
-            "| draft | verify mode | source | steps | P_1..P_k | mean acceptance length | acceptance rate |",
-            "|---|---|---|---|---|---:|---:|"]  # fmt: skip
-    for s in a.acceptance:
-        out.append(f"| {s.draft} | {s.verify_mode} | {s.source} | {_steps(s.steps)} | "
-                   f"{', '.join(_n(r) for r in s.rates)} | {_n(s.mean_length)} measured | "
-                   f"{_n(100 * s.acceptance_rate, 1)}% measured |")  # fmt: skip
-    out += ["", f"{h3} Round cost (one speculative engine step ÷ one plain decode step, same batch size)", ""]
-    if a.costs is None or a.cost_table is None:
-        out.append("Not measured for this run (no `round_cost.json`): `draft-align advise RUN --calibrate`.")
-    else:
-        c = a.costs
-        pts = ", ".join(f"c({k})={v:.3f} measured" for k, v in sorted(c.measured.items()))
-        model = (f"c(k) = {c.a:.3f} + {c.b:.3f}·k (least squares through the measured points; other k projected)"
-                 if c.b is not None else "one measured k: the other k's cost is unknown")  # fmt: skip
-        out.append(f"Source: {a.cost_table.source}; batch size {c.batch_size}"
-                   + ("" if c.batch_size == st.batch_size else f" (nearest calibrated to the run's {st.batch_size})")
-                   + f". {pts}. {model}.")  # fmt: skip
-        plain = a.cost_table.step_s(c.batch_size, 0)
-        out.append(f"Plain decode step {_n(plain, 4)} s measured (calibration)"
-                   + (f"; the run's speculative generates: {_n(a.run_spec_step_s, 4)} s per engine step measured "
-                      "(prefill and the batch's tail included)" if a.run_spec_step_s is not None else "") + ".")
-    for proj in a.projections:
-        s = proj.series
-        out += ["", f"{h3} Projection: {s.draft} draft, {s.verify_mode} ({s.source}), batch size {proj.batch_size}",
-                "", "| k | tokens / round | round cost | rollout speed-up vs plain | step speed-up vs plain | step s |",
-                "|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
-        for r in proj.rows:
-            out.append(f"| {r.k} | {_lab(r.tokens_per_round)} | {_lab(r.round_cost)} | {_x(r.speedup)} | "
-                       f"{_x(proj.step_speedup.get(r.k))} | {_lab(proj.step_s.get(r.k), 2)} |")  # fmt: skip
-        if proj.best is not None:
-            out += ["", f"Best k = {proj.best.k} ({_x(proj.best.speedup)})."]
-    if a.plain_generation_s is not None:
-        out += ["", f"Rates beyond k={a.serving.k} hold the last measured conditional rate (an upper bound); "
-                f"speed-ups assume the batch stays at {a.projections[0].batch_size} requests and every rollout is "
-                "decoded with the projected draft; the step speed-up is Amdahl's over the stage profile with "
-                f"generation sped up alone. Generation without a draft: {_lab(a.plain_generation_s, 2)} s per step "
-                f"({_n(p.generation_s, 2)} s measured with k={st.k})."]  # fmt: skip
-    out += ["", f"{h3} Advice", "", *(f"- {line}" for line in a.lines), ""]
-    return "\n".join(out)
-
-
-def advice_section(run_dir: str | os.PathLike[str]) -> str:
-    """``format_advice`` for report.md; a one-line note instead when the run cannot be advised on."""
-    try:
-        return format_advice(advise_run(run_dir))
-    except (ValueError, OSError) as e:  # AdviseError, a malformed round_cost.json or recipe, a missing log
-        return f"{SECTION_HEAD}\n\nNot available: {' '.join(str(e).split())}\n"
-
-
-def add_to_report(run_dir: str | os.PathLike[str]) -> Path:
-    """Put :func:`advice_section` at the end of ``<run_dir>/report.md`` (written by ``monitor.report``), in place
-    of an earlier one."""
-    md = Path(run_dir) / REPORT_MD
-    text = md.read_text(encoding="utf-8")
-    text = text.split("\n" + SECTION_HEAD)[0].rstrip("\n") + "\n\n" + advice_section(run_dir)
-    tmp = md.with_name(f".{md.name}.advice.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, md)
-    return md

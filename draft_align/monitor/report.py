@@ -32,6 +32,7 @@ from draft_align.monitor.live import COLUMNS, DROP_KEYS, MONITOR_LOG, RL_LOG, nu
 
 logger = logging.getLogger(__name__)
 
+REPORT_MD = "report.md"  # the run folder's report (beside report.png)
 AHEAD_THRESHOLD = 0.02  # mean acceptance length: "adapted ahead of frozen" once the gap exceeds this
 
 
@@ -317,7 +318,7 @@ def write_report(
     png = Path(out_png) if out_png is not None else run / "report.png"
     name = run.resolve().name
     plot(records, png, title=f"{name}: acceptance length vs RL step")
-    md_path = run / "report.md"
+    md_path = run / REPORT_MD
     png_ref = os.path.relpath(png.resolve(), md_path.parent.resolve())
     text = markdown(records, summary, name, source, png_ref)
     _atomic_write(md_path, lambda tmp: tmp.write_text(text))

@@ -32,7 +32,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from draft_align.engines.rollout_types import DRAFT_KINDS, Decoding, DraftKind, Rollout
+from draft_align.conventions import DRAFT_KINDS, DraftKind
+from draft_align.engines.rollout_types import Decoding, Rollout
 from draft_align.monitor.acceptance import AcceptanceTally
 from draft_align.rl.drafts import DraftSource
 from draft_align.rl.loss import GRPOError, clipped_surrogate, group_advantages, k3_kl, token_logprobs

@@ -19,11 +19,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch import nn
 
-from draft_align.conventions import VerifyMode
+from draft_align.conventions import DRAFT_KINDS, DraftKind, VerifyMode
 from draft_align.engines.rollout_types import (
-    DRAFT_KINDS,
     Decoding,
-    DraftKind,
     DraftVersion,
     PlannedRollout,
     Rollout,

@@ -16,15 +16,9 @@ from pathlib import Path
 import pytest
 
 from draft_align import cli
-from draft_align.config import CotrainRecipe, RLConfig, save_recipe
-from draft_align.monitor.advise import (
-    RESOLVED_RECIPE,
-    SECTION_HEAD,
-    AdviseError,
-    add_to_report,
-    advise_run,
-    format_advice,
-)
+from draft_align.config import RESOLVED_RECIPE, CotrainRecipe, RLConfig, save_recipe
+from draft_align.monitor.advise import SECTION_HEAD, AdviseError, advise_run
+from draft_align.monitor.advise_text import add_to_report, format_advice
 from draft_align.monitor.round_cost import ROUND_COST_FILE, RoundCostError, RoundCostTable, StepTiming
 
 FIXTURE = Path(__file__).parent / "fixtures" / "advise_run"

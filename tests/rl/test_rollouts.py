@@ -7,7 +7,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from draft_align.engines.rollout_types import DRAFT_KINDS, Decoding
+from draft_align.conventions import DRAFT_KINDS
+from draft_align.engines.rollout_types import Decoding
 from draft_align.monitor.acceptance import AcceptanceTally
 from draft_align.rl.drafts import DraftSource
 from draft_align.rl.rollouts import SEED_BITS, ReferenceRollouts, RolloutEngine, plan_given, plan_rollouts

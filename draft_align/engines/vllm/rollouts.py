@@ -34,11 +34,9 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from draft_align.conventions import float_dtype
+from draft_align.conventions import DRAFT_KINDS, DraftKind, float_dtype
 from draft_align.engines.rollout_types import (
-    DRAFT_KINDS,
     Decoding,
-    DraftKind,
     DraftVersion,
     Rollout,
     RolloutPlan,

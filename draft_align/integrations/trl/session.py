@@ -21,8 +21,9 @@ from typing import Any, Literal
 
 import torch
 
-from draft_align.config import CotrainRecipe, load_recipe, save_recipe
-from draft_align.engines.rollout_types import DRAFT_KINDS, Decoding
+from draft_align.config import RESOLVED_RECIPE, CotrainRecipe, load_recipe, save_recipe
+from draft_align.conventions import DRAFT_KINDS
+from draft_align.engines.rollout_types import Decoding
 from draft_align.integrations.trl.callback import DraftAlignCallback
 from draft_align.integrations.trl.checks import TRLConfigError, check_trainer
 from draft_align.integrations.trl.tap import TRLTap, policy_model
@@ -33,7 +34,6 @@ log = logging.getLogger(__name__)
 
 SidecarMode = Literal["spawn", "connect", "off"]
 SIDECAR_MODES: tuple[str, ...] = ("spawn", "connect", "off")
-RESOLVED_RECIPE = "cotrain_recipe.yaml"  # the same name `draft-align cotrain` writes: the sidecar reads it
 
 
 class DraftAlign:

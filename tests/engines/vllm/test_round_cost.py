@@ -17,8 +17,7 @@ needs_vllm = pytest.mark.skipif(not vllm_available(), reason="vLLM is not instal
 
 def _run_folder(tmp_path, vllm_world):
     """A co-training run folder of the tiny vLLM target: its resolved recipe and two recorded steps."""
-    from draft_align.config import CotrainRecipe, load_recipe, save_recipe
-    from draft_align.monitor.advise import RESOLVED_RECIPE
+    from draft_align.config import RESOLVED_RECIPE, CotrainRecipe, load_recipe, save_recipe
 
     run = tmp_path / "run"
     overrides = [f"target.model={vllm_world.target}", "target.dtype=float32", f"draft={vllm_world.run}",
