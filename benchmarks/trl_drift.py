@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.pooled import pooled_acceptance  # noqa: E402
 from benchmarks.results_md import replace_section, repo_relative  # noqa: E402
-from draft_align.engines.rollout_types import DRAFT_KINDS  # noqa: E402
+from draft_align.conventions import DRAFT_KINDS  # noqa: E402
 
 HEAD = "## Drift on TRL: GRPOTrainer with draft_align beside it (benchmarks/trl_drift.py)"
 P = "draft_align/"
