@@ -314,7 +314,9 @@ def test_tensor_list_rejections():
     assert reason(rebuild(B, drop={"input_ids"})) == "fields"  # missing required
     bogus = tensor_entry("bogus", torch.zeros(3))
     assert reason(rebuild(B, drop={"topk_ids", "topk_logprobs"}, add=[bogus])) == "fields"  # extra
-    assert reason(rebuild(B, add=[bogus])) == "frames"  # more frames than any kind has (MAX_FRAMES)
+    assert reason(rebuild(B, add=[bogus])) == "fields"  # 10 tensors: as many as a TapBatch with stats_from
+    full = TapBatch.make_dummy(stats_from=True)  # all 10 TapBatch tensors
+    assert reason(rebuild(full, add=[bogus])) == "frames"  # more frames than any kind has (MAX_FRAMES)
     assert reason(rebuild(B, add=[tensor_entry("logit_lse", B.logit_lse)], drop={"topk_ids", "topk_logprobs"})) == "fields"  # dup
     assert reason(rebuild(B, drop={"topk_logprobs"})) == "fields"  # topk pair
     assert reason(rebuild(HeadSync.make_dummy(), add=[tensor_entry("extra", torch.zeros(1))])) == "fields"
