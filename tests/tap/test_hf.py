@@ -184,8 +184,8 @@ def _left_padded(seqs, prompts):
 @pytest.mark.parametrize("fused", [False, True])
 def test_statistics_from_the_response_equal_the_full_statistics(tiny_lm, padding, fused):
     """Statistics only from the position before the first response token (``stats_from``): there and after
-    bit-identical to the statistics of every position (``logit_stats`` / ``head_logit_stats`` of the whole
-    sequence, as the Tap computed them before), 0 before; the same with logits given and logits=None."""
+    equal to the statistics of every position (``logit_stats`` / ``head_logit_stats`` of the whole
+    sequence, as the Tap computed them before; bit for bit from logits, within 1 ulp from the head), 0 before."""
     from draft_align.tap.shipping import head_logit_stats, logit_stats
 
     seqs = random_seqs(4, [9, 5, 12, 7], seed=21)
@@ -213,7 +213,11 @@ def test_statistics_from_the_response_equal_the_full_statistics(tiny_lm, padding
             full = logit_stats(logits[b][valid], ids[b][valid], 3)
         sf = max(p - 1, 0)
         for name, want in zip(("next_logprob", "logit_lse", "topk_ids", "topk_logprobs"), full, strict=True):
-            assert torch.equal(got[name][sf:], want[sf:].to(got[name].dtype)), (b, name)
+            if fused and name != "topk_ids":
+                # fewer rows through the [L, H] × [V, H]ᵀ matmul: the same sums, blocked differently (≤ 1 ulp)
+                torch.testing.assert_close(got[name][sf:], want[sf:], atol=2e-6, rtol=0, msg=f"{b} {name}")
+            else:
+                assert torch.equal(got[name][sf:], want[sf:].to(got[name].dtype)), (b, name)
             assert not got[name][:sf].any(), (b, name)
 
 
