@@ -66,7 +66,9 @@ def trl_rows(rows: int, prompt: int, response: int, vocab: int, seed: int) -> tu
     return ids, am, lm
 
 
-def timed_submit(model: torch.nn.Module, batch: tuple[torch.Tensor, ...], aux: tuple[int, ...]) -> tuple[float, Any]:
+def timed_submit(
+    model: torch.nn.Module, batch: tuple[torch.Tensor, ...], aux: tuple[int, ...]
+) -> tuple[float, Any]:
     """Seconds of submit(logits=None) + end_step() after an untimed backbone forward; the TapBatch sent."""
     ids, am, lm = batch
     sink = KeepSink()
@@ -74,8 +76,15 @@ def timed_submit(model: torch.nn.Module, batch: tuple[torch.Tensor, ...], aux: t
     with torch.no_grad(), tap.capturing():
         model.model(input_ids=ids, attention_mask=am)  # TRL's fused head: no logits
         t0 = time.perf_counter()
-        tap.submit(input_ids=ids, attention_mask=am, loss_mask=lm, logits=None, policy_version=0, step=0,
-                   temperature=1.0)
+        tap.submit(
+            input_ids=ids,
+            attention_mask=am,
+            loss_mask=lm,
+            logits=None,
+            policy_version=0,
+            step=0,
+            temperature=1.0,
+        )
         tap.end_step()
         dt = time.perf_counter() - t0
     (msg,) = sink.messages
@@ -113,8 +122,13 @@ def main() -> None:
         tap_hf.stats_start = real_start
     tokens = int(batch[1].sum())
     result: dict[str, Any] = {
-        "rows": args.rows, "tokens": tokens, "response_tokens": int(batch[2].sum()), "repeats": args.repeats,
-        "threads": 1, "dtype": "float32", "model": "SmolLM2-135M-Instruct",
+        "rows": args.rows,
+        "tokens": tokens,
+        "response_tokens": int(batch[2].sum()),
+        "repeats": args.repeats,
+        "threads": 1,
+        "dtype": "float32",
+        "model": "SmolLM2-135M-Instruct",
         "code": "with stats_from" if has_stats_from else "before stats_from",
         **{f"{a}_s": times[a] for a in arms},
         **{f"{a}_median_s": statistics.median(times[a]) for a in arms},
