@@ -19,6 +19,9 @@ The policy distribution p over the draft vocabulary (docs/acceptance.md for the 
 - argmax p (``greedy``, T = 0): ``topk_ids[t, 0]`` (full vocabulary) when present, else the draft-vocab
   argmax mapped through d2t (an overestimate when the policy's argmax lies outside the draft vocabulary).
 
+``logit_lse`` and ``topk_ids`` are read at positions ≥ P only; a record whose statistics start later
+(``stats_from`` > P, which the wire refuses) is refused (RecordEstimateError), never read as zeros.
+
 With a full draft vocabulary (Vd = V, rows = lm_head) and tensors from one target forward this equals
 :func:`draft_align.monitor.estimator.alpha_table`.
 """
@@ -117,6 +120,12 @@ def _unroll_tables(
     # the policy side is needed at positions s+1+j ∈ [P, T−1] only; row i holds position P + i
     final = r.final[p_len:].to(dev)
     argmax_mode = verifies_by_argmax(mode, temperature)
+    reads = rec.topk_ids is not None if argmax_mode else rec.logit_lse is not None
+    if reads and rec.stats_from > p_len:
+        raise RecordEstimateError(
+            f"record (arrival {rec.arrival}): statistics start at {rec.stats_from}, after position {p_len} "
+            "where the estimate reads them"
+        )
     if argmax_mode:
         if rec.topk_ids is not None:
             p_arg = rec.topk_ids[p_len:, 0].to(dev).long()

@@ -39,8 +39,9 @@ log = logging.getLogger(__name__)
 HEAD_MAX_ABS = 1e4
 
 
-def split_records(batch: TapBatch) -> list[tuple[Record, dict[str, torch.Tensor | None]]]:
-    """Per-sequence (Record, extras) of a decoded TapBatch (post-norm final hidden expected)."""
+def split_records(batch: TapBatch) -> list[tuple[Record, dict[str, torch.Tensor | int | None]]]:
+    """Per-sequence (Record, extras) of a decoded TapBatch (post-norm final hidden expected); the extras are
+    the statistics and ``stats_from``, where they start (0: every position)."""
     out = []
     cu = batch.cu_seqlens.tolist()
     for i in range(len(cu) - 1):
@@ -51,10 +52,11 @@ def split_records(batch: TapBatch) -> list[tuple[Record, dict[str, torch.Tensor 
             aux=batch.aux_hidden[a:b],
             final=batch.final_hidden[a:b],
         )
-        extras = {
+        extras: dict[str, torch.Tensor | int | None] = {
             name: (None if getattr(batch, name) is None else getattr(batch, name)[a:b])
             for name in ("next_logprob", "logit_lse", "topk_ids")
         }
+        extras["stats_from"] = batch.stats_start(i)
         out.append((rec, extras))
     return out
 

@@ -29,8 +29,10 @@ from draft_align.tap.shipping import (
     host_tensors,
     logit_stats,
     offer_head_sync,
+    pad_stats,
     row_starts,
     ship,
+    stats_start,
 )
 from draft_align.wire.messages import HeadSync
 from draft_align.wire.packing import pack_sequences
@@ -60,6 +62,9 @@ class HFPolicyTap:
     the sampling temperature): next_logprob, logit_lse and top-k are defined at temperature 1.  Where the
     job's pass never materialises logits (a fused LM head that computes log-probs only), ``logits=None``:
     the statistics of the kept rows are computed from the captured final state × the model's lm_head.
+    Either way they are computed only from the position before each kept row's first response token on
+    (the only positions the sidecar scores against them) and sent as 0 before it, with the TapBatch's
+    ``stats_from`` saying where they start (docs/wire.md).
 
     Under FSDP2 (``fully_shard``: the lm_head weight is a sharded DTensor) every rank must call
     :meth:`submit` for every micro-batch, and :meth:`head_sync` for every policy version: the head gather is
@@ -147,13 +152,17 @@ class HFPolicyTap:
         for b, h in kept:
             n, s0 = lengths[b], starts[b]
             rows = slice(s0, s0 + n)
+            sf = stats_start(response[b, rows])
+            scored = slice(s0 + sf, s0 + n)  # the rows whose statistics are computed (class docstring)
+            ids_scored = input_ids[b, scored]
             if head is None:
-                stats = logit_stats(logits[b, rows].detach(), input_ids[b, rows], self.topk)
+                stats = logit_stats(logits[b, scored].detach(), ids_scored, self.topk)
             else:
-                stats = head_logit_stats(cap.final[b, rows], head[0], head[1], input_ids[b, rows], self.topk)
+                stats = head_logit_stats(cap.final[b, scored], head[0], head[1], ids_scored, self.topk)
             final = cap.final[b, rows] if self.send_final else None
-            tensors = host_tensors(ids_host[b, rows], response[b, rows], cap.aux[b, rows], final, stats)
-            seq = KeptSequence(int(step), int(policy_version), float(temperature), n, tensors)
+            tensors = host_tensors(ids_host[b, rows], response[b, rows], cap.aux[b, rows], final,
+                                   pad_stats(stats, sf))
+            seq = KeptSequence(int(step), int(policy_version), float(temperature), n, tensors, stats_from=sf)
             if cap.aux.device.type == "cuda":
                 if ready is None:
                     ready = torch.cuda.Event()
@@ -189,6 +198,7 @@ class HFPolicyTap:
             source_rank=self.rank, batch_id=batch_id, step=head.step, aux_layer_ids=self.aux_layer_ids,
             hidden_size=self.hidden_size, vocab_size=self.vocab_size,
             final_norm="post" if self.send_final else None, temperature=head.temperature,
+            stats_from=[s.stats_from for s in seqs],
         )
 
     def head_sync(self, policy_version: int, draft_to_target: torch.Tensor) -> bool:

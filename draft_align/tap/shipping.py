@@ -82,7 +82,8 @@ class KeptSequence:
 
     ``tensors`` uses the wire names: input_ids [L] int64, loss_mask [L] bool, aux_hidden [L, n_aux·H] bf16,
     final_hidden [L, H] bf16 (post-norm, when sent), next_logprob [L] f32, logit_lse [L] f32,
-    topk_ids [L, K] int64 and topk_logprobs [L, K] f32 (when K ≥ 1).
+    topk_ids [L, K] int64 and topk_logprobs [L, K] f32 (when K ≥ 1).  The statistics are defined from
+    position ``stats_from`` on and 0 before it (the wire's ``stats_from``).
     """
 
     step: int
@@ -91,6 +92,7 @@ class KeptSequence:
     n_tokens: int
     tensors: dict[str, torch.Tensor]
     ready: Any = None  # torch.cuda.Event recorded after the non-blocking device→host copies
+    stats_from: int = 0
 
 
 @dataclass
@@ -176,6 +178,31 @@ def head_logit_stats(
 
     return _chunked_stats(chunk, int(h.shape[0]), int(weight.shape[0]), input_ids, topk, weight.device,
                           max_elements)  # fmt: skip
+
+
+def stats_start(response: torch.Tensor) -> int:
+    """Where a sequence's statistics start: the position predicting its first response token (loss_mask
+    [L] bool, some True), first − 1, or 0.  Only the response is ever scored against them
+    (:mod:`draft_align.monitor.records`); the position before it costs one row and keeps the wire's rule
+    (``stats_from`` ≤ the first response position) with room to spare."""
+    return max(int(response.to(torch.int8).argmax()) - 1, 0)
+
+
+def pad_stats(
+    stats: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None], before: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The :func:`logit_stats` of a sequence's positions ``before``.. with ``before`` zero rows put in front
+    (ids 0): the statistics of the whole sequence as the wire's ``stats_from`` defines them."""
+    if before == 0:
+        return stats
+
+    def pad(x: torch.Tensor | None) -> torch.Tensor | None:
+        if x is None:
+            return None
+        return torch.cat([x.new_zeros((before, *x.shape[1:])), x])
+
+    nxt, lse, k_ids, k_lp = stats
+    return pad(nxt), pad(lse), pad(k_ids), pad(k_lp)  # type: ignore[return-value]
 
 
 def full_tensor(x: torch.Tensor) -> torch.Tensor:

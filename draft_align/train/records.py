@@ -49,6 +49,7 @@ class TappedRecord:
     next_logprob: torch.Tensor | None = None  # [T] float32: log p(x[t+1] | x[≤t]) at T = 1
     logit_lse: torch.Tensor | None = None  # [T] float32: logsumexp of the policy's full-vocab logits at t
     topk_ids: torch.Tensor | None = None  # [T, K] int64: the policy's top-K next tokens at t
+    stats_from: int = 0  # the three above are defined at t ≥ stats_from (0 before, not sent; ≤ prompt_len)
 
     def __post_init__(self) -> None:
         r = self.record
@@ -66,6 +67,8 @@ class TappedRecord:
         if self.topk_ids is not None and (self.topk_ids.dim() != 2 or self.topk_ids.shape[0] != t
                                           or self.topk_ids.shape[1] < 1):
             raise RecordError(f"topk_ids must be [{t}, K ≥ 1], got {tuple(self.topk_ids.shape)}")
+        if not 0 <= self.stats_from <= t:
+            raise RecordError(f"stats_from {self.stats_from} outside [0, {t}]")
         if self.policy_version < 0 or self.step < 0:
             raise RecordError(f"policy_version {self.policy_version} and step {self.step} must be ≥ 0")
 

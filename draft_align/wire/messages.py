@@ -70,6 +70,9 @@ class TapBatch(_WireMessage):
     logit_lse: torch.Tensor | None = None  # [N] f32: logsumexp of the full-vocab logits at t (T=1)
     topk_ids: torch.Tensor | None = None  # [N, K] int64
     topk_logprobs: torch.Tensor | None = None  # [N, K] f32
+    # [S] int32: in sequence i the four statistics above are defined at positions ≥ stats_from[i] (from the
+    # sequence's start, ≤ its first response token) and 0 before; None: at every position
+    stats_from: torch.Tensor | None = None
 
     KIND: ClassVar[str] = "TapBatch"
 
@@ -85,13 +88,24 @@ class TapBatch(_WireMessage):
         return self.input_ids.numel()
 
     def sequence(self, i: int) -> dict[str, torch.Tensor]:
-        """Views of sequence ``i``'s tokens: every present tensor but ``cu_seqlens``, sliced to [T, ...]."""
+        """Views of sequence ``i``'s tokens: every present per-token tensor (not ``cu_seqlens`` or
+        ``stats_from``: see :meth:`stats_start`), sliced to [T, ...]."""
+        i = self._index(i)
+        a, b = int(self.cu_seqlens[i]), int(self.cu_seqlens[i + 1])
+        per_token = (n for n in self.tensors() if n not in ("cu_seqlens", "stats_from"))
+        return {name: getattr(self, name)[a:b] for name in per_token}
+
+    def stats_start(self, i: int) -> int:
+        """The first position of sequence ``i`` (from its start) whose statistics are defined (0 without
+        ``stats_from``)."""
+        i = self._index(i)
+        return 0 if self.stats_from is None else int(self.stats_from[i])
+
+    def _index(self, i: int) -> int:
         s = self.num_sequences
         if not -s <= i < s:
             raise IndexError(f"sequence {i} of a batch of {s}")
-        i %= s
-        a, b = int(self.cu_seqlens[i]), int(self.cu_seqlens[i + 1])
-        return {name: t[a:b] for name, t in self.tensors().items() if name != "cu_seqlens"}
+        return i % s
 
 
     @classmethod
@@ -107,13 +121,16 @@ class TapBatch(_WireMessage):
         final: bool = True,
         logprobs: bool = True,
         topk: int = 2,
+        stats_from: bool = False,
         policy_version: int = 0,
         batch_id: int = 0,
         seed: int = 0,
     ) -> TapBatch:
-        """A small valid batch with seeded random contents (tests only)."""
+        """A small valid batch with seeded random contents (tests only); ``stats_from``: statistics only from
+        the position before each sequence's first response token (0 before), as the HF Tap sends them."""
         g = torch.Generator().manual_seed(seed)
         seqs = []
+        starts = []
         for _ in range(num_sequences):
             t = int(torch.randint(min_len, max_len + 1, (), generator=g))
             prompt = int(torch.randint(1, t, (), generator=g))
@@ -132,6 +149,10 @@ class TapBatch(_WireMessage):
             if topk:
                 s["topk_ids"] = torch.randint(0, vocab_size, (t, topk), generator=g)
                 s["topk_logprobs"] = -(torch.rand(t, topk, generator=g) * 5).sort(dim=-1).values
+            starts.append(prompt - 1 if stats_from else 0)
+            for name in ("next_logprob", "logit_lse", "topk_ids", "topk_logprobs"):
+                if name in s:
+                    s[name][: starts[-1]] = 0
             seqs.append(s)
         cu = torch.zeros(num_sequences + 1, dtype=torch.int64)
         cu[1:] = torch.tensor([s["input_ids"].shape[0] for s in seqs]).cumsum(0)
@@ -140,6 +161,7 @@ class TapBatch(_WireMessage):
             aux_layer_ids=aux_layer_ids, hidden_size=hidden_size, vocab_size=vocab_size,
             final_norm="post" if final else None, temperature=1.0, cu_seqlens=cu,
             **{n: torch.cat([s[n] for s in seqs]) for n in seqs[0]},
+            stats_from=torch.tensor(starts, dtype=torch.int32) if stats_from and (logprobs or topk) else None,
         )
 
 
@@ -194,6 +216,9 @@ class TapPart(_WireMessage):
         """The parts pipeline stages would send for ``batch`` (tests, and a reference for the join):
         stage i carries the aux layers ``layers_per_stage[i]``; the last stage carries final hidden and
         log-prob tensors."""
+        if batch.stats_from is not None:
+            raise ValueError("a TapPart carries no stats_from: split a batch with statistics at every "
+                             "position")
         n_stages = len(layers_per_stage)
         h = batch.hidden_size
         col = {lid: j for j, lid in enumerate(batch.aux_layer_ids)}

@@ -25,17 +25,19 @@ def pack_sequences(
     vocab_size: int,
     final_norm: str | None,
     temperature: float,
+    stats_from: Sequence[int] | None = None,
 ) -> TapBatch:
     """Pack per-sequence tensors (``input_ids`` [T], ``loss_mask`` [T], ``aux_hidden`` [T, n_aux·H] and
     optionally ``final_hidden`` [T, H], ``next_logprob`` [T], ``logit_lse`` [T], ``topk_ids`` [T, K],
-    ``topk_logprobs`` [T, K]) into one CPU TapBatch with wire dtypes; the result is validated as
-    :func:`encode` would (raises :class:`WireError`).  The packed tensors are new memory."""
+    ``topk_logprobs`` [T, K]) into one CPU TapBatch with wire dtypes; ``stats_from``: per sequence, the first
+    position whose statistics are defined (they are 0 before; None: every position).  The result is
+    validated as :func:`encode` would (raises :class:`WireError`).  The packed tensors are new memory."""
     if not seqs:
         raise ValueError("pack_sequences needs at least one sequence")
     spec = _TENSOR_SPECS["TapBatch"]
     names = [n for n in spec if n in seqs[0]]
     for i, s in enumerate(seqs):
-        unknown = set(s) - (spec.keys() - {"cu_seqlens"})
+        unknown = set(s) - (spec.keys() - {"cu_seqlens", "stats_from"})
         if unknown:
             raise ValueError(f"sequence {i}: unknown tensors {sorted(unknown)}")
         if [n for n in spec if n in s] != names:
@@ -44,6 +46,10 @@ def pack_sequences(
     cu = torch.zeros(len(seqs) + 1, dtype=torch.int64)
     cu[1:] = lengths.cumsum(0)
     packed = {n: torch.cat([s[n].detach().to("cpu", spec[n][0]) for s in seqs]) for n in names}
+    if stats_from is not None:
+        if len(stats_from) != len(seqs):
+            raise ValueError(f"stats_from has {len(stats_from)} entries for {len(seqs)} sequences")
+        packed["stats_from"] = torch.tensor([int(x) for x in stats_from], dtype=torch.int32)
     batch = TapBatch(
         run_id=run_id, policy_version=policy_version, source_rank=source_rank, batch_id=batch_id, step=step,
         aux_layer_ids=tuple(aux_layer_ids), hidden_size=hidden_size, vocab_size=vocab_size,
@@ -72,6 +78,8 @@ def drop_nonfinite(batch: TapBatch) -> tuple[TapBatch | None, int]:
     keep_tok = ~bad_seq[seq_of_tok]  # [N]
     new_cu = torch.zeros(batch.num_sequences - dropped + 1, dtype=torch.int64)
     new_cu[1:] = lengths[~bad_seq].cumsum(0)
-    kept = {n: t[keep_tok] for n, t in batch.tensors().items() if n != "cu_seqlens"}
+    kept = {n: t[keep_tok] for n, t in batch.tensors().items() if n not in ("cu_seqlens", "stats_from")}
+    if batch.stats_from is not None:
+        kept["stats_from"] = batch.stats_from[~bad_seq]
     scalars = {n: getattr(batch, n) for n in _FIELD_SPECS["TapBatch"]}
     return TapBatch(**scalars, cu_seqlens=new_cu, **kept), dropped

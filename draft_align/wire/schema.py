@@ -228,9 +228,12 @@ _TAP_TENSORS: dict[str, tuple[torch.dtype, int, bool]] = {
     "topk_ids": (torch.int64, 2, False),
     "topk_logprobs": (torch.float32, 2, False),
 }
+# the per-token policy statistics (``stats_from`` says from which position of each sequence they are defined)
+_STAT_TENSORS = ("next_logprob", "logit_lse", "topk_ids", "topk_logprobs")
 _TENSOR_SPECS: dict[str, dict[str, tuple[torch.dtype, int, bool]]] = {
-    "TapBatch": _TAP_TENSORS,
-    "TapPart": _TAP_TENSORS,  # a pipeline stage's share of a TapBatch: the same tensors
+    # stats_from [S]: optional, added without a version change (a sender that omits it means "every position")
+    "TapBatch": {**_TAP_TENSORS, "stats_from": (torch.int32, 1, False)},
+    "TapPart": _TAP_TENSORS,  # a pipeline stage's share of a TapBatch: the same tensors, no stats_from
     "HeadSync": {
         "norm_weight": (torch.float32, 1, True),
         "draft_to_target": (torch.int64, 1, True),
@@ -313,6 +316,40 @@ def _check_tap_batch(f: dict[str, Any], ts: dict[str, torch.Tensor], max_tokens:
             x = ts[name]
             if bool(x.isnan().any()) or bool((x == math.inf).any()):
                 raise WireError("range", f"{name} holds NaN or +inf")
+    if "stats_from" in ts:
+        _check_stats_from(ts, cu)
+
+
+def _check_stats_from(ts: dict[str, torch.Tensor], cu: torch.Tensor) -> None:
+    """``stats_from`` [S]: in sequence i the statistics are defined at positions ≥ stats_from[i] (from its
+    start) and 0 before; 0 ≤ stats_from[i] ≤ the sequence's first response position (its length when it has
+    none), so every position a reader scores (the response) has its statistics."""
+    present = [n for n in _STAT_TENSORS if n in ts]
+    if not present:
+        raise _bad("stats_from without any statistics tensor (next_logprob, logit_lse, topk_*)")
+    sf = ts["stats_from"]
+    s = cu.shape[0] - 1
+    _shape("stats_from", sf, (s,))
+    lengths = cu[1:] - cu[:-1]  # [S]
+    seq = torch.repeat_interleave(torch.arange(s), lengths)  # [N] sequence of each token
+    pos = torch.arange(int(cu[-1])) - cu[:-1][seq]  # [N] position within its sequence
+    mask = ts["loss_mask"]
+    first = lengths.clone().scatter_reduce(0, seq[mask], pos[mask], reduce="amin")  # [S]
+    sf64 = sf.to(torch.int64)
+    bad = (sf64 < 0) | (sf64 > lengths)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise WireError("range", f"stats_from[{i}]={int(sf[i])} outside [0, length {int(lengths[i])}]")
+    late = sf64 > first
+    if bool(late.any()):
+        i = int(late.nonzero()[0, 0])
+        raise WireError("range", f"stats_from[{i}]={int(sf[i])} is after the sequence's first response token "
+                                 f"(position {int(first[i])}): the response's statistics would be missing")
+    before = pos < sf64[seq]  # [N] positions without statistics
+    for name in present:
+        x = ts[name]
+        if bool((x[before] != 0).any()):
+            raise WireError("range", f"{name} must be 0 before stats_from")
 
 
 def _check_tap_part(f: dict[str, Any], ts: dict[str, torch.Tensor], max_tokens: int | None,

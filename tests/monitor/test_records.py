@@ -175,6 +175,44 @@ def test_mismatches_are_refused(target, draft_good48, samples):
         estimate_records(draft_good48, embed, rows, [rec, none], 2, "greedy", 0.0)
 
 
+# ------------------------------------------------------------------------------------------- stats_from
+def sent_from(rec: TappedRecord, start: int, *, say: bool = True) -> TappedRecord:
+    """``rec`` with its statistics sent only from ``start`` on (0 before), as the HF Tap sends them;
+    ``say=False``: the zeros without saying so (stats_from 0), a lying sender."""
+    def cut(x):
+        if x is None:
+            return None
+        y = x.clone()
+        y[:start] = 0
+        return y
+
+    return TappedRecord(rec.record, rec.policy_version, rec.step, arrival=rec.arrival, logit_lse=cut(rec.logit_lse),
+                        topk_ids=cut(rec.topk_ids), stats_from=start if say else 0)
+
+
+@pytest.mark.parametrize(("mode", "temperature"),
+                         [("greedy", 0.0), ("greedy_draft", 1.0), ("probabilistic", 1.0), ("probabilistic", 0.7)])
+def test_statistics_from_the_response_give_the_same_estimate(target, draft_good48, samples, mode, temperature):
+    """Statistics only from the position before the first response token (the HF Tap) or from the first
+    response token: the very same estimate as with statistics at every position (the old senders' records),
+    so nothing the estimate reads was dropped; starting one later changes it, and is refused."""
+    embed = decoder_parts(target)[0]
+    rows = head_rows(target, draft_good48.draft_to_target)
+    full = [tap_record(target, ids, draft_good48.cfg.aux_layer_ids, arrival=i) for i, ids in enumerate(samples)]
+    want = estimate_records(draft_good48, embed, rows, full, 3, mode, temperature)
+    for start in (PROMPT - 1, PROMPT):
+        got = estimate_records(draft_good48, embed, rows, [sent_from(r, start) for r in full], 3, mode, temperature)
+        assert repr(got) == repr(want), start  # every number, NaN included
+    late = [sent_from(r, PROMPT + 1) for r in full]
+    if mode == "probabilistic" and temperature != 1.0:
+        return  # at T ≠ 1 neither logit_lse nor topk_ids is read
+    lying = estimate_records(draft_good48, embed, rows, [sent_from(r, PROMPT + 1, say=False) for r in full], 3,
+                             mode, temperature)
+    assert lying["per_sequence"] != want["per_sequence"]  # zeros read as statistics would change the estimate
+    with pytest.raises(RecordEstimateError, match="statistics start at 5, after position 4"):
+        estimate_records(draft_good48, embed, rows, late, 3, mode, temperature)
+
+
 # ---------------------------------------------------------------------------------------------- paired gate
 def test_paired_gate_on_real_drafts(target, draft_good48, draft_random48, samples):
     embed = decoder_parts(target)[0]

@@ -41,6 +41,24 @@ def test_split_records_slices_each_sequence():
     assert torch.equal(rec.input_ids, b.input_ids[5:12]) and torch.equal(rec.final, b.final_hidden[5:12])
     assert torch.equal(extras["logit_lse"], b.logit_lse[5:12])
     assert extras["next_logprob"] is None and extras["topk_ids"] is None
+    assert [e["stats_from"] for _, e in parts] == [0, 0]  # no stats_from: statistics at every position
+
+
+def test_stats_from_reaches_the_records_through_the_wire():
+    from draft_align.wire.codec import encode
+    from draft_align.wire.messages import decode
+
+    seqs = [_seq(6, 3, 0), _seq(7, 1, 1)]
+    for s, start in zip(seqs, (2, 0), strict=True):
+        s["logit_lse"][:start] = 0
+    sent = pack_sequences(seqs, run_id="dummy", policy_version=0, source_rank=0, batch_id=0, step=0,
+                          aux_layer_ids=AUX, hidden_size=H, vocab_size=V, final_norm="post", temperature=1.0,
+                          stats_from=[2, 0])
+    ing = _ingest()
+    ing.on_batch(decode(encode(sent, None), None))
+    records, _ = ing.step_records(0)
+    assert [r.stats_from for r in records] == [2, 0]
+    assert torch.equal(records[0].logit_lse, seqs[0]["logit_lse"])
 
 
 def test_records_wait_for_their_step_report_or_a_later_step():

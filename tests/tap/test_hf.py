@@ -100,6 +100,8 @@ def test_kept_sequences_equal_single_sequence_forward(tiny_lm, topk):
     assert msg.aux_hidden.dtype == torch.bfloat16 and msg.final_hidden.dtype == torch.bfloat16
     assert msg.input_ids.dtype == torch.int64 and msg.loss_mask.dtype == torch.bool
     assert msg.next_logprob.dtype == torch.float32 and msg.topk_logprobs.dtype == torch.float32
+    # statistics from the position predicting the first response token on, 0 before it
+    assert msg.stats_from.dtype == torch.int32 and msg.stats_from.tolist() == [p - 1 for p in prompts]
     for s, p, got in zip(seqs, prompts, unpack(msg), strict=True):
         x = torch.tensor([s])
         with torch.no_grad():
@@ -113,12 +115,15 @@ def test_kept_sequences_equal_single_sequence_forward(tiny_lm, topk):
         lp = torch.log_softmax(lg, dim=-1)
         nxt = torch.zeros(len(s), dtype=torch.float64)
         nxt[:-1] = lp[torch.arange(len(s) - 1), x[0, 1:]]
-        torch.testing.assert_close(got["next_logprob"].double(), nxt, atol=1e-4, rtol=0)
+        sf = p - 1
+        for name in ("next_logprob", "logit_lse", "topk_ids", "topk_logprobs"):
+            assert not got[name][:sf].any(), name
+        torch.testing.assert_close(got["next_logprob"][sf:].double(), nxt[sf:], atol=1e-4, rtol=0)
         assert got["next_logprob"][-1].item() == 0.0
-        torch.testing.assert_close(got["logit_lse"].double(), torch.logsumexp(lg, -1), atol=1e-4, rtol=0)
+        torch.testing.assert_close(got["logit_lse"][sf:].double(), torch.logsumexp(lg, -1)[sf:], atol=1e-4, rtol=0)
         top_lp, top_ids = lp.topk(topk, dim=-1)
-        assert torch.equal(got["topk_ids"], top_ids)
-        torch.testing.assert_close(got["topk_logprobs"].double(), top_lp, atol=1e-4, rtol=0)
+        assert torch.equal(got["topk_ids"][sf:], top_ids[sf:])
+        torch.testing.assert_close(got["topk_logprobs"][sf:].double(), top_lp[sf:], atol=1e-4, rtol=0)
     st = tap.stats()
     assert st["tokens_seen"] == st["tokens_kept"] == st["tokens_offered"] == 21
     assert (st["sequences_seen"], st["messages_offered"], st["messages_dropped"]) == (3, 1, 0)
@@ -161,6 +166,59 @@ def test_fused_head_and_left_padding_give_the_same_batch(tiny_lm, send_final):
         from draft_align.tap.shipping import head_logit_stats
 
         head_logit_stats(torch.zeros(3, 32), torch.zeros(0), None, torch.zeros(3, dtype=torch.long), 1)
+
+
+def _left_padded(seqs, prompts):
+    """TRL-style rows: each prompt left-padded to the longest, then its response right-padded."""
+    pw = max(prompts)
+    cw = max(len(s) - p for s, p in zip(seqs, prompts, strict=True))
+    ids = torch.zeros(len(seqs), pw + cw, dtype=torch.long)
+    am = torch.zeros_like(ids)
+    for i, (s, p) in enumerate(zip(seqs, prompts, strict=True)):
+        ids[i, pw - p : pw - p + len(s)] = torch.tensor(s)
+        am[i, pw - p : pw - p + len(s)] = 1
+    return ids, am, am.bool() & (torch.arange(pw + cw) >= pw)
+
+
+@pytest.mark.parametrize("padding", ["right", "left"])
+@pytest.mark.parametrize("fused", [False, True])
+def test_statistics_from_the_response_equal_the_full_statistics(tiny_lm, padding, fused):
+    """Statistics only from the position before the first response token (``stats_from``): there and after
+    equal to the statistics of every position (``logit_stats`` / ``head_logit_stats`` of the whole
+    sequence, as the Tap computed them before; bit for bit from logits, within 1 ulp from the head), 0 before."""
+    from draft_align.tap.shipping import head_logit_stats, logit_stats
+
+    seqs = random_seqs(4, [9, 5, 12, 7], seed=21)
+    prompts = [6, 1, 4, 5]  # prompt 1: stats_from 0 (nothing to skip)
+    sink = ListSink()
+    tap = HFPolicyTap(tiny_lm, AUX, sink, run_id="r", tokens_per_step=1000, topk=3)
+    ids, am, lm = make_batch(seqs, prompts) if padding == "right" else _left_padded(seqs, prompts)
+    with torch.no_grad(), tap.capturing():
+        if fused:
+            final = tiny_lm.model(input_ids=ids, attention_mask=am).last_hidden_state  # no logits exist
+            logits = None
+        else:
+            logits = tiny_lm(input_ids=ids, attention_mask=am).logits
+        tap.submit(input_ids=ids, attention_mask=am, loss_mask=lm, logits=logits, policy_version=0, step=0,
+                   temperature=1.0)
+    tap.end_step()
+    (msg,) = sink.messages
+    assert msg.stats_from.tolist() == [max(p - 1, 0) for p in prompts]
+    w, bias = tiny_lm.lm_head.weight.detach(), None
+    for b, (got, p) in enumerate(zip(unpack(msg), prompts, strict=True)):
+        valid = am[b].bool()
+        if fused:
+            full = head_logit_stats(final[b][valid], w, bias, ids[b][valid], 3)
+        else:
+            full = logit_stats(logits[b][valid], ids[b][valid], 3)
+        sf = max(p - 1, 0)
+        for name, want in zip(("next_logprob", "logit_lse", "topk_ids", "topk_logprobs"), full, strict=True):
+            if fused and name != "topk_ids":
+                # fewer rows through the [L, H] × [V, H]ᵀ matmul: the same sums, blocked differently (≤ 1 ulp)
+                torch.testing.assert_close(got[name][sf:], want[sf:], atol=2e-6, rtol=0, msg=f"{b} {name}")
+            else:
+                assert torch.equal(got[name][sf:], want[sf:].to(got[name].dtype)), (b, name)
+            assert not got[name][:sf].any(), (b, name)
 
 
 def test_no_final_no_topk(tiny_lm):
@@ -209,7 +267,9 @@ def test_peft_lora_model(tiny_lm):
     assert (aux - plain_aux).abs().max() > 0.1  # the LoRA path is live
     torch.testing.assert_close(got["aux"].float(), aux, atol=2e-2, rtol=1e-2)
     torch.testing.assert_close(got["final_hidden"].float(), ref.hidden_states[-1][0], atol=2e-2, rtol=1e-2)
-    torch.testing.assert_close(got["logit_lse"], torch.logsumexp(ref.logits[0], -1), atol=1e-4, rtol=0)
+    sf = sink.messages[0].stats_start(1)  # prompt 3: statistics from position 2 on
+    assert sf == 2
+    torch.testing.assert_close(got["logit_lse"][sf:], torch.logsumexp(ref.logits[0], -1)[sf:], atol=1e-4, rtol=0)
     assert tap.head_sync(1, torch.tensor([4, 0, 9]))
     torch.testing.assert_close(sink.messages[-1].rows, tiny_lm.lm_head.weight[[4, 0, 9]].to(torch.bfloat16))
 

@@ -108,6 +108,7 @@ def _run_tap(model, rank: int, fused: bool) -> tuple[list[dict[str, torch.Tensor
         "topk_ids",
         "topk_logprobs",
         "final_hidden",
+        "stats_from",
     )
     return [{f: getattr(m, f) for f in fields} for m in sink.messages], tap.stats(), accepted
 
@@ -174,7 +175,7 @@ def test_fused_head_under_fsdp2_with_ranks_keeping_different_rows(tmp_path, monk
     assert stats0 == want_stats and accepted0 == want_accepted and 0 < accepted0 <= TOKENS_PER_STEP
     assert len(msgs0) == len(want_msgs) == 1
     fused_msg, plain_msg = msgs0[0], want_msgs[0]
-    for name in ("cu_seqlens", "input_ids", "loss_mask", "topk_ids"):
+    for name in ("cu_seqlens", "input_ids", "loss_mask", "topk_ids", "stats_from"):
         assert torch.equal(fused_msg[name], plain_msg[name]), name
     for name in ("next_logprob", "logit_lse", "topk_logprobs", "final_hidden"):
         torch.testing.assert_close(fused_msg[name].float(), plain_msg[name].float(), atol=1e-4, rtol=1e-4)

@@ -27,6 +27,10 @@ def test_tapped_record_properties_and_validation():
         tapped(5, logit_lse=torch.zeros(4))
     with pytest.raises(RecordError, match="topk_ids"):
         tapped(5, topk_ids=torch.zeros(5, dtype=torch.long))
+    assert r.stats_from == 0 and tapped(5, stats_from=5).stats_from == 5
+    for bad_start in (-1, 6):
+        with pytest.raises(RecordError, match=f"stats_from {bad_start} outside"):
+            tapped(5, stats_from=bad_start)
     with pytest.raises(RecordError, match="T ≥ 2"):
         tapped(1, prompt=0)
     with pytest.raises(RecordError, match="policy_version"):

@@ -314,7 +314,9 @@ def test_tensor_list_rejections():
     assert reason(rebuild(B, drop={"input_ids"})) == "fields"  # missing required
     bogus = tensor_entry("bogus", torch.zeros(3))
     assert reason(rebuild(B, drop={"topk_ids", "topk_logprobs"}, add=[bogus])) == "fields"  # extra
-    assert reason(rebuild(B, add=[bogus])) == "frames"  # more frames than any kind has (MAX_FRAMES)
+    assert reason(rebuild(B, add=[bogus])) == "fields"  # 10 tensors: as many as a TapBatch with stats_from
+    full = TapBatch.make_dummy(stats_from=True)  # all 10 TapBatch tensors
+    assert reason(rebuild(full, add=[bogus])) == "frames"  # more frames than any kind has (MAX_FRAMES)
     assert reason(rebuild(B, add=[tensor_entry("logit_lse", B.logit_lse)], drop={"topk_ids", "topk_logprobs"})) == "fields"  # dup
     assert reason(rebuild(B, drop={"topk_logprobs"})) == "fields"  # topk pair
     assert reason(rebuild(HeadSync.make_dummy(), add=[tensor_entry("extra", torch.zeros(1))])) == "fields"
@@ -655,3 +657,123 @@ def test_any_number_in_a_float_field_decodes_or_is_a_wire_error(name, value):
         decode(frames, None)
     except WireError as e:
         assert e.reason in ("fields", "header")
+
+
+# ------------------------------------------------------------------------------ stats_from (TapBatch)
+def _stats_batch(**kw) -> TapBatch:
+    return TapBatch.make_dummy(num_sequences=4, min_len=4, max_len=9, stats_from=True, seed=5, **kw)
+
+
+def _firsts(b: TapBatch) -> list[int]:
+    return [int(b.sequence(i)["loss_mask"].to(torch.int8).argmax()) for i in range(b.num_sequences)]
+
+
+@pytest.mark.parametrize("key", [None, KEY])
+@pytest.mark.parametrize("kw", [{}, {"topk": 0}, {"logprobs": False}])
+def test_stats_from_round_trips(key, kw):
+    b = _stats_batch(**kw)
+    assert b.stats_from.dtype == torch.int32 and b.stats_from.tolist() == [f - 1 for f in _firsts(b)]
+    frames = encode(b, key)
+    assert [e["name"] for e in json.loads(frames[0])["tensors"]][-1] == "stats_from"
+    assert np.frombuffer(frames[-2], "<i4").tolist() == b.stats_from.tolist()
+    back = decode(frames, key)
+    assert_same(back, b)
+    assert [back.stats_start(i) for i in range(4)] == b.stats_from.tolist()
+    assert "stats_from" not in back.sequence(0)  # per sequence, not per token
+
+
+def test_without_stats_from_every_position_has_statistics():
+    old = TapBatch.make_dummy(num_sequences=3, seed=5)  # an old sender's message
+    back = decode(encode(old, None), None)
+    assert back.stats_from is None and [back.stats_start(i) for i in range(3)] == [0, 0, 0]
+    assert_same(back, old)
+
+
+def test_stats_from_may_reach_the_first_response_token_or_the_end_of_a_promptless_sequence():
+    b = _stats_batch()
+    lse = b.logit_lse.clone()
+    nxt = b.next_logprob.clone()
+    k_ids, k_lp = b.topk_ids.clone(), b.topk_logprobs.clone()
+    firsts = _firsts(b)
+    for i, f in enumerate(firsts):  # statistics from the first response token itself
+        a = int(b.cu_seqlens[i])
+        for x in (lse, nxt, k_ids, k_lp):
+            x[a : a + f] = 0
+    at_first = dataclasses.replace(b, stats_from=torch.tensor(firsts, dtype=torch.int32), logit_lse=lse,
+                                   next_logprob=nxt, topk_ids=k_ids, topk_logprobs=k_lp)
+    assert_same(decode(encode(at_first, None), None), at_first)
+    # a sequence without a response token: its statistics may be absent altogether (stats_from = its length)
+    n0 = int(b.cu_seqlens[1])
+    mask = b.loss_mask.clone()
+    mask[:n0] = False
+    for x in (lse, nxt, k_ids, k_lp):
+        x[:n0] = 0
+    sf = torch.tensor([n0, *firsts[1:]], dtype=torch.int32)
+    none = dataclasses.replace(at_first, loss_mask=mask, stats_from=sf, logit_lse=lse, next_logprob=nxt,
+                               topk_ids=k_ids, topk_logprobs=k_lp)
+    assert_same(decode(encode(none, None), None), none)
+
+
+def _bad_stats_from(b: TapBatch, values) -> list[bytes]:
+    return rebuild(b, tensors={"stats_from": torch.tensor(values, dtype=torch.int32)})
+
+
+def test_stats_from_rejections():
+    b = _stats_batch()
+    good = b.stats_from.tolist()
+    lengths = (b.cu_seqlens[1:] - b.cu_seqlens[:-1]).tolist()
+    firsts = _firsts(b)
+
+    def rejected(frames) -> WireError:
+        with pytest.raises(WireError) as ei:
+            decode(frames, None)
+        return ei.value
+
+    e = rejected(_bad_stats_from(b, [lengths[0] + 1, *good[1:]]))  # beyond the sequence
+    assert e.reason == "range" and f"stats_from[0]={lengths[0] + 1} outside [0, length {lengths[0]}]" in str(e)
+    e = rejected(_bad_stats_from(b, [*good[:2], -1, good[3]]))  # negative
+    assert e.reason == "range" and "stats_from[2]=-1 outside" in str(e)
+    e = rejected(_bad_stats_from(b, [good[0], firsts[1] + 1, *good[2:]]))  # after the first response token
+    assert e.reason == "range" and f"after the sequence's first response token (position {firsts[1]})" in str(e)
+    e = rejected(_bad_stats_from(b, good[:3]))  # not one per sequence
+    assert e.reason == "shape" and "stats_from" in str(e)
+    e = rejected(rebuild(b, tensors={"stats_from": b.stats_from.long()}))
+    assert e.reason == "dtype"
+    # without any statistics tensor
+    bare = TapBatch.make_dummy(num_sequences=4, min_len=4, max_len=9, logprobs=False, topk=0, seed=5)
+    entry = tensor_entry("stats_from", torch.zeros(4, dtype=torch.int32))
+    e = rejected(rebuild(bare, add=[entry]))
+    assert e.reason == "fields" and "stats_from without any statistics tensor" in str(e)
+    # a statistic before stats_from is not 0: the sender says it is undefined there
+    seq = next(i for i, g in enumerate(good) if g >= 1)
+    lse = b.logit_lse.clone()
+    lse[int(b.cu_seqlens[seq])] = -3.0
+    e = rejected(rebuild(b, tensors={"logit_lse": lse}))
+    assert e.reason == "range" and "logit_lse must be 0 before stats_from" in str(e)
+    # the encoder refuses the same (validate, as pack_sequences and encode run it)
+    for bad in ([lengths[0] + 1, *good[1:]], [good[0], firsts[1] + 1, *good[2:]]):
+        with pytest.raises(WireError, match="stats_from"):
+            validate(dataclasses.replace(b, stats_from=torch.tensor(bad, dtype=torch.int32)))
+
+
+def test_pack_sequences_and_drop_nonfinite_keep_stats_from():
+    b = _stats_batch()
+    seqs = [b.sequence(i) for i in range(4)]
+    kw = dict(run_id="dummy", policy_version=0, source_rank=0, batch_id=0, step=0, aux_layer_ids=b.aux_layer_ids,
+              hidden_size=b.hidden_size, vocab_size=b.vocab_size, final_norm="post", temperature=1.0)
+    packed = pack_sequences(seqs, stats_from=b.stats_from.tolist(), **kw)
+    assert_same(packed, b)
+    with pytest.raises(ValueError, match="3 entries for 4 sequences"):
+        pack_sequences(seqs, stats_from=[0, 0, 0], **kw)
+    aux = b.aux_hidden.clone()
+    aux[int(b.cu_seqlens[1])] = math.nan  # sequence 1
+    kept, dropped = drop_nonfinite(dataclasses.replace(b, aux_hidden=aux))
+    assert dropped == 1 and kept.stats_from.tolist() == [b.stats_from[i].item() for i in (0, 2, 3)]
+    assert_same(decode(encode(kept, None), None), kept)
+
+
+def test_tap_part_split_refuses_stats_from():
+    from draft_align.wire.messages import TapPart
+
+    with pytest.raises(ValueError, match="TapPart carries no stats_from"):
+        TapPart.split(_stats_batch(), ((1,), (2, 3)))

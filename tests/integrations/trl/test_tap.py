@@ -39,10 +39,11 @@ def _batches(sink):
 
 def _sequences(msg):
     cu = msg.cu_seqlens.tolist()
-    for a, b in itertools.pairwise(cu):
-        yield {k: (None if getattr(msg, k) is None else getattr(msg, k)[a:b])
+    for i, (a, b) in enumerate(itertools.pairwise(cu)):
+        seq = {k: (None if getattr(msg, k) is None else getattr(msg, k)[a:b])
                for k in ("input_ids", "loss_mask", "aux_hidden", "final_hidden", "next_logprob", "logit_lse",
                          "topk_ids", "topk_logprobs")}
+        yield {**seq, "stats_from": msg.stats_start(i)}
 
 
 def _hf_reference(trainer, inputs):
@@ -79,6 +80,8 @@ def _same(got, want):
     assert [key(s) for s in got] == [key(s) for s in want]
     for g, w in zip(got, want, strict=True):
         assert torch.equal(g["loss_mask"], w["loss_mask"]) and torch.equal(g["topk_ids"], w["topk_ids"])
+        # statistics from the position before the first response token on (TRL's left-padded prompt or not)
+        assert g["stats_from"] == w["stats_from"] == int(w["loss_mask"].to(torch.int8).argmax()) - 1
         for name in ("aux_hidden", "final_hidden", "next_logprob", "logit_lse", "topk_logprobs"):
             torch.testing.assert_close(g[name].float(), w[name].float(), atol=2e-2, rtol=1e-2)
 
