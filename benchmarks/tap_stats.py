@@ -14,7 +14,7 @@ and is not timed.  Two arms, interleaved, ``--repeats`` each, medians reported:
 
 It checks that both arms give the same statistics where ``from_response`` defines them (bit for bit).  Run on a
 checkout without ``stats_start`` (the code before the change) it times the one arm that code has.  Writes
-``benchmarks/out/tap_stats.json``; nothing in RESULTS.md.
+``benchmarks/out/tap_stats.json`` (its table in RESULTS.md is written by hand).
 """
 
 from __future__ import annotations
