@@ -15,7 +15,7 @@ from draft_align import assets, warmstart
 from draft_align.config import load_recipe
 from draft_align.engines.vllm.start import vllm_available
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 pytest.importorskip("trl")
 
 
