@@ -16,6 +16,7 @@ import torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from draft_align.tap.hf import HFPolicyTap
+from tests.helpers import ListSink
 
 V = 50
 AUX = (0, 2, 3)
@@ -25,15 +26,6 @@ ROWS = 3
 TOKENS_PER_STEP = 40  # rank 0 offers 3 × (7 + 5 + 9) = 63 tokens: the budget keeps only some
 GLOO_TIMEOUT_S = 60  # a mismatched collective fails the child after this long instead of hanging it
 JOIN_S = 180  # two spawned interpreters importing torch and transformers, plus the gloo timeout
-
-
-class ListSink:
-    def __init__(self) -> None:
-        self.messages: list = []
-
-    def offer(self, message) -> bool:
-        self.messages.append(message)
-        return True
 
 
 def _model() -> LlamaForCausalLM:
