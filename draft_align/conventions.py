@@ -21,6 +21,10 @@ DRAFT_KINDS: tuple[DraftKind, ...] = get_args(DraftKind)
 #: samples from q and the target accepts with min(1, p/q) (lossless rejection sampling).
 VerifyMode = Literal["greedy", "greedy_draft", "probabilistic"]
 VERIFY_MODES: tuple[str, ...] = get_args(VerifyMode)
+#: What the RL rollouts may verify with (``rl.verify_mode``): a verify mode, or ``auto`` — at T > 0 on vLLM
+#: the draft sampling (``greedy_draft`` | ``probabilistic``) with the higher acceptance measured on the engine
+#: (draft_align/engines/vllm/verify_choice.py).
+ROLLOUT_VERIFY_MODES: tuple[str, ...] = ("auto", *VERIFY_MODES)
 
 #: The draft's training objectives (``train.loss`` / ``sidecar.loss``; formulas in train/losses.py and
 #: docs/acceptance.md "Training objectives"): ``soft`` cross-entropy against the target's distribution p

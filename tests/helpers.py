@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -133,3 +134,74 @@ def run_warmstart(recipe, home: Path) -> tuple[dict[str, Any], float]:
         finally:
             torch.set_num_threads(threads)
     return summary, time.perf_counter() - t0
+
+
+# ---------------------------------------------------------------- distribution tests of sampled tokens
+def chi2_test(counts: torch.Tensor, probs: torch.Tensor, p_value: float = 1e-3) -> tuple[float, float]:
+    """(Pearson χ² statistic, critical value at ``p_value``) with bins merged to expected counts ≥ 5.
+
+    The critical value uses the Wilson–Hilferty approximation (scipy is not a dependency).
+    """
+    n = counts.sum().item()
+    expected = probs.double() * n
+    order = expected.argsort()
+    groups, cur_o, cur_e = [], 0.0, 0.0
+    for i in order.tolist():
+        cur_o += counts[i].item()
+        cur_e += expected[i].item()
+        if cur_e >= 5.0:
+            groups.append((cur_o, cur_e))
+            cur_o, cur_e = 0.0, 0.0
+    if cur_e > 0 or cur_o > 0:  # left-over mass joins the last (largest) group
+        o, e = groups.pop()
+        groups.append((o + cur_o, e + cur_e))
+    stat = sum((o - e) ** 2 / e for o, e in groups)
+    df = len(groups) - 1
+    z = {1e-3: 3.0902, 1e-2: 2.3263}[p_value]
+    crit = df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+    return stat, crit
+
+
+def _next_probs(target: nn.Module, ctx: torch.Tensor, temp: float, chunk: int = 512) -> torch.Tensor:
+    """softmax(logits / temp) of the token after each row of ``ctx`` [n, t] (float64 [n, V]), in chunks."""
+    return torch.cat([
+        torch.softmax(target(ctx[i : i + chunk]).logits[:, -1].double() / temp, -1) for i in range(0, len(ctx), chunk)
+    ])  # fmt: skip
+
+
+def exact_three(target: nn.Module, prompt: list[int], temp: float) -> dict[str, Any]:
+    """The exact statistics of the 3 tokens ``target`` samples after ``prompt`` at ``temp``: the marginals
+    [p(x1), p(x2), p(x3)] ([V] each), the greedy token tables argmax p(x2|x1) [V] and argmax p(x3|x1,x2) [V, V],
+    and the probabilities that x2 and x3 are their greedy tokens (V² contexts through ``target``)."""
+    with torch.no_grad():
+        base = torch.tensor(prompt)
+        p1 = _next_probs(target, base[None], temp)[0]
+        v = p1.numel()
+        ctx2 = torch.cat([base.expand(v, -1), torch.arange(v)[:, None]], 1)
+        p2c = _next_probs(target, ctx2, temp)  # [x1, x2]
+        ctx3 = torch.cat([ctx2.repeat_interleave(v, 0), torch.arange(v).repeat(v)[:, None]], 1)
+        p3c = _next_probs(target, ctx3, temp).view(v, v, v)
+    return dict(
+        marginals=[p1, p1 @ p2c, torch.einsum("a,ab,abc->c", p1, p2c, p3c)],
+        greedy2=p2c.argmax(-1),
+        greedy3=p3c.argmax(-1),
+        p_greedy=[
+            (p1 * p2c.max(-1).values).sum().item(),
+            torch.einsum("a,ab,ab->", p1, p2c, p3c.max(-1).values).item(),
+        ],
+    )
+
+
+def distribution_stats(outs: torch.Tensor, ex: dict[str, Any]) -> tuple[list[tuple[float, float]], list[float]]:
+    """χ² (stat, critical) of each of the 3 sampled tokens' marginals (``outs`` [n, 3] against
+    :func:`exact_three`), and z-scores of how often x2, x3 are the greedy token of their context (the statistic
+    that a bias towards the drafts moves most)."""
+    n = outs.shape[0]
+    v = ex["marginals"][0].numel()
+    chi2 = [chi2_test(torch.bincount(outs[:, i], minlength=v).double(), ex["marginals"][i]) for i in range(3)]
+    hits = [
+        (outs[:, 1] == ex["greedy2"][outs[:, 0]]).sum().item(),
+        (outs[:, 2] == ex["greedy3"][outs[:, 0], outs[:, 1]]).sum().item(),
+    ]
+    z = [(h - n * e) / math.sqrt(n * e * (1 - e)) for h, e in zip(hits, ex["p_greedy"], strict=True)]
+    return chi2, z

@@ -10,7 +10,14 @@ from collections.abc import Sequence
 from enum import Enum, StrEnum
 from typing import Any
 
-from draft_align.conventions import FLOAT_DTYPE_NAMES, LOSS_KINDS, VERIFY_MODES, HeadKind, MTPLayout
+from draft_align.conventions import (
+    FLOAT_DTYPE_NAMES,
+    LOSS_KINDS,
+    ROLLOUT_VERIFY_MODES,
+    VERIFY_MODES,
+    HeadKind,
+    MTPLayout,
+)
 
 CHOICE_NAMES: dict[type[Enum], str] = {}  # how a RecipeError names a value of each choice
 
@@ -30,6 +37,7 @@ MTPInitChoice = _choice("MTPInitChoice", ("last_layer", "random"), "MTP init")
 AdaptChoice = _choice("AdaptChoice", ("full", "lora"), "adaptation")  # whole draft | LoRA over a frozen one
 LossChoice = _choice("LossChoice", LOSS_KINDS, "loss")  # training objectives (conventions.LossKind)
 VerifyModeChoice = _choice("VerifyModeChoice", VERIFY_MODES, "verify mode")
+RolloutVerifyChoice = _choice("RolloutVerifyChoice", ROLLOUT_VERIFY_MODES, "rollout verify mode")  # + auto
 EngineChoice = _choice("EngineChoice", ("auto", "vllm", "reference"), "rollout engine")
 # when the sidecar trains (sidecar/trigger.py)
 TrainTriggerChoice = _choice("TrainTriggerChoice", ("always", "drift"), "training trigger")

@@ -117,6 +117,11 @@ class CotrainRecipe(_RecipeHeader):
                 "rl.verify_mode greedy (argmax everywhere) at T > 0 has no vLLM equivalent: use "
                 "greedy_draft (vLLM's default) or probabilistic, or rl.engine=reference"
             )
+        if self.rl.verify_mode == "auto" and (self.rl.engine != "vllm" or self.rl.engine_probe_prompts == 0):
+            raise RecipeError(
+                "rl.verify_mode=auto chooses the draft sampling by measuring both on vLLM's probe prompts: it "
+                "needs rl.engine=vllm and rl.engine_probe_prompts > 0 (or choose greedy_draft | probabilistic)"
+            )
         if not 0.0 <= self.rl.frozen_fraction <= 1.0:
             raise RecipeError("rl.frozen_fraction must be in [0, 1]")
         if self.rl.group_size < 2:

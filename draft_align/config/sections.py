@@ -15,6 +15,7 @@ from draft_align.config.choices import (
     MTPInitChoice,
     MTPLayoutChoice,
     ParallelChoice,
+    RolloutVerifyChoice,
     TrainTriggerChoice,
     VerifyModeChoice,
     WandbModeChoice,
@@ -228,7 +229,7 @@ class RLConfig:
     max_new_tokens: int = 64
     temperature: float = 1.0
     spec_k: int = 3
-    verify_mode: VerifyModeChoice = VerifyModeChoice("greedy_draft")
+    verify_mode: RolloutVerifyChoice = RolloutVerifyChoice("greedy_draft")  # auto: measured (vLLM, T > 0)
     frozen_fraction: float = 0.5  # share of rollouts decoded with the frozen warm-start draft (lossless)
     reward: str = "enthusiasm"
     lr: float = 2e-4

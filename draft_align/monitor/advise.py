@@ -207,6 +207,9 @@ def run_settings(run: Path, records: Sequence[Mapping[str, Any]], k: int) -> Run
 
         rl = load_recipe(recipe_path, None, CotrainRecipe).rl
         mode, temperature, k = str(rl.verify_mode), float(rl.temperature), int(rl.spec_k)
+    if mode == "auto":  # measured and chosen by the engine: the mode its latest step served
+        served = [v for r in records if (v := number(r.get("verify_probabilistic"))) is not None]
+        mode = ("probabilistic" if served[-1] else "greedy_draft") if served else mode
     engine = "vllm" if any(number(r.get("engine_vllm")) for r in records) else "reference"
     sizes = [int(v) for r in records if (v := number(r.get("rollouts_adapted")) or number(r.get("rollouts_frozen")))]
     batch = 1 if engine == "reference" or not sizes else int(statistics.median_low(sizes))

@@ -192,3 +192,13 @@ def test_one_calibrated_k_gives_no_k_advice(tmp_path):
     assert any("only k=2 has a measured round cost" in x for x in a.lines)
     assert not any("beyond the best" in x or "a larger k" in x for x in a.lines)
     assert any("projected slower" in x for x in a.lines)
+
+
+def test_run_settings_of_an_auto_verify_run_read_the_mode_that_served(tmp_path):
+    from draft_align.monitor.advise import run_settings
+
+    save_recipe(CotrainRecipe(rl=RLConfig(engine="vllm", verify_mode="auto", temperature=1.0)), tmp_path / RESOLVED_RECIPE)
+    served = [{"engine_vllm": 1.0, "verify_probabilistic": 0.0}, {"engine_vllm": 1.0, "verify_probabilistic": 1.0}]
+    assert run_settings(tmp_path, served, 3).verify_mode == "probabilistic"  # the latest step's
+    assert run_settings(tmp_path, served[:1], 3).verify_mode == "greedy_draft"
+    assert run_settings(tmp_path, [{"engine_vllm": 1.0}], 3).verify_mode == "auto"  # no step said: left as it is

@@ -6,6 +6,7 @@ import torch
 from draft_align.monitor import specdec
 from draft_align.monitor.evaluate import eos_ids
 from draft_align.monitor.specdec import SpecDecoder, verify_chain
+from tests.helpers import chi2_test, distribution_stats, exact_three
 
 PROMPTS = [[5, 17, 33], [1, 9, 40, 22, 7, 63], [12, 0, 31, 31, 8, 50, 2, 19, 44]]
 DRAFTS = ["draft_random48", "draft_random64", "draft_good48"]
@@ -47,31 +48,6 @@ def test_verify_chain_greedy_mode_ignores_temperature():
         for _ in range(20)
     }
     assert out == {(1, 5)}
-
-
-def chi2_test(counts: torch.Tensor, probs: torch.Tensor, p_value: float = 1e-3) -> tuple[float, float]:
-    """(Pearson χ² statistic, critical value at ``p_value``) with bins merged to expected counts ≥ 5.
-
-    The critical value uses the Wilson–Hilferty approximation (scipy is not a dependency).
-    """
-    n = counts.sum().item()
-    expected = probs.double() * n
-    order = expected.argsort()
-    groups, cur_o, cur_e = [], 0.0, 0.0
-    for i in order.tolist():
-        cur_o += counts[i].item()
-        cur_e += expected[i].item()
-        if cur_e >= 5.0:
-            groups.append((cur_o, cur_e))
-            cur_o, cur_e = 0.0, 0.0
-    if cur_e > 0 or cur_o > 0:  # left-over mass joins the last (largest) group
-        o, e = groups.pop()
-        groups.append((o + cur_o, e + cur_e))
-    stat = sum((o - e) ** 2 / e for o, e in groups)
-    df = len(groups) - 1
-    z = {1e-3: 3.0902, 1e-2: 2.3263}[p_value]
-    crit = df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
-    return stat, crit
 
 
 @pytest.mark.parametrize(
@@ -152,30 +128,12 @@ Z_CRIT = 3.29  # two-sided p = 1e-3
 
 @pytest.fixture(scope="module")
 def exact(target):
-    """temperature → exact target statistics of the 3 tokens after STAT_PROMPT: the marginals
-    [p(x1), p(x2), p(x3)] ([64] each), the greedy token tables argmax p(x2|x1) [64] and
-    argmax p(x3|x1,x2) [64, 64], and the probabilities that x2 and x3 are their greedy tokens."""
+    """temperature → exact target statistics of the 3 tokens after STAT_PROMPT (tests.helpers.exact_three)."""
     cache = {}
 
     def get(temp):
         if temp not in cache:
-            v = 64
-            prompt = torch.tensor(STAT_PROMPT)
-            with torch.no_grad():
-                p1 = torch.softmax(target(prompt[None]).logits[0, -1].double() / temp, -1)
-                ctx2 = torch.cat([prompt.expand(v, -1), torch.arange(v)[:, None]], 1)
-                p2c = torch.softmax(target(ctx2).logits[:, -1].double() / temp, -1)  # [x1, x2]
-                ctx3 = torch.cat([ctx2.repeat_interleave(v, 0), torch.arange(v).repeat(v)[:, None]], 1)
-                p3c = torch.softmax(target(ctx3).logits[:, -1].double() / temp, -1).view(v, v, v)
-            cache[temp] = dict(
-                marginals=[p1, p1 @ p2c, torch.einsum("a,ab,abc->c", p1, p2c, p3c)],
-                greedy2=p2c.argmax(-1),
-                greedy3=p3c.argmax(-1),
-                p_greedy=[
-                    (p1 * p2c.max(-1).values).sum().item(),
-                    torch.einsum("a,ab,ab->", p1, p2c, p3c.max(-1).values).item(),
-                ],
-            )
+            cache[temp] = exact_three(target, STAT_PROMPT, temp)
         return cache[temp]
 
     return get
@@ -192,21 +150,6 @@ def sample_three(target, draft, k, mode, temp, n, seed):
         rounds += tally.rounds
         accepted += tally.num_accepted
     return torch.stack(outs), rounds, accepted
-
-
-def distribution_stats(outs, ex):
-    """χ² (stat, critical) of each token's marginal, and z-scores of how often x2, x3 are the greedy
-    token of their context (the statistic that a bias towards the drafts moves most)."""
-    n = outs.shape[0]
-    chi2 = [
-        chi2_test(torch.bincount(outs[:, i], minlength=64).double(), ex["marginals"][i]) for i in range(3)
-    ]
-    hits = [
-        (outs[:, 1] == ex["greedy2"][outs[:, 0]]).sum().item(),
-        (outs[:, 2] == ex["greedy3"][outs[:, 0], outs[:, 1]]).sum().item(),
-    ]
-    z = [(h - n * e) / math.sqrt(n * e * (1 - e)) for h, e in zip(hits, ex["p_greedy"], strict=True)]
-    return chi2, z
 
 
 N_SAMPLES = 600

@@ -44,7 +44,8 @@ from draft_align.engines.rollout_types import (
 from draft_align.engines.vllm.counters import SpecCounters
 from draft_align.engines.vllm.refresher import DraftRefresher, ProbeGuard
 from draft_align.engines.vllm.start import EngineError, collective_rpc, import_vllm, start_engine
-from draft_align.engines.vllm.worker_rpc import rpc_load_policy_layers
+from draft_align.engines.vllm.verify_choice import CANDIDATES, VerifyChoice, choose_verify_mode
+from draft_align.engines.vllm.worker_rpc import rpc_load_policy_layers, rpc_set_draft_sample_method
 from draft_align.hf.lora_layers import policy_layer_weights
 from draft_align.monitor.acceptance import AcceptanceTally
 from draft_align.monitor.logprob_gap import logprob_gap
@@ -56,6 +57,7 @@ log = logging.getLogger(__name__)
 PolicySync = Literal["layers", "external"]
 POLICY_SYNCS: tuple[str, ...] = ("layers", "external")
 VERIFY_TO_SAMPLE_METHOD = {"greedy_draft": "greedy", "probabilistic": "probabilistic"}
+AUTO_VERIFY = "auto"  # rl.verify_mode: choose between VERIFY_TO_SAMPLE_METHOD's modes by measurement
 SEED_BITS = 62  # per-request seeds vLLM's sampler takes
 
 
@@ -72,8 +74,10 @@ class VLLMRollouts:
     """vLLM serving the current policy with the frozen or the adapted draft (see the module docstring).
 
     ``target``: the base model the policy's LoRA sits on (alias, folder or hub id); ``frozen``: the verified
-    warm-start draft.  ``verify_mode``: ``greedy_draft`` (vLLM's default draft sampling) or ``probabilistic``;
-    vLLM has no "argmax everywhere" mode at T > 0.  ``llm``: an engine already running with ``frozen`` as its
+    warm-start draft.  ``verify_mode``: ``greedy_draft`` (vLLM's default draft sampling), ``probabilistic``, or
+    ``auto``: at T > 0 the one with the higher acceptance measured on ``guard``'s probe prompts (vLLM's counters,
+    :func:`~draft_align.engines.vllm.verify_choice.choose_verify_mode`), measured again with each newly served
+    adapted draft; vLLM has no "argmax everywhere" mode at T > 0.  ``llm``: an engine already running with ``frozen`` as its
     EAGLE-3 draft (else one is started); ``policy_sync``: see :data:`PolicySync`.
     """
 
@@ -92,14 +96,21 @@ class VLLMRollouts:
         policy_sync: PolicySync = "layers",
         **llm_kwargs: Any,
     ) -> None:
+        self.auto_verify = verify_mode == AUTO_VERIFY
+        if self.auto_verify:
+            if guard is None:
+                raise EngineError("verify mode auto measures both draft sampling methods on the probe prompts: "
+                                  "it needs a probe guard (rl.engine_probe_prompts > 0)")  # fmt: skip
+            verify_mode = CANDIDATES[0]  # vLLM's default until the first measurement
         if verify_mode not in VERIFY_TO_SAMPLE_METHOD:
             raise EngineError(
-                f"verify mode {verify_mode!r} has no vLLM equivalent: use greedy_draft (vLLM's default) or "
-                f"probabilistic"
+                f"verify mode {verify_mode!r} has no vLLM equivalent: use greedy_draft (vLLM's default), "
+                f"probabilistic or auto"
             )
         self.frozen = frozen
         self.k = int(k)
-        self.verify_mode = verify_mode
+        self.verify_mode = verify_mode  # the one serving now
+        self.verify_choice: VerifyChoice | None = None  # the latest measurement (verify mode auto)
         if policy_sync not in POLICY_SYNCS:
             raise EngineError(f"policy_sync {policy_sync!r}: expected one of {POLICY_SYNCS}")
         self.policy_sync: PolicySync = policy_sync
@@ -176,6 +187,43 @@ class VLLMRollouts:
             )
         self.serving = kind  # type: ignore[assignment]
 
+    # ----------------------------------------------------------------- verify mode (auto)
+    def set_verify_mode(self, mode: str) -> None:
+        """Verify with ``mode`` (greedy_draft | probabilistic) from the next ``generate`` on, no restart."""
+        if mode not in VERIFY_TO_SAMPLE_METHOD:
+            raise EngineError(f"verify mode {mode!r}: expected one of {tuple(VERIFY_TO_SAMPLE_METHOD)}")
+        collective_rpc(self.llm, rpc_set_draft_sample_method, VERIFY_TO_SAMPLE_METHOD[mode])
+        self.verify_mode = mode
+
+    def _probe_tally(self, mode: str, temperature: float) -> AcceptanceTally:
+        """The serving draft's counters over the guard's probe prompts in ``mode`` at ``temperature`` (fixed
+        seeds, every prompt ``max_tokens`` long)."""
+        guard = self.refresher.guard
+        assert guard is not None  # checked at construction
+        vllm = import_vllm()
+        self.set_verify_mode(mode)
+        params = [vllm.SamplingParams(temperature=float(temperature), max_tokens=guard.max_tokens, seed=7919 + i,
+                                      ignore_eos=True, detokenize=False)
+                  for i in range(len(guard.prompts))]  # fmt: skip
+        before = SpecCounters.snapshot(self.llm)
+        self.llm.generate(list(guard.prompts), params, use_tqdm=False)
+        return (SpecCounters.snapshot(self.llm) - before).as_tally(self.k)
+
+    def choose_verify_mode(self, temperature: float) -> VerifyChoice:
+        """Measure both modes with the draft that pays (the adapted one when there is one) and serve the winner."""
+        self.use("adapted" if self._adapted is not None else "frozen")
+        current = self.verify_mode
+        choice = choose_verify_mode(lambda m: self._probe_tally(m, temperature), current=current,
+                                    draft=str(self.refresher.current.path), temperature=temperature)  # fmt: skip
+        self.set_verify_mode(choice.mode)
+        self.verify_choice = choice
+        return choice
+
+    def _verify_choice_stale(self, temperature: float) -> bool:
+        c = self.verify_choice
+        want = self._adapted if self._adapted is not None else self.frozen
+        return c is None or c.temperature != float(temperature) or Path(c.draft).resolve() != want.path.resolve()
+
     # ----------------------------------------------------------------- generation
     def generate(
         self,
@@ -235,6 +283,8 @@ class VLLMRollouts:
     ) -> tuple[list[Rollout], dict[DraftKind, AcceptanceTally]]:
         """All rollouts of ``plan``: one batched generate per draft, the serving draft's first; each draft's
         acceptance is the counter difference around its generate."""
+        if self.auto_verify and decoding.temperature > 0 and self._verify_choice_stale(decoding.temperature):
+            self.choose_verify_mode(decoding.temperature)
         seeded = list(zip(plan.rollouts, plan.seeds(SEED_BITS), strict=True))
         order = sorted(DRAFT_KINDS, key=lambda kind: kind != self.serving)
         results: dict[int, EngineOutput] = {}
@@ -275,6 +325,8 @@ class VLLMRollouts:
         sync time are the step's own ``draft_version`` and ``policy_sync_s``."""
         return {
             **self.refresher.metrics(),
+            **(self.verify_choice.metrics() if self.verify_choice is not None else {}),
+            "verify_probabilistic": float(self.verify_mode == "probabilistic"),  # which mode served (1 / 0)
             "engine_policy_version": float(self.policy_version),
             "engine_policy_syncs": float(self.syncs),
             "engine_offers_refused": float(self.offers_refused),

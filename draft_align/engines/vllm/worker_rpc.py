@@ -252,3 +252,26 @@ def rpc_load_policy_layers(worker: Any, weights: Mapping[str, torch.Tensor], ver
     worker.model_runner.draft_align_policy_version = int(version)
     return {"layers": len(layers), "tensors": len(weights), "loaded": len(loaded or ()), "checked": checked,
             "seconds": time.perf_counter() - start}  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------- draft sampling
+PROBABILISTIC_FLAG = "_enable_probabilistic_draft_probs"  # vLLM's proposer: sample x ~ q and hand q over
+
+
+def rpc_set_draft_sample_method(worker: Any, method: str) -> str:
+    """(runs in each worker) Switch the serving EAGLE proposer between vLLM's ``greedy`` draft sampling (it
+    proposes argmax q, no draft probabilities) and ``probabilistic`` (x ~ q; q goes to the rejection sampler),
+    without a restart; returns the method now in force.  Call it between ``generate`` calls (no request in
+    flight).  vLLM reads the method at start in the proposer's flag, which this sets with the config."""
+    runner = worker.model_runner
+    drafter = getattr(runner, "drafter", None)
+    spec = worker.vllm_config.speculative_config
+    if drafter is None or spec is None or not hasattr(drafter, PROBABILISTIC_FLAG):
+        raise EngineError("this engine's proposer cannot switch its draft sampling method (restart it instead)")
+    if method not in ("greedy", "probabilistic"):
+        raise EngineError(f"draft sample method {method!r}: expected greedy or probabilistic")
+    if method == "probabilistic" and (spec.rejection_sample_method != "standard" or spec.use_heterogeneous_vocab):
+        raise EngineError("probabilistic draft sampling needs vLLM's standard rejection sampler and one vocabulary")
+    spec.draft_sample_method = method
+    setattr(drafter, PROBABILISTIC_FLAG, method == "probabilistic")
+    return method

@@ -55,5 +55,8 @@ def colocate_rollouts(trainer: Any, frozen: DraftVersion, recipe: CotrainRecipe)
             "its counters; use vllm_mode='colocate' (GPU) or use_vllm=False with draft_align's rollout_func (CPU)"
         )
     rl = recipe.rl
+    if rl.verify_mode == "auto":
+        raise TRLConfigError("rl.verify_mode=auto measures both draft sampling methods on draft_align's probe "
+                             "prompts, which TRL's colocate engine is not given: choose greedy_draft or probabilistic")
     return VLLMRollouts(recipe.target.model, frozen, k=rl.spec_k, verify_mode=rl.verify_mode, dtype=recipe.target.dtype,
                         llm=trainer.vllm_generation.llm, policy_sync="external")  # fmt: skip
