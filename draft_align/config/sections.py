@@ -230,6 +230,7 @@ class RLConfig:
     temperature: float = 1.0
     spec_k: int = 3
     verify_mode: RolloutVerifyChoice = RolloutVerifyChoice("greedy_draft")  # auto: measured (vLLM, T > 0)
+    verify_recheck_every: int = 0  # verify_mode auto: measure again after this many new adapted drafts (0: once)
     frozen_fraction: float = 0.5  # share of rollouts decoded with the frozen warm-start draft (lossless)
     reward: str = "enthusiasm"
     lr: float = 2e-4

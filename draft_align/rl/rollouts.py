@@ -193,6 +193,7 @@ def start_rollout_engine(recipe: CotrainRecipe, frozen: DraftVersion | None, pro
         return vllm_rollouts.VLLMRollouts(
             recipe.target.model, frozen, k=rl.spec_k, verify_mode=rl.verify_mode, dtype=recipe.target.dtype,
             max_model_len=rl.engine_max_model_len, seed=recipe.seed, guard=guard, enforce_eager=True,
+            verify_recheck_every=rl.verify_recheck_every,
             use_tqdm_on_load=False,  # no progress bars between the table's rows
         )  # fmt: skip
     except (vllm_start.EngineError, ValueError) as e:

@@ -76,8 +76,9 @@ class VLLMRollouts:
     ``target``: the base model the policy's LoRA sits on (alias, folder or hub id); ``frozen``: the verified
     warm-start draft.  ``verify_mode``: ``greedy_draft`` (vLLM's default draft sampling), ``probabilistic``, or
     ``auto``: at T > 0 the one with the higher acceptance measured on ``guard``'s probe prompts (vLLM's counters,
-    :func:`~draft_align.engines.vllm.verify_choice.choose_verify_mode`), measured again with each newly served
-    adapted draft; vLLM has no "argmax everywhere" mode at T > 0.  ``llm``: an engine already running with ``frozen`` as its
+    :func:`~draft_align.engines.vllm.verify_choice.choose_verify_mode`) before the first T > 0 rollouts, and again
+    after every ``verify_recheck_every`` newly served adapted drafts (0: never again; one measurement costs
+    two probe passes); vLLM has no "argmax everywhere" mode at T > 0.  ``llm``: an engine already running with ``frozen`` as its
     EAGLE-3 draft (else one is started); ``policy_sync``: see :data:`PolicySync`.
     """
 
@@ -94,6 +95,7 @@ class VLLMRollouts:
         guard: ProbeGuard | None = None,
         llm: Any = None,
         policy_sync: PolicySync = "layers",
+        verify_recheck_every: int = 0,
         **llm_kwargs: Any,
     ) -> None:
         self.auto_verify = verify_mode == AUTO_VERIFY
@@ -111,6 +113,10 @@ class VLLMRollouts:
         self.k = int(k)
         self.verify_mode = verify_mode  # the one serving now
         self.verify_choice: VerifyChoice | None = None  # the latest measurement (verify mode auto)
+        if verify_recheck_every < 0:
+            raise EngineError(f"verify_recheck_every must be ≥ 0 (0: measure once), got {verify_recheck_every}")
+        self.verify_recheck_every = int(verify_recheck_every)
+        self.adapted_since_choice = 0  # adapted drafts newly served since the latest measurement
         if policy_sync not in POLICY_SYNCS:
             raise EngineError(f"policy_sync {policy_sync!r}: expected one of {POLICY_SYNCS}")
         self.policy_sync: PolicySync = policy_sync
@@ -169,6 +175,7 @@ class VLLMRollouts:
         if ok:
             self._adapted = draft
             self.serving = "adapted"
+            self.adapted_since_choice += 1
         else:
             self.offers_refused += 1
         return ok
@@ -217,12 +224,14 @@ class VLLMRollouts:
                                     draft=str(self.refresher.current.path), temperature=temperature)  # fmt: skip
         self.set_verify_mode(choice.mode)
         self.verify_choice = choice
+        self.adapted_since_choice = 0
         return choice
 
     def _verify_choice_stale(self, temperature: float) -> bool:
         c = self.verify_choice
-        want = self._adapted if self._adapted is not None else self.frozen
-        return c is None or c.temperature != float(temperature) or Path(c.draft).resolve() != want.path.resolve()
+        if c is None or c.temperature != float(temperature):
+            return True
+        return 0 < self.verify_recheck_every <= self.adapted_since_choice
 
     # ----------------------------------------------------------------- generation
     def generate(

@@ -26,6 +26,7 @@ import torch
 from draft_align.engines.rollout_types import DraftVersion
 from draft_align.engines.vllm.counters import SpecCounters
 from draft_align.engines.vllm.start import EngineError
+from draft_align.engines.vllm.verify_choice import MARGIN_SE
 from draft_align.publish.versions import version_dir
 from tests.engines.conftest import ENGINE_K, QUESTIONS
 from tests.helpers import distribution_stats, exact_three
@@ -189,7 +190,7 @@ def test_auto_verify_mode_measures_both_and_serves_the_better(vllm_world, vllm_e
         assert c is not None and set(c.length) == {"greedy_draft", "probabilistic"}
         assert all(r >= 8 * 23 / (ENGINE_K + 1) for r in c.rounds.values())  # every probe prompt decoded per mode
         best = max(c.length, key=c.length.get)
-        past_noise = abs(c.length["probabilistic"] - c.length["greedy_draft"]) > 2 * (
+        past_noise = abs(c.length["probabilistic"] - c.length["greedy_draft"]) > MARGIN_SE * (
             c.se["probabilistic"] ** 2 + c.se["greedy_draft"] ** 2) ** 0.5  # fmt: skip
         assert c.mode == (best if past_noise else "greedy_draft")
         assert eng.verify_mode == c.mode
@@ -198,5 +199,11 @@ def test_auto_verify_mode_measures_both_and_serves_the_better(vllm_world, vllm_e
         assert m["verify_measured_L_probabilistic"] == c.length["probabilistic"]
         eng.rollouts(plan, [prompt], Decoding(TEMPERATURE, 8, frozenset({2})))
         assert eng.verify_choice is c  # same draft, same temperature: not measured again
+        eng.offer(DraftVersion.read(version_dir(vllm_world.run, 3)))  # a new adapted draft
+        eng.rollouts(plan, [prompt], Decoding(TEMPERATURE, 8, frozenset({2})))
+        assert eng.verify_choice is c  # verify_recheck_every = 0: measured once
+        eng.verify_recheck_every = 1
+        eng.rollouts(plan, [prompt], Decoding(TEMPERATURE, 8, frozenset({2})))
+        assert eng.verify_choice is not c and eng.verify_choice.draft.endswith("v0003")  # the adapted one
         tokens, _ = sample_three(llm, stat_prompt)
     assert_lossless(tokens, exact)

@@ -32,7 +32,7 @@ def measured(tallies):
 
 def test_choice_takes_the_other_mode_only_past_the_margin():
     greedy = AcceptanceTally(400.0, [120.0, 40.0, 10.0])  # L = 1.425
-    better = AcceptanceTally(400.0, [200.0, 90.0, 30.0])  # L = 1.80, far past 2 SE of the difference
+    better = AcceptanceTally(400.0, [200.0, 90.0, 30.0])  # L = 1.80, far past 1 SE of the difference
     measure, seen = measured({"greedy_draft": greedy, "probabilistic": better})
     c = choose_verify_mode(measure, current="greedy_draft", draft="d", temperature=1.0)
     assert seen == ["greedy_draft", "probabilistic"]
@@ -41,7 +41,7 @@ def test_choice_takes_the_other_mode_only_past_the_margin():
     assert c.metrics() == {"verify_measured_L_greedy_draft": pytest.approx(1.425),
                            "verify_measured_L_probabilistic": pytest.approx(1.8)}  # fmt: skip
     # within noise of each other: the current mode stays, whichever it is
-    close = AcceptanceTally(400.0, [124.0, 40.0, 10.0])  # L = 1.435, < 2 SE (≈ 0.05) above greedy
+    close = AcceptanceTally(400.0, [124.0, 40.0, 10.0])  # L = 1.435, < 1 SE (≈ 0.05) above greedy
     for current in ("greedy_draft", "probabilistic"):
         measure, _ = measured({"greedy_draft": greedy, "probabilistic": close})
         assert choose_verify_mode(measure, current=current, draft="d", temperature=1.0).mode == current
