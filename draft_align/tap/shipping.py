@@ -271,6 +271,13 @@ def check_tap_args(run_id: str, sink: Any, tokens_per_step: int, max_tokens_per_
     check_budgets(tokens_per_step, max_tokens_per_message)
 
 
+def check_topk(topk: int, vocab_size: int) -> int:
+    """``topk`` (top-k log-probs per token, 0: none) as an int, refused outside 0..vocab_size."""
+    if not 0 <= int(topk) <= vocab_size:
+        raise PolicyTapError(f"topk must be in 0..{vocab_size}, got {topk}")
+    return int(topk)
+
+
 def check_step_args(policy_version: int, step: int, temperature: float) -> None:
     """``submit()``'s scalar arguments: all ≥ 0."""
     if int(policy_version) < 0 or int(step) < 0:
@@ -463,6 +470,20 @@ def check_head_sync_args(policy_version: int, draft_to_target: torch.Tensor, voc
     if int(d2t.unique().numel()) != int(d2t.numel()):
         raise PolicyTapError("draft_to_target ids must be distinct")
     return d2t
+
+
+def head_sync_message(
+    run_id: str, policy_version: int, hidden_size: int, vocab_size: int, norm_eps: float,
+    norm_weight: torch.Tensor, draft_to_target: torch.Tensor, rows: torch.Tensor,
+) -> HeadSync:
+    """The HeadSync a tap offers, in the wire's dtypes and on the host (copies): the final norm's weight [H]
+    as float32 and its eps, ``draft_to_target`` [Vd] (int64, host: :func:`check_head_sync_args`) and the
+    lm_head rows [Vd, H] of the draft vocabulary as bfloat16."""
+    return HeadSync(
+        run_id=run_id, policy_version=int(policy_version), hidden_size=hidden_size, vocab_size=vocab_size,
+        norm_eps=float(norm_eps), norm_weight=norm_weight.detach().to("cpu", torch.float32).clone(),
+        draft_to_target=draft_to_target.clone(), rows=rows.to(torch.bfloat16).to("cpu").contiguous(),
+    )
 
 
 def offer_head_sync(sink: TapSink, message: HeadSync, counters: TapCounters, who: str) -> bool:
