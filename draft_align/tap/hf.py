@@ -14,6 +14,7 @@ from torch import nn
 from draft_align.hf.capture import HFTap
 from draft_align.hf.parts import decoder_parts
 from draft_align.tap.budget import generator_for
+from draft_align.tap.logit_stats import full_tensor, head_logit_stats, logit_stats, pad_stats, stats_start
 from draft_align.tap.protocol import PolicyTapError, TapSink
 from draft_align.tap.shipping import (
     CaptureSession,
@@ -23,18 +24,13 @@ from draft_align.tap.shipping import (
     check_step_args,
     check_tap_args,
     check_topk,
-    full_tensor,
-    head_logit_stats,
     head_sync_message,
     host_ids,
     host_masks,
     host_tensors,
-    logit_stats,
     offer_head_sync,
-    pad_stats,
     row_starts,
     ship,
-    stats_start,
 )
 from draft_align.wire.packing import pack_sequences
 

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from draft_align.tap.budget import generator_for
+from draft_align.tap.logit_stats import logit_stats, stat_buffers
 from draft_align.tap.megatron_hooks import MegatronTap, gpt_parts
 from draft_align.tap.protocol import PolicyTapError, TapSink
 from draft_align.tap.shipping import (
@@ -48,10 +49,8 @@ from draft_align.tap.shipping import (
     host_ids,
     host_masks,
     host_tensors,
-    logit_stats,
     offer_head_sync,
     ship,
-    stat_buffers,
 )
 from draft_align.wire.codec import validate
 from draft_align.wire.messages import TapPart
@@ -72,7 +71,7 @@ def vocab_parallel_logit_stats(
     logits: torch.Tensor, input_ids: torch.Tensor, topk: int, *, vocab_size: int, group: Any, tp_rank: int,
     tp_size: int, max_elements: int = 1 << 26,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """:func:`~draft_align.tap.shipping.logit_stats` from vocab-parallel logits, collectively over the TP
+    """:func:`~draft_align.tap.logit_stats.logit_stats` from vocab-parallel logits, collectively over the TP
     group: rank r holds logits [L, Vl] of global ids r·Vl … (r+1)·Vl − 1 (megatron's equal split of the padded
     vocab); ids ≥ ``vocab_size`` (padding) are ignored.  lse = m + log Σ_r Σ exp(x − m) with m the global
     max; the next token's logit comes from the rank that owns it; top-k is the top-k of the ranks' top-k."""

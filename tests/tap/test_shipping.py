@@ -1,5 +1,5 @@
-"""tap.shipping: what both policy taps share — the capture session, the step's sample, logit statistics,
-message chunks and their shipping (no model needed: fake hooks and hand-made sequences)."""
+"""tap.shipping: what both policy taps share — the capture session, the step's sample, message chunks
+and their shipping, the topk check and the HeadSync message (no model needed: fake hooks and hand-made sequences)."""
 
 import pytest
 import torch
@@ -14,7 +14,6 @@ from draft_align.tap.shipping import (
     TapCounters,
     check_topk,
     head_sync_message,
-    logit_stats,
     ship,
 )
 from draft_align.wire.schema import WireError
@@ -45,20 +44,6 @@ class FakeHooks:
 
 def seq(n: int, version: int = 0, step: int = 0, temperature: float = 1.0) -> KeptSequence:
     return KeptSequence(step, version, temperature, n, {"input_ids": torch.arange(n)})
-
-
-def test_logit_stats_chunked_equals_direct():
-    torch.manual_seed(3)
-    logits = torch.randn(9, 17) * 4
-    ids = torch.randint(0, 17, (9,))
-    full = logit_stats(logits, ids, 4)
-    chunked = logit_stats(logits, ids, 4, max_elements=17 * 2)  # 2 tokens per chunk
-    lp = torch.log_softmax(logits, -1)
-    torch.testing.assert_close(full[0][:-1], lp[torch.arange(8), ids[1:]])
-    torch.testing.assert_close(full[1], torch.logsumexp(logits, -1))
-    for a, b in zip(full, chunked, strict=True):
-        torch.testing.assert_close(a, b)
-    assert logit_stats(logits, ids, 0)[2] is None
 
 
 def test_capture_session_attaches_only_inside_and_hands_out_captures():
