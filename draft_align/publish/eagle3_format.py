@@ -43,6 +43,7 @@ from draft_align.publish.folder import (
     ExportError,
     ExportRequest,
     check_destination,
+    check_finite,
     draft_manifest,
     float_dtype_name,
     publish_folder,
@@ -114,8 +115,7 @@ def check_tensors(tensors: Mapping[str, torch.Tensor], cfg: Eagle3Config) -> Non
             )
         raise ExportError(f"{name} has shape {list(got)}, expected {list(shape)}")
     for name, t in tensors.items():
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            raise ExportError(f"non-finite values (NaN/Inf) in {name}")
+        check_finite(name, t)
     try:
         check_d2t(tensors["d2t"].cpu(), tensors["t2d"].cpu())
     except ValueError as e:
@@ -263,8 +263,7 @@ def engine_tensors(draft: Eagle3Draft, dtype: torch.dtype, dialect: Dialect = "h
             t = t.to(torch.bool)
         else:
             t = t.to(dtype)
-            if not bool(torch.isfinite(t).all()):
-                raise ExportError(f"non-finite values (NaN/Inf) in {name} after casting to {dtype}")
+            check_finite(name, t, dtype)
         if dialect == "speculators" and name.startswith("midlayer."):
             name = "layers.0." + name[len("midlayer.") :]
         out[name] = t.contiguous()

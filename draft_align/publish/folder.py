@@ -83,6 +83,14 @@ def float_dtype_name(dtype: torch.dtype) -> str:
     return name
 
 
+def check_finite(name: str, t: torch.Tensor, cast_to: torch.dtype | None = None) -> None:
+    """ExportError when the floating tensor ``t`` holds NaN or Inf (``cast_to``: the storage dtype it was just cast
+    to, e.g. weights finite in float32 and ±inf in bfloat16)."""
+    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        after = f" after casting to {cast_to}" if cast_to is not None else ""
+        raise ExportError(f"non-finite values (NaN/Inf) in {name}{after}")
+
+
 # --------------------------------------------------------------------------------------- bytes on disk
 def fsync_path(path: Path) -> None:
     """fsync a file or a folder (a folder's entry list, after a rename into it)."""

@@ -38,6 +38,7 @@ from draft_align.publish.folder import (
     ExportError,
     ExportRequest,
     check_destination,
+    check_finite,
     draft_manifest,
     float_dtype_name,
     publish_folder,
@@ -323,8 +324,7 @@ def validate_mtp(draft: MTPDraft, target_config: Any) -> None:
         raise ExportError(f"max_position_embeddings {cfg.max_position_embeddings} is smaller than the target's {target_max}")
     check_rope(cfg.rope_parameters, target_config)
     for name, t in draft.engine_state_dict().items():
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            raise ExportError(f"non-finite values (NaN/Inf) in {name}")
+        check_finite(name, t)
 
 
 def mtp_config_json(cfg: MTPConfig, target_config: Any, dtype_name: str) -> dict[str, Any]:
@@ -363,8 +363,7 @@ def write_mtp(draft: MTPDraft, out_dir: Path, req: ExportRequest) -> dict[str, A
     layout = draft.cfg.layout
     tensors = engine_tensors(draft, req.dtype)
     for name, t in tensors.items():
-        if not bool(torch.isfinite(t).all()):
-            raise ExportError(f"non-finite values (NaN/Inf) in {name} after casting to {req.dtype}")
+        check_finite(name, t, req.dtype)
     cfg = dataclasses.replace(draft.cfg, torch_dtype=dtype_name)
     config = mtp_config_json(cfg, req.target_config, dtype_name)
     manifest = draft_manifest(

@@ -1,6 +1,6 @@
 """Starting a sidecar: the draft it starts from, the torchrun world it joins, and the process entry point.
 
-``draft-align sidecar RECIPE`` (``cli.py``) sets the process up (threads, global seed, signal handlers that
+``draft-align sidecar RECIPE`` (``cli/runs.py``) sets the process up (threads, global seed, signal handlers that
 set a stop event) and calls :func:`run_sidecar`; tests and other programs build a
 :class:`~draft_align.sidecar.loop.Sidecar` themselves.
 """

@@ -75,7 +75,7 @@ class Sidecar:
     :meth:`_setup_trainer`, :meth:`_setup_wire`, :meth:`_setup_sinks`); :meth:`run` loops until ``stop`` is
     set, ``max_seconds`` passed or (``exit_when_done``) the RL job's final report, then checkpoints and
     closes.  ``ranks``: the torchrun rank group (``train/parallel.py``), None for one process.
-    Threads, the global seed and signal handlers are the process's business (``cli.py``), not the sidecar's.
+    Threads, the global seed and signal handlers are the process's business (``cli/runs.py``), not the sidecar's.
     """
 
     def __init__(

@@ -14,6 +14,7 @@ from torch import nn
 from draft_align.hf.capture import HFTap
 from draft_align.hf.parts import decoder_parts
 from draft_align.tap.budget import generator_for
+from draft_align.tap.logit_stats import full_tensor, head_logit_stats, logit_stats, pad_stats, stats_start
 from draft_align.tap.protocol import PolicyTapError, TapSink
 from draft_align.tap.shipping import (
     CaptureSession,
@@ -22,19 +23,15 @@ from draft_align.tap.shipping import (
     check_head_sync_args,
     check_step_args,
     check_tap_args,
-    full_tensor,
-    head_logit_stats,
+    check_topk,
+    head_sync_message,
     host_ids,
     host_masks,
     host_tensors,
-    logit_stats,
     offer_head_sync,
-    pad_stats,
     row_starts,
     ship,
-    stats_start,
 )
-from draft_align.wire.messages import HeadSync
 from draft_align.wire.packing import pack_sequences
 
 
@@ -101,9 +98,7 @@ class HFPolicyTap:
         self.aux_layer_ids = self._tap.aux_layer_ids
         self.hidden_size = int(norm.weight.shape[0])
         self.vocab_size = int(lm_head.weight.shape[0])
-        if not 0 <= int(topk) <= self.vocab_size:
-            raise PolicyTapError(f"topk must be in 0..{self.vocab_size}, got {topk}")
-        self.topk = int(topk)
+        self.topk = check_topk(topk, self.vocab_size)
         self._capture = CaptureSession(self._tap)
         self._sample = StepSample(tokens_per_step, generator_for(seed, rank), self.max_tokens_per_message)
         self._batch_id = 0
@@ -211,12 +206,9 @@ class HFPolicyTap:
         if getattr(norm, "weight", None) is None:
             raise PolicyTapError(f"{type(norm).__name__}: final norm has no weight")
         weight = full_tensor(lm_head.weight.detach())
-        rows = weight[d2t.to(weight.device)].to(torch.bfloat16).to("cpu").contiguous()  # a copy (gather)
-        message = HeadSync(
-            run_id=self.run_id, policy_version=int(policy_version), hidden_size=self.hidden_size,
-            vocab_size=self.vocab_size, norm_eps=_norm_eps(norm),
-            norm_weight=norm.weight.detach().to("cpu", torch.float32).clone(), draft_to_target=d2t.clone(),
-            rows=rows,
+        message = head_sync_message(
+            self.run_id, policy_version, self.hidden_size, self.vocab_size, _norm_eps(norm), norm.weight, d2t,
+            weight[d2t.to(weight.device)],  # the rows of the draft vocabulary: a copy (gather)
         )
         return offer_head_sync(self.sink, message, self._sample.counters, "tap")
 

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from draft_align.tap.budget import generator_for
+from draft_align.tap.logit_stats import logit_stats, stat_buffers
 from draft_align.tap.megatron_hooks import MegatronTap, gpt_parts
 from draft_align.tap.protocol import PolicyTapError, TapSink
 from draft_align.tap.shipping import (
@@ -43,16 +44,16 @@ from draft_align.tap.shipping import (
     check_head_sync_args,
     check_step_args,
     check_tap_args,
+    check_topk,
+    head_sync_message,
     host_ids,
     host_masks,
     host_tensors,
-    logit_stats,
     offer_head_sync,
     ship,
-    stat_buffers,
 )
 from draft_align.wire.codec import validate
-from draft_align.wire.messages import HeadSync, TapPart
+from draft_align.wire.messages import TapPart
 from draft_align.wire.packing import pack_sequences
 
 
@@ -70,7 +71,7 @@ def vocab_parallel_logit_stats(
     logits: torch.Tensor, input_ids: torch.Tensor, topk: int, *, vocab_size: int, group: Any, tp_rank: int,
     tp_size: int, max_elements: int = 1 << 26,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """:func:`~draft_align.tap.shipping.logit_stats` from vocab-parallel logits, collectively over the TP
+    """:func:`~draft_align.tap.logit_stats.logit_stats` from vocab-parallel logits, collectively over the TP
     group: rank r holds logits [L, Vl] of global ids r·Vl … (r+1)·Vl − 1 (megatron's equal split of the padded
     vocab); ids ≥ ``vocab_size`` (padding) are ignored.  lse = m + log Σ_r Σ exp(x − m) with m the global
     max; the next token's logit comes from the rank that owns it; top-k is the top-k of the ranks' top-k."""
@@ -179,9 +180,7 @@ class MegatronPolicyTap:
         self.vocab_size = int(vocab_size) if vocab_size is not None else model_vocab
         if not 1 <= self.vocab_size <= model_vocab:
             raise PolicyTapError(f"vocab_size {self.vocab_size} outside 1..{model_vocab} (the model's vocab)")
-        if not 0 <= int(topk) <= self.vocab_size:
-            raise PolicyTapError(f"topk must be in 0..{self.vocab_size}, got {topk}")
-        self.topk = int(topk)
+        self.topk = check_topk(topk, self.vocab_size)
         # one generator per pipeline: every TP rank and stage of it keeps the same sequences
         self._capture = CaptureSession(self._tap)
         self._sample = StepSample(tokens_per_step, generator_for(seed, self.dp_rank), self.max_tokens_per_message)
@@ -340,11 +339,8 @@ class MegatronPolicyTap:
         norm_w = parts.final_norm.weight.detach().float()
         if getattr(cfg, "layernorm_zero_centered_gamma", False):
             norm_w = norm_w + 1.0  # megatron stores γ − 1
-        message = HeadSync(
-            run_id=self.run_id, policy_version=int(policy_version), hidden_size=self.hidden_size,
-            vocab_size=self.vocab_size, norm_eps=float(cfg.layernorm_epsilon),
-            norm_weight=norm_w.to("cpu").clone(), draft_to_target=d2t.clone(),
-            rows=rows.to(torch.bfloat16).to("cpu").contiguous(),
+        message = head_sync_message(
+            self.run_id, policy_version, self.hidden_size, self.vocab_size, cfg.layernorm_epsilon, norm_w, d2t, rows
         )
         return offer_head_sync(self.sink, message, self._sample.counters, "megatron tap")
 

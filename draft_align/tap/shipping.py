@@ -1,7 +1,7 @@
 """What the policy taps share between capture and the sink: the capture session, the step's sample,
-host copies of kept rows, the per-token logit statistics, message chunks and their shipping, HeadSync
-checks.  The framework adapters (:mod:`draft_align.tap.hf`, :mod:`draft_align.tap.megatron`) add only
-how their model is hooked and how its tensors are laid out.
+host copies of kept rows, message chunks and their shipping, HeadSync checks (the per-token logit statistics
+are :mod:`draft_align.tap.logit_stats`).  The framework adapters (:mod:`draft_align.tap.hf`,
+:mod:`draft_align.tap.megatron`) add only how their model is hooked and how its tensors are laid out.
 """
 
 from __future__ import annotations
@@ -126,117 +126,6 @@ class TapCounters:
         }
 
 
-def stat_buffers(
-    length: int, topk: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """The outputs of :func:`logit_stats` to fill: next_logprob [L] (zeros: the last position stays 0),
-    logit_lse [L], topk_ids [L, K] and topk_logprobs [L, K] (None when topk = 0)."""
-    nxt = torch.zeros(length, dtype=torch.float32, device=device)
-    lse = torch.empty(length, dtype=torch.float32, device=device)
-    k_ids = torch.empty(length, topk, dtype=torch.int64, device=device) if topk else None
-    k_lp = torch.empty(length, topk, dtype=torch.float32, device=device) if topk else None
-    return nxt, lse, k_ids, k_lp
-
-
-def logit_stats(
-    logits: torch.Tensor, input_ids: torch.Tensor, topk: int, max_elements: int = 1 << 26
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Per-token policy statistics of one sequence, at temperature 1, in float32.
-
-    logits [L, V], input_ids [L] →
-      next_logprob [L]: log_softmax(logits[t])[x_{t+1}], 0 at t = L−1
-      logit_lse [L]:    logsumexp(logits[t])
-      topk_ids [L, K], topk_logprobs [L, K] (None when topk = 0): the K most likely next tokens
-    Works in chunks of ≤ ``max_elements`` logits so a long sequence never materialises [L, V] in float32.
-    """
-    length, vocab = logits.shape
-    return _chunked_stats(lambda s, e: logits[s:e], length, vocab, input_ids, topk, logits.device, max_elements)
-
-
-def head_logit_stats(
-    final: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, input_ids: torch.Tensor, topk: int,
-    max_elements: int = 1 << 26,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """:func:`logit_stats` of one sequence whose logits were never materialised (a fused LM head computes
-    only log-probs): final post-norm states [L, H] × the lm_head ``weight`` [V, H] (+ ``bias`` [V]), in the
-    weight's dtype as the model's own head would, chunk by chunk (≤ ``max_elements`` logits at a time).
-    A sharded weight (a DTensor under FSDP2) is gathered first, a collective; under ZeRO-3 the caller
-    gathers it.  A caller looping over sequences must gather the head once itself (:func:`full_tensor`, on
-    every rank, however many sequences that rank has) and pass the plain tensors: one gather per sequence
-    issues different numbers of collectives on ranks with different numbers of sequences, and the job hangs."""
-    weight = full_tensor(weight)
-    bias = full_tensor(bias) if bias is not None else None
-    if final.dim() != 2 or weight.dim() != 2 or int(final.shape[1]) != int(weight.shape[1]):
-        raise PolicyTapError(
-            f"final states {tuple(final.shape)} and lm_head weight {tuple(weight.shape)} do not multiply "
-            "([L, H] × [V, H]ᵀ); under ZeRO-3 gather the head first"
-        )
-    h = final.to(device=weight.device, dtype=weight.dtype)
-
-    def chunk(s: int, e: int) -> torch.Tensor:
-        return torch.nn.functional.linear(h[s:e], weight, bias)
-
-    return _chunked_stats(chunk, int(h.shape[0]), int(weight.shape[0]), input_ids, topk, weight.device,
-                          max_elements)  # fmt: skip
-
-
-def stats_start(response: torch.Tensor) -> int:
-    """Where a sequence's statistics start: the position predicting its first response token (loss_mask
-    [L] bool, some True), first − 1, or 0.  Only the response is ever scored against them
-    (:mod:`draft_align.monitor.records`); the position before it costs one row and keeps the wire's rule
-    (``stats_from`` ≤ the first response position) with room to spare."""
-    return max(int(response.to(torch.int8).argmax()) - 1, 0)
-
-
-def pad_stats(
-    stats: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None], before: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """The :func:`logit_stats` of a sequence's positions ``before``.. with ``before`` zero rows put in front
-    (ids 0): the statistics of the whole sequence as the wire's ``stats_from`` defines them."""
-    if before == 0:
-        return stats
-
-    def pad(x: torch.Tensor | None) -> torch.Tensor | None:
-        if x is None:
-            return None
-        return torch.cat([x.new_zeros((before, *x.shape[1:])), x])
-
-    nxt, lse, k_ids, k_lp = stats
-    return pad(nxt), pad(lse), pad(k_ids), pad(k_lp)  # type: ignore[return-value]
-
-
-def full_tensor(x: torch.Tensor) -> torch.Tensor:
-    """``x`` whole: a DTensor (FSDP2 / tensor-parallel shards) gathered, any other tensor as it is."""
-    from torch.distributed.tensor import DTensor
-
-    return x.full_tensor() if isinstance(x, DTensor) else x
-
-
-def _chunked_stats(
-    chunk_logits: Callable[[int, int], torch.Tensor], length: int, vocab: int, input_ids: torch.Tensor,
-    topk: int, device: torch.device, max_elements: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """The statistics of :func:`logit_stats` from ``chunk_logits(s, e)`` → the logits [e − s, V] of
-    positions s..e−1, at most ``max_elements`` logits per chunk."""
-    nxt, lse, k_ids, k_lp = stat_buffers(length, topk, device)
-    ids = input_ids.to(device=device, dtype=torch.int64)
-    rows = max(1, max_elements // max(vocab, 1))
-    for s in range(0, length, rows):
-        e = min(length, s + rows)
-        lg = chunk_logits(s, e).float()  # [c, V]
-        z = torch.logsumexp(lg, dim=-1)  # [c]
-        lse[s:e] = z
-        last = min(e, length - 1)  # positions s..last−1 have a next token
-        if last > s:
-            tgt = ids[s + 1 : last + 1, None]  # [c', 1]
-            nxt[s:last] = lg[: last - s].gather(1, tgt).squeeze(1) - z[: last - s]
-        if topk:
-            vals, idx = lg.topk(topk, dim=-1)
-            k_lp[s:e] = vals - z[:, None]
-            k_ids[s:e] = idx
-    return nxt, lse, k_ids, k_lp
-
-
 def to_host(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A fresh contiguous host copy of ``x`` in ``dtype`` (non-blocking into pinned memory from CUDA)."""
     x = x.detach()
@@ -269,6 +158,13 @@ def check_tap_args(run_id: str, sink: Any, tokens_per_step: int, max_tokens_per_
     if not hasattr(sink, "offer"):
         raise PolicyTapError(f"sink {type(sink).__name__} has no offer(message) -> bool")
     check_budgets(tokens_per_step, max_tokens_per_message)
+
+
+def check_topk(topk: int, vocab_size: int) -> int:
+    """``topk`` (top-k log-probs per token, 0: none) as an int, refused outside 0..vocab_size."""
+    if not 0 <= int(topk) <= vocab_size:
+        raise PolicyTapError(f"topk must be in 0..{vocab_size}, got {topk}")
+    return int(topk)
 
 
 def check_step_args(policy_version: int, step: int, temperature: float) -> None:
@@ -463,6 +359,20 @@ def check_head_sync_args(policy_version: int, draft_to_target: torch.Tensor, voc
     if int(d2t.unique().numel()) != int(d2t.numel()):
         raise PolicyTapError("draft_to_target ids must be distinct")
     return d2t
+
+
+def head_sync_message(
+    run_id: str, policy_version: int, hidden_size: int, vocab_size: int, norm_eps: float,
+    norm_weight: torch.Tensor, draft_to_target: torch.Tensor, rows: torch.Tensor,
+) -> HeadSync:
+    """The HeadSync a tap offers, in the wire's dtypes and on the host (copies): the final norm's weight [H]
+    as float32 and its eps, ``draft_to_target`` [Vd] (int64, host: :func:`check_head_sync_args`) and the
+    lm_head rows [Vd, H] of the draft vocabulary as bfloat16."""
+    return HeadSync(
+        run_id=run_id, policy_version=int(policy_version), hidden_size=hidden_size, vocab_size=vocab_size,
+        norm_eps=float(norm_eps), norm_weight=norm_weight.detach().to("cpu", torch.float32).clone(),
+        draft_to_target=draft_to_target.clone(), rows=rows.to(torch.bfloat16).to("cpu").contiguous(),
+    )
 
 
 def offer_head_sync(sink: TapSink, message: HeadSync, counters: TapCounters, who: str) -> bool:

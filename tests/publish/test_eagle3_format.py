@@ -253,6 +253,19 @@ def test_validation_failures_write_nothing(e3, tmp_path, mutate, target_kw, matc
     assert list(tmp_path.iterdir()) == []
 
 
+def test_weights_beyond_the_storage_dtype_are_refused_after_the_cast(e3, tmp_path):
+    """Finite in float32, inf in float16 (largest finite 65504): refused in either dialect
+    under its module name (checked before the speculators rename), nothing written."""
+    d = e3.make_draft()
+    with torch.no_grad():
+        d.midlayer.mlp.up_proj.weight[0, 0] = 1e5
+    for dialect in ("hf", "speculators"):
+        with pytest.raises(ExportError, match=r"NaN/Inf\) in midlayer\.mlp\.up_proj\.weight after casting to torch\.float16$"):
+            e3.export(d, tmp_path / "v0001", dialect=dialect, dtype=torch.float16)
+    assert list(tmp_path.iterdir()) == []
+    assert e3.export(d, tmp_path / "v0001", dtype=torch.bfloat16).is_dir()  # bfloat16 holds 1e5
+
+
 def test_aux_ids_must_be_capturable(e3, tmp_path):
     with pytest.raises(ExportError, match="out of range"):
         e3.export(e3.make_draft((2, 4, 8)), tmp_path / "v")  # HF index L is after the final norm

@@ -219,3 +219,22 @@ def test_generic_export_dispatches_to_mtp(target, tmp_path):
     assert man["format"] == "draft_align.mtp" and len(man["files"]["model.safetensors"]["sha256"]) == 64
     write_latest(tmp_path, out)
     assert resolve_draft_dir(tmp_path) == out
+
+
+def test_non_finite_weights_are_refused_before_and_after_the_cast(target, tmp_path):
+    """NaN is refused as it is; a weight finite in float32 but beyond float16's range (65504) is refused once
+    cast to the storage dtype, under its layout name; nothing is written either way, and bfloat16 holds it."""
+    kw = dict(target_config=target.config, target_name="t", metrics={}, draft_version=1, policy_version=0,
+              tokenizer_fingerprint="fp")  # fmt: skip
+    d = make_mtp_head(target)
+    with torch.no_grad():
+        d.layers[0].eh_proj.weight[0, 0] = float("nan")
+    with pytest.raises(ExportError, match=r"non-finite values \(NaN/Inf\) in layers\.0\.eh_proj\.weight$"):
+        export_draft(d, tmp_path / "v0001", **kw)
+    with torch.no_grad():
+        d.layers[0].eh_proj.weight[0, 0] = 1e5
+    with pytest.raises(ExportError, match=rf"in model\.layers\.{L}\.eh_proj\.weight after casting to torch\.float16$"):
+        export_draft(d, tmp_path / "v0001", dtype=torch.float16, **kw)
+    assert list(tmp_path.iterdir()) == []
+    out = export_draft(d, tmp_path / "v0001", dtype=torch.bfloat16, **kw)
+    assert read_manifest(out)["format"] == "draft_align.mtp"

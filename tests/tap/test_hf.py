@@ -163,7 +163,7 @@ def test_fused_head_and_left_padding_give_the_same_batch(tiny_lm, send_final):
                 continue
             torch.testing.assert_close(got[name].float(), want[name].float(), atol=2e-2, rtol=1e-2)
     with pytest.raises(PolicyTapError, match="do not multiply"):
-        from draft_align.tap.shipping import head_logit_stats
+        from draft_align.tap.logit_stats import head_logit_stats
 
         head_logit_stats(torch.zeros(3, 32), torch.zeros(0), None, torch.zeros(3, dtype=torch.long), 1)
 
@@ -186,7 +186,7 @@ def test_statistics_from_the_response_equal_the_full_statistics(tiny_lm, padding
     """Statistics only from the position before the first response token (``stats_from``): there and after
     equal to the statistics of every position (``logit_stats`` / ``head_logit_stats`` of the whole
     sequence, as the Tap computed them before; bit for bit from logits, within 1 ulp from the head), 0 before."""
-    from draft_align.tap.shipping import head_logit_stats, logit_stats
+    from draft_align.tap.logit_stats import head_logit_stats, logit_stats
 
     seqs = random_seqs(4, [9, 5, 12, 7], seed=21)
     prompts = [6, 1, 4, 5]  # prompt 1: stats_from 0 (nothing to skip)

@@ -1,5 +1,5 @@
-"""tap.shipping: what both policy taps share — the capture session, the step's sample, logit statistics,
-message chunks and their shipping (no model needed: fake hooks and hand-made sequences)."""
+"""tap.shipping: what both policy taps share — the capture session, the step's sample, message chunks
+and their shipping, the topk check and the HeadSync message (no model needed: fake hooks and hand-made sequences)."""
 
 import pytest
 import torch
@@ -12,7 +12,8 @@ from draft_align.tap.shipping import (
     KeptSequence,
     StepSample,
     TapCounters,
-    logit_stats,
+    check_topk,
+    head_sync_message,
     ship,
 )
 from draft_align.wire.schema import WireError
@@ -43,20 +44,6 @@ class FakeHooks:
 
 def seq(n: int, version: int = 0, step: int = 0, temperature: float = 1.0) -> KeptSequence:
     return KeptSequence(step, version, temperature, n, {"input_ids": torch.arange(n)})
-
-
-def test_logit_stats_chunked_equals_direct():
-    torch.manual_seed(3)
-    logits = torch.randn(9, 17) * 4
-    ids = torch.randint(0, 17, (9,))
-    full = logit_stats(logits, ids, 4)
-    chunked = logit_stats(logits, ids, 4, max_elements=17 * 2)  # 2 tokens per chunk
-    lp = torch.log_softmax(logits, -1)
-    torch.testing.assert_close(full[0][:-1], lp[torch.arange(8), ids[1:]])
-    torch.testing.assert_close(full[1], torch.logsumexp(logits, -1))
-    for a, b in zip(full, chunked, strict=True):
-        torch.testing.assert_close(a, b)
-    assert logit_stats(logits, ids, 0)[2] is None
 
 
 def test_capture_session_attaches_only_inside_and_hands_out_captures():
@@ -129,3 +116,26 @@ def test_ship_counts_accepted_refused_and_invalid():
     assert sink.messages == [3]
     assert (counters.messages_offered, counters.tokens_offered) == (1, 3)
     assert (counters.messages_invalid, counters.messages_dropped, counters.tokens_dropped) == (1, 1, 9)
+
+
+@pytest.mark.parametrize(("topk", "want"), [(0, 0), (3, 3), (10, 10), (3.0, 3), (-1, None), (11, None)])
+def test_check_topk_accepts_0_to_the_vocabulary(topk, want):
+    if want is None:
+        with pytest.raises(PolicyTapError, match=rf"topk must be in 0\.\.10, got {topk}"):
+            check_topk(topk, 10)
+    else:
+        assert check_topk(topk, 10) == want and type(check_topk(topk, 10)) is int
+
+
+def test_head_sync_message_is_host_copies_in_the_wire_dtypes():
+    norm = torch.linspace(0.5, 1.5, 4, dtype=torch.bfloat16)
+    rows = torch.randn(3, 4, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    d2t = torch.tensor([5, 0, 2])
+    msg = head_sync_message("run", 7, 4, 6, 1e-5, norm, d2t, rows.detach())
+    assert (msg.run_id, msg.policy_version, msg.hidden_size, msg.vocab_size, msg.norm_eps) == ("run", 7, 4, 6, 1e-5)
+    assert msg.norm_weight.dtype == torch.float32 and torch.equal(msg.norm_weight, norm.float())
+    assert msg.rows.dtype == torch.bfloat16 and torch.equal(msg.rows, rows.detach().to(torch.bfloat16))
+    assert torch.equal(msg.draft_to_target, d2t)
+    norm.fill_(0)
+    d2t.fill_(0)
+    assert float(msg.norm_weight.min()) == 0.5 and msg.draft_to_target.tolist() == [5, 0, 2]  # copies

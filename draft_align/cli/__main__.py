@@ -1,0 +1,5 @@
+import sys
+
+from draft_align.cli import main
+
+sys.exit(main())
