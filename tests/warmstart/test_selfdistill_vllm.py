@@ -10,8 +10,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import random
 import types
 
+import numpy as np
 import pytest
 import torch
 
@@ -215,10 +217,23 @@ def test_kv_cache_size_and_the_engine_environment_is_undone(monkeypatch):
     for name in VLLM_VARS:
         monkeypatch.delenv(name, raising=False)
     real = torch.set_num_threads
+    torch.manual_seed(7)
+    random.seed(7)
+    np.random.seed(7)
+    want = torch.rand(3), random.random(), np.random.rand()
+    torch.manual_seed(7)
+    random.seed(7)
+    np.random.seed(7)
     with self_distill_env(2.5) as done:
         assert done["VLLM_CPU_KVCACHE_SPACE"] == "3"
         torch.set_num_threads = lambda n: None  # what vLLM's in-process CPU worker does
+        torch.manual_seed(0)  # and vLLM's seed=…, followed by draws
+        random.seed(0)
+        np.random.seed(0)
+        torch.rand(5), random.random(), np.random.rand()
     assert torch.set_num_threads is real
+    got = torch.rand(3), random.random(), np.random.rand()
+    assert torch.equal(got[0], want[0]) and got[1:] == want[1:]  # the caller's RNG streams go on as before
     assert not any(name in os.environ for name in VLLM_VARS)
 
 

@@ -56,14 +56,24 @@ def self_distill_env(kv_gb: float | None = None) -> Iterator[dict[str, str]]:
     The defaults it sets (only those not set already) are removed again afterwards, and vLLM's cache of its
     environment is dropped, so a launcher's later choice (``rl.engine_kv_cache_gb``) holds for the next
     engine of this process.  The in-process CPU worker replaces ``torch.set_num_threads`` with a no-op for
-    the whole process; the real one is put back too.
+    the whole process; the real one is put back too.  vLLM reseeds the global RNGs (Python, NumPy, torch) with
+    its seed and draws from them: their states are restored, so what the caller draws next (a draft's init)
+    does not depend on whether an engine ran.
     """
     set_threads = torch.set_num_threads
+    py_state = random.getstate()
+    numpy = sys.modules.get("numpy")
+    np_state = numpy.random.get_state() if numpy is not None else None
+    cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
     done = set_cpu_env(kv_gb)
     try:
-        yield done
+        with torch.random.fork_rng(devices=cuda):
+            yield done
     finally:
         torch.set_num_threads = set_threads
+        random.setstate(py_state)
+        if np_state is not None:
+            numpy.random.set_state(np_state)  # type: ignore[union-attr]
         for name in done:
             os.environ.pop(name, None)
         drop_cache = getattr(sys.modules.get("vllm.envs"), "disable_envs_cache", None)  # cached once an engine started
