@@ -97,6 +97,7 @@ def tiny_overrides(model: Path, data: Path, out: Path, run: str = "tiny", **extr
         "data.max_seq_len": 96,
         "data.gen_max_new_tokens": 12,
         "data.gen_batch_size": 12,
+        "data.gen_engine": "hf",  # the HF loop (this target's head_dim 16 is not one vLLM-CPU serves)
         "data.capture_batch_tokens": 1024,
         "draft.aux_layer_ids": "[" + ",".join(map(str, TINY_AUX)) + "]",
         "draft.draft_vocab_size": 48,

@@ -31,7 +31,7 @@ ALLOWED: dict[str, set[str]] = {
     "rl": {"conventions", "config", "assets", "data", "heads", "hf", "tap", "wire", "publish", "monitor", "engines"},
     "sidecar": {"conventions", "config", "assets", "heads", "hf", "wire", "train", "publish", "monitor"},
     "warmstart": {"conventions", "config", "assets", "data", "heads", "hf", "tap", "train", "publish", "monitor",
-                  "storage"},
+                  "storage", "engines"},
     "integrations": {"conventions", "config", "heads", "hf", "tap", "wire", "publish", "monitor", "engines", "rl",
                      "sidecar"},
 }

@@ -177,13 +177,13 @@ CHOICE_FIELDS = _choice_fields()
 def test_every_enum_like_field_is_a_choice():
     keys = {(s.__name__, k) for s, k, _, _ in CHOICE_FIELDS}
     assert keys == {
-        ("WarmstartRecipe", k) for k in ("target.dtype", "draft.head", "draft.mtp_layout", "draft.mtp_init",
-                                         "draft.adapt", "train.loss", "train.accept_mode", "eval.modes",
-                                         "logging.wandb_mode")
+        ("WarmstartRecipe", k) for k in ("target.dtype", "data.gen_engine", "draft.head", "draft.mtp_layout",
+                                         "draft.mtp_init", "draft.adapt", "train.loss", "train.accept_mode",
+                                         "eval.modes", "logging.wandb_mode")
     } | {
-        ("CotrainRecipe", k) for k in ("target.dtype", "sidecar.loss", "sidecar.accept_mode", "sidecar.eval_mode",
-                                       "sidecar.adapt", "sidecar.parallel", "sidecar.train_trigger", "rl.verify_mode",
-                                       "rl.engine", "logging.wandb_mode")
+        ("CotrainRecipe", k) for k in ("target.dtype", "data.gen_engine", "sidecar.loss", "sidecar.accept_mode",
+                                       "sidecar.eval_mode", "sidecar.adapt", "sidecar.parallel",
+                                       "sidecar.train_trigger", "rl.verify_mode", "rl.engine", "logging.wandb_mode")
     }
 
 

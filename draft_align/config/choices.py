@@ -39,6 +39,8 @@ LossChoice = _choice("LossChoice", LOSS_KINDS, "loss")  # training objectives (c
 VerifyModeChoice = _choice("VerifyModeChoice", VERIFY_MODES, "verify mode")
 RolloutVerifyChoice = _choice("RolloutVerifyChoice", ROLLOUT_VERIFY_MODES, "rollout verify mode")  # + auto
 EngineChoice = _choice("EngineChoice", ("auto", "vllm", "reference"), "rollout engine")
+# what generates the self-distillation responses (auto: vLLM when importable, else the HF loop)
+GenEngineChoice = _choice("GenEngineChoice", ("auto", "vllm", "hf"), "generation engine")
 # when the sidecar trains (sidecar/trigger.py)
 TrainTriggerChoice = _choice("TrainTriggerChoice", ("always", "drift"), "training trigger")
 ParallelChoice = _choice("ParallelChoice", ("ddp", "fsdp2"), "parallelism")  # draft replicated | sharded

