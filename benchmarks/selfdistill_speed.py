@@ -11,7 +11,7 @@ dtype, one torch thread, answered at each temperature in ``--temperatures`` (def
    recipe's ``data.gen_batch_size``, left padding, finished rows leave the batch), and
 2. vLLM (``draft_align.engines.vllm.generate.generate_responses_vllm``: a plain eager engine, at most
    ``data.gen_batch_size`` requests in flight, continuous batching, per-request seeds), what
-   ``data.gen_engine: auto`` now uses.
+   ``data.gen_engine: vllm`` (or ``auto``) uses.
 Both stop at ``--max-new-tokens`` or after an eos.  Reported: generated tokens/s of each (generation only, and
 vLLM's with its engine start included), the ratio, and at T = 0 the fraction of responses identical in both.
 

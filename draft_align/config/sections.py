@@ -52,8 +52,10 @@ class DataConfig:
     gen_batch_size: int = 48
     gen_time_budget_s: float | None = None  # stop generating after this long; train on what is cached
     # what generates them: vllm (batched engine, continuous batching) | hf (the KV-cached HF loop) | auto (vllm
-    # when importable and it starts on the target, else hf); the same cache either way
-    gen_engine: GenEngineChoice = GenEngineChoice("auto")
+    # when importable and it starts on the target, else hf); the same cache either way.  hf by default: in fp32
+    # vLLM was 2.4x faster here, but in bf16 on this CPU (no native bf16) `make demo`'s warm-start generated at
+    # 18-20 tokens/s on vLLM and its capture ran slower afterwards (README, "Self-distillation")
+    gen_engine: GenEngineChoice = GenEngineChoice("hf")
     # more train conversations (after the max_conversations above) used with their ORIGINAL responses:
     # target soft targets on other text — cheap volume (a forward pass, no generation)
     extra_original_conversations: int = 0

@@ -251,7 +251,7 @@ def test_bad_choice_and_sizes_are_rejected_at_load(tiny_world):
     with pytest.raises(RecipeError, match=r"(^|: )data\.gen_temperature 3\.0: vLLM samples at T ≤ 2 only"):
         load_recipe(None, tiny_world.overrides(**{"data.gen_temperature": 3.0, "data.gen_engine": "vllm"}))
     assert load_recipe(None, tiny_world.overrides(**{"data.gen_temperature": 3.0, "data.gen_engine": "auto"}))
-    assert load_recipe(None, []).data.gen_engine == "auto"
+    assert load_recipe(None, []).data.gen_engine == "hf"  # the default (sections.py says why)
 
 
 def test_vllm_asked_for_but_not_installed_is_a_clear_error(tiny_world, tmp_path, monkeypatch):
