@@ -24,7 +24,8 @@ VERIFY_MODES: tuple[str, ...] = get_args(VerifyMode)
 #: What the RL rollouts may verify with (``rl.verify_mode``): a verify mode, or ``auto`` — at T > 0 on vLLM
 #: the draft sampling (``greedy_draft`` | ``probabilistic``) with the higher acceptance measured on the engine
 #: (draft_align/engines/vllm/verify_choice.py).
-ROLLOUT_VERIFY_MODES: tuple[str, ...] = ("auto", *VERIFY_MODES)
+AUTO_VERIFY_MODE = "auto"
+ROLLOUT_VERIFY_MODES: tuple[str, ...] = (AUTO_VERIFY_MODE, *VERIFY_MODES)
 
 #: The draft's training objectives (``train.loss`` / ``sidecar.loss``; formulas in train/losses.py and
 #: docs/acceptance.md "Training objectives"): ``soft`` cross-entropy against the target's distribution p

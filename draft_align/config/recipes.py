@@ -27,7 +27,7 @@ from draft_align.config.sections import (
     TrainConfig,
     WireConfig,
 )
-from draft_align.conventions import DISTRIBUTION_LOSSES, check_tap_budgets
+from draft_align.conventions import AUTO_VERIFY_MODE, DISTRIBUTION_LOSSES, check_tap_budgets
 
 VLLM_MAX_TEMPERATURE = 2.0  # vLLM's SamplingParams refuses a higher temperature
 
@@ -128,7 +128,7 @@ class CotrainRecipe(_RecipeHeader):
                 "rl.verify_mode greedy (argmax everywhere) at T > 0 has no vLLM equivalent: use "
                 "greedy_draft (vLLM's default) or probabilistic, or rl.engine=reference"
             )
-        if self.rl.verify_mode == "auto" and (self.rl.engine != "vllm" or self.rl.engine_probe_prompts == 0):
+        if self.rl.verify_mode == AUTO_VERIFY_MODE and (self.rl.engine != "vllm" or self.rl.engine_probe_prompts == 0):
             raise RecipeError(
                 "rl.verify_mode=auto chooses the draft sampling by measuring both on vLLM's probe prompts: it "
                 "needs rl.engine=vllm and rl.engine_probe_prompts > 0 (or choose greedy_draft | probabilistic)"

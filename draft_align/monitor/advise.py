@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from draft_align.config import RESOLVED_RECIPE
-from draft_align.conventions import DRAFT_KINDS
+from draft_align.conventions import AUTO_VERIFY_MODE, DRAFT_KINDS
 from draft_align.monitor.live import number
 from draft_align.monitor.projection import (
     K_MAX,
@@ -207,7 +207,7 @@ def run_settings(run: Path, records: Sequence[Mapping[str, Any]], k: int) -> Run
 
         rl = load_recipe(recipe_path, None, CotrainRecipe).rl
         mode, temperature, k = str(rl.verify_mode), float(rl.temperature), int(rl.spec_k)
-    if mode == "auto":  # measured and chosen by the engine: the mode its latest step served
+    if mode == AUTO_VERIFY_MODE:  # measured and chosen by the engine: the mode its latest step served
         served = [v for r in records if (v := number(r.get("verify_probabilistic"))) is not None]
         mode = ("probabilistic" if served[-1] else "greedy_draft") if served else mode
     engine = "vllm" if any(number(r.get("engine_vllm")) for r in records) else "reference"

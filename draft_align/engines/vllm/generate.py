@@ -24,12 +24,11 @@ from typing import Any
 
 import torch
 
-from draft_align.engines.vllm.start import EngineError, import_vllm, set_cpu_env
+from draft_align.engines.vllm.start import SEED_BITS, EngineError, import_vllm, set_cpu_env
 from draft_align.hf.generate import cut_at_eos
 
 log = logging.getLogger(__name__)
 
-SEED_BITS = 62  # per-request seeds vLLM's sampler takes (as the rollout engine's)
 GIB = 1 << 30
 
 

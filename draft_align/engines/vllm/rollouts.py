@@ -34,7 +34,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from draft_align.conventions import DRAFT_KINDS, DraftKind, float_dtype
+from draft_align.conventions import AUTO_VERIFY_MODE, DRAFT_KINDS, DraftKind, float_dtype
 from draft_align.engines.rollout_types import (
     Decoding,
     DraftVersion,
@@ -43,7 +43,7 @@ from draft_align.engines.rollout_types import (
 )
 from draft_align.engines.vllm.counters import SpecCounters
 from draft_align.engines.vllm.refresher import DraftRefresher, ProbeGuard
-from draft_align.engines.vllm.start import EngineError, collective_rpc, import_vllm, start_engine
+from draft_align.engines.vllm.start import SEED_BITS, EngineError, collective_rpc, import_vllm, start_engine
 from draft_align.engines.vllm.verify_choice import CANDIDATES, VerifyChoice, choose_verify_mode
 from draft_align.engines.vllm.worker_rpc import rpc_load_policy_layers, rpc_set_draft_sample_method
 from draft_align.hf.lora_layers import policy_layer_weights
@@ -57,8 +57,6 @@ log = logging.getLogger(__name__)
 PolicySync = Literal["layers", "external"]
 POLICY_SYNCS: tuple[str, ...] = ("layers", "external")
 VERIFY_TO_SAMPLE_METHOD = {"greedy_draft": "greedy", "probabilistic": "probabilistic"}
-AUTO_VERIFY = "auto"  # rl.verify_mode: choose between VERIFY_TO_SAMPLE_METHOD's modes by measurement
-SEED_BITS = 62  # per-request seeds vLLM's sampler takes
 
 
 @dataclass
@@ -98,7 +96,7 @@ class VLLMRollouts:
         verify_recheck_every: int = 0,
         **llm_kwargs: Any,
     ) -> None:
-        self.auto_verify = verify_mode == AUTO_VERIFY
+        self.auto_verify = verify_mode == AUTO_VERIFY_MODE
         if self.auto_verify:
             if guard is None:
                 raise EngineError("verify mode auto measures both draft sampling methods on the probe prompts: "

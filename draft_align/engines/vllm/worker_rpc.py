@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from draft_align.engines.vllm.start import EngineError
+from draft_align.engines.vllm.start import DRAFT_SAMPLE_METHODS, EngineError
 from draft_align.hf.lora_layers import decoder_layer_of
 from draft_align.publish.folder import ExportError
 
@@ -268,8 +268,8 @@ def rpc_set_draft_sample_method(worker: Any, method: str) -> str:
     spec = worker.vllm_config.speculative_config
     if drafter is None or spec is None or not hasattr(drafter, PROBABILISTIC_FLAG):
         raise EngineError("this engine's proposer cannot switch its draft sampling method (restart it instead)")
-    if method not in ("greedy", "probabilistic"):
-        raise EngineError(f"draft sample method {method!r}: expected greedy or probabilistic")
+    if method not in DRAFT_SAMPLE_METHODS:
+        raise EngineError(f"draft sample method {method!r}: expected one of {DRAFT_SAMPLE_METHODS}")
     if method == "probabilistic" and (spec.rejection_sample_method != "standard" or spec.use_heterogeneous_vocab):
         raise EngineError("probabilistic draft sampling needs vLLM's standard rejection sampler and one vocabulary")
     spec.draft_sample_method = method

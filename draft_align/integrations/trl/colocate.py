@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from draft_align.config import CotrainRecipe
+from draft_align.conventions import AUTO_VERIFY_MODE
 from draft_align.engines.rollout_types import DraftVersion
 from draft_align.engines.vllm.rollouts import VERIFY_TO_SAMPLE_METHOD, VLLMRollouts
 
@@ -55,7 +56,7 @@ def colocate_rollouts(trainer: Any, frozen: DraftVersion, recipe: CotrainRecipe)
             "its counters; use vllm_mode='colocate' (GPU) or use_vllm=False with draft_align's rollout_func (CPU)"
         )
     rl = recipe.rl
-    if rl.verify_mode == "auto":
+    if rl.verify_mode == AUTO_VERIFY_MODE:
         raise TRLConfigError("rl.verify_mode=auto measures both draft sampling methods on draft_align's probe "
                              "prompts, which TRL's colocate engine is not given: choose greedy_draft or probabilistic")
     return VLLMRollouts(recipe.target.model, frozen, k=rl.spec_k, verify_mode=rl.verify_mode, dtype=recipe.target.dtype,
