@@ -14,8 +14,9 @@ EAGLE-3 draft aligned, against the frozen warm-start draft and an oracle.
 3. Oracle points: for policy versions v in ``--oracle-at``, the warm-start draft fine-tuned on that policy's
    own T=1 samples (self-distillation from the saved merged policy, ``--oracle-gen-s`` of generation,
    ``--oracle-train-s`` of training), then frozen / adapted (the version the RL job used at step v) / oracle
-   measured by the reference decoder on held-out prompts with policy v as the target (T=1, greedy draft,
-   k=3: the RL job's setting) and estimated (engine replay).
+   measured on held-out prompts with policy v as the target (T=1, greedy draft, k=3: the RL job's setting) and
+   estimated (engine replay).  Measured by vLLM's counters when the run's rollouts are vLLM's
+   (``rl.engine=vllm``), else by the reference decoder.
 
 Writes ``<out>/drift.json`` and the section in ``benchmarks/RESULTS.md``.
 """
@@ -125,6 +126,7 @@ def oracle_point(
         f"data.split_seed={recipe.data.split_seed}", f"data.max_conversations={args.oracle_prompts}",
         f"data.max_prompt_tokens={recipe.rl.max_prompt_tokens}", "data.regenerate=true",
         f"data.gen_temperature={recipe.rl.temperature}", f"data.gen_max_new_tokens={recipe.rl.max_new_tokens}",
+        f"target.dtype={recipe.target.dtype}", f"data.gen_engine={'vllm' if recipe.rl.engine == 'vllm' else 'hf'}",
         f"data.gen_time_budget_s={args.oracle_gen_s}", "data.extra_original_conversations=0",
         f"draft.init_from={start}", f"draft.draft_vocab_size={args.vocab}",
         f"train.time_budget_s={args.oracle_train_s}", "train.epochs=100", f"train.lr={args.oracle_lr}",
@@ -139,22 +141,36 @@ def oracle_point(
 def measure_point(
     policy: Path, drafts: dict[str, Path], prompts_n: int, recipe: CotrainRecipe, seed: int
 ) -> dict[str, Any]:
-    """Measured (reference decoder) and estimated acceptance of each draft with ``policy`` as the target."""
+    """Measured (vLLM counters for a vLLM run, else the reference decoder) and estimated acceptance of each
+    draft with ``policy`` as the target."""
     from draft_align import assets, data
-    from draft_align.monitor.evaluate import evaluate
+    from draft_align.conventions import float_dtype
+    from draft_align.monitor.evaluate import eos_ids, evaluate
     from draft_align.publish import load_draft
+    from draft_align.publish.versions import resolve_draft_dir
 
-    target, tok = assets.load_target(str(policy), torch.bfloat16, "cpu")
+    dtype = float_dtype(str(recipe.target.dtype))
+    target, tok = assets.load_target(str(policy), dtype, "cpu")
     convs = data.load_conversations(recipe.data.source)
     _, held = data.split_heldout(convs, recipe.data.heldout, recipe.data.split_seed)
     prompts = [p for p in (data.encode_prompt(tok, c) for c in held) if len(p) <= recipe.rl.max_prompt_tokens]
     prompts = prompts[:prompts_n]
-    out: dict[str, Any] = {"prompts": len(prompts)}
+    engine = "vllm" if recipe.rl.engine == "vllm" else "reference"
+    mode = recipe.rl.verify_mode if recipe.rl.verify_mode != "auto" else "greedy_draft"
+    out: dict[str, Any] = {"prompts": len(prompts), "engine": engine, "verify_mode": mode}
     for name, path in drafts.items():
         draft, man = load_draft(path)
-        r = evaluate(target, tok, draft.eval(), prompts, k=recipe.rl.spec_k, mode=recipe.rl.verify_mode,
-                     temperature=recipe.rl.temperature, max_new_tokens=recipe.rl.max_new_tokens, seed=seed)
-        out[name] = {"path": str(path), "draft_version": man.get("draft_version"),
+        if engine == "vllm":
+            from draft_align.engines.vllm.evaluate import evaluate_vllm
+
+            r = evaluate_vllm(str(policy), resolve_draft_dir(path), target, draft.eval(), prompts,
+                              eos_ids(target, tok), k=recipe.rl.spec_k, mode=mode,
+                              temperature=recipe.rl.temperature, max_new_tokens=recipe.rl.max_new_tokens,
+                              seed=seed, dtype=str(recipe.target.dtype))  # fmt: skip
+        else:
+            r = evaluate(target, tok, draft.eval(), prompts, k=recipe.rl.spec_k, mode=mode,
+                         temperature=recipe.rl.temperature, max_new_tokens=recipe.rl.max_new_tokens, seed=seed)
+        out[name] = {"path": str(path), "draft_version": man.get("draft_version"), "rounds": r.get("rounds_measured"),
                      "measured": r["acceptance_length_measured"], "estimated": r["acceptance_length_est"],
                      "per_position_measured": r.get("per_position_measured")}
         log.info("point %s %s: measured %.3f est %.3f", policy.name, name, out[name]["measured"],
@@ -225,6 +241,30 @@ def summarise(result: dict[str, Any]) -> dict[str, Any]:
         out["headsync_count"] = heads
         out["tapbatch_bytes_per_token"] = (total - heads * head_bytes) / tokens
         out["tapped_tokens"] = tokens
+    served = [i for i, r in enumerate(steps) if int(r.get("draft_version") or 0) > 0]
+    if served:  # once the first adapted draft is served
+        stale = [r["staleness"] for r in steps[served[0]:] if r.get("staleness") is not None]
+        out["first_adapted_step"] = int(steps[served[0]]["step"])
+        out["staleness_median_after_start"] = _median(stale)
+        out["staleness_max_after_start"] = max(stale) if stale else None
+    for k in ("draft_serve_lag_s", "draft_tap_to_serve_s"):
+        out[f"{k}_median"] = _median([r[k] for r in steps if r.get(k) is not None])
+    busy = [r["sidecar_busy_frac"] for r in rows if r.get("sidecar_busy_frac") is not None]
+    out["sidecar_busy_frac_median"] = _median(busy)
+    waits: dict[str, list[float]] = {}
+    for r in rows:
+        for k, v in r.items():
+            if k.startswith("sidecar_wait_frac_"):
+                waits.setdefault(k.removeprefix("sidecar_wait_frac_"), []).append(v)
+    out["sidecar_wait_frac_mean"] = {k: sum(v) / len(rows) for k, v in waits.items()} if rows else {}
+    tapped = [r["tap_tokens_accepted"] for r in steps if r.get("tap_tokens_accepted") is not None]
+    out["tapped_tokens_per_version_median"] = _median(tapped)
+    if result.get("oracle"):
+        ratios = [p["measure"]["adapted"]["measured"] / p["measure"]["oracle"]["measured"] for p in result["oracle"]]
+        out["adapted_over_oracle_min"] = min(ratios)
+    half_pairs = [(a - f) for a, f in pairs]
+    if len(half_pairs) >= 2:
+        out["last_half_margin_se"] = statistics.stdev(half_pairs) / len(half_pairs) ** 0.5
     out["step_s_median"] = _median([r["step_s"] for r in steps if r.get("step_s")])
     out["rollout_s_median"] = _median([r["rollout_s"] for r in steps if r.get("rollout_s")])
     out["tap_s_median"] = _median([r["tap_s"] for r in steps if r.get("tap_s") is not None])
@@ -261,10 +301,17 @@ def _engine_lines(result: dict[str, Any]) -> list[str]:
         f"{_f(last.get('engine_refreshes'), 0)}, refused {_f(last.get('engine_offers_refused'), 0)}, alarms "
         f"{_f(last.get('engine_alarms'), 0)}, rollbacks {_f(last.get('engine_rollbacks'), 0)}.",
         f"- Log-prob gap, vLLM's sampled-token log-probs under speculative decoding minus the policy's recomputed "
-        f"ones (bf16 both): mean {_f(_median(gap_mean), 4)}, mean |gap| {_f(_median(gap_abs), 4)} (medians over "
+        f"ones ({result['recipe']['target']['dtype']} both): mean {_f(_median(gap_mean), 4)}, mean |gap| {_f(_median(gap_abs), 4)} (medians over "
         f"steps), max |gap| {_f(max(gap_max) if gap_max else None, 3)} over the run. The RL update uses the "
         f"recomputed ones.",
     ]
+
+
+def _waits(row: dict[str, Any]) -> str:
+    """The reasons the sidecar waited since the previous row, with their shares of its loop time."""
+    w = sorted(((k.removeprefix("sidecar_wait_frac_"), v) for k, v in row.items()
+                if k.startswith("sidecar_wait_frac_") and v >= 0.01), key=lambda kv: -kv[1])  # fmt: skip
+    return ", ".join(f"{k.replace('_', ' ')} {v:.2f}" for k, v in w) or "–"
 
 
 def render(result: dict[str, Any]) -> str:
@@ -290,8 +337,8 @@ def render(result: dict[str, Any]) -> str:
         "### Per RL step",
         "",
         "| step | KL to initial | reward | measured adapted | measured frozen | est. adapted | est. frozen | "
-        "draft v | staleness | step s |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "draft v | staleness | tap → served s | tapped tokens | sidecar busy | sidecar waited for | step s |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
     ]
     mon = {r["step"]: r for r in result["monitor"]}
     for r in result["steps"]:
@@ -300,10 +347,14 @@ def render(result: dict[str, Any]) -> str:
             f"| {int(r['step'])} | {_f(r.get('kl_to_initial'), 4)} | {_f(r.get('reward_mean'))} | "
             f"{_f(r.get('accept_measured_adapted'))} | {_f(r.get('accept_measured_frozen'))} | "
             f"{_f(m.get('accept_est_adapted'))} | {_f(m.get('accept_est_frozen'))} | "
-            f"{int(r.get('draft_version') or 0)} | {_f(r.get('staleness'), 0)} | {_f(r.get('step_s'), 1)} |"
+            f"{int(r.get('draft_version') or 0)} | {_f(r.get('staleness'), 0)} | "
+            f"{_f(r.get('draft_tap_to_serve_s'), 1)} | {_f(r.get('tap_tokens_accepted'), 0)} | "
+            f"{_f(m.get('sidecar_busy_frac'), 2)} | {_waits(m)} | {_f(r.get('step_s'), 1)} |"
         )
     if result["oracle"]:
-        lines += ["", "### Oracle points (policy v as the target; held-out prompts; measured / estimated)", "",
+        eng = result["oracle"][0]["measure"].get("engine", "reference")
+        lines += ["", f"### Oracle points (policy v as the target; held-out prompts; measured by "
+                  f"{'vLLM' if eng == 'vllm' else 'the reference decoder'} / estimated)", "",
                   "| policy v | prompts | frozen | adapted (draft v) | oracle | adapted / oracle |",
                   "|---:|---:|---:|---:|---:|---:|"]
     for p in result["oracle"]:
@@ -338,11 +389,21 @@ def render(result: dict[str, Any]) -> str:
         f"training {_f(s.get('sidecar_train_tokens_per_s'), 0)} tokens/s (1 thread); "
         f"{s.get('sidecar_trained_tokens')} tokens trained on {s.get('sidecar_ingested_tokens')} received.",
         f"- Policy update → first draft trained on that version's rollouts published: median "
-        f"{_f(lat['median_s'], 1)} s ({lat['publishes']} publishes).",
+        f"{_f(lat['median_s'], 1)} s ({lat['publishes']} publishes); a version's taps → the first step served by a "
+        f"draft trained on it: median {_f(s.get('draft_tap_to_serve_s_median'), 1)} s (from its update: "
+        f"{_f(s.get('draft_serve_lag_s_median'), 1)} s).",
+        f"- Staleness once an adapted draft was served (from step {s.get('first_adapted_step')}): median "
+        f"{_f(s.get('staleness_median_after_start'), 1)}, max {_f(s.get('staleness_max_after_start'), 0)} policy "
+        f"versions. Tapped tokens per policy version: median {_f(s.get('tapped_tokens_per_version_median'), 0)}. "
+        f"Sidecar busy (optimizer steps) median {_f(s.get('sidecar_busy_frac_median'), 2)} of its loop time; "
+        f"waiting, mean share per step: "
+        + (", ".join(f"{k.replace('_', ' ')} {v:.2f}" for k, v in (s.get("sidecar_wait_frac_mean") or {}).items())
+           or "–") + ".",
         f"- Publish gate: {s['publishes']} published, {s.get('gate_rejections')} refused; published versions "
         f"worse than their predecessor beyond noise (gate estimate): {s['gate_worse_beyond_noise']}.",
         f"- Last half of the run: measured adapted {_f(s.get('last_half_adapted'))} vs frozen "
-        f"{_f(s.get('last_half_frozen'))}: margin **{_f(s.get('last_half_margin'))}**; sidecar estimates on the same "
+        f"{_f(s.get('last_half_frozen'))}: margin **{_f(s.get('last_half_margin'))}** ± "
+        f"{_f(s.get('last_half_margin_se'))} (SE, paired by step); sidecar estimates on the same "
         f"steps' taps, greedy draft {_f(s.get('last_half_est_adapted'))} vs {_f(s.get('last_half_est_frozen'))}, "
         f"probabilistic {_f(s.get('last_half_est_adapted_prob'))} vs {_f(s.get('last_half_est_frozen_prob'))}; "
         f"final KL {_f(s.get('final_kl'), 4)}.",
@@ -387,7 +448,9 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     oracle_at = [int(x) for x in args.oracle_at.split(",") if x.strip()]
     merged_at = sorted({v - 1 for v in oracle_at if v > 0})
-    ov = [f"rl.steps={args.steps}", f"rl.save_merged_at=[{','.join(map(str, merged_at))}]", *args.overrides]
+    # every published version kept: the oracle points measure the version served at their step
+    ov = [f"rl.steps={args.steps}", f"rl.save_merged_at=[{','.join(map(str, merged_at))}]",
+          f"sidecar.keep_versions={max(5, 10 * args.steps)}", *args.overrides]
     recipe = load_recipe(args.recipe, ov, CotrainRecipe)
     if args.name:
         ov.append(f"run={recipe.run}-{args.name}")

@@ -170,11 +170,17 @@ class TapConfig:
 class SidecarConfig:
     buffer_tokens: int = 200_000  # replay buffer bound; oldest records leave first
     recency_half_life: float = 2.0  # policy versions: a record's sampling weight halves per this many
-    holdout_records: int = 16  # freshest records kept out of training, for the publish gate's evaluation
+    holdout_records: int = 16  # fresh records kept out of training, for the publish gate's evaluation
+    # every holdout_every-th record is a hold-out candidate (train/replay.py): > 1 keeps each step's records
+    # trainable on arrival (1: the newest holdout_records are held out, a whole small RL step)
+    holdout_every: int = 4
+    fresh_first: bool = True  # batches start with the newest policy version's records no batch has drawn yet
     # train at most this many tokens per token received (a replay ratio): without new data the sidecar
     # waits instead of over-fitting the few sequences it holds
     max_replay_ratio: float = 4.0
     min_buffer_tokens: int = 8192  # no training before the buffer holds this many trainable tokens
+    # lr × min(1, trainable tokens / lr_ramp_tokens): small early buffers take small steps (0: off)
+    lr_ramp_tokens: int = 0
     log_every: int = 10  # train steps between training-metric lines in <run>/sidecar/metrics.jsonl
     batch_tokens: int = 1536
     ttt_steps: int = 7
@@ -192,6 +198,8 @@ class SidecarConfig:
     autocast_bf16: bool | None = None  # null: bf16 where native (train/precision.py), else fp32
     min_train_steps_per_publish: int = 10
     publish_every_s: float = 20.0  # try to publish at most this often (after enough steps)
+    # also try once as soon as the candidate has trained on a policy version newer than the published draft's
+    publish_on_new_version: bool = True
     # publish iff candidate − published ≥ −max(gate_tolerance, 2·stderr) (paired, mean acceptance length)
     gate_tolerance: float = 0.0
     eval_k: int = 3

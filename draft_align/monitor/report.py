@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import statistics
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -138,11 +139,20 @@ def summarize(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "accept_est_margin": est["margin"],
         "published_versions": None if published is None else int(published),
         "staleness_mean": _mean(stale),
+        "staleness_median": statistics.median(stale) if stale else None,
         "staleness_max": max(stale) if stale else None,
+        "tap_to_serve_s_median": _median_of(records, "draft_tap_to_serve_s"),
+        "serve_lag_s_median": _median_of(records, "draft_serve_lag_s"),
+        "sidecar_busy_frac_median": _median_of(records, "sidecar_busy_frac"),
         "tap_dropped_messages": _int_or_none(_last_of(records, DROP_KEYS)),
         "wire_rejected": _int_or_none(_last(records, "wire_rejected")),
         "gate_rejections": _int_or_none(_last(records, "gate_rejections")),
     }
+
+
+def _median_of(records: Sequence[dict[str, Any]], key: str) -> float | None:
+    _, xs = series(records, key)
+    return statistics.median(xs) if xs else None
 
 
 def _int_or_none(v: float | None) -> int | None:
@@ -284,7 +294,11 @@ def markdown(
         f"{_fmt(s['first_step_adapted_ahead'])}",
         f"- published draft versions: {_fmt(s['published_versions'])}; gate rejections: "
         f"{_fmt(s['gate_rejections'])}",
-        f"- staleness (policy versions): mean {_fmt(s['staleness_mean'], 2)}, max {_fmt(s['staleness_max'], 0)}",
+        f"- staleness (policy versions): mean {_fmt(s['staleness_mean'], 2)}, median "
+        f"{_fmt(s['staleness_median'], 1)}, max {_fmt(s['staleness_max'], 0)}; a new policy version's taps → a "
+        f"draft trained on it served: median {_fmt(s['tap_to_serve_s_median'], 1)} s (from its update "
+        f"{_fmt(s['serve_lag_s_median'], 1)} s); sidecar busy (optimizer steps) median "
+        f"{_fmt(s['sidecar_busy_frac_median'], 2)} of its time",
         f"- tap drops: {_fmt(s['tap_dropped_messages'])}; wire rejections: {_fmt(s['wire_rejected'])}",
         "",
     ]

@@ -60,13 +60,21 @@ class SidecarStats:
     restarts: int
     # heads dropped after sidecar.max_consecutive_nonfinite non-finite steps in a row
     nonfinite_alarms: int = 0
-    held_dropped: int = 0  # tapped records dropped while waiting for their step's report (bound reached)
+    held_dropped: int = 0  # tapped records left out of their step's estimate (bound reached; they still train)
     rl_restarts: int = 0  # HeadSync policy-version regressions, handled as RL restarts
+    old_version_batches: int = 0  # TapBatches older than the head in use (kept under the version they name)
+    untapped_heads: int = 0  # HeadSyncs replaced before any TapBatch of their version came
+    reports_without_taps: int = 0  # StepReports of steps no record arrived for (rows without estimates)
     publish_failures: int = 0  # publishes/checkpoints that failed (disk full, export error); retried later
     rejected: Mapping[str, int] = field(default_factory=dict)  # wire rejections by reason (this process)
     train_state: str = "training"  # sidecar.train_trigger: training | settling | idle (always: training)
     waiting_for: str | None = None  # why the sidecar is not training now (None: it is)
     drift_triggers: int = 0  # idle → training transitions of the drift trigger (this process)
+    trained_policy_version: int = -1  # the newest policy version a training batch came from (−1: none yet)
+    # since the previous row: the share of the loop's wall time spent in optimizer steps, and the share spent
+    # waiting, by reason (``waiting_for``'s values: replay cap, min buffer, no head yet, the trigger's, …)
+    busy_frac: float | None = None
+    wait_shares: Mapping[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         """The sidecar's keys of a ``monitor.jsonl`` row."""
@@ -91,12 +99,23 @@ class SidecarStats:
             "nonfinite_alarms": self.nonfinite_alarms,
             "held_dropped": self.held_dropped,
             "rl_restarts": self.rl_restarts,
+            "old_version_batches": self.old_version_batches,
+            "untapped_heads": self.untapped_heads,
+            "reports_without_taps": self.reports_without_taps,
             "publish_failures": self.publish_failures,
             "sidecar_training": int(self.train_state == "training"),  # a number: Prometheus plots it
             "sidecar_train_state": self.train_state,
             "sidecar_waiting_for": self.waiting_for,
             "drift_triggers": self.drift_triggers,
+            "sidecar_trained_policy_version": self.trained_policy_version,
+            "sidecar_busy_frac": self.busy_frac,
+            **{f"sidecar_wait_frac_{wait_key(k)}": v for k, v in self.wait_shares.items()},
         }
+
+
+def wait_key(reason: str) -> str:
+    """A waiting reason as a metric-name suffix (``replay cap`` → ``replay_cap``)."""
+    return "".join(c if c.isalnum() else "_" for c in reason.lower()).strip("_")
 
 
 @dataclass(frozen=True)

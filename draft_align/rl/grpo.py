@@ -124,6 +124,11 @@ class GRPOJob:
         self.reward = reward_fn(rl.reward)
         self.optimizer = torch.optim.AdamW(policy.trainable_parameters(), lr=rl.lr, weight_decay=0.0)
         self.step_index = 0
+        # when each policy version was created (its update) and tapped (its log-prob pass), for the lag from
+        # there to the first step served by a draft trained on it
+        self._created: dict[int, float] = {policy.version: time.time()}
+        self._tapped: dict[int, float] = {}
+        self._served_policy_version = -1
         self.synced_version: int | None = None
         self.head_syncs_refused = 0
         self.last_rollouts: list[Rollout] = []  # the latest step's rollouts (for inspection)
@@ -167,6 +172,7 @@ class GRPOJob:
         poll_s = time.perf_counter() - t_start
         rollout_version = self.policy.version
         engine_metrics = self.engine.prepare(self.policy.hf_model, rollout_version, self.drafts.adapted_version)
+        served_at = time.time()
 
         t0 = time.perf_counter()
         rollouts, tallies = self.rollouts(s)
@@ -175,6 +181,7 @@ class GRPOJob:
         served = self.engine.adapted  # the adapted draft these rollouts were decoded with
         served_version = served.version if served is not None else 0
         served_policy_version = served.policy_version if served is not None else 0
+        lags = self._serve_lags(served_policy_version if served is not None else None, served_at)
 
         rewards = torch.tensor([r.reward for r in rollouts], dtype=torch.float64)
         adv = group_advantages(rewards.view(self.rl.prompts_per_step, self.rl.group_size)).flatten()
@@ -185,11 +192,14 @@ class GRPOJob:
         t0 = time.perf_counter()
         old_logp, tap_s, tap_tokens, head_ok = self._logprob_pass(seqs, s, rollout_version)
         logprob_s = time.perf_counter() - t0
+        self._tapped.setdefault(rollout_version, time.time())
         engine_metrics.update(self.engine.step_metrics(rollouts, old_logp))
 
         t0 = time.perf_counter()
         upd = self._update(seqs, old_logp, adv)
         update_s = time.perf_counter() - t0
+        if upd["updated"]:
+            self._created[self.policy.version] = time.time()
 
         t0 = time.perf_counter()
         if upd["updated"]:
@@ -214,6 +224,7 @@ class GRPOJob:
             "draft_version": served_version,
             "draft_policy_version": served_policy_version,
             "staleness": rollout_version - served_policy_version,
+            **lags,
             "draft_refreshed": float(refreshed),
             "draft_failures": self.drafts.failures,
             "rollout_tokens": sum(r.response.numel() for r in rollouts),
@@ -269,6 +280,22 @@ class GRPOJob:
                 out[f"accept_r{i}_{kind}"] = rate
             out[f"accept_rounds_{kind}"] = tally.rounds
             out[f"rollouts_{kind}"] = sum(r.draft == kind for r in rollouts)
+        return out
+
+    def _serve_lags(self, policy_version: int | None, served_at: float) -> dict[str, float | None]:
+        """The first step served by a draft trained up to policy version v (newer than any served before):
+        seconds from v's update (``draft_serve_lag_s``) and from v's taps (``draft_tap_to_serve_s``) to the
+        draft being in place; None on the other steps."""
+        out: dict[str, float | None] = {"draft_serve_lag_s": None, "draft_tap_to_serve_s": None}
+        if policy_version is None or policy_version <= self._served_policy_version:
+            return out
+        self._served_policy_version = policy_version
+        created, tapped = self._created.get(policy_version), self._tapped.get(policy_version)
+        for times in (self._created, self._tapped):  # versions up to this one are never asked for again
+            for v in [v for v in times if v <= policy_version]:
+                del times[v]
+        out["draft_serve_lag_s"] = served_at - created if created is not None else None
+        out["draft_tap_to_serve_s"] = served_at - tapped if tapped is not None else None
         return out
 
     # ----------------------------------------------------------------- d: log-prob pass (+ tap)

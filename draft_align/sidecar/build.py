@@ -155,6 +155,8 @@ def build_ingest(
         sc.recency_half_life,
         sc.holdout_records if is_lead else 0,
         recipe.seed + (rank if rank is not None else 0),
+        holdout_every=sc.holdout_every,
+        fresh_first=sc.fresh_first,
     )
     # records of steps whose report has not come are held at most this many tokens (docs/sizing.md)
     held = max(sc.buffer_tokens // 4, 2 * recipe.tap.tokens_per_step)

@@ -101,12 +101,18 @@ class Gate:
         self.protect = tuple(Path(p) for p in protect)  # folders retention never deletes (the starting draft)
         self.last_publish = time.monotonic()
         self.steps_since_publish = 0
+        self.tried_version = -1  # the trained policy version of the last attempt (publish_on_new_version)
 
     def due(self, force: bool = False) -> bool:
-        """Enough train steps since the last publish, and the interval passed (or ``force``)."""
+        """Enough train steps since the last publish, and the interval passed (or ``force``, or with
+        ``publish_on_new_version`` the candidate trained on a policy version newer than the published draft's
+        and no attempt was made for that version yet)."""
         sc = self.recipe.sidecar
         if self.steps_since_publish < sc.min_train_steps_per_publish:
             return False
+        trained = self.state.trained_policy_version
+        if sc.publish_on_new_version and trained > max(self.state.published_policy_version, self.tried_version):
+            return True
         return force or time.monotonic() - self.last_publish >= sc.publish_every_s
 
     def maybe_publish(self, candidate: Callable[[], nn.Module], holdout: list[TappedRecord],
@@ -115,6 +121,7 @@ class Gate:
         a new version was published (call only when :meth:`due`)."""
         sc = self.recipe.sidecar
         self.last_publish = time.monotonic()
+        self.tried_version = self.state.trained_policy_version
         if not holdout:
             return False
         cand = candidate()
@@ -131,7 +138,9 @@ class Gate:
             log.info("gate: candidate %.4f vs published %.4f (diff %.4f ± %.4f): not published",
                      c["acceptance_length_est"], b["acceptance_length_est"], diff, stderr)
             return False
-        policy_version = max(tr.policy_version for tr in holdout)
+        # the newest policy version the candidate trained on (older sidecar states: the gate set's newest)
+        trained = self.state.trained_policy_version
+        policy_version = trained if trained >= 0 else max(tr.policy_version for tr in holdout)
         # retention before the publish: with the new version there are at most keep_versions, even when the
         # process is killed right after the rename (pruning afterwards would leave keep_versions + 1)
         self._prune(self.recipe.sidecar.keep_versions - 1)
@@ -182,7 +191,8 @@ class Gate:
         self.publisher.publish(DraftPublished(
             run_id=self.recipe.run, draft_version=v, policy_version=policy_version, path=str(pub.path),
             sha256=pub.weights_sha256,
-            metrics={k: float(x) for k, x in metrics.items()},
+            # the wire carries finite numbers only (a 1-record gate set has no stderr: NaN stays in publish.jsonl)
+            metrics={k: float(x) for k, x in metrics.items() if math.isfinite(float(x))},
         ))
         with open(self.dir / PUBLISH_FILE, "a", encoding="utf-8") as f:
             f.write(json.dumps({"time": time.time(), "draft_version": v, "policy_version": policy_version,

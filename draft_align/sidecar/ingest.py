@@ -2,12 +2,13 @@
 
 ``TapBatch``es (and ``TapPart``s once all pipeline stages joined) whose shapes fit the draft are split into
 :class:`~draft_align.train.records.TappedRecord`s; sequences with NaN/Inf states are dropped and counted,
-a pre-norm final state is normalised with the HeadSync's norm.  The records of RL step n wait in
-:attr:`Ingest.fresh` until step n's ``StepReport`` (so the monitoring row estimates acceptance on records no
-draft was trained on) or until a batch of a later step arrives, then enter the replay buffer.  Held records
-are bounded: beyond ``max_held_tokens`` (the sidecar: ``buffer_tokens // 4``) the longest-held are dropped and
-counted (``held_dropped_records``/``held_dropped_tokens``), so batches of steps whose report never comes
-cannot pile up.  ``HeadSync`` messages are checked here (:meth:`Ingest.accept_head`: shapes, finite,
+a pre-norm final state is normalised with the HeadSync's norm.  Records enter the replay buffer as they
+arrive (training on RL step n's taps starts before step n's ``StepReport``, which the RL job sends only after
+its update); :attr:`Ingest.fresh` keeps references to step n's records until that report, for the monitoring
+row's estimates (the sidecar estimates them with the draft published when they arrived, which no training on
+them reached).  Those references are bounded: beyond ``max_held_tokens`` (the sidecar: ``buffer_tokens // 4``)
+the longest-held leave the step's estimate and are counted (``held_dropped_records``/``held_dropped_tokens``),
+so steps whose report never comes cannot pile up.  ``HeadSync`` messages are checked here (:meth:`Ingest.accept_head`: shapes, finite,
 ``|x| ≤ HEAD_MAX_ABS``); the sidecar applies the accepted ones.
 
 Policy versions: a HeadSync whose version is lower than the one in use is a restart of the RL job (it
@@ -78,12 +79,14 @@ class Ingest:
         self.hidden = int(hidden)
         self.vocab = int(vocab)
         self.draft_to_target = draft_to_target.cpu()
-        self.fresh: dict[int, list[tuple[TappedRecord, float]]] = {}  # RL step → (record, temperature)
+        # RL step → (record, temperature) until the step's report (the records are in the buffer already)
+        self.fresh: dict[int, list[tuple[TappedRecord, float]]] = {}
         self.max_held_tokens = max_held_tokens  # None: unbounded
         self.held_tokens = 0  # tokens in ``fresh``
         self.joiner = StageJoiner()  # joins the TapParts of pipeline-parallel policies into TapBatches
         self.has_head = False  # a HeadSync was accepted: training and estimates can start
         self.norm: tuple[torch.Tensor, float] | None = None  # the HeadSync's final-norm (weight, eps)
+        self.head_tapped = False  # whether a TapBatch of the head's policy version came since it
 
     def policy_version(self, sent: int) -> int:
         """The sidecar's policy version for a version the RL job sent (shifted after an RL restart)."""
@@ -114,8 +117,11 @@ class Ingest:
             )
             self.state.rl_restarts += 1
             self.state.policy_offset = offset
-            self.flush()  # the previous run's held records go to the buffer as they are
+            self.flush()  # the previous run's steps get no estimate (their step numbers start again)
             version = self.policy_version(msg.policy_version)
+        if self.has_head and not self.head_tapped and version != self.state.head_policy_version:
+            self.state.untapped_heads += 1  # its version's taps were dropped (or it had none): nothing to train
+        self.head_tapped = self.head_tapped and version == self.state.head_policy_version
         self.norm = (msg.norm_weight, float(msg.norm_eps))
         self.state.head_policy_version = version
         self.has_head = True
@@ -143,6 +149,13 @@ class Ingest:
             )
             return
         t0 = time.perf_counter()
+        version = self.policy_version(msg.policy_version)
+        if version < self.state.head_policy_version:
+            # older than the head in use, with no HeadSync saying the RL job restarted: kept under the version
+            # it names (weighted as old data), counted
+            self.state.old_version_batches += 1
+        elif version == self.state.head_policy_version:
+            self.head_tapped = True
         clean, dropped = drop_nonfinite(msg)
         self.state.nonfinite_sequences += dropped
         if clean is None:
@@ -163,9 +176,10 @@ class Ingest:
                 record=rec, policy_version=self.policy_version(clean.policy_version), step=int(clean.step),
                 **extras,
             )
+            self.buffer_record(tr)
             self.fresh.setdefault(int(clean.step), []).append((tr, clean.temperature))
             self.held_tokens += tr.num_tokens
-        # a step whose report never came (dropped) must not hold its records back from training
+        # a step whose report never came (dropped) gets no estimate
         self.flush(upto_step=int(clean.step) - 1)
         self._bound_held()
         self.state.newest_policy_version = max(self.state.newest_policy_version,
@@ -176,8 +190,8 @@ class Ingest:
         self.rates.ingest_s += time.perf_counter() - t0
 
     def step_records(self, step: int) -> tuple[list[TappedRecord], float | None]:
-        """The records tapped in RL step ``step`` not yet in the buffer, and their rollouts' temperature
-        (None when there are none)."""
+        """The records tapped in RL step ``step`` (until its report), and their rollouts' temperature (None
+        when there are none)."""
         fresh = self.fresh.get(step, [])
         return [tr for tr, _ in fresh], (fresh[0][1] if fresh else None)
 
@@ -189,13 +203,12 @@ class Ingest:
         return True
 
     def flush(self, upto_step: int | None = None) -> None:
-        """Move tapped records of steps ≤ upto_step (all if None) into the replay buffer."""
+        """Forget the step records of steps ≤ upto_step (all if None): their estimate is made or given up."""
         for step in sorted(self.fresh):
             if upto_step is not None and step > upto_step:
                 continue
             for tr, _ in self.fresh.pop(step):
                 self.held_tokens -= tr.num_tokens
-                self.buffer_record(tr)
 
     def _bound_held(self) -> None:
         """Drop (and count) the longest-held records while more than ``max_held_tokens`` are held."""
@@ -212,8 +225,8 @@ class Ingest:
             self.state.held_dropped_tokens += tr.num_tokens
             dropped += 1
         if dropped:
-            log.warning("%d tapped records of steps without a StepReport dropped (%d tokens held at most)", dropped,
-                        self.max_held_tokens)
+            log.warning("%d tapped records of steps without a StepReport left their step's estimate (%d tokens "
+                        "held at most; they still train)", dropped, self.max_held_tokens)
 
     def drop_head(self) -> None:
         """Stop using the head in use (training and estimates wait for the next HeadSync)."""

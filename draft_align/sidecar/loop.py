@@ -58,7 +58,7 @@ from draft_align.sidecar.ranked import GatheredDraft, ranked_loop
 from draft_align.sidecar.resume import set_aside
 from draft_align.sidecar.state import Backoff, Rates, SidecarState, sidecar_stats
 from draft_align.train.parallel import RankGroup, attach, rank_device
-from draft_align.train.records import Batch, TappedRecord
+from draft_align.train.records import Batch, TappedRecord, collate
 from draft_align.train.trainer import NonFiniteLossError
 from draft_align.wire.channel import DRAIN_MAX_MESSAGES
 from draft_align.wire.messages import HeadSync, StepReport, TapBatch, TapPart
@@ -104,6 +104,9 @@ class Sidecar:
         self.resumed = False
         self.trigger = build_trigger(recipe)
         self.waiting: str | None = "no head yet"  # why the last next_batch() gave no batch (None: it did)
+        # RL step → the draft published when its first taps arrived: its row's "adapted" estimate (records
+        # train on arrival, so a draft published later may have trained on them)
+        self._step_drafts: dict[int, nn.Module] = {}
         self._shared_control: list[Control] = []  # received here, for every rank to apply (multi-rank only)
 
     # ------------------------------------------------------------------ setup
@@ -229,6 +232,8 @@ class Sidecar:
             if self.ranks is not None and isinstance(msg, (HeadSync, StepReport)):
                 self._shared_control.append(msg)  # every rank applies it, at the next step boundary
                 continue
+            if isinstance(msg, (TapBatch, TapPart)):
+                self._step_drafts.setdefault(int(msg.step), self.gate.published)
             if isinstance(msg, TapBatch):
                 self.ingest.on_batch(msg)
             elif isinstance(msg, TapPart):  # a pipeline stage's share: trained only once all stages joined
@@ -267,17 +272,23 @@ class Sidecar:
         t = time.time()
         records, temp = self.ingest.step_records(step)
         temp = temp if temp is not None else self.recipe.rl.temperature
+        adapted = self._step_drafts.pop(step, self.gate.published)
+        for old in [s for s in self._step_drafts if s < step]:  # steps whose report never came
+            del self._step_drafts[old]
         estimates: dict[str, float] = {}
+        if not records:
+            self.state.reports_without_taps += 1  # its taps were dropped or never sent: a row without estimates
         if records and self.has_head:
-            drafts = {"adapted": self.gate.published, "frozen": self.frozen}
+            drafts = {"adapted": adapted, "frozen": self.frozen}
             estimates = row_estimates(drafts, lambda draft, mode: self.estimate(draft, records, mode, temp))
         self.ingest.flush(upto_step=step)
         self.state.last_step_report = max(self.state.last_step_report, step)
         gate_mode = "probabilistic" if self.recipe.sidecar.eval_mode == "probabilistic" else "greedy_draft"
         self.trigger.on_estimate(estimates.get(estimate_key("adapted", gate_mode)))
         row = StepRow.from_report(
-            msg, self.stats(), time=t, estimates=estimates, est_records=len(records) if estimates else None
-        )
+            msg, self.stats(window=True), time=t, estimates=estimates,
+            est_records=len(records) if estimates else None,
+        )  # fmt: skip
         self.sinks.observe(row)
         self.state.monitor_rows += 1
 
@@ -291,7 +302,9 @@ class Sidecar:
             draft, self.embed, self.trainer.rows, records, self.recipe.sidecar.eval_k, mode, temperature
         )
 
-    def stats(self) -> SidecarStats:
+    def stats(self, window: bool = False) -> SidecarStats:
+        """The sidecar's counters; ``window``: with the busy / waiting shares since the last windowed call (the
+        per-step rows)."""
         return sidecar_stats(
             self.state,
             self.ingest.buffer.stats(),
@@ -299,6 +312,7 @@ class Sidecar:
             self.rejected,
             trigger=self.trigger,
             waiting=self.waiting,
+            window=window,
         )
 
     def train_one(self) -> bool:
@@ -318,9 +332,17 @@ class Sidecar:
         elif self.ingest.buffer.trainable_tokens < min(sc.min_buffer_tokens, sc.buffer_tokens):
             self.waiting = "min buffer"  # a few dozen sequences would be memorised, not learned from
         else:
-            batch = self.ingest.buffer.sample(sc.batch_tokens, sc.ttt_steps)
-            self.waiting = None if batch is not None else "no trainable record"
-            return batch
+            buffer = self.ingest.buffer
+            chosen = buffer.sample_records(sc.batch_tokens)
+            self.waiting = None if chosen else "no trainable record"
+            if not chosen:
+                return None
+            self.state.trained_policy_version = max(
+                self.state.trained_policy_version, max(r.policy_version for r in chosen)
+            )
+            if sc.lr_ramp_tokens > 0:  # small early buffers take small steps
+                self.trainer.set_lr_scale(min(1.0, max(buffer.trainable_tokens, 1) / sc.lr_ramp_tokens))
+            return collate([r.record for r in chosen], sc.ttt_steps)
         return None
 
     def train_on(self, batch: Batch) -> bool:
@@ -353,6 +375,12 @@ class Sidecar:
         if self.state.train_steps % max(1, sc.log_every) == 0:
             self.sinks.log({f"train/{k}": v for k, v in stats.items()}, step=self.state.train_steps)
         return True
+
+    def _account(self, trained: bool, seconds: float) -> None:
+        """One loop iteration's wall time: loop time, and waiting time by reason when it trained nothing."""
+        self.rates.loop_s += seconds
+        if not trained:
+            self.rates.waited(self.waiting or "no trainable record", seconds)
 
     def publish_due(self, force: bool = False) -> bool:
         """Whether a publish attempt (gate) is due on this rank: the lead rank, a head to score with, enough
@@ -442,8 +470,10 @@ class Sidecar:
                 ended = True
                 return self.state
             while not self.stop_requested:
+                t_iter = time.perf_counter()
                 trained = self.train_one()
                 self.drain(budget_s=0.05, timeout_ms=0 if trained else 200)
+                self._account(trained, time.perf_counter() - t_iter)
                 self.maybe_publish()
                 if self.checkpoint_due():
                     self.checkpoint()

@@ -28,6 +28,7 @@ class SidecarState:
     published_version: int = 0  # newest version this sidecar published (0 = the starting draft)
     published_policy_version: int = -1
     newest_policy_version: int = -1
+    trained_policy_version: int = -1  # the newest policy version a training batch came from
     head_policy_version: int = -1
     train_steps: int = 0
     trained_tokens: int = 0
@@ -38,9 +39,12 @@ class SidecarState:
     nonfinite_steps: int = 0
     nonfinite_heads: int = 0  # HeadSyncs rejected: non-finite or out-of-range rows / norm
     nonfinite_alarms: int = 0  # heads dropped after max_consecutive_nonfinite non-finite steps in a row
-    held_dropped_records: int = 0  # tapped records dropped while waiting for their step's report (bound)
+    held_dropped_records: int = 0  # tapped records left out of their step's estimate (bound; they still train)
     held_dropped_tokens: int = 0
     rl_restarts: int = 0  # HeadSync version regressions (the RL job restarted)
+    old_version_batches: int = 0  # TapBatches older than the head in use (trained under the version they name)
+    untapped_heads: int = 0  # HeadSyncs replaced before any TapBatch of their version came
+    reports_without_taps: int = 0  # StepReports of steps no record arrived for (a row without estimates)
     policy_offset: int = 0  # added to every policy version the RL job sends (raised at each RL restart)
     publish_failures: int = 0  # publishes or checkpoints that failed (disk full, export error)
     gate_rejections: int = 0
@@ -114,12 +118,32 @@ class Backoff:
 
 @dataclass
 class Rates:
-    """This process's throughput (not checkpointed: it restarts with the process)."""
+    """This process's throughput and where its loop's time went (not checkpointed: it restarts with the
+    process).  ``loop_s``: wall time of the loop's iterations; ``wait_s``: the part of it without an optimizer
+    step, by the reason training waited."""
 
     train_tokens: float = 0.0
     train_s: float = 0.0
     ingest_tokens: float = 0.0
     ingest_s: float = 0.0
+    loop_s: float = 0.0
+    wait_s: dict[str, float] = field(default_factory=dict)
+    # (loop_s, train_s, wait_s) at the last window
+    _mark: tuple[float, float, dict[str, float]] = field(default_factory=lambda: (0.0, 0.0, {}))
+
+    def waited(self, reason: str, seconds: float) -> None:
+        self.wait_s[reason] = self.wait_s.get(reason, 0.0) + seconds
+
+    def window(self) -> tuple[float | None, dict[str, float]]:
+        """(share of loop time in optimizer steps, share waiting by reason) since the previous call (None,
+        {} when no loop time passed); starts the next window."""
+        loop0, train0, wait0 = self._mark
+        dt = self.loop_s - loop0
+        self._mark = (self.loop_s, self.train_s, dict(self.wait_s))
+        if dt <= 0:
+            return None, {}
+        shares = {k: (v - wait0.get(k, 0.0)) / dt for k, v in self.wait_s.items() if v > wait0.get(k, 0.0)}
+        return min(1.0, (self.train_s - train0) / dt), shares
 
     @property
     def train_tokens_per_s(self) -> float | None:
@@ -132,10 +156,15 @@ class Rates:
 
 def sidecar_stats(state: SidecarState, buffer: Mapping[str, Any], rates: Rates,
                   rejected: Mapping[str, int], *, trigger: DriftTrigger | None = None,
-                  waiting: str | None = None) -> SidecarStats:
+                  waiting: str | None = None, window: bool = False) -> SidecarStats:
     """The monitor's view of the sidecar (``buffer``: ``ReplayBuffer.stats()``; ``rejected``: by reason;
-    ``waiting``: why it is not training, None while it is)."""
+    ``waiting``: why it is not training, None while it is; ``window``: with the busy / waiting shares since the
+    previous windowed call, which starts the next window — the per-step rows)."""
+    busy, shares = rates.window() if window else (None, {})
     return SidecarStats(
+        trained_policy_version=state.trained_policy_version,
+        busy_frac=busy,
+        wait_shares=shares,
         train_state=trigger.state.value if trigger is not None else "training",
         waiting_for=waiting,
         drift_triggers=trigger.triggers if trigger is not None else 0,
@@ -157,6 +186,9 @@ def sidecar_stats(state: SidecarState, buffer: Mapping[str, Any], rates: Rates,
         nonfinite_alarms=state.nonfinite_alarms,
         held_dropped=state.held_dropped_records,
         rl_restarts=state.rl_restarts,
+        old_version_batches=state.old_version_batches,
+        untapped_heads=state.untapped_heads,
+        reports_without_taps=state.reports_without_taps,
         publish_failures=state.publish_failures,
         rejected=dict(rejected),
     )

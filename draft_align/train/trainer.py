@@ -99,6 +99,7 @@ class DraftTrainer:
         frozen_head = draft.shares_target_head or is_lora(draft)
         draft.lm_head.weight.requires_grad_(loss.train_lm_head and not frozen_head)
         self.progress = Progress(total_steps=optim.total_steps)
+        self.lr_scale = 1.0  # a factor on the schedule's LR (set_lr_scale)
         self.build_optimizer()
         # under torchrun: the loss through DDP or FSDP2 and a rank-wide finiteness vote (train/parallel.py)
         self.parallel: StepParallel | None = None
@@ -128,7 +129,7 @@ class DraftTrainer:
             betas=s.betas,
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: lr_factor(s, step, self.progress.total_steps)
+            self.optimizer, lambda step: lr_factor(s, step, self.progress.total_steps) * self.lr_scale
         )
 
     def loss(self, batch: Batch) -> tuple[torch.Tensor, StepStats]:
@@ -150,9 +151,21 @@ class DraftTrainer:
         The next step already runs at the new schedule's LR (the scheduler alone would apply it one step late).
         """
         self.progress.total_steps = max(1, int(total))
+        self._apply_lr()
+
+    def set_lr_scale(self, scale: float) -> None:
+        """Multiply the schedule's LR by ``scale`` in (0, 1] from the next step on (the sidecar's ramp by
+        buffer size)."""
+        if not 0 < scale <= 1:
+            raise ValueError(f"lr scale must be in (0, 1], got {scale}")
+        if scale != self.lr_scale:
+            self.lr_scale = float(scale)
+            self._apply_lr()
+
+    def _apply_lr(self) -> None:
         factor = lr_factor(self.optim_settings, self.scheduler.last_epoch, self.progress.total_steps)
         for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs, strict=True):
-            group["lr"] = base * factor
+            group["lr"] = base * factor * self.lr_scale
 
     def train_step(self, batch: Batch) -> dict[str, float]:
         """One step.  Raises NonFiniteLossError (after zeroing grads, applying nothing) on NaN/Inf."""

@@ -1,5 +1,6 @@
 import json
 import math
+import statistics
 import struct
 
 import pytest
@@ -44,6 +45,8 @@ def synthetic_records() -> list[dict]:
                 "wire_dropped": 2 * s,
                 "wire_rejected": 1 if s >= 3 else 0,
                 "buffer_fill": 0.1 * s,
+                # the first steps served by drafts trained on a new version carry the lags
+                **({"draft_tap_to_serve_s": 10.0 * s, "draft_serve_lag_s": 10.0 * s + 5} if s in (1, 2, 4) else {}),
             }
         )
     return recs
@@ -89,6 +92,9 @@ def test_report_summary_numbers(run_dir):
     assert s["accept_est_margin"] == pytest.approx(2.25 - 5.3 / 3)
     assert s["published_versions"] == 3
     assert s["staleness_mean"] == pytest.approx(5 / 6) and s["staleness_max"] == 2
+    assert s["staleness_median"] == statistics.median(STALENESS)
+    assert s["tap_to_serve_s_median"] == 20.0 and s["serve_lag_s_median"] == 25.0
+    assert s["sidecar_busy_frac_median"] is None  # no row carried it
     assert s["tap_dropped_messages"] == 10 and s["wire_rejected"] == 1 and s["gate_rejections"] is None
 
 

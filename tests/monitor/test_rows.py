@@ -13,8 +13,10 @@ SIDECAR_KEYS = ["sidecar_draft_version", "sidecar_draft_policy_version", "buffer
                 "sidecar_train_steps", "sidecar_trained_tokens", "sidecar_train_tokens_per_s",
                 "sidecar_ingest_tokens_per_s", "sidecar_ingested_tokens", "wire_rejected", "wire_nonfinite",
                 "wire_mismatched", "nonfinite_steps", "nonfinite_heads", "published_versions", "gate_rejections",
-                "sidecar_restarts", "nonfinite_alarms", "held_dropped", "rl_restarts", "publish_failures",
-                "sidecar_training", "sidecar_train_state", "sidecar_waiting_for", "drift_triggers"]
+                "sidecar_restarts", "nonfinite_alarms", "held_dropped", "rl_restarts", "old_version_batches",
+                "untapped_heads", "reports_without_taps", "publish_failures", "sidecar_training",
+                "sidecar_train_state", "sidecar_waiting_for", "drift_triggers", "sidecar_trained_policy_version",
+                "sidecar_busy_frac"]
 
 
 def _report(**metrics) -> StepReport:

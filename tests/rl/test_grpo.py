@@ -274,3 +274,16 @@ def test_the_engine_says_which_draft_served(world, kit, target_config):
     assert engine.offered == [(0, job.drafts.adapted_version)]
     assert (m["draft_version"], m["draft_policy_version"], m["staleness"]) == (0, 0, 0)
     assert m["engine_refused"] == 1.0 and m["engine_old_logprob_tokens"] == m["rollout_tokens"]
+
+
+def test_serve_lags_are_reported_once_per_newly_served_policy_version():
+    from types import SimpleNamespace
+
+    job = SimpleNamespace(_created={0: 100.0, 1: 130.0, 2: 160.0}, _tapped={0: 110.0, 1: 140.0},
+                          _served_policy_version=-1)
+    lags = GRPOJob._serve_lags
+    assert lags(job, None, 120.0) == {"draft_serve_lag_s": None, "draft_tap_to_serve_s": None}  # frozen only
+    assert lags(job, 0, 150.0) == {"draft_serve_lag_s": 50.0, "draft_tap_to_serve_s": 40.0}
+    assert lags(job, 0, 180.0) == {"draft_serve_lag_s": None, "draft_tap_to_serve_s": None}  # not new
+    assert lags(job, 2, 200.0) == {"draft_serve_lag_s": 40.0, "draft_tap_to_serve_s": None}  # v2 never tapped
+    assert job._served_policy_version == 2 and job._created == {} and job._tapped == {}  # pruned as served

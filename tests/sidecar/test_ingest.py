@@ -61,19 +61,21 @@ def test_stats_from_reaches_the_records_through_the_wire():
     assert torch.equal(records[0].logit_lse, seqs[0]["logit_lse"])
 
 
-def test_records_wait_for_their_step_report_or_a_later_step():
+def test_records_train_on_arrival_and_stay_for_their_step_estimate_until_the_report():
     ing = _ingest()
     ing.on_batch(_batch([_seq(6, 2, 0), _seq(6, 6, 1)], step=0))  # the second has no response token: skipped
     records, temp = ing.step_records(0)
-    assert len(records) == 1 and temp == 0.7 and len(ing.buffer) == 0
+    # in the buffer at once (training does not wait for the report), and kept for step 0's estimate
+    assert len(records) == 1 and temp == 0.7 and len(ing.buffer) == 1
+    assert ing.buffer.trainable()[0].record is records[0].record  # the same record, trainable already
     assert ing.step_records(1) == ([], None)
     ing.on_batch(_batch([_seq(6, 2, 2)], step=2, version=1, batch_id=1))  # step 0's report never came
-    assert len(ing.buffer) == 1 and list(ing.fresh) == [2]
-    assert ing.state.buffered_tokens == 6 and ing.state.ingested_messages == 2
+    assert len(ing.buffer) == 2 and list(ing.fresh) == [2]  # step 0 gets no estimate
+    assert ing.state.buffered_tokens == 12 and ing.state.ingested_messages == 2
     assert ing.state.ingested_tokens == 18 and ing.state.newest_policy_version == 1
     assert ing.rates.ingest_tokens == 18 and ing.rates.ingest_s > 0
     ing.flush(upto_step=2)
-    assert len(ing.buffer) == 2 and not ing.fresh
+    assert len(ing.buffer) == 2 and not ing.fresh and ing.held_tokens == 0
 
 
 def test_mismatched_and_nonfinite_batches_are_counted():
@@ -156,7 +158,8 @@ def test_records_of_steps_without_a_report_are_bounded_and_counted():
     assert ing.state.held_dropped_records == 25 and ing.state.held_dropped_tokens == 250
     assert sorted(ing.fresh) == list(range(971, 976))  # the five held last
     ing.flush()
-    assert ing.held_tokens == 0 and len(ing.buffer) == 5
+    # only the step estimates were bounded: every record trains
+    assert ing.held_tokens == 0 and len(ing.buffer) == 30
 
 
 def test_stage_parts_are_joined_and_end_run_flushes():
@@ -208,3 +211,23 @@ def test_garbage_forged_and_nonfinite_input_is_counted_and_survived(sidecar_worl
     assert until(lambda: sc.state.mismatched_messages == 1, 10, every=lambda: sc.drain(0.1, 100))
     raw.close()
     ctx.term()
+
+
+def test_old_version_batches_and_untapped_heads_are_counted_and_kept_under_their_own_version():
+    ing = _ingest()
+    assert ing.accept_head(HeadSync.make_dummy(hidden_size=H, vocab_size=V, policy_version=2))
+    ing.on_batch(_batch([_seq(6, 2, 0)], step=2, version=2))
+    assert ing.state.old_version_batches == 0 and ing.head_tapped
+    # a batch of version 1 after the head of version 2, with no HeadSync saying the job restarted
+    ing.on_batch(_batch([_seq(6, 2, 1)], step=3, version=1, batch_id=1))
+    assert ing.state.old_version_batches == 1 and ing.state.rl_restarts == 0
+    assert [r.policy_version for r in ing.buffer.trainable()] == [2, 1]  # trained as the version it names
+    # the head of version 3 gets no taps before version 4's: counted once, nothing attributed to it
+    assert ing.accept_head(HeadSync.make_dummy(hidden_size=H, vocab_size=V, policy_version=3))
+    assert ing.accept_head(HeadSync.make_dummy(hidden_size=H, vocab_size=V, policy_version=3))  # a repeat
+    assert ing.state.untapped_heads == 0
+    assert ing.accept_head(HeadSync.make_dummy(hidden_size=H, vocab_size=V, policy_version=4))
+    assert ing.state.untapped_heads == 1 and ing.state.head_policy_version == 4
+    ing.on_batch(_batch([_seq(6, 2, 2)], step=4, version=4, batch_id=2))
+    assert ing.accept_head(HeadSync.make_dummy(hidden_size=H, vocab_size=V, policy_version=5))
+    assert ing.state.untapped_heads == 1 and ing.state.newest_policy_version == 4

@@ -30,9 +30,9 @@ def test_ingest_train_gate_publish_notify_and_monitor(sidecar_world, until):
     assert until(lambda: sc.state.monitor_rows >= 2, 20, every=lambda: sc.drain(0.1, 100))
     assert sc.has_head and sc.state.head_policy_version == 1
     assert sc.state.ingested_messages >= 2 and sc.rejected == {}
-    # both steps' records reached the buffer after their reports; the newest 6 are held out
     stats = sc.ingest.buffer.stats()
-    assert stats["records"] == 16 and stats["holdout_records"] == 6
+    # every 4th record (sidecar.holdout_every) is held out, at most holdout_records = 6
+    assert stats["records"] == 16 and stats["holdout_records"] == 4
     for _ in range(4):
         assert sc.train_one()
     assert sc.state.train_steps == 4

@@ -115,6 +115,7 @@ def _same_weights_overrides(tiny_run, out: Path, run: str, ranks: int, parallel:
                             **extra: object) -> list[str]:
     return tiny_run.cotrain_overrides(
         out, run=run, **{"sidecar.ranks": ranks, "sidecar.holdout_records": N_HOLD, "sidecar.autocast_bf16": "false",
+                         "sidecar.holdout_every": 1, "sidecar.fresh_first": "false", "sidecar.publish_on_new_version": "false",
                          "sidecar.max_replay_ratio": 1000.0, "sidecar.publish_every_s": 1e9,
                          "sidecar.checkpoint_every_s": 1e9, "sidecar.prometheus_port": "null",
                          "sidecar.warmup_steps": 0, "sidecar.lr": 3e-3, "sidecar.parallel": parallel, **extra})

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from draft_align.sidecar.state import Rates, SidecarState, sidecar_stats
 
 
@@ -34,8 +36,10 @@ def test_rates_and_stats():
         "sidecar_ingest_tokens_per_s": 60.0, "sidecar_ingested_tokens": 90, "wire_rejected": 3,
         "wire_nonfinite": 1, "wire_mismatched": 2, "nonfinite_steps": 3, "nonfinite_heads": 4,
         "published_versions": 2, "gate_rejections": 5, "sidecar_restarts": 6, "nonfinite_alarms": 0,
-        "held_dropped": 0, "rl_restarts": 0, "publish_failures": 0, "sidecar_training": 1,
+        "held_dropped": 0, "rl_restarts": 0, "old_version_batches": 0, "untapped_heads": 0,
+        "reports_without_taps": 0, "publish_failures": 0, "sidecar_training": 1,
         "sidecar_train_state": "training", "sidecar_waiting_for": None, "drift_triggers": 0,
+        "sidecar_trained_policy_version": -1, "sidecar_busy_frac": None,
     }
     assert stats.rejected == {"mac": 2, "frames": 1}
 
@@ -60,3 +64,21 @@ def test_unknown_fields_are_ignored_and_bad_files_are_state_errors(tmp_path, cap
             path.write_text(text)
         with pytest.raises(StateError, match=match):
             SidecarState.load(path)
+
+
+def test_rates_window_splits_loop_time_into_training_and_waiting_by_reason():
+    r = Rates()
+    assert r.window() == (None, {})
+    r.loop_s, r.train_s = 10.0, 4.0
+    r.waited("replay cap", 5.0)
+    r.waited("min buffer", 1.0)
+    busy, shares = r.window()
+    assert busy == pytest.approx(0.4) and shares == pytest.approx({"replay cap": 0.5, "min buffer": 0.1})
+    r.loop_s, r.train_s = 12.0, 6.0  # the next window: 2 s, all training
+    assert r.window() == (pytest.approx(1.0), {})
+    stats = sidecar_stats(SidecarState(), {"tokens": 0, "fill": 0.0}, r, {}, window=True)
+    assert stats.busy_frac is None and stats.to_dict()["sidecar_busy_frac"] is None  # no loop time since
+    r.loop_s = 13.0
+    r.waited("replay cap", 1.0)
+    row = sidecar_stats(SidecarState(), {"tokens": 0, "fill": 0.0}, r, {}, window=True).to_dict()
+    assert row["sidecar_busy_frac"] == 0.0 and row["sidecar_wait_frac_replay_cap"] == pytest.approx(1.0)

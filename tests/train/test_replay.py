@@ -195,3 +195,46 @@ def test_trainable_tokens_property_matches_stats():
         buf.add(tapped(n, version=i))
         assert buf.trainable_tokens == buf.stats()["trainable_tokens"]
     assert buf.trainable_tokens == 5 + 7 + 9
+
+
+def test_a_holdout_stride_keeps_each_versions_records_trainable_on_arrival():
+    buf = ReplayBuffer(10_000, 2.0, holdout_records=3, seed=0, holdout_every=4)
+    for _ in range(8):  # one RL step (policy version 0) of 8 records
+        buf.add(tapped(10, version=0))
+    # every 4th record held out: 2 of the step's 8, the other 6 trainable at once
+    assert [r.arrival for r in buf.holdout()] == [0, 4]
+    assert [r.arrival for r in buf.trainable()] == [1, 2, 3, 5, 6, 7]
+    for _ in range(8):
+        buf.add(tapped(10, version=1))
+    # at most 3 held out, the newest candidates: record 0 became trainable, the newest version has 2 held
+    assert [r.arrival for r in buf.holdout()] == [4, 8, 12]
+    assert buf.stats()["holdout_records"] == 3 and buf.trainable_tokens == 13 * 10
+    # stride 1 is the newest-N hold-out
+    one = ReplayBuffer(10_000, 2.0, holdout_records=3, seed=0)
+    for _ in range(8):
+        one.add(tapped(10, version=0))
+    assert [r.arrival for r in one.holdout()] == [5, 6, 7]
+    with pytest.raises(ReplayError, match="holdout_every"):
+        ReplayBuffer(100, 1.0, 0, 0, holdout_every=0)
+
+
+def test_fresh_first_draws_the_newest_versions_undrawn_records_before_any_other():
+    buf = ReplayBuffer(100_000, math.inf, holdout_records=0, seed=3, fresh_first=True)
+    for v in range(3):
+        for _ in range(6):
+            buf.add(tapped(10, version=v))
+    first = buf.sample_records(30)  # 3 records per batch
+    second = buf.sample_records(30)
+    # the six version-2 records, oldest first, before anything older
+    assert [r.arrival for r in first + second] == [12, 13, 14, 15, 16, 17]
+    third = buf.sample_records(30)  # all drawn once: the weighted draw again (uniform here)
+    assert len(third) == 3
+    buf.add(tapped(10, version=3))
+    assert buf.sample_records(30)[0].arrival == 18  # a new version's record leads the next batch
+    # without fresh_first, uniform sampling reaches older versions in the first batches
+    plain = ReplayBuffer(100_000, math.inf, holdout_records=0, seed=3)
+    for v in range(3):
+        for _ in range(6):
+            plain.add(tapped(10, version=v))
+    drawn = [r.policy_version for _ in range(2) for r in plain.sample_records(30)]
+    assert min(drawn) < 2

@@ -429,3 +429,18 @@ def test_each_acceptance_objective_improves_what_it_scores(kind, measure):
         trained.train_step(collate(train[(i % 4) * 4:(i % 4) * 4 + 4], steps=2))
     before, after = score(untrained), score(trained)
     assert after < 0.9 * before, (kind, before, after)
+
+
+def test_lr_scale_multiplies_the_schedule_at_once_and_is_checked():
+    from draft_align.train.trainer import lr_factor
+
+    trainer = make_trainer(lr=1e-2, warmup=2, total=6)
+    batch = collate(random_records(2, seed=1), 3)
+    trainer.set_lr_scale(0.25)  # before the first step: that step runs at the scaled lr
+    assert trainer.train_step(batch)["lr"] == pytest.approx(0.25 * 1e-2 * lr_factor(trainer.optim_settings, 0, 6))
+    assert trainer.train_step(batch)["lr"] == pytest.approx(0.25 * 1e-2 * lr_factor(trainer.optim_settings, 1, 6))
+    trainer.set_lr_scale(1.0)
+    assert trainer.train_step(batch)["lr"] == pytest.approx(1e-2 * lr_factor(trainer.optim_settings, 2, 6))
+    for bad in (0.0, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="lr scale"):
+            trainer.set_lr_scale(bad)
