@@ -19,31 +19,21 @@ from draft_align.heads.eagle3 import DraftConfigError
 from draft_align.heads.lora import is_lora, merged
 from draft_align.heads.protocol import DraftHead
 from draft_align.publish import eagle3_format, mtp_format
-from draft_align.publish.eagle3_format import Dialect
-from draft_align.publish.folder import MTP_FORMAT, ExportError, ExportRequest, read_manifest
+from draft_align.publish.folder import MTP_FORMAT, Dialect, ExportError, ExportRequest, read_manifest
 
 
-def write_draft(
-    draft: DraftHead,
-    out_dir: Path,
-    req: ExportRequest,
-    *,
-    dialect: Dialect = "hf",
-    speculative_tokens: int = 3,
-) -> dict[str, Any]:
-    """:func:`export_draft` with its provenance in one :class:`ExportRequest`; returns the manifest as
-    written (``files`` holds each file's sha256 and size)."""
+def write_draft(draft: DraftHead, out_dir: Path, req: ExportRequest) -> dict[str, Any]:
+    """:func:`export_draft` with its provenance and dialect in one :class:`ExportRequest`; returns the manifest
+    as written (``files`` holds each file's sha256 and size)."""
     if is_lora(draft):  # engines load plain weights
         draft = merged(draft)  # type: ignore[assignment]
     if draft.kind == "mtp":
-        if dialect != "hf":
+        if req.dialect != "hf":
             raise ExportError(
-                f"dialect {dialect!r} is an EAGLE-3 dialect: an MTP head is written in its own layout"
+                f"dialect {req.dialect!r} is an EAGLE-3 dialect: an MTP head is written in its own layout"
             )
         return mtp_format.write_mtp(draft, Path(out_dir), req)  # type: ignore[arg-type]
-    return eagle3_format.write_eagle3(
-        draft, Path(out_dir), req, dialect=dialect, speculative_tokens=speculative_tokens  # type: ignore[arg-type]
-    )
+    return eagle3_format.write_eagle3(draft, Path(out_dir), req)  # type: ignore[arg-type]
 
 
 def export_draft(
@@ -75,9 +65,9 @@ def export_draft(
     req = ExportRequest(
         target_config=target_config, target_name=target_name, metrics=metrics, draft_version=draft_version,
         policy_version=policy_version, tokenizer_fingerprint=tokenizer_fingerprint, dtype=dtype,
-        extra_manifest=extra_manifest, overwrite=overwrite,
+        extra_manifest=extra_manifest, overwrite=overwrite, dialect=dialect, speculative_tokens=speculative_tokens,
     )  # fmt: skip
-    write_draft(draft, out_dir, req, dialect=dialect, speculative_tokens=speculative_tokens)
+    write_draft(draft, out_dir, req)
     return Path(out_dir)
 
 

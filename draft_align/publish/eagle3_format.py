@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
@@ -37,9 +37,11 @@ from draft_align.heads.vocab import check_d2t
 from draft_align.publish.compat import check_rope
 from draft_align.publish.config_json import block_config_fields, special_token_ids
 from draft_align.publish.folder import (
+    DIALECTS,
     EAGLE3_FORMAT,
     FORMAT_VERSION,
     RESERVED_KEYS,
+    Dialect,
     ExportError,
     ExportRequest,
     check_destination,
@@ -52,8 +54,6 @@ from draft_align.publish.folder import (
 )
 
 SPECULATORS_ARCHITECTURE = "Eagle3Speculator"  # speculators' Eagle3SpeculatorConfig.architectures default
-Dialect = Literal["hf", "speculators"]
-DIALECTS: tuple[str, ...] = ("hf", "speculators")
 # Both engines build fc as Linear(3·target_hidden_size, H): vLLM llama_eagle3.py `target_hidden_size * 3`,
 # SGLang llama_eagle3.py `self.hidden_size_in * 3`.
 
@@ -282,20 +282,11 @@ _AUX_NOTE = (
 )
 
 
-def write_eagle3(
-    draft: Eagle3Draft,
-    out_dir: Path,
-    req: ExportRequest,
-    *,
-    dialect: Dialect = "hf",
-    speculative_tokens: int = 3,
-) -> dict[str, Any]:
-    """Write the plain (LoRA-merged) EAGLE-3 ``draft`` at ``out_dir``; returns the manifest as written.
-
-    Everything is validated before anything is written; the folder appears atomically (temp + rename).
-    ``speculative_tokens`` is the speculators dialect's default proposal length.
-    """
-    out_dir = Path(out_dir)
+def write_eagle3(draft: Eagle3Draft, out_dir: Path, req: ExportRequest) -> dict[str, Any]:
+    """Write the plain (LoRA-merged) EAGLE-3 ``draft`` at ``out_dir`` in ``req.dialect``; returns the manifest
+    as written.  Everything is validated before anything is written; the folder appears atomically (temp +
+    rename)."""
+    out_dir, dialect = Path(out_dir), req.dialect
     if dialect not in DIALECTS:
         raise ExportError(f"unknown dialect {dialect!r}: expected 'hf' or 'speculators'")
     dtype_name = float_dtype_name(req.dtype)
@@ -306,7 +297,7 @@ def write_eagle3(
     if dialect == "hf":
         config = hf_config(cfg, req.target_config, dtype_name)
     else:
-        config = speculators_config(cfg, req.target_config, dtype_name, req.target_name, speculative_tokens)
+        config = speculators_config(cfg, req.target_config, dtype_name, req.target_name, req.speculative_tokens)
     tensors = engine_tensors(draft, req.dtype, dialect)
     aux = aux_id_conventions(cfg.aux_layer_ids, cfg.target_num_layers)
     manifest = draft_manifest(

@@ -17,7 +17,7 @@ import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import safetensors.torch
 import torch
@@ -52,13 +52,20 @@ class CorruptCheckpointError(ExportError):
     """A checkpoint folder whose files do not match its manifest (or that has no readable manifest)."""
 
 
+Dialect = Literal["hf", "speculators"]  # the EAGLE-3 config.json dialects (eagle3_format)
+DIALECTS: tuple[str, ...] = ("hf", "speculators")
+
+
 @dataclass(frozen=True)
 class ExportRequest:
-    """What every draft format records besides the head itself: provenance, the target, the storage dtype.
+    """What every draft format records besides the head itself: provenance, the target, the storage dtype,
+    the EAGLE-3 config dialect.
 
     ``target_config``: the target's HF config (num_hidden_layers, hidden_size, vocab_size,
     max_position_embeddings, RoPE fields).  ``extra_manifest`` keys are merged into the manifest's top level
-    (they may not shadow its own keys).
+    (they may not shadow its own keys).  ``dialect`` (EAGLE-3 only; an MTP head has its own layout and takes
+    ``hf`` only): ``hf`` (vLLM / SGLang config.json) or ``speculators``, whose default proposal length is
+    ``speculative_tokens``.
     """
 
     target_config: Any
@@ -70,6 +77,8 @@ class ExportRequest:
     dtype: torch.dtype = torch.bfloat16
     extra_manifest: dict[str, Any] | None = None
     overwrite: bool = False
+    dialect: Dialect = "hf"
+    speculative_tokens: int = 3
 
 
 def float_dtype_name(dtype: torch.dtype) -> str:

@@ -33,6 +33,7 @@ import torch
 
 from draft_align.wire.codec import validate
 from draft_align.wire.messages import TapBatch, TapPart
+from draft_align.wire.schema import ReasonError
 
 logger = logging.getLogger(__name__)
 
@@ -49,18 +50,10 @@ _LAST_STAGE_TENSORS = ("final_hidden", "next_logprob", "logit_lse", "topk_ids", 
 Key = tuple[str, int, int]  # (run_id, source_rank, batch_id)
 
 
-class JoinError(ValueError):
+class JoinError(ReasonError):
     """A part the joiner dropped; ``reason`` is one of :data:`JOIN_REASONS`."""
 
-    def __init__(self, reason: str, detail: str) -> None:
-        if reason not in JOIN_REASONS:
-            raise ValueError(f"unknown JoinError reason {reason!r}")
-        super().__init__(reason, detail)
-        self.reason = reason
-        self.detail = detail
-
-    def __str__(self) -> str:
-        return f"{self.reason}: {self.detail}"
+    reasons = JOIN_REASONS
 
 
 @dataclass

@@ -16,8 +16,6 @@ from typing import Any, ClassVar, Self
 import torch
 
 from draft_align.wire.codec import (
-    DEFAULT_MAX_BYTES,
-    DEFAULT_MAX_TOKENS,
     Origin,
     decode_frames,
     encode,
@@ -333,30 +331,19 @@ Message = TapBatch | HeadSync | DraftPublished | StepReport | TapPart
 _CLASSES: dict[str, type] = {c.KIND: c for c in (TapBatch, HeadSync, DraftPublished, StepReport, TapPart)}
 
 
-def decode_with_origin(
-    frames: Sequence[Any],
-    key: bytes | None,
-    *,
-    max_bytes: int = DEFAULT_MAX_BYTES,
-    max_tokens: int = DEFAULT_MAX_TOKENS,
-) -> tuple[Message, Origin]:
+def decode_with_origin(frames: Sequence[Any], key: bytes | None, **limits: int) -> tuple[Message, Origin]:
     """Validate and decode one message and its envelope (sender id, sequence number): see
-    :func:`~draft_align.wire.codec.decode_frames`.  Raises :class:`WireError` on any violation."""
-    d = decode_frames(frames, key, max_bytes=max_bytes, max_tokens=max_tokens)
+    :func:`~draft_align.wire.codec.decode_frames`, whose ``max_bytes``/``max_tokens`` ``limits`` are.  Raises
+    :class:`WireError` on any violation."""
+    d = decode_frames(frames, key, **limits)
     cls = _CLASSES[d.kind]
     order = _TENSOR_SPECS[d.kind]
     return cls(**d.fields, **{n: d.tensors[n] for n in order if n in d.tensors}), d.origin
 
 
-def decode(
-    frames: Sequence[Any],
-    key: bytes | None,
-    *,
-    max_bytes: int = DEFAULT_MAX_BYTES,
-    max_tokens: int = DEFAULT_MAX_TOKENS,
-) -> Message:
-    """Validate and decode one message (frames as bytes, memoryviews or zmq.Frame).  Order: frame count,
-    total size, MAC (constant-time, before the header is parsed), header, fields, tensors.  Raises
-    :class:`WireError` on any violation; the returned tensors own their memory."""
-    return decode_with_origin(frames, key, max_bytes=max_bytes, max_tokens=max_tokens)[0]
+def decode(frames: Sequence[Any], key: bytes | None, **limits: int) -> Message:
+    """Validate and decode one message (frames as bytes, memoryviews or zmq.Frame), without its envelope:
+    :func:`decode_with_origin`.  Raises :class:`WireError` on any violation; the returned tensors own their
+    memory."""
+    return decode_with_origin(frames, key, **limits)[0]
 

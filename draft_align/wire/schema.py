@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -42,18 +42,27 @@ _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 _SHA256_RE = re.compile(r"[0-9a-fA-F]{64}")
 
 
-class WireError(ValueError):
-    """A message that violates docs/wire.md.  ``reason`` is one of :data:`REASONS`."""
+class ReasonError(ValueError):
+    """An error with a ``reason`` from a fixed list (the subclass's ``reasons``, what it is counted by) and a
+    one-line ``detail``; ``str()`` is ``"reason: detail"``."""
+
+    reasons: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, reason: str, detail: str) -> None:
-        if reason not in REASONS:
-            raise ValueError(f"unknown WireError reason {reason!r}")
+        if reason not in self.reasons:
+            raise ValueError(f"unknown {type(self).__name__} reason {reason!r}")
         super().__init__(reason, detail)
         self.reason = reason
         self.detail = detail
 
     def __str__(self) -> str:
         return f"{self.reason}: {self.detail}"
+
+
+class WireError(ReasonError):
+    """A message that violates docs/wire.md.  ``reason`` is one of :data:`REASONS`."""
+
+    reasons = REASONS
 
 
 # the tensors only the last pipeline stage (final norm + output layer) can fill
