@@ -11,7 +11,7 @@ def replace_section(path: Path, head: str, body: str) -> None:
     if head in text:
         before, _, rest = text.partition(head)
         nxt = rest.find("\n## ")
-        text = before + body + (rest[nxt + 1 :] if nxt >= 0 else "")
+        text = before + (body.rstrip("\n") + "\n\n" + rest[nxt + 1 :] if nxt >= 0 else body)
     else:
         text = text.rstrip("\n") + "\n\n" + body
     path.write_text(text)
