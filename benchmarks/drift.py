@@ -41,6 +41,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.results_md import replace_section  # noqa: E402
 from draft_align.config import CotrainRecipe, load_recipe  # noqa: E402
+from draft_align.monitor.rows import WAIT_FRAC_PREFIX  # noqa: E402
 
 log = logging.getLogger("bench.drift")
 
@@ -254,8 +255,8 @@ def summarise(result: dict[str, Any]) -> dict[str, Any]:
     waits: dict[str, list[float]] = {}
     for r in rows:
         for k, v in r.items():
-            if k.startswith("sidecar_wait_frac_"):
-                waits.setdefault(k.removeprefix("sidecar_wait_frac_"), []).append(v)
+            if k.startswith(WAIT_FRAC_PREFIX):
+                waits.setdefault(k.removeprefix(WAIT_FRAC_PREFIX), []).append(v)
     out["sidecar_wait_frac_mean"] = {k: sum(v) / len(rows) for k, v in waits.items()} if rows else {}
     tapped = [r["tap_tokens_accepted"] for r in steps if r.get("tap_tokens_accepted") is not None]
     out["tapped_tokens_per_version_median"] = _median(tapped)
@@ -309,8 +310,8 @@ def _engine_lines(result: dict[str, Any]) -> list[str]:
 
 def _waits(row: dict[str, Any]) -> str:
     """The reasons the sidecar waited since the previous row, with their shares of its loop time."""
-    w = sorted(((k.removeprefix("sidecar_wait_frac_"), v) for k, v in row.items()
-                if k.startswith("sidecar_wait_frac_") and v >= 0.01), key=lambda kv: -kv[1])  # fmt: skip
+    w = sorted(((k.removeprefix(WAIT_FRAC_PREFIX), v) for k, v in row.items()
+                if k.startswith(WAIT_FRAC_PREFIX) and v >= 0.01), key=lambda kv: -kv[1])  # fmt: skip
     return ", ".join(f"{k.replace('_', ' ')} {v:.2f}" for k, v in w) or "–"
 
 

@@ -109,8 +109,11 @@ class SidecarStats:
             "drift_triggers": self.drift_triggers,
             "sidecar_trained_policy_version": self.trained_policy_version,
             "sidecar_busy_frac": self.busy_frac,
-            **{f"sidecar_wait_frac_{wait_key(k)}": v for k, v in self.wait_shares.items()},
+            **{WAIT_FRAC_PREFIX + wait_key(k): v for k, v in self.wait_shares.items()},
         }
+
+
+WAIT_FRAC_PREFIX = "sidecar_wait_frac_"  # + wait_key(reason): a row's share of loop time waiting for it
 
 
 def wait_key(reason: str) -> str:

@@ -329,11 +329,10 @@ class Sidecar:
             self.waiting = self.trigger.reason  # drift trigger: the published draft holds
         elif self.state.trained_tokens >= sc.max_replay_ratio * self.state.buffered_tokens:
             self.waiting = "replay cap"  # wait for new data rather than over-fit what is there
-        elif self.ingest.buffer.trainable_tokens < min(sc.min_buffer_tokens, sc.buffer_tokens):
+        elif (trainable := self.ingest.buffer.trainable_tokens) < min(sc.min_buffer_tokens, sc.buffer_tokens):
             self.waiting = "min buffer"  # a few dozen sequences would be memorised, not learned from
         else:
-            buffer = self.ingest.buffer
-            chosen = buffer.sample_records(sc.batch_tokens)
+            chosen = self.ingest.buffer.sample_records(sc.batch_tokens)
             self.waiting = None if chosen else "no trainable record"
             if not chosen:
                 return None
@@ -341,7 +340,7 @@ class Sidecar:
                 self.state.trained_policy_version, max(r.policy_version for r in chosen)
             )
             if sc.lr_ramp_tokens > 0:  # small early buffers take small steps
-                self.trainer.set_lr_scale(min(1.0, max(buffer.trainable_tokens, 1) / sc.lr_ramp_tokens))
+                self.trainer.set_lr_scale(min(1.0, max(trainable, 1) / sc.lr_ramp_tokens))
             return collate([r.record for r in chosen], sc.ttt_steps)
         return None
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from draft_align.train.records import Batch, TappedRecord, collate
+from draft_align.train.records import TappedRecord
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ class ReplayBuffer:
     - Every ``holdout_every``-th record added is a held-out candidate; the newest ``holdout_records``
       candidates are held out (evaluation only); when a newer one arrives the oldest held-out one becomes
       trainable.
-    - ``sample``: trainable records drawn without replacement, P ∝ 0.5 ** ((v_max − v) / half_life) with
+    - ``sample_records``: trainable records drawn without replacement, P ∝ 0.5 ** ((v_max − v) / half_life) with
       v_max the newest policy version in the buffer (``half_life = inf``: uniform), until the padded
       token count max_len × rows would exceed ``batch_tokens`` (at least one record); with ``fresh_first``
       the never-drawn records of version v_max first, oldest first.
@@ -186,14 +186,6 @@ class ReplayBuffer:
             longest = n
         self._drawn.update(r.arrival for r in chosen)
         return chosen
-
-    def sample(self, batch_tokens: int, steps: int) -> Batch | None:
-        """One TTT batch of trainable records (``collate(..., steps)``), at most ``batch_tokens`` padded tokens
-        unless a single record is longer; None if nothing is trainable."""
-        if steps < 1:
-            raise ReplayError(f"steps must be ≥ 1, got {steps}")
-        chosen = self.sample_records(batch_tokens)
-        return collate([r.record for r in chosen], steps) if chosen else None
 
     # ------------------------------------------------------------------ monitoring
     @property

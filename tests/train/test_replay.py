@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from draft_align.train.records import Record, TappedRecord
+from draft_align.train.records import Record, TappedRecord, collate
 from draft_align.train.replay import ReplayBuffer, ReplayError
 
 AUX_W, H = 6, 2
@@ -37,16 +37,14 @@ def test_buffer_settings_are_checked():
     buf = ReplayBuffer(100, 1.0, 0, 0)
     buf.add(tapped(5))
     with pytest.raises(ReplayError, match="batch_tokens"):
-        buf.sample(0, 1)
-    with pytest.raises(ReplayError, match="steps"):
-        buf.sample(10, 0)
+        buf.sample_records(0)
 
 
 def test_refuses_records_without_response_and_too_long():
     buf = ReplayBuffer(max_tokens=20, half_life=1.0, holdout_records=0, seed=0)
     assert buf.add(tapped(6, prompt=6)) is None  # all prompt
     assert buf.add(tapped(21)) is None  # can never fit
-    assert len(buf) == 0 and buf.sample(100, 1) is None
+    assert len(buf) == 0 and buf.sample_records(100) == []
     s = buf.stats()
     assert s["refused_no_response"] == 1 and s["refused_too_long"] == 1
     assert s["records"] == 0 and s["version_min"] is None and s["fill"] == 0.0
@@ -100,10 +98,10 @@ def test_nothing_trainable_while_only_holdout():
     buf = ReplayBuffer(100, 1.0, holdout_records=3, seed=0)
     for i in range(3):
         buf.add(tapped(5, tag=i))
-    assert buf.sample(100, 2) is None and buf.trainable() == []
+    assert buf.sample_records(100) == [] and buf.trainable() == []
     buf.add(tapped(5, tag=3))
-    batch = buf.sample(100, 2)
-    assert batch.input_ids.shape == (1, 5) and batch.input_ids[0, 0].item() == 0
+    (rec,) = buf.sample_records(100)  # the oldest left the hold-out
+    assert rec.num_tokens == 5 and rec.record.input_ids[0].item() == 0
 
 
 @pytest.mark.parametrize("half_life", [1.0, 2.5])
@@ -164,7 +162,7 @@ def test_batch_token_bound_and_collation():
             assert longest * len(recs) <= budget or len(recs) == 1
             assert len({r.arrival for r in recs}) == len(recs)
             assert all(r.arrival in lengths for r in recs)
-    batch = buf.sample(200, 3)
+    batch = collate([r.record for r in buf.sample_records(200)], 3)  # as the sidecar builds its batches
     assert batch.input_ids.numel() <= 200
     # rows are the records themselves, padded: ids carry each record's tag, valid marks its length
     for row in range(batch.input_ids.shape[0]):
