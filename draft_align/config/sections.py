@@ -183,6 +183,9 @@ class SidecarConfig:
     # lr × min(1, trainable tokens / lr_ramp_tokens): small early buffers take small steps (0: off)
     lr_ramp_tokens: int = 0
     log_every: int = 10  # train steps between training-metric lines in <run>/sidecar/metrics.jsonl
+    # append every valid message received to <run>/sidecar/wire.rec (wire/recording.py), e.g. to compare
+    # sidecar settings on the same taps afterwards (benchmarks/adapt_replay.py)
+    record_wire: bool = False
     batch_tokens: int = 1536
     ttt_steps: int = 7
     step_decay: float | None = None  # TTT step weights decay^j; None = the head's default (STEP_DECAY)

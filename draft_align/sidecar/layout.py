@@ -22,6 +22,12 @@ PORT_FILE = "prometheus.port"  # the Prometheus page's port
 READY_FILE = "ready.json"  # written once the sockets are bound: {"pid", "ppid", "time", "draft_version", …}
 TAP_SOCKET = "tap"  # PULL: TapBatch / TapPart / HeadSync / StepReport from the policy side
 NOTIFY_SOCKET = "notify"  # PUB: DraftPublished
+WIRE_RECORDING = "wire.rec"  # sidecar.record_wire: every valid message received (wire/recording.py)
+
+
+def recording_name(rank: int | None) -> str:
+    """The recording's file name in ``<run>/sidecar/``: ``wire.rec``; under torchrun ``wire-rank<r>.rec``."""
+    return WIRE_RECORDING if rank is None else f"wire-rank{rank}.rec"
 
 
 def write_ready(sidecar_dir: Path, info: dict[str, Any]) -> None:

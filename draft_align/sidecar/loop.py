@@ -52,6 +52,7 @@ from draft_align.sidecar.layout import (
     SIDECAR_DIR,
     STATE_FILE,
     TRAINER_DIR,
+    recording_name,
     write_ready,
 )
 from draft_align.sidecar.ranked import GatheredDraft, ranked_loop
@@ -61,7 +62,8 @@ from draft_align.train.parallel import RankGroup, attach, rank_device
 from draft_align.train.records import Batch, TappedRecord, collate
 from draft_align.train.trainer import NonFiniteLossError
 from draft_align.wire.channel import DRAIN_MAX_MESSAGES
-from draft_align.wire.messages import HeadSync, StepReport, TapBatch, TapPart
+from draft_align.wire.messages import HeadSync, Message, StepReport, TapBatch, TapPart
+from draft_align.wire.recording import WireRecorder
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +110,7 @@ class Sidecar:
         # train on arrival, so a draft published later may have trained on them)
         self._step_drafts: dict[int, nn.Module] = {}
         self._shared_control: list[Control] = []  # received here, for every rank to apply (multi-rank only)
+        self.recorder: WireRecorder | None = None  # sidecar.record_wire
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> Sidecar:
@@ -178,6 +181,8 @@ class Sidecar:
             self.recipe, self.state, self.rates, self.frozen, self.target_config, rank, lead
         )
         self.wire_key, self.receiver, self.gate.publisher = open_wire(self.recipe, rank=rank, is_lead=lead)
+        if self.recipe.sidecar.record_wire:  # every valid message, for adapt_replay.py (wire/recording.py)
+            self.recorder = WireRecorder(self.dir / recording_name(rank))
 
     def _setup_sinks(self) -> None:
         """Lead rank: ``monitor.jsonl``, ``metrics.jsonl``, wandb, Prometheus; the other ranks: their training
@@ -226,25 +231,31 @@ class Sidecar:
         n = 0
         for msg in self.receiver.drain(budget_s, timeout_ms, max_messages):
             n += 1
-            if getattr(msg, "run_id", None) != self.recipe.run:
-                self.state.foreign_messages += 1
-                continue
-            if self.ranks is not None and isinstance(msg, (HeadSync, StepReport)):
-                self._shared_control.append(msg)  # every rank applies it, at the next step boundary
-                continue
-            if isinstance(msg, (TapBatch, TapPart)):
-                self._step_drafts.setdefault(int(msg.step), self.gate.published)
-            if isinstance(msg, TapBatch):
-                self.ingest.on_batch(msg)
-            elif isinstance(msg, TapPart):  # a pipeline stage's share: trained only once all stages joined
-                self.ingest.on_part(msg)
-            elif isinstance(msg, HeadSync):
-                self.on_head(msg)
-            elif isinstance(msg, StepReport):
-                self.on_report(msg)
-            else:
-                self.state.mismatched_messages += 1
+            self.handle(msg)
         return n
+
+    def handle(self, msg: Message) -> None:
+        """One valid message off the wire (or out of a recording: ``benchmarks/adapt_replay.py``)."""
+        if getattr(msg, "run_id", None) != self.recipe.run:
+            self.state.foreign_messages += 1
+            return
+        if self.recorder is not None:
+            self.recorder.record(msg)
+        if self.ranks is not None and isinstance(msg, (HeadSync, StepReport)):
+            self._shared_control.append(msg)  # every rank applies it, at the next step boundary
+            return
+        if isinstance(msg, (TapBatch, TapPart)):
+            self._step_drafts.setdefault(int(msg.step), self.gate.published)
+        if isinstance(msg, TapBatch):
+            self.ingest.on_batch(msg)
+        elif isinstance(msg, TapPart):  # a pipeline stage's share: trained only once all stages joined
+            self.ingest.on_part(msg)
+        elif isinstance(msg, HeadSync):
+            self.on_head(msg)
+        elif isinstance(msg, StepReport):
+            self.on_report(msg)
+        else:
+            self.state.mismatched_messages += 1
 
     def on_head(self, msg: HeadSync) -> None:
         """New head rows for the soft targets (MTP: also the drafts' shared lm_head), once accepted."""
@@ -489,6 +500,7 @@ class Sidecar:
 
     def close(self) -> None:
         """Close what was set up (also after a failed :meth:`setup`)."""
-        for part in (getattr(self, "receiver", None), self.gate.publisher, getattr(self, "sinks", None)):
+        for part in (getattr(self, "receiver", None), self.gate.publisher, getattr(self, "sinks", None),
+                     self.recorder):
             if part is not None:
                 part.close()

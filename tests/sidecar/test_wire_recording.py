@@ -1,0 +1,82 @@
+"""sidecar.record_wire: the sidecar records every valid message it handles; a second sidecar fed that
+recording (benchmarks/adapt_replay.py's way) ends with the same buffer and the same step estimates."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from draft_align.config import CotrainRecipe, load_recipe
+
+
+@pytest.mark.parametrize("sidecar_world", [{"sidecar.record_wire": True}], indirect=True)
+def test_a_recorded_run_replays_into_the_same_buffer_and_rows(sidecar_world, until, tiny_run, tmp_path):
+    from draft_align.sidecar.launch import starting_draft
+    from draft_align.sidecar.loop import Sidecar
+    from draft_align.wire.messages import HeadSync, StepReport, TapBatch
+    from draft_align.wire.recording import Recording
+
+    recipe, sc, feeder = sidecar_world
+    feeder.step(0, 0)
+    feeder.step(1, 1)
+    assert until(lambda: sc.state.monitor_rows >= 2, 20, every=lambda: sc.drain(0.1, 100))
+    sc.close()
+    path = sc.dir / "wire.rec"
+    got = list(Recording(path))
+    kinds = [type(m) for _, m in got]
+    assert kinds.count(HeadSync) == 2 and kinds.count(StepReport) == 2 and kinds.count(TapBatch) >= 2
+    assert sc.recorder.messages == len(got)
+
+    again = load_recipe(None, tiny_run.cotrain_overrides(tmp_path / "replay", run=recipe.run),
+                        CotrainRecipe)
+    assert again.run_dir != recipe.run_dir
+    other = Sidecar(again, starting_draft(again)).setup()
+    try:
+        assert other.recorder is None  # record_wire is off by default
+        for _, msg in got:
+            other.handle(msg)
+        assert other.ingest.buffer.stats() == sc.ingest.buffer.stats()
+        assert other.state.head_policy_version == sc.state.head_policy_version == 1
+        rows = [json.loads(x) for x in (sc.dir / "monitor.jsonl").read_text().splitlines()]
+        rows2 = [json.loads(x) for x in (other.dir / "monitor.jsonl").read_text().splitlines()]
+        keys = [k for k in rows[1] if k.startswith("accept_est_")]
+        assert keys and [[r[k] for k in keys] for r in rows] == [[r[k] for k in keys] for r in rows2]
+    finally:
+        other.close()
+
+
+@pytest.mark.parametrize("sidecar_world", [{"sidecar.record_wire": True}], indirect=True)
+def test_adapt_replay_runs_arms_on_a_recording(sidecar_world, until, tmp_path):
+    """benchmarks/adapt_replay.py on a 3-step recording: every arm scores every step; a tighter replay cap
+    trains fewer tokens on the same messages and says that the cap stopped it."""
+    import sys
+
+    from draft_align.config.loading import RESOLVED_RECIPE, save_recipe
+    from draft_align.wire.recording import Recording
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from benchmarks import adapt_replay
+
+    recipe, sc, feeder = sidecar_world
+    save_recipe(recipe, recipe.run_dir / RESOLVED_RECIPE)
+    for s in range(3):
+        feeder.step(s, s)
+    assert until(lambda: sc.state.monitor_rows >= 3, 30, every=lambda: sc.drain(0.1, 100))
+    sc.close()
+    msgs = [m for _, m in Recording(sc.dir / "wire.rec")]
+    arms = [adapt_replay.replay_arm(recipe.run_dir, arm, adapt_replay.ARMS[arm][0], msgs, 1600, tmp_path / "arms")
+            for arm in ("base", "cap2")]
+    for a in arms:
+        assert [r["step"] for r in a["rows"]] == [0, 1, 2] and len(a["per_step"]) == 3
+    base, cap = arms
+    assert base["trained_tokens"] > cap["trained_tokens"] > 0
+    assert any(s["stopped_by"] == "replay cap" for s in cap["per_step"])
+    assert base["published"] >= 1
+    result = {"command": "x", "date": "d", "run": "r", "recording": "w", "messages": len(msgs), "steps": 3,
+              "train_tokens_per_step": 1600, "threads": 1, "eval_k": 2, "temperature": 1.0, "name": None,
+              "arms": arms}
+    adapt_replay.summarise(result)
+    text = adapt_replay.render(result)
+    assert text.startswith(adapt_replay.section_title(None)) and "| cap2 |" in text
