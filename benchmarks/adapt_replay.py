@@ -55,6 +55,10 @@ ARMS: dict[str, tuple[list[str], str]] = {
             "before issue 14: an 8,192-token minimum buffer, no lr ramp"),
     "noramp": (["sidecar.lr_ramp_tokens=0"], "full lr from the first batch (no ramp)"),
     "nofresh": (["sidecar.fresh_first=false"], "recency-weighted sampling only (no newest-first)"),
+    "anchor": (["sidecar.lr_ramp_tokens=0", "sidecar.anchor_decay=10"],
+               "no lr ramp; each step pulled toward the starting draft (anchor_decay 10)"),
+    "lora": (["sidecar.adapt=lora", "sidecar.lr_ramp_tokens=0"],
+             "LoRA adapters (r 8, lr 2e-3) on the starting draft instead of full weights, no lr ramp"),
 }
 KEYS = {"greedy_draft": "accept_est_adapted", "probabilistic": "accept_est_adapted_prob"}
 

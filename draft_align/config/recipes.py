@@ -153,6 +153,8 @@ class CotrainRecipe(_RecipeHeader):
             raise RecipeError("sidecar.max_replay_ratio must be > 0")
         if self.sidecar.holdout_every < 1:
             raise RecipeError(f"sidecar.holdout_every must be ≥ 1, got {self.sidecar.holdout_every}")
+        if self.sidecar.anchor_decay < 0:
+            raise RecipeError(f"sidecar.anchor_decay must be ≥ 0 (0: off), got {self.sidecar.anchor_decay}")
         if self.sidecar.lr_ramp_tokens < 0:
             raise RecipeError(f"sidecar.lr_ramp_tokens must be ≥ 0 (0: off), got {self.sidecar.lr_ramp_tokens}")
         check_positive(

@@ -182,6 +182,9 @@ class SidecarConfig:
     min_buffer_tokens: int = 8192  # no training before the buffer holds this many trainable tokens
     # lr × min(1, trainable tokens / lr_ramp_tokens): small early buffers take small steps (0: off)
     lr_ramp_tokens: int = 0
+    # pull toward the starting draft after each step: θ ← θ − lr · anchor_decay · (θ − θ_start), AdamW-style
+    # decoupled decay toward the starting weights instead of 0 (0: off)
+    anchor_decay: float = 0.0
     log_every: int = 10  # train steps between training-metric lines in <run>/sidecar/metrics.jsonl
     # append every valid message received to <run>/sidecar/wire.rec (wire/recording.py), e.g. to compare
     # sidecar settings on the same taps afterwards (benchmarks/adapt_replay.py)

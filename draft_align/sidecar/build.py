@@ -122,6 +122,7 @@ def build_trainer(
         warmup_steps=sc.lora.warmup_steps if lora else sc.warmup_steps,
         total_steps=10**9,
         grad_clip=sc.grad_clip,
+        anchor_decay=sc.anchor_decay,
     )
     loss = LossSettings.from_section(sc, step_decay(sc.step_decay, draft.kind), train_lm_head=True)
     return DraftTrainer(draft, embed, rows, optim, loss, max_seq_tokens=sc.max_seq_tokens)

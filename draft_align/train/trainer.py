@@ -40,6 +40,9 @@ class OptimSettings:
     warmup_steps: int = 50
     total_steps: int = 1000
     grad_clip: float = 0.5
+    # decoupled pull toward the weights the optimizer was built on (L2-SP, applied like AdamW's weight decay
+    # but toward those weights instead of 0): after each step θ ← θ − lr · anchor_decay · (θ − θ_start)
+    anchor_decay: float = 0.0
 
 
 def lr_factor(s: OptimSettings, step: int, total: int) -> float:
@@ -131,6 +134,10 @@ class DraftTrainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: lr_factor(s, step, self.progress.total_steps) * self.lr_scale
         )
+        # anchor_decay: the weights as they are now (the sidecar's starting draft; after a restart the
+        # published draft it resumed from), one copy per trainable parameter in param-group order
+        self._anchor = [p.detach().clone() for g in self.optimizer.param_groups for p in g["params"]] \
+            if s.anchor_decay > 0 else []
 
     def loss(self, batch: Batch) -> tuple[torch.Tensor, StepStats]:
         """This trainer's loss of one batch (on the trainer's device)."""
@@ -194,6 +201,8 @@ class DraftTrainer:
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self._anchor:
+            self._pull_to_anchor()
         self.scheduler.step()
         self.progress.step += 1
         self.progress.tokens_seen += batch.num_tokens
@@ -210,6 +219,16 @@ class DraftTrainer:
             out[f"ce_{j}"] = float(stats.loss[j] / n[j])
             out[f"acc_{j}"] = float(stats.correct[j] / n[j])
         return out
+
+    @torch.no_grad()
+    def _pull_to_anchor(self) -> None:
+        """θ ← θ − lr · anchor_decay · (θ − θ_start), each parameter at its group's learning rate."""
+        anchors = iter(self._anchor)
+        for group in self.optimizer.param_groups:
+            step = group["lr"] * self.optim_settings.anchor_decay
+            for p in group["params"]:
+                a = next(anchors)
+                p.sub_(step * (p - a))
 
     def _cap(self, batch: Batch) -> Batch:
         """The batch cut to ``max_seq_tokens`` positions (losses.truncate_batch), counted in progress."""

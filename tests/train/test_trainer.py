@@ -444,3 +444,38 @@ def test_lr_scale_multiplies_the_schedule_at_once_and_is_checked():
     for bad in (0.0, 1.5, float("nan")):
         with pytest.raises(ValueError, match="lr scale"):
             trainer.set_lr_scale(bad)
+
+
+def test_anchor_decay_pulls_each_step_toward_the_starting_weights():
+    """OptimSettings.anchor_decay: after the optimizer's step, θ ← θ − lr · decay · (θ − θ_start) exactly (the
+    same AdamW step with and without it, from the same weights); over many steps the anchored draft stays
+    closer to where it started."""
+    batch = collate(random_records(4, seed=1), steps=3)
+
+    def trainer(decay: float) -> DraftTrainer:
+        draft, embed, rows = make_parts(0)
+        optim = OptimSettings(lr=1e-2, warmup_steps=1, total_steps=40, grad_clip=0.5, anchor_decay=decay)
+        return DraftTrainer(draft, embed, rows, optim, LossSettings(ttt_steps=3))
+
+    plain, anchored = trainer(0.0), trainer(20.0)
+    start = weights(plain)
+    assert_same_weights(start, weights(anchored))
+    lr = anchored.optimizer.param_groups[0]["lr"]
+    plain.train_step(batch)
+    anchored.train_step(batch)
+    after_plain, after_anchor = weights(plain), weights(anchored)
+    trainable = {n for n, p in anchored.draft.named_parameters() if p.requires_grad}
+    moved = 0
+    for name in trainable:
+        want = after_plain[name] - lr * 20.0 * (after_plain[name] - start[name])
+        torch.testing.assert_close(after_anchor[name], want, rtol=0, atol=1e-7)
+        moved += int(not torch.equal(after_plain[name], start[name]))
+    assert moved > 0
+    for _ in range(30):
+        plain.train_step(batch)
+        anchored.train_step(batch)
+
+    def dist(w):
+        return sum(float((w[n] - start[n]).float().pow(2).sum()) for n in trainable) ** 0.5
+
+    assert dist(weights(anchored)) < 0.8 * dist(weights(plain))
