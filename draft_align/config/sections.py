@@ -177,8 +177,11 @@ class SidecarConfig:
     holdout_every: int = 4
     fresh_first: bool = True  # batches start with the newest policy version's records no batch has drawn yet
     # train at most this many tokens per token received (a replay ratio): without new data the sidecar
-    # waits instead of over-fitting the few sequences it holds
-    max_replay_ratio: float = 4.0
+    # waits instead of over-fitting the few sequences it holds.  16, not 4, from benchmarks/adapt_replay.py
+    # (RESULTS.md "Sidecar settings on the same taps"): on one recorded vLLM drift run 16 led 4 by +0.008 ±
+    # 0.003 (greedy draft, last half) and +0.013 ± 0.003 (probabilistic), for 1.6× the tokens trained.  Where
+    # the sidecar shares cores with the RL job, a lower cap leaves it more CPU.
+    max_replay_ratio: float = 16.0
     min_buffer_tokens: int = 8192  # no training before the buffer holds this many trainable tokens
     # lr × min(1, trainable tokens / lr_ramp_tokens): small early buffers take small steps (0: off)
     lr_ramp_tokens: int = 0
