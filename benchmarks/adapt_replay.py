@@ -103,11 +103,9 @@ def replay_arm(run: Path, arm: str, overrides: list[str], messages: list, budget
     finally:
         sc.close()
     rows = [json.loads(x) for x in (sc.dir / "monitor.jsonl").read_text().splitlines() if x.strip()]
-    pubs = [json.loads(x) for x in (sc.dir / "publish.jsonl").read_text().splitlines() if x.strip()] \
-        if (sc.dir / "publish.jsonl").exists() else []
     return {"arm": arm, "overrides": overrides, "rows": rows, "per_step": per_step, "waits": dict(waits),
             "published": sc.state.published_version, "gate_refused": sc.state.gate_rejections, "trained_tokens": sc.state.trained_tokens, "buffered_tokens": sc.state.buffered_tokens,
-            "publishes": len(pubs), "seconds": time.perf_counter() - t0}
+            "seconds": time.perf_counter() - t0}
 
 
 def _by_step(rows: list[dict[str, Any]], key: str) -> dict[int, float]:
@@ -172,7 +170,7 @@ def render(result: dict[str, Any]) -> str:
         g, p = a["summary"]["greedy_draft"], a["summary"]["probabilistic"]
         stops = Counter(s["stopped_by"] for s in a["per_step"] if s["stopped_by"])
         lines.append(
-            f"| {a['arm']} | {ARMS[a['arm']][1]} | {a['trained_tokens']} | {a['publishes']} ({a['gate_refused']}) | "
+            f"| {a['arm']} | {ARMS[a['arm']][1]} | {a['trained_tokens']} | {a['published']} ({a['gate_refused']}) | "
             f"{', '.join(f'{k} ×{v}' for k, v in stops.items()) or '–'} | {_f(g['mean_all'])} | "
             f"{_pm(g['vs_first_arm_first_10'])} | {_pm(g['vs_first_arm_last_half'])} | {_f(p['mean_all'])} | "
             f"{_pm(p['vs_first_arm_all'])} | {_pm(g['over_frozen_last_half'])} |")

@@ -186,7 +186,8 @@ class SidecarConfig:
     # lr × min(1, trainable tokens / lr_ramp_tokens): small early buffers take small steps (0: off)
     lr_ramp_tokens: int = 0
     # pull toward the starting draft after each step: θ ← θ − lr · anchor_decay · (θ − θ_start), AdamW-style
-    # decoupled decay toward the starting weights instead of 0 (0: off)
+    # decoupled decay toward the starting weights instead of 0; after a restart θ_start is the newest
+    # published draft (0: off)
     anchor_decay: float = 0.0
     log_every: int = 10  # train steps between training-metric lines in <run>/sidecar/metrics.jsonl
     # append every valid message received to <run>/sidecar/wire.rec (wire/recording.py), e.g. to compare

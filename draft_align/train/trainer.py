@@ -134,8 +134,8 @@ class DraftTrainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: lr_factor(s, step, self.progress.total_steps) * self.lr_scale
         )
-        # anchor_decay: the weights as they are now (the sidecar's starting draft; after a restart the
-        # published draft it resumed from), one copy per trainable parameter in param-group order
+        # anchor_decay: the weights as they are now (the sidecar's starting draft; after a restart the newest
+        # published draft, which the sidecar builds its trainer on), one copy per parameter in param-group order
         self._anchor = [p.detach().clone() for g in self.optimizer.param_groups for p in g["params"]] \
             if s.anchor_decay > 0 else []
 
@@ -227,8 +227,7 @@ class DraftTrainer:
         for group in self.optimizer.param_groups:
             step = group["lr"] * self.optim_settings.anchor_decay
             for p in group["params"]:
-                a = next(anchors)
-                p.sub_(step * (p - a))
+                p.lerp_(next(anchors), step)
 
     def _cap(self, batch: Batch) -> Batch:
         """The batch cut to ``max_seq_tokens`` positions (losses.truncate_batch), counted in progress."""

@@ -110,3 +110,29 @@ def test_a_full_disk_ends_the_recording_with_one_error_and_nothing_raised(tmp_pa
     assert rec.messages == 1
     assert sum("wire recording" in r.message for r in caplog.records) == 1
     assert [m.step for _, m in Recording(path)] == [1]
+
+
+def test_a_restarted_recorder_cuts_an_unfinished_tail_so_what_it_appends_reads(tmp_path, caplog):
+    path = tmp_path / "wire.rec"
+    msgs = _messages()
+    _write(path, msgs[:2])
+    whole = path.stat().st_size
+    with open(path, "ab") as f:  # a writer killed mid-entry
+        f.write(b"WREC" + b"\x00" * 30)
+    rec = WireRecorder(path)
+    assert rec.failed is None and path.stat().st_size == whole
+    rec.record(msgs[2])
+    rec.close()
+    got = Recording(path)
+    assert [type(m) for _, m in got] == [type(m) for m in msgs] and got.truncated_bytes == 0
+    assert any("dropping 34 bytes" in r.message for r in caplog.records)
+
+
+def test_a_recorder_never_appends_to_a_file_that_is_not_a_recording(tmp_path):
+    path = tmp_path / "wire.rec"
+    path.write_bytes(b"someone else's data")
+    rec = WireRecorder(path)
+    assert rec.failed is not None and "not a draft_align wire recording" in rec.failed
+    rec.record(StepReport.make_dummy())
+    rec.close()
+    assert path.read_bytes() == b"someone else's data" and rec.messages == 0
