@@ -14,7 +14,14 @@ from torch import nn
 from draft_align.hf.capture import HFTap
 from draft_align.hf.parts import decoder_parts
 from draft_align.tap.budget import generator_for
-from draft_align.tap.logit_stats import full_tensor, head_logit_stats, logit_stats, pad_stats, stats_start
+from draft_align.tap.logit_stats import (
+    full_tensor,
+    head_logit_stats,
+    logit_stats,
+    logprob_stats,
+    pad_stats,
+    stats_start,
+)
 from draft_align.tap.protocol import PolicyTapError, TapSink
 from draft_align.tap.shipping import (
     CaptureSession,
@@ -59,6 +66,9 @@ class HFPolicyTap:
     the sampling temperature): next_logprob, logit_lse and top-k are defined at temperature 1.  Where the
     job's pass never materialises logits (a fused LM head that computes log-probs only), ``logits=None``:
     the statistics of the kept rows are computed from the captured final state × the model's lm_head.
+    Where that pass did compute the policy's log-prob of each next token at temperature 1 (TRL's fused head), pass
+    it as ``next_logprob`` with ``logits=None`` and a tap built with ``topk=0``: ``logit_lse`` then follows from
+    one lm_head row per position (:func:`~draft_align.tap.logit_stats.logprob_stats`), no [L, V] product.
     Either way they are computed only from the position before each kept row's first response token on
     (the only positions the sidecar scores against them) and sent as 0 before it, with the TapBatch's
     ``stats_from`` saying where they start (docs/wire.md).
@@ -114,17 +124,28 @@ class HFPolicyTap:
     def submit(
         self, *, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor,
         logits: torch.Tensor | None, policy_version: int, step: int, temperature: float,
+        next_logprob: torch.Tensor | None = None,
     ) -> None:
         """Offer the micro-batch whose forward just ran inside ``capturing()`` to this step's sample.
 
         input_ids, attention_mask, loss_mask [B, T]: row b's valid tokens (attention_mask 1) are one
         contiguous block — right-padded, or a left-padded prompt followed by a right-padded response —;
         loss_mask marks response tokens, never padding.  logits [B, T, V], or None: computed for the kept
-        rows only from the captured final state × lm_head (see the class docstring).
+        rows only from the captured final state × lm_head (see the class docstring).  next_logprob [B, T]
+        (only with logits None and topk 0): the policy's log-prob at temperature 1 of token t+1 at position t,
+        read from the position before each row's first response token to its last-but-one valid token.
         """
         cap = self._capture.take()
         check_step_args(policy_version, step, temperature)
         shape, valid, response = host_masks(input_ids, attention_mask, loss_mask)
+        if next_logprob is not None:
+            if logits is not None or self.topk:
+                raise PolicyTapError("next_logprob replaces the head pass only with logits=None and a tap built "
+                                     f"with topk=0 (it gives no top-k); got logits={logits is not None}, "
+                                     f"topk={self.topk}")
+            if not isinstance(next_logprob, torch.Tensor) or tuple(next_logprob.shape) != shape:
+                raise PolicyTapError(f"next_logprob must be [B, T] = {shape}, got "
+                                     f"{tuple(getattr(next_logprob, 'shape', ()))}")
         if logits is not None:
             if not isinstance(logits, torch.Tensor) or logits.dim() != 3 or tuple(logits.shape[:2]) != shape:
                 raise PolicyTapError(
@@ -152,6 +173,9 @@ class HFPolicyTap:
             ids_scored = input_ids[b, scored]
             if head is None:
                 stats = logit_stats(logits[b, scored].detach(), ids_scored, self.topk)
+            elif next_logprob is not None:
+                stats = logprob_stats(cap.final[b, scored], head[0], head[1], ids_scored,
+                                      next_logprob[b, scored].detach())
             else:
                 stats = head_logit_stats(cap.final[b, scored], head[0], head[1], ids_scored, self.topk)
             final = cap.final[b, rows] if self.send_final else None

@@ -1,6 +1,7 @@
 """The per-token policy statistics a Tap ships beside the hidden states (the wire's ``next_logprob``,
 ``logit_lse``, ``topk_ids``, ``topk_logprobs``): from the logits, or from the final states × the lm_head when
-the job's pass never materialises logits, in chunks; where a sequence's statistics start (``stats_from``)."""
+the job's pass never materialises logits, in chunks, or from the job's own next-token log-probs and one head row
+per position; where a sequence's statistics start (``stats_from``)."""
 
 from __future__ import annotations
 
@@ -63,6 +64,39 @@ def head_logit_stats(
 
     return _chunked_stats(chunk, int(h.shape[0]), int(weight.shape[0]), input_ids, topk, weight.device,
                           max_elements)  # fmt: skip
+
+
+def logprob_stats(
+    final: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, input_ids: torch.Tensor,
+    next_logprob: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, None, None]:
+    """:func:`logit_stats` of one sequence (top-k omitted) from the job's own next-token log-probs, with no
+    [L, V] product: where the job's pass already computed log p(x_{t+1}) at temperature 1 (TRL's fused head),
+    the log-normaliser follows from one row of the head per position,
+
+        logit_lse[t] = z_t(x_{t+1}) − next_logprob[t],   z_t(x) = final[t] · weight[x] (+ bias[x]),  t < L−1
+
+    and only the last position, which has no next token, goes through the whole head.  final [L, H] post-norm
+    states, weight [V, H] (whole: gather a sharded head first, :func:`full_tensor`), input_ids [L],
+    next_logprob [L] (its last entry is ignored).  The dot products run in float32."""
+    length = int(final.shape[0])
+    if final.dim() != 2 or weight.dim() != 2 or int(final.shape[1]) != int(weight.shape[1]):
+        raise PolicyTapError(f"final states {tuple(final.shape)} and lm_head weight {tuple(weight.shape)} do not "
+                             "multiply ([L, H] × [V, H]ᵀ)")
+    if tuple(next_logprob.shape) != (length,):
+        raise PolicyTapError(f"next_logprob must be [{length}], got {tuple(next_logprob.shape)}")
+    nxt, lse, _, _ = stat_buffers(length, 0, weight.device)
+    h = final.to(device=weight.device)
+    if length > 1:
+        tgt = input_ids[1:].to(device=weight.device, dtype=torch.int64)
+        z_tok = (h[:-1].float() * weight[tgt].float()).sum(-1)
+        if bias is not None:
+            z_tok = z_tok + bias[tgt].float()
+        nxt[:-1] = next_logprob[:-1].to(device=weight.device, dtype=torch.float32)
+        lse[:-1] = z_tok - nxt[:-1]
+    last = torch.nn.functional.linear(h[-1:].to(weight.dtype), weight, bias).float()
+    lse[-1] = torch.logsumexp(last[0], dim=-1)
+    return nxt, lse, None, None
 
 
 def stats_start(response: torch.Tensor) -> int:

@@ -221,6 +221,50 @@ def test_statistics_from_the_response_equal_the_full_statistics(tiny_lm, padding
             assert not got[name][:sf].any(), (b, name)
 
 
+@pytest.mark.parametrize("padding", ["right", "left"])
+def test_job_logprobs_give_the_head_statistics(tiny_lm, padding):
+    """next_logprob (the job's own next-token log-probs, as TRL's fused head returns them) with topk=0: the same
+    next_logprob and logit_lse as the head pass over the same sequences, no top-k, 0 before stats_from; the
+    positions the sequence's statistics never read (before stats_from, after its last token) may hold
+    anything."""
+    seqs = random_seqs(4, [9, 5, 12, 7], seed=22)
+    prompts = [6, 1, 4, 5]
+    ids, am, lm = make_batch(seqs, prompts) if padding == "right" else _left_padded(seqs, prompts)
+    with torch.no_grad():
+        logits = tiny_lm(input_ids=ids, attention_mask=am).logits
+    job = torch.log_softmax(logits.double(), -1)[:, :-1].gather(-1, ids[:, 1:, None])[..., 0].float()
+    job = torch.nn.functional.pad(job, (0, 1))
+    job[~lm.roll(-1, 1)] = float("nan")  # only positions scoring a response token are read
+    got_sink, want_sink = ListSink(), ListSink()
+    for sink, nxt in ((got_sink, job), (want_sink, None)):
+        tap = HFPolicyTap(tiny_lm, AUX, sink, run_id="r", tokens_per_step=1000, topk=0)
+        with torch.no_grad(), tap.capturing():
+            tiny_lm.model(input_ids=ids, attention_mask=am)  # a fused head: no logits
+            tap.submit(input_ids=ids, attention_mask=am, loss_mask=lm, logits=None, policy_version=0, step=0,
+                       temperature=1.0, next_logprob=nxt)
+        tap.end_step()
+    (got,), (want,) = got_sink.messages, want_sink.messages
+    assert got.topk_ids is None and got.stats_from.tolist() == want.stats_from.tolist()
+    for g, w in zip(unpack(got), unpack(want), strict=True):
+        assert torch.equal(g["input_ids"], w["input_ids"])
+        for name in ("next_logprob", "logit_lse"):
+            torch.testing.assert_close(g[name], w[name], atol=1e-5, rtol=1e-5)
+        assert g["next_logprob"][-1] == 0
+
+
+def test_job_logprobs_errors(tiny_lm):
+    ids, am, lm = make_batch(random_seqs(2, [5, 3], seed=8), [1, 1])
+    for topk, logits, nxt, match in ((1, None, torch.zeros(2, 5), "topk=0"),
+                                     (0, torch.zeros(2, 5, V), torch.zeros(2, 5), "logits=None"),
+                                     (0, None, torch.zeros(2, 4), r"next_logprob must be \[B, T\]")):
+        tap = HFPolicyTap(tiny_lm, AUX, ListSink(), run_id="r", tokens_per_step=100, topk=topk)
+        with torch.no_grad(), tap.capturing(), pytest.raises(PolicyTapError, match=match):
+            tiny_lm.model(input_ids=ids, attention_mask=am)
+            tap.submit(input_ids=ids, attention_mask=am, loss_mask=lm, logits=logits, policy_version=0, step=0,
+                       temperature=1.0, next_logprob=nxt)
+        assert tap.stats()["sequences_seen"] == 0
+
+
 def test_no_final_no_topk(tiny_lm):
     sink = ListSink()
     tap = HFPolicyTap(tiny_lm, (1, 4), sink, run_id="r", tokens_per_step=100, send_final=False, topk=0)

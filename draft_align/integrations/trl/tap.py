@@ -10,11 +10,17 @@ Which pass is tapped (:func:`tapped_pass`), once per generation batch, as TRL 1.
   passes over each generation batch (``_step mod generate_every < steps_per_generation``).
 
 The hooks are attached only for the duration of that call, so a gradient-checkpointing recompute (in the
-backward, after the call returned) never fires them.  TRL's fused LM head never builds logits: the Tap's
-statistics come from the captured final state × lm_head (``submit(logits=None)``), gathered under ZeRO-3
-with TRL's own ``maybe_gather_lm_head_ctx``.  Each chunk TRL runs is submitted from a forward hook on the
-backbone with the ``input_ids``/``attention_mask`` it really got; ``loss_mask`` is the completion mask
-(the valid tokens of the last ``logits_to_keep`` columns).  Policy version and step = ``state.global_step``.
+backward, after the call returned) never fires them.  Each chunk TRL runs is submitted from a forward hook on
+the model TRL calls, with the ``input_ids``/``attention_mask`` it really got; ``loss_mask`` is the completion
+mask (the valid tokens of the last ``logits_to_keep`` columns).  Policy version and step = ``state.global_step``.
+
+TRL's fused LM head never builds logits.  At temperature 1 with a tap built with ``topk=0`` (nothing reads the
+policy's top-k at T > 0: only greedy T = 0 estimates do) the statistics come from TRL's own output: its
+``log_probs`` are the policy's next-token log-probs, and ``logit_lse`` follows from one lm_head row per position
+(:func:`~draft_align.tap.logit_stats.logprob_stats`), so the Tap adds no [L, V] product to TRL's pass.
+Otherwise (TRL's log-probs are tempered, or top-k is asked for) they come from the captured final state ×
+lm_head (``submit(logits=None)``).  Either way the head is gathered under ZeRO-3 with TRL's own
+``maybe_gather_lm_head_ctx``.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from draft_align.tap.protocol import PolicyTap
+from draft_align.tap.hf import HFPolicyTap
 
 log = logging.getLogger(__name__)
 
@@ -80,17 +86,17 @@ def _lm_head_gather(lm_head: nn.Module) -> contextlib.AbstractContextManager[Any
 
 
 class TRLTap:
-    """Installs ``tap`` (a :class:`~draft_align.tap.protocol.PolicyTap` on :func:`policy_model`) on
+    """Installs ``tap`` (an :class:`~draft_align.tap.hf.HFPolicyTap` on :func:`policy_model`) on
     ``trainer``'s log-prob pass; see the module docstring.  ``head_sync(version)`` is called once per policy
     version before its first submit.  ``seconds``: time spent inside the Tap (hooks and submit) since the
-    last :meth:`take_seconds`."""
+    last :meth:`take_seconds`.  ``uses_trl_logprobs``: the statistics come from TRL's own log-probs."""
 
-    def __init__(self, trainer: Any, tap: PolicyTap, head_sync: Callable[[int], bool]) -> None:
+    def __init__(self, trainer: Any, tap: HFPolicyTap, head_sync: Callable[[int], bool]) -> None:
         self.trainer = trainer
         self.tap = tap
         self.head_sync = head_sync
         self.model = policy_model(trainer)
-        self.backbone: nn.Module = self.model.base_model  # HF's backbone (LlamaModel …), as TRL's fused forward calls it
+        self.uses_trl_logprobs = float(trainer.temperature) == 1.0 and tap.topk == 0
         self.mode: TappedPass = tapped_pass(trainer)
         self.synced_version: int | None = None
         self.in_generation = False
@@ -150,14 +156,14 @@ class TRLTap:
         self._logits_to_keep = int(logits_to_keep)
         self.tapped_calls += 1
         self.seconds += time.perf_counter() - t0
-        with self._capturing():
+        with self._capturing(model):
             return self._orig_logps(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
 
     @contextlib.contextmanager
-    def _capturing(self) -> Iterator[None]:
+    def _capturing(self, model: nn.Module) -> Iterator[None]:
         t0 = time.perf_counter()
         with self.tap.capturing():
-            handle = self.backbone.register_forward_hook(self._after_backbone, with_kwargs=True)
+            handle = model.register_forward_hook(self._after_forward, with_kwargs=True)
             self.seconds += time.perf_counter() - t0
             try:
                 yield
@@ -165,7 +171,7 @@ class TRLTap:
                 handle.remove()
 
     # ----------------------------------------------------------------- one chunk
-    def _after_backbone(self, _mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], _out: Any) -> None:
+    def _after_forward(self, _mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         t0 = time.perf_counter()
         input_ids = kwargs.get("input_ids", args[0] if args else None)
         attention_mask = kwargs.get("attention_mask")
@@ -175,13 +181,31 @@ class TRLTap:
         width = int(input_ids.shape[1])
         completion = torch.arange(width, device=attention_mask.device) >= width - self._logits_to_keep
         loss_mask = attention_mask.bool() & completion
+        next_logprob = _next_logprob(out, input_ids.shape) if self.uses_trl_logprobs else None
         _, _, _, lm_head = _parts(self.model)
         with torch.no_grad(), _lm_head_gather(lm_head):
             self.tap.submit(
                 input_ids=input_ids, attention_mask=attention_mask, loss_mask=loss_mask, logits=None,
                 policy_version=self.version, step=self.version, temperature=float(self.trainer.temperature),
+                next_logprob=next_logprob,
             )  # fmt: skip
         self.seconds += time.perf_counter() - t0
+
+
+def _next_logprob(out: Any, shape: torch.Size) -> torch.Tensor:
+    """TRL's fused-head output (``FusedCausalLMOutput``: ``log_probs`` [B, T−1], position t scoring token t+1)
+    as the Tap's ``next_logprob`` [B, T] (the last column 0)."""
+    from trl.trainer.utils import FusedCausalLMOutput
+
+    if not isinstance(out, FusedCausalLMOutput) or out.log_probs is None:
+        raise TRLTapError(f"TRL's log-prob forward returned {type(out).__name__}, not its fused head's "
+                          "FusedCausalLMOutput with log_probs: set tap.topk > 0 to compute the statistics from "
+                          "the lm_head instead")
+    lp = out.log_probs.detach()
+    if tuple(lp.shape) != (shape[0], shape[1] - 1):
+        raise TRLTapError(f"TRL's log_probs are {tuple(lp.shape)}, expected [B, T−1] = {(shape[0], shape[1] - 1)} "
+                          "(a prompt-learning PEFT method adds virtual tokens the Tap cannot follow)")
+    return torch.nn.functional.pad(lp, (0, 1))
 
 
 def _parts(model: nn.Module) -> tuple[Any, Any, Any, Any]:
