@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -32,12 +31,19 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.results_md import replace_section  # noqa: E402
-from draft_align.config import load_recipe  # noqa: E402
+from benchmarks.arms import (  # noqa: E402
+    add_common_args,
+    finish,
+    prepare_shared,
+    section_intro,
+    setup,
+    train_arm,
+    train_stats,
+)
 from draft_align.hf.generate import generate_responses  # noqa: E402
 from draft_align.monitor.estimator import estimate  # noqa: E402
 from draft_align.monitor.evaluate import eos_ids  # noqa: E402
-from draft_align.warmstart import build_draft, heldout_prompts, prepare, train, vocab_report  # noqa: E402
+from draft_align.warmstart import heldout_prompts, vocab_report  # noqa: E402
 
 log = logging.getLogger("bench.vocab")
 HEAD = "## Draft vocabulary size (benchmarks/draft_vocab.py)"
@@ -45,18 +51,16 @@ HEAD = "## Draft vocabulary size (benchmarks/draft_vocab.py)"
 
 def render(result: dict) -> str:
     """The RESULTS.md section for one run."""
-    d = result["data"]
-    lines = [
-        HEAD, "", f"Command: `{result['command']}` (one run; {result['date']}; 2-core CPU).", "",
-        f"SmolLM2-135M-Instruct target ({result['target_dtype']}); recipe `{result['recipe']}`: "
-        f"{d['train_sequences']} training sequences, {d['train_targets']} trainable response positions, one "
-        f"capture shared by every arm; each arm a fresh EAGLE-3 draft (seed {result['seed']}, K = "
-        f"{result['ttt_steps']} TTT unroll) trained for {result['budget_s']:.0f} s of training wall-clock. "
+    lines = section_intro(HEAD, result)
+    lines[-1] += (
+        ". "
         f"Acceptance at k = 3 on {result['eval_prompts']} held-out prompts, ≤ {result['eval_max_new']} new tokens: "
         "T = 0 is engine replay on the target's greedy continuations (exact at T = 0); T = 1 probabilistic is the "
         "engine-replay estimate on the target's own T = 1 samples (projected from α = Σ min(p, q), not decoded). "
         "Vocabulary columns: the target's probability mass outside the draft vocabulary and the share of its "
-        "argmax tokens outside it, on held-out greedy responses.",
+        "argmax tokens outside it, on held-out greedy responses."
+    )
+    lines += [
         "",
         "| draft vocab | optimizer steps | positions/s | T=0 acceptance length | r1, r2, r3 (T=0) "
         "| T=1 probabilistic (estimated) | mass outside | argmax outside | draft MB (bf16) |",
@@ -74,34 +78,14 @@ def render(result: dict) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--recipe", default=str(ROOT / "recipes/smollm2_bench.yaml"))
     ap.add_argument("--vocabs", default="16384,32768,49152", help="comma-separated draft vocabulary sizes")
-    ap.add_argument("--budget-s", type=float, default=360.0)
-    ap.add_argument("--eval-prompts", type=int, default=32)
-    ap.add_argument("--eval-max-new", type=int, default=96)
-    ap.add_argument("--out", default=str(ROOT / "benchmarks/out"))
-    ap.add_argument("--no-results-md", action="store_true")
-    ap.add_argument("overrides", nargs="*")
+    add_common_args(ap)
     args = ap.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    for name in ("httpx", "urllib3", "transformers"):
-        logging.getLogger(name).setLevel(logging.WARNING)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     vocabs = [int(v) for v in args.vocabs.split(",") if v]
-    ov = [f"train.time_budget_s={args.budget_s}", "logging.progress_bar=false", "logging.wandb=false",
-          *args.overrides]
-    recipe = load_recipe(args.recipe, ov)
-    result: dict = {
-        "command": "  ".join(["python benchmarks/draft_vocab.py", *sys.argv[1:]]),
-        "date": time.strftime("%Y-%m-%d"), "recipe": Path(args.recipe).name, "budget_s": args.budget_s,
-        "eval_prompts": args.eval_prompts, "eval_max_new": args.eval_max_new, "seed": recipe.seed,
-        "ttt_steps": recipe.train.ttt_steps, "target_dtype": recipe.target.dtype, "arms": [],
-    }
+    ov, recipe, result = setup(args, "draft_vocab.py")
+    out = Path(args.out)
     t0 = time.time()
-    prep = prepare(recipe)
-    result["data"] = {**prep.stats, "prepare_seconds": time.time() - t0}
-    aux = tuple(prep.stats["aux_layer_ids"])
+    prep = prepare_shared(recipe, result)
     vocab = int(prep.target.config.vocab_size)
     if any(not 1 <= v <= vocab for v in vocabs):
         raise SystemExit(f"--vocabs: each size must be in 1..{vocab} (the target's vocabulary)")
@@ -117,19 +101,12 @@ def main() -> int:
     }  # fmt: skip
 
     for v in vocabs:
-        rc = load_recipe(args.recipe, [*ov, f"run={recipe.run}-vocab{v}", f"draft.draft_vocab_size={v}"])
-        shutil.rmtree(rc.run_dir, ignore_errors=True)  # every arm starts from scratch
-        torch.manual_seed(rc.seed)
-        draft = build_draft(prep.target, rc, aux, prep)
-        trainer = train(rc, prep, draft, sink=None)
-        draft.eval()
+        _, draft, trainer = train_arm(args, ov, prep, [f"run={recipe.run}-vocab{v}", f"draft.draft_vocab_size={v}"])
         with torch.no_grad():
             t0_est = estimate(prep.target, draft, samples[0.0], k=3, mode="greedy", temperature=0.0)
             t1_est = estimate(prep.target, draft, samples[1.0], k=3, mode="probabilistic", temperature=1.0)
-        pr = trainer.progress
         arm = {
-            "draft_vocab_size": v, "steps": pr.step, "train_seconds": pr.seconds, "targets_seen": pr.targets_seen,
-            "targets_per_s": pr.targets_seen / pr.seconds,
+            "draft_vocab_size": v, **train_stats(trainer),
             "acceptance_length_T0": t0_est["acceptance_length_est"], "per_position_T0": t0_est["per_position_est"],
             "acceptance_length_T1_probabilistic": t1_est["acceptance_length_est"],
             "draft_mb_bf16": sum(p.numel() for p in draft.parameters()) * 2 / 1e6,
@@ -140,12 +117,7 @@ def main() -> int:
                  v, arm["steps"], arm["targets_per_s"], arm["acceptance_length_T0"],
                  arm["acceptance_length_T1_probabilistic"], arm["vocab_oov_argmax_rate"])
         (out / "draft_vocab.json").write_text(json.dumps(result, indent=2))
-    result["total_seconds"] = time.time() - t0
-    (out / "draft_vocab.json").write_text(json.dumps(result, indent=2))
-    if not args.no_results_md:
-        replace_section(ROOT / "benchmarks" / "RESULTS.md", HEAD, render(result))
-    print(render(result))
-    return 0
+    return finish(args, result, out / "draft_vocab.json", HEAD, render, t0)
 
 
 if __name__ == "__main__":
