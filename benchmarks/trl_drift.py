@@ -91,6 +91,16 @@ def step_rows(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
+def paired_ratio(rows: list[dict[str, Any]], base: list[dict[str, Any]], key: str) -> dict[str, float] | None:
+    """Per-step ratios rows[i][key] / base[i][key] (the arms share seeds and prompts): median, mean and its
+    standard error, count."""
+    r = [a[key] / b[key] for a, b in zip(rows, base, strict=False) if a[key] and b[key]]
+    if len(r) < 2:
+        return None
+    return {"median": statistics.median(r), "mean": statistics.fmean(r),
+            "se": statistics.stdev(r) / len(r) ** 0.5, "n": len(r)}  # fmt: skip
+
+
 def summarise(arms: dict[str, dict[str, Any]], skip: int) -> dict[str, Any]:
     """Medians over the steps after the first ``skip`` (engine and caches warming up)."""
     out: dict[str, Any] = {}
@@ -107,6 +117,8 @@ def summarise(arms: dict[str, dict[str, Any]], skip: int) -> dict[str, Any]:
         if name in out and "notap" in out and out["notap"]["outside_generation_s"]:
             out[f"{name}_overhead_ratio"] = out[name]["outside_generation_s"] / out["notap"]["outside_generation_s"]
             out[f"{name}_step_time_ratio"] = out[name]["step_time"] / out["notap"]["step_time"]
+            out[f"{name}_paired"] = paired_ratio(arms[name]["rows"][skip:], arms["notap"]["rows"][skip:],
+                                                 "outside_generation_s")
     if "tap" in out:
         rows = arms["tap"]["rows"]
         tail = rows[len(rows) // 2 :]  # the second half of the run: the drift has happened
@@ -156,8 +168,11 @@ def render(r: dict[str, Any], head: str = HEAD) -> str:
     for name, what in (("tap", "the Tap with the sidecar training beside it"),
                        ("tapidle", "the Tap with the sidecar ingesting and estimating, not training")):
         if f"{name}_overhead_ratio" in s:
+            p = s.get(f"{name}_paired")
+            paired = "" if not p else (f"; paired by step ({p['n']} steps) median {_f(p['median'])}×, mean "
+                                       f"{_f(p['mean'])} ± {_f(p['se'])}×")
             lines += ["", f"A/B `{name}` vs `notap` ({what}): outside generation "
-                      f"{_f(s[f'{name}_overhead_ratio'])}× (the Tap's goal ≤ 1.02×); whole step "
+                      f"{_f(s[f'{name}_overhead_ratio'])}× by medians{paired} (the Tap's goal ≤ 1.02×); whole step "
                       f"{_f(s[f'{name}_step_time_ratio'])}× (generation differs when the arms serve different drafts)."]
     return "\n".join(lines) + "\n"
 
