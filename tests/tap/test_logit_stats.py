@@ -1,8 +1,7 @@
 """tap.logit_stats: the per-token policy statistics a Tap ships (no model needed: random logits)."""
 
-import torch
-
 import pytest
+import torch
 
 from draft_align.tap.logit_stats import head_logit_stats, logit_stats, logprob_stats
 from draft_align.tap.protocol import PolicyTapError
