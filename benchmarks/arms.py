@@ -86,13 +86,12 @@ def train_arm(args: argparse.Namespace, ov: list[str], prep: Any, arm_overrides:
 
 def train_stats(trainer: Any) -> dict[str, Any]:
     """Optimizer steps, training seconds, response positions trained and their rate, and the matmul GFLOP/s of
-    the soft-CE step on those tokens (benchmarks/warmstart.train_step_flops, soft targets at the scored
-    positions only: an acceptance objective's extra target logits per step are not counted)."""
+    the soft-CE step on those tokens (benchmarks/warmstart.train_step_flops: an acceptance objective's extra
+    target logits per step are not counted)."""
     from benchmarks.warmstart import train_step_flops
 
     pr = trainer.progress
-    flops = train_step_flops(trainer.draft.cfg, pr.targets_seen, pr.tokens_seen, trainer.loss_settings.ttt_steps,
-                             soft_rows=pr.targets_seen)  # fmt: skip
+    flops = train_step_flops(trainer.draft.cfg, pr.targets_seen, pr.tokens_seen, trainer.loss_settings.ttt_steps)
     return {"steps": pr.step, "train_seconds": pr.seconds, "targets_seen": pr.targets_seen,
             "targets_per_s": pr.targets_seen / max(pr.seconds, 1e-9),
             "train_gflops": flops / max(pr.seconds, 1e-9) / 1e9}  # fmt: skip

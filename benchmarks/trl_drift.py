@@ -101,6 +101,16 @@ def paired_ratio(rows: list[dict[str, Any]], base: list[dict[str, Any]], key: st
             "se": statistics.stdev(r) / len(r) ** 0.5, "n": len(r)}  # fmt: skip
 
 
+def paired_gain(rows: list[dict[str, Any]], adapted: str, frozen: str) -> dict[str, float] | None:
+    """rows[i][adapted] − rows[i][frozen] over the steps that have both: mean, its standard error, steps, and
+    how many were positive."""
+    d = [r[adapted] - r[frozen] for r in rows if r[adapted] is not None and r[frozen] is not None]
+    if len(d) < 2:
+        return None
+    return {"mean": statistics.fmean(d), "se": statistics.stdev(d) / len(d) ** 0.5, "n": len(d),
+            "positive": sum(x > 0 for x in d)}  # fmt: skip
+
+
 def summarise(arms: dict[str, dict[str, Any]], skip: int) -> dict[str, Any]:
     """Medians over the steps after the first ``skip`` (engine and caches warming up)."""
     out: dict[str, Any] = {}
@@ -124,6 +134,9 @@ def summarise(arms: dict[str, dict[str, Any]], skip: int) -> dict[str, Any]:
         tail = rows[len(rows) // 2 :]  # the second half of the run: the drift has happened
 
         out["pooled"] = {half: {k: pooled_acceptance(part, k) for k in DRAFT_KINDS}
+                         for half, part in (("all", rows), ("second_half", tail))}  # fmt: skip
+        out["paired"] = {half: {"measured": paired_gain(part, "accept_measured_adapted", "accept_measured_frozen"),
+                                "estimated": paired_gain(part, "est_adapted", "est_frozen")}
                          for half, part in (("all", rows), ("second_half", tail))}  # fmt: skip
     return out
 
@@ -155,7 +168,18 @@ def render(r: dict[str, Any], head: str = HEAD) -> str:
         lines += ["", "Measured acceptance (tokens per round, vLLM's counters) pooled over steps, rounds-weighted: "
                   f"all steps adapted {_f(p['all']['adapted'])} vs frozen {_f(p['all']['frozen'])}; second half "
                   f"adapted {_f(p['second_half']['adapted'])} vs frozen {_f(p['second_half']['frozen'])}. "
-                  f"Drafts published by the sidecar: {s['tap']['published']}.", ""]  # fmt: skip
+                  f"Drafts published by the sidecar: {s['tap']['published']}."]  # fmt: skip
+
+        def gain(g: dict[str, float] | None) -> str:
+            return "–" if not g else f"{g['mean']:+.3f} ± {g['se']:.3f} (positive at {g['positive']} of {g['n']})"
+
+        q = s.get("paired")
+        if q:
+            lines += ["", "Adapted − frozen, paired by step (mean ± SE): measured, second half "
+                      f"{gain(q['second_half']['measured'])}, all steps {gain(q['all']['measured'])}; sidecar "
+                      f"estimates, second half {gain(q['second_half']['estimated'])}, all steps "
+                      f"{gain(q['all']['estimated'])}."]  # fmt: skip
+        lines.append("")
     lines += ["### Overhead on TRL's step (medians over steps, the first "
               f"{r['args']['skip']} left out)", "",
               "| arm | step s | outside generation s | generation s | callback s | Tap s | wire MB / step |",

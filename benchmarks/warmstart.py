@@ -53,21 +53,21 @@ def matmul_roofline(dtype: torch.dtype, n: int = 2048, reps: int = 5) -> float:
     return 2 * n**3 / ts[len(ts) // 2] / 1e9
 
 
-def train_step_flops(cfg, targets: int, tokens: int, steps: int, soft_rows: int | None = None) -> float:
+def train_step_flops(cfg, targets: int, tokens: int, steps: int) -> float:
     """Matmul FLOPs of one TTT train step (forward + backward ≈ 3× forward), per the module shapes.
 
     Every position: fc (3H_t→H) and k/v projections (2H→2·kv·d).  Every chain start and step: q (2H→h·d),
     o (h·d→H), MLP (3·H·I), lm_head (H→Vd); attention ≈ 2·h·d·(context) per start-step, ignored here
-    (context-dependent; it makes the figure a lower bound).  Soft-target logits: H·Vd per row, forward only,
-    over ``soft_rows`` rows (None: every position, as the trainer computed them before it scored only the
-    positions some TTT step uses; the soft-CE trainer now does ≈ ``targets`` rows).
+    (context-dependent; it makes the figure a lower bound).  Soft-target logits: H·Vd per scored position
+    (≈ ``targets``: the trainer computes them only where some TTT step scores), forward only.  The RESULTS.md
+    warm-start table predates that and counted them at every position.
     """
     h, i, vd = cfg.hidden_size, cfg.intermediate_size, cfg.draft_vocab_size
     d, nh, kv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
     per_pos = 2 * (cfg.fc_in_features * h + 2 * h * 2 * kv * d)
     per_start_step = 2 * (2 * h * nh * d + nh * d * h + 3 * h * i + h * vd + 2 * h * 2 * kv * d)
     fwd = tokens * per_pos + targets * steps * per_start_step
-    return 3 * fwd + (tokens if soft_rows is None else soft_rows) * 2 * h * vd
+    return 3 * fwd + targets * 2 * h * vd
 
 
 def _f(x, nd=3) -> str:
