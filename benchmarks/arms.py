@@ -15,6 +15,9 @@ from typing import Any
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+log = logging.getLogger("bench.arms")
+K = 3  # draft tokens per round in every measurement
+MODES: tuple[tuple[str, float], ...] = (("greedy", 0.0), ("greedy_draft", 1.0), ("probabilistic", 1.0))
 
 
 def add_common_args(ap: argparse.ArgumentParser) -> None:
@@ -121,3 +124,30 @@ def finish(args: argparse.Namespace, result: dict[str, Any], path: Path, head: s
         replace_section(ROOT / "benchmarks" / "RESULTS.md", head, text)
     print(text)
     return 0
+
+
+def measure(prep: Any, draft_dir: Path, prompts: list, dtype: str, max_new: int) -> list[dict[str, Any]]:
+    """``draft-align eval --engine vllm`` of the published draft at k = 3 for every (mode, T) of MODES."""
+    from draft_align.engines.vllm.evaluate import evaluate_vllm
+    from draft_align.engines.vllm.start import EngineError
+    from draft_align.monitor.evaluate import eos_ids
+    from draft_align.publish import load_draft
+
+    draft, _ = load_draft(draft_dir)  # the exported (bf16) weights vLLM serves: the estimate replays the same
+    eos = eos_ids(prep.target, prep.tokenizer)
+    rows = []
+    for mode, temp in MODES:
+        row: dict[str, Any] = {"verify_mode": mode, "temperature": temp}
+        try:
+            r = evaluate_vllm(prep.target_name, draft_dir, prep.target, draft.eval(), prompts, eos, k=K, mode=mode,
+                              temperature=temp, max_new_tokens=max_new, seed=0, dtype=dtype)  # fmt: skip
+        except (EngineError, ValueError) as e:
+            log.error("%s T=%g: vLLM could not measure (%s)", mode, temp, e)
+            rows.append({**row, "error": str(e).splitlines()[0]})
+            continue
+        keep = ("acceptance_length_measured", "acceptance_length_est", "per_position_measured", "per_position_est",
+                "rounds_measured", "num_tokens", "num_prompts", "seconds_engine_start", "seconds")
+        rows.append({**row, **{k: r[k] for k in keep}})
+        log.info("%s T=%g: measured %.3f, estimated %.3f", mode, temp, r["acceptance_length_measured"],
+                 r["acceptance_length_est"])
+    return rows

@@ -34,9 +34,11 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from benchmarks.arms import (  # noqa: E402
+    K,
     LastMetrics,
     add_common_args,
     finish,
+    measure,
     prepare_shared,
     section_intro,
     setup,
@@ -49,8 +51,6 @@ from draft_align.conventions import check_loss  # noqa: E402
 log = logging.getLogger("bench.objectives")
 HEAD = "## Objectives × verify modes (benchmarks/objectives.py)"
 DEFAULT_ARMS = "soft,tv,expected_length,tv+ce0.1"
-K = 3
-MODES: tuple[tuple[str, float], ...] = (("greedy", 0.0), ("greedy_draft", 1.0), ("probabilistic", 1.0))
 _SPEC = re.compile(r"(?P<loss>[a-z_]+)(?:@(?P<mode>[a-z_]+))?(?:\+ce(?P<w>[0-9]*\.?[0-9]+(?:e-?[0-9]+)?))?")
 
 
@@ -84,33 +84,6 @@ def arm_overrides(arm: dict[str, Any], run: str) -> list[str]:
     ov = [f"run={run}-obj-{slug}", f"train.loss={arm['loss']}", f"train.soft_ce_weight={arm['soft_ce_weight']}",
           "logging.log_every=1"]  # fmt: skip
     return ov + ([f"train.accept_mode={arm['accept_mode']}"] if arm["accept_mode"] else [])
-
-
-def measure(prep: Any, draft_dir: Path, prompts: list, dtype: str, max_new: int) -> list[dict[str, Any]]:
-    """``draft-align eval --engine vllm`` of the published draft at k = 3 for every (mode, T) of MODES."""
-    from draft_align.engines.vllm.evaluate import evaluate_vllm
-    from draft_align.engines.vllm.start import EngineError
-    from draft_align.monitor.evaluate import eos_ids
-    from draft_align.publish import load_draft
-
-    draft, _ = load_draft(draft_dir)  # the exported (bf16) weights vLLM serves: the estimate replays the same
-    eos = eos_ids(prep.target, prep.tokenizer)
-    rows = []
-    for mode, temp in MODES:
-        row: dict[str, Any] = {"verify_mode": mode, "temperature": temp}
-        try:
-            r = evaluate_vllm(prep.target_name, draft_dir, prep.target, draft.eval(), prompts, eos, k=K, mode=mode,
-                              temperature=temp, max_new_tokens=max_new, seed=0, dtype=dtype)  # fmt: skip
-        except (EngineError, ValueError) as e:
-            log.error("%s T=%g: vLLM could not measure (%s)", mode, temp, e)
-            rows.append({**row, "error": str(e).splitlines()[0]})
-            continue
-        keep = ("acceptance_length_measured", "acceptance_length_est", "per_position_measured", "per_position_est",
-                "rounds_measured", "num_tokens", "num_prompts", "seconds_engine_start", "seconds")
-        rows.append({**row, **{k: r[k] for k in keep}})
-        log.info("%s T=%g: measured %.3f, estimated %.3f", mode, temp, r["acceptance_length_measured"],
-                 r["acceptance_length_est"])
-    return rows
 
 
 def _cell(row: dict[str, Any]) -> str:

@@ -33,6 +33,7 @@ from torch import nn
 
 from draft_align.conventions import VerifyMode
 from draft_align.heads.vocab import draft_logits
+from draft_align.train.fused_lse import masked_lse_sum
 from draft_align.train.records import Batch
 
 CESums = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (Σ CE, Σ argmax agreement, count), scalars
@@ -153,6 +154,10 @@ def chain_objective(alpha: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tens
 
 # ----------------------------------------------------------------------------- memory-bounded forms
 LOGITS_BLOCK_BYTES = 32 * 2**20  # fp32 logits of one row block at most (the blocked losses' default)
+# the fused soft-CE path (fused_lse.py) keeps no logits across blocks, so its blocks bound only a transient:
+# larger blocks mean fewer [Vd, H] gradient accumulations per step
+FUSED_BLOCK_BYTES = 128 * 2**20
+FUSED_SOFT_CE = True  # plain nn.Linear heads take the fused path (benchmarks/train_step_profile.py's A/B switch)
 MAX_SEQ_TOKENS = 8192  # the trainer's default per-sequence cap (longer rows are truncated, counted)
 
 
@@ -261,9 +266,21 @@ def soft_ce_head(
     """:func:`soft_ce_step` of z = head(x), summed over row blocks so that one block's logits live at a time.
 
     x [B, M, H] the lm_head's input; e [B, M, H] Wᵀp at each chain's scored position (Σ_x p(x) z(x) = x·e);
-    p_argmax [B, M]; mask [B, M].  Blocks of ⌊block_bytes / (4·Vd)⌋ rows, checkpointed under autograd
-    (logits recomputed in backward): saved memory O(B·M·H) instead of O(B·M·Vd).
+    p_argmax [B, M]; mask [B, M].  Blocks of ⌊block_bytes / (4·Vd)⌋ rows.  A plain bias-free ``nn.Linear``
+    head goes through :func:`~draft_align.train.fused_lse.masked_lse_sum` (each block visited once, its
+    gradient formed in the forward pass; kept O(B·M·H + Vd·H); ``block_bytes`` None: FUSED_BLOCK_BYTES);
+    any other head (a peft LoRA layer) through autograd with each block checkpointed (logits recomputed in
+    backward; kept O(B·M·H); None: LOGITS_BLOCK_BYTES).
     """
+    if FUSED_SOFT_CE and type(head) is nn.Linear and head.bias is None:
+        n = x.shape[:-1].numel()
+        x2 = x.reshape(n, x.shape[-1])
+        m = mask.reshape(n)
+        lse, agree = masked_lse_sum(x2, head.weight, m, p_argmax.reshape(n),
+                                    row_blocks(n, 4 * head.weight.shape[0], block_bytes or FUSED_BLOCK_BYTES))  # fmt: skip
+        mf = m.to(lse.dtype)
+        pdz = ((x2 * e.reshape(n, -1)).sum(-1).to(lse.dtype) * mf).sum()
+        return lse - pdz, agree, mf.sum()
 
     def block(xc: torch.Tensor, ec: torch.Tensor, ac: torch.Tensor, mc: torch.Tensor) -> CESums:
         return soft_ce_step(head(xc), (xc * ec).sum(-1), ac, mc)

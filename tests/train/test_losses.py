@@ -142,6 +142,7 @@ def records(lengths: list[int], aux_width: int, final_width: int, seed: int) -> 
 def loss_and_grads(head: str, lengths: list[int], kind: str, monkeypatch, attn_bytes: int, logit_bytes: int):
     monkeypatch.setattr(layers, "ATTN_BLOCK_BYTES", attn_bytes)
     monkeypatch.setattr(losses, "LOGITS_BLOCK_BYTES", logit_bytes)
+    monkeypatch.setattr(losses, "FUSED_BLOCK_BYTES", logit_bytes)
     draft, rows, aux_w = HEADS[head](0)
     embed = nn.Embedding(VOCAB, HID)
     with torch.no_grad():
@@ -178,9 +179,12 @@ def test_blocked_hard_loss_equals_one_block(head, monkeypatch):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
-def test_blocked_logits_keep_no_vocab_sized_tensor():
-    """With Vd ≫ H the single block keeps the [N, Vd] logits for backward; blocks keep O(N·H)."""
-    n, h, vd = 64, 8, 2048
+@pytest.mark.parametrize("fused", [True, False])
+def test_blocked_logits_keep_no_vocab_sized_tensor(fused, monkeypatch):
+    """Checkpointed blocks: the single block keeps the [N, Vd] logits for backward, blocks keep O(N·H).  The
+    fused path (plain nn.Linear head) keeps O(N·H + Vd·H) with one block or many."""
+    monkeypatch.setattr(losses, "FUSED_SOFT_CE", fused)
+    n, h, vd = 256, 8, 2048
     g = torch.Generator().manual_seed(0)
     head = nn.Linear(h, vd, bias=False)
     x = torch.randn(1, n, h, generator=g, requires_grad=True)
@@ -189,7 +193,10 @@ def test_blocked_logits_keep_no_vocab_sized_tensor():
     mask = torch.ones(1, n, dtype=torch.bool)
     dense = saved_bytes(lambda: losses.soft_ce_head(head, x, e, arg, mask, block_bytes=1 << 40))
     blocked = saved_bytes(lambda: losses.soft_ce_head(head, x, e, arg, mask, block_bytes=4 * vd * 8))
-    assert dense >= 4 * n * vd  # the fp32 logits
+    if fused:
+        assert 4 * vd * h <= dense < 4 * n * vd / 8  # the [Vd, H] gradient of W is kept, no logits
+    else:
+        assert dense >= 4 * n * vd  # the fp32 logits
     assert blocked < 4 * n * vd / 8
     final, rows = torch.randn(1, n, h, generator=g), torch.randn(vd, h, generator=g)
     dense = saved_bytes(lambda: losses.soft_targets(final, rows, head.weight, block_bytes=1 << 40))
