@@ -3,7 +3,7 @@
 goal's budget and at the end.
 
     .venv/bin/python benchmarks/learning_curve.py [--budget-s 3600] [--eval-every-s 600] [--measure-at-s 1200]
-        [--curve-prompts 64] [--eval-prompts 32] [--eval-max-new 96] [overrides ...]
+        [--curve-prompts 64] [--eval-prompts 32] [--eval-max-new 96] [--name VARIANT] [overrides ...]
 
 1. Data: the recipe's preparation (self-distillation within ``data.gen_time_budget_s``, capture; cached and
    resumable), timed and reported apart from training.
@@ -51,9 +51,14 @@ log = logging.getLogger("bench.learning_curve")
 HEAD = "## Learning curve to saturation (benchmarks/learning_curve.py)"
 
 
+def head(name: str) -> str:
+    """The RESULTS.md heading of a run (``--name``: a variant, e.g. a shorter run after a change)."""
+    return HEAD if not name else f"{HEAD[:-1]}, variant {name})"
+
+
 def render(result: dict[str, Any]) -> str:
     """The RESULTS.md section: the curve (T = 0, engine replay) and vLLM's measurements of the snapshots."""
-    lines = section_intro(HEAD, result)
+    lines = section_intro(head(result.get("name", "")), result)
     d = result["data"]
     lines[-1] += (
         f" — one draft, objective `{result['loss']}`, a curve point every {result['eval_every_s']:.0f} s. "
@@ -93,6 +98,7 @@ def main() -> int:
     ap.add_argument("--eval-every-s", type=float, default=600.0)
     ap.add_argument("--measure-at-s", type=float, default=1200.0, help="also publish and measure the draft here")
     ap.add_argument("--curve-prompts", type=int, default=64)
+    ap.add_argument("--name", default="", help="a variant's name: its own JSON and RESULTS.md section")
     args = ap.parse_args()
     from draft_align.config import load_recipe
     from draft_align.engines.vllm.start import set_cpu_env
@@ -105,10 +111,10 @@ def main() -> int:
 
     set_cpu_env()  # before vLLM is imported: the in-process engine, a small KV cache, no OpenMP pinning
     ov, recipe, result = setup(args, "learning_curve.py")
-    result.update(eval_every_s=args.eval_every_s, curve_prompts=args.curve_prompts, loss=str(recipe.train.loss),
+    result.update(name=args.name, eval_every_s=args.eval_every_s, curve_prompts=args.curve_prompts, loss=str(recipe.train.loss),
                   curve=[], measured=[])  # fmt: skip
     result["roofline_gflops_bf16"] = matmul_roofline(torch.bfloat16)
-    out = Path(args.out) / "learning_curve.json"
+    out = Path(args.out) / f"learning_curve{'_' + args.name if args.name else ''}.json"
     t0 = time.time()
     prep = prepare_shared(recipe, result)
     out.write_text(json.dumps(result, indent=2))
@@ -120,7 +126,7 @@ def main() -> int:
                                 eos_ids=eos, pad_id=pad, batch_size=32, seed=0)  # fmt: skip
     curve_seqs = list(zip(curve_prompts, greedy, strict=True))
 
-    rc = load_recipe(args.recipe, [*ov, f"run={recipe.run}-curve"])
+    rc = load_recipe(args.recipe, [*ov, f"run={recipe.run}-curve{'-' + args.name if args.name else ''}"])
     shutil.rmtree(rc.run_dir, ignore_errors=True)  # the run starts from scratch
     torch.manual_seed(rc.seed)
     draft = build_draft(prep.target, rc, tuple(prep.stats["aux_layer_ids"]), prep)
@@ -169,7 +175,7 @@ def main() -> int:
         rows = measure(prep, path, prompts, str(recipe.target.dtype), args.eval_max_new)
         result["measured"].append({"draft": repo_relative(path), "train_seconds": seconds, "eval": rows})
         out.write_text(json.dumps(result, indent=2))
-    return finish(args, result, out, HEAD, render, t0)
+    return finish(args, result, out, head(args.name), render, t0)
 
 
 if __name__ == "__main__":

@@ -49,7 +49,8 @@ class _MaskedLSESum(torch.autograd.Function):
             lse_sum = torch.zeros((), dtype=acc, device=x.device)
             agree = torch.zeros((), dtype=acc, device=x.device)
             gx = torch.zeros(x.shape, dtype=x.dtype, device=x.device) if need_x else None
-            gw = torch.zeros(w.shape, dtype=torch.promote_types(acc, w.dtype), device=w.device) if need_w else None
+            gw: torch.Tensor | None = None  # the first block's product, then the sum (no zero-filled start)
+            gw_dtype = torch.promote_types(acc, w.dtype)
             for lo, hi in bounds:
                 mb = m[lo:hi].to(acc)
                 z = torch.matmul(xc[lo:hi], wc.t()).to(acc)  # [rows, Vd]
@@ -59,14 +60,15 @@ class _MaskedLSESum(torch.autograd.Function):
                 z.sub_(mx).exp_()
                 tot = z.sum(-1, keepdim=True)
                 lse_sum += ((tot.log() + mx).squeeze(-1) * mb).sum()
-                if gx is None and gw is None:
+                if gx is None and not need_w:
                     continue
                 s = z.mul_(mb.unsqueeze(-1) / tot).to(cdt)  # m·softmax(z), the lse-sum's gradient in z
                 del z
                 if gx is not None:
                     gx[lo:hi] = torch.matmul(s, wc).to(x.dtype)
-                if gw is not None:
-                    gw += torch.matmul(s.t(), xc[lo:hi]).to(gw.dtype)
+                if need_w:
+                    part = torch.matmul(s.t(), xc[lo:hi])
+                    gw = part.to(gw_dtype) if gw is None else gw.add_(part)
         ctx.save_for_backward(gx, gw)
         ctx.w_dtype = w.dtype
         ctx.mark_non_differentiable(agree)

@@ -158,6 +158,9 @@ LOGITS_BLOCK_BYTES = 32 * 2**20  # fp32 logits of one row block at most (the blo
 # larger blocks mean fewer [Vd, H] gradient accumulations per step
 FUSED_BLOCK_BYTES = 128 * 2**20
 FUSED_SOFT_CE = True  # plain nn.Linear heads take the fused path (benchmarks/train_step_profile.py's A/B switch)
+# ... unless the [Vd, H] gradient it keeps per TTT step (fp32) is larger than this: a SmolLM2-sized head's is
+# 38 MB (7 steps: 264 MB kept), a Llama-8B-sized one's (32k × 4096) 537 MB, which takes the checkpointed blocks
+FUSED_GRAD_BYTES = 128 * 2**20
 MAX_SEQ_TOKENS = 8192  # the trainer's default per-sequence cap (longer rows are truncated, counted)
 
 
@@ -268,16 +271,20 @@ def soft_ce_head(
     x [B, M, H] the lm_head's input; e [B, M, H] Wᵀp at each chain's scored position (Σ_x p(x) z(x) = x·e);
     p_argmax [B, M]; mask [B, M].  Blocks of ⌊block_bytes / (4·Vd)⌋ rows.  A plain bias-free ``nn.Linear``
     head goes through :func:`~draft_align.train.fused_lse.masked_lse_sum` (each block visited once, its
-    gradient formed in the forward pass; kept O(B·M·H + Vd·H); ``block_bytes`` None: FUSED_BLOCK_BYTES);
-    any other head (a peft LoRA layer) through autograd with each block checkpointed (logits recomputed in
-    backward; kept O(B·M·H); None: LOGITS_BLOCK_BYTES).
+    gradient formed in the forward pass; kept O(B·M·H + Vd·H); ``block_bytes`` None: FUSED_BLOCK_BYTES)
+    when its weight is frozen or its fp32 gradient fits FUSED_GRAD_BYTES; any other head (a peft LoRA layer,
+    a large vocabulary) through autograd with each block checkpointed (logits recomputed in backward; kept
+    O(B·M·H); None: LOGITS_BLOCK_BYTES).
     """
-    if FUSED_SOFT_CE and type(head) is nn.Linear and head.bias is None:
+    w = head.weight
+    if FUSED_SOFT_CE and type(head) is nn.Linear and head.bias is None and (
+        not w.requires_grad or 4 * w.numel() <= FUSED_GRAD_BYTES
+    ):
         n = x.shape[:-1].numel()
         x2 = x.reshape(n, x.shape[-1])
         m = mask.reshape(n)
-        lse, agree = masked_lse_sum(x2, head.weight, m, p_argmax.reshape(n),
-                                    row_blocks(n, 4 * head.weight.shape[0], block_bytes or FUSED_BLOCK_BYTES))  # fmt: skip
+        lse, agree = masked_lse_sum(x2, w, m, p_argmax.reshape(n),
+                                    row_blocks(n, 4 * w.shape[0], block_bytes or FUSED_BLOCK_BYTES))  # fmt: skip
         mf = m.to(lse.dtype)
         pdz = ((x2 * e.reshape(n, -1)).sum(-1).to(lse.dtype) * mf).sum()
         return lse - pdz, agree, mf.sum()

@@ -179,11 +179,14 @@ def test_blocked_hard_loss_equals_one_block(head, monkeypatch):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("fused", [True, False])
-def test_blocked_logits_keep_no_vocab_sized_tensor(fused, monkeypatch):
+@pytest.mark.parametrize("path", ["fused", "switched off", "gradient over budget"])
+def test_blocked_logits_keep_no_vocab_sized_tensor(path, monkeypatch):
     """Checkpointed blocks: the single block keeps the [N, Vd] logits for backward, blocks keep O(N·H).  The
-    fused path (plain nn.Linear head) keeps O(N·H + Vd·H) with one block or many."""
-    monkeypatch.setattr(losses, "FUSED_SOFT_CE", fused)
+    fused path (plain nn.Linear head whose [Vd, H] gradient fits FUSED_GRAD_BYTES) keeps O(N·H + Vd·H) with
+    one block or many."""
+    fused = path == "fused"
+    monkeypatch.setattr(losses, "FUSED_SOFT_CE", path != "switched off")
+    monkeypatch.setattr(losses, "FUSED_GRAD_BYTES", 1 << 30 if path != "gradient over budget" else 1024)
     n, h, vd = 256, 8, 2048
     g = torch.Generator().manual_seed(0)
     head = nn.Linear(h, vd, bias=False)
