@@ -151,3 +151,16 @@ def measure(prep: Any, draft_dir: Path, prompts: list, dtype: str, max_new: int)
         log.info("%s T=%g: measured %.3f, estimated %.3f", mode, temp, r["acceptance_length_measured"],
                  r["acceptance_length_est"])
     return rows
+
+
+def target_samples(prep: Any, prompts: list, max_new: int, temperature: float) -> list[tuple[Any, Any]]:
+    """(prompt, the target's own continuation at ``temperature``, seed 0) pairs: what engine-replay estimates
+    (``monitor.estimator.estimate``) score a draft on."""
+    from draft_align.hf.generate import generate_responses
+    from draft_align.monitor.evaluate import eos_ids
+
+    eos = eos_ids(prep.target, prep.tokenizer)
+    pad = prep.tokenizer.pad_token_id if prep.tokenizer.pad_token_id is not None else min(eos)
+    out = generate_responses(prep.target, prompts, max_new_tokens=max_new, temperature=temperature, eos_ids=eos,
+                             pad_id=pad, batch_size=32, seed=0)  # fmt: skip
+    return list(zip(prompts, out, strict=True))

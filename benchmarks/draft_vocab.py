@@ -37,12 +37,11 @@ from benchmarks.arms import (  # noqa: E402
     prepare_shared,
     section_intro,
     setup,
+    target_samples,
     train_arm,
     train_stats,
 )
-from draft_align.hf.generate import generate_responses  # noqa: E402
 from draft_align.monitor.estimator import estimate  # noqa: E402
-from draft_align.monitor.evaluate import eos_ids  # noqa: E402
 from draft_align.warmstart import heldout_prompts, vocab_report  # noqa: E402
 
 log = logging.getLogger("bench.vocab")
@@ -91,14 +90,7 @@ def main() -> int:
         raise SystemExit(f"--vocabs: each size must be in 1..{vocab} (the target's vocabulary)")
 
     prompts = heldout_prompts(prep, args.eval_prompts, recipe.data.max_prompt_tokens)
-    eos = eos_ids(prep.target, prep.tokenizer)
-    pad = prep.tokenizer.pad_token_id if prep.tokenizer.pad_token_id is not None else min(eos)
-    samples = {
-        temp: list(zip(prompts, generate_responses(
-            prep.target, prompts, max_new_tokens=args.eval_max_new, temperature=temp, eos_ids=eos, pad_id=pad,
-            batch_size=32, seed=0), strict=True))
-        for temp in (0.0, 1.0)
-    }  # fmt: skip
+    samples = {temp: target_samples(prep, prompts, args.eval_max_new, temp) for temp in (0.0, 1.0)}
 
     for v in vocabs:
         _, draft, trainer = train_arm(args, ov, prep, [f"run={recipe.run}-vocab{v}", f"draft.draft_vocab_size={v}"])

@@ -42,6 +42,7 @@ from benchmarks.arms import (  # noqa: E402
     prepare_shared,
     section_intro,
     setup,
+    target_samples,
     train_stats,
 )
 from benchmarks.results_md import repo_relative  # noqa: E402
@@ -102,9 +103,7 @@ def main() -> int:
     args = ap.parse_args()
     from draft_align.config import load_recipe
     from draft_align.engines.vllm.start import set_cpu_env
-    from draft_align.hf.generate import generate_responses
     from draft_align.monitor.estimator import estimate
-    from draft_align.monitor.evaluate import eos_ids
     from draft_align.publish.compat import tokenizer_fingerprint
     from draft_align.publish.versions import publish_version
     from draft_align.warmstart import build_draft, heldout_prompts, train
@@ -120,11 +119,7 @@ def main() -> int:
     out.write_text(json.dumps(result, indent=2))
 
     curve_prompts = heldout_prompts(prep, args.curve_prompts, recipe.data.max_prompt_tokens)
-    eos = eos_ids(prep.target, prep.tokenizer)
-    pad = prep.tokenizer.pad_token_id if prep.tokenizer.pad_token_id is not None else min(eos)
-    greedy = generate_responses(prep.target, curve_prompts, max_new_tokens=args.eval_max_new, temperature=0.0,
-                                eos_ids=eos, pad_id=pad, batch_size=32, seed=0)  # fmt: skip
-    curve_seqs = list(zip(curve_prompts, greedy, strict=True))
+    curve_seqs = target_samples(prep, curve_prompts, args.eval_max_new, 0.0)
 
     rc = load_recipe(args.recipe, [*ov, f"run={recipe.run}-curve{'-' + args.name if args.name else ''}"])
     shutil.rmtree(rc.run_dir, ignore_errors=True)  # the run starts from scratch
