@@ -100,16 +100,19 @@ def train_stats(trainer: Any) -> dict[str, Any]:
             "train_gflops": flops / max(pr.seconds, 1e-9) / 1e9}  # fmt: skip
 
 
-def section_intro(head: str, result: dict[str, Any]) -> list[str]:
+def section_intro(head: str, result: dict[str, Any], arms: bool = True) -> list[str]:
     """The first lines of a RESULTS.md section: the heading, the exact command, and the shared setup up to the
-    training budget (the caller continues the paragraph with its arms and its measurement)."""
+    training budget (the caller continues the paragraph with its arms and its measurement); ``arms`` False:
+    worded for a run of one draft."""
     d = result["data"]
+    who = ("one capture shared by every arm; each arm a fresh EAGLE-3 draft" if arms
+           else "one fresh EAGLE-3 draft")  # fmt: skip
     return [
         head, "", f"Command: `{result['command']}` (one run; {result['date']}; 2-core CPU).", "",
         f"SmolLM2-135M-Instruct target ({result['target_dtype']}); recipe `{result['recipe']}`: "
-        f"{d['train_sequences']} training sequences, {d['train_targets']} trainable response positions, one "
-        f"capture shared by every arm; each arm a fresh EAGLE-3 draft (seed {result['seed']}, K = "
-        f"{result['ttt_steps']} TTT unroll) trained for {result['budget_s']:.0f} s of training wall-clock",
+        f"{d['train_sequences']} training sequences, {d['train_targets']} trainable response positions; {who} "
+        f"(seed {result['seed']}, K = {result['ttt_steps']} TTT unroll) trained for {result['budget_s']:.0f} s of "
+        "training wall-clock",
     ]  # fmt: skip
 
 

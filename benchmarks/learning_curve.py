@@ -59,10 +59,10 @@ def head(name: str) -> str:
 
 def render(result: dict[str, Any]) -> str:
     """The RESULTS.md section: the curve (T = 0, engine replay) and vLLM's measurements of the snapshots."""
-    lines = section_intro(head(result.get("name", "")), result)
+    lines = section_intro(head(result.get("name", "")), result, arms=False)
     d = result["data"]
     lines[-1] += (
-        f" — one draft, objective `{result['loss']}`, a curve point every {result['eval_every_s']:.0f} s. "
+        f", objective `{result['loss']}`, a curve point every {result['eval_every_s']:.0f} s. "
         f"Data preparation {d['prepare_seconds']:.0f} s (not in the budget; generation and capture are cached). "
         f"Curve: T = 0 mean acceptance length at k = {K} on {result['curve_prompts']} held-out prompts, engine "
         "replay of the target's greedy continuations (exact at T = 0). Of bf16 roofline: the step's matmul FLOPs "

@@ -8,6 +8,7 @@ from torch import nn
 from draft_align.train import losses
 from draft_align.train.fused_lse import masked_lse_sum
 from draft_align.train.losses import row_blocks
+from tests.helpers import saved_bytes
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -57,6 +58,11 @@ def test_only_the_inputs_that_need_a_gradient_get_one():
     ref_gx, = torch.autograd.grad(reference(x, w, m, arg)[0], (x,))
     torch.testing.assert_close(x.grad, ref_gx)
     assert w.grad is None
+    vd, h = w.shape
+    kept = saved_bytes(lambda: masked_lse_sum(x, w, m, arg, row_blocks(37, 1, 8)))
+    assert kept < 8 * vd * h  # no [Vd, H] gradient formed for the frozen weight ([N, H] for x only)
+    w.requires_grad_(True)
+    assert saved_bytes(lambda: masked_lse_sum(x, w, m, arg, row_blocks(37, 1, 8))) >= kept + 8 * vd * h
     with torch.no_grad():
         val, _ = masked_lse_sum(x, w, m, arg, row_blocks(37, 1, 8))
     assert not val.requires_grad
