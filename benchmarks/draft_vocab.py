@@ -93,21 +93,31 @@ def main() -> int:
     samples = {temp: target_samples(prep, prompts, args.eval_max_new, temp) for temp in (0.0, 1.0)}
 
     for v in vocabs:
-        _, draft, trainer = train_arm(args, ov, prep, [f"run={recipe.run}-vocab{v}", f"draft.draft_vocab_size={v}"])
+        _, draft, trainer = train_arm(
+            args, ov, prep, [f"run={recipe.run}-vocab{v}", f"draft.draft_vocab_size={v}"]
+        )
         with torch.no_grad():
             t0_est = estimate(prep.target, draft, samples[0.0], k=3, mode="greedy", temperature=0.0)
             t1_est = estimate(prep.target, draft, samples[1.0], k=3, mode="probabilistic", temperature=1.0)
         arm = {
-            "draft_vocab_size": v, **train_stats(trainer),
-            "acceptance_length_T0": t0_est["acceptance_length_est"], "per_position_T0": t0_est["per_position_est"],
+            "draft_vocab_size": v,
+            **train_stats(trainer),
+            "acceptance_length_T0": t0_est["acceptance_length_est"],
+            "per_position_T0": t0_est["per_position_est"],
             "acceptance_length_T1_probabilistic": t1_est["acceptance_length_est"],
             "draft_mb_bf16": sum(p.numel() for p in draft.parameters()) * 2 / 1e6,
             **vocab_report(prep, draft),
         }
         result["arms"].append(arm)
-        log.info("vocab %d: %d steps, %.0f positions/s, T=0 %.3f, T=1 probabilistic %.3f, argmax outside %.4f",
-                 v, arm["steps"], arm["targets_per_s"], arm["acceptance_length_T0"],
-                 arm["acceptance_length_T1_probabilistic"], arm["vocab_oov_argmax_rate"])
+        log.info(
+            "vocab %d: %d steps, %.0f positions/s, T=0 %.3f, T=1 probabilistic %.3f, argmax outside %.4f",
+            v,
+            arm["steps"],
+            arm["targets_per_s"],
+            arm["acceptance_length_T0"],
+            arm["acceptance_length_T1_probabilistic"],
+            arm["vocab_oov_argmax_rate"],
+        )
         (out / "draft_vocab.json").write_text(json.dumps(result, indent=2))
     return finish(args, result, out / "draft_vocab.json", HEAD, render, t0)
 

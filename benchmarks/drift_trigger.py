@@ -38,16 +38,21 @@ def run_summary(r: dict[str, Any]) -> dict[str, Any]:
     last = mon[-1] if mon else {}
     half = len(steps) // 2
     return {
-        "sidecar_cpu_s": r.get("sidecar_cpu_s"), "train_steps": last.get("sidecar_train_steps"),
-        "trained_tokens": last.get("sidecar_trained_tokens"), "publishes": len(r["publishes"]),
+        "sidecar_cpu_s": r.get("sidecar_cpu_s"),
+        "train_steps": last.get("sidecar_train_steps"),
+        "trained_tokens": last.get("sidecar_trained_tokens"),
+        "publishes": len(r["publishes"]),
         "drift_triggers": last.get("drift_triggers"),
         "idle_rows": sum(1 for m in mon if m.get("sidecar_train_state") in ("idle", "settling")),
-        "rows": len(mon), "final_kl": steps[-1].get("kl_to_initial") if steps else None,
-        "adapted": pooled(steps, "adapted"), "frozen": pooled(steps, "frozen"),
-        "adapted_second_half": pooled(steps, "adapted", half), "frozen_second_half": pooled(steps, "frozen", half),
+        "rows": len(mon),
+        "final_kl": steps[-1].get("kl_to_initial") if steps else None,
+        "adapted": pooled(steps, "adapted"),
+        "frozen": pooled(steps, "frozen"),
+        "adapted_second_half": pooled(steps, "adapted", half),
+        "frozen_second_half": pooled(steps, "frozen", half),
         "run_seconds": r.get("run_seconds"),
         "states": [m.get("sidecar_train_state") for m in mon],
-    }  # fmt: skip
+    }
 
 
 def _f(x: Any, nd: int = 3) -> str:
@@ -56,13 +61,20 @@ def _f(x: Any, nd: int = 3) -> str:
 
 def render(res: dict[str, Any]) -> str:
     a, d = res["runs"]["always"], res["runs"]["drift"]
-    lines = [HEAD, "", f"Command (one run each, {res['date']}): `{res['command']}`; each run is "
-             f"`python benchmarks/drift.py {' '.join(res['drift_args'])} sidecar.train_trigger=<mode>`.", "",
-             f"Setup: the drift benchmark's recipe (recipes/smollm2_drift.yaml: SmolLM2-135M LoRA policy, reward "
-             f"`uppercase`, 4×4 rollouts of ≤ 48 tokens at T=1) for {res['steps']} steps, rollouts by vLLM (k=3, "
-             f"greedy_draft; half on the frozen draft, half on the newest published one); starting draft "
-             f"`{res['draft']}`; RL job and sidecar one core each. All numbers measured.", "",
-             "| | always | drift | drift / always |", "|---|---:|---:|---:|"]  # fmt: skip
+    lines = [
+        HEAD,
+        "",
+        f"Command (one run each, {res['date']}): `{res['command']}`; each run is "
+        f"`python benchmarks/drift.py {' '.join(res['drift_args'])} sidecar.train_trigger=<mode>`.",
+        "",
+        f"Setup: the drift benchmark's recipe (recipes/smollm2_drift.yaml: SmolLM2-135M LoRA policy, reward "
+        f"`uppercase`, 4×4 rollouts of ≤ 48 tokens at T=1) for {res['steps']} steps, rollouts by vLLM (k=3, "
+        f"greedy_draft; half on the frozen draft, half on the newest published one); starting draft "
+        f"`{res['draft']}`; RL job and sidecar one core each. All numbers measured.",
+        "",
+        "| | always | drift | drift / always |",
+        "|---|---:|---:|---:|",
+    ]
 
     def row(name: str, key: str, nd: int = 3) -> None:
         x, y = a.get(key), d.get(key)
@@ -81,12 +93,16 @@ def render(res: dict[str, Any]) -> str:
     row("measured adapted, second half", "adapted_second_half")
     row("measured frozen, second half", "frozen_second_half")
     s = res["summary"]
-    lines += ["", f"Compute saved (sidecar CPU seconds): {_f(s['compute_saved_cpu'], 3)}; (optimizer steps): "
-              f"{_f(s['compute_saved_steps'], 3)}. Acceptance lost (adapted, pooled over all steps): "
-              f"{_f(s['acceptance_lost'], 3)} tokens per round ({_f(s['acceptance_lost_second_half'], 3)} in the "
-              f"second half); the frozen draft's difference between the runs, {_f(s['frozen_difference'], 3)}, "
-              f"is the noise of two different rollout sets.", "",
-              f"Trigger state per step (drift run): {', '.join(str(x) for x in d['states'])}."]  # fmt: skip
+    lines += [
+        "",
+        f"Compute saved (sidecar CPU seconds): {_f(s['compute_saved_cpu'], 3)}; (optimizer steps): "
+        f"{_f(s['compute_saved_steps'], 3)}. Acceptance lost (adapted, pooled over all steps): "
+        f"{_f(s['acceptance_lost'], 3)} tokens per round ({_f(s['acceptance_lost_second_half'], 3)} in the "
+        f"second half); the frozen draft's difference between the runs, {_f(s['frozen_difference'], 3)}, "
+        f"is the noise of two different rollout sets.",
+        "",
+        f"Trigger state per step (drift run): {', '.join(str(x) for x in d['states'])}.",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -100,12 +116,32 @@ def main() -> int:
     a = ap.parse_args()
     out = Path(a.out)
     overrides = a.overrides or ["rl.engine=vllm"]
-    drift_args = ["--draft", a.draft, "--steps", str(a.steps), "--oracle-at", "", "--overhead-reps", "0",
-                  "--no-results-md", *overrides]  # fmt: skip
+    drift_args = [
+        "--draft",
+        a.draft,
+        "--steps",
+        str(a.steps),
+        "--oracle-at",
+        "",
+        "--overhead-reps",
+        "0",
+        "--no-results-md",
+        *overrides,
+    ]
     if not a.skip_run:
         for mode in MODES:
-            subprocess.run([sys.executable, str(ROOT / "benchmarks" / "drift.py"), "--name", f"trigger_{mode}",
-                            *drift_args, f"sidecar.train_trigger={mode}"], check=True, cwd=ROOT)  # fmt: skip
+            subprocess.run(
+                [
+                    sys.executable,
+                    str(ROOT / "benchmarks" / "drift.py"),
+                    "--name",
+                    f"trigger_{mode}",
+                    *drift_args,
+                    f"sidecar.train_trigger={mode}",
+                ],
+                check=True,
+                cwd=ROOT,
+            )
     runs = {m: run_summary(json.loads((out / f"drift_trigger_{m}.json").read_text())) for m in MODES}
     al, dr = runs["always"], runs["drift"]
 
@@ -115,12 +151,21 @@ def main() -> int:
     def lost(key: str) -> float | None:
         return al[key] - dr[key] if al.get(key) is not None and dr.get(key) is not None else None
 
-    res = {"date": time.strftime("%Y-%m-%d"), "command": "python benchmarks/drift_trigger.py " + " ".join(sys.argv[1:]),
-           "drift_args": ["--name", "trigger_<mode>", *drift_args], "steps": a.steps, "draft": repo_relative(a.draft),
-           "runs": runs, "summary": {
-               "compute_saved_cpu": saved("sidecar_cpu_s"), "compute_saved_steps": saved("train_steps"),
-               "acceptance_lost": lost("adapted"), "acceptance_lost_second_half": lost("adapted_second_half"),
-               "frozen_difference": lost("frozen")}}  # fmt: skip
+    res = {
+        "date": time.strftime("%Y-%m-%d"),
+        "command": "python benchmarks/drift_trigger.py " + " ".join(sys.argv[1:]),
+        "drift_args": ["--name", "trigger_<mode>", *drift_args],
+        "steps": a.steps,
+        "draft": repo_relative(a.draft),
+        "runs": runs,
+        "summary": {
+            "compute_saved_cpu": saved("sidecar_cpu_s"),
+            "compute_saved_steps": saved("train_steps"),
+            "acceptance_lost": lost("adapted"),
+            "acceptance_lost_second_half": lost("adapted_second_half"),
+            "frozen_difference": lost("frozen"),
+        },
+    }
     (out / "drift_trigger.json").write_text(json.dumps(res, indent=1))
     replace_section(ROOT / "benchmarks" / "RESULTS.md", HEAD, render(res))
     print(render(res))

@@ -69,25 +69,42 @@ def render(result: dict[str, Any]) -> str:
         "(benchmarks/warmstart.py's model) per second over this CPU's measured bf16 matmul rate "
         f"({result['roofline_gflops_bf16']:.0f} GFLOP/s)."
     )
-    lines += ["", "| step | train s | positions trained | epochs | T=0 acceptance length | r1, r2, r3 |",
-              "|---:|---:|---:|---:|---:|---|"]
+    lines += [
+        "",
+        "| step | train s | positions trained | epochs | T=0 acceptance length | r1, r2, r3 |",
+        "|---:|---:|---:|---:|---:|---|",
+    ]
     for c in result["curve"]:
         pp = ", ".join(f"{x:.3f}" for x in c["per_position"])
-        lines.append(f"| {c['step']} | {c['train_seconds']:.0f} | {c['targets_seen']} | "
-                     f"{c['targets_seen'] / d['train_targets']:.1f} | {c['acceptance_length_T0']:.3f} | {pp} |")
+        lines.append(
+            f"| {c['step']} | {c['train_seconds']:.0f} | {c['targets_seen']} | "
+            f"{c['targets_seen'] / d['train_targets']:.1f} | {c['acceptance_length_T0']:.3f} | {pp} |"
+        )
     s = result.get("stats")
     if s:
-        lines += ["", f"Throughput over the run: {s['targets_per_s']:.0f} positions/s, {s['steps']} optimizer "
-                  f"steps, {s['train_gflops']:.0f} GFLOP/s = {s['train_gflops'] / result['roofline_gflops_bf16']:.2f} "
-                  "of the bf16 roofline."]
+        lines += [
+            "",
+            f"Throughput over the run: {s['targets_per_s']:.0f} positions/s, {s['steps']} optimizer "
+            f"steps, {s['train_gflops']:.0f} GFLOP/s = {s['train_gflops'] / result['roofline_gflops_bf16']:.2f} "
+            "of the bf16 roofline.",
+        ]
     if result.get("measured"):
-        lines += ["", f"Measured by vLLM's counters at k = {K} on {result['eval_prompts']} held-out prompts, ≤ "
-                  f"{result['eval_max_new']} new tokens (each cell **measured / estimated**; the published bf16 "
-                  "draft as vLLM's EAGLE-3 drafter):", "",
-                  "| draft | train s | T=0 greedy | T=1 greedy_draft | T=1 probabilistic |", "|---|---:|---:|---:|---:|"]
+        lines += [
+            "",
+            f"Measured by vLLM's counters at k = {K} on {result['eval_prompts']} held-out prompts, ≤ "
+            f"{result['eval_max_new']} new tokens (each cell **measured / estimated**; the published bf16 "
+            "draft as vLLM's EAGLE-3 drafter):",
+            "",
+            "| draft | train s | T=0 greedy | T=1 greedy_draft | T=1 probabilistic |",
+            "|---|---:|---:|---:|---:|",
+        ]
         for m in result["measured"]:
-            cells = ["— (vLLM failed)" if "error" in r else
-                     f"{r['acceptance_length_measured']:.3f} / {r['acceptance_length_est']:.3f}" for r in m["eval"]]
+            cells = [
+                "— (vLLM failed)"
+                if "error" in r
+                else f"{r['acceptance_length_measured']:.3f} / {r['acceptance_length_est']:.3f}"
+                for r in m["eval"]
+            ]
             lines.append(f"| `{m['draft']}` | {m['train_seconds']:.0f} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -97,7 +114,9 @@ def main() -> int:
     add_common_args(ap)
     ap.set_defaults(budget_s=3600.0)
     ap.add_argument("--eval-every-s", type=float, default=600.0)
-    ap.add_argument("--measure-at-s", type=float, default=1200.0, help="also publish and measure the draft here")
+    ap.add_argument(
+        "--measure-at-s", type=float, default=1200.0, help="also publish and measure the draft here"
+    )
     ap.add_argument("--curve-prompts", type=int, default=64)
     ap.add_argument("--name", default="", help="a variant's name: its own JSON and RESULTS.md section")
     args = ap.parse_args()
@@ -110,8 +129,14 @@ def main() -> int:
 
     set_cpu_env()  # before vLLM is imported: the in-process engine, a small KV cache, no OpenMP pinning
     ov, recipe, result = setup(args, "learning_curve.py")
-    result.update(name=args.name, eval_every_s=args.eval_every_s, curve_prompts=args.curve_prompts, loss=str(recipe.train.loss),
-                  curve=[], measured=[])  # fmt: skip
+    result.update(
+        name=args.name,
+        eval_every_s=args.eval_every_s,
+        curve_prompts=args.curve_prompts,
+        loss=str(recipe.train.loss),
+        curve=[],
+        measured=[],
+    )
     result["roofline_gflops_bf16"] = matmul_roofline(torch.bfloat16)
     out = Path(args.out) / f"learning_curve{'_' + args.name if args.name else ''}.json"
     t0 = time.time()
@@ -129,10 +154,14 @@ def main() -> int:
 
     def publish(trainer: Any) -> None:
         path = publish_version(
-            rc.run_dir, trainer.draft, target_config=prep.target.config, target_name=prep.target_name,
-            tokenizer_fingerprint=tokenizer_fingerprint(prep.tokenizer), metrics=train_stats(trainer),
+            rc.run_dir,
+            trainer.draft,
+            target_config=prep.target.config,
+            target_name=prep.target_name,
+            tokenizer_fingerprint=tokenizer_fingerprint(prep.tokenizer),
+            metrics=train_stats(trainer),
             policy_version=0,
-        ).path  # fmt: skip
+        ).path
         snapshots.append((path, trainer.progress.seconds))
 
     def point(trainer: Any) -> None:
@@ -140,11 +169,22 @@ def main() -> int:
         with torch.no_grad():
             r = estimate(prep.target, trainer.draft, curve_seqs, k=K, mode="greedy", temperature=0.0)
         pr = trainer.progress
-        result["curve"].append({"step": pr.step, "train_seconds": pr.seconds, "targets_seen": pr.targets_seen,
-                                "acceptance_length_T0": r["acceptance_length_est"],
-                                "per_position": r["per_position_est"]})  # fmt: skip
-        log.info("step %d, %.0f s, %d positions: T=0 acceptance length %.3f", pr.step, pr.seconds, pr.targets_seen,
-                 r["acceptance_length_est"])
+        result["curve"].append(
+            {
+                "step": pr.step,
+                "train_seconds": pr.seconds,
+                "targets_seen": pr.targets_seen,
+                "acceptance_length_T0": r["acceptance_length_est"],
+                "per_position": r["per_position_est"],
+            }
+        )
+        log.info(
+            "step %d, %.0f s, %d positions: T=0 acceptance length %.3f",
+            pr.step,
+            pr.seconds,
+            pr.targets_seen,
+            r["acceptance_length_est"],
+        )
         out.write_text(json.dumps(result, indent=2))
         trainer.draft.train()
 

@@ -59,8 +59,10 @@ def parse_arm(spec: str) -> dict[str, Any]:
     spec) for a malformed spec or a combination the recipe would refuse."""
     m = _SPEC.fullmatch(spec.strip())
     if m is None:
-        raise ValueError(f"arm {spec!r}: expected LOSS[@ACCEPT_MODE][+ceWEIGHT], e.g. tv, "
-                         f"expected_length@greedy_draft, tv+ce0.1")  # fmt: skip
+        raise ValueError(
+            f"arm {spec!r}: expected LOSS[@ACCEPT_MODE][+ceWEIGHT], e.g. tv, "
+            f"expected_length@greedy_draft, tv+ce0.1"
+        )
     loss, mode, w = m["loss"], m["mode"], float(m["w"]) if m["w"] else 0.0
     try:
         check_loss(loss, mode, w, 1.0)
@@ -81,8 +83,12 @@ def parse_arms(specs: str) -> list[dict[str, Any]]:
 def arm_overrides(arm: dict[str, Any], run: str) -> list[str]:
     """The recipe overrides of one arm: its own run folder, the objective, every step's metrics kept."""
     slug = re.sub(r"[^A-Za-z0-9_]+", "-", arm["name"]).strip("-")
-    ov = [f"run={run}-obj-{slug}", f"train.loss={arm['loss']}", f"train.soft_ce_weight={arm['soft_ce_weight']}",
-          "logging.log_every=1"]  # fmt: skip
+    ov = [
+        f"run={run}-obj-{slug}",
+        f"train.loss={arm['loss']}",
+        f"train.soft_ce_weight={arm['soft_ce_weight']}",
+        "logging.log_every=1",
+    ]
     return ov + ([f"train.accept_mode={arm['accept_mode']}"] if arm["accept_mode"] else [])
 
 
@@ -115,12 +121,15 @@ def render(result: dict) -> str:
         "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|",
     ]
     for a in result["arms"]:
-        final = " / ".join(f"{a['final_metrics'].get(m, float('nan')):.3f}" for m in ("loss", "ce_0", "acc_0"))
+        final = " / ".join(
+            f"{a['final_metrics'].get(m, float('nan')):.3f}" for m in ("loss", "ce_0", "acc_0")
+        )
         prompts = sorted({r["num_prompts"] for r in a["eval"] if "num_prompts" in r})
         lines.append(
             f"| `{a['name']}` | {a['steps']} | {a['targets_seen']} | {a['targets_per_s']:.0f} | "
             f"{a['train_gflops'] / result['roofline_gflops_bf16']:.2f} | {final} | "
-            + " | ".join(_cell(r) for r in a["eval"]) + f" | {', '.join(map(str, prompts)) or '—'} |"
+            + " | ".join(_cell(r) for r in a["eval"])
+            + f" | {', '.join(map(str, prompts)) or '—'} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -143,7 +152,9 @@ def main() -> int:
     ov, recipe, result = setup(args, "objectives.py")
     from benchmarks.warmstart import matmul_roofline
 
-    result["roofline_gflops_bf16"] = matmul_roofline(torch.bfloat16)  # measured here, as benchmarks/warmstart.py
+    result["roofline_gflops_bf16"] = matmul_roofline(
+        torch.bfloat16
+    )  # measured here, as benchmarks/warmstart.py
     out = Path(args.out) / "objectives.json"
     t0 = time.time()
     prep = prepare_shared(recipe, result)
@@ -153,15 +164,33 @@ def main() -> int:
         rc, draft, trainer = train_arm(args, ov, prep, arm_overrides(arm, recipe.run), sink)
         stats = train_stats(trainer)
         draft_dir = publish_version(
-            rc.run_dir, draft, target_config=prep.target.config, target_name=prep.target_name,
-            tokenizer_fingerprint=tokenizer_fingerprint(prep.tokenizer), metrics=stats, policy_version=0,
-        ).path  # fmt: skip
+            rc.run_dir,
+            draft,
+            target_config=prep.target.config,
+            target_name=prep.target_name,
+            tokenizer_fingerprint=tokenizer_fingerprint(prep.tokenizer),
+            metrics=stats,
+            policy_version=0,
+        ).path
         t_eval = time.time()
         rows = measure(prep, draft_dir, prompts, str(recipe.target.dtype), args.eval_max_new)
-        result["arms"].append({**arm, **stats, "final_metrics": sink.metrics, "draft": repo_relative(draft_dir),
-                               "eval_seconds": time.time() - t_eval, "eval": rows})  # fmt: skip
-        log.info("arm %s: %d steps, %.0f positions/s; %s", arm["name"], stats["steps"], stats["targets_per_s"],
-                 ", ".join(f"{r['verify_mode']} T={r['temperature']:g} {_cell(r)}" for r in rows))
+        result["arms"].append(
+            {
+                **arm,
+                **stats,
+                "final_metrics": sink.metrics,
+                "draft": repo_relative(draft_dir),
+                "eval_seconds": time.time() - t_eval,
+                "eval": rows,
+            }
+        )
+        log.info(
+            "arm %s: %d steps, %.0f positions/s; %s",
+            arm["name"],
+            stats["steps"],
+            stats["targets_per_s"],
+            ", ".join(f"{r['verify_mode']} T={r['temperature']:g} {_cell(r)}" for r in rows),
+        )
         out.write_text(json.dumps(result, indent=2))
     return finish(args, result, out, HEAD, render, t0)
 

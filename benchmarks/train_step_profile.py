@@ -34,19 +34,83 @@ from benchmarks.results_md import replace_section  # noqa: E402
 HEAD = "## Train-step profile (benchmarks/train_step_profile.py)"
 # operator name → group; the first matching prefix wins (aten names, as torch.profiler reports them)
 GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "aten::baddbmm",
-                "aten::_mkl", "mkldnn", "aten::mkldnn")),
-    ("attention", ("aten::_scaled_dot_product", "aten::scaled_dot_product", "aten::_flash", "aten::_efficient")),
-    ("softmax / log-sum-exp", ("aten::logsumexp", "aten::_log_softmax", "aten::_softmax", "aten::softmax",
-                               "aten::log_softmax", "aten::exp", "aten::max", "aten::amax")),
+    (
+        "matmul",
+        (
+            "aten::mm",
+            "aten::addmm",
+            "aten::bmm",
+            "aten::matmul",
+            "aten::linear",
+            "aten::baddbmm",
+            "aten::_mkl",
+            "mkldnn",
+            "aten::mkldnn",
+        ),
+    ),
+    (
+        "attention",
+        ("aten::_scaled_dot_product", "aten::scaled_dot_product", "aten::_flash", "aten::_efficient"),
+    ),
+    (
+        "softmax / log-sum-exp",
+        (
+            "aten::logsumexp",
+            "aten::_log_softmax",
+            "aten::_softmax",
+            "aten::softmax",
+            "aten::log_softmax",
+            "aten::exp",
+            "aten::max",
+            "aten::amax",
+        ),
+    ),
     ("optimizer", ("Optimizer.", "aten::_foreach", "aten::_fused_adam")),
-    ("copies & casts", ("aten::copy_", "aten::to", "aten::_to_copy", "aten::clone", "aten::contiguous",
-                        "aten::cat", "aten::stack", "aten::index", "aten::gather", "aten::scatter",
-                        "aten::index_select", "aten::embedding")),
-    ("elementwise", ("aten::mul", "aten::add", "aten::sub", "aten::div", "aten::rsqrt", "aten::pow", "aten::neg",
-                     "aten::silu", "aten::sigmoid", "aten::where", "aten::sum", "aten::mean", "aten::fill_",
-                     "aten::zero_", "aten::zeros", "aten::sqrt", "aten::clamp", "aten::ne", "aten::eq",
-                     "aten::lt", "aten::ge", "aten::masked_fill", "aten::threshold")),
+    (
+        "copies & casts",
+        (
+            "aten::copy_",
+            "aten::to",
+            "aten::_to_copy",
+            "aten::clone",
+            "aten::contiguous",
+            "aten::cat",
+            "aten::stack",
+            "aten::index",
+            "aten::gather",
+            "aten::scatter",
+            "aten::index_select",
+            "aten::embedding",
+        ),
+    ),
+    (
+        "elementwise",
+        (
+            "aten::mul",
+            "aten::add",
+            "aten::sub",
+            "aten::div",
+            "aten::rsqrt",
+            "aten::pow",
+            "aten::neg",
+            "aten::silu",
+            "aten::sigmoid",
+            "aten::where",
+            "aten::sum",
+            "aten::mean",
+            "aten::fill_",
+            "aten::zero_",
+            "aten::zeros",
+            "aten::sqrt",
+            "aten::clamp",
+            "aten::ne",
+            "aten::eq",
+            "aten::lt",
+            "aten::ge",
+            "aten::masked_fill",
+            "aten::threshold",
+        ),
+    ),
 )
 
 
@@ -59,7 +123,9 @@ def group_of(name: str) -> str:
     return "other"
 
 
-def build(batch_tokens: int, seq_len: int, steps: int, autocast: bool | None, loss: str) -> tuple[Any, Any, Any]:
+def build(
+    batch_tokens: int, seq_len: int, steps: int, autocast: bool | None, loss: str
+) -> tuple[Any, Any, Any]:
     """The trainer, one collated batch and the draft's config."""
     from torch import nn
 
@@ -85,11 +151,22 @@ def build(batch_tokens: int, seq_len: int, steps: int, autocast: bool | None, lo
     for _ in range(max(1, batch_tokens // seq_len)):
         ids = torch.randint(0, cfg.vocab_size, (seq_len,), generator=g)
         mask = torch.arange(seq_len) >= seq_len // 4
-        recs.append(Record(ids, mask, torch.randn(seq_len, cfg.fc_in_features, generator=g).to(dtype),
-                           torch.randn(seq_len, cfg.target_hidden_size, generator=g).to(dtype)))
+        recs.append(
+            Record(
+                ids,
+                mask,
+                torch.randn(seq_len, cfg.fc_in_features, generator=g).to(dtype),
+                torch.randn(seq_len, cfg.target_hidden_size, generator=g).to(dtype),
+            )
+        )
     batch = collate(recs, steps)
-    trainer = DraftTrainer(draft, embed, rows, OptimSettings(lr=1e-4, warmup_steps=1, total_steps=1000),
-                           LossSettings(ttt_steps=steps, autocast_bf16=autocast, kind=loss))  # fmt: skip
+    trainer = DraftTrainer(
+        draft,
+        embed,
+        rows,
+        OptimSettings(lr=1e-4, warmup_steps=1, total_steps=1000),
+        LossSettings(ttt_steps=steps, autocast_bf16=autocast, kind=loss),
+    )
     return trainer, batch, cfg
 
 
@@ -111,27 +188,49 @@ def profile_groups(prof: Any) -> tuple[dict[str, float], list[tuple[str, int, fl
 
 def render(r: dict[str, Any]) -> str:
     v = r["variants"]
-    lines = [HEAD, "", f"Command: `{r['command']}` (one run; {r['date']}; 2-core CPU).", "",
-             f"{r['records']} records × {r['seq_len']} tokens ({r['targets']} chain starts), TTT K = {r['ttt_steps']}, "
-             f"loss `{r['loss']}`, bf16 autocast {r['autocast_bf16']}, {r['threads']} threads; matmul FLOPs per step "
-             f"(benchmarks/warmstart.train_step_flops) {r['step_gflop']:.1f} GFLOP; measured bf16 matmul rate "
-             f"{r['roofline_bf16']:.0f} GFLOP/s (fp32 {r['roofline_fp32']:.0f}). The soft-CE head two ways, steps "
-             "alternated in one process: `checkpointed` (autograd through row blocks of logits, each recomputed in "
-             "backward) and `fused` (train/fused_lse.py: one pass per block, gradient formed in the forward pass).",
-             "", "| variant | step s (median) | positions/s | GFLOP/s | of bf16 roofline | matmul ms | other ms |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        HEAD,
+        "",
+        f"Command: `{r['command']}` (one run; {r['date']}; 2-core CPU).",
+        "",
+        f"{r['records']} records × {r['seq_len']} tokens ({r['targets']} chain starts), TTT K = {r['ttt_steps']}, "
+        f"loss `{r['loss']}`, bf16 autocast {r['autocast_bf16']}, {r['threads']} threads; matmul FLOPs per step "
+        f"(benchmarks/warmstart.train_step_flops) {r['step_gflop']:.1f} GFLOP; measured bf16 matmul rate "
+        f"{r['roofline_bf16']:.0f} GFLOP/s (fp32 {r['roofline_fp32']:.0f}). The soft-CE head two ways, steps "
+        "alternated in one process: `checkpointed` (autograd through row blocks of logits, each recomputed in "
+        "backward) and `fused` (train/fused_lse.py: one pass per block, gradient formed in the forward pass).",
+        "",
+        "| variant | step s (median) | positions/s | GFLOP/s | of bf16 roofline | matmul ms | other ms |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for name in VARIANTS:
         x = v[name]
         mm = x["groups_ms"].get("matmul", 0.0)
-        lines.append(f"| {name} | {x['step_s_median']:.3f} | {x['targets_per_s']:.0f} | {x['gflops']:.0f} | "
-                     f"**{x['roofline_fraction']:.2f}** | {mm:.0f} | {sum(x['groups_ms'].values()) - mm:.0f} |")
-    lines += ["", f"fused / checkpointed step time: **{r['fused_over_checkpointed']:.3f}×** (median of "
-              f"{r['reps']} alternated steps each; matmul and other: self CPU ms of one profiled step).", "",
-              "Self CPU ms of one profiled step by operator group:", "",
-              "| group | " + " | ".join(VARIANTS) + " |", "|---|" + "---:|" * len(VARIANTS)]
+        lines.append(
+            f"| {name} | {x['step_s_median']:.3f} | {x['targets_per_s']:.0f} | {x['gflops']:.0f} | "
+            f"**{x['roofline_fraction']:.2f}** | {mm:.0f} | {sum(x['groups_ms'].values()) - mm:.0f} |"
+        )
+    lines += [
+        "",
+        f"fused / checkpointed step time: **{r['fused_over_checkpointed']:.3f}×** (median of "
+        f"{r['reps']} alternated steps each; matmul and other: self CPU ms of one profiled step).",
+        "",
+        "Self CPU ms of one profiled step by operator group:",
+        "",
+        "| group | " + " | ".join(VARIANTS) + " |",
+        "|---|" + "---:|" * len(VARIANTS),
+    ]
     for g in sorted(v["fused"]["groups_ms"], key=lambda k: -v["checkpointed"]["groups_ms"].get(k, 0.0)):
-        lines.append(f"| {g} | " + " | ".join(f"{v[n]['groups_ms'].get(g, 0.0):.0f}" for n in VARIANTS) + " |")
-    lines += ["", "Top operators of the fused step (self CPU ms):", "", "| operator | calls | ms |", "|---|---:|---:|"]
+        lines.append(
+            f"| {g} | " + " | ".join(f"{v[n]['groups_ms'].get(g, 0.0):.0f}" for n in VARIANTS) + " |"
+        )
+    lines += [
+        "",
+        "Top operators of the fused step (self CPU ms):",
+        "",
+        "| operator | calls | ms |",
+        "|---|---:|---:|",
+    ]
     for name, calls, ms in v["fused"]["top_ops"]:
         lines.append(f"| `{name}` | {calls} | {ms:.0f} |")
     return "\n".join(lines) + "\n"
@@ -153,8 +252,10 @@ def main() -> int:
     from draft_align.train import losses
 
     torch.set_num_threads(a.threads)
-    built = {name: build(a.batch_tokens, a.seq_len, a.steps, False if a.no_autocast else None, a.loss)
-             for name in VARIANTS}  # fmt: skip
+    built = {
+        name: build(a.batch_tokens, a.seq_len, a.steps, False if a.no_autocast else None, a.loss)
+        for name in VARIANTS
+    }
     trainer, batch, cfg = built["fused"]
     targets = int(batch.starts_valid.sum())  # chain starts: what the trainer counts as positions trained
     flops = train_step_flops(cfg, targets, int(batch.valid.sum()), a.steps)
@@ -180,18 +281,34 @@ def main() -> int:
             step(name)
         groups, ops = profile_groups(prof)
         med = statistics.median(times[name])
-        variants[name] = {"step_s": times[name], "step_s_median": med, "targets_per_s": targets / med,
-                          "gflops": flops / med / 1e9, "roofline_fraction": flops / med / 1e9 / roof16,
-                          "groups_ms": groups, "top_ops": ops[:15]}  # fmt: skip
+        variants[name] = {
+            "step_s": times[name],
+            "step_s_median": med,
+            "targets_per_s": targets / med,
+            "gflops": flops / med / 1e9,
+            "roofline_fraction": flops / med / 1e9 / roof16,
+            "groups_ms": groups,
+            "top_ops": ops[:15],
+        }
     losses.FUSED_SOFT_CE = True
     r = {
         "command": " ".join(["python benchmarks/train_step_profile.py", *sys.argv[1:]]),
-        "date": time.strftime("%Y-%m-%d"), "records": batch.input_ids.shape[0], "seq_len": a.seq_len,
-        "targets": targets, "ttt_steps": a.steps, "loss": a.loss, "threads": a.threads,
-        "autocast_bf16": trainer.autocast_bf16, "reps": a.reps, "step_gflop": flops / 1e9,
-        "roofline_bf16": roof16, "roofline_fp32": roof32, "variants": variants,
-        "fused_over_checkpointed": variants["fused"]["step_s_median"] / variants["checkpointed"]["step_s_median"],
-    }  # fmt: skip
+        "date": time.strftime("%Y-%m-%d"),
+        "records": batch.input_ids.shape[0],
+        "seq_len": a.seq_len,
+        "targets": targets,
+        "ttt_steps": a.steps,
+        "loss": a.loss,
+        "threads": a.threads,
+        "autocast_bf16": trainer.autocast_bf16,
+        "reps": a.reps,
+        "step_gflop": flops / 1e9,
+        "roofline_bf16": roof16,
+        "roofline_fp32": roof32,
+        "variants": variants,
+        "fused_over_checkpointed": variants["fused"]["step_s_median"]
+        / variants["checkpointed"]["step_s_median"],
+    }
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "train_step_profile.json").write_text(json.dumps(r, indent=2))
     text = render(r)

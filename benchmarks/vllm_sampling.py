@@ -31,8 +31,10 @@ def check(llm, target, prompts: list[list[int]], reps: int, max_tokens: int) -> 
     lp_sum = neg_h_sum = 0.0
     n = 0
     for rep in range(reps):
-        params = [vllm.SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=1000 * rep + i)
-                  for i in range(len(prompts))]  # fmt: skip
+        params = [
+            vllm.SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=1000 * rep + i)
+            for i in range(len(prompts))
+        ]
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         with torch.no_grad():
             for p, o in zip(prompts, outs, strict=True):
@@ -66,7 +68,9 @@ def main() -> int:
     llm = start_engine(TARGET, args.draft, k=3, max_model_len=1024, enforce_eager=True)
     result["eagle3"] = check(llm, target, prompts, args.reps, args.max_tokens)
     _shutdown(llm)
-    llm = vllm.LLM(model=assets.resolve_model(TARGET), dtype="bfloat16", max_model_len=1024, enforce_eager=True)
+    llm = vllm.LLM(
+        model=assets.resolve_model(TARGET), dtype="bfloat16", max_model_len=1024, enforce_eager=True
+    )
     result["no_draft"] = check(llm, target, prompts, args.reps, args.max_tokens)
     _shutdown(llm)
     Path(args.out).mkdir(parents=True, exist_ok=True)

@@ -97,8 +97,10 @@ def render(result: dict) -> str:
             f"argmax rate {v['vocab_oov_argmax_rate']:.4f} (held-out greedy responses, {v['vocab_eval_tokens']} positions).",
             "",
         ]
-    lines += ["| draft | steps | train s | positions | positions/s | token-steps/s | GFLOP/s | of bf16 roofline |",
-              "|---|---|---|---|---|---|---|---|"]
+    lines += [
+        "| draft | steps | train s | positions | positions/s | token-steps/s | GFLOP/s | of bf16 roofline |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for tag in ("ttt", "k1"):
         if tag in result:
             r = result[tag]
@@ -107,10 +109,14 @@ def render(result: dict) -> str:
                 f"{r['targets_per_s']:.0f} | {r['token_steps_per_s']:.0f} | {r['train_gflops']:.0f} | "
                 f"{r['roofline_fraction_bf16']:.2f} |"
             )
-    lines += ["", "Mean acceptance length at k=3 on held-out prompts (est = engine replay estimate; all-starts = "
-              "per-start average; measured = reference speculative decoder):", "",
-              "| draft | mode | T | est | all-starts | measured | est/measured | r1..r3 measured | prompts |",
-              "|---|---|---|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "Mean acceptance length at k=3 on held-out prompts (est = engine replay estimate; all-starts = "
+        "per-start average; measured = reference speculative decoder):",
+        "",
+        "| draft | mode | T | est | all-starts | measured | est/measured | r1..r3 measured | prompts |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for tag in ("ttt", "k1"):
         for r in result.get(f"eval_{tag}", []):
             est, meas = r["acceptance_length_est"], r["acceptance_length_measured"]
@@ -122,17 +128,24 @@ def render(result: dict) -> str:
             )
     for tag in ("ttt", "k1"):
         if tag in result and result[tag]["curve"]:
-            lines += ["", f"Learning curve ({tag}): T=0 mean acceptance length at k=3 (engine replay on the target's "
-                      "greedy held-out continuations; exact at T=0) vs training positions:", "",
-                      "| step | train s | positions | acceptance length | r1, r2, r3 |", "|---|---|---|---|---|"]
+            lines += [
+                "",
+                f"Learning curve ({tag}): T=0 mean acceptance length at k=3 (engine replay on the target's "
+                "greedy held-out continuations; exact at T=0) vs training positions:",
+                "",
+                "| step | train s | positions | acceptance length | r1, r2, r3 |",
+                "|---|---|---|---|---|",
+            ]
             seen = set()
             for c in result[tag]["curve"]:
                 if c["step"] in seen:  # the final point can repeat the last periodic one
                     continue
                 seen.add(c["step"])
                 pp = ", ".join(f"{x:.3f}" for x in c["per_position"])
-                lines.append(f"| {c['step']} | {c['train_seconds']:.0f} | {c['targets_seen']} | "
-                             f"{c['acceptance_length_T0']:.3f} | {pp} |")
+                lines.append(
+                    f"| {c['step']} | {c['train_seconds']:.0f} | {c['targets_seen']} | "
+                    f"{c['acceptance_length_T0']:.3f} | {pp} |"
+                )
     return "\n".join(lines) + "\n"
 
 
@@ -179,8 +192,16 @@ def main() -> int:
     eos = eos_ids(prep.target, prep.tokenizer)
     pad = prep.tokenizer.pad_token_id if prep.tokenizer.pad_token_id is not None else min(eos)
     t = time.time()
-    greedy = generate_responses(prep.target, prompts, max_new_tokens=args.eval_max_new, temperature=0.0,
-                                eos_ids=eos, pad_id=pad, batch_size=32, seed=0)
+    greedy = generate_responses(
+        prep.target,
+        prompts,
+        max_new_tokens=args.eval_max_new,
+        temperature=0.0,
+        eos_ids=eos,
+        pad_id=pad,
+        batch_size=32,
+        seed=0,
+    )
     curve_seqs = list(zip(prompts, greedy, strict=True))
     log.info("held-out greedy continuations: %.0f s", time.time() - t)
 
@@ -189,10 +210,23 @@ def main() -> int:
         with torch.no_grad():
             r = estimate(prep.target, trainer.draft, curve_seqs, k=3, mode="greedy", temperature=0.0)
         pr = trainer.progress
-        curve.append({"step": pr.step, "train_seconds": pr.seconds, "targets_seen": pr.targets_seen,
-                      "acceptance_length_T0": r["acceptance_length_est"], "per_position": r["per_position_est"]})
-        log.info("[%s] step %d, %.0f s, %d positions: T=0 acceptance length %.3f", tag, pr.step, pr.seconds,
-                 pr.targets_seen, r["acceptance_length_est"])
+        curve.append(
+            {
+                "step": pr.step,
+                "train_seconds": pr.seconds,
+                "targets_seen": pr.targets_seen,
+                "acceptance_length_T0": r["acceptance_length_est"],
+                "per_position": r["per_position_est"],
+            }
+        )
+        log.info(
+            "[%s] step %d, %.0f s, %d positions: T=0 acceptance length %.3f",
+            tag,
+            pr.step,
+            pr.seconds,
+            pr.targets_seen,
+            r["acceptance_length_est"],
+        )
         trainer.draft.train()
 
     def run_one(tag: str, overrides: list[str]) -> tuple:
@@ -215,9 +249,13 @@ def main() -> int:
         pr = trainer.progress
         flops = train_step_flops(draft.cfg, pr.targets_seen, pr.tokens_seen, rc.train.ttt_steps)
         stats = {
-            "ttt_steps": rc.train.ttt_steps, "steps": pr.step, "train_seconds": pr.seconds,
-            "tokens_seen": pr.tokens_seen, "targets_seen": pr.targets_seen,
-            "tokens_per_s": pr.tokens_seen / pr.seconds, "targets_per_s": pr.targets_seen / pr.seconds,
+            "ttt_steps": rc.train.ttt_steps,
+            "steps": pr.step,
+            "train_seconds": pr.seconds,
+            "tokens_seen": pr.tokens_seen,
+            "targets_seen": pr.targets_seen,
+            "tokens_per_s": pr.tokens_seen / pr.seconds,
+            "targets_per_s": pr.targets_seen / pr.seconds,
             "token_steps_per_s": pr.targets_seen * rc.train.ttt_steps / pr.seconds,
             "train_gflops": flops / pr.seconds / 1e9,
             "roofline_fraction_bf16": flops / pr.seconds / 1e9 / roof_bf16,
@@ -231,8 +269,9 @@ def main() -> int:
     (out / "warmstart.json").write_text(json.dumps(result, indent=2))
     drafts = {"ttt": draft_ttt}
     if not args.skip_k1:
-        draft_k1, st_k1 = run_one("k1", ["train.ttt_steps=1", f"train.max_steps={st_ttt['steps']}",
-                                          "train.time_budget_s=null"])
+        draft_k1, st_k1 = run_one(
+            "k1", ["train.ttt_steps=1", f"train.max_steps={st_ttt['steps']}", "train.time_budget_s=null"]
+        )
         result["k1"] = st_k1
         drafts["k1"] = draft_k1
         (out / "warmstart.json").write_text(json.dumps(result, indent=2))
@@ -242,11 +281,27 @@ def main() -> int:
         rows = []
         for mode, temp in (("greedy", 0.0), ("greedy_draft", 1.0), ("probabilistic", 1.0)):
             ps = prompts if temp == 0 else prompts[: args.eval_prompts_t1]
-            r = evaluate(prep.target, prep.tokenizer, d, ps, k=3, mode=mode, temperature=temp,
-                         max_new_tokens=args.eval_max_new, seed=0)
+            r = evaluate(
+                prep.target,
+                prep.tokenizer,
+                d,
+                ps,
+                k=3,
+                mode=mode,
+                temperature=temp,
+                max_new_tokens=args.eval_max_new,
+                seed=0,
+            )
             rows.append(r)
-            log.info("[%s] %s T=%g: est %.3f, all-starts %.3f, measured %.3f", tag, mode, temp,
-                     r["acceptance_length_est"], r["acceptance_length_all_starts"], r["acceptance_length_measured"])
+            log.info(
+                "[%s] %s T=%g: est %.3f, all-starts %.3f, measured %.3f",
+                tag,
+                mode,
+                temp,
+                r["acceptance_length_est"],
+                r["acceptance_length_all_starts"],
+                r["acceptance_length_measured"],
+            )
             result[f"eval_{tag}"] = rows
             (out / "warmstart.json").write_text(json.dumps(result, indent=2))
             write_results(result, ROOT / "benchmarks/RESULTS.md")

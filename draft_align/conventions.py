@@ -35,8 +35,11 @@ ROLLOUT_VERIFY_MODES: tuple[str, ...] = (AUTO_VERIFY_MODE, *VERIFY_MODES)
 LossKind = Literal["soft", "hard", "tv", "greedy_surrogate", "expected_length"]
 LOSS_KINDS: tuple[str, ...] = get_args(LossKind)
 #: the objectives on acceptance α, and the verify mode each scores by default
-ACCEPTANCE_LOSSES: dict[str, str] = {"tv": "probabilistic", "greedy_surrogate": "greedy_draft",
-                                     "expected_length": "probabilistic"}
+ACCEPTANCE_LOSSES: dict[str, str] = {
+    "tv": "probabilistic",
+    "greedy_surrogate": "greedy_draft",
+    "expected_length": "probabilistic",
+}
 #: every objective but ``hard`` needs the target's distribution p (its final hidden state and head rows), not
 #: only the tokens it produced
 DISTRIBUTION_LOSSES: tuple[str, ...] = tuple(k for k in LOSS_KINDS if k != "hard")
@@ -52,16 +55,22 @@ def objective_mode(loss: str, accept_mode: str | None) -> str | None:
         raise ValueError(f"accept_mode {accept_mode!r} unknown; expected one of {' | '.join(VERIFY_MODES)}")
     if loss not in ACCEPTANCE_LOSSES:
         if accept_mode is not None:
-            raise ValueError(f"accept_mode={accept_mode} is for the acceptance objectives "
-                             f"({' | '.join(ACCEPTANCE_LOSSES)}), not loss={loss}")
+            raise ValueError(
+                f"accept_mode={accept_mode} is for the acceptance objectives "
+                f"({' | '.join(ACCEPTANCE_LOSSES)}), not loss={loss}"
+            )
         return None
     mode = accept_mode or ACCEPTANCE_LOSSES[loss]
     if loss == "tv" and mode != "probabilistic":
-        raise ValueError(f"accept_mode={mode}: loss=tv is probabilistic verification's α = 1 − TV; use "
-                         f"loss=greedy_surrogate or loss=expected_length for {mode}")
+        raise ValueError(
+            f"accept_mode={mode}: loss=tv is probabilistic verification's α = 1 − TV; use "
+            f"loss=greedy_surrogate or loss=expected_length for {mode}"
+        )
     if loss == "greedy_surrogate" and mode == "probabilistic":
-        raise ValueError("accept_mode=probabilistic: loss=greedy_surrogate smooths greedy verification (greedy | "
-                         "greedy_draft); probabilistic verification's α is loss=tv")
+        raise ValueError(
+            "accept_mode=probabilistic: loss=greedy_surrogate smooths greedy verification (greedy | "
+            "greedy_draft); probabilistic verification's α is loss=tv"
+        )
     return mode
 
 
@@ -72,8 +81,10 @@ def check_loss(loss: str, accept_mode: str | None, soft_ce_weight: float, surrog
     if not soft_ce_weight >= 0:
         raise ValueError(f"soft_ce_weight must be ≥ 0, got {soft_ce_weight}")
     if soft_ce_weight > 0 and loss not in ACCEPTANCE_LOSSES:
-        raise ValueError(f"soft_ce_weight={soft_ce_weight} mixes soft CE into an acceptance objective "
-                         f"({' | '.join(ACCEPTANCE_LOSSES)}), not into loss={loss}")
+        raise ValueError(
+            f"soft_ce_weight={soft_ce_weight} mixes soft CE into an acceptance objective "
+            f"({' | '.join(ACCEPTANCE_LOSSES)}), not into loss={loss}"
+        )
     if not surrogate_tau > 0:
         raise ValueError(f"surrogate_tau must be > 0, got {surrogate_tau}")
 
@@ -126,6 +137,9 @@ def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
 def check_tap_budgets(tokens_per_step: int, max_tokens_per_message: int) -> None:
     """The rule on a tap's budgets (the Tap's constructor and the recipe's ``tap`` section both apply it): each
     must hold one :data:`MIN_TAP_SEQUENCE_TOKENS`-token sequence.  ValueError names the bound."""
-    for name, value in (("max_tokens_per_message", max_tokens_per_message), ("tokens_per_step", tokens_per_step)):
+    for name, value in (
+        ("max_tokens_per_message", max_tokens_per_message),
+        ("tokens_per_step", tokens_per_step),
+    ):
         if int(value) < MIN_TAP_SEQUENCE_TOKENS:
             raise ValueError(f"{name} must be ≥ {MIN_TAP_SEQUENCE_TOKENS}, got {value}")

@@ -31,7 +31,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-
 def ensure_start_draft(recipe: CotrainRecipe, start: str | None) -> Path:
     """The starting draft's folder; runs the warm-start recipe first when nothing is published."""
     from draft_align.sidecar.launch import SidecarError, starting_draft
@@ -64,7 +63,12 @@ def write_resolved(recipe: CotrainRecipe) -> Path:
 
 
 def build_job(
-    recipe: CotrainRecipe, start: Path, sink: Any, tap_sink: Any, *, notifications: Notifications | None = None
+    recipe: CotrainRecipe,
+    start: Path,
+    sink: Any,
+    tap_sink: Any,
+    *,
+    notifications: Notifications | None = None,
 ) -> Any:
     """The GRPO job of ``recipe`` with its Tap offering to ``tap_sink`` and step reports to ``sink``;
     ``notifications``: the sidecar's DraftPublished subscriber (None: the job polls ``latest``)."""
@@ -85,9 +89,16 @@ def build_job(
     tap = None
     if recipe.tap.enabled:
         tap = HFPolicyTap(
-            policy.hf_model, read_tap_spec(start).aux_layer_ids, tap_sink, run_id=recipe.run,
-            tokens_per_step=recipe.tap.tokens_per_step, max_tokens_per_message=recipe.tap.max_tokens_per_message,
-            send_final=recipe.tap.send_final, topk=recipe.tap.topk, rank=0, seed=recipe.seed,
+            policy.hf_model,
+            read_tap_spec(start).aux_layer_ids,
+            tap_sink,
+            run_id=recipe.run,
+            tokens_per_step=recipe.tap.tokens_per_step,
+            max_tokens_per_message=recipe.tap.max_tokens_per_message,
+            send_final=recipe.tap.send_final,
+            topk=recipe.tap.topk,
+            rank=0,
+            seed=recipe.seed,
         )
     convs = data.load_conversations(recipe.data.source)
     train_convs, held = data.split_heldout(convs, recipe.data.heldout, recipe.data.split_seed)
@@ -98,14 +109,28 @@ def build_job(
     kl_sequences = make_kl_sequences(policy, kl_prompts, rl.max_new_tokens, eos, recipe.seed)
     extra = None
     if hasattr(tap_sink, "stats"):
+
         def extra() -> dict[str, Any]:
             stats = tap_sink.stats()
             # every message the sender did not deliver, whatever the reason: the live table's `drops`
             dropped = sum(v for k, v in stats.items() if k.startswith("dropped_"))
             return {**{f"wire_{k}": v for k, v in stats.items()}, "wire_dropped": dropped}
+
     engine = start_rollout_engine(recipe, drafts.frozen_version, kl_prompts)
-    return GRPOJob(recipe, policy, tok, prompts, kl_sequences, drafts, tap, sink, recipe.run_dir, eos,
-                   extra_metrics=extra, engine=engine)
+    return GRPOJob(
+        recipe,
+        policy,
+        tok,
+        prompts,
+        kl_sequences,
+        drafts,
+        tap,
+        sink,
+        recipe.run_dir,
+        eos,
+        extra_metrics=extra,
+        engine=engine,
+    )
 
 
 def set_process_env(recipe: CotrainRecipe) -> None:
@@ -149,8 +174,11 @@ def run_cotrain(
     if sidecar:
         proc = spawn_sidecar(resolved, start_path, run_dir / "sidecar.log", ranks=recipe.sidecar.ranks)
     sender = channel.TapSender(
-        channel.tap_endpoints(endpoint, recipe.sidecar.ranks), key, queue_messages=recipe.wire.queue_messages,
-        queue_bytes=recipe.wire.queue_mb << 20, allow_remote=recipe.wire.allow_remote,
+        channel.tap_endpoints(endpoint, recipe.sidecar.ranks),
+        key,
+        queue_messages=recipe.wire.queue_messages,
+        queue_bytes=recipe.wire.queue_mb << 20,
+        allow_remote=recipe.wire.allow_remote,
         max_message_bytes=recipe.wire.max_message_mb << 20,
     )
     notify = None
@@ -166,14 +194,21 @@ def run_cotrain(
             wait_ready(proc, run_dir, sidecar_ready_timeout_s)
         job.wait_for_first_draft()
         # a step's row is printed once the sidecar has written its own row of that step (never waited for)
-        table = LiveTable(run_dir / MONITOR_LOG, out,
-                          sidecar_alive=lambda: proc is not None and proc.poll() is None).start()
+        table = LiveTable(
+            run_dir / MONITOR_LOG, out, sidecar_alive=lambda: proc is not None and proc.poll() is None
+        ).start()
         for _ in range(recipe.rl.steps):
             table.add(job.step())
         job.finish()
         job.engine.shutdown()
-        sender.offer(StepReport(run_id=recipe.run, step=job.step_index, policy_version=job.policy.version,
-                                metrics={"final": 1.0}))
+        sender.offer(
+            StepReport(
+                run_id=recipe.run,
+                step=job.step_index,
+                policy_version=job.policy.version,
+                metrics={"final": 1.0},
+            )
+        )
         time.sleep(0.5)  # let the background thread hand the last messages to ZeroMQ
     finally:
         sender.close(timeout_s=5.0)
@@ -185,5 +220,7 @@ def run_cotrain(
             table.close()
     report = write_report(run_dir)
     add_to_report(run_dir)  # the advice section (draft-align advise) at the end of report.md
-    (run_dir / "cotrain_summary.json").write_text(json.dumps({"report": report, "sidecar_rc": rc}, default=str))
+    (run_dir / "cotrain_summary.json").write_text(
+        json.dumps({"report": report, "sidecar_rc": rc}, default=str)
+    )
     return {"report": report, "sidecar_rc": rc}

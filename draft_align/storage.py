@@ -18,8 +18,11 @@ import torch
 _OS_ERROR = re.compile(r"os error (\d+)")
 
 
-def save_tensors(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike[str],
-                 metadata: Mapping[str, str] | None = None) -> None:
+def save_tensors(
+    tensors: Mapping[str, torch.Tensor],
+    path: str | os.PathLike[str],
+    metadata: Mapping[str, str] | None = None,
+) -> None:
     """``safetensors.torch.save_file``; an I/O failure raises ``OSError`` with its errno (EIO when the
     message names none), anything else (bad tensors) propagates unchanged."""
     import safetensors.torch

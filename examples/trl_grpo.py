@@ -53,8 +53,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--batch", type=int, default=4, help="completions per step (per_device_train_batch_size)")
     ap.add_argument("--completion-tokens", type=int, default=32, help="max_completion_length")
     ap.add_argument("--learning-rate", type=float, default=1e-3)
-    ap.add_argument("--beta", type=float, default=0.0, help="TRL's KL coefficient (> 0: TRL logs the KL to the "
-                    "initial policy as `kl`)")
+    ap.add_argument(
+        "--beta",
+        type=float,
+        default=0.0,
+        help="TRL's KL coefficient (> 0: TRL logs the KL to the initial policy as `kl`)",
+    )
     ap.add_argument("overrides", nargs="*", help="key=value overrides of the draft_align recipe")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -64,18 +68,32 @@ def main(argv: list[str] | None = None) -> dict:
     model = str(assets.fetch_smollm2())
     tokenizer = AutoTokenizer.from_pretrained(model)
     args = GRPOConfig(
-        output_dir=a.output_dir, max_steps=a.steps, per_device_train_batch_size=a.batch, num_generations=4,
-        max_completion_length=a.completion_tokens, learning_rate=a.learning_rate, beta=a.beta, temperature=1.0,
-        logging_steps=1, report_to=[],
-        use_cpu=True, bf16=False, save_strategy="no", model_init_kwargs={"dtype": torch.float32}, seed=0,
-    )  # fmt: skip
+        output_dir=a.output_dir,
+        max_steps=a.steps,
+        per_device_train_batch_size=a.batch,
+        num_generations=4,
+        max_completion_length=a.completion_tokens,
+        learning_rate=a.learning_rate,
+        beta=a.beta,
+        temperature=1.0,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        bf16=False,
+        save_strategy="no",
+        model_init_kwargs={"dtype": torch.float32},
+        seed=0,
+    )
     da = None if a.plain else DraftAlign(a.recipe, a.overrides)  # draft_align
     trainer = GRPOTrainer(
-        model=model, reward_funcs=uppercase_reward, args=args, processing_class=tokenizer,
+        model=model,
+        reward_funcs=uppercase_reward,
+        args=args,
+        processing_class=tokenizer,
         train_dataset=sharegpt_prompts(tokenizer, a.prompts, 160),
         peft_config=LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
         rollout_func=None if da is None else da.rollout_func,  # draft_align
-    )  # fmt: skip
+    )
     if da is not None:
         trainer.add_callback(da.callback(trainer))  # draft_align
     trainer.train()

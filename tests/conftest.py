@@ -40,7 +40,10 @@ def make_chat_tokenizer(shuffle_seed: int | None = None):
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<|endoftext|>"))
     backend.decoder = decoders.Fuse()
     tok = PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token="<|im_start|>", eos_token="<|im_end|>", pad_token="<|im_end|>",
+        tokenizer_object=backend,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        pad_token="<|im_end|>",
         unk_token="<|endoftext|>",
     )
     tok.add_special_tokens({"additional_special_tokens": SPECIALS})
@@ -57,9 +60,18 @@ def save_tiny_target(
     tok = tokenizer if tokenizer is not None else make_chat_tokenizer()
     torch.manual_seed(seed)
     cfg = LlamaConfig(
-        hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=TINY_LAYERS, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=hidden // 4, vocab_size=len(tok), max_position_embeddings=512,
-        bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=False,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=TINY_LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=hidden // 4,
+        vocab_size=len(tok),
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+        tie_word_embeddings=False,
     )
     model = LlamaForCausalLM(cfg).eval()
     with torch.no_grad():
@@ -158,14 +170,37 @@ class TinyRun:
         """key=value overrides of a co-training recipe on the tiny target, starting from this run's draft."""
         w = self.world
         base = {
-            "run": run, "output_dir": str(out), "target.model": str(w.model), "target.dtype": "float32",
-            "draft": str(self.run_dir), "data.source": str(w.data), "data.heldout": 8,
-            "sidecar.buffer_tokens": 4000, "sidecar.min_buffer_tokens": 0, "sidecar.batch_tokens": 400, "sidecar.holdout_records": 6,
-            "sidecar.min_train_steps_per_publish": 1, "sidecar.publish_every_s": 0.0, "sidecar.gate_tolerance": 100.0,
-            "sidecar.ttt_steps": 2, "sidecar.eval_k": 2, "sidecar.checkpoint_every_s": 0.2, "sidecar.warmup_steps": 1,
-            "sidecar.lr": 1e-3, "logging.wandb": "false", "tap.tokens_per_step": 2000,
-            "rl.steps": 2, "rl.prompts_per_step": 2, "rl.group_size": 2, "rl.max_new_tokens": 8, "rl.kl_prompts": 2,
-            "rl.micro_batch": 4, "rl.max_prompt_tokens": 96, "rl.spec_k": 2, "rl.reward": "uppercase", "rl.lr": 1e-2,
+            "run": run,
+            "output_dir": str(out),
+            "target.model": str(w.model),
+            "target.dtype": "float32",
+            "draft": str(self.run_dir),
+            "data.source": str(w.data),
+            "data.heldout": 8,
+            "sidecar.buffer_tokens": 4000,
+            "sidecar.min_buffer_tokens": 0,
+            "sidecar.batch_tokens": 400,
+            "sidecar.holdout_records": 6,
+            "sidecar.min_train_steps_per_publish": 1,
+            "sidecar.publish_every_s": 0.0,
+            "sidecar.gate_tolerance": 100.0,
+            "sidecar.ttt_steps": 2,
+            "sidecar.eval_k": 2,
+            "sidecar.checkpoint_every_s": 0.2,
+            "sidecar.warmup_steps": 1,
+            "sidecar.lr": 1e-3,
+            "logging.wandb": "false",
+            "tap.tokens_per_step": 2000,
+            "rl.steps": 2,
+            "rl.prompts_per_step": 2,
+            "rl.group_size": 2,
+            "rl.max_new_tokens": 8,
+            "rl.kl_prompts": 2,
+            "rl.micro_batch": 4,
+            "rl.max_prompt_tokens": 96,
+            "rl.spec_k": 2,
+            "rl.reward": "uppercase",
+            "rl.lr": 1e-2,
             "rl.engine": "reference",
         }
         base.update(extra)
@@ -254,10 +289,16 @@ def tiny_llama():
     def build(layers: int, vocab: int, hidden: int) -> LlamaForCausalLM:
         torch.manual_seed(0)
         cfg = LlamaConfig(
-            hidden_size=hidden, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=8, vocab_size=vocab, max_position_embeddings=128,
+            hidden_size=hidden,
+            intermediate_size=64,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            vocab_size=vocab,
+            max_position_embeddings=128,
             tie_word_embeddings=False,
-        )  # fmt: skip
+        )
         return LlamaForCausalLM(cfg).eval()
 
     return build

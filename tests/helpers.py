@@ -164,9 +164,12 @@ def chi2_test(counts: torch.Tensor, probs: torch.Tensor, p_value: float = 1e-3) 
 
 def _next_probs(target: nn.Module, ctx: torch.Tensor, temp: float, chunk: int = 512) -> torch.Tensor:
     """softmax(logits / temp) of the token after each row of ``ctx`` [n, t] (float64 [n, V]), in chunks."""
-    return torch.cat([
-        torch.softmax(target(ctx[i : i + chunk]).logits[:, -1].double() / temp, -1) for i in range(0, len(ctx), chunk)
-    ])  # fmt: skip
+    return torch.cat(
+        [
+            torch.softmax(target(ctx[i : i + chunk]).logits[:, -1].double() / temp, -1)
+            for i in range(0, len(ctx), chunk)
+        ]
+    )
 
 
 def exact_three(target: nn.Module, prompt: list[int], temp: float) -> dict[str, Any]:
@@ -192,7 +195,9 @@ def exact_three(target: nn.Module, prompt: list[int], temp: float) -> dict[str, 
     )
 
 
-def distribution_stats(outs: torch.Tensor, ex: dict[str, Any]) -> tuple[list[tuple[float, float]], list[float]]:
+def distribution_stats(
+    outs: torch.Tensor, ex: dict[str, Any]
+) -> tuple[list[tuple[float, float]], list[float]]:
     """χ² (stat, critical) of each of the 3 sampled tokens' marginals (``outs`` [n, 3] against
     :func:`exact_three`), and z-scores of how often x2, x3 are the greedy token of their context (the statistic
     that a bias towards the drafts moves most)."""

@@ -28,12 +28,47 @@ ALLOWED: dict[str, set[str]] = {
     "publish": {"conventions", "heads", "hf", "storage"},
     "monitor": {"conventions", "config", "heads", "hf", "train", "wire"},
     "engines": {"conventions", "heads", "hf", "publish", "monitor", "wire", "assets"},
-    "rl": {"conventions", "config", "assets", "data", "heads", "hf", "tap", "wire", "publish", "monitor", "engines"},
+    "rl": {
+        "conventions",
+        "config",
+        "assets",
+        "data",
+        "heads",
+        "hf",
+        "tap",
+        "wire",
+        "publish",
+        "monitor",
+        "engines",
+    },
     "sidecar": {"conventions", "config", "assets", "heads", "hf", "wire", "train", "publish", "monitor"},
-    "warmstart": {"conventions", "config", "assets", "data", "heads", "hf", "tap", "train", "publish", "monitor",
-                  "storage", "engines"},
-    "integrations": {"conventions", "config", "heads", "hf", "tap", "wire", "publish", "monitor", "engines", "rl",
-                     "sidecar"},
+    "warmstart": {
+        "conventions",
+        "config",
+        "assets",
+        "data",
+        "heads",
+        "hf",
+        "tap",
+        "train",
+        "publish",
+        "monitor",
+        "storage",
+        "engines",
+    },
+    "integrations": {
+        "conventions",
+        "config",
+        "heads",
+        "hf",
+        "tap",
+        "wire",
+        "publish",
+        "monitor",
+        "engines",
+        "rl",
+        "sidecar",
+    },
 }
 FACE = {"cli", "cotrain", "__main__", "__init__"}
 
@@ -93,7 +128,9 @@ def _graph() -> dict[str, set[str]]:
 def test_every_part_is_known() -> None:
     parts = {_part(m) for m in _graph()}
     unknown = parts - set(ALLOWED) - FACE
-    assert not unknown, f"parts without an import rule (add them to ALLOWED and docs/architecture.md): {unknown}"
+    assert not unknown, (
+        f"parts without an import rule (add them to ALLOWED and docs/architecture.md): {unknown}"
+    )
 
 
 def test_imports_follow_the_data_flow() -> None:
@@ -125,7 +162,7 @@ def test_no_import_cycle() -> None:
             if dep == node.rpartition(".")[0]:
                 continue
             if state.get(dep) == 1:
-                cycles.append(stack[stack.index(dep):] + [dep])
+                cycles.append(stack[stack.index(dep) :] + [dep])
             elif dep not in state:
                 visit(dep)
         stack.pop()

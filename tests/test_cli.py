@@ -21,8 +21,9 @@ pytestmark = pytest.mark.usefixtures("tiny_env")
 
 
 def test_module_help_in_a_subprocess():
-    out = subprocess.run([sys.executable, "-m", "draft_align", "--help"], cwd=REPO, capture_output=True,
-                         text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "draft_align", "--help"], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("usage: draft-align")
     for sub in SUBCOMMANDS:
@@ -59,8 +60,25 @@ def test_bad_override_exits_2_naming_the_key(caplog):
 
 def eval_args(tiny_run, *extra: str, engine: str = "reference", pool: str = "8") -> list[str]:
     """eval on the tiny run (the reference decoder unless told: vLLM cannot serve the tiny target's head_dim 16)."""
-    return ["eval", "--draft", str(tiny_run.run_dir), "--data", str(tiny_run.world.data), "--prompts-pool", pool,
-            "--prompts", "2", "--max-new-tokens", "6", "--k", "2", "--json", "--engine", engine, *extra]
+    return [
+        "eval",
+        "--draft",
+        str(tiny_run.run_dir),
+        "--data",
+        str(tiny_run.world.data),
+        "--prompts-pool",
+        pool,
+        "--prompts",
+        "2",
+        "--max-new-tokens",
+        "6",
+        "--k",
+        "2",
+        "--json",
+        "--engine",
+        engine,
+        *extra,
+    ]
 
 
 def eval_json(capsys) -> dict:
@@ -87,7 +105,12 @@ def test_eval_of_a_small_file_evaluates_all_of_it(tiny_run, capsys, caplog):
     --heldout-seed -1) instead of failing on a held-out split larger than the file."""
     n = len(tiny_run.world.data.read_text().splitlines())
     assert n < 64
-    every = ("--prompts", "64", "--max-new-tokens", "2")  # as many prompts as there are: the count shows the set
+    every = (
+        "--prompts",
+        "64",
+        "--max-new-tokens",
+        "2",
+    )  # as many prompts as there are: the count shows the set
     with caplog.at_level(logging.INFO, logger="draft_align"):
         assert cli.main(eval_args(tiny_run, *every, pool="64")) == 0
     whole = eval_json(capsys)
@@ -114,7 +137,9 @@ def test_eval_engine_choice(tiny_run, capsys, caplog, monkeypatch):
         caplog.clear()
         assert cli.main(eval_args(tiny_run, engine="vllm")) == 2
         assert "error: ImportError: --engine vllm: vLLM is not installed" in caplog.text
-        monkeypatch.setattr(start, "vllm_available", lambda: True)  # nothing starts before the mode is checked
+        monkeypatch.setattr(
+            start, "vllm_available", lambda: True
+        )  # nothing starts before the mode is checked
         caplog.clear()
         greedy_t1 = ("--verify-mode", "greedy", "--temperature", "1.0")
         assert cli.main(eval_args(tiny_run, *greedy_t1, engine="vllm")) == 2
@@ -126,8 +151,9 @@ def test_eval_engine_choice(tiny_run, capsys, caplog, monkeypatch):
         assert "measuring with the reference decoder" in caplog.text
 
 
-@pytest.mark.parametrize("verbose, preset, expected", [(False, None, "WARNING"), (True, None, None),
-                                                       (False, "DEBUG", "DEBUG")])
+@pytest.mark.parametrize(
+    "verbose, preset, expected", [(False, None, "WARNING"), (True, None, None), (False, "DEBUG", "DEBUG")]
+)
 def test_vllm_info_logging_is_quiet_unless_verbose(verbose, preset, expected, monkeypatch, tmp_path):
     """Without -v the CLI sets VLLM_LOGGING_LEVEL=WARNING (before anything imports vllm); -v leaves vLLM's INFO
     lines on; a level the user set is kept.  vLLM logs to stderr (stdout is the table's) unless told."""
@@ -153,7 +179,10 @@ def test_eval_with_too_long_prompts_exits_2(tiny_run, caplog):
 
 def test_export_speculators_dialect(tiny_run, tmp_path, capsys):
     out = tmp_path / "spec"
-    assert cli.main(["export", "--draft", str(tiny_run.run_dir), "--out", str(out), "--dialect", "speculators"]) == 0
+    assert (
+        cli.main(["export", "--draft", str(tiny_run.run_dir), "--out", str(out), "--dialect", "speculators"])
+        == 0
+    )
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["speculators_model_type"] == "eagle3"
     from draft_align.publish import load_draft
@@ -167,7 +196,9 @@ def test_export_speculators_dialect(tiny_run, tmp_path, capsys):
 # --------------------------------------------------------------------------------- incompatible targets
 def test_target_with_another_tokenizer_is_refused(tiny_run, tmp_path, caplog):
     """Same architecture and vocab size, but another token ↔ id map: the draft's vocab would be wrong."""
-    other = tiny_run.world.save_target(tmp_path / "other_tok", tokenizer=tiny_run.world.tokenizer(shuffle_seed=1))
+    other = tiny_run.world.save_target(
+        tmp_path / "other_tok", tokenizer=tiny_run.world.tokenizer(shuffle_seed=1)
+    )
     with caplog.at_level(logging.ERROR, logger="draft_align"):
         assert cli.main(eval_args(tiny_run, "--target", str(other))) == 2
     assert "tokenizer fingerprint mismatch" in caplog.text
@@ -198,9 +229,20 @@ def test_monitor_and_report_commands_on_a_run_folder(tmp_path, capsys):
 
     run = tmp_path / "run"
     (run / "sidecar").mkdir(parents=True)
-    rows = [{"step": s, "policy_version": s + 1, "kl_to_initial": 0.01 * s, "reward_mean": 0.1 * s,
-             "accept_measured_adapted": 1.3 + 0.01 * s, "accept_measured_frozen": 1.3 - 0.02 * s,
-             "accept_est_adapted": 1.31, "accept_est_frozen": 1.29, "draft_version": s} for s in range(4)]
+    rows = [
+        {
+            "step": s,
+            "policy_version": s + 1,
+            "kl_to_initial": 0.01 * s,
+            "reward_mean": 0.1 * s,
+            "accept_measured_adapted": 1.3 + 0.01 * s,
+            "accept_measured_frozen": 1.3 - 0.02 * s,
+            "accept_est_adapted": 1.31,
+            "accept_est_frozen": 1.29,
+            "draft_version": s,
+        }
+        for s in range(4)
+    ]
     (run / "sidecar" / "monitor.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert main(["monitor", str(run), "--once"]) == 0
     out = capsys.readouterr().out.splitlines()
@@ -213,7 +255,9 @@ def test_monitor_and_report_commands_on_a_run_folder(tmp_path, capsys):
 
 
 # ----------------------------------------------------------------------------- operator input: one-line errors
-@pytest.mark.parametrize("bad", [["--max-new-tokens", "0"], ["--prompts", "0"], ["--k", "0"], ["--prompts", "x"]])
+@pytest.mark.parametrize(
+    "bad", [["--max-new-tokens", "0"], ["--prompts", "0"], ["--k", "0"], ["--prompts", "x"]]
+)
 def test_eval_refuses_zero_counts(tiny_run, capsys, bad):
     with pytest.raises(SystemExit) as e:
         cli.main(eval_args(tiny_run, *bad))
@@ -243,8 +287,17 @@ def sidecar_cli(tiny_run, tmp_path):
 
     def run(*overrides: str, verbose: bool = False) -> int:
         argv = ["-v"] if verbose else []
-        return cli.main([*argv, "sidecar", str(recipe), *tiny_run.cotrain_overrides(tmp_path / "out"), *overrides,
-                         "--max-seconds", "0"])
+        return cli.main(
+            [
+                *argv,
+                "sidecar",
+                str(recipe),
+                *tiny_run.cotrain_overrides(tmp_path / "out"),
+                *overrides,
+                "--max-seconds",
+                "0",
+            ]
+        )
 
     yield run
     torch.set_num_threads(n)
@@ -272,7 +325,11 @@ def test_sidecar_operator_mistakes_are_one_line_errors(sidecar_cli, tmp_path, ca
             caplog.clear()
             with caplog.at_level(logging.ERROR, logger="draft_align"):
                 assert sidecar_cli(*overrides) == 2, overrides
-            errors = [r for r in caplog.records if r.levelno >= logging.ERROR and r.getMessage().startswith("error:")]
+            errors = [
+                r
+                for r in caplog.records
+                if r.levelno >= logging.ERROR and r.getMessage().startswith("error:")
+            ]
             assert len(errors) == 1 and match in errors[0].getMessage(), (overrides, caplog.text)
             assert "\n" not in errors[0].getMessage() and errors[0].exc_info is None
     finally:

@@ -43,8 +43,15 @@ def test_defaults_without_a_file():
 def test_overrides_apply_with_types():
     r = load_recipe(
         RECIPES[0].parent / "smollm2_demo.yaml",
-        ["train.lr=3e-4", "draft.aux_layer_ids=[1,3,4]", "data.max_conversations=null", "eval.temperatures=[0.0]",
-         "train.max_steps=7", "run=custom", "logging.wandb=false"],
+        [
+            "train.lr=3e-4",
+            "draft.aux_layer_ids=[1,3,4]",
+            "data.max_conversations=null",
+            "eval.temperatures=[0.0]",
+            "train.max_steps=7",
+            "run=custom",
+            "logging.wandb=false",
+        ],
     )
     assert r.train.lr == pytest.approx(3e-4) and isinstance(r.train.lr, float)
     assert r.draft.aux_layer_ids == [1, 3, 4]
@@ -65,7 +72,8 @@ def test_unknown_key_in_yaml_names_the_key(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("override", "key"), [("train.lrr=1", "lrr"), ("nosuchsection.x=1", "nosuchsection"), ("data.sourcee=x", "sourcee")]
+    ("override", "key"),
+    [("train.lrr=1", "lrr"), ("nosuchsection.x=1", "nosuchsection"), ("data.sourcee=x", "sourcee")],
 )
 def test_unknown_override_names_the_key(override, key):
     with pytest.raises(RecipeError, match=rf"overrides .*{key}"):
@@ -95,7 +103,10 @@ def test_missing_file_is_an_error(tmp_path):
         ("train.accept_mode=greedy", r"^train\.accept_mode=greedy is for the acceptance objectives"),
         ("train.loss=tv train.accept_mode=greedy_draft", r"^train\.accept_mode=greedy_draft: loss=tv is"),
         ("train.loss=greedy_surrogate train.accept_mode=probabilistic", r"^train\.accept_mode=probabilistic"),
-        ("train.soft_ce_weight=0.5", r"^train\.soft_ce_weight=0\.5 mixes soft CE into an acceptance objective"),
+        (
+            "train.soft_ce_weight=0.5",
+            r"^train\.soft_ce_weight=0\.5 mixes soft CE into an acceptance objective",
+        ),
         ("train.loss=tv train.soft_ce_weight=-1", r"^train\.soft_ce_weight must be ≥ 0"),
         ("train.loss=tv train.soft_ce_weight=nan", r"^train\.soft_ce_weight must be ≥ 0"),
         ("train.loss=greedy_surrogate train.surrogate_tau=0", r"^train\.surrogate_tau must be > 0"),
@@ -114,8 +125,17 @@ def test_validate_rejects_bad_values(override, match):
 def test_mtp_and_lora_keys():
     from draft_align.config import CotrainRecipe, step_decay
 
-    r = load_recipe(None, ["draft.head=mtp", "draft.mtp_depth=2", "draft.mtp_layout=qwen3_next", "draft.adapt=lora",
-                           "draft.lora.rank=4", "draft.lora.target_modules=[q_proj,eh_proj]"])
+    r = load_recipe(
+        None,
+        [
+            "draft.head=mtp",
+            "draft.mtp_depth=2",
+            "draft.mtp_layout=qwen3_next",
+            "draft.adapt=lora",
+            "draft.lora.rank=4",
+            "draft.lora.target_modules=[q_proj,eh_proj]",
+        ],
+    )
     assert (r.draft.head, r.draft.mtp_depth, r.draft.lora.rank) == ("mtp", 2, 4)
     assert r.draft.lora.target_modules == ["q_proj", "eh_proj"]
     assert step_decay(r.train.step_decay, "mtp") == 0.6 and step_decay(None, "eagle3") == 0.8
@@ -177,18 +197,42 @@ CHOICE_FIELDS = _choice_fields()
 def test_every_enum_like_field_is_a_choice():
     keys = {(s.__name__, k) for s, k, _, _ in CHOICE_FIELDS}
     assert keys == {
-        ("WarmstartRecipe", k) for k in ("target.dtype", "data.gen_engine", "draft.head", "draft.mtp_layout",
-                                         "draft.mtp_init", "draft.adapt", "train.loss", "train.accept_mode",
-                                         "eval.modes", "logging.wandb_mode")
+        ("WarmstartRecipe", k)
+        for k in (
+            "target.dtype",
+            "data.gen_engine",
+            "draft.head",
+            "draft.mtp_layout",
+            "draft.mtp_init",
+            "draft.adapt",
+            "train.loss",
+            "train.accept_mode",
+            "eval.modes",
+            "logging.wandb_mode",
+        )
     } | {
-        ("CotrainRecipe", k) for k in ("target.dtype", "data.gen_engine", "sidecar.loss", "sidecar.accept_mode",
-                                       "sidecar.eval_mode", "sidecar.adapt", "sidecar.parallel",
-                                       "sidecar.train_trigger", "rl.verify_mode", "rl.engine", "logging.wandb_mode")
+        ("CotrainRecipe", k)
+        for k in (
+            "target.dtype",
+            "data.gen_engine",
+            "sidecar.loss",
+            "sidecar.accept_mode",
+            "sidecar.eval_mode",
+            "sidecar.adapt",
+            "sidecar.parallel",
+            "sidecar.train_trigger",
+            "rl.verify_mode",
+            "rl.engine",
+            "logging.wandb_mode",
+        )
     }
 
 
-@pytest.mark.parametrize(("schema", "key", "choice", "is_list"), CHOICE_FIELDS,
-                         ids=[f"{s.__name__}:{k}" for s, k, _, _ in CHOICE_FIELDS])
+@pytest.mark.parametrize(
+    ("schema", "key", "choice", "is_list"),
+    CHOICE_FIELDS,
+    ids=[f"{s.__name__}:{k}" for s, k, _, _ in CHOICE_FIELDS],
+)
 def test_bad_choice_names_the_key_and_the_allowed_values(tmp_path, schema, key, choice, is_list):
     allowed = [m.value for m in choice]
     value = "[bogus]" if is_list else "bogus"
@@ -202,11 +246,16 @@ def test_bad_choice_names_the_key_and_the_allowed_values(tmp_path, schema, key, 
     section, leaf = key.split(".")
     p = tmp_path / "bad.yaml"
     p.write_text(f"kind: {schema.kind}\n{section}:\n  {leaf}: {value}\n")
-    with pytest.raises(RecipeError, match=rf"^recipe .*bad\.yaml: {re.escape(shown)}: unknown .*'bogus'; expected"):
+    with pytest.raises(
+        RecipeError, match=rf"^recipe .*bad\.yaml: {re.escape(shown)}: unknown .*'bogus'; expected"
+    ):
         load_recipe(p, None, schema)
     # every allowed value loads, as a string (with what the cross-field rules ask for besides)
-    extra = {"draft.adapt": ["draft.init_from=x"], "train.accept_mode": ["train.loss=expected_length"],
-             "sidecar.accept_mode": ["sidecar.loss=expected_length"]}.get(key, [])
+    extra = {
+        "draft.adapt": ["draft.init_from=x"],
+        "train.accept_mode": ["train.loss=expected_length"],
+        "sidecar.accept_mode": ["sidecar.loss=expected_length"],
+    }.get(key, [])
     for v in allowed:
         needs = ["rl.engine=vllm"] if (key, v) == ("rl.verify_mode", "auto") else []  # measured on vLLM
         r = load_recipe(None, [f"{key}=[{v}]" if is_list else f"{key}={v}", *extra, *needs], schema)
@@ -218,12 +267,17 @@ def test_a_recipe_built_in_code_is_checked_too():
     from draft_align.config import CotrainRecipe, RLConfig
     from draft_align.config.sections import EvalConfig
 
-    with pytest.raises(RecipeError, match=r"^rl\.engine: unknown rollout engine 'sglang'; expected one of "
-                                          r"auto \| vllm \| reference$"):
+    with pytest.raises(
+        RecipeError,
+        match=r"^rl\.engine: unknown rollout engine 'sglang'; expected one of "
+        r"auto \| vllm \| reference$",
+    ):
         CotrainRecipe(rl=RLConfig(engine="sglang")).validate()
     with pytest.raises(RecipeError, match=r"^eval\.modes\[1\]: unknown verify mode 'typical'"):
         WarmstartRecipe(eval=EvalConfig(modes=["greedy", "typical"])).validate()
-    CotrainRecipe(rl=RLConfig(engine="reference", verify_mode="probabilistic")).validate()  # plain strings are fine
+    CotrainRecipe(
+        rl=RLConfig(engine="reference", verify_mode="probabilistic")
+    ).validate()  # plain strings are fine
 
 
 def test_choices_come_from_their_one_source():
@@ -236,9 +290,14 @@ def test_choices_come_from_their_one_source():
     from draft_align.heads.protocol import HeadKind
 
     assert tuple(VerifyModeChoice) == VERIFY_MODES and tuple(DtypeChoice) == FLOAT_DTYPE_NAMES
-    assert tuple(HeadChoice) == typing.get_args(HeadKind) and tuple(MTPLayoutChoice) == typing.get_args(Layout)
-    ev = next(a for a in build_parser()._subparsers._group_actions[0].choices["eval"]._actions
-              if a.dest == "verify_mode")
+    assert tuple(HeadChoice) == typing.get_args(HeadKind) and tuple(MTPLayoutChoice) == typing.get_args(
+        Layout
+    )
+    ev = next(
+        a
+        for a in build_parser()._subparsers._group_actions[0].choices["eval"]._actions
+        if a.dest == "verify_mode"
+    )
     assert tuple(ev.choices) == VERIFY_MODES
 
 
@@ -280,7 +339,9 @@ def test_save_recipe_round_trips(tmp_path, path):
     r = load_recipe(path, schema=schema)
     out = save_recipe(r, tmp_path / "run" / "resolved.yaml")
     assert out == tmp_path / "run" / "resolved.yaml" and [p.name for p in out.parent.iterdir()] == [out.name]
-    assert out.read_text() == OmegaConf.to_yaml(OmegaConf.create(recipe_to_dict(r)))  # what cotrain wrote itself
+    assert out.read_text() == OmegaConf.to_yaml(
+        OmegaConf.create(recipe_to_dict(r))
+    )  # what cotrain wrote itself
     assert recipe_kind(out) == schema.kind and load_recipe(out, schema=schema) == r
 
 
@@ -313,7 +374,10 @@ def test_load_recipe_returns_the_schemas_type():
         ("wire.max_tokens=0", "wire.max_tokens must be ≥ 1"),
         ("rl.grad_clip=-1", "rl.grad_clip must be > 0"),
         ("rl.lr=nan", "rl.lr must be > 0"),
-        ("rl.engine_probe_min_ratio=0", r"engine_probe_min_ratio must be in \(0, 1\] \(to turn the probe guard off"),
+        (
+            "rl.engine_probe_min_ratio=0",
+            r"engine_probe_min_ratio must be in \(0, 1\] \(to turn the probe guard off",
+        ),
         ("rl.engine_probe_min_ratio=1.5", "engine_probe_min_ratio must be in"),
         ("rl.engine_probe_prompts=-1", "engine_probe_prompts must be ≥ 0"),
         ("rl.engine_probe_tokens=1", "engine_probe_tokens ≥ 2"),
@@ -326,8 +390,13 @@ def test_cotrain_operator_mistakes_fail_at_load(override, match):
         load_recipe(None, override.split(), CotrainRecipe)
 
 
-@pytest.mark.parametrize(("override", "match"), [("train.grad_clip=-1", "train.grad_clip must be > 0"),
-                                                 ("train.batch_tokens=0", "train.batch_tokens must be ≥ 1")])
+@pytest.mark.parametrize(
+    ("override", "match"),
+    [
+        ("train.grad_clip=-1", "train.grad_clip must be > 0"),
+        ("train.batch_tokens=0", "train.batch_tokens must be ≥ 1"),
+    ],
+)
 def test_warmstart_operator_mistakes_fail_at_load(override, match):
     with pytest.raises(RecipeError, match=match):
         load_recipe(None, override.split())
@@ -351,15 +420,28 @@ def test_objective_fields_load_in_both_schemas_and_reach_the_same_loss_settings(
     from draft_align.config import CotrainRecipe
     from draft_align.train.objective import LossSettings
 
-    keys = {"loss": "expected_length", "accept_mode": "greedy_draft", "soft_ce_weight": "0.25", "surrogate_tau": "0.3"}
+    keys = {
+        "loss": "expected_length",
+        "accept_mode": "greedy_draft",
+        "soft_ce_weight": "0.25",
+        "surrogate_tau": "0.3",
+    }
     w = load_recipe(None, [f"train.{k}={v}" for k, v in keys.items()])
     c = load_recipe(None, [f"sidecar.{k}={v}" for k, v in keys.items()], CotrainRecipe)
     a = LossSettings.from_section(w.train, 0.8, True)
     b = LossSettings.from_section(c.sidecar, 0.8, True)
-    assert (a.kind, a.accept_mode, a.soft_ce_weight, a.surrogate_tau) == ("expected_length", "greedy_draft", 0.25, 0.3)
+    assert (a.kind, a.accept_mode, a.soft_ce_weight, a.surrogate_tau) == (
+        "expected_length",
+        "greedy_draft",
+        0.25,
+        0.3,
+    )
     assert dataclasses.replace(a, ttt_steps=b.ttt_steps, autocast_bf16=b.autocast_bf16) == b
     assert a.verify_mode == "greedy_draft" and type(a.kind) is str and type(a.accept_mode) is str
-    assert LossSettings.from_section(load_recipe(None, ["train.loss=tv"]).train, 0.8, True).verify_mode == "probabilistic"
+    assert (
+        LossSettings.from_section(load_recipe(None, ["train.loss=tv"]).train, 0.8, True).verify_mode
+        == "probabilistic"
+    )
     assert LossSettings.from_section(w.train.__class__(), 0.8, True).verify_mode is None  # soft CE
     with pytest.raises(RecipeError, match=r"^sidecar\.soft_ce_weight=1\.0 mixes soft CE"):
         load_recipe(None, ["sidecar.soft_ce_weight=1"], CotrainRecipe)
@@ -373,8 +455,10 @@ def test_a_distribution_loss_on_hard_tokens_only_fails_at_load(loss):
 
     with pytest.raises(RecipeError) as e:
         load_recipe(None, [f"sidecar.loss={loss}", "tap.send_final=false"], CotrainRecipe)
-    assert str(e.value) == (f"sidecar.loss={loss} needs the target's distribution, but tap.send_final=false ships "
-                            f"hard tokens only (no final hidden state): set tap.send_final=true")
+    assert str(e.value) == (
+        f"sidecar.loss={loss} needs the target's distribution, but tap.send_final=false ships "
+        f"hard tokens only (no final hidden state): set tap.send_final=true"
+    )
     load_recipe(None, [f"sidecar.loss={loss}", "tap.send_final=true"], CotrainRecipe)
 
 

@@ -50,7 +50,9 @@ def _report_table(path) -> dict[int, dict[str, str]]:
 def test_cotrain_runs_rl_with_a_live_sidecar_and_reports(tiny_run, tiny_env, tmp_path):
     from draft_align.cotrain import run_cotrain
 
-    recipe = load_recipe(None, tiny_run.cotrain_overrides(tmp_path, run="e2e", **{"rl.steps": 3}), CotrainRecipe)
+    recipe = load_recipe(
+        None, tiny_run.cotrain_overrides(tmp_path, run="e2e", **{"rl.steps": 3}), CotrainRecipe
+    )
     out = io.StringIO()
     summary = run_cotrain(recipe, out=out, sidecar_exit_timeout_s=120)
     assert summary["sidecar_rc"] == 0
@@ -71,7 +73,9 @@ def test_cotrain_runs_rl_with_a_live_sidecar_and_reports(tiny_run, tiny_env, tmp
         step = next(s for s in steps if s["step"] == r["step"])
         assert r["est_records"] > 0
         assert math.isfinite(r["accept_est_adapted"]) and math.isfinite(r["accept_est_frozen"])
-        if r["sidecar_draft_version"] == 0:  # nothing published yet: the sidecar's adapted draft is the frozen one
+        if (
+            r["sidecar_draft_version"] == 0
+        ):  # nothing published yet: the sidecar's adapted draft is the frozen one
             assert r["accept_est_adapted"] == r["accept_est_frozen"]
         for key in ("accept_measured_adapted", "accept_measured_frozen", "draft_version", "reward_mean"):
             assert r[key] == step[key], key
@@ -113,7 +117,9 @@ def test_cotrain_runs_rl_with_a_live_sidecar_and_reports(tiny_run, tiny_env, tmp
     # a step served by a published draft names one the sidecar published
     assert {int(s["draft_version"]) for s in steps} <= {0} | {int(p["draft_version"]) for p in published}
     # a second run starts from the initial policy again; the first one's folder is kept aside, not mixed in
-    again = load_recipe(None, tiny_run.cotrain_overrides(tmp_path, run="e2e", **{"rl.steps": 1}), CotrainRecipe)
+    again = load_recipe(
+        None, tiny_run.cotrain_overrides(tmp_path, run="e2e", **{"rl.steps": 1}), CotrainRecipe
+    )
     assert run_cotrain(again, out=io.StringIO(), sidecar_exit_timeout_s=120)["sidecar_rc"] == 0
     assert len(_rows(run / "rl" / "steps.jsonl")) == 1
     aside = [p for p in tmp_path.iterdir() if p.name.startswith("e2e.")]
@@ -133,7 +139,9 @@ def test_rl_steps_continue_when_the_sidecar_is_killed(tiny_run, tiny_env, tmp_pa
     )
     from draft_align.wire import channel
 
-    recipe = load_recipe(None, tiny_run.cotrain_overrides(tmp_path, run="k9", **{"rl.steps": 4}), CotrainRecipe)
+    recipe = load_recipe(
+        None, tiny_run.cotrain_overrides(tmp_path, run="k9", **{"rl.steps": 4}), CotrainRecipe
+    )
     start = ensure_start_draft(recipe, None)
     proc = spawn_sidecar(write_resolved(recipe), start, recipe.run_dir / "sidecar.log")
     key = channel.resolve_key(None, recipe.run_dir, create=True)
@@ -152,7 +160,9 @@ def test_rl_steps_continue_when_the_sidecar_is_killed(tiny_run, tiny_env, tmp_pa
         after = [job.step() for _ in range(2)]
         assert [int(m["step"]) for m in after] == [2, 3]
         assert job.drafts.current_version >= in_use and job.drafts.failures == 0
-        assert all(m["draft_version"] == job.drafts.current_version for m in after)  # the last one stays in use
+        assert all(
+            m["draft_version"] == job.drafts.current_version for m in after
+        )  # the last one stays in use
         assert after[-1]["wire_dropped_peer"] > before[-1].get("wire_dropped_peer", 0)
     finally:
         sender.close()

@@ -49,9 +49,18 @@ def test_warmstart_mtp_publishes_a_loadable_mtp_draft(tiny_world, tmp_path):
 
 
 def test_warmstart_lora_over_a_published_draft(tiny_run, tmp_path):
-    over = tiny_run.world.overrides("lora", out=tmp_path, **FAST, **{
-        "draft.adapt": "lora", "draft.init_from": str(tiny_run.run_dir), "draft.lora.rank": 2,
-        "draft.lora.lr": 5e-3, "draft.lora.warmup_steps": 1})
+    over = tiny_run.world.overrides(
+        "lora",
+        out=tmp_path,
+        **FAST,
+        **{
+            "draft.adapt": "lora",
+            "draft.init_from": str(tiny_run.run_dir),
+            "draft.lora.rank": 2,
+            "draft.lora.lr": 5e-3,
+            "draft.lora.warmup_steps": 1,
+        },
+    )
     recipe = load_recipe(None, over)
     summary = warmstart.run(recipe)
     out = Path(summary["draft"])
@@ -78,9 +87,16 @@ def _publish_mtp_start(tiny_world, root: Path) -> Path:
 
     target = AutoModelForCausalLM.from_pretrained(tiny_world.model, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(tiny_world.model)
-    out = export_draft(MTPDraft.attach(target), version_dir(root, 1), target_config=target.config,
-                       target_name=str(tiny_world.model), metrics={}, draft_version=1, policy_version=0,
-                       tokenizer_fingerprint=tokenizer_fingerprint(tok))
+    out = export_draft(
+        MTPDraft.attach(target),
+        version_dir(root, 1),
+        target_config=target.config,
+        target_name=str(tiny_world.model),
+        metrics={},
+        draft_version=1,
+        policy_version=0,
+        tokenizer_fingerprint=tokenizer_fingerprint(tok),
+    )
     write_latest(root, out)
     return root
 
@@ -106,14 +122,23 @@ def _feed(recipe, sc, n_steps: int) -> None:
         for step in range(n_steps):
             tap.head_sync(step, sc.frozen.draft_to_target)
             ps = prompts[step * 8 : step * 8 + 8]
-            resp = generate_responses(model, ps, max_new_tokens=24, temperature=1.0, eos_ids={2}, pad_id=2,
-                                      batch_size=8, seed=step)
-            seqs = Sequences.pack([(p, r) for p, r in zip(ps, resp, strict=True) if r is not None and r.numel()],
-                                  pad_id=2)
+            resp = generate_responses(
+                model, ps, max_new_tokens=24, temperature=1.0, eos_ids={2}, pad_id=2, batch_size=8, seed=step
+            )
+            seqs = Sequences.pack(
+                [(p, r) for p, r in zip(ps, resp, strict=True) if r is not None and r.numel()], pad_id=2
+            )
             with torch.no_grad(), tap.capturing():
                 logits = model(input_ids=seqs.input_ids, attention_mask=seqs.attention_mask).logits
-                tap.submit(input_ids=seqs.input_ids, attention_mask=seqs.attention_mask, loss_mask=seqs.loss_mask,
-                           logits=logits, policy_version=step, step=step, temperature=1.0)
+                tap.submit(
+                    input_ids=seqs.input_ids,
+                    attention_mask=seqs.attention_mask,
+                    loss_mask=seqs.loss_mask,
+                    logits=logits,
+                    policy_version=step,
+                    step=step,
+                    temperature=1.0,
+                )
             tap.end_step()
             sender.offer(StepReport(run_id=recipe.run, step=step, policy_version=step, metrics={}))
         end = time.monotonic() + 20
@@ -132,8 +157,14 @@ def test_sidecar_trains_and_publishes(tiny_run, tmp_path, variant):
     if "mtp" in variant:
         extra["draft"] = str(_publish_mtp_start(tiny_run.world, tmp_path / "mtp_start"))
     if "lora" in variant:
-        extra.update({"sidecar.adapt": "lora", "sidecar.lora.rank": 2, "sidecar.lora.lr": 5e-3,
-                      "sidecar.lora.publish_delta": "true"})
+        extra.update(
+            {
+                "sidecar.adapt": "lora",
+                "sidecar.lora.rank": 2,
+                "sidecar.lora.lr": 5e-3,
+                "sidecar.lora.publish_delta": "true",
+            }
+        )
     recipe = load_recipe(None, tiny_run.cotrain_overrides(tmp_path, **extra), CotrainRecipe)
     sc = Sidecar(recipe, starting_draft(recipe)).setup()
     try:

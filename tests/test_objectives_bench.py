@@ -9,13 +9,21 @@ from benchmarks.objectives import DEFAULT_ARMS, arm_overrides, parse_arm, parse_
 
 def test_specs_parse_into_recipe_fields() -> None:
     assert parse_arm("soft") == {"name": "soft", "loss": "soft", "accept_mode": None, "soft_ce_weight": 0.0}
-    assert parse_arm("tv+ce0.1") == {"name": "tv+ce0.1", "loss": "tv", "accept_mode": None, "soft_ce_weight": 0.1}
+    assert parse_arm("tv+ce0.1") == {
+        "name": "tv+ce0.1",
+        "loss": "tv",
+        "accept_mode": None,
+        "soft_ce_weight": 0.1,
+    }
     a = parse_arm("expected_length@greedy_draft+ce1e-2")
     assert (a["loss"], a["accept_mode"], a["soft_ce_weight"]) == ("expected_length", "greedy_draft", 0.01)
     assert [x["loss"] for x in parse_arms(DEFAULT_ARMS)] == ["soft", "tv", "expected_length", "tv"]
     assert arm_overrides(a, "bench") == [
-        "run=bench-obj-expected_length-greedy_draft-ce1e-2", "train.loss=expected_length",
-        "train.soft_ce_weight=0.01", "logging.log_every=1", "train.accept_mode=greedy_draft",
+        "run=bench-obj-expected_length-greedy_draft-ce1e-2",
+        "train.loss=expected_length",
+        "train.soft_ce_weight=0.01",
+        "logging.log_every=1",
+        "train.accept_mode=greedy_draft",
     ]
 
 

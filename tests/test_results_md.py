@@ -9,7 +9,10 @@ def test_replace_middle_section_keeps_the_others_and_a_blank_line(tmp_path) -> N
     p = tmp_path / "RESULTS.md"
     p.write_text("# Benchmark results\n\n## A\n\nold a\n\n## B\n\nb stays\n")
     replace_section(p, "## A", "## A\n\nnew a\n- last line without a blank")
-    assert p.read_text() == "# Benchmark results\n\n## A\n\nnew a\n- last line without a blank\n\n## B\n\nb stays\n"
+    assert (
+        p.read_text()
+        == "# Benchmark results\n\n## A\n\nnew a\n- last line without a blank\n\n## B\n\nb stays\n"
+    )
 
 
 def test_replace_last_section_and_append_a_new_one(tmp_path) -> None:

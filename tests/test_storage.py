@@ -28,8 +28,12 @@ else:
 
 def test_a_real_write_failure_is_an_oserror(tmp_path: Path):
     """A real I/O failure inside safetensors' writer (a 4 KiB file-size limit, no root needed)."""
-    out = subprocess.run([sys.executable, "-c", _FSIZE_CHILD, str(tmp_path / "x.safetensors")],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", _FSIZE_CHILD, str(tmp_path / "x.safetensors")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.stdout.split() == ["OSError", str(errno.EFBIG)], out.stdout + out.stderr[-2000:]
 
 

@@ -35,19 +35,46 @@ def main() -> int:
     if why:
         print(json.dumps({"ran": False, "why": why}))
         return 1
-    tc = SimpleNamespace(num_hidden_layers=8, hidden_size=64, vocab_size=128, max_position_embeddings=256,
-                         num_attention_heads=4, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-                         bos_token_id=1, eos_token_id=2, architectures=["LlamaForCausalLM"])  # fmt: skip
+    tc = SimpleNamespace(
+        num_hidden_layers=8,
+        hidden_size=64,
+        vocab_size=128,
+        max_position_embeddings=256,
+        num_attention_heads=4,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        bos_token_id=1,
+        eos_token_id=2,
+        architectures=["LlamaForCausalLM"],
+    )
     torch.manual_seed(0)
-    cfg = Eagle3Config(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                       head_dim=16, vocab_size=128, draft_vocab_size=32, target_hidden_size=64, aux_layer_ids=AUX,
-                       target_num_layers=8, max_position_embeddings=256)  # fmt: skip
+    cfg = Eagle3Config(
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=128,
+        draft_vocab_size=32,
+        target_hidden_size=64,
+        aux_layer_ids=AUX,
+        target_num_layers=8,
+        max_position_embeddings=256,
+    )
     d = Eagle3Draft(cfg)
     for p in d.parameters():
         torch.nn.init.normal_(p, std=0.2)
     d.set_vocab(torch.arange(5, 101, 3))
-    out = export_draft(d, Path(args.out) / "hf", target_config=tc, target_name="tiny", metrics={}, draft_version=1,
-                       policy_version=0, tokenizer_fingerprint="fp", overwrite=True)  # fmt: skip
+    out = export_draft(
+        d,
+        Path(args.out) / "hf",
+        target_config=tc,
+        target_name="tiny",
+        metrics={},
+        draft_version=1,
+        policy_version=0,
+        tokenizer_fingerprint="fp",
+        overwrite=True,
+    )
     rep = sglang_load(out, device=args.device)
     problems = [f"dropped {n}" for n in rep["dropped"]] + [f"unloaded {n}" for n in rep["unloaded"]]
     if not rep["hot_token_id_ok"]:

@@ -31,17 +31,28 @@ def _calibrate_round_cost(run: Path, args: argparse.Namespace) -> Path:
     ks = args.calibrate_k or sorted({1, settings.k if settings.k > 1 else 3})
     sizes = args.batch_sizes or sorted({1, settings.batch_size})
     tok = AutoTokenizer.from_pretrained(assets.resolve_model(recipe.target.model))
-    convs, _ = data.split_heldout(data.load_conversations(recipe.data.source), recipe.data.heldout,
-                                  recipe.data.split_seed)  # fmt: skip
-    prompts = [p.tolist() for p in build_prompts(tok, convs[rl.first_prompt :], max(sizes), rl.max_prompt_tokens)]
+    convs, _ = data.split_heldout(
+        data.load_conversations(recipe.data.source), recipe.data.heldout, recipe.data.split_seed
+    )
+    prompts = [
+        p.tolist() for p in build_prompts(tok, convs[rl.first_prompt :], max(sizes), rl.max_prompt_tokens)
+    ]
     set_cpu_env(rl.engine_kv_cache_gb)
     torch.set_num_threads(rl.num_threads)
     table = calibrate_round_cost(
-        recipe.target.model, draft, prompts, ks=ks, batch_sizes=sizes, temperature=rl.temperature,
+        recipe.target.model,
+        draft,
+        prompts,
+        ks=ks,
+        batch_sizes=sizes,
+        temperature=rl.temperature,
         draft_sample_method=VERIFY_TO_SAMPLE_METHOD.get(str(rl.verify_mode)),  # type: ignore[arg-type]
-        max_tokens=args.calibrate_tokens, dtype=recipe.target.dtype, max_model_len=rl.engine_max_model_len,
-        seed=recipe.seed, enforce_eager=True,
-    )  # fmt: skip
+        max_tokens=args.calibrate_tokens,
+        dtype=recipe.target.dtype,
+        max_model_len=rl.engine_max_model_len,
+        seed=recipe.seed,
+        enforce_eager=True,
+    )
     return table.save(run / ROUND_COST_FILE)
 
 

@@ -36,8 +36,12 @@ def _eval_conversations(args: argparse.Namespace) -> list:
     if args.heldout_seed is None:
         return convs
     if len(convs) <= args.prompts_pool:
-        log.info("eval: %s holds %d conversations (≤ --prompts-pool %d): evaluating all of them", args.data,
-                 len(convs), args.prompts_pool)  # fmt: skip
+        log.info(
+            "eval: %s holds %d conversations (≤ --prompts-pool %d): evaluating all of them",
+            args.data,
+            len(convs),
+            args.prompts_pool,
+        )
         return convs
     return data.split_heldout(convs, args.prompts_pool, args.heldout_seed)[1]
 
@@ -101,18 +105,36 @@ def cmd_eval(args: argparse.Namespace) -> int:
         set_cpu_env()  # a process-level choice: the CLI makes it
         try:
             res = evaluate_vllm(
-                str(args.target or manifest["target"]["name"]), draft_dir, target, draft.eval(), prompts,
-                eos_ids(target, tok), k=args.k, mode=args.verify_mode, temperature=args.temperature,
-                max_new_tokens=args.max_new_tokens, seed=args.seed, dtype=args.dtype,
+                str(args.target or manifest["target"]["name"]),
+                draft_dir,
+                target,
+                draft.eval(),
+                prompts,
+                eos_ids(target, tok),
+                k=args.k,
+                mode=args.verify_mode,
+                temperature=args.temperature,
+                max_new_tokens=args.max_new_tokens,
+                seed=args.seed,
+                dtype=args.dtype,
                 use_tqdm_on_load=bool(args.verbose),
-            )  # fmt: skip
+            )
         except EngineError as e:
             if args.engine == "vllm":
                 raise
             log.error("eval: vLLM could not serve this draft (%s); measuring with the reference decoder", e)
     if res is None:
-        res = evaluate(target, tok, draft.eval(), prompts, k=args.k, mode=args.verify_mode,
-                       temperature=args.temperature, max_new_tokens=args.max_new_tokens, seed=args.seed)
+        res = evaluate(
+            target,
+            tok,
+            draft.eval(),
+            prompts,
+            k=args.k,
+            mode=args.verify_mode,
+            temperature=args.temperature,
+            max_new_tokens=args.max_new_tokens,
+            seed=args.seed,
+        )
     if args.json:
         print(json.dumps(res))
     else:
@@ -126,10 +148,16 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     target, tok, draft, manifest, src = _load_target_and_draft(args.target, args.draft)
     out = export_draft(
-        draft, Path(args.out), dialect=args.dialect, target_config=target.config,
-        target_name=str(args.target or manifest["target"]["name"]), metrics=manifest.get("metrics", {}),
-        draft_version=int(manifest.get("draft_version", 0)), policy_version=int(manifest.get("policy_version", 0)),
-        tokenizer_fingerprint=tokenizer_fingerprint(tok), overwrite=args.overwrite,
+        draft,
+        Path(args.out),
+        dialect=args.dialect,
+        target_config=target.config,
+        target_name=str(args.target or manifest["target"]["name"]),
+        metrics=manifest.get("metrics", {}),
+        draft_version=int(manifest.get("draft_version", 0)),
+        policy_version=int(manifest.get("policy_version", 0)),
+        tokenizer_fingerprint=tokenizer_fingerprint(tok),
+        overwrite=args.overwrite,
         speculative_tokens=args.k,
     )
     print(f"exported {src} → {out} ({args.dialect} dialect)")
@@ -141,6 +169,10 @@ def cmd_export(args: argparse.Namespace) -> int:
         print(f"{res.client}: ran {res.ran}")
         for p in res.problems:
             print(f"{res.client}: {p}")
-        print(f"{res.client}: compatible" if not res.problems else f"{res.client}: {len(res.problems)} problem(s)")
+        print(
+            f"{res.client}: compatible"
+            if not res.problems
+            else f"{res.client}: {len(res.problems)} problem(s)"
+        )
         return 1 if res.problems else 0
     return 0

@@ -20,7 +20,9 @@ VLLM_LOG_STREAM = "ext://sys.stderr"
 
 
 def setup_logging(verbose: bool) -> None:
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format=_log_format(), datefmt="%H:%M:%S")
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO, format=_log_format(), datefmt="%H:%M:%S"
+    )
     for noisy in ("httpx", "urllib3", "filelock", "datasets"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     os.environ.setdefault("VLLM_LOGGING_STREAM", VLLM_LOG_STREAM)  # before anything imports vllm

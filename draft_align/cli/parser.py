@@ -15,6 +15,7 @@ DESCRIPTION = (
     "Logging is configured here and nowhere else.\n"
 )
 
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -24,11 +25,13 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"must be ≥ 1, got {value}")
     return value
 
+
 def _int_list(text: str) -> list[int]:
     values = [_positive_int(t) for t in text.split(",") if t.strip()]
     if not values:
         raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers ≥ 1")
     return values
+
 
 def build_parser() -> argparse.ArgumentParser:
     from draft_align.conventions import VERIFY_MODES
@@ -50,12 +53,16 @@ def build_parser() -> argparse.ArgumentParser:
     sc = sub.add_parser("sidecar", help="the online draft trainer: receive taps, train, gate, publish")
     sc.add_argument("recipe", help="co-training recipe YAML (see recipes/smollm2_cotrain.yaml)")
     sc.add_argument("overrides", nargs="*", help="key=value overrides")
-    sc.add_argument("--draft", default=None, help="starting draft (default: recipe `draft`, else the warm-start's)")
+    sc.add_argument(
+        "--draft", default=None, help="starting draft (default: recipe `draft`, else the warm-start's)"
+    )
     sc.add_argument("--exit-when-done", action="store_true", help="exit after the RL job's final step report")
     sc.add_argument("--max-seconds", type=float, default=None)
     sc.set_defaults(fn=cmd_sidecar)
 
-    ct = sub.add_parser("cotrain", help="an RL job (GRPO, LoRA policy) with the sidecar as a separate process")
+    ct = sub.add_parser(
+        "cotrain", help="an RL job (GRPO, LoRA policy) with the sidecar as a separate process"
+    )
     ct.add_argument("recipe")
     ct.add_argument("overrides", nargs="*")
     ct.add_argument("--draft", default=None)
@@ -71,25 +78,42 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("run_dir")
     rp.set_defaults(fn=cmd_report)
 
-    ad = sub.add_parser("advise", help="a run's step profile, projected speed-up of speculative decoding per k, "
-                                       "the best k, and advice")  # fmt: skip
+    ad = sub.add_parser(
+        "advise",
+        help="a run's step profile, projected speed-up of speculative decoding per k, the best k, and advice",
+    )
     ad.add_argument("run_dir")
-    ad.add_argument("--calibrate", action="store_true",
-                    help="first time plain and speculative vLLM engine steps at the run's batch size and 1 into "
-                         "RUN/round_cost.json (a few minutes on a CPU)")
-    ad.add_argument("--calibrate-k", type=_int_list, default=None, help="k values to time (default: 1 and the run's k)")
-    ad.add_argument("--batch-sizes", type=_int_list, default=None,
-                    help="batch sizes to time (default: the run's requests per generate call, and 1)")
-    ad.add_argument("--calibrate-tokens", type=_positive_int, default=32, help="tokens decoded per timed request")
+    ad.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="first time plain and speculative vLLM engine steps at the run's batch size and 1 into "
+        "RUN/round_cost.json (a few minutes on a CPU)",
+    )
+    ad.add_argument(
+        "--calibrate-k", type=_int_list, default=None, help="k values to time (default: 1 and the run's k)"
+    )
+    ad.add_argument(
+        "--batch-sizes",
+        type=_int_list,
+        default=None,
+        help="batch sizes to time (default: the run's requests per generate call, and 1)",
+    )
+    ad.add_argument(
+        "--calibrate-tokens", type=_positive_int, default=32, help="tokens decoded per timed request"
+    )
     ad.set_defaults(fn=cmd_advise)
 
     e = sub.add_parser("eval", help="acceptance of a draft: estimated and measured by speculative decoding")
     e.add_argument("--target", default=None, help="target model (default: the one named in the manifest)")
     e.add_argument("--draft", required=True, help="a published draft folder or a run folder (uses latest)")
     e.add_argument("--data", default="sharegpt", help="prompt source (same forms as warmstart)")
-    e.add_argument("--heldout-seed", type=int, default=0,
-                   help="take prompts from the held-out split with this seed (as warmstart does); -1: all. A "
-                        "source of at most --prompts-pool conversations is evaluated whole")
+    e.add_argument(
+        "--heldout-seed",
+        type=int,
+        default=0,
+        help="take prompts from the held-out split with this seed (as warmstart does); -1: all. A "
+        "source of at most --prompts-pool conversations is evaluated whole",
+    )
     e.add_argument("--prompts-pool", type=_positive_int, default=64, help="size of the held-out split")
     e.add_argument("--prompts", type=_positive_int, default=32)
     e.add_argument("--max-prompt-tokens", type=_positive_int, default=256)
@@ -99,11 +123,19 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--temperature", type=float, default=0.0)
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--threads", type=_positive_int, default=None)
-    e.add_argument("--engine", choices=["auto", "vllm", "reference"], default="auto",
-                   help="what decodes (measures): vLLM, batched, when installed (auto) or insisted on (vllm); "
-                        "reference: the lossless batch-1 decoder (the check). The JSON's `engine` says which")
-    e.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
-                   help="the target's dtype (HF scoring and vLLM)")
+    e.add_argument(
+        "--engine",
+        choices=["auto", "vllm", "reference"],
+        default="auto",
+        help="what decodes (measures): vLLM, batched, when installed (auto) or insisted on (vllm); "
+        "reference: the lossless batch-1 decoder (the check). The JSON's `engine` says which",
+    )
+    e.add_argument(
+        "--dtype",
+        choices=["bfloat16", "float32"],
+        default="bfloat16",
+        help="the target's dtype (HF scoring and vLLM)",
+    )
     e.add_argument("--json", action="store_true", help="print one JSON object")
     e.set_defaults(fn=cmd_eval)
 
@@ -114,8 +146,12 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--dialect", choices=["hf", "speculators"], default="hf")
     x.add_argument("--k", type=int, default=3, help="speculative tokens recorded in the speculators config")
     x.add_argument("--overwrite", action="store_true")
-    x.add_argument("--check", choices=["vllm", "sglang", "speculators"], default=None,
-                   help="load the written folder with that client's own loader when it is installed, else check "
-                        "it against the client's rules; prints which ran (exit 1 on problems)")
+    x.add_argument(
+        "--check",
+        choices=["vllm", "sglang", "speculators"],
+        default=None,
+        help="load the written folder with that client's own loader when it is installed, else check "
+        "it against the client's rules; prints which ran (exit 1 on problems)",
+    )
     x.set_defaults(fn=cmd_export)
     return ap

@@ -28,7 +28,9 @@ def cmd_fetch(args: argparse.Namespace) -> int:
 
     names = ["smollm2-135m", "sharegpt"] if args.what == "all" else [args.what]
     for name in names:
-        path = assets.fetch_smollm2(args.force) if name == "smollm2-135m" else assets.fetch_sharegpt(args.force)
+        path = (
+            assets.fetch_smollm2(args.force) if name == "smollm2-135m" else assets.fetch_sharegpt(args.force)
+        )
         print(f"{name}: {path}")
     return 0
 
@@ -86,8 +88,9 @@ def cmd_sidecar(args: argparse.Namespace) -> int:
     stop = threading.Event()  # SIGTERM / SIGINT: the loop ends, checkpoints and closes
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    state = run_sidecar(recipe, args.draft, exit_when_done=args.exit_when_done, max_seconds=args.max_seconds,
-                        stop=stop)
+    state = run_sidecar(
+        recipe, args.draft, exit_when_done=args.exit_when_done, max_seconds=args.max_seconds, stop=stop
+    )
     if not info.is_lead:
         print(f"sidecar rank {info.rank} stopped: {state.train_steps} train steps (rank 0 publishes)")
         return 0

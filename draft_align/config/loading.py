@@ -101,7 +101,9 @@ def recipe_to_dict(recipe: Recipe) -> dict[str, Any]:
     )
 
 
-RESOLVED_RECIPE = "cotrain_recipe.yaml"  # a co-training run folder's resolved recipe: the sidecar and advise read it
+RESOLVED_RECIPE = (
+    "cotrain_recipe.yaml"  # a co-training run folder's resolved recipe: the sidecar and advise read it
+)
 
 
 def save_recipe(recipe: Recipe, path: str | Path) -> Path:

@@ -78,13 +78,24 @@ class WarmstartRecipe(_RecipeHeader):
         check_loss_section("train", self.train)
         if self.eval.k < 1:
             raise RecipeError("eval.k must be ≥ 1")
-        check_positive(self, [("train.batch_tokens", 1), ("train.max_consecutive_nonfinite", 1),
-                              ("data.gen_batch_size", 1), ("data.gen_max_new_tokens", 1)])
+        check_positive(
+            self,
+            [
+                ("train.batch_tokens", 1),
+                ("train.max_consecutive_nonfinite", 1),
+                ("data.gen_batch_size", 1),
+                ("data.gen_max_new_tokens", 1),
+            ],
+        )
         if not self.data.gen_temperature >= 0:
-            raise RecipeError(f"data.gen_temperature must be ≥ 0 (0: greedy), got {self.data.gen_temperature}")
+            raise RecipeError(
+                f"data.gen_temperature must be ≥ 0 (0: greedy), got {self.data.gen_temperature}"
+            )
         if self.data.gen_engine == "vllm" and self.data.gen_temperature > VLLM_MAX_TEMPERATURE:
-            raise RecipeError(f"data.gen_temperature {self.data.gen_temperature}: vLLM samples at T ≤ "
-                              f"{VLLM_MAX_TEMPERATURE:g} only; use data.gen_engine=hf (or auto)")  # fmt: skip
+            raise RecipeError(
+                f"data.gen_temperature {self.data.gen_temperature}: vLLM samples at T ≤ "
+                f"{VLLM_MAX_TEMPERATURE:g} only; use data.gen_engine=hf (or auto)"
+            )
         budget = self.data.gen_time_budget_s
         if budget is not None and not budget >= 0:
             raise RecipeError(f"data.gen_time_budget_s must be ≥ 0 seconds or null (no limit), got {budget}")
@@ -128,7 +139,9 @@ class CotrainRecipe(_RecipeHeader):
                 "rl.verify_mode greedy (argmax everywhere) at T > 0 has no vLLM equivalent: use "
                 "greedy_draft (vLLM's default) or probabilistic, or rl.engine=reference"
             )
-        if self.rl.verify_mode == AUTO_VERIFY_MODE and (self.rl.engine != "vllm" or self.rl.engine_probe_prompts == 0):
+        if self.rl.verify_mode == AUTO_VERIFY_MODE and (
+            self.rl.engine != "vllm" or self.rl.engine_probe_prompts == 0
+        ):
             raise RecipeError(
                 "rl.verify_mode=auto chooses the draft sampling by measuring both on vLLM's probe prompts: it "
                 "needs rl.engine=vllm and rl.engine_probe_prompts > 0 (or choose greedy_draft | probabilistic)"
@@ -140,11 +153,15 @@ class CotrainRecipe(_RecipeHeader):
         if self.rl.group_size < 2:
             raise RecipeError("rl.group_size must be ≥ 2 (GRPO normalises within a group)")
         if self.rl.engine_probe_prompts < 0 or self.rl.engine_probe_tokens < 2:
-            raise RecipeError("rl.engine_probe_prompts must be ≥ 0 (0 turns the probe guard off) and "
-                              "rl.engine_probe_tokens ≥ 2 (one token gives no draft round)")
+            raise RecipeError(
+                "rl.engine_probe_prompts must be ≥ 0 (0 turns the probe guard off) and "
+                "rl.engine_probe_tokens ≥ 2 (one token gives no draft round)"
+            )
         if not 0.0 < self.rl.engine_probe_min_ratio <= 1.0:
-            raise RecipeError(f"rl.engine_probe_min_ratio must be in (0, 1] (to turn the probe guard off: "
-                              f"rl.engine_probe_prompts=0), got {self.rl.engine_probe_min_ratio}")
+            raise RecipeError(
+                f"rl.engine_probe_min_ratio must be in (0, 1] (to turn the probe guard off: "
+                f"rl.engine_probe_prompts=0), got {self.rl.engine_probe_min_ratio}"
+            )
         try:
             check_tap_budgets(self.tap.tokens_per_step, self.tap.max_tokens_per_message)  # the Tap's own rule
         except ValueError as e:
@@ -156,7 +173,9 @@ class CotrainRecipe(_RecipeHeader):
         if self.sidecar.anchor_decay < 0:
             raise RecipeError(f"sidecar.anchor_decay must be ≥ 0 (0: off), got {self.sidecar.anchor_decay}")
         if self.sidecar.lr_ramp_tokens < 0:
-            raise RecipeError(f"sidecar.lr_ramp_tokens must be ≥ 0 (0: off), got {self.sidecar.lr_ramp_tokens}")
+            raise RecipeError(
+                f"sidecar.lr_ramp_tokens must be ≥ 0 (0: off), got {self.sidecar.lr_ramp_tokens}"
+            )
         check_positive(
             self,
             [

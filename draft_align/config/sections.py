@@ -255,7 +255,9 @@ class RLConfig:
     temperature: float = 1.0
     spec_k: int = 3
     verify_mode: RolloutVerifyChoice = RolloutVerifyChoice("greedy_draft")  # auto: measured (vLLM, T > 0)
-    verify_recheck_every: int = 0  # verify_mode auto: measure again after this many new adapted drafts (0: once)
+    verify_recheck_every: int = (
+        0  # verify_mode auto: measure again after this many new adapted drafts (0: once)
+    )
     frozen_fraction: float = 0.5  # share of rollouts decoded with the frozen warm-start draft (lossless)
     reward: str = "enthusiasm"
     lr: float = 2e-4
@@ -278,6 +280,8 @@ class RLConfig:
     engine: EngineChoice = EngineChoice("auto")
     engine_kv_cache_gb: float = 1.0
     engine_max_model_len: int = 1024
-    engine_probe_prompts: int = 4  # silent-zero guard: held-out prompts decoded at T=0 after each new draft (0: off)
+    engine_probe_prompts: int = (
+        4  # silent-zero guard: held-out prompts decoded at T=0 after each new draft (0: off)
+    )
     engine_probe_tokens: int = 32
     engine_probe_min_ratio: float = 0.5  # alarm + rollback when L − 1 < ratio · (previous L − 1); in (0, 1]

@@ -51,7 +51,9 @@ def check_vllm(folder: Path) -> ClientCheck:
             problems: list[str] = []
         except Exception as e:  # noqa: BLE001 - the refusal is the finding
             problems = [f"{type(e).__name__}: {e}"]
-        return ClientCheck("vllm", False, "rule-based (vllm not installed): sha256, names, shapes, d2t", problems)
+        return ClientCheck(
+            "vllm", False, "rule-based (vllm not installed): sha256, names, shapes, d2t", problems
+        )
     from draft_align.engines.vllm.load_check import vllm_load_isolated
 
     rep = vllm_load_isolated(folder)
@@ -59,7 +61,9 @@ def check_vllm(folder: Path) -> ClientCheck:
     if rep.layout == "eagle3":
         hf, default = _eagle3_hf_ids(folder)
         if (rep.aux_ids is None) != default or (rep.aux_ids is not None and rep.aux_ids != hf):
-            problems.append(f"vLLM captures aux ids {rep.aux_ids or 'default'}, the draft was trained on {hf}")
+            problems.append(
+                f"vLLM captures aux ids {rep.aux_ids or 'default'}, the draft was trained on {hf}"
+            )
     return ClientCheck("vllm", True, f"real loader: vLLM {version} {rep.vllm_class}.load_weights", problems)
 
 
@@ -74,11 +78,17 @@ def check_sglang(folder: Path, target_config: Any) -> ClientCheck:
         problems = [f"dropped {n}" for n in rep["dropped"]] + [f"unloaded {n}" for n in rep["unloaded"]]
         if not rep["hot_token_id_ok"]:
             problems.append("hot_token_id != d2t + arange")
-        return ClientCheck("sglang", True, "real loader: SGLang LlamaForCausalLMEagle3.load_weights", problems)
+        return ClientCheck(
+            "sglang", True, "real loader: SGLang LlamaForCausalLMEagle3.load_weights", problems
+        )
     from draft_align.publish.sglang import check_sglang_compatible
 
-    return ClientCheck("sglang", False, f"rule-based (SGLang's loader not importable here: {why[:160]})",
-                       check_sglang_compatible(folder, target_config))  # fmt: skip
+    return ClientCheck(
+        "sglang",
+        False,
+        f"rule-based (SGLang's loader not importable here: {why[:160]})",
+        check_sglang_compatible(folder, target_config),
+    )
 
 
 def _speculators_rules(folder: Path) -> list[str]:
@@ -88,10 +98,14 @@ def _speculators_rules(folder: Path) -> list[str]:
         problems.append("not a speculators-dialect folder (export with --dialect speculators)")
         return problems
     if cfg.get("norm_before_residual") is not False:
-        problems.append("norm_before_residual must be written as false (vLLM's speculators reader defaults to true)")
+        problems.append(
+            "norm_before_residual must be written as false (vLLM's speculators reader defaults to true)"
+        )
     tl = cfg.get("transformer_layer_config") or {}
     if int(cfg.get("target_hidden_size") or tl.get("hidden_size", 0)) != int(tl.get("hidden_size", -1)):
-        problems.append("speculators builds fc as n_aux·hidden_size: target_hidden_size must equal hidden_size")
+        problems.append(
+            "speculators builds fc as n_aux·hidden_size: target_hidden_size must equal hidden_size"
+        )
     import safetensors
 
     with safetensors.safe_open(str(folder / WEIGHTS_FILE), "pt") as f:
@@ -112,12 +126,17 @@ def check_speculators(folder: Path, verifier: str | Path | None = None) -> Clien
     problems = [f"missing in speculators' model: {n}" for n in rep.missing]
     problems += [f"loaded value differs: {n}" for n in rep.differ] + rep.problems
     note = " (verifier embedding reloaded: transformers left it uninitialised)" if rep.embed_reloaded else ""
-    return ClientCheck("speculators", True,
-                       f"real loader: speculators {version} SpeculatorModel.from_pretrained → {rep.model_class}{note}",
-                       problems)  # fmt: skip
+    return ClientCheck(
+        "speculators",
+        True,
+        f"real loader: speculators {version} SpeculatorModel.from_pretrained → {rep.model_class}{note}",
+        problems,
+    )
 
 
-def check_with_client(folder: Path, client: str, target_config: Any, verifier: str | Path | None = None) -> ClientCheck:
+def check_with_client(
+    folder: Path, client: str, target_config: Any, verifier: str | Path | None = None
+) -> ClientCheck:
     """Run ``client``'s check on the published folder ``folder`` (its manifest sha256 verified first)."""
     folder = Path(folder)
     read_manifest(folder, verify=True)

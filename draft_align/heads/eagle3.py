@@ -76,7 +76,9 @@ class Eagle3Config:
     max_position_embeddings: int
     rms_norm_eps: float = 1e-5
     hidden_act: str = "silu"
-    rope_parameters: dict[str, Any] = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
+    rope_parameters: dict[str, Any] = field(
+        default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0}
+    )
     torch_dtype: str = "bfloat16"
 
     def __post_init__(self) -> None:
@@ -146,7 +148,9 @@ def check_aux_order(ids: tuple[int, ...]) -> None:
             f"longer match (the engines' default (2, L//2, L-3) collides for small L; set draft.aux_layer_ids)"
         )
     if list(ids) != sorted(ids):
-        raise DraftConfigError(f"aux_layer_ids {list(ids)} must be ascending (engines capture in layer order)")
+        raise DraftConfigError(
+            f"aux_layer_ids {list(ids)} must be ascending (engines capture in layer order)"
+        )
 
 
 ENGINE_NUM_AUX = 3  # vLLM and SGLang hard-code fc's input as 3·target_hidden_size
@@ -251,7 +255,9 @@ class Eagle3Draft(nn.Module):
 
         d2t, t2d = d2t_t2d(selected, self.cfg.vocab_size)
         if d2t.numel() != self.cfg.draft_vocab_size:
-            raise DraftConfigError(f"{d2t.numel()} selected ids for draft_vocab_size {self.cfg.draft_vocab_size}")
+            raise DraftConfigError(
+                f"{d2t.numel()} selected ids for draft_vocab_size {self.cfg.draft_vocab_size}"
+            )
         self.d2t.copy_(d2t)
         self.t2d.copy_(t2d)
 

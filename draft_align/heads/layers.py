@@ -243,8 +243,16 @@ def attend(
     outs = []
     for lo in range(0, m, c):
         hi = min(m, lo + c)
-        args = (q[:, :, lo:hi], k0, v0, mask, lo, hi, [x[:, :, lo:hi] for x in diag_k],
-                [x[:, :, lo:hi] for x in diag_v])
+        args = (
+            q[:, :, lo:hi],
+            k0,
+            v0,
+            mask,
+            lo,
+            hi,
+            [x[:, :, lo:hi] for x in diag_k],
+            [x[:, :, lo:hi] for x in diag_v],
+        )
         if recompute:
             from torch.utils.checkpoint import checkpoint
 
@@ -254,8 +262,16 @@ def attend(
     return torch.cat(outs, dim=1)
 
 
-def _attend_block(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, mask: PrefixMask, lo: int, hi: int,
-                  diag_k: list[torch.Tensor], diag_v: list[torch.Tensor]) -> torch.Tensor:
+def _attend_block(
+    q: torch.Tensor,
+    k0: torch.Tensor,
+    v0: torch.Tensor,
+    mask: PrefixMask,
+    lo: int,
+    hi: int,
+    diag_k: list[torch.Tensor],
+    diag_v: list[torch.Tensor],
+) -> torch.Tensor:
     return _attend_rows(q, k0, v0, mask.rows(lo, hi, k0.shape[2]), diag_k, diag_v)
 
 

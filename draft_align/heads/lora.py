@@ -75,16 +75,23 @@ def apply_lora(draft: nn.Module, settings: LoraSettings, seed: int = 0) -> nn.Mo
     if is_lora(draft):
         raise DraftConfigError("the draft already carries LoRA adapters")
     if draft.shares_target_head and "lm_head" in settings.target_modules:
-        raise DraftConfigError("an MTP head's lm_head is the target's (shared, frozen): it cannot take an adapter")
+        raise DraftConfigError(
+            "an MTP head's lm_head is the target's (shared, frozen): it cannot take an adapter"
+        )
     linear_names = {name.rsplit(".", 1)[-1] for name, m in draft.named_modules() if isinstance(m, nn.Linear)}
     unknown = sorted(set(settings.target_modules) - linear_names)
     if unknown:
-        raise DraftConfigError(f"LoRA target_modules {unknown} match no Linear of the draft (has {sorted(linear_names)})")
+        raise DraftConfigError(
+            f"LoRA target_modules {unknown} match no Linear of the draft (has {sorted(linear_names)})"
+        )
     for p in draft.parameters():
         p.requires_grad_(False)
     cfg = LoraConfig(
-        r=settings.rank, lora_alpha=settings.alpha, target_modules=list(settings.target_modules),
-        lora_dropout=settings.dropout, bias="none",
+        r=settings.rank,
+        lora_alpha=settings.alpha,
+        target_modules=list(settings.target_modules),
+        lora_dropout=settings.dropout,
+        bias="none",
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -110,12 +117,16 @@ def load_lora_state_dict(draft: nn.Module, tensors: dict[str, torch.Tensor]) -> 
     own = lora_state_dict(draft)
     missing, unexpected = sorted(set(own) - set(tensors)), sorted(set(tensors) - set(own))
     if missing or unexpected:
-        raise AdapterMismatchError(f"adapter tensors differ from the draft's: missing {missing}, unexpected {unexpected}")
+        raise AdapterMismatchError(
+            f"adapter tensors differ from the draft's: missing {missing}, unexpected {unexpected}"
+        )
     params = dict(draft.named_parameters())
     with torch.no_grad():
         for name, t in tensors.items():
             if tuple(t.shape) != tuple(own[name].shape):
-                raise AdapterMismatchError(f"{name} is {list(t.shape)}, the draft's adapter is {list(own[name].shape)}")
+                raise AdapterMismatchError(
+                    f"{name} is {list(t.shape)}, the draft's adapter is {list(own[name].shape)}"
+                )
             a, b = name.rsplit(".lora_", 1)
             p = params[f"{a}.lora_{b.split('.', 1)[0]}.default.{b.split('.', 1)[1]}"]
             p.copy_(t.to(p.device, p.dtype))
@@ -160,5 +171,9 @@ def strip_adapters(draft: nn.Module) -> None:
 
 def lora_settings(cfg: Any) -> LoraSettings:
     """LoraSettings from a recipe's ``lora`` section (``config.LoraAdaptConfig``)."""
-    return LoraSettings(rank=int(cfg.rank), alpha=float(cfg.alpha), target_modules=tuple(cfg.target_modules),
-                        dropout=float(cfg.dropout))
+    return LoraSettings(
+        rank=int(cfg.rank),
+        alpha=float(cfg.alpha),
+        target_modules=tuple(cfg.target_modules),
+        dropout=float(cfg.dropout),
+    )

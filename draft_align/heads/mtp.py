@@ -71,7 +71,9 @@ class MTPConfig:
     layout: str = "deepseek_v3"
     rms_norm_eps: float = 1e-5
     hidden_act: str = "silu"
-    rope_parameters: dict[str, Any] = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
+    rope_parameters: dict[str, Any] = field(
+        default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0}
+    )
     torch_dtype: str = "bfloat16"
 
     def __post_init__(self) -> None:
@@ -112,7 +114,9 @@ class MTPConfig:
         return self.layout == "deepseek_v3"
 
     @classmethod
-    def from_target(cls, target_config: Any, depth: int = 1, layout: str = "deepseek_v3", **overrides: Any) -> MTPConfig:
+    def from_target(
+        cls, target_config: Any, depth: int = 1, layout: str = "deepseek_v3", **overrides: Any
+    ) -> MTPConfig:
         """An MTP head whose block is shaped like one decoder layer of ``target_config`` (HF config)."""
         kwargs: dict[str, Any] = dict(
             **block_shape_from_target(target_config),
@@ -232,7 +236,9 @@ class MTPDraft(nn.Module):
         """Copy the target's lm_head ``weight`` [V, H] into the frozen shared head (e.g. from HeadSync)."""
         w = self.lm_head.weight
         if tuple(weight.shape) != tuple(w.shape):
-            raise DraftConfigError(f"lm_head {tuple(weight.shape)} does not fit this MTP head {tuple(w.shape)}")
+            raise DraftConfigError(
+                f"lm_head {tuple(weight.shape)} does not fit this MTP head {tuple(w.shape)}"
+            )
         with torch.no_grad():
             w.copy_(weight.detach().to(w.device, w.dtype))
 
@@ -282,7 +288,9 @@ class MTPDraft(nn.Module):
         aux = aux.detach()
         pos_all = torch.arange(t, device=input_ids.device).expand(b, t)
         m0 = self.layers[0]
-        x0 = m0.fuse(self._embed(embed, next_tokens(input_ids), pos_all), aux)  # [B, T, H] block inputs of step 0
+        x0 = m0.fuse(
+            self._embed(embed, next_tokens(input_ids), pos_all), aux
+        )  # [B, T, H] block inputs of step 0
         cos, sin = self.rotary(x0, pos_all)
         k0, v0 = m0.self_attn.kv(m0.input_layernorm(x0), cos, sin)
         mask = PrefixMask.chains(starts, starts_valid, valid)

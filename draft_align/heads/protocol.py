@@ -33,13 +33,29 @@ class DraftHead(Protocol):
         """The tensors an engine loads (names in this project's internal layout)."""
         ...
 
-    def unroll(self, aux: torch.Tensor, embed: nn.Module, input_ids: torch.Tensor, valid: torch.Tensor,
-               starts: torch.Tensor, starts_valid: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    def unroll(
+        self,
+        aux: torch.Tensor,
+        embed: nn.Module,
+        input_ids: torch.Tensor,
+        valid: torch.Tensor,
+        starts: torch.Tensor,
+        starts_valid: torch.Tensor,
+        steps: int,
+    ) -> list[torch.Tensor]:
         """Training-time-test unroll: draft logits [B, M, draft_vocab] per step."""
         ...
 
-    def unroll_hidden(self, aux: torch.Tensor, embed: nn.Module, input_ids: torch.Tensor, valid: torch.Tensor,
-                      starts: torch.Tensor, starts_valid: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    def unroll_hidden(
+        self,
+        aux: torch.Tensor,
+        embed: nn.Module,
+        input_ids: torch.Tensor,
+        valid: torch.Tensor,
+        starts: torch.Tensor,
+        starts_valid: torch.Tensor,
+        steps: int,
+    ) -> list[torch.Tensor]:
         """The same unroll, returning the pre-``lm_head`` hidden states [B, M, H] per step."""
         ...
 
@@ -47,7 +63,8 @@ class DraftHead(Protocol):
         """An empty per-sequence cache for :meth:`step`."""
         ...
 
-    def step(self, cache: Any, hidden: torch.Tensor, emb: torch.Tensor, positions: torch.Tensor,
-             from_target: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def step(
+        self, cache: Any, hidden: torch.Tensor, emb: torch.Tensor, positions: torch.Tensor, from_target: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Decode M new rows of one sequence: (draft logits [M, draft_vocab], hidden [M, H])."""
         ...

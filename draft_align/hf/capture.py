@@ -29,7 +29,6 @@ class TapCapture:
     final: torch.Tensor | None  # [B, T, H] final post-norm hidden state
 
 
-
 class HFTap:
     """Forward hooks on an HF causal LM that capture aux states (HF ``hidden_states`` indices) and the
     final post-norm hidden state.  Use as a context manager or ``attach()``/``detach()``."""
@@ -93,4 +92,3 @@ class HFTap:
         self._aux = {}
         self._final = None
         return cap
-

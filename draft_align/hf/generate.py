@@ -108,8 +108,11 @@ def sample_batch(
         attn = torch.cat((attn, torch.ones(attn.shape[0], 1, dtype=attn.dtype)), dim=1)
         last_pos = last_pos + 1
         out = model(
-            input_ids=nxt.unsqueeze(-1), attention_mask=attn, position_ids=last_pos,
-            past_key_values=cache, use_cache=True,
+            input_ids=nxt.unsqueeze(-1),
+            attention_mask=attn,
+            position_ids=last_pos,
+            past_key_values=cache,
+            use_cache=True,
         )
         logits = out.logits[:, -1].float()
     return result

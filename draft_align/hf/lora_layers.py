@@ -21,7 +21,7 @@ def decoder_layer_of(name: str) -> str | None:
     """``model.layers.7.self_attn.q_proj.weight`` → ``model.layers.7``; None outside the decoder layers."""
     if not name.startswith(LAYERS_PREFIX):
         return None
-    index = name[len(LAYERS_PREFIX):].split(".", 1)[0]
+    index = name[len(LAYERS_PREFIX) :].split(".", 1)[0]
     return LAYERS_PREFIX + index if index.isdigit() else None
 
 

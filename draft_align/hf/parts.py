@@ -13,11 +13,14 @@ from torch import nn
 class ModelLayoutError(ValueError):
     """The model is not a decoder-only HF LM with the expected parts."""
 
+
 def decoder_parts(model: nn.Module) -> tuple[nn.Module, nn.ModuleList, nn.Module, nn.Module]:
     """(embed_tokens, layers, final norm, lm_head) of an HF causal LM (Llama/Qwen/Mistral layout)."""
     inner = getattr(model, "model", None)
     if inner is None or not hasattr(inner, "layers") or not hasattr(inner, "norm"):
-        raise ModelLayoutError(f"{type(model).__name__}: expected .model.layers and .model.norm (a decoder-only HF LM)")
+        raise ModelLayoutError(
+            f"{type(model).__name__}: expected .model.layers and .model.norm (a decoder-only HF LM)"
+        )
     lm_head = model.get_output_embeddings()
     if lm_head is None:
         raise ModelLayoutError(f"{type(model).__name__} has no output embedding (lm_head)")

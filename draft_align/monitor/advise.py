@@ -169,7 +169,9 @@ def counter_acceptance(records: Sequence[Mapping[str, Any]], kind: str, mode: st
         steps.append(int(r["step"]))
     if rounds <= 0:
         return None
-    return AcceptanceSeries(kind, mode, "engine counters", tuple(a / rounds for a in num), tuple(steps), rounds)
+    return AcceptanceSeries(
+        kind, mode, "engine counters", tuple(a / rounds for a in num), tuple(steps), rounds
+    )
 
 
 def tap_acceptance(records: Sequence[Mapping[str, Any]], kind: str) -> list[AcceptanceSeries]:
@@ -211,7 +213,11 @@ def run_settings(run: Path, records: Sequence[Mapping[str, Any]], k: int) -> Run
         served = [v for r in records if (v := number(r.get("verify_probabilistic"))) is not None]
         mode = ("probabilistic" if served[-1] else "greedy_draft") if served else mode
     engine = "vllm" if any(number(r.get("engine_vllm")) for r in records) else "reference"
-    sizes = [int(v) for r in records if (v := number(r.get("rollouts_adapted")) or number(r.get("rollouts_frozen")))]
+    sizes = [
+        int(v)
+        for r in records
+        if (v := number(r.get("rollouts_adapted")) or number(r.get("rollouts_frozen")))
+    ]
     batch = 1 if engine == "reference" or not sizes else int(statistics.median_low(sizes))
     return RunSettings(k, mode, temperature, engine, batch)
 
@@ -249,8 +255,13 @@ class Advice:
         return self.acceptance[0]
 
 
-def _plain_generation(profile: StageProfile, counters: Mapping[str, AcceptanceSeries], serving: AcceptanceSeries,
-                      costs: CostModel | None, k: int) -> Labelled | None:  # fmt: skip
+def _plain_generation(
+    profile: StageProfile,
+    counters: Mapping[str, AcceptanceSeries],
+    serving: AcceptanceSeries,
+    costs: CostModel | None,
+    k: int,
+) -> Labelled | None:
     """T_plain = Σ_kind generate_s_kind · E_kind(k) / c(k) (projected): the same tokens without a draft."""
     c = costs.cost(k) if costs is not None else None
     if c is None:
@@ -264,8 +275,13 @@ def _plain_generation(profile: StageProfile, counters: Mapping[str, AcceptanceSe
     return Labelled(profile.generation_s * tokens_per_round(serving.rates, k) / c.value, PROJECTED)
 
 
-def _projection(series: AcceptanceSeries, costs: CostModel | None, batch: int, profile: StageProfile,
-                plain: Labelled | None) -> Projection:  # fmt: skip
+def _projection(
+    series: AcceptanceSeries,
+    costs: CostModel | None,
+    batch: int,
+    profile: StageProfile,
+    plain: Labelled | None,
+) -> Projection:
     rows = tuple(project(series.rates, series.k, costs, K_MAX))
     speedups: dict[int, Labelled] = {}
     step_s: dict[int, Labelled] = {}
@@ -292,8 +308,14 @@ def speedup_text(v: Labelled | None, digits: int = 2) -> str:
     return "–" if v is None else f"{v.value:.{digits}f}× {v.label}"
 
 
-def advice_lines(settings: RunSettings, serving: Projection, costs: CostModel | None, profile: StageProfile,
-                 other_batches: Mapping[int, KRow | None], run_name: str) -> list[str]:  # fmt: skip
+def advice_lines(
+    settings: RunSettings,
+    serving: Projection,
+    costs: CostModel | None,
+    profile: StageProfile,
+    other_batches: Mapping[int, KRow | None],
+    run_name: str,
+) -> list[str]:
     """The advice rules (module docstring), in order: acceptance, k, on/off at this batch size, end to end."""
     s = serving.series
     lines = []
@@ -304,48 +326,69 @@ def advice_lines(settings: RunSettings, serving: Projection, costs: CostModel | 
             f"k={s.k}) is below {100 * LOW_ACCEPTANCE:.0f}%: a larger or in-domain draft pays more than tuning k"
         )
     else:
-        lines.append(f"acceptance rate {100 * rate:.0f}% measured is at or above {100 * LOW_ACCEPTANCE:.0f}%: "
-                     "the draft is not the first thing to change")  # fmt: skip
+        lines.append(
+            f"acceptance rate {100 * rate:.0f}% measured is at or above {100 * LOW_ACCEPTANCE:.0f}%: "
+            "the draft is not the first thing to change"
+        )
     if costs is None:
-        lines.append(f"the round cost is not measured for this run: `draft-align advise {run_name} --calibrate` "
-                     "measures it with vLLM (plain vs speculative engine steps at the run's batch size)")  # fmt: skip
+        lines.append(
+            f"the round cost is not measured for this run: `draft-align advise {run_name} --calibrate` "
+            "measures it with vLLM (plain vs speculative engine steps at the run's batch size)"
+        )
         return lines
     best = serving.best
     if best is None:
         return lines
     chosen = next((r for r in serving.rows if r.k == settings.k), None)
     if costs.b is None:
-        lines.append(f"only k={', '.join(map(str, sorted(costs.measured)))} has a measured round cost: calibrate a "
-                     "second k (`--calibrate-k 1,3`) to compare k")  # fmt: skip
+        lines.append(
+            f"only k={', '.join(map(str, sorted(costs.measured)))} has a measured round cost: calibrate a "
+            "second k (`--calibrate-k 1,3`) to compare k"
+        )
     elif chosen is not None and chosen.speedup is not None and settings.k != best.k:
         if settings.k > best.k:
-            lines.append(f"rl.spec_k={settings.k} is beyond the best k={best.k} at batch size {serving.batch_size}: "
-                         f"{speedup_text(chosen.speedup)} vs {speedup_text(best.speedup)}; set rl.spec_k={best.k}")  # fmt: skip
+            lines.append(
+                f"rl.spec_k={settings.k} is beyond the best k={best.k} at batch size {serving.batch_size}: "
+                f"{speedup_text(chosen.speedup)} vs {speedup_text(best.speedup)}; set rl.spec_k={best.k}"
+            )
         else:
-            lines.append(f"a larger k projects faster at batch size {serving.batch_size}: k={best.k} "
-                         f"{speedup_text(best.speedup)} vs rl.spec_k={settings.k} {speedup_text(chosen.speedup)} (positions beyond "
-                         f"k={s.k} are extrapolated)")  # fmt: skip
+            lines.append(
+                f"a larger k projects faster at batch size {serving.batch_size}: k={best.k} "
+                f"{speedup_text(best.speedup)} vs rl.spec_k={settings.k} {speedup_text(chosen.speedup)} (positions beyond "
+                f"k={s.k} are extrapolated)"
+            )
     if best.speedup is not None and best.speedup.value < 1.0:
-        pays = sorted(b for b, r in other_batches.items() if r is not None and r.speedup is not None
-                      and r.speedup.value >= 1.0)  # fmt: skip
+        pays = sorted(
+            b
+            for b, r in other_batches.items()
+            if r is not None and r.speedup is not None and r.speedup.value >= 1.0
+        )
         where = (
-            "; it pays at batch size " + ", ".join(
-                f"{b} (k={other_batches[b].k}: {speedup_text(other_batches[b].speedup)})" for b in pays  # type: ignore[union-attr]
+            "; it pays at batch size "
+            + ", ".join(
+                f"{b} (k={other_batches[b].k}: {speedup_text(other_batches[b].speedup)})"
+                for b in pays  # type: ignore[union-attr]
             )
             if pays
             else f"; it pays at none of the calibrated batch sizes ({', '.join(map(str, sorted(other_batches)))})"
             if other_batches
             else ""
         )
-        lines.append(f"speculative decoding is projected slower than plain decoding at batch size "
-                     f"{serving.batch_size} (best k={best.k}: {speedup_text(best.speedup)}): decode batches of this size "
-                     f"without a draft{where}")  # fmt: skip
+        lines.append(
+            f"speculative decoding is projected slower than plain decoding at batch size "
+            f"{serving.batch_size} (best k={best.k}: {speedup_text(best.speedup)}): decode batches of this size "
+            f"without a draft{where}"
+        )
     else:
-        lines.append(f"best k={best.k} at batch size {serving.batch_size}: rollouts {speedup_text(best.speedup)}")
+        lines.append(
+            f"best k={best.k} at batch size {serving.batch_size}: rollouts {speedup_text(best.speedup)}"
+        )
     if profile.step_s > 0 and best.k in serving.step_speedup:
         share = profile.generation_s / profile.step_s
-        lines.append(f"generation is {100 * share:.0f}% of the step (measured): at k={best.k} the whole step is "
-                     f"{speedup_text(serving.step_speedup[best.k])} vs plain decoding (Amdahl)")  # fmt: skip
+        lines.append(
+            f"generation is {100 * share:.0f}% of the step (measured): at k={best.k} the whole step is "
+            f"{speedup_text(serving.step_speedup[best.k])} vs plain decoding (Amdahl)"
+        )
     return lines
 
 
@@ -363,7 +406,9 @@ def advise_run(run_dir: str | os.PathLike[str]) -> Advice:
     half = records[len(records) // 2 :]
     k_logged = _rate_keys(records, "accept_r", "_adapted") or _rate_keys(records, "accept_r", "_frozen")
     settings = run_settings(run, records, k_logged)
-    counters = {kind: c for kind in DRAFT_KINDS if (c := counter_acceptance(half, kind, settings.verify_mode))}
+    counters = {
+        kind: c for kind in DRAFT_KINDS if (c := counter_acceptance(half, kind, settings.verify_mode))
+    }
     if not counters:
         raise AdviseError(
             f"{source}: no engine acceptance counters (accept_r<i>_adapted with accept_rounds_adapted > 0) in the "
@@ -382,8 +427,22 @@ def advise_run(run_dir: str | os.PathLike[str]) -> Advice:
     batch = costs.batch_size if costs is not None else settings.batch_size
     plain = _plain_generation(profile, counters, serving, costs, serving.k)
     projections = [_projection(serving, costs, batch, profile, plain)]
-    projections += [_projection(t, costs, batch, profile, plain) for t in taps if t.verify_mode != serving.verify_mode]
+    projections += [
+        _projection(t, costs, batch, profile, plain) for t in taps if t.verify_mode != serving.verify_mode
+    ]
     acceptance = (serving, *(c for c in counters.values() if c is not serving), *taps)
     lines = advice_lines(settings, projections[0], costs, profile, other, str(run))
-    return Advice(run.resolve().name, source, settings, profile, acceptance, table, costs, _run_spec_step_s(records),
-                  plain, tuple(projections), other, tuple(lines))  # fmt: skip
+    return Advice(
+        run.resolve().name,
+        source,
+        settings,
+        profile,
+        acceptance,
+        table,
+        costs,
+        _run_spec_step_s(records),
+        plain,
+        tuple(projections),
+        other,
+        tuple(lines),
+    )

@@ -43,7 +43,10 @@ def calibrate(
     k = measured.k
     dev = next(target.parameters()).device
     sequences = [
-        (torch.tensor(list(p), dtype=torch.long, device=dev), torch.tensor(list(o), dtype=torch.long, device=dev))
+        (
+            torch.tensor(list(p), dtype=torch.long, device=dev),
+            torch.tensor(list(o), dtype=torch.long, device=dev),
+        )
         for p, o in zip(prompts, outputs, strict=True)
     ]
     est = estimate(target, draft, sequences, k, mode, float(temperature))

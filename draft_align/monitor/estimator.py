@@ -171,6 +171,9 @@ def estimate(
             ids = torch.cat((prompt, response.to(prompt.device)))
             logits, q, starts = _unroll_scores(target, draft, ids, prompt.numel(), k, tap)
             d2t = draft.draft_to_target.to(logits.device)
-            pool.add(_alpha(logits, q, starts, d2t, mode, temperature), _observed(ids, q, starts, d2t),
-                     _valid(starts, k, ids.numel()))
+            pool.add(
+                _alpha(logits, q, starts, d2t, mode, temperature),
+                _observed(ids, q, starts, d2t),
+                _valid(starts, k, ids.numel()),
+            )
     return {**pool.result(mode, temperature), "num_tokens": num_tokens, "num_sequences": len(sequences)}

@@ -23,10 +23,19 @@ from draft_align.monitor.acceptance import AcceptanceTally, VerifyMode
 from draft_align.monitor.estimator import estimate
 from draft_align.monitor.specdec import SpecDecoder
 
-REQUIRED_KEYS = frozenset({
-    "engine", "acceptance_length_est", "acceptance_length_measured", "per_position_est", "per_position_measured",
-    "k", "verify_mode", "temperature", "num_tokens",
-})  # what `draft-align eval --json` promises
+REQUIRED_KEYS = frozenset(
+    {
+        "engine",
+        "acceptance_length_est",
+        "acceptance_length_measured",
+        "per_position_est",
+        "per_position_measured",
+        "k",
+        "verify_mode",
+        "temperature",
+        "num_tokens",
+    }
+)  # what `draft-align eval --json` promises
 
 
 def eos_ids(target: nn.Module, tokenizer: Any | None) -> set[int]:
@@ -73,8 +82,17 @@ def evaluate(
         measured.merge(tally)
         sequences.append((prompt.flatten(), out))
     decode_s = time.perf_counter() - start
-    return scored(target, draft, sequences, measured, mode=mode, temperature=temperature, engine="reference",
-                  seconds_decode=decode_s, started=start)
+    return scored(
+        target,
+        draft,
+        sequences,
+        measured,
+        mode=mode,
+        temperature=temperature,
+        engine="reference",
+        seconds_decode=decode_s,
+        started=start,
+    )
 
 
 def scored(

@@ -236,7 +236,12 @@ class LiveTable:
     """
 
     def __init__(
-        self, monitor_path: str | os.PathLike[str], out: IO[str], *, row_wait_s: float = 30.0, poll_s: float = 0.2,
+        self,
+        monitor_path: str | os.PathLike[str],
+        out: IO[str],
+        *,
+        row_wait_s: float = 30.0,
+        poll_s: float = 0.2,
         sidecar_alive: Callable[[], bool] = lambda: True,
     ) -> None:
         if row_wait_s < 0 or poll_s <= 0:
@@ -286,7 +291,9 @@ class LiveTable:
             rec = parse_line(line, str(self._tail.path))
             step = number(rec.get("step")) if rec is not None else None
             if rec is not None and step is not None:
-                self._sidecar.setdefault(int(step), {}).update({k: v for k, v in rec.items() if v is not None})
+                self._sidecar.setdefault(int(step), {}).update(
+                    {k: v for k, v in rec.items() if v is not None}
+                )
 
     def _print_ready(self, final: bool) -> None:
         with self._lock:

@@ -16,8 +16,11 @@ def logprob_gap(engine: torch.Tensor, recomputed: torch.Tensor) -> dict[str, flo
     if engine.shape != recomputed.shape:
         raise ValueError(f"log-prob gap: shapes differ {tuple(engine.shape)} vs {tuple(recomputed.shape)}")
     if engine.numel() == 0:
-        return {"engine_logprob_gap_mean": math.nan, "engine_logprob_gap_abs_mean": math.nan,
-                "engine_logprob_gap_abs_max": math.nan}  # fmt: skip
+        return {
+            "engine_logprob_gap_mean": math.nan,
+            "engine_logprob_gap_abs_mean": math.nan,
+            "engine_logprob_gap_abs_max": math.nan,
+        }
     d = engine.double() - recomputed.double()
     return {
         "engine_logprob_gap_mean": float(d.mean()),

@@ -138,12 +138,16 @@ class KRow:
     speedup: Labelled | None
 
 
-def project(rates: Sequence[float], measured_k: int, costs: CostModel | None, k_max: int = K_MAX) -> list[KRow]:
+def project(
+    rates: Sequence[float], measured_k: int, costs: CostModel | None, k_max: int = K_MAX
+) -> list[KRow]:
     """Rows k = 1..k_max.  E(k) is measured only at ``measured_k`` (the k the rates were measured at: there
     E(k) is the measured mean acceptance length); everywhere else, and every speed-up, is projected."""
     rows = []
     for k in range(1, k_max + 1):
-        e = Labelled(tokens_per_round(rates, k), MEASURED if k == measured_k and k <= len(rates) else PROJECTED)
+        e = Labelled(
+            tokens_per_round(rates, k), MEASURED if k == measured_k and k <= len(rates) else PROJECTED
+        )
         c = costs.cost(k) if costs is not None else None
         s = Labelled(e.value / c.value, PROJECTED) if c is not None else None
         rows.append(KRow(k, e, c, s))
@@ -161,7 +165,8 @@ def best_k(rows: Sequence[KRow]) -> KRow | None:
 def amdahl(plain_generation_s: float, rest_s: float, speedup: float) -> float:
     """S = (T_rest + T_plain) / (T_rest + T_plain / s): the whole step's speed-up when only generation speeds up."""
     if plain_generation_s < 0 or rest_s < 0 or speedup <= 0:
-        raise ProjectionError(f"amdahl needs times ≥ 0 and a speed-up > 0, got {plain_generation_s}, {rest_s}, "
-                              f"{speedup}")  # fmt: skip
+        raise ProjectionError(
+            f"amdahl needs times ≥ 0 and a speed-up > 0, got {plain_generation_s}, {rest_s}, {speedup}"
+        )
     total = rest_s + plain_generation_s
     return total / (rest_s + plain_generation_s / speedup) if total > 0 else 1.0

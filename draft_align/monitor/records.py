@@ -66,10 +66,14 @@ def _check(draft: Eagle3Draft, rows: torch.Tensor, rec: TappedRecord, k: int) ->
     if k < 1:
         raise RecordEstimateError(f"k must be ≥ 1, got {k}")
     if rows.dim() != 2 or rows.shape[0] != cfg.draft_vocab_size:
-        raise RecordEstimateError(f"rows {tuple(rows.shape)} must be [draft_vocab_size={cfg.draft_vocab_size}, H]")
+        raise RecordEstimateError(
+            f"rows {tuple(rows.shape)} must be [draft_vocab_size={cfg.draft_vocab_size}, H]"
+        )
     r = rec.record
     if r.aux.shape[1] != cfg.fc_in_features:
-        raise RecordEstimateError(f"record aux width {r.aux.shape[1]} ≠ the draft's fc input {cfg.fc_in_features}")
+        raise RecordEstimateError(
+            f"record aux width {r.aux.shape[1]} ≠ the draft's fc input {cfg.fc_in_features}"
+        )
     if r.final.shape[1] != rows.shape[1]:
         raise RecordEstimateError(f"record final width {r.final.shape[1]} ≠ rows width {rows.shape[1]}")
 
@@ -209,4 +213,3 @@ def estimate_records(
         "num_tokens": num_tokens,
         "num_sequences": len(records),
     }
-

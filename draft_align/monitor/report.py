@@ -206,16 +206,28 @@ def figure(records: Sequence[dict[str, Any]], title: str = "") -> Any:
     fig = Figure(figsize=(8.0, 9.0), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
     ax_acc, ax_ver, ax_kl = fig.subplots(3, 1, sharex=True, height_ratios=(3, 1.2, 2))
-    for kind, label, color, marker in (("adapted", "measured, adapted draft", "C0", "o"),
-                                       ("frozen", "measured, frozen draft", "C1", "s")):
+    for kind, label, color, marker in (
+        ("adapted", "measured, adapted draft", "C0", "o"),
+        ("frozen", "measured, frozen draft", "C1", "s"),
+    ):
         key = f"accept_measured_{kind}"
         xs, ys = series(records, key)
         if xs:
             by_step = {r["step"]: r for r in records}
             err = [measured_interval(by_step[x], kind) for x in xs]
             yerr = [e if e is not None else 0.0 for e in err] if any(e is not None for e in err) else None
-            ax_acc.errorbar(xs, ys, yerr=yerr, label=label + (" (±95%, rounds)" if yerr else ""), color=color,
-                            marker=marker, markersize=4, linestyle="-", capsize=3, elinewidth=0.8)
+            ax_acc.errorbar(
+                xs,
+                ys,
+                yerr=yerr,
+                label=label + (" (±95%, rounds)" if yerr else ""),
+                color=color,
+                marker=marker,
+                markersize=4,
+                linestyle="-",
+                capsize=3,
+                elinewidth=0.8,
+            )
     est_lines = (
         ("accept_est_adapted", "estimated, adapted draft", "C0", "--"),
         ("accept_est_frozen", "estimated, frozen draft", "C1", "--"),
@@ -234,8 +246,10 @@ def figure(records: Sequence[dict[str, Any]], title: str = "") -> Any:
     else:
         ax_acc.text(0.5, 0.5, "no acceptance data", ha="center", va="center", transform=ax_acc.transAxes)
 
-    for key, label, color, style in (("draft_version", "serving the adapted rollouts", "C0", "-"),
-                                     ("sidecar_draft_version", "newest published (sidecar)", "C7", ":")):
+    for key, label, color, style in (
+        ("draft_version", "serving the adapted rollouts", "C0", "-"),
+        ("sidecar_draft_version", "newest published (sidecar)", "C7", ":"),
+    ):
         xs, ys = series(records, key)
         if xs:
             ax_ver.step(xs, ys, where="mid", color=color, linestyle=style, marker=".", label=label)

@@ -80,8 +80,11 @@ class RoundCostTable:
         return min(have, key=lambda b: (abs(math.log(b / batch_size)), b))
 
     def to_dict(self) -> dict[str, Any]:
-        return {"source": self.source, "details": dict(self.details),
-                "timings": [vars(t) for t in self.timings]}  # fmt: skip
+        return {
+            "source": self.source,
+            "details": dict(self.details),
+            "timings": [vars(t) for t in self.timings],
+        }
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> RoundCostTable:

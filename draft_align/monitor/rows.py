@@ -60,7 +60,9 @@ class SidecarStats:
     restarts: int
     # heads dropped after sidecar.max_consecutive_nonfinite non-finite steps in a row
     nonfinite_alarms: int = 0
-    held_dropped: int = 0  # tapped records left out of their step's estimate (bound reached; they still train)
+    held_dropped: int = (
+        0  # tapped records left out of their step's estimate (bound reached; they still train)
+    )
     rl_restarts: int = 0  # HeadSync policy-version regressions, handled as RL restarts
     old_version_batches: int = 0  # TapBatches older than the head in use (kept under the version they name)
     untapped_heads: int = 0  # HeadSyncs replaced before any TapBatch of their version came

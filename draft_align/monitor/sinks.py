@@ -78,14 +78,20 @@ class JsonlSink:
 class WandbSink:
     """wandb logging; a failure to start it is logged and disables it (logging must never stop training)."""
 
-    def __init__(self, run_dir: Path, logging_config: LoggingConfig, name: str, config: dict[str, Any]) -> None:
+    def __init__(
+        self, run_dir: Path, logging_config: LoggingConfig, name: str, config: dict[str, Any]
+    ) -> None:
         self.run: Any = None
         try:
             import wandb
 
             self.run = wandb.init(
-                project=logging_config.wandb_project, name=name, dir=str(run_dir), mode=logging_config.wandb_mode,
-                config=config, reinit="finish_previous",
+                project=logging_config.wandb_project,
+                name=name,
+                dir=str(run_dir),
+                mode=logging_config.wandb_mode,
+                config=config,
+                reinit="finish_previous",
             )
         except Exception as e:  # noqa: BLE001 - logging must never stop training
             log.warning("wandb disabled: %s", e)
@@ -99,7 +105,9 @@ class WandbSink:
             self.run.finish()
 
 
-def _serve(registry: Any, host: str, port: int, timeout_s: float, max_connections: int) -> tuple[Any, threading.Thread]:
+def _serve(
+    registry: Any, host: str, port: int, timeout_s: float, max_connections: int
+) -> tuple[Any, threading.Thread]:
     """A threaded WSGI server for ``registry`` whose connections time out after ``timeout_s`` without a byte
     and of which at most ``max_connections`` are served at once (prometheus_client's own has neither)."""
     from socketserver import ThreadingMixIn
@@ -120,7 +128,9 @@ def _serve(registry: Any, host: str, port: int, timeout_s: float, max_connection
         request_queue_size = 128  # listen backlog: a burst of connections is accepted (and refused) quickly
 
         def handle_error(self, request: Any, client_address: Any) -> None:
-            log.debug("Prometheus connection from %s dropped", client_address, exc_info=True)  # e.g. timed out
+            log.debug(
+                "Prometheus connection from %s dropped", client_address, exc_info=True
+            )  # e.g. timed out
 
         def process_request(self, request: Any, client_address: Any) -> None:
             if not slots.acquire(blocking=False):
@@ -152,8 +162,15 @@ class PromSink:
     see ``.port``).  A field that is None or not a number leaves its gauge at the last value set.  Names,
     bounds and the server's limits: the module docstring.  PromError when the port cannot be bound."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, max_gauges: int = 1000, timeout_s: float = 5.0,
-                 max_connections: int = 32) -> None:
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        max_gauges: int = 1000,
+        timeout_s: float = 5.0,
+        max_connections: int = 32,
+    ) -> None:
         from prometheus_client import CollectorRegistry
 
         self._lock = threading.Lock()
@@ -225,8 +242,14 @@ class Sinks:
     """A loop's sinks: ``metrics`` (training scalars and row series), optional ``wandb`` (the same), optional
     ``monitor`` (one JSON line per row) and optional ``prom``."""
 
-    def __init__(self, metrics: JsonlSink, *, wandb: WandbSink | None = None, monitor: JsonlSink | None = None,
-                 prom: PromSink | None = None) -> None:
+    def __init__(
+        self,
+        metrics: JsonlSink,
+        *,
+        wandb: WandbSink | None = None,
+        monitor: JsonlSink | None = None,
+        prom: PromSink | None = None,
+    ) -> None:
         self.metrics = metrics
         self.wandb = wandb
         self.monitor = monitor
@@ -258,15 +281,26 @@ class Sinks:
             self.wandb.close()
 
 
-def open_sinks(run_dir: Path, logging_config: LoggingConfig, name: str, config: dict[str, Any], *,
-               monitor: Path | None = None, prom: PromSink | None = None) -> Sinks:
+def open_sinks(
+    run_dir: Path,
+    logging_config: LoggingConfig,
+    name: str,
+    config: dict[str, Any],
+    *,
+    monitor: Path | None = None,
+    prom: PromSink | None = None,
+) -> Sinks:
     """``<run_dir>/metrics.jsonl``, wandb when ``logging.wandb`` is on and its mode is not ``disabled``
     (``config``: the resolved recipe, recorded in the wandb run), a monitor file and a Prometheus sink."""
     run_dir.mkdir(parents=True, exist_ok=True)
     lc = logging_config
     wandb = WandbSink(run_dir, lc, name, config) if lc.wandb and lc.wandb_mode != "disabled" else None
-    return Sinks(JsonlSink(run_dir / METRICS_FILE), wandb=wandb,
-                 monitor=JsonlSink(monitor) if monitor is not None else None, prom=prom)
+    return Sinks(
+        JsonlSink(run_dir / METRICS_FILE),
+        wandb=wandb,
+        monitor=JsonlSink(monitor) if monitor is not None else None,
+        prom=prom,
+    )
 
 
 def write_port_file(path: str | os.PathLike[str], port: int) -> Path:
@@ -298,4 +332,3 @@ def read_port_file(path: str | os.PathLike[str]) -> int:
     if not 0 < port < 65536:
         raise ValueError(f"{path}: port {port} out of range 1..65535")
     return port
-

@@ -63,10 +63,18 @@ def export_draft(
     LoRA adapters are merged first (engines load plain weights).
     """
     req = ExportRequest(
-        target_config=target_config, target_name=target_name, metrics=metrics, draft_version=draft_version,
-        policy_version=policy_version, tokenizer_fingerprint=tokenizer_fingerprint, dtype=dtype,
-        extra_manifest=extra_manifest, overwrite=overwrite, dialect=dialect, speculative_tokens=speculative_tokens,
-    )  # fmt: skip
+        target_config=target_config,
+        target_name=target_name,
+        metrics=metrics,
+        draft_version=draft_version,
+        policy_version=policy_version,
+        tokenizer_fingerprint=tokenizer_fingerprint,
+        dtype=dtype,
+        extra_manifest=extra_manifest,
+        overwrite=overwrite,
+        dialect=dialect,
+        speculative_tokens=speculative_tokens,
+    )
     write_draft(draft, out_dir, req)
     return Path(out_dir)
 

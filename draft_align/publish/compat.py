@@ -24,8 +24,11 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
     roles = getattr(tokenizer, "special_tokens_map", None) or {}
     payload = json.dumps(
         {"vocab": vocab, "special_tokens": special, "special_tokens_map": roles},
-        sort_keys=True, ensure_ascii=False, separators=(",", ":"), default=str,
-    )  # fmt: skip
+        sort_keys=True,
+        ensure_ascii=False,
+        separators=(",", ":"),
+        default=str,
+    )
     return hashlib.sha256(payload.encode("utf-8")).hexdigest()[:16]
 
 

@@ -37,5 +37,8 @@ def block_config_fields(cfg: Any) -> dict[str, Any]:
 
 def special_token_ids(target_config: Any) -> dict[str, Any]:
     """The target's bos/eos token ids that it sets (config.json copies them)."""
-    return {key: value for key in ("bos_token_id", "eos_token_id")
-            if (value := getattr(target_config, key, None)) is not None}
+    return {
+        key: value
+        for key in ("bos_token_id", "eos_token_id")
+        if (value := getattr(target_config, key, None)) is not None
+    }

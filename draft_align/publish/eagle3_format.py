@@ -251,7 +251,9 @@ def speculators_config(
 
 
 # --------------------------------------------------------------------------------------- tensors
-def engine_tensors(draft: Eagle3Draft, dtype: torch.dtype, dialect: Dialect = "hf") -> dict[str, torch.Tensor]:
+def engine_tensors(
+    draft: Eagle3Draft, dtype: torch.dtype, dialect: Dialect = "hf"
+) -> dict[str, torch.Tensor]:
     """The tensors model.safetensors holds: floats cast to ``dtype`` (and checked finite), d2t int64, t2d bool;
     under ``speculators`` the layer is named ``layers.0.*`` instead of ``midlayer.*``."""
     out = {}
@@ -297,13 +299,18 @@ def write_eagle3(draft: Eagle3Draft, out_dir: Path, req: ExportRequest) -> dict[
     if dialect == "hf":
         config = hf_config(cfg, req.target_config, dtype_name)
     else:
-        config = speculators_config(cfg, req.target_config, dtype_name, req.target_name, req.speculative_tokens)
+        config = speculators_config(
+            cfg, req.target_config, dtype_name, req.target_name, req.speculative_tokens
+        )
     tensors = engine_tensors(draft, req.dtype, dialect)
     aux = aux_id_conventions(cfg.aux_layer_ids, cfg.target_num_layers)
     manifest = draft_manifest(
-        {"format": EAGLE3_FORMAT, "format_version": FORMAT_VERSION, "dialect": dialect}, req,
-        architecture=config["architectures"][0], aux_layer_ids={**aux, "note": _AUX_NOTE},
-        draft_vocab_size=cfg.draft_vocab_size, head_config={"eagle3_config": cfg.to_dict()},
+        {"format": EAGLE3_FORMAT, "format_version": FORMAT_VERSION, "dialect": dialect},
+        req,
+        architecture=config["architectures"][0],
+        aux_layer_ids={**aux, "note": _AUX_NOTE},
+        draft_vocab_size=cfg.draft_vocab_size,
+        head_config={"eagle3_config": cfg.to_dict()},
     )
     publish_folder(out_dir, tensors, manifest, config=config, overwrite=req.overwrite)
     return manifest

@@ -37,11 +37,26 @@ MANIFEST_FILE = "manifest.json"
 C = TypeVar("C")
 
 #: Manifest keys every draft format writes; ``extra_manifest`` may not shadow them.
-RESERVED_KEYS = frozenset({
-    "format", "format_version", "dialect", "architecture", "files", "draft_version", "policy_version",
-    "target", "aux_layer_ids", "draft_vocab_size", "tokenizer_fingerprint", "created", "draft_align_version",
-    "dtype", "metrics", "eagle3_config",
-})  # fmt: skip
+RESERVED_KEYS = frozenset(
+    {
+        "format",
+        "format_version",
+        "dialect",
+        "architecture",
+        "files",
+        "draft_version",
+        "policy_version",
+        "target",
+        "aux_layer_ids",
+        "draft_vocab_size",
+        "tokenizer_fingerprint",
+        "created",
+        "draft_align_version",
+        "dtype",
+        "metrics",
+        "eagle3_config",
+    }
+)
 
 
 class ExportError(ValueError):
@@ -162,8 +177,9 @@ def _rename_into_place(tmp: Path, out_dir: Path, overwrite: bool) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def check_destination(out_dir: Path, overwrite: bool, extra_manifest: dict[str, Any] | None,
-                      reserved: frozenset[str] | set[str]) -> None:
+def check_destination(
+    out_dir: Path, overwrite: bool, extra_manifest: dict[str, Any] | None, reserved: frozenset[str] | set[str]
+) -> None:
     """Refuse an ``out_dir`` that exists (unless ``overwrite`` and it is a real folder) and
     ``extra_manifest`` keys that would shadow the manifest's own ``reserved`` keys."""
     if os.path.lexists(out_dir):

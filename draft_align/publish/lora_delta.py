@@ -110,7 +110,11 @@ def export_adapter(
     manifest = {
         "format": DELTA_FORMAT,
         "format_version": DELTA_FORMAT_VERSION,
-        "base": {"sha256": base_sha, "draft_version": base_man.get("draft_version"), "format": base_man["format"]},
+        "base": {
+            "sha256": base_sha,
+            "draft_version": base_man.get("draft_version"),
+            "format": base_man["format"],
+        },
         "lora": settings.to_dict(),
         "merged_sha256": merged_sha,
         "dtype": float_dtype_name(dtype),
@@ -138,7 +142,9 @@ def read_delta_manifest(delta_dir: Path) -> dict[str, Any]:
     info = man["files"][ADAPTER_FILE]
     sha, size = digest(delta_dir / ADAPTER_FILE)
     if sha != info["sha256"] or size != info["bytes"]:
-        raise AdapterMismatchError(f"{delta_dir / ADAPTER_FILE}: sha256/size differ from the manifest (corrupt)")
+        raise AdapterMismatchError(
+            f"{delta_dir / ADAPTER_FILE}: sha256/size differ from the manifest (corrupt)"
+        )
     return man
 
 
@@ -168,21 +174,35 @@ def load_adapter(delta_dir: Path, base_dir: Path) -> tuple[nn.Module, dict[str, 
 
 
 def publish_adapter(
-    delta_dir: Path, base_dir: Path, out_dir: Path, *, target_config: Any, target_name: str,
-    tokenizer_fingerprint: str, metrics: dict[str, Any] | None = None,
+    delta_dir: Path,
+    base_dir: Path,
+    out_dir: Path,
+    *,
+    target_config: Any,
+    target_name: str,
+    tokenizer_fingerprint: str,
+    metrics: dict[str, Any] | None = None,
 ) -> Path:
     """Rebuild the merged draft of a delta (:func:`load_adapter`) and publish it as a plain engine-format
     folder; its model.safetensors must hash to the delta's merged sha256 (else the folder is removed)."""
     draft, man = load_adapter(delta_dir, base_dir)
     out = Path(out_dir)
     req = ExportRequest(
-        target_config=target_config, target_name=target_name, metrics=metrics or {},
-        draft_version=int(man["draft_version"]), policy_version=int(man["policy_version"]),
-        tokenizer_fingerprint=tokenizer_fingerprint, dtype=float_dtype(man.get("dtype", "bfloat16")),
-        extra_manifest={"lora_delta": {"base_sha256": man["base"]["sha256"], "merged_sha256": man["merged_sha256"]}},
+        target_config=target_config,
+        target_name=target_name,
+        metrics=metrics or {},
+        draft_version=int(man["draft_version"]),
+        policy_version=int(man["policy_version"]),
+        tokenizer_fingerprint=tokenizer_fingerprint,
+        dtype=float_dtype(man.get("dtype", "bfloat16")),
+        extra_manifest={
+            "lora_delta": {"base_sha256": man["base"]["sha256"], "merged_sha256": man["merged_sha256"]}
+        },
     )
     written = weights_sha256(write_draft(draft, out, req))
     if written != man["merged_sha256"]:
         shutil.rmtree(out, ignore_errors=True)
-        raise AdapterMismatchError(f"published weights hash to {written[:16]}…, expected {man['merged_sha256'][:16]}…")
+        raise AdapterMismatchError(
+            f"published weights hash to {written[:16]}…, expected {man['merged_sha256'][:16]}…"
+        )
     return out

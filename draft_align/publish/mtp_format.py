@@ -49,12 +49,16 @@ from draft_align.publish.folder import (
 MTP_FORMAT_VERSION = 1
 ARCHITECTURES = {"deepseek_v3": "DeepSeekMTPModel", "qwen3_next": "Qwen3NextMTP"}
 _BLOCK = (
-    "input_layernorm.weight", "post_attention_layernorm.weight",
+    "input_layernorm.weight",
+    "post_attention_layernorm.weight",
     *(f"self_attn.{p}_proj.weight" for p in "qkvo"),
     *(f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")),
-)  # fmt: skip
-_FUSE = {"enorm.weight": "pre_fc_norm_embedding.weight", "hnorm.weight": "pre_fc_norm_hidden.weight",
-         "eh_proj.weight": "fc.weight"}  # ours (per depth) → Qwen3-Next (shared by all depths)
+)
+_FUSE = {
+    "enorm.weight": "pre_fc_norm_embedding.weight",
+    "hnorm.weight": "pre_fc_norm_hidden.weight",
+    "eh_proj.weight": "fc.weight",
+}  # ours (per depth) → Qwen3-Next (shared by all depths)
 
 
 # --------------------------------------------------------------------------------------- name maps
@@ -89,12 +93,19 @@ def _expected_shapes(cfg: MTPConfig) -> dict[str, tuple[int, ...]]:
     h, hd, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
     block = {
-        "enorm.weight": (h,), "hnorm.weight": (h,), "eh_proj.weight": (h, 2 * h),
-        "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
-        "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h), "self_attn.v_proj.weight": (kv, h),
-        "self_attn.o_proj.weight": (h, q), "mlp.gate_proj.weight": (inter, h), "mlp.up_proj.weight": (inter, h),
+        "enorm.weight": (h,),
+        "hnorm.weight": (h,),
+        "eh_proj.weight": (h, 2 * h),
+        "input_layernorm.weight": (h,),
+        "post_attention_layernorm.weight": (h,),
+        "self_attn.q_proj.weight": (q, h),
+        "self_attn.k_proj.weight": (kv, h),
+        "self_attn.v_proj.weight": (kv, h),
+        "self_attn.o_proj.weight": (h, q),
+        "mlp.gate_proj.weight": (inter, h),
+        "mlp.up_proj.weight": (inter, h),
         "mlp.down_proj.weight": (h, inter),
-    }  # fmt: skip
+    }
     out = {f"layers.{d}.{k}": v for d in range(cfg.depth) for k, v in block.items()}
     out["norm.weight"] = (h,)
     out["lm_head.weight"] = (cfg.vocab_size, h)
@@ -136,8 +147,11 @@ def head_copies(cfg: MTPConfig, layout: str) -> list[tuple[str, str]]:
     if layout != "deepseek_v3":
         return []
     n = cfg.target_num_layers
-    return [(f"model.layers.{n}.shared_head.{part}.weight", f"model.layers.{n + d}.shared_head.{part}.weight")
-            for d in range(1, cfg.depth) for part in ("norm", "head")]
+    return [
+        (f"model.layers.{n}.shared_head.{part}.weight", f"model.layers.{n + d}.shared_head.{part}.weight")
+        for d in range(1, cfg.depth)
+        for part in ("norm", "head")
+    ]
 
 
 def with_layout(draft: MTPDraft, layout: str) -> MTPDraft:
@@ -180,15 +194,19 @@ def from_layout(
         hint = "mtp.fc.weight"
     if not ns or depth_found == 0:
         other = "qwen3_next" if layout == "deepseek_v3" else "deepseek_v3"
-        looks_other = any(k.startswith("mtp.") for k in tensors) if layout == "deepseek_v3" else any(
-            re.match(r"^model\.layers\.(\d+)\.eh_proj", k) for k in tensors
+        looks_other = (
+            any(k.startswith("mtp.") for k in tensors)
+            if layout == "deepseek_v3"
+            else any(re.match(r"^model\.layers\.(\d+)\.eh_proj", k) for k in tensors)
         )
         raise ExportError(
             f"no MTP weights in the {layout} layout (expected {hint} and its block)"
             + (f"; the checkpoint looks like the {other} layout" if looks_other else "")
         )
     if depth_found != cfg.depth:
-        raise ExportError(f"MTP depth mismatch: the checkpoint has {depth_found} MTP layers, the config expects {cfg.depth}")
+        raise ExportError(
+            f"MTP depth mismatch: the checkpoint has {depth_found} MTP layers, the config expects {cfg.depth}"
+        )
     names = layout_names(cfg, layout)
     inverse = {theirs: ours for ours, theirs in names.items()}
     head_name = names["lm_head.weight"]
@@ -200,15 +218,21 @@ def from_layout(
     if lm_head is not None or head_name not in ns:
         expected.discard(head_name)
     missing = sorted(expected - set(ns))
-    unexpected = sorted(set(ns) - set(names.values()) - dup_names - ({head_name} if lm_head is not None else set()))
+    unexpected = sorted(
+        set(ns) - set(names.values()) - dup_names - ({head_name} if lm_head is not None else set())
+    )
     if head_name not in ns and lm_head is None:
         raise ExportError(f"the checkpoint has no {head_name}: pass the target's lm_head")
     if missing or unexpected:
-        raise ExportError(f"MTP tensor names differ from the {layout} layout: missing {missing}, unexpected {unexpected}")
+        raise ExportError(
+            f"MTP tensor names differ from the {layout} layout: missing {missing}, unexpected {unexpected}"
+        )
     for first, copies in extra_dup.items():
         for c in copies:
             if c in ns and not torch.equal(ns[c], ns[first]):
-                raise ExportError(f"{c} differs from {first}: this head shares one final norm and head across depths")
+                raise ExportError(
+                    f"{c} differs from {first}: this head shares one final norm and head across depths"
+                )
     shapes = _expected_shapes(cfg)
     eh = names["layers.0.eh_proj.weight"]
     if tuple(ns[eh].shape) != shapes["layers.0.eh_proj.weight"]:
@@ -259,7 +283,11 @@ def import_mtp(
 
 
 def import_mtp_from_folder(
-    path: Path, layout: str, *, depth: int | None = None, device: str | torch.device = "cpu",
+    path: Path,
+    layout: str,
+    *,
+    depth: int | None = None,
+    device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
 ) -> MTPDraft:
     """The native MTP head of an HF checkpoint folder (config.json + ``*.safetensors`` shards).
@@ -279,7 +307,9 @@ def import_mtp_from_folder(
         raise ExportError(f"{path}: no readable config.json ({e})") from e
     n = int(getattr(tc, "num_nextn_predict_layers", 0) or 0) if depth is None else int(depth)
     if n < 1:
-        raise ExportError(f"{path}: config.json declares no MTP layers (num_nextn_predict_layers); pass depth")
+        raise ExportError(
+            f"{path}: config.json declares no MTP layers (num_nextn_predict_layers); pass depth"
+        )
     cfg = MTPConfig.from_target(tc, depth=n, layout=layout)
     shards = sorted(path.glob("*.safetensors"))
     if not shards:
@@ -301,7 +331,10 @@ def import_mtp_from_folder(
                 if wanted(name):
                     tensors[name] = f.get_tensor(name)
     lm_head = tensors.pop("lm_head.weight", None) if layout == "deepseek_v3" else None
-    if layout == "deepseek_v3" and f"model.layers.{cfg.target_num_layers}.shared_head.head.weight" not in tensors:
+    if (
+        layout == "deepseek_v3"
+        and f"model.layers.{cfg.target_num_layers}.shared_head.head.weight" not in tensors
+    ):
         return import_mtp(tensors, cfg, lm_head=lm_head, device=device, dtype=dtype)
     return import_mtp(tensors, cfg, device=device, dtype=dtype)
 
@@ -321,7 +354,9 @@ def validate_mtp(draft: MTPDraft, target_config: Any) -> None:
             raise ExportError(f"{what} mismatch: MTP head built for {mine}, target has {theirs}")
     target_max = int(target_config.max_position_embeddings)
     if cfg.max_position_embeddings < target_max:
-        raise ExportError(f"max_position_embeddings {cfg.max_position_embeddings} is smaller than the target's {target_max}")
+        raise ExportError(
+            f"max_position_embeddings {cfg.max_position_embeddings} is smaller than the target's {target_max}"
+        )
     check_rope(cfg.rope_parameters, target_config)
     for name, t in draft.engine_state_dict().items():
         check_finite(name, t)
@@ -367,10 +402,15 @@ def write_mtp(draft: MTPDraft, out_dir: Path, req: ExportRequest) -> dict[str, A
     cfg = dataclasses.replace(draft.cfg, torch_dtype=dtype_name)
     config = mtp_config_json(cfg, req.target_config, dtype_name)
     manifest = draft_manifest(
-        {"format": MTP_FORMAT, "format_version": MTP_FORMAT_VERSION, "layout": layout}, req,
+        {"format": MTP_FORMAT, "format_version": MTP_FORMAT_VERSION, "layout": layout},
+        req,
         architecture=config["architectures"][0],
-        aux_layer_ids={"hf": list(cfg.aux_layer_ids), "note": "MTP reads the final post-norm hidden (HF index L)"},
-        draft_vocab_size=cfg.vocab_size, head_config={"mtp_config": cfg.to_dict()},
+        aux_layer_ids={
+            "hf": list(cfg.aux_layer_ids),
+            "note": "MTP reads the final post-norm hidden (HF index L)",
+        },
+        draft_vocab_size=cfg.vocab_size,
+        head_config={"mtp_config": cfg.to_dict()},
     )
     publish_folder(out_dir, tensors, manifest, config=config, overwrite=req.overwrite)
     return manifest
@@ -388,5 +428,7 @@ def load_mtp(
     path = Path(path)
     cfg = read_head_config(path, manifest, "mtp_config", MTPConfig.from_dict)
     if manifest.get("layout") != cfg.layout:
-        raise ExportError(f"{path / MANIFEST_FILE}: layout {manifest.get('layout')!r} ≠ mtp_config.layout {cfg.layout!r}")
+        raise ExportError(
+            f"{path / MANIFEST_FILE}: layout {manifest.get('layout')!r} ≠ mtp_config.layout {cfg.layout!r}"
+        )
     return import_mtp(read_weights(path), cfg, device=device, dtype=dtype)

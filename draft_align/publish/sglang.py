@@ -27,9 +27,16 @@ from draft_align.publish.folder import CONFIG_FILE, MANIFEST_FILE, WEIGHTS_FILE
 NUM_AUX = ENGINE_NUM_AUX  # fc = Linear(3 · target_hidden_size, hidden_size)
 _FLOAT_DTYPES = {"BF16", "F16", "F32"}
 _INT_FIELDS = (
-    "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-    "max_position_embeddings", "vocab_size", "draft_vocab_size", "target_hidden_size",
-)  # fmt: skip
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+    "vocab_size",
+    "draft_vocab_size",
+    "target_hidden_size",
+)
 
 
 def sglang_default_capture(num_layers: int) -> list[int]:
@@ -60,12 +67,15 @@ class ConfigShape:
     def from_config(cls, config: Mapping[str, Any]) -> ConfigShape:
         h = int(config["hidden_size"])
         return cls(
-            hidden_size=h, intermediate_size=int(config["intermediate_size"]),
+            hidden_size=h,
+            intermediate_size=int(config["intermediate_size"]),
             num_attention_heads=int(config["num_attention_heads"]),
-            num_key_value_heads=int(config["num_key_value_heads"]), head_dim=int(config["head_dim"]),
+            num_key_value_heads=int(config["num_key_value_heads"]),
+            head_dim=int(config["head_dim"]),
             fc_in_features=NUM_AUX * int(config.get("target_hidden_size", h)),
-            draft_vocab_size=int(config["draft_vocab_size"]), vocab_size=int(config["vocab_size"]),
-        )  # fmt: skip
+            draft_vocab_size=int(config["draft_vocab_size"]),
+            vocab_size=int(config["vocab_size"]),
+        )
 
 
 def expected_shapes(config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
@@ -82,8 +92,11 @@ def _check_config(c: Mapping[str, Any]) -> list[str]:
     p: list[str] = []
     arch = c.get("architectures")
     if arch != [ARCHITECTURE]:
-        hint = " (speculators dialect: SGLang has no loader for it; export --dialect hf)" if (
-            "speculators_model_type" in c) else ""  # fmt: skip
+        hint = (
+            " (speculators dialect: SGLang has no loader for it; export --dialect hf)"
+            if ("speculators_model_type" in c)
+            else ""
+        )
         p.append(f"config.architectures is {arch!r}, SGLang needs [{ARCHITECTURE!r}]{hint}")
     if c.get("model_type") != "llama":
         p.append(

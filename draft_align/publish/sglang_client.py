@@ -51,8 +51,13 @@ def sglang_load(folder: Path, device: str = "cuda") -> dict[str, Any]:
     raw = json.loads((folder / CONFIG_FILE).read_text())
     config = LlamaConfig(**{k: v for k, v in raw.items() if k != "model_type"})
     set_global_server_args_for_scheduler(ServerArgs(model_path=str(folder), speculative_algorithm="EAGLE3"))
-    init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                 distributed_init_method=f"file://{folder.parent / '.sglang-dist-init'}")  # fmt: skip
+    init_distributed_environment(
+        world_size=1,
+        rank=0,
+        local_rank=0,
+        backend="gloo",
+        distributed_init_method=f"file://{folder.parent / '.sglang-dist-init'}",
+    )
     initialize_model_parallel(1, 1)
     with torch.device(device):
         model = LlamaForCausalLMEagle3(config)

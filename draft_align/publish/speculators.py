@@ -110,7 +110,9 @@ def speculators_load(
     if manifest_path.exists():
         hf_ids = json.loads(manifest_path.read_text()).get("aux_layer_ids", {}).get("hf")
         if hf_ids is not None and list(hf_ids) != rep.aux_ids:
-            rep.problems.append(f"speculators resolves aux ids {rep.aux_ids}, the draft was trained on {hf_ids}")
+            rep.problems.append(
+                f"speculators resolves aux ids {rep.aux_ids}, the draft was trained on {hf_ids}"
+            )
     return model, rep
 
 
@@ -146,14 +148,18 @@ def import_speculators(folder: Path, target_config: Any) -> Eagle3Draft:
     folder = Path(folder)
     cfg = json.loads((folder / CONFIG_FILE).read_text())
     if cfg.get("speculators_model_type") != "eagle3":
-        raise ExportError(f"{folder / CONFIG_FILE}: speculators_model_type {cfg.get('speculators_model_type')!r} "
-                          f"is not eagle3")
+        raise ExportError(
+            f"{folder / CONFIG_FILE}: speculators_model_type {cfg.get('speculators_model_type')!r} "
+            f"is not eagle3"
+        )
     tl = dict(cfg.get("transformer_layer_config") or {})
     set_flags = [f for f in _FORWARD_FLAGS if cfg.get(f)]
     if set_flags:
         raise ExportError(f"speculators draft sets {set_flags}: draft_align's head computes none of them")
     if int(tl.get("num_hidden_layers", 1)) != 1:
-        raise ExportError(f"speculators draft has {tl['num_hidden_layers']} layers; draft_align's head has one")
+        raise ExportError(
+            f"speculators draft has {tl['num_hidden_layers']} layers; draft_align's head has one"
+        )
     if tl.get("model_type", "llama") != "llama":
         raise ExportError(f"transformer_layer_config.model_type {tl.get('model_type')!r}: only llama blocks")
     from transformers import LlamaConfig
@@ -164,12 +170,18 @@ def import_speculators(folder: Path, target_config: Any) -> Eagle3Draft:
     hidden = int(shape["hidden_size"])
     target_hidden = int(cfg.get("target_hidden_size") or hidden)
     if int(target_config.hidden_size) != target_hidden:
-        raise ExportError(f"draft target_hidden_size {target_hidden} != the target's {target_config.hidden_size}")
+        raise ExportError(
+            f"draft target_hidden_size {target_hidden} != the target's {target_config.hidden_size}"
+        )
     draft_vocab = int(cfg.get("draft_vocab_size") or shape["vocab_size"])
     ecfg = Eagle3Config(
-        **shape, draft_vocab_size=draft_vocab, target_hidden_size=target_hidden, aux_layer_ids=aux,
-        target_num_layers=n_layers, torch_dtype=str(tl.get("torch_dtype") or cfg.get("torch_dtype") or "bfloat16"),
-    )  # fmt: skip
+        **shape,
+        draft_vocab_size=draft_vocab,
+        target_hidden_size=target_hidden,
+        aux_layer_ids=aux,
+        target_num_layers=n_layers,
+        torch_dtype=str(tl.get("torch_dtype") or cfg.get("torch_dtype") or "bfloat16"),
+    )
     raw = safetensors.torch.load_file(str(folder / WEIGHTS_FILE))
     tensors = {engine_name(k): v for k, v in raw.items() if k not in SPECULATORS_ONLY}
     if "d2t" not in tensors:  # speculators stores no map when the draft vocab is the target's

@@ -73,7 +73,9 @@ def check_folder_version(path: Path, manifest: dict[str, Any]) -> int | None:
         return None
     got = manifest.get("draft_version")
     if isinstance(got, bool) or not isinstance(got, int) or got != want:
-        raise ExportError(f"{path}: manifest says draft_version {got!r}, the folder is version {want}: refused")
+        raise ExportError(
+            f"{path}: manifest says draft_version {got!r}, the folder is version {want}: refused"
+        )
     return want
 
 
@@ -113,7 +115,9 @@ def prune_versions(run_dir: Path, keep: int, protect: tuple[Path, ...] = ()) -> 
                 shutil.rmtree(gone, ignore_errors=True)
         deleted.append(v)
     if deleted:
-        log.info("retention: deleted draft versions %s (keeping the newest %d and latest)", sorted(deleted), keep)
+        log.info(
+            "retention: deleted draft versions %s (keeping the newest %d and latest)", sorted(deleted), keep
+        )
     return deleted
 
 
@@ -227,9 +231,14 @@ def publish_version(
     v = max(next_version(run_dir), int(at_least))
     out = version_dir(run_dir, v)
     req = ExportRequest(
-        target_config=target_config, target_name=target_name, metrics=metrics, draft_version=v,
-        policy_version=policy_version, tokenizer_fingerprint=tokenizer_fingerprint, extra_manifest=extra_manifest,
-    )  # fmt: skip
+        target_config=target_config,
+        target_name=target_name,
+        metrics=metrics,
+        draft_version=v,
+        policy_version=policy_version,
+        tokenizer_fingerprint=tokenizer_fingerprint,
+        extra_manifest=extra_manifest,
+    )
     manifest = write_draft(draft, out, req)  # leaves no temp folder when it fails
     try:
         write_latest(run_dir, out)
@@ -242,14 +251,24 @@ def publish_version(
     delta: Path | None = None
     if delta_base is not None:
         try:
-            info = export_adapter(draft, adapter_dir(run_dir, v), Path(delta_base), draft_version=v,
-                                  policy_version=policy_version, metrics=metrics)
+            info = export_adapter(
+                draft,
+                adapter_dir(run_dir, v),
+                Path(delta_base),
+                draft_version=v,
+                policy_version=policy_version,
+                metrics=metrics,
+            )
         except (AdapterMismatchError, ExportError) as e:
             if strict_delta:
                 raise
             log.warning("adapter delta v%04d not published: %s", v, e)
         else:
             delta = info.path
-            log.info("published adapter delta v%04d (%d bytes, merged sha256 %s…)", v, info.bytes,
-                     info.merged_sha256[:12])
+            log.info(
+                "published adapter delta v%04d (%d bytes, merged sha256 %s…)",
+                v,
+                info.bytes,
+                info.merged_sha256[:12],
+            )
     return Published(v, out, manifest, weights_sha256(manifest), delta)

@@ -36,10 +36,20 @@ log = logging.getLogger(__name__)
 # Config fields that must equal the frozen draft's: what the Tap captures and the vocab map HeadSync ships
 # (fixed for a run), and the shapes an engine loads a new version into in place.
 _FIXED_FIELDS = (
-    "aux_layer_ids", "vocab_size", "draft_vocab_size", "target_hidden_size", "target_num_layers", "hidden_size",
-    "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
-    "rms_norm_eps", "rope_parameters",
-)  # fmt: skip
+    "aux_layer_ids",
+    "vocab_size",
+    "draft_vocab_size",
+    "target_hidden_size",
+    "target_num_layers",
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+    "rms_norm_eps",
+    "rope_parameters",
+)
 
 Signature = tuple[str, int, int, int]
 
@@ -120,8 +130,9 @@ class DraftSource:
         if not torch.equal(draft.draft_to_target.cpu(), self.frozen.draft_to_target.cpu()):
             raise ExportError("config mismatch: draft_to_target differs from the frozen draft's vocab map")
 
-    def verify(self, path: Path, sha256: str | None = None,
-               announced: int | None = None) -> tuple[DraftVersion, DraftHead]:
+    def verify(
+        self, path: Path, sha256: str | None = None, announced: int | None = None
+    ) -> tuple[DraftVersion, DraftHead]:
         """Load the version at ``path`` with its files verified and check that it fits; ``sha256``/``announced``:
         the weights digest and version a notification announced, which must be the folder's; the manifest's
         ``draft_version`` must be the folder name's.  Raises ExportError / OSError."""
@@ -129,7 +140,9 @@ class DraftSource:
         check_folder_version(path, manifest)
         version = DraftVersion.of(path, manifest)
         if sha256 is not None and version.sha256 != sha256:
-            raise CorruptCheckpointError("the notification's sha256 differs from the folder's (rewritten since?)")
+            raise CorruptCheckpointError(
+                "the notification's sha256 differs from the folder's (rewritten since?)"
+            )
         if announced is not None and version.version != announced:
             raise ExportError(f"the notification announced v{announced}, the folder is v{version.version}")
         self.check_fits(draft)
@@ -174,14 +187,22 @@ class DraftSource:
         except (ExportError, CorruptCheckpointError, OSError, KeyError, TypeError, ValueError) as e:
             return self._fail(f"{path} rejected", e, sig)
         if version.version <= self.current_version:
-            log.info("draft refresh: %s is v%04d, not newer than v%04d", path, version.version, self.current_version)
+            log.info(
+                "draft refresh: %s is v%04d, not newer than v%04d",
+                path,
+                version.version,
+                self.current_version,
+            )
             self._skip.add(sig)  # not an error, but nothing to re-read until it changes
             return False
         self.adapted = draft.requires_grad_(False).eval()
         self.adapted_version = version
         self.refreshes += 1
         log.info(
-            "draft refresh: loaded v%04d (policy version %d) from %s%s", version.version, version.policy_version,
-            path, " (notified)" if sha256 is not None else "",
+            "draft refresh: loaded v%04d (policy version %d) from %s%s",
+            version.version,
+            version.policy_version,
+            path,
+            " (notified)" if sha256 is not None else "",
         )
         return True

@@ -134,8 +134,15 @@ class GRPOJob:
         self.last_rollouts: list[Rollout] = []  # the latest step's rollouts (for inspection)
         self.steps_path = self.run_dir / "rl" / STEPS_FILE
         self.extra_metrics = extra_metrics  # e.g. the wire sender's counters, merged into each step's metrics
-        self.engine: RolloutEngine = engine if engine is not None else ReferenceRollouts(
-            policy.hf_model, drafts, rl.spec_k, rl.verify_mode  # type: ignore[arg-type]
+        self.engine: RolloutEngine = (
+            engine
+            if engine is not None
+            else ReferenceRollouts(
+                policy.hf_model,
+                drafts,
+                rl.spec_k,
+                rl.verify_mode,  # type: ignore[arg-type]
+            )
         )
 
     # ----------------------------------------------------------------- loop
@@ -156,9 +163,7 @@ class GRPOJob:
     def wait_for_first_draft(self) -> None:
         """At start only: poll for a first published draft for up to ``rl.wait_for_draft_s`` (0 = do not wait)."""
         deadline = time.monotonic() + self.rl.wait_for_draft_s
-        while (
-            self.drafts.adapted_version is None and not self.drafts.poll() and time.monotonic() < deadline
-        ):
+        while self.drafts.adapted_version is None and not self.drafts.poll() and time.monotonic() < deadline:
             time.sleep(0.2)
 
     def merged_dir(self, version: int) -> Path:
@@ -171,7 +176,9 @@ class GRPOJob:
         refreshed = self.drafts.poll()
         poll_s = time.perf_counter() - t_start
         rollout_version = self.policy.version
-        engine_metrics = self.engine.prepare(self.policy.hf_model, rollout_version, self.drafts.adapted_version)
+        engine_metrics = self.engine.prepare(
+            self.policy.hf_model, rollout_version, self.drafts.adapted_version
+        )
         served_at = time.time()
 
         t0 = time.perf_counter()
@@ -251,9 +258,15 @@ class GRPOJob:
         self.step_index += 1
         log.info(
             "rl step %d: v%d reward %.3f kl %.4f acc adapted %s frozen %s (draft v%d) %.1fs",
-            s, self.policy.version, metrics["reward_mean"], kl, _rounded(clean["accept_measured_adapted"]),
-            _rounded(clean["accept_measured_frozen"]), served_version, metrics["step_s"],
-        )  # fmt: skip
+            s,
+            self.policy.version,
+            metrics["reward_mean"],
+            kl,
+            _rounded(clean["accept_measured_adapted"]),
+            _rounded(clean["accept_measured_frozen"]),
+            served_version,
+            metrics["step_s"],
+        )
         return clean
 
     # ----------------------------------------------------------------- b: rollouts
@@ -261,8 +274,9 @@ class GRPOJob:
         """Step ``step``'s rollouts from the engine, rewarded, and each draft's measured acceptance (the
         engine's state is used as it is: :meth:`step` prepares it first)."""
         rl = self.rl
-        plan = plan_rollouts(self.recipe.seed, step, len(self.prompts), rl.prompts_per_step, rl.group_size,
-                             rl.frozen_fraction)  # fmt: skip
+        plan = plan_rollouts(
+            self.recipe.seed, step, len(self.prompts), rl.prompts_per_step, rl.group_size, rl.frozen_fraction
+        )
         decoding = Decoding(rl.temperature, rl.max_new_tokens, self.eos_ids)
         rollouts, tallies = self.engine.rollouts(plan, self.prompts, decoding)
         for r in rollouts:
@@ -270,7 +284,9 @@ class GRPOJob:
             r.reward = self.reward(text, r.finished)
         return rollouts, tallies
 
-    def _acceptance(self, rollouts: list[Rollout], tallies: dict[DraftKind, AcceptanceTally]) -> dict[str, Any]:
+    def _acceptance(
+        self, rollouts: list[Rollout], tallies: dict[DraftKind, AcceptanceTally]
+    ) -> dict[str, Any]:
         """Measured acceptance per draft: mean acceptance length, r_i and rounds (engine-style tallies)."""
         out: dict[str, Any] = {}
         for kind in DRAFT_KINDS:
@@ -322,9 +338,14 @@ class GRPOJob:
                 if tap is not None:
                     t0 = time.perf_counter()
                     tap.submit(
-                        input_ids=mb.input_ids, attention_mask=mb.attention_mask, loss_mask=mb.loss_mask,
-                        logits=logits, policy_version=version, step=step, temperature=rl.temperature,
-                    )  # fmt: skip
+                        input_ids=mb.input_ids,
+                        attention_mask=mb.attention_mask,
+                        loss_mask=mb.loss_mask,
+                        logits=logits,
+                        policy_version=version,
+                        step=step,
+                        temperature=rl.temperature,
+                    )
                     tap_s += time.perf_counter() - t0
                 old.append(token_logprobs(*gather_response(logits, mb), rl.temperature))
                 del logits

@@ -213,9 +213,13 @@ class Policy:
     def from_config(cls, model: nn.Module, rl: RLConfig, seed: int = 0) -> Policy:
         """A policy with the LoRA settings of ``rl`` (lora_r, lora_alpha, lora_dropout, lora_targets)."""
         return cls(
-            model, lora_r=rl.lora_r, lora_alpha=rl.lora_alpha, lora_dropout=rl.lora_dropout,
-            target_modules=rl.lora_targets, seed=seed,
-        )  # fmt: skip
+            model,
+            lora_r=rl.lora_r,
+            lora_alpha=rl.lora_alpha,
+            lora_dropout=rl.lora_dropout,
+            target_modules=rl.lora_targets,
+            seed=seed,
+        )
 
     # ----------------------------------------------------------------- basics
     @property

@@ -67,9 +67,15 @@ def make_kl_sequences(
     policy.hf_model.eval()
     with policy.initial():
         responses = generate_responses(
-            policy.hf_model, list(prompts), max_new_tokens=max_new_tokens, temperature=temperature,
-            eos_ids=set(eos_ids), pad_id=pad, batch_size=batch_size, seed=seed,
-        )  # fmt: skip
+            policy.hf_model,
+            list(prompts),
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            eos_ids=set(eos_ids),
+            pad_id=pad,
+            batch_size=batch_size,
+            seed=seed,
+        )
     policy.hf_model.train(was_training)
     pairs = [(p, r) for p, r in zip(prompts, responses, strict=True) if r is not None and r.numel() > 0]
     return Sequences.pack(pairs, pad)

@@ -48,7 +48,9 @@ class RolloutEngine(Protocol):
         """The adapted version whose weights decode the adapted rollouts (None: the frozen draft stands in)."""
         ...
 
-    def prepare(self, policy_model: nn.Module, policy_version: int, adapted: DraftVersion | None) -> dict[str, float]:
+    def prepare(
+        self, policy_model: nn.Module, policy_version: int, adapted: DraftVersion | None
+    ) -> dict[str, float]:
         """Before a step's rollouts: serve policy ``policy_version`` (``policy_model``: its LoRA-injected HF
         model) and offer ``adapted``, the newest verified adapted draft; the step's metrics of doing so."""
         ...
@@ -118,7 +120,9 @@ class ReferenceRollouts:
     def adapted(self) -> DraftVersion | None:
         return self.drafts.adapted_version
 
-    def prepare(self, policy_model: nn.Module, policy_version: int, adapted: DraftVersion | None) -> dict[str, float]:
+    def prepare(
+        self, policy_model: nn.Module, policy_version: int, adapted: DraftVersion | None
+    ) -> dict[str, float]:
         return {}
 
     def rollouts(
@@ -163,7 +167,9 @@ def probe_guard(rl: RLConfig, probe_prompts: list[torch.Tensor]) -> ProbeGuard |
     return ProbeGuard(probes, max_tokens=rl.engine_probe_tokens, min_ratio=rl.engine_probe_min_ratio)
 
 
-def start_rollout_engine(recipe: CotrainRecipe, frozen: DraftVersion | None, probe_prompts: list[torch.Tensor]) -> Any:
+def start_rollout_engine(
+    recipe: CotrainRecipe, frozen: DraftVersion | None, probe_prompts: list[torch.Tensor]
+) -> Any:
     """The vLLM rollout engine ``rl.engine`` asks for, or None for the reference decoder.
 
     ``frozen``: the verified starting draft.  ``auto``: vLLM when it is importable and starts on the target; a
@@ -182,8 +188,10 @@ def start_rollout_engine(recipe: CotrainRecipe, frozen: DraftVersion | None, pro
 
     if frozen is not None and frozen.manifest.get("format") == MTP_FORMAT:
         if rl.engine == "vllm":
-            raise ValueError("rl.engine=vllm: the vLLM adapter serves EAGLE-3 drafts; an MTP draft needs "
-                             "rl.engine=reference (or auto)")
+            raise ValueError(
+                "rl.engine=vllm: the vLLM adapter serves EAGLE-3 drafts; an MTP draft needs "
+                "rl.engine=reference (or auto)"
+            )
         log.warning("rl.engine auto: the starting draft is an MTP head; rollouts use the reference decoder")
         return None
     from draft_align.engines.vllm import rollouts as vllm_rollouts
@@ -191,14 +199,24 @@ def start_rollout_engine(recipe: CotrainRecipe, frozen: DraftVersion | None, pro
     try:
         guard = probe_guard(rl, probe_prompts)
         return vllm_rollouts.VLLMRollouts(
-            recipe.target.model, frozen, k=rl.spec_k, verify_mode=rl.verify_mode, dtype=recipe.target.dtype,
-            max_model_len=rl.engine_max_model_len, seed=recipe.seed, guard=guard, enforce_eager=True,
+            recipe.target.model,
+            frozen,
+            k=rl.spec_k,
+            verify_mode=rl.verify_mode,
+            dtype=recipe.target.dtype,
+            max_model_len=rl.engine_max_model_len,
+            seed=recipe.seed,
+            guard=guard,
+            enforce_eager=True,
             verify_recheck_every=rl.verify_recheck_every,
             use_tqdm_on_load=False,  # no progress bars between the table's rows
-        )  # fmt: skip
+        )
     except (vllm_start.EngineError, ValueError) as e:
         if rl.engine == "vllm":
             raise
-        log.error("rl.engine auto: vLLM could not serve %s (%s); rollouts use the reference decoder",
-                  recipe.target.model, e)  # fmt: skip
+        log.error(
+            "rl.engine auto: vLLM could not serve %s (%s); rollouts use the reference decoder",
+            recipe.target.model,
+            e,
+        )
         return None

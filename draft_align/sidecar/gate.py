@@ -84,9 +84,20 @@ class Gate:
     manifest records; ``publisher``: the ``DraftPublished`` PUB socket (None on ranks that never publish).
     """
 
-    def __init__(self, recipe: CotrainRecipe, state: SidecarState, published: DraftHead, *, device: torch.device,
-                 target_config: Any, target_name: str, tokenizer_fingerprint: str | None,
-                 frozen_manifest: dict[str, Any], publisher: Publisher | None, protect: tuple[Path, ...] = ()) -> None:
+    def __init__(
+        self,
+        recipe: CotrainRecipe,
+        state: SidecarState,
+        published: DraftHead,
+        *,
+        device: torch.device,
+        target_config: Any,
+        target_name: str,
+        tokenizer_fingerprint: str | None,
+        frozen_manifest: dict[str, Any],
+        publisher: Publisher | None,
+        protect: tuple[Path, ...] = (),
+    ) -> None:
         self.recipe = recipe
         self.state = state
         self.published = published
@@ -111,12 +122,15 @@ class Gate:
         if self.steps_since_publish < sc.min_train_steps_per_publish:
             return False
         trained = self.state.trained_policy_version
-        if sc.publish_on_new_version and trained > max(self.state.published_policy_version, self.tried_version):
+        if sc.publish_on_new_version and trained > max(
+            self.state.published_policy_version, self.tried_version
+        ):
             return True
         return force or time.monotonic() - self.last_publish >= sc.publish_every_s
 
-    def maybe_publish(self, candidate: Callable[[], nn.Module], holdout: list[TappedRecord],
-                      estimate: Estimate) -> bool:
+    def maybe_publish(
+        self, candidate: Callable[[], nn.Module], holdout: list[TappedRecord], estimate: Estimate
+    ) -> bool:
         """Gate ``candidate()`` against the published draft on ``holdout`` and publish it if it passes; True when
         a new version was published (call only when :meth:`due`)."""
         sc = self.recipe.sidecar
@@ -135,8 +149,13 @@ class Gate:
         ok, diff, stderr = paired_gate(c, b, sc.gate_tolerance)
         if not ok:
             self.state.gate_rejections += 1
-            log.info("gate: candidate %.4f vs published %.4f (diff %.4f ± %.4f): not published",
-                     c["acceptance_length_est"], b["acceptance_length_est"], diff, stderr)
+            log.info(
+                "gate: candidate %.4f vs published %.4f (diff %.4f ± %.4f): not published",
+                c["acceptance_length_est"],
+                b["acceptance_length_est"],
+                diff,
+                stderr,
+            )
             return False
         # the newest policy version the candidate trained on (older sidecar states: the gate set's newest)
         trained = self.state.trained_policy_version
@@ -160,8 +179,9 @@ class Gate:
         except OSError as e:
             log.error("retention: %s", e)
 
-    def _publish(self, cand_draft: nn.Module, cand: dict, base: dict, diff: float, stderr: float,
-                 policy_version: int) -> None:
+    def _publish(
+        self, cand_draft: nn.Module, cand: dict, base: dict, diff: float, stderr: float, policy_version: int
+    ) -> None:
         from draft_align.wire.messages import DraftPublished
 
         metrics = {
@@ -173,14 +193,25 @@ class Gate:
             "trained_tokens": self.state.trained_tokens,
         }
         sc = self.recipe.sidecar
-        delta_base = Path(self.state.lora_base_dir or "") if sc.adapt == "lora" and sc.lora.publish_delta else None
+        delta_base = (
+            Path(self.state.lora_base_dir or "") if sc.adapt == "lora" and sc.lora.publish_delta else None
+        )
         pub = publish_version(
-            self.run_dir, cand_draft, target_config=self.target_config, target_name=self.target_name,
-            tokenizer_fingerprint=self.tok_fp, metrics=metrics, policy_version=policy_version,
-            extra_manifest={"trained_from": str(self.frozen_manifest.get("draft_version", 0)),
-                            "run": self.recipe.run},
-            at_least=self.state.published_version + 1, delta_base=delta_base, strict_delta=False,
-        )  # fmt: skip
+            self.run_dir,
+            cand_draft,
+            target_config=self.target_config,
+            target_name=self.target_name,
+            tokenizer_fingerprint=self.tok_fp,
+            metrics=metrics,
+            policy_version=policy_version,
+            extra_manifest={
+                "trained_from": str(self.frozen_manifest.get("draft_version", 0)),
+                "run": self.recipe.run,
+            },
+            at_least=self.state.published_version + 1,
+            delta_base=delta_base,
+            strict_delta=False,
+        )
         v = pub.version
         self.published = plain_copy(cand_draft, self.device)
         self.published.eval()
@@ -188,14 +219,34 @@ class Gate:
         self.state.published_policy_version = policy_version
         self.steps_since_publish = 0
         assert self.publisher is not None, "only the lead rank publishes"
-        self.publisher.publish(DraftPublished(
-            run_id=self.recipe.run, draft_version=v, policy_version=policy_version, path=str(pub.path),
-            sha256=pub.weights_sha256,
-            # the wire carries finite numbers only (a 1-record gate set has no stderr: NaN stays in publish.jsonl)
-            metrics={k: float(x) for k, x in metrics.items() if math.isfinite(float(x))},
-        ))
+        self.publisher.publish(
+            DraftPublished(
+                run_id=self.recipe.run,
+                draft_version=v,
+                policy_version=policy_version,
+                path=str(pub.path),
+                sha256=pub.weights_sha256,
+                # the wire carries finite numbers only (a 1-record gate set has no stderr: NaN stays in publish.jsonl)
+                metrics={k: float(x) for k, x in metrics.items() if math.isfinite(float(x))},
+            )
+        )
         with open(self.dir / PUBLISH_FILE, "a", encoding="utf-8") as f:
-            f.write(json.dumps({"time": time.time(), "draft_version": v, "policy_version": policy_version,
-                                "sha256": pub.weights_sha256, **metrics}) + "\n")
-        log.info("published draft v%04d (policy v%d): gate %.4f vs %.4f", v, policy_version,
-                 cand["acceptance_length_est"], base["acceptance_length_est"])
+            f.write(
+                json.dumps(
+                    {
+                        "time": time.time(),
+                        "draft_version": v,
+                        "policy_version": policy_version,
+                        "sha256": pub.weights_sha256,
+                        **metrics,
+                    }
+                )
+                + "\n"
+            )
+        log.info(
+            "published draft v%04d (policy v%d): gate %.4f vs %.4f",
+            v,
+            policy_version,
+            cand["acceptance_length_est"],
+            base["acceptance_length_est"],
+        )

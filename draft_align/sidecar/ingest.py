@@ -70,8 +70,18 @@ class Ingest:
     ``rates``.
     """
 
-    def __init__(self, buffer: ReplayBuffer, state: SidecarState, rates: Rates, *, aux_ids: tuple[int, ...],
-                 hidden: int, vocab: int, draft_to_target: torch.Tensor, max_held_tokens: int | None = None) -> None:
+    def __init__(
+        self,
+        buffer: ReplayBuffer,
+        state: SidecarState,
+        rates: Rates,
+        *,
+        aux_ids: tuple[int, ...],
+        hidden: int,
+        vocab: int,
+        draft_to_target: torch.Tensor,
+        max_held_tokens: int | None = None,
+    ) -> None:
         self.buffer = buffer
         self.state = state
         self.rates = rates
@@ -96,8 +106,10 @@ class Ingest:
         """Whether ``msg`` should replace the head rows: it matches the draft's vocabulary and the target, is
         finite and within ``HEAD_MAX_ABS`` (mismatched and rejected ones are counted); a version lower than
         the one in use is an RL restart (the module docstring)."""
-        if msg.hidden_size != self.hidden or msg.vocab_size != self.vocab or not torch.equal(
-            msg.draft_to_target.cpu(), self.draft_to_target
+        if (
+            msg.hidden_size != self.hidden
+            or msg.vocab_size != self.vocab
+            or not torch.equal(msg.draft_to_target.cpu(), self.draft_to_target)
         ):
             self.state.mismatched_messages += 1
             log.warning("HeadSync v%d does not match the draft vocab/target: ignored", msg.policy_version)
@@ -112,15 +124,20 @@ class Ingest:
             offset = self.state.head_policy_version + 1 - int(msg.policy_version)
             log.warning(
                 "HeadSync policy version %d is lower than the head in use (v%d): the RL job restarted; its "
-                "versions are counted from v%d on (offset %d)", msg.policy_version, self.state.head_policy_version,
-                self.state.head_policy_version + 1, offset,
+                "versions are counted from v%d on (offset %d)",
+                msg.policy_version,
+                self.state.head_policy_version,
+                self.state.head_policy_version + 1,
+                offset,
             )
             self.state.rl_restarts += 1
             self.state.policy_offset = offset
             self.flush()  # the previous run's steps get no estimate (their step numbers start again)
             version = self.policy_version(msg.policy_version)
         if self.has_head and not self.head_tapped and version != self.state.head_policy_version:
-            self.state.untapped_heads += 1  # its version's taps were dropped (or it had none): nothing to train
+            self.state.untapped_heads += (
+                1  # its version's taps were dropped (or it had none): nothing to train
+            )
         self.head_tapped = self.head_tapped and version == self.state.head_policy_version
         self.norm = (msg.norm_weight, float(msg.norm_eps))
         self.state.head_policy_version = version
@@ -144,8 +161,15 @@ class Ingest:
             log.warning(
                 "TapBatch %d from rank %d: aux %s / hidden %d / vocab %d / final %s do not match the draft "
                 "(aux %s, hidden %d, vocab %d, final needed): dropped",
-                msg.batch_id, msg.source_rank, msg.aux_layer_ids, msg.hidden_size, msg.vocab_size,
-                msg.final_hidden is not None, self.aux_ids, self.hidden, self.vocab,
+                msg.batch_id,
+                msg.source_rank,
+                msg.aux_layer_ids,
+                msg.hidden_size,
+                msg.vocab_size,
+                msg.final_hidden is not None,
+                self.aux_ids,
+                self.hidden,
+                self.vocab,
             )
             return
         t0 = time.perf_counter()
@@ -173,7 +197,9 @@ class Ingest:
             if not bool(rec.loss_mask.any()):
                 continue
             tr = TappedRecord(
-                record=rec, policy_version=self.policy_version(clean.policy_version), step=int(clean.step),
+                record=rec,
+                policy_version=self.policy_version(clean.policy_version),
+                step=int(clean.step),
                 **extras,
             )
             self.buffer_record(tr)
@@ -182,8 +208,9 @@ class Ingest:
         # a step whose report never came (dropped) gets no estimate
         self.flush(upto_step=int(clean.step) - 1)
         self._bound_held()
-        self.state.newest_policy_version = max(self.state.newest_policy_version,
-                                               self.policy_version(clean.policy_version))
+        self.state.newest_policy_version = max(
+            self.state.newest_policy_version, self.policy_version(clean.policy_version)
+        )
         self.state.ingested_tokens += clean.num_tokens
         self.state.ingested_messages += 1
         self.rates.ingest_tokens += clean.num_tokens
@@ -225,8 +252,12 @@ class Ingest:
             self.state.held_dropped_tokens += tr.num_tokens
             dropped += 1
         if dropped:
-            log.warning("%d tapped records of steps without a StepReport left their step's estimate (%d tokens "
-                        "held at most; they still train)", dropped, self.max_held_tokens)
+            log.warning(
+                "%d tapped records of steps without a StepReport left their step's estimate (%d tokens "
+                "held at most; they still train)",
+                dropped,
+                self.max_held_tokens,
+            )
 
     def drop_head(self) -> None:
         """Stop using the head in use (training and estimates wait for the next HeadSync)."""

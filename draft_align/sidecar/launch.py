@@ -56,16 +56,26 @@ def world_config(recipe: CotrainRecipe, start_draft: Path) -> dict[str, Any]:
     return flat
 
 
-def run_sidecar(recipe: CotrainRecipe, start: str | None = None, *, exit_when_done: bool = False,
-                max_seconds: float | None = None, stop: threading.Event | None = None) -> SidecarState:
+def run_sidecar(
+    recipe: CotrainRecipe,
+    start: str | None = None,
+    *,
+    exit_when_done: bool = False,
+    max_seconds: float | None = None,
+    stop: threading.Event | None = None,
+) -> SidecarState:
     """One sidecar process: find the starting draft, join the other ranks under torchrun, set up and run.
 
     ``stop``: set it (e.g. from a signal handler) to end the loop; it then checkpoints and closes."""
     start_dir = starting_draft(recipe, start)
     sc = recipe.sidecar
     # None unless torchrun started several ranks; rank 0 first restores a checkpoint a killed save left aside
-    with join_ranks(ranks=sc.ranks, device=recipe.device, timeout_s=sc.collective_timeout_s,
-                    config=world_config(recipe, start_dir),
-                    lead_first=lambda: checkpoint_exists(recipe.run_dir / SIDECAR_DIR / TRAINER_DIR)) as ranks:
+    with join_ranks(
+        ranks=sc.ranks,
+        device=recipe.device,
+        timeout_s=sc.collective_timeout_s,
+        config=world_config(recipe, start_dir),
+        lead_first=lambda: checkpoint_exists(recipe.run_dir / SIDECAR_DIR / TRAINER_DIR),
+    ) as ranks:
         sidecar = Sidecar(recipe, start_dir, exit_when_done=exit_when_done, ranks=ranks, stop=stop).setup()
         return sidecar.run(max_seconds=max_seconds)

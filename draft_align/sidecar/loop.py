@@ -288,7 +288,9 @@ class Sidecar:
             del self._step_drafts[old]
         estimates: dict[str, float] = {}
         if not records:
-            self.state.reports_without_taps += 1  # its taps were dropped or never sent: a row without estimates
+            self.state.reports_without_taps += (
+                1  # its taps were dropped or never sent: a row without estimates
+            )
         if records and self.has_head:
             drafts = {"adapted": adapted, "frozen": self.frozen}
             estimates = row_estimates(drafts, lambda draft, mode: self.estimate(draft, records, mode, temp))
@@ -297,9 +299,12 @@ class Sidecar:
         gate_mode = "probabilistic" if self.recipe.sidecar.eval_mode == "probabilistic" else "greedy_draft"
         self.trigger.on_estimate(estimates.get(estimate_key("adapted", gate_mode)))
         row = StepRow.from_report(
-            msg, self.stats(window=True), time=t, estimates=estimates,
+            msg,
+            self.stats(window=True),
+            time=t,
+            estimates=estimates,
             est_records=len(records) if estimates else None,
-        )  # fmt: skip
+        )
         self.sinks.observe(row)
         self.state.monitor_rows += 1
 
@@ -500,7 +505,11 @@ class Sidecar:
 
     def close(self) -> None:
         """Close what was set up (also after a failed :meth:`setup`)."""
-        for part in (getattr(self, "receiver", None), self.gate.publisher, getattr(self, "sinks", None),
-                     self.recorder):
+        for part in (
+            getattr(self, "receiver", None),
+            self.gate.publisher,
+            getattr(self, "sinks", None),
+            self.recorder,
+        ):
             if part is not None:
                 part.close()

@@ -16,9 +16,20 @@ log = logging.getLogger(__name__)
 
 def spawn_sidecar(recipe_file: Path, start: Path, log_file: Path, ranks: int = 1) -> subprocess.Popen:
     """The sidecar as a child process; with ``ranks`` > 1 under torchrun (one rank per process)."""
-    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"] if ranks > 1 else []
-    cmd = [sys.executable, *launcher, "-m", "draft_align", "sidecar", str(recipe_file), "--draft", str(start),
-           "--exit-when-done"]
+    launcher = (
+        ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"] if ranks > 1 else []
+    )
+    cmd = [
+        sys.executable,
+        *launcher,
+        "-m",
+        "draft_align",
+        "sidecar",
+        str(recipe_file),
+        "--draft",
+        str(start),
+        "--exit-when-done",
+    ]
     fh = open(log_file, "ab")  # noqa: SIM115 - owned by the child for its lifetime
     return subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -34,13 +45,19 @@ def wait_ready(proc: subprocess.Popen, run_dir: Path, timeout_s: float) -> bool:
     while time.monotonic() < end and proc.poll() is None:
         try:
             ready = json.loads(path.read_text())
-            if proc.pid in (ready.get("pid"), ready.get("ppid")):  # ppid: torchrun's agent (sidecar.ranks > 1)
+            if proc.pid in (
+                ready.get("pid"),
+                ready.get("ppid"),
+            ):  # ppid: torchrun's agent (sidecar.ranks > 1)
                 return True
         except (FileNotFoundError, json.JSONDecodeError):
             pass
         time.sleep(0.2)
-    log.warning("the sidecar is not ready after %.0f s (exit code %s): the RL job starts without it",
-                timeout_s, proc.poll())
+    log.warning(
+        "the sidecar is not ready after %.0f s (exit code %s): the RL job starts without it",
+        timeout_s,
+        proc.poll(),
+    )
     return False
 
 

@@ -56,19 +56,25 @@ def read_publish_log(path: Path) -> dict[int, str | None]:
     return out
 
 
-def _check(path: Path, publish_log: dict[int, str | None], device: torch.device) -> tuple[Any, dict[str, Any]]:
+def _check(
+    path: Path, publish_log: dict[int, str | None], device: torch.device
+) -> tuple[Any, dict[str, Any]]:
     draft, man = load_draft(path, device=device)  # every file re-hashed
     v = check_folder_version(path, man)
     if v is not None and publish_log:
         if v > max(publish_log):
-            raise ExportError(f"{path}: v{v} is not in the run's publish log (newest logged: v{max(publish_log)})")
+            raise ExportError(
+                f"{path}: v{v} is not in the run's publish log (newest logged: v{max(publish_log)})"
+            )
         logged = publish_log.get(v)
         if logged is not None and logged != weights_sha256(man):
             raise ExportError(f"{path}: weights sha256 differs from the one the publish log recorded")
     return draft, man
 
 
-def trusted_published(run_dir: Path, publish_log: Path, device: torch.device) -> tuple[Path, Any, dict] | None:
+def trusted_published(
+    run_dir: Path, publish_log: Path, device: torch.device
+) -> tuple[Path, Any, dict] | None:
     """(folder, draft, manifest) of ``latest`` when it verifies, else of the newest version that does (logged
     as a fallback); None when the run has no version that verifies."""
     logged = read_publish_log(publish_log)
@@ -77,7 +83,9 @@ def trusted_published(run_dir: Path, publish_log: Path, device: torch.device) ->
     except ExportError as e:
         log.error("%s; looking for the newest version that verifies", e)
         latest = None
-    candidates = ([latest] if latest is not None else []) + [p for p in published_versions(run_dir) if p != latest]
+    candidates = ([latest] if latest is not None else []) + [
+        p for p in published_versions(run_dir) if p != latest
+    ]
     for path in candidates:
         try:
             draft, man = _check(path, logged, device)
@@ -117,8 +125,9 @@ def resume_state(sidecar_dir: Path) -> tuple[SidecarState, bool]:
     return state, resumed
 
 
-def start_published(run_dir: Path, sidecar_dir: Path, state: SidecarState, frozen: DraftHead,
-                    device: torch.device) -> tuple[DraftHead, Path | None]:
+def start_published(
+    run_dir: Path, sidecar_dir: Path, state: SidecarState, frozen: DraftHead, device: torch.device
+) -> tuple[DraftHead, Path | None]:
     """(the published draft the gate compares against, its folder): the trusted published version
     (:func:`trusted_published`; ``state`` takes its number and policy version), else a copy of ``frozen``
     and None."""

@@ -39,10 +39,14 @@ class SidecarState:
     nonfinite_steps: int = 0
     nonfinite_heads: int = 0  # HeadSyncs rejected: non-finite or out-of-range rows / norm
     nonfinite_alarms: int = 0  # heads dropped after max_consecutive_nonfinite non-finite steps in a row
-    held_dropped_records: int = 0  # tapped records left out of their step's estimate (bound; they still train)
+    held_dropped_records: int = (
+        0  # tapped records left out of their step's estimate (bound; they still train)
+    )
     held_dropped_tokens: int = 0
     rl_restarts: int = 0  # HeadSync version regressions (the RL job restarted)
-    old_version_batches: int = 0  # TapBatches older than the head in use (trained under the version they name)
+    old_version_batches: int = (
+        0  # TapBatches older than the head in use (trained under the version they name)
+    )
     untapped_heads: int = 0  # HeadSyncs replaced before any TapBatch of their version came
     reports_without_taps: int = 0  # StepReports of steps no record arrived for (a row without estimates)
     policy_offset: int = 0  # added to every policy version the RL job sends (raised at each RL restart)
@@ -154,9 +158,16 @@ class Rates:
         return self.ingest_tokens / self.ingest_s if self.ingest_s else None
 
 
-def sidecar_stats(state: SidecarState, buffer: Mapping[str, Any], rates: Rates,
-                  rejected: Mapping[str, int], *, trigger: DriftTrigger | None = None,
-                  waiting: str | None = None, window: bool = False) -> SidecarStats:
+def sidecar_stats(
+    state: SidecarState,
+    buffer: Mapping[str, Any],
+    rates: Rates,
+    rejected: Mapping[str, int],
+    *,
+    trigger: DriftTrigger | None = None,
+    waiting: str | None = None,
+    window: bool = False,
+) -> SidecarStats:
     """The monitor's view of the sidecar (``buffer``: ``ReplayBuffer.stats()``; ``rejected``: by reason;
     ``waiting``: why it is not training, None while it is; ``window``: with the busy / waiting shares since the
     previous windowed call, which starts the next window — the per-step rows)."""

@@ -73,7 +73,9 @@ class TokenBudgetSketch:
         """Handles kept so far this step, in admission order."""
         return sorted(h for _, h in self._heap)
 
-    def add(self, n_tokens: Sequence[int], keys: Sequence[float] | None = None) -> tuple[list[int | None], list[int]]:
+    def add(
+        self, n_tokens: Sequence[int], keys: Sequence[float] | None = None
+    ) -> tuple[list[int | None], list[int]]:
         """Offer sequences of ``n_tokens`` each (keys drawn from the generator unless given).
 
         Returns (one handle per sequence, None where it is not kept after this call; handles of earlier

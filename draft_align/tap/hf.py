@@ -104,7 +104,9 @@ class HFPolicyTap:
         self.send_final = bool(send_final)
         self.rank = int(rank)
         self.max_tokens_per_message = int(max_tokens_per_message)
-        self._tap = HFTap(model, tuple(aux_layer_ids), capture_final=True)  # a reference; copied only when kept
+        self._tap = HFTap(
+            model, tuple(aux_layer_ids), capture_final=True
+        )  # a reference; copied only when kept
         self.aux_layer_ids = self._tap.aux_layer_ids
         self.hidden_size = int(norm.weight.shape[0])
         self.vocab_size = int(lm_head.weight.shape[0])
@@ -122,8 +124,15 @@ class HFPolicyTap:
             yield self
 
     def submit(
-        self, *, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor,
-        logits: torch.Tensor | None, policy_version: int, step: int, temperature: float,
+        self,
+        *,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        loss_mask: torch.Tensor,
+        logits: torch.Tensor | None,
+        policy_version: int,
+        step: int,
+        temperature: float,
         next_logprob: torch.Tensor | None = None,
     ) -> None:
         """Offer the micro-batch whose forward just ran inside ``capturing()`` to this step's sample.
@@ -140,12 +149,15 @@ class HFPolicyTap:
         shape, valid, response = host_masks(input_ids, attention_mask, loss_mask)
         if next_logprob is not None:
             if logits is not None or self.topk:
-                raise PolicyTapError("next_logprob replaces the head pass only with logits=None and a tap built "
-                                     f"with topk=0 (it gives no top-k); got logits={logits is not None}, "
-                                     f"topk={self.topk}")
+                raise PolicyTapError(
+                    "next_logprob replaces the head pass only with logits=None and a tap built "
+                    f"with topk=0 (it gives no top-k); got logits={logits is not None}, "
+                    f"topk={self.topk}"
+                )
             if not isinstance(next_logprob, torch.Tensor) or tuple(next_logprob.shape) != shape:
-                raise PolicyTapError(f"next_logprob must be [B, T] = {shape}, got "
-                                     f"{tuple(getattr(next_logprob, 'shape', ()))}")
+                raise PolicyTapError(
+                    f"next_logprob must be [B, T] = {shape}, got {tuple(getattr(next_logprob, 'shape', ()))}"
+                )
         if logits is not None:
             if not isinstance(logits, torch.Tensor) or logits.dim() != 3 or tuple(logits.shape[:2]) != shape:
                 raise PolicyTapError(
@@ -174,13 +186,15 @@ class HFPolicyTap:
             if head is None:
                 stats = logit_stats(logits[b, scored].detach(), ids_scored, self.topk)
             elif next_logprob is not None:
-                stats = logprob_stats(cap.final[b, scored], head[0], head[1], ids_scored,
-                                      next_logprob[b, scored].detach())
+                stats = logprob_stats(
+                    cap.final[b, scored], head[0], head[1], ids_scored, next_logprob[b, scored].detach()
+                )
             else:
                 stats = head_logit_stats(cap.final[b, scored], head[0], head[1], ids_scored, self.topk)
             final = cap.final[b, rows] if self.send_final else None
-            tensors = host_tensors(ids_host[b, rows], response[b, rows], cap.aux[b, rows], final,
-                                   pad_stats(stats, sf))
+            tensors = host_tensors(
+                ids_host[b, rows], response[b, rows], cap.aux[b, rows], final, pad_stats(stats, sf)
+            )
             seq = KeptSequence(int(step), int(policy_version), float(temperature), n, tensors, stats_from=sf)
             if cap.aux.device.type == "cuda":
                 if ready is None:
@@ -213,10 +227,17 @@ class HFPolicyTap:
         batch_id = self._batch_id
         self._batch_id += 1  # also for a message that is refused or invalid: gaps in batch_id show losses
         return pack_sequences(
-            [s.tensors for s in seqs], run_id=self.run_id, policy_version=head.policy_version,
-            source_rank=self.rank, batch_id=batch_id, step=head.step, aux_layer_ids=self.aux_layer_ids,
-            hidden_size=self.hidden_size, vocab_size=self.vocab_size,
-            final_norm="post" if self.send_final else None, temperature=head.temperature,
+            [s.tensors for s in seqs],
+            run_id=self.run_id,
+            policy_version=head.policy_version,
+            source_rank=self.rank,
+            batch_id=batch_id,
+            step=head.step,
+            aux_layer_ids=self.aux_layer_ids,
+            hidden_size=self.hidden_size,
+            vocab_size=self.vocab_size,
+            final_norm="post" if self.send_final else None,
+            temperature=head.temperature,
             stats_from=[s.stats_from for s in seqs],
         )
 
@@ -231,7 +252,13 @@ class HFPolicyTap:
             raise PolicyTapError(f"{type(norm).__name__}: final norm has no weight")
         weight = full_tensor(lm_head.weight.detach())
         message = head_sync_message(
-            self.run_id, policy_version, self.hidden_size, self.vocab_size, _norm_eps(norm), norm.weight, d2t,
+            self.run_id,
+            policy_version,
+            self.hidden_size,
+            self.vocab_size,
+            _norm_eps(norm),
+            norm.weight,
+            d2t,
             weight[d2t.to(weight.device)],  # the rows of the draft vocabulary: a copy (gather)
         )
         return offer_head_sync(self.sink, message, self._sample.counters, "tap")

@@ -36,11 +36,17 @@ def logit_stats(
     Works in chunks of ≤ ``max_elements`` logits so a long sequence never materialises [L, V] in float32.
     """
     length, vocab = logits.shape
-    return _chunked_stats(lambda s, e: logits[s:e], length, vocab, input_ids, topk, logits.device, max_elements)
+    return _chunked_stats(
+        lambda s, e: logits[s:e], length, vocab, input_ids, topk, logits.device, max_elements
+    )
 
 
 def head_logit_stats(
-    final: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, input_ids: torch.Tensor, topk: int,
+    final: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    input_ids: torch.Tensor,
+    topk: int,
     max_elements: int = 1 << 26,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """:func:`logit_stats` of one sequence whose logits were never materialised (a fused LM head computes
@@ -62,12 +68,16 @@ def head_logit_stats(
     def chunk(s: int, e: int) -> torch.Tensor:
         return torch.nn.functional.linear(h[s:e], weight, bias)
 
-    return _chunked_stats(chunk, int(h.shape[0]), int(weight.shape[0]), input_ids, topk, weight.device,
-                          max_elements)  # fmt: skip
+    return _chunked_stats(
+        chunk, int(h.shape[0]), int(weight.shape[0]), input_ids, topk, weight.device, max_elements
+    )
 
 
 def logprob_stats(
-    final: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, input_ids: torch.Tensor,
+    final: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    input_ids: torch.Tensor,
     next_logprob: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, None, None]:
     """:func:`logit_stats` of one sequence (top-k omitted) from the job's own next-token log-probs, with no
@@ -81,8 +91,10 @@ def logprob_stats(
     next_logprob [L] (its last entry is ignored).  The dot products run in float32."""
     length = int(final.shape[0])
     if final.dim() != 2 or weight.dim() != 2 or int(final.shape[1]) != int(weight.shape[1]):
-        raise PolicyTapError(f"final states {tuple(final.shape)} and lm_head weight {tuple(weight.shape)} do not "
-                             "multiply ([L, H] × [V, H]ᵀ)")
+        raise PolicyTapError(
+            f"final states {tuple(final.shape)} and lm_head weight {tuple(weight.shape)} do not "
+            "multiply ([L, H] × [V, H]ᵀ)"
+        )
     if tuple(next_logprob.shape) != (length,):
         raise PolicyTapError(f"next_logprob must be [{length}], got {tuple(next_logprob.shape)}")
     nxt, lse, _, _ = stat_buffers(length, 0, weight.device)
@@ -132,8 +144,13 @@ def full_tensor(x: torch.Tensor) -> torch.Tensor:
 
 
 def _chunked_stats(
-    chunk_logits: Callable[[int, int], torch.Tensor], length: int, vocab: int, input_ids: torch.Tensor,
-    topk: int, device: torch.device, max_elements: int,
+    chunk_logits: Callable[[int, int], torch.Tensor],
+    length: int,
+    vocab: int,
+    input_ids: torch.Tensor,
+    topk: int,
+    device: torch.device,
+    max_elements: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """The statistics of :func:`logit_stats` from ``chunk_logits(s, e)`` → the logits [e − s, V] of
     positions s..e−1, at most ``max_elements`` logits per chunk."""
@@ -154,4 +171,3 @@ def _chunked_stats(
             k_lp[s:e] = vals - z[:, None]
             k_ids[s:e] = idx
     return nxt, lse, k_ids, k_lp
-

@@ -68,8 +68,15 @@ def _gather_sequence(x: torch.Tensor, group: Any, world: int) -> torch.Tensor:
 
 
 def vocab_parallel_logit_stats(
-    logits: torch.Tensor, input_ids: torch.Tensor, topk: int, *, vocab_size: int, group: Any, tp_rank: int,
-    tp_size: int, max_elements: int = 1 << 26,
+    logits: torch.Tensor,
+    input_ids: torch.Tensor,
+    topk: int,
+    *,
+    vocab_size: int,
+    group: Any,
+    tp_rank: int,
+    tp_size: int,
+    max_elements: int = 1 << 26,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """:func:`~draft_align.tap.logit_stats.logit_stats` from vocab-parallel logits, collectively over the TP
     group: rank r holds logits [L, Vl] of global ids r·Vl … (r+1)·Vl − 1 (megatron's equal split of the padded
@@ -151,7 +158,9 @@ class MegatronPolicyTap:
     ) -> None:
         check_tap_args(run_id, sink, tokens_per_step, max_tokens_per_message)
         if not 0 <= int(pp_rank) < int(pp_size) or int(dp_rank) < 0:
-            raise PolicyTapError(f"need 0 ≤ pp_rank < pp_size and dp_rank ≥ 0, got {pp_rank}, {pp_size}, {dp_rank}")
+            raise PolicyTapError(
+                f"need 0 ≤ pp_rank < pp_size and dp_rank ≥ 0, got {pp_rank}, {pp_size}, {dp_rank}"
+            )
         parts = gpt_parts(model)
         self.model = model
         self.sink = sink
@@ -159,12 +168,18 @@ class MegatronPolicyTap:
         self.pp_rank, self.pp_size, self.dp_rank = int(pp_rank), int(pp_size), int(dp_rank)
         self.is_last = self.pp_rank == self.pp_size - 1
         if self.is_last and parts.final_norm is None:
-            raise PolicyTapError("the last pipeline stage has no decoder.final_layernorm (post_process=False?)")
+            raise PolicyTapError(
+                "the last pipeline stage has no decoder.final_layernorm (post_process=False?)"
+            )
         self.tp_group = tp_group
         self.tp_size = 1 if tp_group is None else dist.get_world_size(tp_group)
         self.tp_rank = 0 if tp_group is None else dist.get_rank(tp_group)
         self.sends = self.tp_rank == 0
-        sp = getattr(parts.config, "sequence_parallel", False) if sequence_parallel is None else sequence_parallel
+        sp = (
+            getattr(parts.config, "sequence_parallel", False)
+            if sequence_parallel is None
+            else sequence_parallel
+        )
         self.sequence_parallel = bool(sp) and self.tp_size > 1
         self.send_final = bool(send_final)
         self.vocab_parallel_logits = bool(vocab_parallel_logits) and self.tp_size > 1
@@ -183,20 +198,28 @@ class MegatronPolicyTap:
         self.topk = check_topk(topk, self.vocab_size)
         # one generator per pipeline: every TP rank and stage of it keeps the same sequences
         self._capture = CaptureSession(self._tap)
-        self._sample = StepSample(tokens_per_step, generator_for(seed, self.dp_rank), self.max_tokens_per_message)
+        self._sample = StepSample(
+            tokens_per_step, generator_for(seed, self.dp_rank), self.max_tokens_per_message
+        )
         self._batch_id = 0
 
     @classmethod
-    def from_parallel_state(cls, model: nn.Module, aux_layer_ids: Sequence[int], sink: TapSink,
-                            **kwargs: Any) -> MegatronPolicyTap:
+    def from_parallel_state(
+        cls, model: nn.Module, aux_layer_ids: Sequence[int], sink: TapSink, **kwargs: Any
+    ) -> MegatronPolicyTap:
         """Read the TP group and PP/DP ranks from ``megatron.core.parallel_state`` (initialised by the job)."""
         from megatron.core import parallel_state as ps
 
         tp = ps.get_tensor_model_parallel_world_size()
         return cls(
-            model, aux_layer_ids, sink, tp_group=ps.get_tensor_model_parallel_group() if tp > 1 else None,
-            pp_rank=ps.get_pipeline_model_parallel_rank(), pp_size=ps.get_pipeline_model_parallel_world_size(),
-            dp_rank=ps.get_data_parallel_rank(), **kwargs,
+            model,
+            aux_layer_ids,
+            sink,
+            tp_group=ps.get_tensor_model_parallel_group() if tp > 1 else None,
+            pp_rank=ps.get_pipeline_model_parallel_rank(),
+            pp_size=ps.get_pipeline_model_parallel_world_size(),
+            dp_rank=ps.get_data_parallel_rank(),
+            **kwargs,
         )
 
     # -- capture ---------------------------------------------------------------------------------------
@@ -207,8 +230,15 @@ class MegatronPolicyTap:
             yield self
 
     def submit(
-        self, *, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor,
-        logits: torch.Tensor | None, policy_version: int, step: int, temperature: float,
+        self,
+        *,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        loss_mask: torch.Tensor,
+        logits: torch.Tensor | None,
+        policy_version: int,
+        step: int,
+        temperature: float,
     ) -> None:
         """Offer the oldest captured micro-batch to this step's sample (collective over the TP group under
         sequence parallelism).  input_ids, attention_mask, loss_mask [B, T] right-padded; logits [B, T, V]
@@ -219,16 +249,24 @@ class MegatronPolicyTap:
         # vocab-parallel logits: every TP rank of the last stage holds a shard and takes part in the statistics
         need_logits = self.is_last and (self.sends or self.vocab_parallel_logits)
         width = self.vocab_size if not self.vocab_parallel_logits else -(-self.vocab_size // self.tp_size)
-        if need_logits and (not isinstance(logits, torch.Tensor) or logits.dim() != 3
-                            or tuple(logits.shape[:2]) != shape or int(logits.shape[2]) < width):
-            raise PolicyTapError(f"logits must be [B, T, V ≥ {width}] with [B, T] = {shape} on the last stage "
-                                 f"({'vocab-parallel shard' if self.vocab_parallel_logits else 'full vocab'}), "
-                                 f"got {getattr(logits, 'shape', logits)}")
+        if need_logits and (
+            not isinstance(logits, torch.Tensor)
+            or logits.dim() != 3
+            or tuple(logits.shape[:2]) != shape
+            or int(logits.shape[2]) < width
+        ):
+            raise PolicyTapError(
+                f"logits must be [B, T, V ≥ {width}] with [B, T] = {shape} on the last stage "
+                f"({'vocab-parallel shard' if self.vocab_parallel_logits else 'full vocab'}), "
+                f"got {getattr(logits, 'shape', logits)}"
+            )
         seq_len = shape[1] // self.tp_size if self.sequence_parallel else shape[1]
         for x in [*aux, *([final] if final is not None else [])]:
             if tuple(x.shape[:2]) != (seq_len, shape[0]):
-                raise PolicyTapError(f"captured forward was [s, b] = {list(x.shape[:2])}, submit expects "
-                                     f"{[seq_len, shape[0]]}: submit() must follow the forward of the same batch")
+                raise PolicyTapError(
+                    f"captured forward was [s, b] = {list(x.shape[:2])}, submit expects "
+                    f"{[seq_len, shape[0]]}: submit() must follow the forward of the same batch"
+                )
         ids_host = host_ids(input_ids, valid, response, self.vocab_size)
 
         lengths, kept = self._sample.admit(valid, response)
@@ -247,25 +285,41 @@ class MegatronPolicyTap:
             for b, _ in kept:
                 n = lengths[b]
                 if self.vocab_parallel_logits:
-                    stats.append(vocab_parallel_logit_stats(
-                        logits[b, :n].detach(), input_ids[b, :n], self.topk, vocab_size=self.vocab_size,
-                        group=self.tp_group, tp_rank=self.tp_rank, tp_size=self.tp_size))
+                    stats.append(
+                        vocab_parallel_logit_stats(
+                            logits[b, :n].detach(),
+                            input_ids[b, :n],
+                            self.topk,
+                            vocab_size=self.vocab_size,
+                            group=self.tp_group,
+                            tp_rank=self.tp_rank,
+                            tp_size=self.tp_size,
+                        )
+                    )
                 else:
-                    stats.append(logit_stats(logits[b, :n, : self.vocab_size].detach(), input_ids[b, :n], self.topk))
+                    stats.append(
+                        logit_stats(logits[b, :n, : self.vocab_size].detach(), input_ids[b, :n], self.topk)
+                    )
         if not self.sends:
             for b, h in kept:  # only the sample's bookkeeping: batch ids must advance as on TP rank 0
-                self._sample.keep(h, KeptSequence(int(step), int(policy_version), float(temperature), lengths[b], {}))
+                self._sample.keep(
+                    h, KeptSequence(int(step), int(policy_version), float(temperature), lengths[b], {})
+                )
             return
         states = [c.transpose(0, 1) for c in cols]  # [b_kept, s, ·]
         aux_states = states[: len(aux)]
         final_states = states[len(aux)] if final is not None else None
         for j, (b, h) in enumerate(kept):
             n = lengths[b]
-            aux_hidden = (torch.cat([a[j, :n] for a in aux_states], dim=-1) if aux_states
-                          else torch.empty(n, 0, dtype=torch.bfloat16))
+            aux_hidden = (
+                torch.cat([a[j, :n] for a in aux_states], dim=-1)
+                if aux_states
+                else torch.empty(n, 0, dtype=torch.bfloat16)
+            )
             final_hidden = final_states[j, :n] if final_states is not None else None
-            tensors = host_tensors(ids_host[b, :n], response[b, :n], aux_hidden, final_hidden,
-                                   stats[j] if stats else None)
+            tensors = host_tensors(
+                ids_host[b, :n], response[b, :n], aux_hidden, final_hidden, stats[j] if stats else None
+            )
             self._sample.keep(h, KeptSequence(int(step), int(policy_version), float(temperature), n, tensors))
         if any(t.device.type == "cuda" for t in states):
             ready = torch.cuda.Event()
@@ -293,9 +347,16 @@ class MegatronPolicyTap:
         if self.pp_size > 1:
             return self._part(seqs, batch_id, final_norm)
         return pack_sequences(
-            [s.tensors for s in seqs], run_id=self.run_id, policy_version=head.policy_version,
-            source_rank=self.dp_rank, batch_id=batch_id, step=head.step, aux_layer_ids=self.aux_layer_ids,
-            hidden_size=self.hidden_size, vocab_size=self.vocab_size, final_norm=final_norm,
+            [s.tensors for s in seqs],
+            run_id=self.run_id,
+            policy_version=head.policy_version,
+            source_rank=self.dp_rank,
+            batch_id=batch_id,
+            step=head.step,
+            aux_layer_ids=self.aux_layer_ids,
+            hidden_size=self.hidden_size,
+            vocab_size=self.vocab_size,
+            final_norm=final_norm,
             temperature=head.temperature,
         )
 
@@ -304,11 +365,21 @@ class MegatronPolicyTap:
         cu[1:] = torch.tensor([s.n_tokens for s in seqs], dtype=torch.int64).cumsum(0)
         cat = {name: torch.cat([s.tensors[name] for s in seqs]) for name in seqs[0].tensors}
         part = TapPart(
-            run_id=self.run_id, policy_version=seqs[0].policy_version, source_rank=self.dp_rank,
-            batch_id=batch_id, step=seqs[0].step, stage=self.pp_rank, num_stages=self.pp_size,
-            layer_ids=self.layer_ids, aux_layer_ids=self.aux_layer_ids, hidden_size=self.hidden_size,
-            vocab_size=self.vocab_size, final_norm=final_norm, temperature=seqs[0].temperature,
-            cu_seqlens=cu, **cat,
+            run_id=self.run_id,
+            policy_version=seqs[0].policy_version,
+            source_rank=self.dp_rank,
+            batch_id=batch_id,
+            step=seqs[0].step,
+            stage=self.pp_rank,
+            num_stages=self.pp_size,
+            layer_ids=self.layer_ids,
+            aux_layer_ids=self.aux_layer_ids,
+            hidden_size=self.hidden_size,
+            vocab_size=self.vocab_size,
+            final_norm=final_norm,
+            temperature=seqs[0].temperature,
+            cu_seqlens=cu,
+            **cat,
         )
         validate(part)
         return part
@@ -324,7 +395,9 @@ class MegatronPolicyTap:
         parts = gpt_parts(self.model)
         cfg = parts.config
         if getattr(cfg, "normalization", "RMSNorm") != "RMSNorm":
-            raise PolicyTapError(f"final norm is {cfg.normalization}: the sidecar's soft targets assume RMSNorm")
+            raise PolicyTapError(
+                f"final norm is {cfg.normalization}: the sidecar's soft targets assume RMSNorm"
+            )
         weight = parts.output_weight.detach()  # [V_padded/tp, H], rows [tp_rank·n, (tp_rank+1)·n)
         n_local = int(weight.shape[0])
         start = self.tp_rank * n_local
@@ -340,7 +413,14 @@ class MegatronPolicyTap:
         if getattr(cfg, "layernorm_zero_centered_gamma", False):
             norm_w = norm_w + 1.0  # megatron stores γ − 1
         message = head_sync_message(
-            self.run_id, policy_version, self.hidden_size, self.vocab_size, cfg.layernorm_epsilon, norm_w, d2t, rows
+            self.run_id,
+            policy_version,
+            self.hidden_size,
+            self.vocab_size,
+            cfg.layernorm_epsilon,
+            norm_w,
+            d2t,
+            rows,
         )
         return offer_head_sync(self.sink, message, self._sample.counters, "megatron tap")
 

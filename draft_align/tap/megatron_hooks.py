@@ -40,13 +40,17 @@ def gpt_parts(model: nn.Module) -> GPTParts:
         if inner is None:
             break
     if inner is None or not hasattr(inner, "decoder") or not hasattr(inner, "config"):
-        raise TapError(f"{type(model).__name__}: expected a megatron GPTModel (.decoder, .config), possibly "
-                       "wrapped in .module")
+        raise TapError(
+            f"{type(model).__name__}: expected a megatron GPTModel (.decoder, .config), possibly "
+            "wrapped in .module"
+        )
     decoder = inner.decoder
     layers = tuple(getattr(decoder, "layers", ()))
     for layer in layers:
         if not isinstance(getattr(layer, "layer_number", None), int):
-            raise TapError(f"{type(layer).__name__} has no integer layer_number (not a megatron TransformerLayer)")
+            raise TapError(
+                f"{type(layer).__name__} has no integer layer_number (not a megatron TransformerLayer)"
+            )
     post = bool(getattr(inner, "post_process", False))
     final_norm = getattr(decoder, "final_layernorm", None) if post else None
     weight = None
@@ -110,8 +114,9 @@ class MegatronTap:
         for i, mod in self._points.items():
             self._handles.append(mod.register_forward_hook(lambda _m, _i, out, i=i: self._store(i, out)))
         if self.capture_final:
-            self._handles.append(self._final_norm.register_forward_hook(
-                lambda _m, _i, out: self._store("final", out)))
+            self._handles.append(
+                self._final_norm.register_forward_hook(lambda _m, _i, out: self._store("final", out))
+            )
         return self
 
     def detach(self) -> None:

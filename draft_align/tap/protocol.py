@@ -42,8 +42,15 @@ class PolicyTap(Protocol):
         ...
 
     def submit(
-        self, *, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor,
-        logits: torch.Tensor | None, policy_version: int, step: int, temperature: float,
+        self,
+        *,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        loss_mask: torch.Tensor,
+        logits: torch.Tensor | None,
+        policy_version: int,
+        step: int,
+        temperature: float,
     ) -> None:
         """Offer the micro-batch whose forward just ran to this step's sample (``logits`` None: a fused head
         gave none; a tap that can, computes the kept rows' statistics from the captured final state)."""

@@ -67,7 +67,9 @@ class CaptureSession(Generic[C]):
         """The capture of the forward pass ``submit()`` follows; PolicyTapError outside :meth:`capturing`
         or when no forward pass ran."""
         if not self.active:
-            raise PolicyTapError("submit() must be called inside `with tap.capturing():`, after the forward pass")
+            raise PolicyTapError(
+                "submit() must be called inside `with tap.capturing():`, after the forward pass"
+            )
         try:
             return self.hooks.pop()
         except TapError as e:
@@ -116,12 +118,19 @@ class TapCounters:
     def as_dict(self, too_long: int) -> dict[str, int]:
         """The counters as :meth:`PolicyTap.stats` reports them (``too_long`` from the budget sketch)."""
         return {
-            "tokens_seen": self.tokens_seen, "sequences_seen": self.sequences_seen,
-            "tokens_kept": self.tokens_kept, "sequences_kept": self.sequences_kept,
-            "tokens_offered": self.tokens_offered, "messages_offered": self.messages_offered,
-            "messages_dropped": self.messages_dropped, "messages_invalid": self.messages_invalid,
-            "tokens_dropped": self.tokens_dropped, "too_long": too_long, "too_short": self.too_short,
-            "no_response": self.no_response, "head_syncs": self.head_syncs,
+            "tokens_seen": self.tokens_seen,
+            "sequences_seen": self.sequences_seen,
+            "tokens_kept": self.tokens_kept,
+            "sequences_kept": self.sequences_kept,
+            "tokens_offered": self.tokens_offered,
+            "messages_offered": self.messages_offered,
+            "messages_dropped": self.messages_dropped,
+            "messages_invalid": self.messages_invalid,
+            "tokens_dropped": self.tokens_dropped,
+            "too_long": too_long,
+            "too_short": self.too_short,
+            "no_response": self.no_response,
+            "head_syncs": self.head_syncs,
             "head_syncs_dropped": self.head_syncs_dropped,
         }
 
@@ -180,7 +189,9 @@ def host_masks(
 ) -> tuple[tuple[int, int], torch.Tensor, torch.Tensor]:
     """Check input_ids [B, T] (integer) and return ((B, T), attention_mask, loss_mask as bool [B, T] on the host)."""
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
-        raise PolicyTapError(f"input_ids must be a [B, T] tensor, got {getattr(input_ids, 'shape', input_ids)}")
+        raise PolicyTapError(
+            f"input_ids must be a [B, T] tensor, got {getattr(input_ids, 'shape', input_ids)}"
+        )
     if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
         raise PolicyTapError(f"input_ids must be an integer tensor, got {input_ids.dtype}")
     shape = (int(input_ids.shape[0]), int(input_ids.shape[1]))
@@ -188,7 +199,10 @@ def host_masks(
 
 
 def host_ids(
-    input_ids: torch.Tensor, valid: torch.Tensor, response: torch.Tensor, vocab_size: int,
+    input_ids: torch.Tensor,
+    valid: torch.Tensor,
+    response: torch.Tensor,
+    vocab_size: int,
     padding: Padding = "right",
 ) -> torch.Tensor:
     """input_ids [B, T] as int64 on the host, after checking the masks [B, T] (``padding``: ``right`` — each
@@ -199,8 +213,10 @@ def host_ids(
             raise PolicyTapError("attention_mask must be right-padded (each row's valid tokens a prefix)")
     elif padding == "block":
         if valid.shape[1] > 1 and bool(((valid[:, 1:] & ~valid[:, :-1]).sum(dim=1) + valid[:, 0] > 1).any()):
-            raise PolicyTapError("attention_mask must hold one contiguous block of valid tokens per row "
-                                 "(left- and/or right-padded)")
+            raise PolicyTapError(
+                "attention_mask must hold one contiguous block of valid tokens per row "
+                "(left- and/or right-padded)"
+            )
     else:
         raise PolicyTapError(f"padding {padding!r}: expected 'right' or 'block'")
     if bool((response & ~valid).any()):
@@ -216,7 +232,9 @@ def row_starts(valid: torch.Tensor) -> list[int]:
     return valid.to(torch.int8).argmax(dim=1).tolist()
 
 
-def eligible_rows(valid: torch.Tensor, response: torch.Tensor, counters: TapCounters) -> tuple[list[int], list[int]]:
+def eligible_rows(
+    valid: torch.Tensor, response: torch.Tensor, counters: TapCounters
+) -> tuple[list[int], list[int]]:
     """Count a micro-batch's non-empty rows; returns (valid length per row, the rows worth sampling: ≥ 2
     tokens and at least one response token)."""
     lengths = valid.sum(dim=1).tolist()
@@ -237,7 +255,10 @@ def eligible_rows(valid: torch.Tensor, response: torch.Tensor, counters: TapCoun
 
 
 def host_tensors(
-    input_ids: torch.Tensor, loss_mask: torch.Tensor, aux_hidden: torch.Tensor, final_hidden: torch.Tensor | None,
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    aux_hidden: torch.Tensor,
+    final_hidden: torch.Tensor | None,
     stats: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None,
 ) -> dict[str, torch.Tensor]:
     """One kept sequence's wire tensors (see :class:`KeptSequence`) on the host: input_ids [L] and loss_mask
@@ -315,8 +336,11 @@ class StepSample:
 
 
 def ship(
-    chunks: Sequence[list[KeptSequence]], build: Callable[[list[KeptSequence]], Any], sink: TapSink,
-    counters: TapCounters, who: str,
+    chunks: Sequence[list[KeptSequence]],
+    build: Callable[[list[KeptSequence]], Any],
+    sink: TapSink,
+    counters: TapCounters,
+    who: str,
 ) -> int:
     """Offer ``build(chunk)`` for each chunk to ``sink``; counts what was offered, refused or invalid
     (``build`` raised WireError, e.g. NaN logits gave NaN log-probs: never let that kill the RL job).
@@ -351,8 +375,9 @@ def check_head_sync_args(policy_version: int, draft_to_target: torch.Tensor, voc
         raise PolicyTapError(f"policy_version must be ≥ 0, got {policy_version}")
     d2t = torch.as_tensor(draft_to_target)
     if d2t.dim() != 1 or d2t.numel() == 0 or d2t.dtype.is_floating_point or d2t.dtype == torch.bool:
-        raise PolicyTapError(f"draft_to_target must be a non-empty 1-D integer tensor, got {d2t.dtype} "
-                             f"{tuple(d2t.shape)}")
+        raise PolicyTapError(
+            f"draft_to_target must be a non-empty 1-D integer tensor, got {d2t.dtype} {tuple(d2t.shape)}"
+        )
     d2t = d2t.detach().to("cpu", torch.int64)
     if bool(((d2t < 0) | (d2t >= vocab_size)).any()):
         raise PolicyTapError(f"draft_to_target ids outside 0..{vocab_size - 1}")
@@ -362,16 +387,27 @@ def check_head_sync_args(policy_version: int, draft_to_target: torch.Tensor, voc
 
 
 def head_sync_message(
-    run_id: str, policy_version: int, hidden_size: int, vocab_size: int, norm_eps: float,
-    norm_weight: torch.Tensor, draft_to_target: torch.Tensor, rows: torch.Tensor,
+    run_id: str,
+    policy_version: int,
+    hidden_size: int,
+    vocab_size: int,
+    norm_eps: float,
+    norm_weight: torch.Tensor,
+    draft_to_target: torch.Tensor,
+    rows: torch.Tensor,
 ) -> HeadSync:
     """The HeadSync a tap offers, in the wire's dtypes and on the host (copies): the final norm's weight [H]
     as float32 and its eps, ``draft_to_target`` [Vd] (int64, host: :func:`check_head_sync_args`) and the
     lm_head rows [Vd, H] of the draft vocabulary as bfloat16."""
     return HeadSync(
-        run_id=run_id, policy_version=int(policy_version), hidden_size=hidden_size, vocab_size=vocab_size,
-        norm_eps=float(norm_eps), norm_weight=norm_weight.detach().to("cpu", torch.float32).clone(),
-        draft_to_target=draft_to_target.clone(), rows=rows.to(torch.bfloat16).to("cpu").contiguous(),
+        run_id=run_id,
+        policy_version=int(policy_version),
+        hidden_size=hidden_size,
+        vocab_size=vocab_size,
+        norm_eps=float(norm_eps),
+        norm_weight=norm_weight.detach().to("cpu", torch.float32).clone(),
+        draft_to_target=draft_to_target.clone(),
+        rows=rows.to(torch.bfloat16).to("cpu").contiguous(),
     )
 
 

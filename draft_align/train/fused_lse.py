@@ -89,7 +89,11 @@ def masked_lse_sum(
     arg [N] vocabulary indices, rows visited in the ``bounds`` blocks ([lo, hi) covering 0..N).  The first is
     differentiable in x and w (its gradient formed in the forward pass, see the module); the second is not."""
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
-        raise ValueError(f"masked_lse_sum: x [N, H] and w [Vd, H] expected, got {tuple(x.shape)} and {tuple(w.shape)}")
+        raise ValueError(
+            f"masked_lse_sum: x [N, H] and w [Vd, H] expected, got {tuple(x.shape)} and {tuple(w.shape)}"
+        )
     if m.shape != x.shape[:1] or arg.shape != x.shape[:1]:
-        raise ValueError(f"masked_lse_sum: m and arg must be [{x.shape[0]}], got {tuple(m.shape)}, {tuple(arg.shape)}")
+        raise ValueError(
+            f"masked_lse_sum: m and arg must be [{x.shape[0]}], got {tuple(m.shape)}, {tuple(arg.shape)}"
+        )
     return _MaskedLSESum.apply(x, w, m, arg, bounds, compute_dtype(x, w))

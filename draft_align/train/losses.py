@@ -72,9 +72,7 @@ def soft_ce_reference(q_logits: torch.Tensor, p_logp: torch.Tensor) -> torch.Ten
     return -(p_logp.float().exp() * torch.log_softmax(q_logits.float(), dim=-1)).sum(-1)
 
 
-def hard_ce_step(
-    q_logits: torch.Tensor, target_draft_ids: torch.Tensor, mask: torch.Tensor
-) -> CESums:
+def hard_ce_step(q_logits: torch.Tensor, target_draft_ids: torch.Tensor, mask: torch.Tensor) -> CESums:
     """Cross-entropy on sampled tokens (unbiased forward-KL estimate for on-policy tokens).
 
     q_logits [B, M, Vd]; target_draft_ids [B, M] draft ids of the next tokens (−1 when outside the
@@ -157,7 +155,9 @@ LOGITS_BLOCK_BYTES = 32 * 2**20  # fp32 logits of one row block at most (the blo
 # the fused soft-CE path (fused_lse.py) keeps no logits across blocks, so its blocks bound only a transient:
 # larger blocks mean fewer [Vd, H] gradient accumulations per step
 FUSED_BLOCK_BYTES = 128 * 2**20
-FUSED_SOFT_CE = True  # plain nn.Linear heads take the fused path (benchmarks/train_step_profile.py's A/B switch)
+FUSED_SOFT_CE = (
+    True  # plain nn.Linear heads take the fused path (benchmarks/train_step_profile.py's A/B switch)
+)
 # ... unless the [Vd, H] gradient it keeps per TTT step (fp32) is larger than this: a SmolLM2-sized head's is
 # 38 MB (7 steps: 264 MB kept), a Llama-8B-sized one's (32k × 4096) 537 MB, which takes the checkpointed blocks
 FUSED_GRAD_BYTES = 128 * 2**20
@@ -171,7 +171,9 @@ def row_blocks(n: int, row_bytes: int, block_bytes: int | None) -> list[tuple[in
     return [(lo, min(n, lo + c)) for lo in range(0, n, c)] or [(0, 0)]
 
 
-def _blocked(fn: Callable[..., Any], args: tuple[torch.Tensor, ...], bounds: list[tuple[int, int]]) -> list[Any]:
+def _blocked(
+    fn: Callable[..., Any], args: tuple[torch.Tensor, ...], bounds: list[tuple[int, int]]
+) -> list[Any]:
     """fn on each row block of args (all [N, ...]); with more than one block and autograd on, each block is
     checkpointed: its intermediates (the [rows, Vd] logits) are recomputed in backward, never kept."""
     if len(bounds) == 1:
@@ -277,14 +279,18 @@ def soft_ce_head(
     O(B·M·H); None: LOGITS_BLOCK_BYTES).
     """
     w = head.weight
-    if FUSED_SOFT_CE and type(head) is nn.Linear and head.bias is None and (
-        not w.requires_grad or 4 * w.numel() <= FUSED_GRAD_BYTES
+    if (
+        FUSED_SOFT_CE
+        and type(head) is nn.Linear
+        and head.bias is None
+        and (not w.requires_grad or 4 * w.numel() <= FUSED_GRAD_BYTES)
     ):
         n = x.shape[:-1].numel()
         x2 = x.reshape(n, x.shape[-1])
         m = mask.reshape(n)
-        lse, agree = masked_lse_sum(x2, w, m, p_argmax.reshape(n),
-                                    row_blocks(n, 4 * w.shape[0], block_bytes or FUSED_BLOCK_BYTES))  # fmt: skip
+        lse, agree = masked_lse_sum(
+            x2, w, m, p_argmax.reshape(n), row_blocks(n, 4 * w.shape[0], block_bytes or FUSED_BLOCK_BYTES)
+        )
         mf = m.to(lse.dtype)
         pdz = ((x2 * e.reshape(n, -1)).sum(-1).to(lse.dtype) * mf).sum()
         return lse - pdz, agree, mf.sum()
@@ -304,8 +310,13 @@ def hard_ce_head(
 ) -> CESums:
     """:func:`hard_ce_step` of z = head(x) (x [B, M, H]; target_draft_ids, mask [B, M]) in row blocks, as
     :func:`soft_ce_head`."""
-    return _sum_blocks(lambda xc, ic, mc: hard_ce_step(head(xc), ic, mc), x, (target_draft_ids, mask),
-                       head.weight.shape[0], block_bytes)
+    return _sum_blocks(
+        lambda xc, ic, mc: hard_ce_step(head(xc), ic, mc),
+        x,
+        (target_draft_ids, mask),
+        head.weight.shape[0],
+        block_bytes,
+    )
 
 
 #: fp32 [rows, Vd] tensors one acceptance-objective block holds at once (target logits, p, the draft's logits and
@@ -345,7 +356,11 @@ def acceptance_head(
 
 
 def _sum_blocks(
-    fn: Callable[..., CESums], x: torch.Tensor, rest: tuple[torch.Tensor, ...], vd: int, block_bytes: int | None
+    fn: Callable[..., CESums],
+    x: torch.Tensor,
+    rest: tuple[torch.Tensor, ...],
+    vd: int,
+    block_bytes: int | None,
 ) -> CESums:
     """Σ over row blocks of fn(x, *rest) (x [..., H]; rest [...] or [..., H]) → (Σ CE, Σ agreement, count)."""
     n = x.shape[:-1].numel()
@@ -382,6 +397,13 @@ def truncate_batch(batch: Batch, max_tokens: int, steps: int) -> tuple[Batch, in
     m = max(1, int(hit.sum(1).max()))
     sv = order[:, :m] < max_tokens
     starts = torch.where(sv, order[:, :m], torch.zeros_like(order[:, :m]))
-    cut = Batch(batch.input_ids[:, :max_tokens], batch.valid[:, :max_tokens], lm, batch.aux[:, :max_tokens],
-                batch.final[:, :max_tokens], starts, sv)
+    cut = Batch(
+        batch.input_ids[:, :max_tokens],
+        batch.valid[:, :max_tokens],
+        lm,
+        batch.aux[:, :max_tokens],
+        batch.final[:, :max_tokens],
+        starts,
+        sv,
+    )
     return cut, rows_cut, dropped

@@ -161,22 +161,29 @@ class RankGroup:
         digests = [config_digest(c) for c in configs]
         if len(set(digests)) == 1:
             return
-        keys = sorted({k for c in configs for k in c if len({json.dumps(x.get(k), default=str) for x in configs}) > 1})
-        shown = "; ".join(f"{k}: " + ", ".join(f"rank {r} {c.get(k, '<unset>')!r}" for r, c in enumerate(configs))
-                          for k in keys[:5])
+        keys = sorted(
+            {k for c in configs for k in c if len({json.dumps(x.get(k), default=str) for x in configs}) > 1}
+        )
+        shown = "; ".join(
+            f"{k}: " + ", ".join(f"rank {r} {c.get(k, '<unset>')!r}" for r, c in enumerate(configs))
+            for k in keys[:5]
+        )
         raise RankError(
-            f"the sidecar ranks disagree on {what} (sha256 " + ", ".join(f"rank {r} {d[:12]}" for r, d in
-                                                                     enumerate(digests))
+            f"the sidecar ranks disagree on {what} (sha256 "
+            + ", ".join(f"rank {r} {d[:12]}" for r, d in enumerate(digests))
             + f"): {shown}{' …' if len(keys) > 5 else ''}. Start every rank with the same recipe file, overrides "
             f"and --draft"
         )
 
-    def exchange(self, flags: list[int], messages: list[list[bytes]]) -> tuple[torch.Tensor, list[list[list[bytes]]]]:
+    def exchange(
+        self, flags: list[int], messages: list[list[bytes]]
+    ) -> tuple[torch.Tensor, list[list[list[bytes]]]]:
         """One step boundary: every rank's flags [world, len(flags)] (int64) and its multipart messages (rank
         order).  Every rank passes the same number of flags."""
         fmt = f"<{len(flags)}q"
-        blobs = self.all_gather_bytes(struct.pack(fmt, *(int(f) for f in flags)) + _pack(messages),
-                                      "the step exchange")
+        blobs = self.all_gather_bytes(
+            struct.pack(fmt, *(int(f) for f in flags)) + _pack(messages), "the step exchange"
+        )
         width = struct.calcsize(fmt)
         table = torch.tensor([struct.unpack_from(fmt, b) for b in blobs], dtype=torch.int64)
         return table, [_unpack(b[width:]) for b in blobs]
@@ -200,8 +207,14 @@ class RankGroup:
 
 
 @contextmanager
-def join_ranks(*, ranks: int, device: str, timeout_s: float, config: dict[str, Any],
-               lead_first: Callable[[], object] | None = None) -> Iterator[RankGroup | None]:
+def join_ranks(
+    *,
+    ranks: int,
+    device: str,
+    timeout_s: float,
+    config: dict[str, Any],
+    lead_first: Callable[[], object] | None = None,
+) -> Iterator[RankGroup | None]:
     """The sidecar's rank group under torchrun (None for a single process), checked for a consistent world:
     ``ranks`` (``sidecar.ranks``) equals WORLD_SIZE and every rank passes the same ``config`` (flat, JSON-able:
     the resolved recipe and the starting draft).  ``device``: the recipe's (``cuda`` → nccl, else gloo);
@@ -403,12 +416,15 @@ class ShardedStep:
         # set_*_state_dict replace the values of the dicts they are given by shards: pass fresh ones
         set_model_state_dict(self.module, {f"draft.{k}": v for k, v in draft.items()}, options=opts)
         if len(optimizer["state"]) and max(optimizer["state"]) >= len(self._fqns):
-            raise ValueError(f"optimizer state for {max(optimizer['state']) + 1} parameters, this draft trains "
-                             f"{len(self._fqns)}")
+            raise ValueError(
+                f"optimizer state for {max(optimizer['state']) + 1} parameters, this draft trains "
+                f"{len(self._fqns)}"
+            )
         optim = {
             "state": {self._fqns[int(i)]: dict(st) for i, st in optimizer["state"].items()},
-            "param_groups": [{**g, "params": [self._fqns[int(i)] for i in g["params"]]}
-                             for g in optimizer["param_groups"]],
+            "param_groups": [
+                {**g, "params": [self._fqns[int(i)] for i in g["params"]]} for g in optimizer["param_groups"]
+            ],
         }
         set_optimizer_state_dict(self.module, self.trainer.optimizer, optim, options=opts)
 
@@ -427,4 +443,5 @@ def is_comm_error(e: RuntimeError) -> bool:
 
     text = str(e)
     return isinstance(e, dist.DistError) or any(
-        s in text for s in ("gloo", "NCCL", "Connection closed", "Connection reset", "Timed out", "timed out"))
+        s in text for s in ("gloo", "NCCL", "Connection closed", "Connection reset", "Timed out", "timed out")
+    )

@@ -57,15 +57,20 @@ class TappedRecord:
         if r.input_ids.dim() != 1 or t < 2:
             raise RecordError(f"input_ids must be [T] with T ≥ 2, got {tuple(r.input_ids.shape)}")
         if r.loss_mask.shape != (t,) or r.loss_mask.dtype != torch.bool:
-            raise RecordError(f"loss_mask must be bool [{t}], got {r.loss_mask.dtype} {tuple(r.loss_mask.shape)}")
+            raise RecordError(
+                f"loss_mask must be bool [{t}], got {r.loss_mask.dtype} {tuple(r.loss_mask.shape)}"
+            )
         for name, x in (("aux", r.aux), ("final", r.final)):
             if x.dim() != 2 or x.shape[0] != t or not x.is_floating_point():
-                raise RecordError(f"{name} must be a float [{t}, width] tensor, got {x.dtype} {tuple(x.shape)}")
+                raise RecordError(
+                    f"{name} must be a float [{t}, width] tensor, got {x.dtype} {tuple(x.shape)}"
+                )
         for name, x in (("next_logprob", self.next_logprob), ("logit_lse", self.logit_lse)):
             if x is not None and x.shape != (t,):
                 raise RecordError(f"{name} must be [{t}], got {tuple(x.shape)}")
-        if self.topk_ids is not None and (self.topk_ids.dim() != 2 or self.topk_ids.shape[0] != t
-                                          or self.topk_ids.shape[1] < 1):
+        if self.topk_ids is not None and (
+            self.topk_ids.dim() != 2 or self.topk_ids.shape[0] != t or self.topk_ids.shape[1] < 1
+        ):
             raise RecordError(f"topk_ids must be [{t}, K ≥ 1], got {tuple(self.topk_ids.shape)}")
         if not 0 <= self.stats_from <= t:
             raise RecordError(f"stats_from {self.stats_from} outside [0, {t}]")
@@ -112,8 +117,20 @@ class Batch:
     def to(self, device: torch.device | str) -> Batch:
         if self.input_ids.device == torch.device(device):
             return self
-        return Batch(*(t.to(device, non_blocking=True) for t in (
-            self.input_ids, self.valid, self.loss_mask, self.aux, self.final, self.starts, self.starts_valid)))
+        return Batch(
+            *(
+                t.to(device, non_blocking=True)
+                for t in (
+                    self.input_ids,
+                    self.valid,
+                    self.loss_mask,
+                    self.aux,
+                    self.final,
+                    self.starts,
+                    self.starts_valid,
+                )
+            )
+        )
 
 
 def chain_starts(loss_mask: torch.Tensor, steps: int) -> torch.Tensor:
@@ -156,9 +173,7 @@ def collate(records: list[Record], steps: int) -> Batch:
     return Batch(ids, valid, lmask, aux, final, starts, sv)
 
 
-def make_batches(
-    lengths: list[int], batch_tokens: int, generator: torch.Generator
-) -> list[list[int]]:
+def make_batches(lengths: list[int], batch_tokens: int, generator: torch.Generator) -> list[list[int]]:
     """Length-bucketed batches of record indices, each with at most ``batch_tokens`` padded tokens
     (a longer single record forms its own batch), in a seeded random order."""
     order = torch.randperm(len(lengths), generator=generator).tolist()

@@ -52,8 +52,16 @@ class ReplayBuffer:
     Deterministic given the same seed and the same sequence of adds and samples.
     """
 
-    def __init__(self, max_tokens: int, half_life: float, holdout_records: int, seed: int, *,
-                 holdout_every: int = 1, fresh_first: bool = False) -> None:
+    def __init__(
+        self,
+        max_tokens: int,
+        half_life: float,
+        holdout_records: int,
+        seed: int,
+        *,
+        holdout_every: int = 1,
+        fresh_first: bool = False,
+    ) -> None:
         if holdout_every < 1:
             raise ReplayError(f"holdout_every must be ≥ 1, got {holdout_every}")
         if max_tokens < 2:
@@ -173,7 +181,9 @@ class ReplayBuffer:
         order = torch.argsort(keys, descending=True).tolist()
         if self.fresh_first:
             newest = max(r.policy_version for r in recs)
-            fresh = [i for i, r in enumerate(recs) if r.policy_version == newest and r.arrival not in self._drawn]
+            fresh = [
+                i for i, r in enumerate(recs) if r.policy_version == newest and r.arrival not in self._drawn
+            ]
             taken = set(fresh)
             order = fresh + [i for i in order if i not in taken]
         chosen: list[TappedRecord] = []

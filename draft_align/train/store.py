@@ -119,7 +119,9 @@ class HiddenStore:
                 meta = json.loads((f.metadata() or {}).get("meta", "{}"))
                 t = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open has no iteration
         except Exception as e:  # noqa: BLE001 - any read failure: the shard is unusable
-            raise StoreError(f"capture shard {path} is unreadable ({e}); delete {self.root} to recapture") from e
+            raise StoreError(
+                f"capture shard {path} is unreadable ({e}); delete {self.root} to recapture"
+            ) from e
         if meta != json.loads(json.dumps(self.meta, sort_keys=True)):
             raise StoreError(f"capture shard {path} was made with other settings; delete {self.root}")
         cu = t["cu_seqlens"].tolist()

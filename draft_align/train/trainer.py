@@ -136,8 +136,11 @@ class DraftTrainer:
         )
         # anchor_decay: the weights as they are now (the sidecar's starting draft; after a restart the newest
         # published draft, which the sidecar builds its trainer on), one copy per parameter in param-group order
-        self._anchor = [p.detach().clone() for g in self.optimizer.param_groups for p in g["params"]] \
-            if s.anchor_decay > 0 else []
+        self._anchor = (
+            [p.detach().clone() for g in self.optimizer.param_groups for p in g["params"]]
+            if s.anchor_decay > 0
+            else []
+        )
 
     def loss(self, batch: Batch) -> tuple[torch.Tensor, StepStats]:
         """This trainer's loss of one batch (on the trainer's device)."""

@@ -4,5 +4,16 @@
 from draft_align.warmstart.loop import build_draft, evaluate_draft, load_init_draft, run, train, vocab_report
 from draft_align.warmstart.preparation import Prepared, WarmstartError, capture, heldout_prompts, prepare
 
-__all__ = ["Prepared", "WarmstartError", "build_draft", "capture", "evaluate_draft", "heldout_prompts",
-           "load_init_draft", "prepare", "run", "train", "vocab_report"]
+__all__ = [
+    "Prepared",
+    "WarmstartError",
+    "build_draft",
+    "capture",
+    "evaluate_draft",
+    "heldout_prompts",
+    "load_init_draft",
+    "prepare",
+    "run",
+    "train",
+    "vocab_report",
+]

@@ -35,7 +35,9 @@ from draft_align.warmstart.preparation import Prepared, WarmstartError, heldout_
 log = logging.getLogger(__name__)
 
 
-def build_draft(target: nn.Module, recipe: WarmstartRecipe, aux: tuple[int, ...], prep: Prepared) -> Eagle3Draft:
+def build_draft(
+    target: nn.Module, recipe: WarmstartRecipe, aux: tuple[int, ...], prep: Prepared
+) -> Eagle3Draft:
     """A fresh head shaped like the target's layers, with the data's vocab and the target's head rows;
     or, with ``draft.init_from``, that published draft (checked against the target and the recipe)."""
     if recipe.draft.init_from:
@@ -44,7 +46,9 @@ def build_draft(target: nn.Module, recipe: WarmstartRecipe, aux: tuple[int, ...]
         from draft_align.heads.mtp import MTPDraft
 
         dc = recipe.draft
-        return MTPDraft.attach(target, dc.mtp_depth, dc.mtp_layout, init_from_last_layer=dc.mtp_init == "last_layer")
+        return MTPDraft.attach(
+            target, dc.mtp_depth, dc.mtp_layout, init_from_last_layer=dc.mtp_init == "last_layer"
+        )
     cfg = Eagle3Config.from_target(target.config, recipe.draft.draft_vocab_size, aux)
     draft = Eagle3Draft(cfg)
     sel = select_vocab(prep.token_counts, cfg.draft_vocab_size, prep.predicted_mass)
@@ -64,11 +68,15 @@ def load_init_draft(target: nn.Module, recipe: WarmstartRecipe, aux: tuple[int, 
     draft, manifest = load_draft(src)
     check_compatible(manifest, target.config, None)
     if tuple(draft.cfg.aux_layer_ids) != tuple(aux):
-        raise WarmstartError(f"draft.init_from {src} reads aux layers {draft.cfg.aux_layer_ids}, the recipe {aux}")
+        raise WarmstartError(
+            f"draft.init_from {src} reads aux layers {draft.cfg.aux_layer_ids}, the recipe {aux}"
+        )
     is_mtp = draft.shares_target_head
     if is_mtp != (recipe.draft.head == "mtp"):
-        raise WarmstartError(f"draft.init_from {src} is {'an MTP' if is_mtp else 'an EAGLE-3'} draft, the recipe "
-                             f"asks for draft.head={recipe.draft.head}")
+        raise WarmstartError(
+            f"draft.init_from {src} is {'an MTP' if is_mtp else 'an EAGLE-3'} draft, the recipe "
+            f"asks for draft.head={recipe.draft.head}"
+        )
     if not is_mtp and draft.cfg.draft_vocab_size != recipe.draft.draft_vocab_size:
         raise WarmstartError(
             f"draft.init_from {src} has a {draft.cfg.draft_vocab_size}-token vocab, the recipe asks for "
@@ -76,7 +84,6 @@ def load_init_draft(target: nn.Module, recipe: WarmstartRecipe, aux: tuple[int, 
         )
     log.info("starting from draft %s (version %s)", src, manifest.get("draft_version"))
     return draft
-
 
 
 def train(
@@ -95,8 +102,12 @@ def train(
     if tc.max_steps is not None:
         planned = min(planned, tc.max_steps)
     optim = OptimSettings(
-        lr=tc.lr, min_lr_ratio=tc.min_lr_ratio, weight_decay=tc.weight_decay, warmup_steps=tc.warmup_steps,
-        total_steps=max(1, planned), grad_clip=tc.grad_clip,
+        lr=tc.lr,
+        min_lr_ratio=tc.min_lr_ratio,
+        weight_decay=tc.weight_decay,
+        warmup_steps=tc.warmup_steps,
+        total_steps=max(1, planned),
+        grad_clip=tc.grad_clip,
     )
     if recipe.draft.adapt == "lora":  # adapters over the frozen draft, with their own optimizer settings
         from draft_align.heads.lora import apply_lora, is_lora, lora_settings
@@ -104,12 +115,21 @@ def train(
         lc = recipe.draft.lora
         if not is_lora(draft):
             apply_lora(draft, lora_settings(lc), seed=recipe.seed)
-        optim = dataclasses.replace(optim, lr=lc.lr, weight_decay=lc.weight_decay, warmup_steps=lc.warmup_steps)
-    loss = LossSettings.from_section(tc, step_decay(tc.step_decay, recipe.draft.head), recipe.draft.train_lm_head)
+        optim = dataclasses.replace(
+            optim, lr=lc.lr, weight_decay=lc.weight_decay, warmup_steps=lc.warmup_steps
+        )
+    loss = LossSettings.from_section(
+        tc, step_decay(tc.step_decay, recipe.draft.head), recipe.draft.train_lm_head
+    )
     dev = torch.device(recipe.device)
     draft.to(dev)
-    trainer = DraftTrainer(draft, frozen_embedding(prep.target).to(dev),
-                           head_rows(prep.target, draft.draft_to_target.to(dev)).to(dev), optim, loss)
+    trainer = DraftTrainer(
+        draft,
+        frozen_embedding(prep.target).to(dev),
+        head_rows(prep.target, draft.draft_to_target.to(dev)).to(dev),
+        optim,
+        loss,
+    )
     ckpt = recipe.run_dir / "trainer"
     if checkpoint_exists(ckpt):
         trainer.load(ckpt)
@@ -119,8 +139,13 @@ def train(
             # a rerun with other epochs/max_steps: the cosine ends where the recipe now says
             log.info("schedule length %d → %d (recipe changed)", trainer.progress.total_steps, planned)
             trainer.set_total_steps(planned)
-        log.info("resumed from %s at step %d (epoch %d, batch %d)", ckpt, trainer.progress.step,
-                 trainer.progress.epoch, trainer.progress.batch_in_epoch)
+        log.info(
+            "resumed from %s at step %d (epoch %d, batch %d)",
+            ckpt,
+            trainer.progress.step,
+            trainer.progress.epoch,
+            trainer.progress.batch_in_epoch,
+        )
     pr = trainer.progress
     bar = None
     if recipe.logging.progress_bar:
@@ -164,13 +189,20 @@ def train(
                 per_step = pr.seconds / pr.step
                 est = int(tc.time_budget_s / per_step)
                 trainer.set_total_steps(min(planned, max(pr.step + 1, est)))
-            m.update(step_seconds=dt, targets_per_s=m["targets"] / dt, epoch=pr.epoch,
-                     tokens_seen=pr.tokens_seen, targets_seen=pr.targets_seen)
+            m.update(
+                step_seconds=dt,
+                targets_per_s=m["targets"] / dt,
+                epoch=pr.epoch,
+                tokens_seen=pr.tokens_seen,
+                targets_seen=pr.targets_seen,
+            )
             if sink is not None and (pr.step % recipe.logging.log_every == 0 or pr.step == 1):
                 sink.log(m, pr.step)
             if bar is not None:
                 bar.update(1)
-                bar.set_postfix(loss=f"{m['loss']:.3f}", acc0=f"{m['acc_0']:.2f}", tps=f"{m['targets_per_s']:.0f}")
+                bar.set_postfix(
+                    loss=f"{m['loss']:.3f}", acc0=f"{m['acc_0']:.2f}", tps=f"{m['targets_per_s']:.0f}"
+                )
             if pr.step % tc.checkpoint_every == 0:
                 trainer.save(ckpt)
             if eval_hook is not None:
@@ -202,11 +234,25 @@ def evaluate_draft(recipe: WarmstartRecipe, prep: Prepared, draft: Eagle3Draft) 
     for temp in ec.temperatures:
         modes = ["greedy"] if temp == 0 else [m for m in ec.modes if m != "greedy"]
         for mode in modes:
-            r = evaluate(prep.target, prep.tokenizer, draft, prompts, k=ec.k, mode=mode, temperature=temp,
-                         max_new_tokens=ec.max_new_tokens, seed=ec.seed)
+            r = evaluate(
+                prep.target,
+                prep.tokenizer,
+                draft,
+                prompts,
+                k=ec.k,
+                mode=mode,
+                temperature=temp,
+                max_new_tokens=ec.max_new_tokens,
+                seed=ec.seed,
+            )
             results.append(r)
-            log.info("eval %s T=%.1f: est %.3f measured %.3f", mode, temp, r["acceptance_length_est"],
-                     r["acceptance_length_measured"])
+            log.info(
+                "eval %s T=%.1f: est %.3f measured %.3f",
+                mode,
+                temp,
+                r["acceptance_length_est"],
+                r["acceptance_length_measured"],
+            )
     return results
 
 
@@ -217,8 +263,16 @@ def vocab_report(prep: Prepared, draft: Eagle3Draft, sequences: int = 16) -> dic
     prompts = heldout_prompts(prep, sequences, 256)
     eos = eos_ids(prep.target, prep.tokenizer)
     pad = prep.tokenizer.pad_token_id if prep.tokenizer.pad_token_id is not None else min(eos)
-    resp = generate_responses(prep.target, prompts, max_new_tokens=96, temperature=0.0, eos_ids=eos,
-                              pad_id=pad, batch_size=len(prompts), seed=0)
+    resp = generate_responses(
+        prep.target,
+        prompts,
+        max_new_tokens=96,
+        temperature=0.0,
+        eos_ids=eos,
+        pad_id=pad,
+        batch_size=len(prompts),
+        seed=0,
+    )
     inv = draft.t2d
     lost, oov, n = 0.0, 0, 0
     with torch.no_grad():
@@ -229,7 +283,11 @@ def vocab_report(prep: Prepared, draft: Eagle3Draft, sequences: int = 16) -> dic
             lost += float(probs[:, ~inv].sum())
             oov += int((~inv[logits.argmax(-1)]).sum())
             n += logits.shape[0]
-    return {"vocab_lost_mass": lost / max(1, n), "vocab_oov_argmax_rate": oov / max(1, n), "vocab_eval_tokens": n}
+    return {
+        "vocab_lost_mass": lost / max(1, n),
+        "vocab_oov_argmax_rate": oov / max(1, n),
+        "vocab_eval_tokens": n,
+    }
 
 
 def run(recipe: WarmstartRecipe) -> dict[str, Any]:
@@ -260,8 +318,11 @@ def _run(recipe: WarmstartRecipe) -> dict[str, Any]:
         trainer = train(recipe, prep, draft, sink)
         pr = trainer.progress
         train_stats = {
-            "steps": pr.step, "train_seconds": pr.seconds, "tokens_seen": pr.tokens_seen,
-            "targets_seen": pr.targets_seen, "targets_per_s": pr.targets_seen / max(pr.seconds, 1e-9),
+            "steps": pr.step,
+            "train_seconds": pr.seconds,
+            "tokens_seen": pr.tokens_seen,
+            "targets_seen": pr.targets_seen,
+            "targets_per_s": pr.targets_seen / max(pr.seconds, 1e-9),
             "token_steps_per_s": pr.targets_seen * recipe.train.ttt_steps / max(pr.seconds, 1e-9),
             "skipped_nonfinite": pr.skipped_nonfinite,
         }
@@ -277,14 +338,23 @@ def _run(recipe: WarmstartRecipe) -> dict[str, Any]:
         if recipe.draft.adapt == "lora" and recipe.draft.init_from:  # the adapters alone, over their base
             delta_base = resolve_draft_dir(Path(recipe.draft.init_from))
         out = publish_version(
-            run_dir, draft, target_config=prep.target.config, target_name=prep.target_name,
+            run_dir,
+            draft,
+            target_config=prep.target.config,
+            target_name=prep.target_name,
             tokenizer_fingerprint=tokenizer_fingerprint(prep.tokenizer),
-            metrics={k: v for k, v in metrics.items() if isinstance(v, (int, float))}, policy_version=0,
+            metrics={k: v for k, v in metrics.items() if isinstance(v, (int, float))},
+            policy_version=0,
             delta_base=delta_base,
         ).path
     finally:
         sink.close()
-    summary = {"run_dir": str(run_dir), "draft": str(out), "metrics": metrics, "eval": results,
-               "wall_seconds": time.time() - t0}
+    summary = {
+        "run_dir": str(run_dir),
+        "draft": str(out),
+        "metrics": metrics,
+        "eval": results,
+        "wall_seconds": time.time() - t0,
+    }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     return summary

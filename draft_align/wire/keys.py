@@ -38,8 +38,10 @@ def _read_key_file(path: Path) -> bytes:
     if not stat.S_ISREG(mode):
         raise ValueError(f"wire key {path} is not a regular file")
     if mode & (stat.S_IROTH | stat.S_IWOTH):
-        raise ValueError(f"wire key {path} is readable or writable by others (mode {stat.S_IMODE(mode):o}): "
-                         f"run chmod 600 {path}")
+        raise ValueError(
+            f"wire key {path} is readable or writable by others (mode {stat.S_IMODE(mode):o}): "
+            f"run chmod 600 {path}"
+        )
     if mode & stat.S_IRWXG:
         logger.warning("wire key %s is accessible by its group (mode %o)", path, stat.S_IMODE(mode))
     return _parse_key(path.read_bytes(), str(path))

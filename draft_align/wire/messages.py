@@ -44,7 +44,6 @@ class _WireMessage:
         return msg
 
 
-
 @dataclass(frozen=True, eq=False)
 class TapBatch(_WireMessage):
     """Policy → sidecar: S sequences, N tokens, ragged-packed by ``cu_seqlens``."""
@@ -105,7 +104,6 @@ class TapBatch(_WireMessage):
             raise IndexError(f"sequence {i} of a batch of {s}")
         return i % s
 
-
     @classmethod
     def make_dummy(
         cls,
@@ -155,13 +153,20 @@ class TapBatch(_WireMessage):
         cu = torch.zeros(num_sequences + 1, dtype=torch.int64)
         cu[1:] = torch.tensor([s["input_ids"].shape[0] for s in seqs]).cumsum(0)
         return cls(
-            run_id="dummy", policy_version=policy_version, source_rank=0, batch_id=batch_id, step=0,
-            aux_layer_ids=aux_layer_ids, hidden_size=hidden_size, vocab_size=vocab_size,
-            final_norm="post" if final else None, temperature=1.0, cu_seqlens=cu,
+            run_id="dummy",
+            policy_version=policy_version,
+            source_rank=0,
+            batch_id=batch_id,
+            step=0,
+            aux_layer_ids=aux_layer_ids,
+            hidden_size=hidden_size,
+            vocab_size=vocab_size,
+            final_norm="post" if final else None,
+            temperature=1.0,
+            cu_seqlens=cu,
             **{n: torch.cat([s[n] for s in seqs]) for n in seqs[0]},
             stats_from=torch.tensor(starts, dtype=torch.int32) if stats_from and (logprobs or topk) else None,
         )
-
 
 
 @dataclass(frozen=True, eq=False)
@@ -208,36 +213,52 @@ class TapPart(_WireMessage):
     def num_tokens(self) -> int:
         return self.input_ids.numel()
 
-
     @classmethod
     def split(cls, batch: TapBatch, layers_per_stage: Sequence[Sequence[int]]) -> list[TapPart]:
         """The parts pipeline stages would send for ``batch`` (tests, and a reference for the join):
         stage i carries the aux layers ``layers_per_stage[i]``; the last stage carries final hidden and
         log-prob tensors."""
         if batch.stats_from is not None:
-            raise ValueError("a TapPart carries no stats_from: split a batch with statistics at every "
-                             "position")
+            raise ValueError(
+                "a TapPart carries no stats_from: split a batch with statistics at every position"
+            )
         n_stages = len(layers_per_stage)
         h = batch.hidden_size
         col = {lid: j for j, lid in enumerate(batch.aux_layer_ids)}
         stray = {i for ids in layers_per_stage for i in ids} - set(col)
         if stray:
-            raise ValueError(f"layers {sorted(stray)} are not in the batch's aux_layer_ids {batch.aux_layer_ids}")
+            raise ValueError(
+                f"layers {sorted(stray)} are not in the batch's aux_layer_ids {batch.aux_layer_ids}"
+            )
         parts = []
         for stage, ids in enumerate(layers_per_stage):
             last = stage == n_stages - 1
             aux = [batch.aux_hidden[:, col[i] * h : (col[i] + 1) * h] for i in ids]
             extra = {n: t for n, t in batch.tensors().items() if n in _STAGE_LAST_TENSORS} if last else {}
-            parts.append(cls(
-                run_id=batch.run_id, policy_version=batch.policy_version, source_rank=batch.source_rank,
-                batch_id=batch.batch_id, step=batch.step, stage=stage, num_stages=n_stages,
-                layer_ids=tuple(ids), aux_layer_ids=batch.aux_layer_ids, hidden_size=h,
-                vocab_size=batch.vocab_size, final_norm=batch.final_norm if last else None,
-                temperature=batch.temperature, cu_seqlens=batch.cu_seqlens.clone(),
-                input_ids=batch.input_ids.clone(), loss_mask=batch.loss_mask.clone(),
-                aux_hidden=torch.cat(aux, dim=1) if aux else batch.aux_hidden.new_empty(batch.num_tokens, 0),
-                **extra,
-            ))
+            parts.append(
+                cls(
+                    run_id=batch.run_id,
+                    policy_version=batch.policy_version,
+                    source_rank=batch.source_rank,
+                    batch_id=batch.batch_id,
+                    step=batch.step,
+                    stage=stage,
+                    num_stages=n_stages,
+                    layer_ids=tuple(ids),
+                    aux_layer_ids=batch.aux_layer_ids,
+                    hidden_size=h,
+                    vocab_size=batch.vocab_size,
+                    final_norm=batch.final_norm if last else None,
+                    temperature=batch.temperature,
+                    cu_seqlens=batch.cu_seqlens.clone(),
+                    input_ids=batch.input_ids.clone(),
+                    loss_mask=batch.loss_mask.clone(),
+                    aux_hidden=torch.cat(aux, dim=1)
+                    if aux
+                    else batch.aux_hidden.new_empty(batch.num_tokens, 0),
+                    **extra,
+                )
+            )
         return parts
 
     @classmethod
@@ -246,7 +267,6 @@ class TapPart(_WireMessage):
     ) -> TapPart:
         """Stage ``stage``'s part of ``TapBatch.make_dummy(**batch_kwargs)`` (tests only)."""
         return cls.split(TapBatch.make_dummy(**batch_kwargs), layers_per_stage)[stage]
-
 
 
 @dataclass(frozen=True, eq=False)
@@ -264,20 +284,28 @@ class HeadSync(_WireMessage):
 
     KIND: ClassVar[str] = "HeadSync"
 
-
     @classmethod
     def make_dummy(
-        cls, *, hidden_size: int = 8, vocab_size: int = 50, draft_vocab: int = 16, policy_version: int = 0,
+        cls,
+        *,
+        hidden_size: int = 8,
+        vocab_size: int = 50,
+        draft_vocab: int = 16,
+        policy_version: int = 0,
         seed: int = 0,
     ) -> HeadSync:
         g = torch.Generator().manual_seed(seed)
         d2t = torch.randperm(vocab_size, generator=g)[:draft_vocab].sort().values
         return cls(
-            run_id="dummy", policy_version=policy_version, hidden_size=hidden_size, vocab_size=vocab_size,
-            norm_eps=1e-5, norm_weight=1 + 0.1 * torch.randn(hidden_size, generator=g), draft_to_target=d2t,
+            run_id="dummy",
+            policy_version=policy_version,
+            hidden_size=hidden_size,
+            vocab_size=vocab_size,
+            norm_eps=1e-5,
+            norm_weight=1 + 0.1 * torch.randn(hidden_size, generator=g),
+            draft_to_target=d2t,
             rows=torch.randn(draft_vocab, hidden_size, generator=g).bfloat16(),
         )
-
 
 
 @dataclass(frozen=True)
@@ -293,17 +321,18 @@ class DraftPublished(_WireMessage):
 
     KIND: ClassVar[str] = "DraftPublished"
 
-
     @classmethod
     def make_dummy(
         cls, *, draft_version: int = 1, policy_version: int = 0, path: str = "/tmp/drafts/v0001"
     ) -> DraftPublished:
         return cls(
-            run_id="dummy", draft_version=draft_version, policy_version=policy_version, path=path,
+            run_id="dummy",
+            draft_version=draft_version,
+            policy_version=policy_version,
+            path=path,
             sha256=hashlib.sha256(f"{path}:{draft_version}".encode()).hexdigest(),
             metrics={"acceptance_length": 2.5, "loss": 0.75},
         )
-
 
 
 @dataclass(frozen=True)
@@ -317,14 +346,14 @@ class StepReport(_WireMessage):
 
     KIND: ClassVar[str] = "StepReport"
 
-
     @classmethod
     def make_dummy(cls, *, step: int = 0, policy_version: int = 0) -> StepReport:
         return cls(
-            run_id="dummy", step=step, policy_version=policy_version,
+            run_id="dummy",
+            step=step,
+            policy_version=policy_version,
             metrics={"reward": 0.5, "kl": 0.01, "acceptance_length/v0001": None, "tap_dropped": 0.0},
         )
-
 
 
 Message = TapBatch | HeadSync | DraftPublished | StepReport | TapPart
@@ -346,4 +375,3 @@ def decode(frames: Sequence[Any], key: bytes | None, **limits: int) -> Message:
     :func:`decode_with_origin`.  Raises :class:`WireError` on any violation; the returned tensors own their
     memory."""
     return decode_with_origin(frames, key, **limits)[0]
-

@@ -51,9 +51,18 @@ def pack_sequences(
             raise ValueError(f"stats_from has {len(stats_from)} entries for {len(seqs)} sequences")
         packed["stats_from"] = torch.tensor([int(x) for x in stats_from], dtype=torch.int32)
     batch = TapBatch(
-        run_id=run_id, policy_version=policy_version, source_rank=source_rank, batch_id=batch_id, step=step,
-        aux_layer_ids=tuple(aux_layer_ids), hidden_size=hidden_size, vocab_size=vocab_size,
-        final_norm=final_norm, temperature=temperature, cu_seqlens=cu, **packed,
+        run_id=run_id,
+        policy_version=policy_version,
+        source_rank=source_rank,
+        batch_id=batch_id,
+        step=step,
+        aux_layer_ids=tuple(aux_layer_ids),
+        hidden_size=hidden_size,
+        vocab_size=vocab_size,
+        final_norm=final_norm,
+        temperature=temperature,
+        cu_seqlens=cu,
+        **packed,
     )
     validate(batch)
     return batch

@@ -71,7 +71,9 @@ class WireRecorder:
         size = self._f.tell()
         end = whole_end(self.path)
         if end < size:
-            log.warning("wire recording %s: dropping %d bytes after its last whole entry", self.path, size - end)
+            log.warning(
+                "wire recording %s: dropping %d bytes after its last whole entry", self.path, size - end
+            )
             self._f.truncate(end)
             self._f.seek(end)
 
@@ -120,10 +122,12 @@ def _mapped(path: Path) -> memoryview:
     """The file's bytes, memory-mapped (an empty file: empty); RecordingError when it is not a recording."""
     try:
         with open(path, "rb") as f:
-            data: Any = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if os.fstat(f.fileno()).st_size else b""
+            data: Any = (
+                mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if os.fstat(f.fileno()).st_size else b""
+            )
     except OSError as e:
         raise RecordingError(f"{path}: cannot read ({e})") from e
-    if bytes(data[:len(MAGIC)]) != MAGIC:
+    if bytes(data[: len(MAGIC)]) != MAGIC:
         raise RecordingError(f"{path}: not a draft_align wire recording (no {MAGIC[:-1]!r} header)")
     return memoryview(data)
 
@@ -143,13 +147,15 @@ def whole_end(path: Path, max_bytes: int = DEFAULT_MAX_BYTES) -> int:
     return pos
 
 
-def _entry(view: memoryview, pos: int, max_bytes: int, where: str) -> tuple[float, list[memoryview], int] | None:
+def _entry(
+    view: memoryview, pos: int, max_bytes: int, where: str
+) -> tuple[float, list[memoryview], int] | None:
     """(seconds, frames, next position) of the entry at ``pos``; None when the file ends inside it;
     RecordingError when it is damaged."""
     end = len(view)
     if end - pos < len(_ENTRY) + _HEAD.size:
         return None
-    if bytes(view[pos:pos + len(_ENTRY)]) != _ENTRY:
+    if bytes(view[pos : pos + len(_ENTRY)]) != _ENTRY:
         raise RecordingError(f"{where}: no entry marker (damaged file)")
     body_start = pos + len(_ENTRY)
     t, n = _HEAD.unpack_from(view, body_start)
@@ -168,7 +174,7 @@ def _entry(view: memoryview, pos: int, max_bytes: int, where: str) -> tuple[floa
         p += _LEN.size
         if end - p < size:
             return None
-        frames.append(view[p:p + size])
+        frames.append(view[p : p + size])
         p += size
     if end - p < _CRC.size:
         return None
@@ -183,7 +189,9 @@ class Recording:
     messages read and ``truncated_bytes`` the bytes of an unfinished last entry (0 when the file ended on
     an entry's boundary)."""
 
-    def __init__(self, path: Path, *, max_bytes: int = DEFAULT_MAX_BYTES, max_tokens: int = DEFAULT_MAX_TOKENS):
+    def __init__(
+        self, path: Path, *, max_bytes: int = DEFAULT_MAX_BYTES, max_tokens: int = DEFAULT_MAX_TOKENS
+    ):
         self.path = Path(path)
         self.max_bytes = max_bytes
         self.max_tokens = max_tokens
@@ -199,7 +207,9 @@ class Recording:
             entry = _entry(view, pos, self.max_bytes, f"{self.path}: entry {self.entries} at byte {pos}")
             if entry is None:  # a writer killed mid-entry: everything before it stands
                 self.truncated_bytes = len(view) - start
-                log.warning("%s: last entry unfinished (%d bytes left unread)", self.path, self.truncated_bytes)
+                log.warning(
+                    "%s: last entry unfinished (%d bytes left unread)", self.path, self.truncated_bytes
+                )
                 return
             t, frames, pos = entry
             try:  # the decoded tensors own their memory (decode_frames copies them)

@@ -37,7 +37,9 @@ class ReplayGuard:
         last = self._newest.get(origin.sender)
         if last is not None and origin.seq <= last:
             what = "duplicate" if origin.seq == last else "stale"
-            raise WireError("replay", f"{what} message {origin.seq} of sender {origin.sender} (newest {last})")
+            raise WireError(
+                "replay", f"{what} message {origin.seq} of sender {origin.sender} (newest {last})"
+            )
         self._newest[origin.sender] = origin.seq
         self._newest.move_to_end(origin.sender)
         while len(self._newest) > self._max:

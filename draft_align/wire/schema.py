@@ -283,8 +283,9 @@ def _shape(name: str, t: torch.Tensor, expect: tuple[int, ...]) -> None:
         raise WireError("shape", f"{name} has shape {list(t.shape)}, expected {list(expect)}")
 
 
-def _check_tap_batch(f: dict[str, Any], ts: dict[str, torch.Tensor], max_tokens: int | None,
-                     mask_bytes: torch.Tensor | None) -> None:
+def _check_tap_batch(
+    f: dict[str, Any], ts: dict[str, torch.Tensor], max_tokens: int | None, mask_bytes: torch.Tensor | None
+) -> None:
     if ("final_hidden" in ts) != (f["final_norm"] is not None):
         raise _bad("final_norm must be 'post'/'pre' exactly when final_hidden is present, else null")
     ids = ts["input_ids"]
@@ -352,8 +353,11 @@ def _check_stats_from(ts: dict[str, torch.Tensor], cu: torch.Tensor) -> None:
     late = sf64 > first
     if bool(late.any()):
         i = int(late.nonzero()[0, 0])
-        raise WireError("range", f"stats_from[{i}]={int(sf[i])} is after the sequence's first response token "
-                                 f"(position {int(first[i])}): the response's statistics would be missing")
+        raise WireError(
+            "range",
+            f"stats_from[{i}]={int(sf[i])} is after the sequence's first response token "
+            f"(position {int(first[i])}): the response's statistics would be missing",
+        )
     before = pos < sf64[seq]  # [N] positions without statistics
     for name in present:
         x = ts[name]
@@ -361,8 +365,9 @@ def _check_stats_from(ts: dict[str, torch.Tensor], cu: torch.Tensor) -> None:
             raise WireError("range", f"{name} must be 0 before stats_from")
 
 
-def _check_tap_part(f: dict[str, Any], ts: dict[str, torch.Tensor], max_tokens: int | None,
-                    mask_bytes: torch.Tensor | None) -> None:
+def _check_tap_part(
+    f: dict[str, Any], ts: dict[str, torch.Tensor], max_tokens: int | None, mask_bytes: torch.Tensor | None
+) -> None:
     if f["stage"] >= f["num_stages"]:
         raise _bad(f"stage {f['stage']} ≥ num_stages {f['num_stages']}")
     stray = set(f["layer_ids"]) - set(f["aux_layer_ids"])
@@ -389,8 +394,13 @@ def _check_head_sync(f: dict[str, Any], ts: dict[str, torch.Tensor]) -> None:
             raise WireError("range", f"{name} holds non-finite values")
 
 
-def _check_tensors(kind: str, f: dict[str, Any], ts: dict[str, torch.Tensor], max_tokens: int | None,
-                   mask_bytes: torch.Tensor | None = None) -> None:
+def _check_tensors(
+    kind: str,
+    f: dict[str, Any],
+    ts: dict[str, torch.Tensor],
+    max_tokens: int | None,
+    mask_bytes: torch.Tensor | None = None,
+) -> None:
     if kind == "TapBatch":
         _check_tap_batch(f, ts, max_tokens, mask_bytes)
     elif kind == "TapPart":

@@ -25,12 +25,12 @@ _MESSAGE_OVERHEAD = 1024  # estimated header + MAC bytes, for the send queue's b
 
 def _message_bytes(msg: Message) -> int:
     tensors = msg.tensors().values()
-    return _MESSAGE_OVERHEAD + sum(t.numel() * t.element_size() for t in tensors if hasattr(t, "element_size"))
+    return _MESSAGE_OVERHEAD + sum(
+        t.numel() * t.element_size() for t in tensors if hasattr(t, "element_size")
+    )
 
 
 _MESSAGE_TYPES = (TapBatch, HeadSync, DraftPublished, StepReport, TapPart)
-
-
 
 
 class TapSender(Closing):
@@ -77,8 +77,14 @@ class TapSender(Closing):
         self._closing = False
         self._close_deadline = 0.0
         self._counts = collections.Counter(
-            offered=0, sent=0, dropped_queue_full=0, dropped_peer=0, dropped_invalid=0, dropped_closed=0,
-            dropped_too_large=0, bytes_sent=0,
+            offered=0,
+            sent=0,
+            dropped_queue_full=0,
+            dropped_peer=0,
+            dropped_invalid=0,
+            dropped_closed=0,
+            dropped_too_large=0,
+            bytes_sent=0,
         )
         self._ctx = zmq.Context()
         self._ready = threading.Event()
@@ -165,8 +171,13 @@ class TapSender(Closing):
         self._seq += 1
         size = sum(len(f) for f in frames)
         if size > self._max_message_bytes:
-            logger.warning("tap: not sending a %s of %d bytes: over the receiver's limit of %d bytes "
-                           "(wire.max_message_mb)", type(msg).__name__, size, self._max_message_bytes)
+            logger.warning(
+                "tap: not sending a %s of %d bytes: over the receiver's limit of %d bytes "
+                "(wire.max_message_mb)",
+                type(msg).__name__,
+                size,
+                self._max_message_bytes,
+            )
             with self._cv:
                 self._counts["dropped_too_large"] += 1
             return
@@ -201,6 +212,8 @@ class TapSender(Closing):
             self._cv.notify_all()
         self._thread.join(timeout_s)
         if self._thread.is_alive():
-            logger.warning("tap sender thread still busy after %.1fs; leaving it to exit on its own", timeout_s)
+            logger.warning(
+                "tap sender thread still busy after %.1fs; leaving it to exit on its own", timeout_s
+            )
         else:
             self._ctx.term()

@@ -18,8 +18,11 @@ logger = logging.getLogger(__name__)
 _ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # where libzmq asks a context's ZAP handler (RFC 27)
 _ZAP_USER = b"draft_align"
 _ZAP_DOMAIN = "draft_align.wire"
-AUTH_EVENTS = ("EVENT_HANDSHAKE_FAILED_AUTH", "EVENT_HANDSHAKE_FAILED_PROTOCOL",
-               "EVENT_HANDSHAKE_FAILED_NO_DETAIL")  # socket-monitor events of a refused handshake
+AUTH_EVENTS = (
+    "EVENT_HANDSHAKE_FAILED_AUTH",
+    "EVENT_HANDSHAKE_FAILED_PROTOCOL",
+    "EVENT_HANDSHAKE_FAILED_NO_DETAIL",
+)  # socket-monitor events of a refused handshake
 
 
 def bind_socket(sock: Any, endpoint: str) -> str:
@@ -29,7 +32,7 @@ def bind_socket(sock: Any, endpoint: str) -> str:
 
     sock.bind(endpoint)
     if endpoint.startswith("ipc://"):
-        os.chmod(endpoint[len("ipc://"):], 0o600)
+        os.chmod(endpoint[len("ipc://") :], 0o600)
     return sock.getsockopt(zmq.LAST_ENDPOINT).decode()
 
 
@@ -72,12 +75,24 @@ class ZapHandler:
                     continue
                 req = self._sock.recv_multipart()
                 version, request_id = (req + [b"", b""])[:2]
-                ok = (len(req) == 8 and req[5] == b"PLAIN" and req[6] == _ZAP_USER
-                      and hmac.compare_digest(req[7], self._password))
+                ok = (
+                    len(req) == 8
+                    and req[5] == b"PLAIN"
+                    and req[6] == _ZAP_USER
+                    and hmac.compare_digest(req[7], self._password)
+                )
                 if not ok:
                     self.denied += 1
-                self._sock.send_multipart([version, request_id, b"200" if ok else b"400",
-                                           b"OK" if ok else b"bad credentials", _ZAP_USER if ok else b"", b""])
+                self._sock.send_multipart(
+                    [
+                        version,
+                        request_id,
+                        b"200" if ok else b"400",
+                        b"OK" if ok else b"bad credentials",
+                        _ZAP_USER if ok else b"",
+                        b"",
+                    ]
+                )
         except zmq.ZMQError:
             pass  # the context is closing
         finally:

@@ -53,10 +53,19 @@ def save_vllm_target(path: Path, tokenizer: Any, seed: int = 0, logit_scale: flo
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(
-        hidden_size=128, intermediate_size=256, num_hidden_layers=TARGET_LAYERS, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=64, vocab_size=len(tokenizer), max_position_embeddings=512,
-        bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=False,
-    )  # fmt: skip
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=TARGET_LAYERS,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        vocab_size=len(tokenizer),
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+        tie_word_embeddings=False,
+    )
     model = LlamaForCausalLM(cfg).eval()
     with torch.no_grad():
         model.lm_head.weight.mul_(logit_scale)
@@ -87,9 +96,16 @@ def _export(draft: Any, out: Path, target_config: Any, version: int, fingerprint
     from draft_align.publish import export_draft
 
     return export_draft(
-        draft, out, target_config=target_config, target_name="vllm-tiny", metrics={}, draft_version=version,
-        policy_version=version - 1, tokenizer_fingerprint=fingerprint, dtype=torch.float32,
-    )  # fmt: skip
+        draft,
+        out,
+        target_config=target_config,
+        target_name="vllm-tiny",
+        metrics={},
+        draft_version=version,
+        policy_version=version - 1,
+        tokenizer_fingerprint=fingerprint,
+        dtype=torch.float32,
+    )
 
 
 @pytest.fixture(scope="session")
@@ -111,16 +127,25 @@ def vllm_world(request, tmp_path_factory) -> VllmWorld:
     recipe = load_recipe(
         None,
         world.overrides(
-            run="warm", out=root / "checkpoints", **{
+            run="warm",
+            out=root / "checkpoints",
+            **{
                 "draft.aux_layer_ids": "[" + ",".join(map(str, AUX)) + "]",
                 "draft.draft_vocab_size": DRAFT_VOCAB,
-                "data.max_conversations": CONVERSATIONS - 8, "data.gen_max_new_tokens": 32,
-                "data.gen_batch_size": 32, "train.max_steps": WARMSTART_STEPS, "train.epochs": 100,
-                "train.warmup_steps": 5, "train.batch_tokens": 1024, "train.checkpoint_every": 1000,
-                "train.cache_hidden": "false", "eval.enabled": "false", "logging.log_every": 50,
+                "data.max_conversations": CONVERSATIONS - 8,
+                "data.gen_max_new_tokens": 32,
+                "data.gen_batch_size": 32,
+                "train.max_steps": WARMSTART_STEPS,
+                "train.epochs": 100,
+                "train.warmup_steps": 5,
+                "train.batch_tokens": 1024,
+                "train.checkpoint_every": 1000,
+                "train.cache_hidden": "false",
+                "eval.enabled": "false",
+                "logging.log_every": 50,
             },
         ),
-    )  # fmt: skip
+    )
     summary, seconds = run_warmstart(recipe, root / "home")  # its own caches: never the shared tiny world's
 
     tc = AutoConfig.from_pretrained(target)
@@ -146,8 +171,14 @@ def vllm_world(request, tmp_path_factory) -> VllmWorld:
     small.set_vocab(good.draft_to_target[: vd // 2].sort().values)
     mis_vocab = _export(small, root / "mis_vocab", tc, 4, fingerprint)
 
-    wide_cfg = dataclasses.replace(good.cfg, hidden_size=192, intermediate_size=384, num_attention_heads=3,
-                                   num_key_value_heads=1, head_dim=64)  # fmt: skip
+    wide_cfg = dataclasses.replace(
+        good.cfg,
+        hidden_size=192,
+        intermediate_size=384,
+        num_attention_heads=3,
+        num_key_value_heads=1,
+        head_dim=64,
+    )
     wide = Eagle3Draft(wide_cfg)
     wide.set_vocab(good.draft_to_target)
     mis_hidden = _export(wide, root / "mis_hidden", tc, 5, fingerprint)
@@ -160,8 +191,18 @@ def vllm_world(request, tmp_path_factory) -> VllmWorld:
     remapped.set_vocab(torch.tensor(swapped))
     mis_map = _export(remapped, root / "mis_map", tc, 6, fingerprint)
     return VllmWorld(
-        root, target, recipe.run_dir, run, corrupt, mis_vocab, mis_hidden, mis_map, tiny_world.model, recipe,
-        summary, seconds,
+        root,
+        target,
+        recipe.run_dir,
+        run,
+        corrupt,
+        mis_vocab,
+        mis_hidden,
+        mis_map,
+        tiny_world.model,
+        recipe,
+        summary,
+        seconds,
     )
 
 
@@ -188,9 +229,13 @@ def engine(vllm_world, vllm_env):
     torch.set_num_threads(1)
     try:
         llm = start_engine(
-            str(vllm_world.target), version_dir(vllm_world.run, 1), k=ENGINE_K, max_model_len=256,
-            dtype="float32", enforce_eager=True,
-        )  # fmt: skip
+            str(vllm_world.target),
+            version_dir(vllm_world.run, 1),
+            k=ENGINE_K,
+            max_model_len=256,
+            dtype="float32",
+            enforce_eager=True,
+        )
         try:
             yield llm
         finally:

@@ -14,10 +14,14 @@ HAS = {p: importlib.util.find_spec(p) is not None for p in ("vllm", "speculators
 
 
 def export_check(run_dir, out, client, dialect="hf"):
-    return cli.main(["export", "--draft", str(run_dir), "--out", str(out), "--dialect", dialect, "--check", client])
+    return cli.main(
+        ["export", "--draft", str(run_dir), "--out", str(out), "--dialect", dialect, "--check", client]
+    )
 
 
-@pytest.mark.skipif(not HAS["speculators"], reason="speculators not installed (pip install -e '.[speculators]')")
+@pytest.mark.skipif(
+    not HAS["speculators"], reason="speculators not installed (pip install -e '.[speculators]')"
+)
 def test_check_speculators_real_loader(tiny_run, tmp_path, capsys):
     assert export_check(tiny_run.run_dir, tmp_path / "s", "speculators", "speculators") == 0
     text = capsys.readouterr().out

@@ -8,9 +8,17 @@ from draft_align.heads.vocab import check_d2t, d2t_t2d, select_vocab
 
 def tiny_cfg(**kw) -> Eagle3Config:
     base = dict(
-        hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-        vocab_size=50, draft_vocab_size=20, target_hidden_size=24, aux_layer_ids=(1, 2, 3),
-        target_num_layers=4, max_position_embeddings=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        vocab_size=50,
+        draft_vocab_size=20,
+        target_hidden_size=24,
+        aux_layer_ids=(1, 2, 3),
+        target_num_layers=4,
+        max_position_embeddings=128,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
     )
     base.update(kw)
@@ -32,8 +40,13 @@ def test_weight_names_match_engines():
     d, _ = make()
     names = set(d.engine_state_dict())
     expected = {
-        "fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d",
-        "midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight",
+        "fc.weight",
+        "norm.weight",
+        "lm_head.weight",
+        "d2t",
+        "t2d",
+        "midlayer.input_layernorm.weight",
+        "midlayer.hidden_norm.weight",
         "midlayer.post_attention_layernorm.weight",
         *(f"midlayer.self_attn.{p}_proj.weight" for p in "qkvo"),
         *(f"midlayer.mlp.{p}_proj.weight" for p in ("gate", "up", "down")),
@@ -91,8 +104,15 @@ def test_unroll_matches_kv_cached_chain(steps):
     aux = torch.randn(1, t, 72)
     starts = torch.tensor([[0, 4, 7]])
     with torch.no_grad():
-        out = d.unroll(aux, emb, ids, torch.ones(1, t, dtype=torch.bool), starts,
-                       torch.ones(1, 3, dtype=torch.bool), steps)
+        out = d.unroll(
+            aux,
+            emb,
+            ids,
+            torch.ones(1, t, dtype=torch.bool),
+            starts,
+            torch.ones(1, 3, dtype=torch.bool),
+            steps,
+        )
     for m, s in enumerate(starts[0].tolist()):
         cache = d.new_cache()
         pos = torch.arange(s + 1)
@@ -100,7 +120,9 @@ def test_unroll_matches_kv_cached_chain(steps):
         torch.testing.assert_close(logits[-1], out[0][0, m], atol=1e-4, rtol=1e-4)
         h = hid[-1:]
         for j in range(1, steps):
-            lg, h = d.step(cache, h, emb(ids[0, s + 1 + j : s + 2 + j]), torch.tensor([s + j]), from_target=False)
+            lg, h = d.step(
+                cache, h, emb(ids[0, s + 1 + j : s + 2 + j]), torch.tensor([s + j]), from_target=False
+            )
             torch.testing.assert_close(lg[0], out[j][0, m], atol=1e-4, rtol=1e-4)
 
 

@@ -88,8 +88,11 @@ def test_blocked_attention_keeps_linear_memory_dense_keeps_quadratic(monkeypatch
 
     def kept(t: int, block_bytes: int | None) -> int:
         q, k0, v0, dk, dv, _, _, _, _ = chain_inputs(t, t, 2, seed=0)
-        mask = PrefixMask.chains(torch.arange(t).expand(B, t), torch.ones(B, t, dtype=torch.bool),
-                                 torch.ones(B, t, dtype=torch.bool))
+        mask = PrefixMask.chains(
+            torch.arange(t).expand(B, t),
+            torch.ones(B, t, dtype=torch.bool),
+            torch.ones(B, t, dtype=torch.bool),
+        )
         return saved_bytes(lambda: attend(q, k0, v0, mask, dk, dv, block_bytes=block_bytes))
 
     small = 4 * B * H * 64  # ~ one 64-key query per block at T = 64

@@ -34,8 +34,15 @@ def inputs(target, draft, seed=3, t=12):
         hs = target(ids, output_hidden_states=True).hidden_states
     aux = torch.cat([hs[i] for i in draft.cfg.aux_layer_ids], -1)
     starts = torch.arange(0, t - 1)[None]
-    return (aux, target.model.embed_tokens, ids, torch.ones(1, t, dtype=torch.bool), starts,
-            torch.ones_like(starts, dtype=torch.bool), 3)
+    return (
+        aux,
+        target.model.embed_tokens,
+        ids,
+        torch.ones(1, t, dtype=torch.bool),
+        starts,
+        torch.ones_like(starts, dtype=torch.bool),
+        3,
+    )
 
 
 def logits(d, args):
@@ -44,8 +51,17 @@ def logits(d, args):
 
 
 def publish(d, path, target, dtype=torch.bfloat16, version=1):
-    return export_draft(d, path, target_config=target.config, target_name="tiny", metrics={}, draft_version=version,
-                        policy_version=0, tokenizer_fingerprint="fp", dtype=dtype)
+    return export_draft(
+        d,
+        path,
+        target_config=target.config,
+        target_name="tiny",
+        metrics={},
+        draft_version=version,
+        policy_version=0,
+        tokenizer_fingerprint="fp",
+        dtype=dtype,
+    )
 
 
 # ---------------------------------------------------------------- adapters
@@ -113,8 +129,13 @@ def test_trainer_trains_only_adapters_and_resumes(target, tmp_path, kind):
         d = random_draft(kind, target)
         apply_lora(d, LoraSettings(rank=4, alpha=8.0))
         rows = head_rows(target, d.draft_to_target)
-        return DraftTrainer(d, frozen_embedding(target), rows, OptimSettings(lr=1e-2, warmup_steps=1, total_steps=8),
-                            LossSettings(ttt_steps=2, autocast_bf16=False))
+        return DraftTrainer(
+            d,
+            frozen_embedding(target),
+            rows,
+            OptimSettings(lr=1e-2, warmup_steps=1, total_steps=8),
+            LossSettings(ttt_steps=2, autocast_bf16=False),
+        )
 
     tr = build()
     d = tr.draft

@@ -60,8 +60,9 @@ def test_attach_copies_last_layer_and_shares_frozen_head(target):
 
 
 # ---------------------------------------------------------------- unroll == KV-cached inference
-@pytest.mark.parametrize(("layout", "depth"), [("deepseek_v3", 1), ("deepseek_v3", 2), ("qwen3_next", 1),
-                                               ("qwen3_next", 3)])
+@pytest.mark.parametrize(
+    ("layout", "depth"), [("deepseek_v3", 1), ("deepseek_v3", 2), ("qwen3_next", 1), ("qwen3_next", 3)]
+)
 def test_unroll_equals_kv_cached_steps(target, layout, depth):
     d = make_mtp_head(target, layout, depth)
     t, k = 12, 4
@@ -70,15 +71,30 @@ def test_unroll_equals_kv_cached_steps(target, layout, depth):
     emb = decoder_parts(target)[0]
     starts = torch.arange(0, t - 1)[None]
     with torch.no_grad():
-        q = d.unroll(fin, emb, ids, torch.ones(1, t, dtype=torch.bool), starts, torch.ones_like(starts, dtype=torch.bool), k)
+        q = d.unroll(
+            fin,
+            emb,
+            ids,
+            torch.ones(1, t, dtype=torch.bool),
+            starts,
+            torch.ones_like(starts, dtype=torch.bool),
+            k,
+        )
     checked = 0
     for s in range(0, t - 1 - k):
         cache = d.new_cache()
         # committed context in two chunks (as the decoder appends it), then the chain
-        lg, h = d.step(cache, fin[0, : s // 2 + 1], emb(ids[0, 1 : s // 2 + 2]), torch.arange(s // 2 + 1), True)
+        lg, h = d.step(
+            cache, fin[0, : s // 2 + 1], emb(ids[0, 1 : s // 2 + 2]), torch.arange(s // 2 + 1), True
+        )
         if s // 2 + 1 < s + 1:
-            lg, h = d.step(cache, fin[0, s // 2 + 1 : s + 1], emb(ids[0, s // 2 + 2 : s + 2]),
-                           torch.arange(s // 2 + 1, s + 1), True)
+            lg, h = d.step(
+                cache,
+                fin[0, s // 2 + 1 : s + 1],
+                emb(ids[0, s // 2 + 2 : s + 2]),
+                torch.arange(s // 2 + 1, s + 1),
+                True,
+            )
         torch.testing.assert_close(lg[-1], q[0][0, s], atol=1e-5, rtol=1e-5)
         hh = h[-1:]
         for j in range(1, k):
@@ -104,7 +120,15 @@ def test_deepseek_zeroes_the_embedding_at_position_0(target):
 
     def first(head, x):
         with torch.no_grad():
-            return head.unroll(fin, emb, x, torch.ones(1, 10, dtype=torch.bool), starts, torch.ones(1, 1, dtype=torch.bool), 1)[0]
+            return head.unroll(
+                fin,
+                emb,
+                x,
+                torch.ones(1, 10, dtype=torch.bool),
+                starts,
+                torch.ones(1, 1, dtype=torch.bool),
+                1,
+            )[0]
 
     assert torch.equal(first(d, ids), first(d, ids2))
     assert not torch.allclose(first(q_, ids), first(q_, ids2))
@@ -120,12 +144,23 @@ def test_trunk_gets_no_gradient(target):
     fin = tgt(ids, output_hidden_states=True).hidden_states[-1]
     assert fin.requires_grad
     starts = torch.arange(0, 8).expand(2, -1)
-    q = d.unroll(fin, tgt.model.embed_tokens, ids, torch.ones(2, 10, dtype=torch.bool), starts,
-                 torch.ones_like(starts, dtype=torch.bool), 4)  # module 1 runs steps 1 and 3: its q/k matter
+    q = d.unroll(
+        fin,
+        tgt.model.embed_tokens,
+        ids,
+        torch.ones(2, 10, dtype=torch.bool),
+        starts,
+        torch.ones_like(starts, dtype=torch.bool),
+        4,
+    )  # module 1 runs steps 1 and 3: its q/k matter
     sum(x.logsumexp(-1).sum() for x in q).backward()
     assert all(p.grad is None for p in tgt.parameters())
     assert d.lm_head.weight.grad is None
-    no_grad = [n for n, p in d.named_parameters() if n != "lm_head.weight" and (p.grad is None or not p.grad.abs().sum() > 0)]
+    no_grad = [
+        n
+        for n, p in d.named_parameters()
+        if n != "lm_head.weight" and (p.grad is None or not p.grad.abs().sum() > 0)
+    ]
     assert not no_grad
 
 
@@ -148,9 +183,13 @@ def trained_head(target, layout="deepseek_v3", depth=1, steps=60, kind="soft"):
     for i in range(ids.shape[0]):
         recs.append(Record(ids[i], torch.arange(ids.shape[1]) >= 4, cap.aux[i], cap.final[i]))
     d = MTPDraft.attach(target, depth=depth, layout=layout)
-    tr = DraftTrainer(d, frozen_embedding(target), target.lm_head.weight.detach(),
-                      OptimSettings(lr=3e-3, warmup_steps=2, total_steps=steps),
-                      LossSettings(ttt_steps=3, step_decay=0.6, kind=kind, autocast_bf16=False))
+    tr = DraftTrainer(
+        d,
+        frozen_embedding(target),
+        target.lm_head.weight.detach(),
+        OptimSettings(lr=3e-3, warmup_steps=2, total_steps=steps),
+        LossSettings(ttt_steps=3, step_decay=0.6, kind=kind, autocast_bf16=False),
+    )
     head0 = d.lm_head.weight.clone()
     losses = []
     for s in range(steps):
@@ -181,11 +220,18 @@ def test_records_estimate_equals_alpha_table(target, good_head):
     with torch.no_grad(), HFTap(target, (L,), capture_final=True) as tap:
         logits = target(ids[None]).logits[0]
         cap = tap.pop()
-    rec = TappedRecord(Record(ids, torch.arange(16) >= 4, cap.aux[0], cap.final[0]), policy_version=0, step=0,
-                       logit_lse=torch.logsumexp(logits, -1), topk_ids=logits.topk(2, -1).indices)
+    rec = TappedRecord(
+        Record(ids, torch.arange(16) >= 4, cap.aux[0], cap.final[0]),
+        policy_version=0,
+        step=0,
+        logit_lse=torch.logsumexp(logits, -1),
+        topk_ids=logits.topk(2, -1).indices,
+    )
     torch.testing.assert_close(cap.aux[0], cap.final[0])  # "aux layer" L is the final post-norm state
     for mode, temp in (("greedy", 0.0), ("greedy_draft", 1.0), ("probabilistic", 1.0)):
-        got, valid = record_alpha(good_head, decoder_parts(target)[0], target.lm_head.weight, rec, 3, mode, temp)
+        got, valid = record_alpha(
+            good_head, decoder_parts(target)[0], target.lm_head.weight, rec, 3, mode, temp
+        )
         want, want_valid = alpha_table(target, good_head, ids, 4, 3, mode, temp)
         assert torch.equal(valid, want_valid)
         torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
@@ -200,15 +246,23 @@ def test_reference_decoder_is_lossless_at_t0(target, good_head, layout, depth):
     prompts = [[3, 17, 5], [40, 2, 9, 11, 30], [7]]
     total_acc = 0.0
     for p in prompts:
-        ref = target.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False, eos_token_id=None)[0, len(p):]
+        ref = target.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False, eos_token_id=None)[
+            0, len(p) :
+        ]
         for k in (1, 3):
             out, tally = SpecDecoder(target, d, k, "greedy", 0.0).generate(torch.tensor(p), 16)
             assert out.tolist() == ref.tolist(), (p, k)
             total_acc += tally.num_accepted
     if d is good_head:
         assert total_acc > 0  # the acceptance path was exercised
-        est = estimate(target, d, [(torch.tensor(p), torch.tensor([1, 2, 3, 4, 5, 6])) for p in prompts], 3,
-                       "greedy", 0.0)
+        est = estimate(
+            target,
+            d,
+            [(torch.tensor(p), torch.tensor([1, 2, 3, 4, 5, 6])) for p in prompts],
+            3,
+            "greedy",
+            0.0,
+        )
         assert est["acceptance_length_est"] >= 1.0 and est["num_tokens"] == 18
 
 
@@ -218,7 +272,9 @@ def test_estimator_matches_the_decoder_at_t0(target, good_head):
     from draft_align.monitor.evaluate import evaluate
 
     prompts = [torch.tensor([5, 17, 33]), torch.tensor([1, 9, 40, 22, 7]), torch.tensor([12, 0, 31, 31])]
-    r = evaluate(target, None, good_head, prompts, k=3, mode="greedy", temperature=0.0, max_new_tokens=20, seed=0)
+    r = evaluate(
+        target, None, good_head, prompts, k=3, mode="greedy", temperature=0.0, max_new_tokens=20, seed=0
+    )
     assert r["rounds_est"] == r["rounds_measured"]
     gap = (r["acceptance_length_measured"] - r["acceptance_length_est"]) * r["rounds_measured"]
     assert -1e-9 <= gap <= 3 * 3
@@ -236,13 +292,25 @@ def test_smollm2_attach_decode_and_round_trip(tmp_path):
     d = MTPDraft.attach(target).eval()
     assert d.cfg.aux_layer_ids == (30,) and d.cfg.hidden_size == 576
     prompt = torch.tensor([1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018])
-    ref = target.generate(prompt[None], max_new_tokens=12, do_sample=False, eos_token_id=None)[0, prompt.numel():]
+    ref = target.generate(prompt[None], max_new_tokens=12, do_sample=False, eos_token_id=None)[
+        0, prompt.numel() :
+    ]
     out, _ = SpecDecoder(target, d, 3, "greedy", 0.0).generate(prompt, 12)
     assert out.tolist() == ref.tolist()
     for layout in ("deepseek_v3", "qwen3_next"):
         h = with_layout(d, layout)
-        back, _ = load_draft(export_draft(
-            h, tmp_path / layout, target_config=target.config, target_name="smollm2", metrics={}, draft_version=1,
-            policy_version=0, tokenizer_fingerprint="fp", dtype=torch.float32))
+        back, _ = load_draft(
+            export_draft(
+                h,
+                tmp_path / layout,
+                target_config=target.config,
+                target_name="smollm2",
+                metrics={},
+                draft_version=1,
+                policy_version=0,
+                tokenizer_fingerprint="fp",
+                dtype=torch.float32,
+            )
+        )
         for k, v in h.engine_state_dict().items():
             assert torch.equal(v, back.engine_state_dict()[k]), (layout, k)

@@ -10,8 +10,15 @@ from draft_align.hf.parts import head_rows
 @pytest.fixture(scope="module")
 def tiny_lm():
     torch.manual_seed(0)
-    c = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
-                    num_key_value_heads=2, vocab_size=50, tie_word_embeddings=False)
+    c = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=50,
+        tie_word_embeddings=False,
+    )
     return LlamaForCausalLM(c).eval()
 
 
@@ -28,8 +35,9 @@ def test_tap_equals_hf_hidden_states(tiny_lm, ids):
     torch.testing.assert_close(cap.final, ref.hidden_states[-1])
     # restricted logits equal the full logits' columns
     sel = torch.tensor([1, 4, 9, 33])
-    torch.testing.assert_close(draft_logits(cap.final, head_rows(tiny_lm, sel)), out.logits[..., sel],
-                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        draft_logits(cap.final, head_rows(tiny_lm, sel)), out.logits[..., sel], atol=1e-5, rtol=1e-5
+    )
 
 
 def test_tap_detach_and_errors(tiny_lm):

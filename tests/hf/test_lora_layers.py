@@ -13,7 +13,9 @@ from tests.helpers import drift, lora_policy
 def test_decoder_layer_of():
     assert decoder_layer_of("model.layers.7.self_attn.q_proj.weight") == "model.layers.7"
     assert decoder_layer_of("model.layers.12.") == "model.layers.12"
-    assert decoder_layer_of("model.embed_tokens.weight") is None and decoder_layer_of("lm_head.weight") is None
+    assert (
+        decoder_layer_of("model.embed_tokens.weight") is None and decoder_layer_of("lm_head.weight") is None
+    )
     assert decoder_layer_of("model.layers.x.weight") is None
 
 
@@ -57,8 +59,10 @@ def test_policy_layer_weights_full_fine_tuning(tiny_llama):
     weights = policy_layer_weights(model, torch.bfloat16)
     names = {n for n, _ in model.named_parameters() if n.startswith("model.layers.")}
     assert set(weights) == names and all(t.dtype == torch.bfloat16 for t in weights.values())
-    assert torch.equal(weights["model.layers.1.mlp.up_proj.weight"],
-                       model.model.layers[1].mlp.up_proj.weight.to(torch.bfloat16))
+    assert torch.equal(
+        weights["model.layers.1.mlp.up_proj.weight"],
+        model.model.layers[1].mlp.up_proj.weight.to(torch.bfloat16),
+    )
     model.lm_head.weight.requires_grad_(True)
     with pytest.raises(LoraLayoutError, match="outside the decoder layers"):
         policy_layer_weights(model)

@@ -24,17 +24,45 @@ from draft_align.monitor.round_cost import ROUND_COST_FILE, RoundCostError, Roun
 FIXTURE = Path(__file__).parent / "fixtures" / "advise_run"
 
 # every step but the first (warm-up, left out of the profile): the stages sum to step_s = 10
-STEP = {"step_s": 10.0, "rollout_s": 6.5, "generate_s_adapted": 3.0, "generate_s_frozen": 3.0, "draft_swap_s": 0.5,
-        "logprob_s": 1.5, "tap_s": 0.5, "update_s": 1.0, "policy_sync_s": 0.4, "draft_poll_s": 0.05,
-        "draft_offer_s": 0.05, "save_s": 0.2, "kl_s": 0.3, "engine_steps_adapted": 100.0,
-        "engine_steps_frozen": 100.0}  # fmt: skip
-COUNTERS = {"engine_vllm": 1.0, "rollouts_adapted": 6, "rollouts_frozen": 6,
-            "accept_r0_adapted": 0.5, "accept_r1_adapted": 0.25, "accept_rounds_adapted": 100.0,
-            "accept_r0_frozen": 0.4, "accept_r1_frozen": 0.16, "accept_rounds_frozen": 100.0,
-            "accept_est_r0_adapted_prob": 0.6, "accept_est_r1_adapted_prob": 0.36}  # fmt: skip
+STEP = {
+    "step_s": 10.0,
+    "rollout_s": 6.5,
+    "generate_s_adapted": 3.0,
+    "generate_s_frozen": 3.0,
+    "draft_swap_s": 0.5,
+    "logprob_s": 1.5,
+    "tap_s": 0.5,
+    "update_s": 1.0,
+    "policy_sync_s": 0.4,
+    "draft_poll_s": 0.05,
+    "draft_offer_s": 0.05,
+    "save_s": 0.2,
+    "kl_s": 0.3,
+    "engine_steps_adapted": 100.0,
+    "engine_steps_frozen": 100.0,
+}
+COUNTERS = {
+    "engine_vllm": 1.0,
+    "rollouts_adapted": 6,
+    "rollouts_frozen": 6,
+    "accept_r0_adapted": 0.5,
+    "accept_r1_adapted": 0.25,
+    "accept_rounds_adapted": 100.0,
+    "accept_r0_frozen": 0.4,
+    "accept_r1_frozen": 0.16,
+    "accept_rounds_frozen": 100.0,
+    "accept_est_r0_adapted_prob": 0.6,
+    "accept_est_r1_adapted_prob": 0.36,
+}
 # batch 6: c(1) = 1.6, c(2) = 2.1 → c(k) = 1.1 + 0.5 k; batch 1: c(1) = 1.1, c(2) = 1.2
-TIMINGS = (StepTiming(6, 0, 0.02, 50), StepTiming(6, 1, 0.032, 50), StepTiming(6, 2, 0.042, 50),
-           StepTiming(1, 0, 0.01, 50), StepTiming(1, 1, 0.011, 50), StepTiming(1, 2, 0.012, 50))  # fmt: skip
+TIMINGS = (
+    StepTiming(6, 0, 0.02, 50),
+    StepTiming(6, 1, 0.032, 50),
+    StepTiming(6, 2, 0.042, 50),
+    StepTiming(1, 0, 0.01, 50),
+    StepTiming(1, 1, 0.011, 50),
+    StepTiming(1, 2, 0.012, 50),
+)
 
 
 def write_run(run: Path, *, counters: bool = True, cost: bool = True, steps: int = 4) -> Path:
@@ -46,8 +74,10 @@ def write_run(run: Path, *, counters: bool = True, cost: bool = True, steps: int
             row["step_s"] = 30.0  # warm-up: not in the profile
         rows.append(row)
     (run / "rl" / "steps.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    save_recipe(CotrainRecipe(rl=RLConfig(spec_k=2, verify_mode="greedy_draft", temperature=1.0)),
-                run / RESOLVED_RECIPE)  # fmt: skip
+    save_recipe(
+        CotrainRecipe(rl=RLConfig(spec_k=2, verify_mode="greedy_draft", temperature=1.0)),
+        run / RESOLVED_RECIPE,
+    )
     if cost:
         RoundCostTable(TIMINGS, "test calibration").save(run / ROUND_COST_FILE)
     return run
@@ -58,8 +88,18 @@ def test_profile_acceptance_and_projection_hand_computed(tmp_path):
     p = a.profile
     assert p.steps == (1, 2, 3) and p.step_s == pytest.approx(10.0)
     got = {s.name: s.seconds for s in p.stages}
-    assert got == pytest.approx({"generation": 6.0, "log-prob pass": 1.0, "update": 1.0, "policy sync": 0.4,
-                                 "draft refresh": 0.6, "Tap": 0.5, "save + KL probe": 0.5, "other": 0.0})  # fmt: skip
+    assert got == pytest.approx(
+        {
+            "generation": 6.0,
+            "log-prob pass": 1.0,
+            "update": 1.0,
+            "policy sync": 0.4,
+            "draft refresh": 0.6,
+            "Tap": 0.5,
+            "save + KL probe": 0.5,
+            "other": 0.0,
+        }
+    )
     assert a.settings.k == 2 and a.settings.batch_size == 6 and a.settings.engine == "vllm"
     assert a.serving.draft == "adapted" and a.serving.rates == pytest.approx((0.5, 0.25))
     assert a.serving.acceptance_rate == pytest.approx(0.375)
@@ -82,11 +122,17 @@ def test_profile_acceptance_and_projection_hand_computed(tmp_path):
 
 def test_advice_lines_follow_the_rules(tmp_path):
     lines = advise_run(write_run(tmp_path / "run")).lines
-    assert any("acceptance rate 38% measured" in x and "below 60%" in x and "larger or in-domain draft" in x
-               for x in lines)  # fmt: skip
+    assert any(
+        "acceptance rate 38% measured" in x and "below 60%" in x and "larger or in-domain draft" in x
+        for x in lines
+    )
     assert any("rl.spec_k=2 is beyond the best k=1 at batch size 6" in x for x in lines)
     slower = [x for x in lines if "projected slower than plain decoding at batch size 6" in x]
-    assert slower and "without a draft" in slower[0] and "it pays at batch size 1 (k=2: 1.46× projected)" in slower[0]
+    assert (
+        slower
+        and "without a draft" in slower[0]
+        and "it pays at batch size 1 (k=2: 1.46× projected)" in slower[0]
+    )
     assert any(x.startswith("generation is 60% of the step (measured)") for x in lines)
 
 
@@ -109,8 +155,14 @@ def _number_cells(text: str) -> list[str]:
 
 def test_every_printed_number_is_labelled(tmp_path):
     text = format_advice(advise_run(write_run(tmp_path / "run")))
-    for head in ("Stage profile", "Acceptance", "Round cost", "Projection: adapted draft, greedy_draft",
-                 "Projection: adapted draft, probabilistic", "Advice"):  # fmt: skip
+    for head in (
+        "Stage profile",
+        "Acceptance",
+        "Round cost",
+        "Projection: adapted draft, greedy_draft",
+        "Projection: adapted draft, probabilistic",
+        "Advice",
+    ):
         assert head in text
     cells = _number_cells(text)
     unlabelled = [c for c in cells if not re.search(r"measured|projected|%$", c)]
@@ -166,8 +218,11 @@ def test_bad_run_folders_are_one_line_errors(tmp_path, caplog):
     (bad_cost / ROUND_COST_FILE).write_text('{"source": "x"}')
     with pytest.raises(RoundCostError, match="missing"):
         advise_run(bad_cost)
-    for run, text in ((tmp_path / "missing", "does not exist"), (tmp_path / "empty", "no step log"),
-                      (tmp_path / "plain", "no engine acceptance counters")):  # fmt: skip
+    for run, text in (
+        (tmp_path / "missing", "does not exist"),
+        (tmp_path / "empty", "no step log"),
+        (tmp_path / "plain", "no engine acceptance counters"),
+    ):
         caplog.clear()
         with caplog.at_level(logging.ERROR, logger="draft_align"):
             assert cli.main(["advise", str(run)]) == 2
@@ -186,7 +241,9 @@ def test_the_fixture_is_a_copyable_run_folder(tmp_path):
 
 def test_one_calibrated_k_gives_no_k_advice(tmp_path):
     run = write_run(tmp_path / "run", cost=False)
-    RoundCostTable((StepTiming(6, 0, 0.02, 50), StepTiming(6, 2, 0.042, 50)), "one k").save(run / ROUND_COST_FILE)
+    RoundCostTable((StepTiming(6, 0, 0.02, 50), StepTiming(6, 2, 0.042, 50)), "one k").save(
+        run / ROUND_COST_FILE
+    )
     a = advise_run(run)
     assert [r.k for r in a.projections[0].rows if r.speedup is not None] == [2]
     assert any("only k=2 has a measured round cost" in x for x in a.lines)
@@ -197,8 +254,16 @@ def test_one_calibrated_k_gives_no_k_advice(tmp_path):
 def test_run_settings_of_an_auto_verify_run_read_the_mode_that_served(tmp_path):
     from draft_align.monitor.advise import run_settings
 
-    save_recipe(CotrainRecipe(rl=RLConfig(engine="vllm", verify_mode="auto", temperature=1.0)), tmp_path / RESOLVED_RECIPE)
-    served = [{"engine_vllm": 1.0, "verify_probabilistic": 0.0}, {"engine_vllm": 1.0, "verify_probabilistic": 1.0}]
+    save_recipe(
+        CotrainRecipe(rl=RLConfig(engine="vllm", verify_mode="auto", temperature=1.0)),
+        tmp_path / RESOLVED_RECIPE,
+    )
+    served = [
+        {"engine_vllm": 1.0, "verify_probabilistic": 0.0},
+        {"engine_vllm": 1.0, "verify_probabilistic": 1.0},
+    ]
     assert run_settings(tmp_path, served, 3).verify_mode == "probabilistic"  # the latest step's
     assert run_settings(tmp_path, served[:1], 3).verify_mode == "greedy_draft"
-    assert run_settings(tmp_path, [{"engine_vllm": 1.0}], 3).verify_mode == "auto"  # no step said: left as it is
+    assert (
+        run_settings(tmp_path, [{"engine_vllm": 1.0}], 3).verify_mode == "auto"
+    )  # no step said: left as it is

@@ -205,14 +205,29 @@ SIDECAR_TITLES = ("est.ad", "est.fr", "buf", "drops", "rej", "train tok/s")
 
 def rl_metrics(step: int) -> dict:
     """What the RL job knows of a step (no sidecar keys)."""
-    return {"step": step, "policy_version": step + 1, "draft_version": 0, "staleness": 1, "reward_mean": 0.5,
-            "kl_to_initial": 0.01, "accept_measured_adapted": 1.8, "accept_measured_frozen": 1.7, "wire_dropped": 0}
+    return {
+        "step": step,
+        "policy_version": step + 1,
+        "draft_version": 0,
+        "staleness": 1,
+        "reward_mean": 0.5,
+        "kl_to_initial": 0.01,
+        "accept_measured_adapted": 1.8,
+        "accept_measured_frozen": 1.7,
+        "wire_dropped": 0,
+    }
 
 
 def sidecar_row(step: int) -> dict:
     """The sidecar's monitor.jsonl row of a step (it repeats the RL metrics it was sent)."""
-    return {**rl_metrics(step), "accept_est_adapted": 1.9 + 0.01 * step, "accept_est_frozen": 1.85,
-            "buffer_fill": 0.25, "wire_rejected": 2, "sidecar_train_tokens_per_s": 1000.0 + step}
+    return {
+        **rl_metrics(step),
+        "accept_est_adapted": 1.9 + 0.01 * step,
+        "accept_est_frozen": 1.85,
+        "buffer_fill": 0.25,
+        "wire_rejected": 2,
+        "sidecar_train_tokens_per_s": 1000.0 + step,
+    }
 
 
 def cells(row: str) -> dict[str, str]:

@@ -82,8 +82,15 @@ def test_amdahl_over_the_step():
     assert amdahl(0.0, 4.0, 3.0) == pytest.approx(1.0)
 
 
-@pytest.mark.parametrize("rates, match", [([], "no per-position"), ([1.2], r"in \[0, 1\]"),
-                                          ([0.2, 0.5], "cannot rise"), ([float("nan")], "finite")])
+@pytest.mark.parametrize(
+    "rates, match",
+    [
+        ([], "no per-position"),
+        ([1.2], r"in \[0, 1\]"),
+        ([0.2, 0.5], "cannot rise"),
+        ([float("nan")], "finite"),
+    ],
+)
 def test_bad_rates_are_refused(rates, match):
     with pytest.raises(ProjectionError, match=match):
         tokens_per_round(rates, 2)

@@ -1,7 +1,6 @@
 """draft_align.monitor.records: acceptance from tapped records equals the estimator that runs the target
 (and the sidecar's paired gate separates real drafts estimated this way)."""
 
-
 import pytest
 import torch
 
@@ -68,18 +67,31 @@ def test_partial_vocab_with_lse_equals_alpha_table(target, draft_good48, samples
     assert total > 5.0  # a trained draft: not a trivial all-zero agreement
 
 
-@pytest.mark.parametrize(("mode", "temperature"), [("greedy", 0.0), ("greedy_draft", 1.0), ("probabilistic", 1.0)])
+@pytest.mark.parametrize(
+    ("mode", "temperature"), [("greedy", 0.0), ("greedy_draft", 1.0), ("probabilistic", 1.0)]
+)
 def test_partial_vocab_lse_is_below_renormalised(target, draft_good48, samples, mode, temperature):
     embed = decoder_parts(target)[0]
     rows = head_rows(target, draft_good48.draft_to_target)
     below = 0
     for ids in samples:
         exact, valid = record_alpha(
-            draft_good48, embed, rows, tap_record(target, ids, draft_good48.cfg.aux_layer_ids), 3, mode, temperature
+            draft_good48,
+            embed,
+            rows,
+            tap_record(target, ids, draft_good48.cfg.aux_layer_ids),
+            3,
+            mode,
+            temperature,
         )
         renorm, _ = record_alpha(
-            draft_good48, embed, rows, tap_record(target, ids, draft_good48.cfg.aux_layer_ids, lse=False, topk=False),
-            3, mode, temperature,
+            draft_good48,
+            embed,
+            rows,
+            tap_record(target, ids, draft_good48.cfg.aux_layer_ids, lse=False, topk=False),
+            3,
+            mode,
+            temperature,
         )
         assert (exact <= renorm + 1e-6).all()
         below += int((exact < renorm - 1e-4)[valid].sum())
@@ -90,7 +102,9 @@ def test_partial_vocab_lse_is_below_renormalised(target, draft_good48, samples, 
 def test_estimate_records_pools_like_estimate(target, draft_good48, samples):
     embed = decoder_parts(target)[0]
     rows = head_rows(target, draft_good48.draft_to_target)
-    recs = [tap_record(target, ids, draft_good48.cfg.aux_layer_ids, arrival=i) for i, ids in enumerate(samples)]
+    recs = [
+        tap_record(target, ids, draft_good48.cfg.aux_layer_ids, arrival=i) for i, ids in enumerate(samples)
+    ]
     for mode in ("greedy_draft", "probabilistic"):
         got = estimate_records(draft_good48, embed, rows, recs, 3, mode, 1.0)
         want = estimate(target, draft_good48, [(ids[:PROMPT], ids[PROMPT:]) for ids in samples], 3, mode, 1.0)
@@ -141,8 +155,11 @@ def test_bf16_states_and_prompt_at_zero(target, draft_good48, samples):
     rec = tap_record(target, samples[0], draft_good48.cfg.aux_layer_ids)
     r = rec.record
     half = TappedRecord(
-        Record(r.input_ids, r.loss_mask, r.aux.bfloat16(), r.final.bfloat16()), 0, 0,
-        logit_lse=rec.logit_lse, topk_ids=rec.topk_ids,
+        Record(r.input_ids, r.loss_mask, r.aux.bfloat16(), r.final.bfloat16()),
+        0,
+        0,
+        logit_lse=rec.logit_lse,
+        topk_ids=rec.topk_ids,
     )
     a32, _ = record_alpha(draft_good48, embed, rows.bfloat16(), rec, 3, "greedy_draft", 1.0)
     a16, _ = record_alpha(draft_good48, embed, rows.bfloat16(), half, 3, "greedy_draft", 1.0)
@@ -179,6 +196,7 @@ def test_mismatches_are_refused(target, draft_good48, samples):
 def sent_from(rec: TappedRecord, start: int, *, say: bool = True) -> TappedRecord:
     """``rec`` with its statistics sent only from ``start`` on (0 before), as the HF Tap sends them;
     ``say=False``: the zeros without saying so (stats_from 0), a lying sender."""
+
     def cut(x):
         if x is None:
             return None
@@ -186,28 +204,44 @@ def sent_from(rec: TappedRecord, start: int, *, say: bool = True) -> TappedRecor
         y[:start] = 0
         return y
 
-    return TappedRecord(rec.record, rec.policy_version, rec.step, arrival=rec.arrival, logit_lse=cut(rec.logit_lse),
-                        topk_ids=cut(rec.topk_ids), stats_from=start if say else 0)
+    return TappedRecord(
+        rec.record,
+        rec.policy_version,
+        rec.step,
+        arrival=rec.arrival,
+        logit_lse=cut(rec.logit_lse),
+        topk_ids=cut(rec.topk_ids),
+        stats_from=start if say else 0,
+    )
 
 
-@pytest.mark.parametrize(("mode", "temperature"),
-                         [("greedy", 0.0), ("greedy_draft", 1.0), ("probabilistic", 1.0), ("probabilistic", 0.7)])
-def test_statistics_from_the_response_give_the_same_estimate(target, draft_good48, samples, mode, temperature):
+@pytest.mark.parametrize(
+    ("mode", "temperature"),
+    [("greedy", 0.0), ("greedy_draft", 1.0), ("probabilistic", 1.0), ("probabilistic", 0.7)],
+)
+def test_statistics_from_the_response_give_the_same_estimate(
+    target, draft_good48, samples, mode, temperature
+):
     """Statistics only from the position before the first response token (the HF Tap) or from the first
     response token: the very same estimate as with statistics at every position (the old senders' records),
     so nothing the estimate reads was dropped; starting one later changes it, and is refused."""
     embed = decoder_parts(target)[0]
     rows = head_rows(target, draft_good48.draft_to_target)
-    full = [tap_record(target, ids, draft_good48.cfg.aux_layer_ids, arrival=i) for i, ids in enumerate(samples)]
+    full = [
+        tap_record(target, ids, draft_good48.cfg.aux_layer_ids, arrival=i) for i, ids in enumerate(samples)
+    ]
     want = estimate_records(draft_good48, embed, rows, full, 3, mode, temperature)
     for start in (PROMPT - 1, PROMPT):
-        got = estimate_records(draft_good48, embed, rows, [sent_from(r, start) for r in full], 3, mode, temperature)
+        got = estimate_records(
+            draft_good48, embed, rows, [sent_from(r, start) for r in full], 3, mode, temperature
+        )
         assert repr(got) == repr(want), start  # every number, NaN included
     late = [sent_from(r, PROMPT + 1) for r in full]
     if mode == "probabilistic" and temperature != 1.0:
         return  # at T ≠ 1 neither logit_lse nor topk_ids is read
-    lying = estimate_records(draft_good48, embed, rows, [sent_from(r, PROMPT + 1, say=False) for r in full], 3,
-                             mode, temperature)
+    lying = estimate_records(
+        draft_good48, embed, rows, [sent_from(r, PROMPT + 1, say=False) for r in full], 3, mode, temperature
+    )
     assert lying["per_sequence"] != want["per_sequence"]  # zeros read as statistics would change the estimate
     with pytest.raises(RecordEstimateError, match="statistics start at 5, after position 4"):
         estimate_records(draft_good48, embed, rows, late, 3, mode, temperature)
@@ -217,7 +251,9 @@ def test_statistics_from_the_response_give_the_same_estimate(target, draft_good4
 def test_paired_gate_on_real_drafts(target, draft_good48, draft_random48, samples):
     embed = decoder_parts(target)[0]
     rows = head_rows(target, draft_good48.draft_to_target)
-    recs = [tap_record(target, ids, draft_good48.cfg.aux_layer_ids, arrival=i) for i, ids in enumerate(samples)]
+    recs = [
+        tap_record(target, ids, draft_good48.cfg.aux_layer_ids, arrival=i) for i, ids in enumerate(samples)
+    ]
     good = estimate_records(draft_good48, embed, rows, recs, 3, "greedy_draft", 1.0)
     rows_r = head_rows(target, draft_random48.draft_to_target)
     bad = estimate_records(draft_random48, embed, rows_r, recs, 3, "greedy_draft", 1.0)

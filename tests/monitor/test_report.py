@@ -46,7 +46,11 @@ def synthetic_records() -> list[dict]:
                 "wire_rejected": 1 if s >= 3 else 0,
                 "buffer_fill": 0.1 * s,
                 # the first steps served by drafts trained on a new version carry the lags
-                **({"draft_tap_to_serve_s": 10.0 * s, "draft_serve_lag_s": 10.0 * s + 5} if s in (1, 2, 4) else {}),
+                **(
+                    {"draft_tap_to_serve_s": 10.0 * s, "draft_serve_lag_s": 10.0 * s + 5}
+                    if s in (1, 2, 4)
+                    else {}
+                ),
             }
         )
     return recs

@@ -8,10 +8,18 @@ from draft_align.monitor.round_cost import RoundCostError, RoundCostTable, StepT
 
 
 def _table() -> RoundCostTable:
-    return RoundCostTable((StepTiming(8, 0, 0.04, 30), StepTiming(8, 1, 0.06, 30), StepTiming(8, 3, 0.1, 30),
-                           StepTiming(1, 0, 0.02, 30), StepTiming(1, 3, 0.025, 30),
-                           StepTiming(4, 1, 0.05, 30)),  # batch 4 has no plain timing: not usable
-                          "unit test", {"engine": "none"})  # fmt: skip
+    return RoundCostTable(
+        (
+            StepTiming(8, 0, 0.04, 30),
+            StepTiming(8, 1, 0.06, 30),
+            StepTiming(8, 3, 0.1, 30),
+            StepTiming(1, 0, 0.02, 30),
+            StepTiming(1, 3, 0.025, 30),
+            StepTiming(4, 1, 0.05, 30),
+        ),  # batch 4 has no plain timing: not usable
+        "unit test",
+        {"engine": "none"},
+    )
 
 
 def test_relative_costs_and_batch_sizes():

@@ -14,10 +14,24 @@ from draft_align.monitor.live import parse_metrics, scrape
 from draft_align.monitor.rows import SidecarStats, StepRow
 from draft_align.monitor.sinks import JsonlSink, PromSink, Sinks, read_port_file, write_port_file
 
-STATS = SidecarStats(draft_version=1, draft_policy_version=0, buffer_tokens=40, buffer_fill=0.25, train_steps=4,
-                     trained_tokens=70, train_tokens_per_s=None, ingest_tokens_per_s=60.0, ingested_tokens=90,
-                     wire_nonfinite=0, wire_mismatched=0, nonfinite_steps=0, nonfinite_heads=0, gate_rejections=0,
-                     restarts=0, rejected={"mac": 3})
+STATS = SidecarStats(
+    draft_version=1,
+    draft_policy_version=0,
+    buffer_tokens=40,
+    buffer_fill=0.25,
+    train_steps=4,
+    trained_tokens=70,
+    train_tokens_per_s=None,
+    ingest_tokens_per_s=60.0,
+    ingested_tokens=90,
+    wire_nonfinite=0,
+    wire_mismatched=0,
+    nonfinite_steps=0,
+    nonfinite_heads=0,
+    gate_rejections=0,
+    restarts=0,
+    rejected={"mac": 3},
+)
 
 
 def row(stats: SidecarStats = STATS, **metrics) -> StepRow:
@@ -41,19 +55,30 @@ def test_page_has_a_gauge_per_number_and_the_rejection_counter(prom):
     prom.observe(row(reward_mean=0.5, ok=True, note="text", nothing=None))
     page = _page(prom)
     assert "# TYPE draft_align_reward_mean gauge\ndraft_align_reward_mean 0.5\n" in page
-    assert ('# HELP draft_align_wire_rejected_total wire messages rejected\n'
-            '# TYPE draft_align_wire_rejected_total counter\n'
-            'draft_align_wire_rejected_total{reason="mac"} 3.0\n') in page
+    assert (
+        "# HELP draft_align_wire_rejected_total wire messages rejected\n"
+        "# TYPE draft_align_wire_rejected_total counter\n"
+        'draft_align_wire_rejected_total{reason="mac"} 3.0\n'
+    ) in page
     got = parse_metrics(page)
-    want = {f"draft_align_{k}": float(v) for k, v in row(reward_mean=0.5).to_dict().items()
-            if isinstance(v, (int, float)) and k != "time"}
-    assert got == {**want, 'draft_align_wire_rejected_total{reason="mac"}': 3.0,
-                   "draft_align_prom_dropped_names_total": 0.0}
+    want = {
+        f"draft_align_{k}": float(v)
+        for k, v in row(reward_mean=0.5).to_dict().items()
+        if isinstance(v, (int, float)) and k != "time"
+    }
+    assert got == {
+        **want,
+        'draft_align_wire_rejected_total{reason="mac"}': 3.0,
+        "draft_align_prom_dropped_names_total": 0.0,
+    }
     assert "draft_align_time" not in got and "draft_align_ok" not in got and "draft_align_note" not in got
     # a field that is None later keeps its gauge; counters follow the receiver's totals
     prom.observe(replace(STATS, ingest_tokens_per_s=None, train_steps=5, rejected={"mac": 4, "frames": 1}))
     got = parse_metrics(_page(prom))
-    assert got["draft_align_sidecar_ingest_tokens_per_s"] == 60.0 and got["draft_align_sidecar_train_steps"] == 5.0
+    assert (
+        got["draft_align_sidecar_ingest_tokens_per_s"] == 60.0
+        and got["draft_align_sidecar_train_steps"] == 5.0
+    )
     assert got['draft_align_wire_rejected_total{reason="mac"}'] == 4.0
     assert got['draft_align_wire_rejected_total{reason="frames"}'] == 1.0
 
@@ -76,10 +101,17 @@ def test_http_content_type(prom):
         assert parse_metrics(r.read().decode())["draft_align_published_versions"] == 1.0
 
 
-@pytest.mark.parametrize(("key", "name"), [("reward/mean", "draft_align_reward_mean"),
-                                            ("kl-to-initial", "draft_align_kl_to_initial"),
-                                            ("accept len", "draft_align_accept_len"), ("a{b}", "draft_align_a_b_"),
-                                            ("é", "draft_align__"), ("9lives", "draft_align_9lives")])
+@pytest.mark.parametrize(
+    ("key", "name"),
+    [
+        ("reward/mean", "draft_align_reward_mean"),
+        ("kl-to-initial", "draft_align_kl_to_initial"),
+        ("accept len", "draft_align_accept_len"),
+        ("a{b}", "draft_align_a_b_"),
+        ("é", "draft_align__"),
+        ("9lives", "draft_align_9lives"),
+    ],
+)
 def test_any_key_becomes_a_valid_metric_name(prom, key, name):
     prom.observe(row(**{key: 1.5}))
     got = scrape(prom.url)  # the page parses: every name is valid in the text format
@@ -187,8 +219,11 @@ def test_port_file_round_trip_atomic(tmp_path, prom):
 
 
 def test_sinks_fan_out_rows_and_scalars(tmp_path, prom):
-    sinks = Sinks(JsonlSink(tmp_path / "run" / "metrics.jsonl"), monitor=JsonlSink(tmp_path / "run" / "monitor.jsonl"),
-                  prom=prom)
+    sinks = Sinks(
+        JsonlSink(tmp_path / "run" / "metrics.jsonl"),
+        monitor=JsonlSink(tmp_path / "run" / "monitor.jsonl"),
+        prom=prom,
+    )
     sinks.log({"train/loss": 1.5}, step=3)
     r = row(reward_mean=0.5)
     sinks.observe(r)

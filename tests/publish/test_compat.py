@@ -33,7 +33,9 @@ def test_check_compatible(e3, tmp_path):
     check_compatible(m, e3.target_cfg(), fp)
     check_compatible(m, e3.target_cfg(), None)
     with pytest.raises(ExportError, match="tokenizer fingerprint mismatch"):
-        check_compatible(m, e3.target_cfg(), tokenizer_fingerprint(FakeTokenizer({"<s>": 0, "</s>": 1, "b": 2})))
+        check_compatible(
+            m, e3.target_cfg(), tokenizer_fingerprint(FakeTokenizer({"<s>": 0, "</s>": 1, "b": 2}))
+        )
     with pytest.raises(ExportError, match="hidden size mismatch"):
         check_compatible(m, e3.target_cfg(hidden_size=48), fp)
     with pytest.raises(ExportError, match="vocab size mismatch"):

@@ -117,8 +117,11 @@ def test_hf_config_loads_in_transformers(e3, tmp_path):
     from transformers import LlamaConfig
 
     rope = {"rope_type": "linear", "factor": 2.0, "rope_theta": 500000.0}
-    out = e3.export(e3.make_draft(e3.CUSTOM_IDS, rope_parameters=rope), tmp_path / "v",
-                 target_config=e3.target_cfg(rope_parameters=dict(rope)))  # fmt: skip
+    out = e3.export(
+        e3.make_draft(e3.CUSTOM_IDS, rope_parameters=rope),
+        tmp_path / "v",
+        target_config=e3.target_cfg(rope_parameters=dict(rope)),
+    )
     c = LlamaConfig.from_pretrained(out)
     assert c.num_hidden_layers == 1 and c.hidden_size == 32 and c.head_dim == 8
     assert c.rope_parameters["rope_type"] == "linear" and c.rope_parameters["rope_theta"] == 500000.0
@@ -191,8 +194,13 @@ def test_manifest_contents_and_hashes(e3, tmp_path):
         data = (out / name).read_bytes()
         assert info == {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
     assert m["draft_version"] == 3 and m["policy_version"] == 7
-    assert m["target"] == {"name": "tiny/target", "num_hidden_layers": 8, "hidden_size": 24,
-                           "vocab_size": 50, "max_position_embeddings": 128}  # fmt: skip
+    assert m["target"] == {
+        "name": "tiny/target",
+        "num_hidden_layers": 8,
+        "hidden_size": 24,
+        "vocab_size": 50,
+        "max_position_embeddings": 128,
+    }
     assert m["aux_layer_ids"]["hf"] == [2, 4, 5] and m["aux_layer_ids"]["in_config"] is False
     assert m["aux_layer_ids"]["sglang"] == [1, 3, 4]
     assert m["draft_vocab_size"] == 20 and m["tokenizer_fingerprint"] == "0123456789abcdef"
@@ -260,7 +268,9 @@ def test_weights_beyond_the_storage_dtype_are_refused_after_the_cast(e3, tmp_pat
     with torch.no_grad():
         d.midlayer.mlp.up_proj.weight[0, 0] = 1e5
     for dialect in ("hf", "speculators"):
-        with pytest.raises(ExportError, match=r"NaN/Inf\) in midlayer\.mlp\.up_proj\.weight after casting to torch\.float16$"):
+        with pytest.raises(
+            ExportError, match=r"NaN/Inf\) in midlayer\.mlp\.up_proj\.weight after casting to torch\.float16$"
+        ):
             e3.export(d, tmp_path / "v0001", dialect=dialect, dtype=torch.float16)
     assert list(tmp_path.iterdir()) == []
     assert e3.export(d, tmp_path / "v0001", dtype=torch.bfloat16).is_dir()  # bfloat16 holds 1e5
@@ -279,17 +289,28 @@ def test_real_llama_target_config(e3, tmp_path):
     from transformers import LlamaConfig
 
     target = LlamaConfig(
-        hidden_size=24, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
-        num_hidden_layers=e3.L, vocab_size=50, max_position_embeddings=128,
+        hidden_size=24,
+        intermediate_size=48,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=e3.L,
+        vocab_size=50,
+        max_position_embeddings=128,
         rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 20000.0},
-    )  # fmt: skip
+    )
     torch.manual_seed(0)
     d = Eagle3Draft(Eagle3Config.from_target(target, draft_vocab_size=20))
     d.set_vocab(torch.arange(20))
     out = export_draft(
-        d, tmp_path / "v", target_config=target, target_name="t", metrics={}, draft_version=1,
-        policy_version=0, tokenizer_fingerprint="f" * 16,
-    )  # fmt: skip
+        d,
+        tmp_path / "v",
+        target_config=target,
+        target_name="t",
+        metrics={},
+        draft_version=1,
+        policy_version=0,
+        tokenizer_fingerprint="f" * 16,
+    )
     config = json.loads((out / "config.json").read_text())
     assert config["bos_token_id"] == target.bos_token_id and config["eos_token_id"] == target.eos_token_id
     assert config["rope_scaling"] == {"rope_type": "linear", "factor": 2.0}
@@ -302,7 +323,6 @@ def test_real_llama_target_config(e3, tmp_path):
 def test_expected_shapes_are_the_engine_state_dict(e3):
     d = e3.make_draft(e3.CUSTOM_IDS)
     assert expected_shapes(d.cfg) == {k: tuple(v.shape) for k, v in d.engine_state_dict().items()}
-
 
 
 def test_load_refuses_an_unusable_eagle3_config(e3, tmp_path):

@@ -26,8 +26,17 @@ def target(tiny_llama):
 
 
 def publish(d, path, target, dtype=torch.bfloat16, version=1):
-    return export_draft(d, path, target_config=target.config, target_name="tiny", metrics={}, draft_version=version,
-                        policy_version=0, tokenizer_fingerprint="fp", dtype=dtype)
+    return export_draft(
+        d,
+        path,
+        target_config=target.config,
+        target_name="tiny",
+        metrics={},
+        draft_version=version,
+        policy_version=0,
+        tokenizer_fingerprint="fp",
+        dtype=dtype,
+    )
 
 
 # ---------------------------------------------------------------- adapter-only deltas
@@ -44,7 +53,9 @@ def published_base(request, target, tmp_path):
 
 def test_delta_round_trip_matches_sha(target, tmp_path, published_base):
     kind, base_dir, lora_draft = published_base
-    info = export_adapter(lora_draft, tmp_path / "adapters" / "v0002", base_dir, draft_version=2, policy_version=3)
+    info = export_adapter(
+        lora_draft, tmp_path / "adapters" / "v0002", base_dir, draft_version=2, policy_version=3
+    )
     man = json.loads((info.path / "manifest.json").read_text())
     assert man["base"]["sha256"] == read_manifest(base_dir)["files"]["model.safetensors"]["sha256"]
     assert man["lora"]["rank"] == 2 and man["merged_sha256"] == info.merged_sha256
@@ -54,27 +65,43 @@ def test_delta_round_trip_matches_sha(target, tmp_path, published_base):
     assert info.bytes < 0.5 * (full / "model.safetensors").stat().st_size
     rebuilt, man2 = load_adapter(info.path, base_dir)
     assert engine_sha256(rebuilt) == full_sha and man2["draft_version"] == 2
-    out = publish_adapter(info.path, base_dir, tmp_path / "pub" / "v0002", target_config=target.config,
-                          target_name="tiny", tokenizer_fingerprint="fp")
+    out = publish_adapter(
+        info.path,
+        base_dir,
+        tmp_path / "pub" / "v0002",
+        target_config=target.config,
+        target_name="tiny",
+        tokenizer_fingerprint="fp",
+    )
     assert read_manifest(out)["files"]["model.safetensors"]["sha256"] == full_sha
     assert read_manifest(out)["lora_delta"]["base_sha256"] == man["base"]["sha256"]
 
 
 def test_delta_for_another_base_is_refused(target, tmp_path, published_base):
     kind, base_dir, lora_draft = published_base
-    info = export_adapter(lora_draft, tmp_path / "adapters" / "v0002", base_dir, draft_version=2, policy_version=0)
+    info = export_adapter(
+        lora_draft, tmp_path / "adapters" / "v0002", base_dir, draft_version=2, policy_version=0
+    )
     other = random_draft(kind, target, seed=9)
     other_dir = publish(other, tmp_path / "other" / "v0001", target)
     with pytest.raises(AdapterMismatchError, match="trained over base draft sha256"):
         load_adapter(info.path, other_dir)
     dest = tmp_path / "pub" / "v0002"
     with pytest.raises(AdapterMismatchError):
-        publish_adapter(info.path, other_dir, dest, target_config=target.config, target_name="t",
-                        tokenizer_fingerprint="fp")
+        publish_adapter(
+            info.path,
+            other_dir,
+            dest,
+            target_config=target.config,
+            target_name="t",
+            tokenizer_fingerprint="fp",
+        )
     assert not dest.exists()
     assert not (tmp_path / "pub").exists() or not any((tmp_path / "pub").iterdir())  # no temp folder left
     with pytest.raises(AdapterMismatchError, match="trained over another base"):  # export checks its base too
-        export_adapter(lora_draft, tmp_path / "adapters" / "v0003", other_dir, draft_version=3, policy_version=0)
+        export_adapter(
+            lora_draft, tmp_path / "adapters" / "v0003", other_dir, draft_version=3, policy_version=0
+        )
     assert not (tmp_path / "adapters" / "v0003").exists()
     # a tampered adapter file, or a tampered recorded merge, is refused as well
     data = bytearray((info.path / ADAPTER_FILE).read_bytes())

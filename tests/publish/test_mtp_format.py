@@ -47,7 +47,9 @@ class target_cfg_ns:  # noqa: N801 - a stand-in for an HF config
     hidden_size: int = H
     vocab_size: int = V
     max_position_embeddings: int = 128
-    rope_parameters: dict = dataclasses.field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
+    rope_parameters: dict = dataclasses.field(
+        default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0}
+    )
     bos_token_id: int = 1
     eos_token_id: int = 2
 
@@ -55,8 +57,17 @@ class target_cfg_ns:  # noqa: N801 - a stand-in for an HF config
 @pytest.mark.parametrize(("layout", "depth"), [("deepseek_v3", 1), ("deepseek_v3", 2), ("qwen3_next", 1)])
 def test_export_import_round_trip_identical(target, tmp_path, layout, depth):
     d = make_mtp_head(target, layout, depth)
-    out = export_draft(d, tmp_path / "v1", target_config=target.config, target_name="tiny", metrics={"x": 1.0},
-                           draft_version=1, policy_version=0, tokenizer_fingerprint="fp", dtype=torch.float32)
+    out = export_draft(
+        d,
+        tmp_path / "v1",
+        target_config=target.config,
+        target_name="tiny",
+        metrics={"x": 1.0},
+        draft_version=1,
+        policy_version=0,
+        tokenizer_fingerprint="fp",
+        dtype=torch.float32,
+    )
     man = read_manifest(out)  # sha256 of both files verified
     assert man["format"] == "draft_align.mtp" and man["layout"] == layout
     assert man["mtp_config"]["depth"] == depth
@@ -67,12 +78,20 @@ def test_export_import_round_trip_identical(target, tmp_path, layout, depth):
     assert names == set(layout_names(d.cfg, layout).values()) | copies
     assert len(copies) == (2 * (depth - 1) if layout == "deepseek_v3" else 0)
     if layout == "deepseek_v3":
-        assert f"model.layers.{L}.eh_proj.weight" in names and f"model.layers.{L}.shared_head.head.weight" in names
+        assert (
+            f"model.layers.{L}.eh_proj.weight" in names
+            and f"model.layers.{L}.shared_head.head.weight" in names
+        )
         assert f"model.layers.{L + depth - 1}.mlp.down_proj.weight" in names
         assert f"model.layers.{L + depth - 1}.shared_head.head.weight" in names
     else:
-        assert {"mtp.fc.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight",
-                "mtp.norm.weight", "mtp.layers.0.self_attn.q_proj.weight"} <= names
+        assert {
+            "mtp.fc.weight",
+            "mtp.pre_fc_norm_embedding.weight",
+            "mtp.pre_fc_norm_hidden.weight",
+            "mtp.norm.weight",
+            "mtp.layers.0.self_attn.q_proj.weight",
+        } <= names
     back, _ = load_draft(out)
     a, b = d.engine_state_dict(), back.engine_state_dict()
     assert set(a) == set(b)
@@ -112,7 +131,9 @@ def test_import_from_a_sharded_checkpoint_folder(target, tmp_path, layout):
     names = sorted(full)
     half = len(names) // 2
     for i, part in enumerate((names[:half], names[half:])):  # two shards, MTP tensors in either
-        safetensors.torch.save_file({k: full[k] for k in part}, str(tmp_path / f"model-{i:05d}-of-00002.safetensors"))
+        safetensors.torch.save_file(
+            {k: full[k] for k in part}, str(tmp_path / f"model-{i:05d}-of-00002.safetensors")
+        )
     cfg = target.config.to_dict()
     cfg["num_nextn_predict_layers"] = 1
     (tmp_path / "config.json").write_text(__import__("json").dumps(cfg))
@@ -126,7 +147,9 @@ def test_import_from_a_sharded_checkpoint_folder(target, tmp_path, layout):
         for f in tmp_path.glob("*.safetensors"):
             f.unlink()
         safetensors.torch.save_file(moe, str(tmp_path / "model.safetensors"))
-        with pytest.raises(ExportError, match=r"unexpected \['model.layers.4.mlp.experts.0.gate_proj.weight'\]"):
+        with pytest.raises(
+            ExportError, match=r"unexpected \['model.layers.4.mlp.experts.0.gate_proj.weight'\]"
+        ):
             import_mtp_from_folder(tmp_path, layout)
 
 
@@ -142,12 +165,25 @@ def test_qwen3_next_without_head_needs_the_targets(target):
 def test_import_errors_are_clear(target):
     d = make_mtp_head(target, "deepseek_v3", depth=1)
     sd = to_layout(d)
-    with pytest.raises(ExportError, match="depth mismatch: the checkpoint has 1 MTP layers, the config expects 2"):
+    with pytest.raises(
+        ExportError, match="depth mismatch: the checkpoint has 1 MTP layers, the config expects 2"
+    ):
         from_layout(sd, dataclasses.replace(d.cfg, depth=2))
-    big = MTPConfig.from_target(LlamaConfig(hidden_size=48, intermediate_size=64, num_hidden_layers=L,
-                                            num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=V,
-                                            max_position_embeddings=128))
-    with pytest.raises(ExportError, match=r"hidden size mismatch: model.layers.4.eh_proj.weight is \[32, 64\]"):
+    big = MTPConfig.from_target(
+        LlamaConfig(
+            hidden_size=48,
+            intermediate_size=64,
+            num_hidden_layers=L,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            vocab_size=V,
+            max_position_embeddings=128,
+        )
+    )
+    with pytest.raises(
+        ExportError, match=r"hidden size mismatch: model.layers.4.eh_proj.weight is \[32, 64\]"
+    ):
         from_layout(sd, big)
     missing = {k: v for k, v in sd.items() if not k.endswith("hnorm.weight")}
     with pytest.raises(ExportError, match=r"missing \['model.layers.4.hnorm.weight'\]"):
@@ -156,7 +192,9 @@ def test_import_errors_are_clear(target):
     with pytest.raises(ExportError, match="unexpected.*mtp_block.bogus"):
         from_layout(extra, d.cfg)
     qsd = to_layout(with_layout(d, "qwen3_next"))
-    with pytest.raises(ExportError, match="no MTP weights in the deepseek_v3 layout.*looks like the qwen3_next"):
+    with pytest.raises(
+        ExportError, match="no MTP weights in the deepseek_v3 layout.*looks like the qwen3_next"
+    ):
         from_layout(qsd, d.cfg)
     with pytest.raises(ExportError, match="numbered from the target's"):
         from_layout(sd, dataclasses.replace(d.cfg, target_num_layers=2))
@@ -169,8 +207,16 @@ def test_import_errors_are_clear(target):
 
 def test_load_refuses_a_tampered_or_mismatched_folder(target, tmp_path):
     d = make_mtp_head(target, "deepseek_v3")
-    out = export_draft(d, tmp_path / "v1", target_config=target.config, target_name="tiny", metrics={},
-                           draft_version=1, policy_version=0, tokenizer_fingerprint="fp")
+    out = export_draft(
+        d,
+        tmp_path / "v1",
+        target_config=target.config,
+        target_name="tiny",
+        metrics={},
+        draft_version=1,
+        policy_version=0,
+        tokenizer_fingerprint="fp",
+    )
     import json
 
     man = json.loads((out / "manifest.json").read_text())
@@ -179,8 +225,16 @@ def test_load_refuses_a_tampered_or_mismatched_folder(target, tmp_path):
     with pytest.raises(ExportError, match="depth mismatch"):
         load_draft(out)
     with pytest.raises(ExportError, match="vocab size mismatch"):
-        export_draft(d, tmp_path / "v2", target_config=target_config(vocab_size=V + 1), target_name="t",
-                         metrics={}, draft_version=2, policy_version=0, tokenizer_fingerprint="fp")
+        export_draft(
+            d,
+            tmp_path / "v2",
+            target_config=target_config(vocab_size=V + 1),
+            target_name="t",
+            metrics={},
+            draft_version=2,
+            policy_version=0,
+            tokenizer_fingerprint="fp",
+        )
     assert not (tmp_path / "v2").exists()
 
 
@@ -191,12 +245,22 @@ def test_load_refuses_an_unusable_config_or_unreadable_weights(target, tmp_path)
     from draft_align.publish.folder import CorruptCheckpointError
 
     d = make_mtp_head(target, "deepseek_v3")
-    out = export_draft(d, tmp_path / "v1", target_config=target.config, target_name="tiny", metrics={},
-                       draft_version=1, policy_version=0, tokenizer_fingerprint="fp")
+    out = export_draft(
+        d,
+        tmp_path / "v1",
+        target_config=target.config,
+        target_name="tiny",
+        metrics={},
+        draft_version=1,
+        policy_version=0,
+        tokenizer_fingerprint="fp",
+    )
     weights = out / "model.safetensors"
     data = weights.read_bytes()
     weights.write_bytes(data[: len(data) // 2])
-    with pytest.raises(CorruptCheckpointError, match=r"^model\.safetensors: unreadable .*truncated or corrupt$"):
+    with pytest.raises(
+        CorruptCheckpointError, match=r"^model\.safetensors: unreadable .*truncated or corrupt$"
+    ):
         load_draft(out, verify=False)
     weights.write_bytes(data)
     man = json.loads((out / "manifest.json").read_text())
@@ -213,8 +277,16 @@ def test_load_refuses_an_unusable_config_or_unreadable_weights(target, tmp_path)
 
 def test_generic_export_dispatches_to_mtp(target, tmp_path):
     d = make_mtp_head(target)
-    out = export_draft(d, tmp_path / "drafts" / "v0001", target_config=target.config, target_name="t",
-                          metrics={}, draft_version=1, policy_version=0, tokenizer_fingerprint="fp")
+    out = export_draft(
+        d,
+        tmp_path / "drafts" / "v0001",
+        target_config=target.config,
+        target_name="t",
+        metrics={},
+        draft_version=1,
+        policy_version=0,
+        tokenizer_fingerprint="fp",
+    )
     man = read_manifest(out)
     assert man["format"] == "draft_align.mtp" and len(man["files"]["model.safetensors"]["sha256"]) == 64
     write_latest(tmp_path, out)
@@ -224,8 +296,14 @@ def test_generic_export_dispatches_to_mtp(target, tmp_path):
 def test_non_finite_weights_are_refused_before_and_after_the_cast(target, tmp_path):
     """NaN is refused as it is; a weight finite in float32 but beyond float16's range (65504) is refused once
     cast to the storage dtype, under its layout name; nothing is written either way, and bfloat16 holds it."""
-    kw = dict(target_config=target.config, target_name="t", metrics={}, draft_version=1, policy_version=0,
-              tokenizer_fingerprint="fp")  # fmt: skip
+    kw = dict(
+        target_config=target.config,
+        target_name="t",
+        metrics={},
+        draft_version=1,
+        policy_version=0,
+        tokenizer_fingerprint="fp",
+    )
     d = make_mtp_head(target)
     with torch.no_grad():
         d.layers[0].eh_proj.weight[0, 0] = float("nan")
@@ -233,7 +311,9 @@ def test_non_finite_weights_are_refused_before_and_after_the_cast(target, tmp_pa
         export_draft(d, tmp_path / "v0001", **kw)
     with torch.no_grad():
         d.layers[0].eh_proj.weight[0, 0] = 1e5
-    with pytest.raises(ExportError, match=rf"in model\.layers\.{L}\.eh_proj\.weight after casting to torch\.float16$"):
+    with pytest.raises(
+        ExportError, match=rf"in model\.layers\.{L}\.eh_proj\.weight after casting to torch\.float16$"
+    ):
         export_draft(d, tmp_path / "v0001", dtype=torch.float16, **kw)
     assert list(tmp_path.iterdir()) == []
     out = export_draft(d, tmp_path / "v0001", dtype=torch.bfloat16, **kw)

@@ -26,20 +26,35 @@ H = 32  # draft hidden == target hidden: SGLang shares the target's embedding on
 
 def target_cfg(**kw):
     base = dict(
-        num_hidden_layers=L, hidden_size=H, vocab_size=50, max_position_embeddings=128,
-        num_attention_heads=4, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        bos_token_id=1, eos_token_id=2, architectures=["LlamaForCausalLM"],
-    )  # fmt: skip
+        num_hidden_layers=L,
+        hidden_size=H,
+        vocab_size=50,
+        max_position_embeddings=128,
+        num_attention_heads=4,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        bos_token_id=1,
+        eos_token_id=2,
+        architectures=["LlamaForCausalLM"],
+    )
     base.update(kw)
     return SimpleNamespace(**base)
 
 
 def make_draft(aux=DEFAULT_IDS, **kw) -> Eagle3Draft:
     base = dict(
-        hidden_size=H, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-        vocab_size=50, draft_vocab_size=20, target_hidden_size=H, aux_layer_ids=aux, target_num_layers=L,
-        max_position_embeddings=128, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-    )  # fmt: skip
+        hidden_size=H,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        vocab_size=50,
+        draft_vocab_size=20,
+        target_hidden_size=H,
+        aux_layer_ids=aux,
+        target_num_layers=L,
+        max_position_embeddings=128,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
     base.update(kw)
     torch.manual_seed(0)
     d = Eagle3Draft(Eagle3Config(**base))
@@ -51,10 +66,16 @@ def make_draft(aux=DEFAULT_IDS, **kw) -> Eagle3Draft:
 
 def export(out: Path, aux=DEFAULT_IDS, dialect="hf", target=None, **kw) -> Path:
     return export_draft(
-        make_draft(aux, **kw), out, dialect=dialect, target_config=target or target_cfg(),
-        target_name="tiny/target", metrics={}, draft_version=1, policy_version=0,
+        make_draft(aux, **kw),
+        out,
+        dialect=dialect,
+        target_config=target or target_cfg(),
+        target_name="tiny/target",
+        metrics={},
+        draft_version=1,
+        policy_version=0,
         tokenizer_fingerprint="0123456789abcdef",
-    )  # fmt: skip
+    )
 
 
 def edit_config(d: Path, fn) -> None:
@@ -112,15 +133,24 @@ def test_sglang_capture_index_is_hf_hidden_states_index():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=6, num_attention_heads=2,
-                      num_key_value_heads=1, head_dim=8, vocab_size=40, max_position_embeddings=32)  # fmt: skip
+    cfg = LlamaConfig(
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=6,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        vocab_size=40,
+        max_position_embeddings=32,
+    )
     model = LlamaForCausalLM(cfg).eval()
     seen: dict[int, torch.Tensor] = {}
     hooks = [
-        layer.register_forward_pre_hook(lambda m, a, kw, i=i: seen.__setitem__(i, (a[0] if a else kw["hidden_states"])),
-                                        with_kwargs=True)
+        layer.register_forward_pre_hook(
+            lambda m, a, kw, i=i: seen.__setitem__(i, (a[0] if a else kw["hidden_states"])), with_kwargs=True
+        )
         for i, layer in enumerate(model.model.layers)
-    ]  # fmt: skip
+    ]
     with torch.no_grad():
         hs = model(torch.arange(1, 9)[None], output_hidden_states=True).hidden_states
     for h in hooks:
@@ -135,8 +165,10 @@ def test_sglang_capture_index_is_hf_hidden_states_index():
 # ----------------------------------------------------------------------------- what fails
 def test_renamed_tensor_is_reported(tmp_path):
     out = export(tmp_path / "v", DEFAULT_IDS)
-    edit_weights(out, lambda sd: sd.__setitem__("midlayer.hidden_layernorm.weight",
-                                                sd.pop("midlayer.hidden_norm.weight")))  # fmt: skip
+    edit_weights(
+        out,
+        lambda sd: sd.__setitem__("midlayer.hidden_layernorm.weight", sd.pop("midlayer.hidden_norm.weight")),
+    )
     p = check_sglang_compatible(out)
     assert len(p) == 2
     assert any("midlayer.hidden_norm.weight missing" in x and "uninitialised" in x for x in p)
@@ -146,8 +178,14 @@ def test_renamed_tensor_is_reported(tmp_path):
 def test_layers0_names_are_reported(tmp_path):
     """SGLang has no layers.0.* → midlayer.* mapping: the speculators layout loads nothing into the layer."""
     out = export(tmp_path / "v", DEFAULT_IDS)
-    edit_weights(out, lambda sd: [sd.__setitem__("layers.0." + k[len("midlayer."):], sd.pop(k))
-                                  for k in list(sd) if k.startswith("midlayer.")])  # fmt: skip
+    edit_weights(
+        out,
+        lambda sd: [
+            sd.__setitem__("layers.0." + k[len("midlayer.") :], sd.pop(k))
+            for k in list(sd)
+            if k.startswith("midlayer.")
+        ],
+    )
     p = check_sglang_compatible(out)
     assert sum("layers.0" in x and "no layers.0.* → midlayer.* mapping" in x for x in p) == 10
     assert sum("missing" in x for x in p) == 10
@@ -234,8 +272,13 @@ def test_default_ids_on_another_depth_are_reported(tmp_path):
 
 def test_uncapturable_or_duplicate_ids_are_reported(tmp_path):
     out = export(tmp_path / "v", CUSTOM_IDS)
-    edit_config(out, lambda c: (c["eagle_config"].__setitem__("eagle_aux_hidden_state_layer_ids", [0, 1, 7]),
-                                c.pop("eagle_aux_hidden_state_layer_ids")))  # fmt: skip
+    edit_config(
+        out,
+        lambda c: (
+            c["eagle_config"].__setitem__("eagle_aux_hidden_state_layer_ids", [0, 1, 7]),
+            c.pop("eagle_aux_hidden_state_layer_ids"),
+        ),
+    )
     assert any("never fires" in x and "[8]" in x for x in check_sglang_compatible(out))
     edit_config(out, lambda c: c["eagle_config"].__setitem__("eagle_aux_hidden_state_layer_ids", [0, 1, 1]))
     assert any("distinct and ascending" in x for x in check_sglang_compatible(out))
@@ -287,7 +330,9 @@ def test_cli_export_check_sglang(tmp_path, monkeypatch, capsys, target_hidden, r
     draft = make_draft(DEFAULT_IDS, target_hidden_size=target_hidden)
     manifest = {"target": {"name": "tiny/target"}, "metrics": {}, "draft_version": 1, "policy_version": 0}
     monkeypatch.setattr(
-        drafts, "_load_target_and_draft", lambda t, d: (SimpleNamespace(config=target), None, draft, manifest, d)
+        drafts,
+        "_load_target_and_draft",
+        lambda t, d: (SimpleNamespace(config=target), None, draft, manifest, d),
     )
     monkeypatch.setattr(compat, "tokenizer_fingerprint", lambda tok: "0123456789abcdef")
     out = tmp_path / "hf"

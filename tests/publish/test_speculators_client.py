@@ -39,8 +39,18 @@ def our_draft(target_config, seed: int = 0) -> Eagle3Draft:
 
 def export_spec(d, target_dir, out, dtype=torch.float32):
     tc = AutoConfig.from_pretrained(target_dir)
-    return export_draft(d, out, dialect="speculators", target_config=tc, target_name=str(target_dir), metrics={},
-                        draft_version=1, policy_version=0, tokenizer_fingerprint="fp", dtype=dtype)
+    return export_draft(
+        d,
+        out,
+        dialect="speculators",
+        target_config=tc,
+        target_name=str(target_dir),
+        metrics={},
+        draft_version=1,
+        policy_version=0,
+        tokenizer_fingerprint="fp",
+        dtype=dtype,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +69,9 @@ def test_our_export_loads_and_every_tensor_lands(tiny_world, target, tmp_path):
     assert len(rep.landed) == 15 and not rep.missing  # every tensor we wrote is one of its parameters/buffers
     assert rep.aux_ids == list(AUX)  # speculators' ids = HF hidden_states indices = vLLM's
     emb = model.embed_tokens.weight
-    assert torch.equal(emb, target.model.embed_tokens.weight.to(emb.dtype))  # the verifier's, after the reload
+    assert torch.equal(
+        emb, target.model.embed_tokens.weight.to(emb.dtype)
+    )  # the verifier's, after the reload
     assert model.config.norm_before_residual is False
 
 
@@ -77,8 +89,15 @@ def test_same_draft_logits_every_ttt_step(tiny_world, target, tmp_path, attn):
     x = torch.randint(0, target.config.vocab_size, (1, t))
     theirs = speculators_step_logits(model, aux, x, STEPS)
     with torch.no_grad():
-        mine = ours.unroll(aux, target.model.embed_tokens, x, torch.ones(1, t, dtype=torch.bool),
-                           torch.arange(t).unsqueeze(0), torch.ones(1, t, dtype=torch.bool), STEPS)
+        mine = ours.unroll(
+            aux,
+            target.model.embed_tokens,
+            x,
+            torch.ones(1, t, dtype=torch.bool),
+            torch.arange(t).unsqueeze(0),
+            torch.ones(1, t, dtype=torch.bool),
+            STEPS,
+        )
     assert len(theirs) == STEPS
     for j in range(STEPS):
         n = t - 1 - j  # positions whose step-j token exists (speculators pads with 0 where we clamp)
@@ -97,9 +116,16 @@ def test_speculators_saved_draft_imports_and_reexports_same_tensors(tiny_world, 
     vc.num_hidden_layers = 1  # speculators' train CLI builds the draft layer config with num_layers
     torch.manual_seed(4)
     m = Eagle3DraftModel.from_training_args(
-        vc, t2d=d.t2d.clone(), d2t=d.d2t.clone(), draft_vocab_size=40, norm_before_residual=False, ttt_steps=3,
-        verifier_name_or_path=str(tiny_world.model), target_layer_ids=list(AUX), draft_attn_impl="eager",
-    )  # fmt: skip
+        vc,
+        t2d=d.t2d.clone(),
+        d2t=d.d2t.clone(),
+        draft_vocab_size=40,
+        norm_before_residual=False,
+        ttt_steps=3,
+        verifier_name_or_path=str(tiny_world.model),
+        target_layer_ids=list(AUX),
+        draft_attn_impl="eager",
+    )
     with torch.no_grad():
         for name, p in m.named_parameters():
             if not name.startswith(("embed_tokens", "verifier_")):

@@ -52,6 +52,7 @@ def test_versions_and_latest_pointer(e3, tmp_path):
     with pytest.raises(ExportError, match="relative"):
         read_latest(run)
 
+
 def test_discard_tmp_versions(e3, tmp_path):
     run = tmp_path / "run"
     v1 = e3.export(e3.make_draft(), version_dir(run, 1))
@@ -65,8 +66,13 @@ def test_discard_tmp_versions(e3, tmp_path):
 
 # ----------------------------------------------------------------------------- publish_version
 def publish(e3, run, draft, **kw):
-    args = dict(target_config=e3.target_cfg(), target_name="tiny/target", tokenizer_fingerprint="0123456789abcdef",
-                metrics={"gate_diff": 0.25}, policy_version=7)  # fmt: skip
+    args = dict(
+        target_config=e3.target_cfg(),
+        target_name="tiny/target",
+        tokenizer_fingerprint="0123456789abcdef",
+        metrics={"gate_diff": 0.25},
+        policy_version=7,
+    )
     args.update(kw)
     return publish_version(run, draft, **args)
 
@@ -209,8 +215,10 @@ def test_disk_full_at_publish_leaves_no_folder_and_latest_unchanged(e3, tmp_path
 
         raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
 
-    for where, fail in (("safetensors.torch.save_file", full_safetensors),
-                        ("draft_align.publish.versions.write_latest", full)):
+    for where, fail in (
+        ("safetensors.torch.save_file", full_safetensors),
+        ("draft_align.publish.versions.write_latest", full),
+    ):
         with monkeypatch.context() as m:
             m.setattr(where, fail)
             with pytest.raises(OSError) as e:

@@ -21,12 +21,23 @@ N = 4  # target layers
 def export(tiny_llama, tmp_path, layout):
     target = tiny_llama(N, 48, 32)
     d = MTPDraft.attach(target, depth=1, layout=layout)
-    return export_draft(d, tmp_path / layout, target_config=target.config, target_name="tiny", metrics={},
-                        draft_version=1, policy_version=0, tokenizer_fingerprint="fp", dtype=torch.float32)
+    return export_draft(
+        d,
+        tmp_path / layout,
+        target_config=target.config,
+        target_name="tiny",
+        metrics={},
+        draft_version=1,
+        policy_version=0,
+        tokenizer_fingerprint="fp",
+        dtype=torch.float32,
+    )
 
 
 # the kit's default ids (left out of config.json) and explicit ones
-@pytest.mark.parametrize(("dialect", "aux"), [("hf", (2, 4, 5)), ("hf", (1, 2, 3)), ("speculators", (1, 2, 3))])
+@pytest.mark.parametrize(
+    ("dialect", "aux"), [("hf", (2, 4, 5)), ("hf", (1, 2, 3)), ("speculators", (1, 2, 3))]
+)
 def test_eagle3_folder_through_vllm_eagle3_llama(e3, tmp_path, dialect, aux):
     out = e3.export(e3.make_draft(aux), tmp_path / "v", dialect=dialect, dtype=torch.float32)
     rep = vllm_load_isolated(out)
@@ -67,13 +78,18 @@ def test_qwen3_next_layout_through_vllm_qwen3_next_mtp(tiny_llama, tmp_path):
     out = export(tiny_llama, tmp_path, "qwen3_next")
     rep = vllm_load_isolated(out)
     accounted(rep, out)
-    for ours, theirs in [("mtp.fc.weight", "model.fc.weight"), ("mtp.norm.weight", "model.norm.weight"),
-                         ("mtp.pre_fc_norm_embedding.weight", "model.pre_fc_norm_embedding.weight"),
-                         ("mtp.pre_fc_norm_hidden.weight", "model.pre_fc_norm_hidden.weight"),
-                         ("lm_head.weight", "lm_head.weight")]:  # fmt: skip
+    for ours, theirs in [
+        ("mtp.fc.weight", "model.fc.weight"),
+        ("mtp.norm.weight", "model.norm.weight"),
+        ("mtp.pre_fc_norm_embedding.weight", "model.pre_fc_norm_embedding.weight"),
+        ("mtp.pre_fc_norm_hidden.weight", "model.pre_fc_norm_hidden.weight"),
+        ("lm_head.weight", "lm_head.weight"),
+    ]:
         assert rep.landed[ours] == [theirs]
     # its block is sparse-MoE with a gated q_proj (2× rows) and q/k norms: our dense Llama block misses
     assert {f"mtp.layers.0.mlp.{x}_proj.weight" for x in ("gate", "up", "down")} <= set(rep.refused)
     assert "mtp.layers.0.self_attn.q_proj.weight" in rep.refused
-    assert {"model.layers.0.self_attn.q_norm.weight", "model.layers.0.self_attn.k_norm.weight"} <= set(rep.unloaded)
+    assert {"model.layers.0.self_attn.q_norm.weight", "model.layers.0.self_attn.k_norm.weight"} <= set(
+        rep.unloaded
+    )
     assert not rep.dropped and not rep.ok

@@ -33,10 +33,16 @@ def publish(
 ) -> Path:
     """Export ``draft`` as ``run_dir/drafts/v{draft_version:04d}`` (float32) and point ``latest`` at it."""
     out = export_draft(
-        draft, version_dir(run_dir, draft_version), target_config=target_config, target_name="tiny",
-        metrics={"acc": 1.0}, draft_version=draft_version, policy_version=policy_version,
-        tokenizer_fingerprint="0" * 16, dtype=torch.float32,
-    )  # fmt: skip
+        draft,
+        version_dir(run_dir, draft_version),
+        target_config=target_config,
+        target_name="tiny",
+        metrics={"acc": 1.0},
+        draft_version=draft_version,
+        policy_version=policy_version,
+        tokenizer_fingerprint="0" * 16,
+        dtype=torch.float32,
+    )
     write_latest(run_dir, out)
     return out
 

@@ -29,8 +29,12 @@ class ListNotifications:
 
 
 def announce(path, version, sha=None) -> DraftPublished:
-    sha = sha if sha is not None else read_manifest(path, verify=False)["files"]["model.safetensors"]["sha256"]
-    return DraftPublished(run_id="t", draft_version=version, policy_version=version, path=str(path), sha256=sha)
+    sha = (
+        sha if sha is not None else read_manifest(path, verify=False)["files"]["model.safetensors"]["sha256"]
+    )
+    return DraftPublished(
+        run_id="t", draft_version=version, policy_version=version, path=str(path), sha256=sha
+    )
 
 
 def test_before_any_publish_adapted_is_frozen(tmp_path, frozen_dir, kit, target_config):
@@ -82,7 +86,9 @@ def test_corrupt_publish_keeps_previous_draft(tmp_path, frozen_dir, kit, target_
         assert w.poll() is False
     assert "keeping draft v0001" in caplog.text and "bytes" in caplog.text
     assert (
-        w.adapted is before and w.adapted_version.version == 1 and w.adapted_version.policy_version == 1
+        w.adapted is before
+        and w.adapted_version.version == 1
+        and w.adapted_version.policy_version == 1
         and w.failures == 1
     )
     assert w.poll() is False and w.failures == 1  # the same broken folder is not re-read every step

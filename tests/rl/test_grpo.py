@@ -22,11 +22,29 @@ from tests.helpers import ListSink
 EOS = {2}
 K = 2
 REQUIRED = {
-    "step", "policy_version", "reward_mean", "reward_std", "kl_to_initial", "accept_measured_adapted",
-    "accept_measured_frozen", "accept_r0_adapted", "accept_r1_adapted", "accept_r0_frozen", "accept_r1_frozen",
-    "draft_version", "draft_policy_version", "staleness", "rollout_tokens", "rollout_s", "logprob_s", "tap_s",
-    "update_s", "kl_s", "tap_tokens_seen", "draft_poll_s",
-}  # fmt: skip
+    "step",
+    "policy_version",
+    "reward_mean",
+    "reward_std",
+    "kl_to_initial",
+    "accept_measured_adapted",
+    "accept_measured_frozen",
+    "accept_r0_adapted",
+    "accept_r1_adapted",
+    "accept_r0_frozen",
+    "accept_r1_frozen",
+    "draft_version",
+    "draft_policy_version",
+    "staleness",
+    "rollout_tokens",
+    "rollout_s",
+    "logprob_s",
+    "tap_s",
+    "update_s",
+    "kl_s",
+    "tap_tokens_seen",
+    "draft_poll_s",
+}
 
 
 # ---------------------------------------------------------------- fakes and setup
@@ -57,9 +75,15 @@ class FakeTap:
         assert self.inside
         self.events.append(("submit", policy_version, step))
         self.submits.append(
-            dict(input_ids=input_ids.clone(), attention_mask=attention_mask.clone(), loss_mask=loss_mask.clone(),
-                 logits_shape=tuple(logits.shape), step=step, temperature=temperature)
-        )  # fmt: skip
+            dict(
+                input_ids=input_ids.clone(),
+                attention_mask=attention_mask.clone(),
+                loss_mask=loss_mask.clone(),
+                logits_shape=tuple(logits.shape),
+                step=step,
+                temperature=temperature,
+            )
+        )
 
     def end_step(self):
         self.events.append(("end_step",))
@@ -78,10 +102,19 @@ def world(tiny_world, tiny_env, tmp_path, frozen_dir):
     def make(frozen_fraction=0.5, **rl_kw):
         model = AutoModelForCausalLM.from_pretrained(tiny_world.model, dtype=torch.float32)
         kw = dict(
-            steps=2, prompts_per_step=2, group_size=2, max_new_tokens=6, temperature=1.0, spec_k=K,
-            frozen_fraction=frozen_fraction, reward="uppercase", lr=2e-2, lora_r=4, lora_alpha=8,
+            steps=2,
+            prompts_per_step=2,
+            group_size=2,
+            max_new_tokens=6,
+            temperature=1.0,
+            spec_k=K,
+            frozen_fraction=frozen_fraction,
+            reward="uppercase",
+            lr=2e-2,
+            lora_r=4,
+            lora_alpha=8,
             micro_batch=3,
-        )  # fmt: skip
+        )
         rl = RLConfig(**{**kw, **rl_kw})
         recipe = CotrainRecipe(run="rltest", output_dir=str(tmp_path), seed=3, rl=rl)
         policy = Policy.from_config(model, rl, seed=0)
@@ -267,7 +300,9 @@ def test_the_engine_says_which_draft_served(world, kit, target_config):
     job, _, _ = world(frozen_fraction=0.0)
     engine = RefusingEngine(job)
     job.engine = engine
-    kit.publish(kit.make(target_config, seed=21), job.run_dir, target_config, draft_version=1, policy_version=1)
+    kit.publish(
+        kit.make(target_config, seed=21), job.run_dir, target_config, draft_version=1, policy_version=1
+    )
     m = job.step()
     # the source took v1 and offered it, but the engine kept the frozen draft: the step reports what served
     assert job.drafts.adapted_version.version == 1 and m["draft_refreshed"] == 1
@@ -279,8 +314,9 @@ def test_the_engine_says_which_draft_served(world, kit, target_config):
 def test_serve_lags_are_reported_once_per_newly_served_policy_version():
     from types import SimpleNamespace
 
-    job = SimpleNamespace(_created={0: 100.0, 1: 130.0, 2: 160.0}, _tapped={0: 110.0, 1: 140.0},
-                          _served_policy_version=-1)
+    job = SimpleNamespace(
+        _created={0: 100.0, 1: 130.0, 2: 160.0}, _tapped={0: 110.0, 1: 140.0}, _served_policy_version=-1
+    )
     lags = GRPOJob._serve_lags
     assert lags(job, None, 120.0) == {"draft_serve_lag_s": None, "draft_tap_to_serve_s": None}  # frozen only
     assert lags(job, 0, 150.0) == {"draft_serve_lag_s": 50.0, "draft_tap_to_serve_s": 40.0}

@@ -38,8 +38,12 @@ def test_kl_sequences_come_from_the_initial_policy(tiny_world, tiny_env):
         n = int(ref.attention_mask[row].sum())
         assert ref.input_ids[row, :n].tolist() == want[:n].tolist()
         assert ref.loss_mask[row].nonzero().flatten().tolist() == list(range(len(p), n))
-    policy = Policy(AutoModelForCausalLM.from_pretrained(tiny_world.model), lora_r=4, lora_alpha=8,
-                    target_modules=["q_proj"])  # fmt: skip
+    policy = Policy(
+        AutoModelForCausalLM.from_pretrained(tiny_world.model),
+        lora_r=4,
+        lora_alpha=8,
+        target_modules=["q_proj"],
+    )
     for p in policy.trainable_parameters():
         torch.nn.init.normal_(p, std=0.5)  # far from the initial policy
     again = make_kl_sequences(policy, prompts, 5, EOS, 0)

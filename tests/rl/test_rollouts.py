@@ -18,7 +18,9 @@ EOS = frozenset({2})
 
 
 def test_plan_is_seeded_group_major_and_splits_the_drafts():
-    plan = plan_rollouts(seed=3, step=5, num_prompts=10, prompts_per_step=3, group_size=4, frozen_fraction=0.25)
+    plan = plan_rollouts(
+        seed=3, step=5, num_prompts=10, prompts_per_step=3, group_size=4, frozen_fraction=0.25
+    )
     assert plan == plan_rollouts(3, 5, 10, 3, 4, 0.25) and plan != plan_rollouts(3, 6, 10, 3, 4, 0.25)
     assert [p.index for p in plan.rollouts] == list(range(12))
     prompts = [p.prompt_index for p in plan.rollouts]
@@ -50,15 +52,21 @@ def test_plan_given_keeps_the_prompt_order_and_splits_the_drafts():
 def test_both_engines_have_the_protocol_members():
     from draft_align.engines.vllm.rollouts import VLLMRollouts
 
-    members = [n for n, v in vars(RolloutEngine).items()
-               if not n.startswith("_") and (callable(v) or isinstance(v, property))]  # fmt: skip
+    members = [
+        n
+        for n, v in vars(RolloutEngine).items()
+        if not n.startswith("_") and (callable(v) or isinstance(v, property))
+    ]
     assert set(members) == {"adapted", "prepare", "rollouts", "step_metrics", "shutdown"}
     for impl in (ReferenceRollouts, VLLMRollouts):
         for name in members:
             want, got = getattr(RolloutEngine, name), getattr(impl, name)
             assert isinstance(got, property) == isinstance(want, property), (impl, name)
             if not isinstance(want, property):
-                assert list(inspect.signature(got).parameters) == list(inspect.signature(want).parameters), (impl, name)
+                assert list(inspect.signature(got).parameters) == list(inspect.signature(want).parameters), (
+                    impl,
+                    name,
+                )
 
 
 @pytest.fixture
@@ -92,8 +100,9 @@ def test_reference_rollouts_follow_the_plan(reference, kit, target_config):
     from draft_align.monitor.specdec import SpecDecoder
 
     p = plan.rollouts[1]
-    dec = SpecDecoder(model, engine.drafts.adapted if p.draft == "adapted" else engine.drafts.frozen, K,
-                      "greedy_draft", 1.0)  # fmt: skip
+    dec = SpecDecoder(
+        model, engine.drafts.adapted if p.draft == "adapted" else engine.drafts.frozen, K, "greedy_draft", 1.0
+    )
     gen = torch.Generator().manual_seed(plan.seeds(SEED_BITS)[1])
     new, tally = dec.generate(prompts[p.prompt_index], 6, EOS, gen)
     assert new.tolist() == out[1].response.tolist() and tally == out[1].tally
@@ -112,7 +121,9 @@ def test_probe_guard_follows_the_recipe_and_zero_prompts_turn_it_off():
     from draft_align.rl.rollouts import probe_guard
 
     prompts = [torch.tensor([1, 2, 3]), torch.tensor([4, 5]), torch.tensor([6])]
-    guard = probe_guard(RLConfig(engine_probe_prompts=2, engine_probe_tokens=8, engine_probe_min_ratio=0.25), prompts)
+    guard = probe_guard(
+        RLConfig(engine_probe_prompts=2, engine_probe_tokens=8, engine_probe_min_ratio=0.25), prompts
+    )
     assert guard is not None
     assert guard.prompts == ({"prompt_token_ids": [1, 2, 3]}, {"prompt_token_ids": [4, 5]})
     assert (guard.max_tokens, guard.min_ratio) == (8, 0.25)

@@ -21,8 +21,9 @@ class Feeder:
         self.recipe = recipe
         self.model = AutoModelForCausalLM.from_pretrained(recipe.target.model, dtype=torch.float32).eval()
         self.key = channel.resolve_key(None, recipe.run_dir, create=True)
-        self.sender = channel.TapSender(channel.default_endpoint(recipe.run_dir, "tap"), self.key,
-                                        send_timeout_s=0.5)
+        self.sender = channel.TapSender(
+            channel.default_endpoint(recipe.run_dir, "tap"), self.key, send_timeout_s=0.5
+        )
         self.tap = HFPolicyTap(self.model, aux, self.sender, run_id=recipe.run, tokens_per_step=2000)
         self.d2t = draft_to_target
         from transformers import AutoTokenizer
@@ -43,17 +44,38 @@ class Feeder:
             self.tap.head_sync(version, self.d2t)
             self._synced = version
         prompts = [self.prompts[(step * n + i) % len(self.prompts)] for i in range(n)]
-        resp = generate_responses(self.model, prompts, max_new_tokens=24, temperature=1.0, eos_ids={2}, pad_id=2,
-                                  batch_size=n, seed=step)
+        resp = generate_responses(
+            self.model,
+            prompts,
+            max_new_tokens=24,
+            temperature=1.0,
+            eos_ids={2},
+            pad_id=2,
+            batch_size=n,
+            seed=step,
+        )
         pairs = [(p, r) for p, r in zip(prompts, resp, strict=True) if r is not None and r.numel() > 0]
         seqs = Sequences.pack(pairs, pad_id=2)
         with torch.no_grad(), self.tap.capturing():
             logits = self.model(input_ids=seqs.input_ids, attention_mask=seqs.attention_mask).logits
-            self.tap.submit(input_ids=seqs.input_ids, attention_mask=seqs.attention_mask, loss_mask=seqs.loss_mask,
-                            logits=logits, policy_version=version, step=step, temperature=1.0)
+            self.tap.submit(
+                input_ids=seqs.input_ids,
+                attention_mask=seqs.attention_mask,
+                loss_mask=seqs.loss_mask,
+                logits=logits,
+                policy_version=version,
+                step=step,
+                temperature=1.0,
+            )
         self.tap.end_step()
-        self.sender.offer(StepReport(run_id=self.recipe.run, step=step, policy_version=version,
-                                     metrics={"reward_mean": 0.25 * step, "accept_measured_adapted": 1.5}))
+        self.sender.offer(
+            StepReport(
+                run_id=self.recipe.run,
+                step=step,
+                policy_version=version,
+                metrics={"reward_mean": 0.25 * step, "accept_measured_adapted": 1.5},
+            )
+        )
 
     def close(self) -> None:
         self.sender.close()

@@ -12,7 +12,10 @@ from draft_align.sidecar.gate import paired_gate
 
 
 def result(per_sequence, ids=None):
-    return {"per_sequence": per_sequence, "sequence_ids": ids if ids is not None else list(range(len(per_sequence)))}
+    return {
+        "per_sequence": per_sequence,
+        "sequence_ids": ids if ids is not None else list(range(len(per_sequence))),
+    }
 
 
 def test_paired_gate_constructed():
@@ -52,7 +55,6 @@ def test_paired_gate_refuses_unpaired():
         paired_gate(result([(math.nan, 0.0)]), result([(1.0, 1.0)]), 0.0)
     with pytest.raises(RecordEstimateError, match="tolerance"):
         paired_gate(result([(1.0, 1.0)]), result([(1.0, 1.0)]), -0.1)
-
 
 
 def test_publish_is_due_after_steps_and_interval(sidecar_world):

@@ -30,7 +30,9 @@ def _disk_full(*a, **k):
     """What safetensors raises on a full disk (its own error type, not OSError: seen in benchmarks/soak.py)."""
     from safetensors import SafetensorError
 
-    raise SafetensorError(f"Error while serializing: I/O error: No space left on device (os error {errno.ENOSPC})")
+    raise SafetensorError(
+        f"Error while serializing: I/O error: No space left on device (os error {errno.ENOSPC})"
+    )
 
 
 def test_slash_named_metrics_through_a_real_sidecar(sidecar_world, until):
@@ -38,8 +40,14 @@ def test_slash_named_metrics_through_a_real_sidecar(sidecar_world, until):
 
     recipe, sc, feeder = sidecar_world
     feeder.step(0, 0)
-    feeder.sender.offer(StepReport(run_id=recipe.run, step=1, policy_version=0,
-                                   metrics={"reward/mean": 0.5, "kl-to-initial": 0.25, "accept len": 2.0}))
+    feeder.sender.offer(
+        StepReport(
+            run_id=recipe.run,
+            step=1,
+            policy_version=0,
+            metrics={"reward/mean": 0.5, "kl-to-initial": 0.25, "accept len": 2.0},
+        )
+    )
     assert until(lambda: sc.state.monitor_rows >= 2, 20, every=lambda: sc.drain(0.1, 100))
     rows = [json.loads(x) for x in (sc.dir / "monitor.jsonl").read_text().splitlines()]
     assert rows[1]["reward/mean"] == 0.5 and rows[1]["kl-to-initial"] == 0.25 and rows[1]["accept len"] == 2.0
@@ -60,8 +68,11 @@ def test_disk_full_at_publish_and_checkpoint_then_recovery(sidecar_world, until,
     with monkeypatch.context() as m, caplog.at_level(logging.ERROR):
         m.setattr(safetensors.torch, "save_file", _disk_full)
         assert not sc.maybe_publish(force=True)
-        assert re.search(r"publish failed: \[Errno 28\] No space left on device: '[^']*model\.safetensors'; "
-                         r"still serving draft v0000", caplog.text), caplog.text
+        assert re.search(
+            r"publish failed: \[Errno 28\] No space left on device: '[^']*model\.safetensors'; "
+            r"still serving draft v0000",
+            caplog.text,
+        ), caplog.text
         assert sc.state.publish_failures == 1 and read_latest(recipe.run_dir) is None
         assert not sc.publish_due(force=True) and not sc.checkpoint_due()  # backing off
         sc.backoff.retry_at = 0.0  # the backoff passed
@@ -132,8 +143,12 @@ def test_poisoned_head_is_rejected_and_nonfinite_steps_drop_the_head(sidecar_wor
     sc.recipe.sidecar.max_consecutive_nonfinite = 3
     sc.ingest.buffer = ReplayBuffer(4000, 2.0, 0, 0)
     h = sc.hidden
-    rec = Record(input_ids=torch.randint(3, sc.vocab, (20,)), loss_mask=torch.arange(20) >= 5,
-                 aux=torch.full((20, 3 * h), 3e38).bfloat16(), final=torch.randn(20, h).bfloat16())
+    rec = Record(
+        input_ids=torch.randint(3, sc.vocab, (20,)),
+        loss_mask=torch.arange(20) >= 5,
+        aux=torch.full((20, 3 * h), 3e38).bfloat16(),
+        final=torch.randn(20, h).bfloat16(),
+    )
     assert sc.ingest.buffer_record(TappedRecord(record=rec, policy_version=0, step=0))
     with caplog.at_level(logging.ERROR):
         for _ in range(3):
@@ -219,7 +234,9 @@ def test_retention_keeps_the_newest_versions_and_latest(tiny_run, tiny_env, tmp_
     from draft_align.sidecar.launch import starting_draft
     from draft_align.sidecar.loop import Sidecar
 
-    recipe = load_recipe(None, [*tiny_run.cotrain_overrides(tmp_path), "sidecar.keep_versions=2"], CotrainRecipe)
+    recipe = load_recipe(
+        None, [*tiny_run.cotrain_overrides(tmp_path), "sidecar.keep_versions=2"], CotrainRecipe
+    )
     sc = Sidecar(recipe, starting_draft(recipe)).setup()
     feeder = feeder_cls(recipe, sc.frozen.draft_to_target, sc.aux_ids)
     try:

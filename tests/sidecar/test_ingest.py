@@ -17,20 +17,44 @@ H, V, AUX = 8, 50, (1, 2, 3)
 
 def _ingest(holdout: int = 0) -> Ingest:
     head = HeadSync.make_dummy(hidden_size=H, vocab_size=V)
-    return Ingest(ReplayBuffer(10_000, 2.0, holdout, 0), SidecarState(), Rates(), aux_ids=AUX, hidden=H, vocab=V,
-                  draft_to_target=head.draft_to_target)
+    return Ingest(
+        ReplayBuffer(10_000, 2.0, holdout, 0),
+        SidecarState(),
+        Rates(),
+        aux_ids=AUX,
+        hidden=H,
+        vocab=V,
+        draft_to_target=head.draft_to_target,
+    )
 
 
 def _seq(t: int, prompt: int, seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return {"input_ids": torch.randint(3, V, (t,), generator=g), "loss_mask": torch.arange(t) >= prompt,
-            "aux_hidden": torch.randn(t, len(AUX) * H, generator=g), "final_hidden": torch.randn(t, H, generator=g),
-            "logit_lse": torch.randn(t, generator=g)}
+    return {
+        "input_ids": torch.randint(3, V, (t,), generator=g),
+        "loss_mask": torch.arange(t) >= prompt,
+        "aux_hidden": torch.randn(t, len(AUX) * H, generator=g),
+        "final_hidden": torch.randn(t, H, generator=g),
+        "logit_lse": torch.randn(t, generator=g),
+    }
 
 
-def _batch(seqs, *, step: int = 0, version: int = 0, final_norm: str = "post", aux=AUX, batch_id: int = 0) -> TapBatch:
-    return pack_sequences(seqs, run_id="dummy", policy_version=version, source_rank=0, batch_id=batch_id, step=step,
-                          aux_layer_ids=aux, hidden_size=H, vocab_size=V, final_norm=final_norm, temperature=0.7)
+def _batch(
+    seqs, *, step: int = 0, version: int = 0, final_norm: str = "post", aux=AUX, batch_id: int = 0
+) -> TapBatch:
+    return pack_sequences(
+        seqs,
+        run_id="dummy",
+        policy_version=version,
+        source_rank=0,
+        batch_id=batch_id,
+        step=step,
+        aux_layer_ids=aux,
+        hidden_size=H,
+        vocab_size=V,
+        final_norm=final_norm,
+        temperature=0.7,
+    )
 
 
 def test_split_records_slices_each_sequence():
@@ -51,9 +75,20 @@ def test_stats_from_reaches_the_records_through_the_wire():
     seqs = [_seq(6, 3, 0), _seq(7, 1, 1)]
     for s, start in zip(seqs, (2, 0), strict=True):
         s["logit_lse"][:start] = 0
-    sent = pack_sequences(seqs, run_id="dummy", policy_version=0, source_rank=0, batch_id=0, step=0,
-                          aux_layer_ids=AUX, hidden_size=H, vocab_size=V, final_norm="post", temperature=1.0,
-                          stats_from=[2, 0])
+    sent = pack_sequences(
+        seqs,
+        run_id="dummy",
+        policy_version=0,
+        source_rank=0,
+        batch_id=0,
+        step=0,
+        aux_layer_ids=AUX,
+        hidden_size=H,
+        vocab_size=V,
+        final_norm="post",
+        temperature=1.0,
+        stats_from=[2, 0],
+    )
     ing = _ingest()
     ing.on_batch(decode(encode(sent, None), None))
     records, _ = ing.step_records(0)
@@ -99,10 +134,12 @@ def test_pre_norm_final_states_wait_for_the_head_and_are_normalised_once():
     (rec,), _ = ing.step_records(0)
     x = b.final_hidden.float()
     # weight · x / rms(x) computed in float32, rounded once to the wire dtype
-    want = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + head.norm_eps) * head.norm_weight.float())
+    want = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + head.norm_eps) * head.norm_weight.float()
     assert rec.record.final.dtype == b.final_hidden.dtype
     assert torch.equal(rec.record.final, want.to(b.final_hidden.dtype))
-    assert torch.equal(rec.record.final, rms_norm(x, head.norm_weight, head.norm_eps).to(b.final_hidden.dtype))
+    assert torch.equal(
+        rec.record.final, rms_norm(x, head.norm_weight, head.norm_eps).to(b.final_hidden.dtype)
+    )
 
 
 def test_head_sync_checks():
@@ -148,8 +185,16 @@ def test_a_version_regression_is_an_rl_restart_not_a_lock_out(caplog):
 
 def test_records_of_steps_without_a_report_are_bounded_and_counted():
     head = HeadSync.make_dummy(hidden_size=H, vocab_size=V)
-    ing = Ingest(ReplayBuffer(10_000, 2.0, 0, 0), SidecarState(), Rates(), aux_ids=AUX, hidden=H, vocab=V,
-                 draft_to_target=head.draft_to_target, max_held_tokens=50)
+    ing = Ingest(
+        ReplayBuffer(10_000, 2.0, 0, 0),
+        SidecarState(),
+        Rates(),
+        aux_ids=AUX,
+        hidden=H,
+        vocab=V,
+        draft_to_target=head.draft_to_target,
+        max_held_tokens=50,
+    )
     # steps arriving in decreasing order are never flushed by a later step: only the bound frees them
     for i in range(30):
         ing.on_batch(_batch([_seq(10, 2, i)], step=1000 - i, batch_id=i))
@@ -189,13 +234,27 @@ def test_garbage_forged_and_nonfinite_input_is_counted_and_survived(sidecar_worl
     raw.send_multipart([b"not json", b"\x00" * 7, b"x" * 32])
     raw.send_multipart([b"{}"])
     h = sc.hidden
-    good = {"input_ids": torch.tensor([5, 6, 7, 8]), "loss_mask": torch.tensor([False, True, True, True]),
-            "aux_hidden": torch.randn(4, 3 * h), "final_hidden": torch.randn(4, h)}
+    good = {
+        "input_ids": torch.tensor([5, 6, 7, 8]),
+        "loss_mask": torch.tensor([False, True, True, True]),
+        "aux_hidden": torch.randn(4, 3 * h),
+        "final_hidden": torch.randn(4, h),
+    }
     bad = {**good, "aux_hidden": good["aux_hidden"].clone()}
     bad["aux_hidden"][2, 5] = float("nan")
-    batch = pack_sequences([good, bad, good], run_id=recipe.run, policy_version=0, source_rank=0, batch_id=0,
-                           step=0, aux_layer_ids=sc.aux_ids, hidden_size=h, vocab_size=sc.vocab,
-                           final_norm="post", temperature=1.0)
+    batch = pack_sequences(
+        [good, bad, good],
+        run_id=recipe.run,
+        policy_version=0,
+        source_rank=0,
+        batch_id=0,
+        step=0,
+        aux_layer_ids=sc.aux_ids,
+        hidden_size=h,
+        vocab_size=sc.vocab,
+        final_norm="post",
+        temperature=1.0,
+    )
     raw.send_multipart(encode(batch, b"k" * 32))  # forged: signed with another key
     raw.send_multipart(encode(batch, feeder.key, sender="t", seq=0))
     assert until(lambda: sc.state.ingested_messages >= 1, 10, every=lambda: sc.drain(0.1, 100))
@@ -204,9 +263,19 @@ def test_garbage_forged_and_nonfinite_input_is_counted_and_survived(sidecar_worl
     assert sc.state.nonfinite_sequences == 1
     assert sum(len(v) for v in sc.ingest.fresh.values()) == 2
     # a batch for another draft (wrong aux layers) is refused as mismatched, not trained on
-    other = pack_sequences([good], run_id=recipe.run, policy_version=0, source_rank=0, batch_id=1, step=0,
-                           aux_layer_ids=(1, 2, 5), hidden_size=h, vocab_size=sc.vocab, final_norm="post",
-                           temperature=1.0)
+    other = pack_sequences(
+        [good],
+        run_id=recipe.run,
+        policy_version=0,
+        source_rank=0,
+        batch_id=1,
+        step=0,
+        aux_layer_ids=(1, 2, 5),
+        hidden_size=h,
+        vocab_size=sc.vocab,
+        final_norm="post",
+        temperature=1.0,
+    )
     raw.send_multipart(encode(other, feeder.key, sender="t", seq=1))
     assert until(lambda: sc.state.mismatched_messages == 1, 10, every=lambda: sc.drain(0.1, 100))
     raw.close()

@@ -33,7 +33,11 @@ def test_world_config_flattens_the_recipe_and_the_start(tiny_run, tmp_path):
 
 def test_cli_sidecar_refuses_a_missing_starting_draft(tiny_run, tiny_env, tmp_path):
     ov = tiny_run.cotrain_overrides(tmp_path, draft=str(tmp_path / "nowhere"))
-    r = subprocess.run([sys.executable, "-m", "draft_align", "sidecar", str(REPO / "recipes" / "smollm2_cotrain.yaml"),
-                        *ov], capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "draft_align", "sidecar", str(REPO / "recipes" / "smollm2_cotrain.yaml"), *ov],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2
     assert "no starting draft" in r.stderr or "does not exist" in r.stderr

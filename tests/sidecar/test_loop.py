@@ -48,7 +48,12 @@ def test_ingest_train_gate_publish_notify_and_monitor(sidecar_world, until):
     rows = [json.loads(x) for x in (sc.dir / "monitor.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1]
     assert rows[1]["reward_mean"] == 0.25 and rows[1]["accept_measured_adapted"] == 1.5
-    for key in ("accept_est_adapted", "accept_est_frozen", "accept_est_adapted_prob", "accept_est_frozen_prob"):
+    for key in (
+        "accept_est_adapted",
+        "accept_est_frozen",
+        "accept_est_adapted_prob",
+        "accept_est_frozen_prob",
+    ):
         assert 1.0 <= rows[1][key] <= 1.0 + recipe.sidecar.eval_k
     # before any publish the "adapted" draft is the starting one: both estimates agree exactly
     assert rows[1]["accept_est_adapted"] == rows[1]["accept_est_frozen"]
@@ -58,23 +63,32 @@ def test_ingest_train_gate_publish_notify_and_monitor(sidecar_world, until):
     sub.close()
 
 
-@pytest.mark.parametrize("sidecar_world", [{}, {"sidecar.loss": "tv", "sidecar.soft_ce_weight": 0.5},
-                                           {"sidecar.loss": "expected_length"}],
-                         indirect=True, ids=["soft", "tv+ce", "expected_length"])
+@pytest.mark.parametrize(
+    "sidecar_world",
+    [{}, {"sidecar.loss": "tv", "sidecar.soft_ce_weight": 0.5}, {"sidecar.loss": "expected_length"}],
+    indirect=True,
+    ids=["soft", "tv+ce", "expected_length"],
+)
 def test_nonfinite_loss_skips_the_step_and_publishes_nothing(sidecar_world, until):
     from draft_align.train.records import Record, TappedRecord
     from draft_align.train.replay import ReplayBuffer
 
     recipe, sc, feeder = sidecar_world
-    assert sc.trainer.loss_settings == LossSettings.from_section(recipe.sidecar, 0.8, True)  # the recipe's objective
+    assert sc.trainer.loss_settings == LossSettings.from_section(
+        recipe.sidecar, 0.8, True
+    )  # the recipe's objective
     feeder.step(0, 0)
     assert until(lambda: sc.state.monitor_rows >= 1, 20, every=lambda: sc.drain(0.1, 100))
     before = {k: v.clone() for k, v in sc.trainer.draft.state_dict().items()}
     # finite but huge states overflow inside the draft: the loss is not finite
     sc.ingest.buffer = ReplayBuffer(4000, 2.0, 0, 0)
     h = sc.hidden
-    rec = Record(input_ids=torch.randint(3, sc.vocab, (20,)), loss_mask=torch.arange(20) >= 5,
-                 aux=torch.full((20, 3 * h), 3e38).bfloat16(), final=torch.randn(20, h).bfloat16())
+    rec = Record(
+        input_ids=torch.randint(3, sc.vocab, (20,)),
+        loss_mask=torch.arange(20) >= 5,
+        aux=torch.full((20, 3 * h), 3e38).bfloat16(),
+        final=torch.randn(20, h).bfloat16(),
+    )
     assert sc.ingest.buffer_record(TappedRecord(record=rec, policy_version=0, step=0))
     assert sc.train_one()
     assert sc.state.nonfinite_steps == 1 and sc.state.train_steps == 0
@@ -134,6 +148,7 @@ def test_kill9_mid_run_and_mid_publish_then_resume(tiny_run, tiny_env, tmp_path,
     step = 0
     rng = random.Random(0)
     try:
+
         def feed() -> None:
             nonlocal step
             feeder.step(step, step // 2)
@@ -157,14 +172,17 @@ def test_kill9_mid_run_and_mid_publish_then_resume(tiny_run, tiny_env, tmp_path,
             assert len(versions) <= recipe.sidecar.keep_versions
             newest = versions[-1]
             proc = _spawn(resolved, start, env_log)
-            assert until(lambda n=newest: max(_check_visible_versions(recipe.run_dir)) > n, 90,
-                         every=feed), env_log.read_text()[-3000:]
+            assert until(lambda n=newest: max(_check_visible_versions(recipe.run_dir)) > n, 90, every=feed), (
+                env_log.read_text()[-3000:]
+            )
         state = json.loads((recipe.run_dir / "sidecar" / "state.json").read_text())
         assert state["restarts"] >= 1
         assert feeder.sender.stats()["sent"] > 0
         from draft_align.wire.messages import StepReport
 
-        feeder.sender.offer(StepReport(run_id=recipe.run, step=step, policy_version=0, metrics={"final": 1.0}))
+        feeder.sender.offer(
+            StepReport(run_id=recipe.run, step=step, policy_version=0, metrics={"final": 1.0})
+        )
         assert proc.wait(timeout=60) == 0
         _check_visible_versions(recipe.run_dir)
         assert not list((recipe.run_dir / "drafts").glob(".tmp-*"))

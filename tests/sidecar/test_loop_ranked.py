@@ -37,8 +37,15 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _rank_env(rank: int, world: int, port: int) -> dict[str, str]:
     env = dict(os.environ)
-    env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    env.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        GLOO_SOCKET_IFNAME="lo",
+        OMP_NUM_THREADS="1",
+    )
     # this file runs as a script (sys.path[0] = its folder): import the package of this checkout
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
     return env
@@ -50,30 +57,57 @@ def _sequences(n: int, sc_hidden: int, vocab: int, seed: int) -> list[dict[str, 
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(n):
-        out.append({
-            "input_ids": torch.randint(3, vocab, (SEQ_LEN,), generator=g),
-            "loss_mask": torch.arange(SEQ_LEN) >= PROMPT_LEN,
-            "aux_hidden": torch.randn(SEQ_LEN, 3 * sc_hidden, generator=g),
-            "final_hidden": torch.randn(SEQ_LEN, sc_hidden, generator=g),
-        })
+        out.append(
+            {
+                "input_ids": torch.randint(3, vocab, (SEQ_LEN,), generator=g),
+                "loss_mask": torch.arange(SEQ_LEN) >= PROMPT_LEN,
+                "aux_hidden": torch.randn(SEQ_LEN, 3 * sc_hidden, generator=g),
+                "final_hidden": torch.randn(SEQ_LEN, sc_hidden, generator=g),
+            }
+        )
     return out
 
 
-def _tap_batch(run: str, seqs: list[dict[str, torch.Tensor]], aux: tuple[int, ...], hidden: int, vocab: int,
-               step: int, version: int, batch_id: int):
+def _tap_batch(
+    run: str,
+    seqs: list[dict[str, torch.Tensor]],
+    aux: tuple[int, ...],
+    hidden: int,
+    vocab: int,
+    step: int,
+    version: int,
+    batch_id: int,
+):
     from draft_align.wire.packing import pack_sequences
 
-    return pack_sequences(seqs, run_id=run, policy_version=version, source_rank=0, batch_id=batch_id, step=step,
-                          aux_layer_ids=aux, hidden_size=hidden, vocab_size=vocab, final_norm="post",
-                          temperature=1.0)
+    return pack_sequences(
+        seqs,
+        run_id=run,
+        policy_version=version,
+        source_rank=0,
+        batch_id=batch_id,
+        step=step,
+        aux_layer_ids=aux,
+        hidden_size=hidden,
+        vocab_size=vocab,
+        final_norm="post",
+        temperature=1.0,
+    )
 
 
 def _head_sync(run: str, draft, hidden: int, vocab: int, version: int):
     from draft_align.wire.messages import HeadSync
 
-    return HeadSync(run_id=run, policy_version=version, hidden_size=hidden, vocab_size=vocab, norm_eps=1e-5,
-                    norm_weight=torch.ones(hidden), draft_to_target=draft.draft_to_target.cpu(),
-                    rows=draft.lm_head.weight.detach().bfloat16())
+    return HeadSync(
+        run_id=run,
+        policy_version=version,
+        hidden_size=hidden,
+        vocab_size=vocab,
+        norm_eps=1e-5,
+        norm_weight=torch.ones(hidden),
+        draft_to_target=draft.draft_to_target.cpu(),
+        rows=draft.lm_head.weight.detach().bfloat16(),
+    )
 
 
 # ---------------------------------------------------------------------------------------- same weights
@@ -88,8 +122,12 @@ def _join(recipe: CotrainRecipe, start: Path):
     from draft_align.train.parallel import join_ranks
 
     sc = recipe.sidecar
-    return join_ranks(ranks=sc.ranks, device=recipe.device, timeout_s=sc.collective_timeout_s,
-                      config=world_config(recipe, start))
+    return join_ranks(
+        ranks=sc.ranks,
+        device=recipe.device,
+        timeout_s=sc.collective_timeout_s,
+        config=world_config(recipe, start),
+    )
 
 
 def _fill(sc, part: int, parts: int) -> None:
@@ -102,8 +140,10 @@ def _fill(sc, part: int, parts: int) -> None:
     share = N_TRAIN // parts
     hold = _sequences(N_HOLD, sc.hidden, sc.vocab, seed=2) if part == 0 else []
     buffered = sc.state.buffered_tokens  # a resumed sidecar's count goes on from its checkpoint
-    for s in train[part * share:(part + 1) * share] + hold:
-        rec = Record(input_ids=s["input_ids"], loss_mask=s["loss_mask"], aux=s["aux_hidden"], final=s["final_hidden"])
+    for s in train[part * share : (part + 1) * share] + hold:
+        rec = Record(
+            input_ids=s["input_ids"], loss_mask=s["loss_mask"], aux=s["aux_hidden"], final=s["final_hidden"]
+        )
         assert sc.ingest.buffer_record(TappedRecord(record=rec, policy_version=0, step=0))
     assert sc.state.buffered_tokens - buffered == SEQ_LEN * (share + len(hold))
     sc.on_head(_head_sync(sc.recipe.run, sc.frozen, sc.hidden, sc.vocab, 0))
@@ -111,14 +151,29 @@ def _fill(sc, part: int, parts: int) -> None:
     assert len(sc.ingest.buffer.trainable()) == share and len(sc.ingest.buffer.holdout()) == len(hold)
 
 
-def _same_weights_overrides(tiny_run, out: Path, run: str, ranks: int, parallel: str = "ddp",
-                            **extra: object) -> list[str]:
+def _same_weights_overrides(
+    tiny_run, out: Path, run: str, ranks: int, parallel: str = "ddp", **extra: object
+) -> list[str]:
     return tiny_run.cotrain_overrides(
-        out, run=run, **{"sidecar.ranks": ranks, "sidecar.holdout_records": N_HOLD, "sidecar.autocast_bf16": "false",
-                         "sidecar.holdout_every": 1, "sidecar.fresh_first": "false", "sidecar.publish_on_new_version": "false",
-                         "sidecar.max_replay_ratio": 1000.0, "sidecar.publish_every_s": 1e9,
-                         "sidecar.checkpoint_every_s": 1e9, "sidecar.prometheus_port": "null",
-                         "sidecar.warmup_steps": 0, "sidecar.lr": 3e-3, "sidecar.parallel": parallel, **extra})
+        out,
+        run=run,
+        **{
+            "sidecar.ranks": ranks,
+            "sidecar.holdout_records": N_HOLD,
+            "sidecar.autocast_bf16": "false",
+            "sidecar.holdout_every": 1,
+            "sidecar.fresh_first": "false",
+            "sidecar.publish_on_new_version": "false",
+            "sidecar.max_replay_ratio": 1000.0,
+            "sidecar.publish_every_s": 1e9,
+            "sidecar.checkpoint_every_s": 1e9,
+            "sidecar.prometheus_port": "null",
+            "sidecar.warmup_steps": 0,
+            "sidecar.lr": 3e-3,
+            "sidecar.parallel": parallel,
+            **extra,
+        },
+    )
 
 
 def _record_grad_norms(sc) -> list[float]:
@@ -159,7 +214,9 @@ def _rank_worker(overrides: list[str]) -> None:
         if recipe.sidecar.parallel == "fsdp2":  # each rank holds about half of every trainable parameter
             trained = [p for p in sc.trainer.draft.parameters() if p.requires_grad]
             assert trained and all(p.to_local().numel() <= (p.numel() + 1) // 2 for p in trained)
-            assert {id(p) for g in sc.trainer.optimizer.param_groups for p in g["params"]} == {id(p) for p in trained}
+            assert {id(p) for g in sc.trainer.optimizer.param_groups for p in g["params"]} == {
+                id(p) for p in trained
+            }
         norms = _record_grad_norms(sc)
         _fill(sc, ranks.rank, ranks.world_size)
         for _ in range(STEPS):
@@ -172,8 +229,12 @@ def _rank_worker(overrides: list[str]) -> None:
         before = {k: _local(v).clone() for k, v in sc.trainer.draft.state_dict().items()}
         if ranks.rank == 1:  # finite but huge states overflow inside the draft
             sc.ingest.buffer = ReplayBuffer(4000, 2.0, 0, 0)
-            rec = Record(input_ids=torch.randint(3, sc.vocab, (20,)), loss_mask=torch.arange(20) >= 5,
-                         aux=torch.full((20, 3 * sc.hidden), 3e38), final=torch.randn(20, sc.hidden))
+            rec = Record(
+                input_ids=torch.randint(3, sc.vocab, (20,)),
+                loss_mask=torch.arange(20) >= 5,
+                aux=torch.full((20, 3 * sc.hidden), 3e38),
+                final=torch.randn(20, sc.hidden),
+            )
             sc.ingest.buffer.add(TappedRecord(record=rec, policy_version=0, step=0))
         assert ranked_step(sc)
         assert (sc.state.nonfinite_steps, sc.state.train_steps) == (1, STEPS), sc.state
@@ -187,14 +248,24 @@ def _tensors(run_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Te
     from safetensors.torch import load_file
 
     trainer = load_file(str(run_dir / "sidecar" / "trainer" / "state.safetensors"))
-    return (load_file(str(run_dir / "drafts" / "v0001" / "model.safetensors")),
-            {k[len("draft."):]: v for k, v in trainer.items() if k.startswith("draft.")})
+    return (
+        load_file(str(run_dir / "drafts" / "v0001" / "model.safetensors")),
+        {k[len("draft.") :]: v for k, v in trainer.items() if k.startswith("draft.")},
+    )
 
 
 def _run_ranks(mode: str, overrides: list[str], world: int = 2) -> list[subprocess.Popen]:
     port = _free_port()
-    return [subprocess.Popen([sys.executable, __file__, mode, json.dumps(overrides)], env=_rank_env(r, world, port),
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
+    return [
+        subprocess.Popen(
+            [sys.executable, __file__, mode, json.dumps(overrides)],
+            env=_rank_env(r, world, port),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(world)
+    ]
 
 
 def _wait_ok(procs: list[subprocess.Popen]) -> None:
@@ -207,7 +278,9 @@ def _two_ranks_match_one_process(tiny_run, tmp_path: Path, parallel: str, **extr
     from draft_align.sidecar.launch import starting_draft
     from draft_align.sidecar.loop import Sidecar
 
-    procs = _run_ranks("rank-worker", _same_weights_overrides(tiny_run, tmp_path, "two", 2, parallel, **extra))
+    procs = _run_ranks(
+        "rank-worker", _same_weights_overrides(tiny_run, tmp_path, "two", 2, parallel, **extra)
+    )
     one = load_recipe(None, _same_weights_overrides(tiny_run, tmp_path, "one", 1, **extra), CotrainRecipe)
     sc = Sidecar(one, starting_draft(one)).setup()
     norms = _record_grad_norms(sc)
@@ -266,7 +339,9 @@ def _resume_worker(overrides: list[str]) -> None:
     with _join(recipe, start) as ranks:
         assert ranks is not None
         sc = Sidecar(recipe, start, ranks=ranks).setup()
-        assert (sc.state.restarts, sc.state.train_steps, sc.state.published_version) == (1, STEPS, 1), sc.state
+        assert (sc.state.restarts, sc.state.train_steps, sc.state.published_version) == (1, STEPS, 1), (
+            sc.state
+        )
         assert sc.trainer.progress.step == STEPS and sc.trainer.scheduler.last_epoch == STEPS
         sc.sync_full()
         if ranks.is_lead:
@@ -334,17 +409,21 @@ class SyntheticFeeder:
         for _ in range(2):  # round-robin: each rank gets a batch
             self.sender.offer(_head_sync(run, self.draft, self.hidden, self.vocab, version))
             seqs = _sequences(8, self.hidden, self.vocab, seed=100 + self.step)
-            self.sender.offer(_tap_batch(run, seqs, self.aux, self.hidden, self.vocab, self.step, version,
-                                         self.step))
-        self.sender.offer(StepReport(run_id=run, step=self.step, policy_version=version, metrics={"reward_mean": 1.0}))
+            self.sender.offer(
+                _tap_batch(run, seqs, self.aux, self.hidden, self.vocab, self.step, version, self.step)
+            )
+        self.sender.offer(
+            StepReport(run_id=run, step=self.step, policy_version=version, metrics={"reward_mean": 1.0})
+        )
         self.step += 1
 
     def finish(self) -> None:
         from draft_align.wire.messages import StepReport
 
         for _ in range(2):
-            self.sender.offer(StepReport(run_id=self.recipe.run, step=self.step, policy_version=0,
-                                         metrics={"final": 1.0}))
+            self.sender.offer(
+                StepReport(run_id=self.recipe.run, step=self.step, policy_version=0, metrics={"final": 1.0})
+            )
 
     def close(self) -> None:
         self.sender.close()
@@ -375,21 +454,39 @@ def test_kill9_of_a_rank_is_reported_and_a_restarted_job_resumes(tiny_run, tiny_
     from draft_align.cotrain import write_resolved
     from draft_align.sidecar.launch import starting_draft
 
-    recipe = load_recipe(None, tiny_run.cotrain_overrides(
-        tmp_path, run="ddp", **{"sidecar.ranks": 2, "sidecar.collective_timeout_s": 30.0,
-                                "sidecar.prometheus_port": "null", "sidecar.publish_every_s": 0.5}), CotrainRecipe)
+    recipe = load_recipe(
+        None,
+        tiny_run.cotrain_overrides(
+            tmp_path,
+            run="ddp",
+            **{
+                "sidecar.ranks": 2,
+                "sidecar.collective_timeout_s": 30.0,
+                "sidecar.prometheus_port": "null",
+                "sidecar.publish_every_s": 0.5,
+            },
+        ),
+        CotrainRecipe,
+    )
     resolved = write_resolved(recipe)
     start = starting_draft(recipe)
     feeder = SyntheticFeeder(recipe, start)
     logs = [tmp_path / f"rank{r}.log" for r in range(2)]
     port = _free_port()
-    procs = [subprocess.Popen([sys.executable, *_cli(resolved, start)], env=_rank_env(r, 2, port),
-                              stdout=open(logs[r], "wb"), stderr=subprocess.STDOUT) for r in range(2)]  # noqa: SIM115
+    procs = [
+        subprocess.Popen(
+            [sys.executable, *_cli(resolved, start)],
+            env=_rank_env(r, 2, port),
+            stdout=open(logs[r], "wb"),
+            stderr=subprocess.STDOUT,
+        )
+        for r in range(2)
+    ]  # noqa: SIM115
     launcher = None
     try:
-        assert until(lambda: len(list((recipe.run_dir / "drafts").glob("v*"))) >= 1, 90, every=feeder.feed,
-                     poll_s=0.1), \
-            logs[0].read_text()[-3000:] + logs[1].read_text()[-3000:]
+        assert until(
+            lambda: len(list((recipe.run_dir / "drafts").glob("v*"))) >= 1, 90, every=feeder.feed, poll_s=0.1
+        ), logs[0].read_text()[-3000:] + logs[1].read_text()[-3000:]
         os.kill(procs[1].pid, signal.SIGKILL)
         t0 = time.monotonic()
         rc0 = procs[0].wait(timeout=60)
@@ -399,30 +496,52 @@ def test_kill9_of_a_rank_is_reported_and_a_restarted_job_resumes(tiny_run, tiny_
         assert rc0 == 2 and "another sidecar rank died" in text0, text0[-3000:]
         assert waited < 30, waited
         before = _versions(recipe.run_dir)  # consecutive; retention keeps the newest keep_versions
-        assert before == list(range(before[0], before[0] + len(before))) and len(before) <= recipe.sidecar.keep_versions
+        assert (
+            before == list(range(before[0], before[0] + len(before)))
+            and len(before) <= recipe.sidecar.keep_versions
+        )
         steps_before = json.loads((recipe.run_dir / "sidecar" / "state.json").read_text())["train_steps"]
         assert steps_before >= 1
 
         # restart through torchrun itself (what --max-restarts would do)
         log = tmp_path / "torchrun.log"
-        env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
-               "PYTHONPATH": _rank_env(0, 2, port)["PYTHONPATH"]}  # this checkout's package, as for the ranks
+        env = {
+            **os.environ,
+            "GLOO_SOCKET_IFNAME": "lo",
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": _rank_env(0, 2, port)["PYTHONPATH"],
+        }  # this checkout's package, as for the ranks
         launcher = subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-             *_cli(resolved, start)[1:]], env=env, stdout=open(log, "wb"), stderr=subprocess.STDOUT,  # noqa: SIM115
-            start_new_session=True)
-        assert until(lambda: max(_versions(recipe.run_dir)) > before[-1], 90,
-                     every=feeder.feed, poll_s=0.1), log.read_text()[-4000:]
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node=2",
+                *_cli(resolved, start)[1:],
+            ],
+            env=env,
+            stdout=open(log, "wb"),
+            stderr=subprocess.STDOUT,  # noqa: SIM115
+            start_new_session=True,
+        )
+        assert until(
+            lambda: max(_versions(recipe.run_dir)) > before[-1], 90, every=feeder.feed, poll_s=0.1
+        ), log.read_text()[-4000:]
         feeder.finish()
         assert launcher.wait(timeout=60) == 0, log.read_text()[-4000:]
         text = log.read_text()
-        assert text.count(f"resumed sidecar at train step {steps_before} (restart 1)") == 2, text[-4000:]  # both ranks
+        assert text.count(f"resumed sidecar at train step {steps_before} (restart 1)") == 2, text[
+            -4000:
+        ]  # both ranks
         state = json.loads((recipe.run_dir / "sidecar" / "state.json").read_text())
         assert state["restarts"] >= 1 and state["train_steps"] > steps_before
         after = _versions(recipe.run_dir)
         assert after == list(range(after[0], after[0] + len(after))) and after[-1] > before[-1]
         # every rank applies every StepReport, only rank 0 writes its row: no step appears twice
-        rows = [json.loads(x) for x in (recipe.run_dir / "sidecar" / "monitor.jsonl").read_text().splitlines()]
+        rows = [
+            json.loads(x) for x in (recipe.run_dir / "sidecar" / "monitor.jsonl").read_text().splitlines()
+        ]
         steps = [r["step"] for r in rows]
         assert steps and len(steps) == len(set(steps))
     finally:
@@ -442,17 +561,31 @@ def test_ranks_that_disagree_on_the_recipe_refuse_to_start(tiny_run, tiny_env, t
     port = _free_port()
     procs = []
     for r, lr in enumerate(("1e-3", "2e-3")):
-        recipe = load_recipe(None, tiny_run.cotrain_overrides(
-            tmp_path / f"r{r}", run="bad", **{"sidecar.ranks": 2, "sidecar.lr": lr,
-                                              "sidecar.collective_timeout_s": 30.0}), CotrainRecipe)
+        recipe = load_recipe(
+            None,
+            tiny_run.cotrain_overrides(
+                tmp_path / f"r{r}",
+                run="bad",
+                **{"sidecar.ranks": 2, "sidecar.lr": lr, "sidecar.collective_timeout_s": 30.0},
+            ),
+            CotrainRecipe,
+        )
         resolved = write_resolved(recipe)
-        procs.append(subprocess.Popen([sys.executable, *_cli(resolved, starting_draft(recipe))],
-                                      env=_rank_env(r, 2, port), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, *_cli(resolved, starting_draft(recipe))],
+                env=_rank_env(r, 2, port),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     for p in procs:
         out, _ = p.communicate(timeout=90)
         assert p.returncode == 2, out[-2000:]
-        assert "disagree on the recipe" in out and "sidecar.lr: rank 0 0.001, rank 1 0.002" in out, out[-2000:]
+        assert "disagree on the recipe" in out and "sidecar.lr: rank 0 0.001, rank 1 0.002" in out, out[
+            -2000:
+        ]
     assert not (tmp_path / "r0" / "bad" / "sidecar" / "ready.json").exists()
 
 

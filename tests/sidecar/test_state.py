@@ -26,20 +26,51 @@ def test_rates_and_stats():
     assert r.train_tokens_per_s is None and r.ingest_tokens_per_s is None
     r.train_tokens, r.train_s, r.ingest_tokens, r.ingest_s = 100.0, 4.0, 30.0, 0.5
     assert r.train_tokens_per_s == 25.0 and r.ingest_tokens_per_s == 60.0
-    s = SidecarState(published_version=2, published_policy_version=5, train_steps=7, trained_tokens=70,
-                     ingested_tokens=90, nonfinite_sequences=1, mismatched_messages=2, nonfinite_steps=3,
-                     nonfinite_heads=4, gate_rejections=5, restarts=6)
+    s = SidecarState(
+        published_version=2,
+        published_policy_version=5,
+        train_steps=7,
+        trained_tokens=70,
+        ingested_tokens=90,
+        nonfinite_sequences=1,
+        mismatched_messages=2,
+        nonfinite_steps=3,
+        nonfinite_heads=4,
+        gate_rejections=5,
+        restarts=6,
+    )
     stats = sidecar_stats(s, {"tokens": 40, "fill": 0.25}, r, {"mac": 2, "frames": 1})
     assert stats.to_dict() == {
-        "sidecar_draft_version": 2, "sidecar_draft_policy_version": 5, "buffer_tokens": 40, "buffer_fill": 0.25,
-        "sidecar_train_steps": 7, "sidecar_trained_tokens": 70, "sidecar_train_tokens_per_s": 25.0,
-        "sidecar_ingest_tokens_per_s": 60.0, "sidecar_ingested_tokens": 90, "wire_rejected": 3,
-        "wire_nonfinite": 1, "wire_mismatched": 2, "nonfinite_steps": 3, "nonfinite_heads": 4,
-        "published_versions": 2, "gate_rejections": 5, "sidecar_restarts": 6, "nonfinite_alarms": 0,
-        "held_dropped": 0, "rl_restarts": 0, "old_version_batches": 0, "untapped_heads": 0,
-        "reports_without_taps": 0, "publish_failures": 0, "sidecar_training": 1,
-        "sidecar_train_state": "training", "sidecar_waiting_for": None, "drift_triggers": 0,
-        "sidecar_trained_policy_version": -1, "sidecar_busy_frac": None,
+        "sidecar_draft_version": 2,
+        "sidecar_draft_policy_version": 5,
+        "buffer_tokens": 40,
+        "buffer_fill": 0.25,
+        "sidecar_train_steps": 7,
+        "sidecar_trained_tokens": 70,
+        "sidecar_train_tokens_per_s": 25.0,
+        "sidecar_ingest_tokens_per_s": 60.0,
+        "sidecar_ingested_tokens": 90,
+        "wire_rejected": 3,
+        "wire_nonfinite": 1,
+        "wire_mismatched": 2,
+        "nonfinite_steps": 3,
+        "nonfinite_heads": 4,
+        "published_versions": 2,
+        "gate_rejections": 5,
+        "sidecar_restarts": 6,
+        "nonfinite_alarms": 0,
+        "held_dropped": 0,
+        "rl_restarts": 0,
+        "old_version_batches": 0,
+        "untapped_heads": 0,
+        "reports_without_taps": 0,
+        "publish_failures": 0,
+        "sidecar_training": 1,
+        "sidecar_train_state": "training",
+        "sidecar_waiting_for": None,
+        "drift_triggers": 0,
+        "sidecar_trained_policy_version": -1,
+        "sidecar_busy_frac": None,
     }
     assert stats.rejected == {"mac": 2, "frames": 1}
 
@@ -55,9 +86,13 @@ def test_unknown_fields_are_ignored_and_bad_files_are_state_errors(tmp_path, cap
         s = SidecarState.load(path)
     assert s.train_steps == 4 and s.lora_base_dir == "/b" and s.published_version == 0
     assert "from_the_future" in caplog.text
-    for text, match in [("{not json", "unreadable"), ("[1, 2]", "expected a JSON object"),
-                        ('{"train_steps": "4"}', "train_steps"), ('{"train_steps": true}', "train_steps"),
-                        (b"\xff\xfe", "unreadable")]:
+    for text, match in [
+        ("{not json", "unreadable"),
+        ("[1, 2]", "expected a JSON object"),
+        ('{"train_steps": "4"}', "train_steps"),
+        ('{"train_steps": true}', "train_steps"),
+        (b"\xff\xfe", "unreadable"),
+    ]:
         if isinstance(text, bytes):
             path.write_bytes(text)
         else:

@@ -68,8 +68,12 @@ def test_bad_settings():
         DriftTrigger("sometimes", tolerance=0.1, head_threshold=0.1, window=1)
     with pytest.raises(ValueError, match="drift_tolerance"):
         DriftTrigger("drift", tolerance=1.5, head_threshold=0.1, window=1)
-    for bad in (["sidecar.drift_tolerance=0"], ["sidecar.drift_window=0"], ["sidecar.drift_head_threshold=-1"],
-                ["sidecar.train_trigger=drift", "sidecar.ranks=2"]):
+    for bad in (
+        ["sidecar.drift_tolerance=0"],
+        ["sidecar.drift_window=0"],
+        ["sidecar.drift_head_threshold=-1"],
+        ["sidecar.train_trigger=drift", "sidecar.ranks=2"],
+    ):
         with pytest.raises(RecipeError):
             load_recipe(None, bad, CotrainRecipe)
     with pytest.raises(RecipeError, match="train_trigger"):
@@ -82,9 +86,18 @@ def test_the_loop_idles_after_a_publish_and_says_why(tiny_run, tiny_env, tmp_pat
     from draft_align.sidecar.launch import starting_draft
     from draft_align.sidecar.loop import Sidecar
 
-    recipe = load_recipe(None, tiny_run.cotrain_overrides(tmp_path, **{
-        "sidecar.train_trigger": "drift", "sidecar.drift_window": 1, "sidecar.drift_head_threshold": 0.01}),
-        CotrainRecipe)
+    recipe = load_recipe(
+        None,
+        tiny_run.cotrain_overrides(
+            tmp_path,
+            **{
+                "sidecar.train_trigger": "drift",
+                "sidecar.drift_window": 1,
+                "sidecar.drift_head_threshold": 0.01,
+            },
+        ),
+        CotrainRecipe,
+    )
     sc = Sidecar(recipe, starting_draft(recipe)).setup()
     feeder = feeder_cls(recipe, sc.frozen.draft_to_target, sc.aux_ids)
     try:

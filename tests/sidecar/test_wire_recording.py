@@ -29,8 +29,7 @@ def test_a_recorded_run_replays_into_the_same_buffer_and_rows(sidecar_world, unt
     assert kinds.count(HeadSync) == 2 and kinds.count(StepReport) == 2 and kinds.count(TapBatch) >= 2
     assert sc.recorder.messages == len(got)
 
-    again = load_recipe(None, tiny_run.cotrain_overrides(tmp_path / "replay", run=recipe.run),
-                        CotrainRecipe)
+    again = load_recipe(None, tiny_run.cotrain_overrides(tmp_path / "replay", run=recipe.run), CotrainRecipe)
     assert again.run_dir != recipe.run_dir
     other = Sidecar(again, starting_draft(again)).setup()
     try:
@@ -66,17 +65,30 @@ def test_adapt_replay_runs_arms_on_a_recording(sidecar_world, until, tmp_path):
     assert until(lambda: sc.state.monitor_rows >= 3, 30, every=lambda: sc.drain(0.1, 100))
     sc.close()
     msgs = [m for _, m in Recording(sc.dir / "wire.rec")]
-    arms = [adapt_replay.replay_arm(recipe.run_dir, arm, adapt_replay.ARMS[arm][0], msgs, 1600, tmp_path / "arms")
-            for arm in ("base", "cap2")]
+    arms = [
+        adapt_replay.replay_arm(recipe.run_dir, arm, adapt_replay.ARMS[arm][0], msgs, 1600, tmp_path / "arms")
+        for arm in ("base", "cap2")
+    ]
     for a in arms:
         assert [r["step"] for r in a["rows"]] == [0, 1, 2] and len(a["per_step"]) == 3
     base, cap = arms
     assert base["trained_tokens"] > cap["trained_tokens"] > 0
     assert any(s["stopped_by"] == "replay cap" for s in cap["per_step"])
     assert base["published"] >= 1
-    result = {"command": "x", "date": "d", "run": "r", "recording": "w", "messages": len(msgs), "steps": 3,
-              "train_tokens_per_step": 1600, "threads": 1, "eval_k": 2, "temperature": 1.0, "name": None,
-              "arms": arms}
+    result = {
+        "command": "x",
+        "date": "d",
+        "run": "r",
+        "recording": "w",
+        "messages": len(msgs),
+        "steps": 3,
+        "train_tokens_per_step": 1600,
+        "threads": 1,
+        "eval_k": 2,
+        "temperature": 1.0,
+        "name": None,
+        "arms": arms,
+    }
     adapt_replay.summarise(result)
     text = adapt_replay.render(result)
     assert text.startswith(adapt_replay.section_title(None)) and "| cap2 |" in text

@@ -88,17 +88,22 @@ def test_sketch_rejects_an_empty_budget_and_mismatched_keys():
 
 
 def test_generator_is_seeded_by_seed_and_rank():
-    draw = [torch.rand(3, generator=generator_for(s, r)).tolist() for s, r in ((0, 0), (0, 0), (0, 1), (1, 0))]
+    draw = [
+        torch.rand(3, generator=generator_for(s, r)).tolist() for s, r in ((0, 0), (0, 0), (0, 1), (1, 0))
+    ]
     assert draw[0] == draw[1] and draw[0] != draw[2] and draw[0] != draw[3]
     # pinned: the keys (so which sequences a run taps) must not change with refactors
     assert torch.rand(1, generator=generator_for(7, 1), dtype=torch.float64).item() == GENERATOR_7_1
 
 
-@pytest.mark.parametrize(("tokens", "message", "match"), [
-    (1, 16384, "tokens_per_step must be ≥ 2, got 1"),
-    (8192, 1, "max_tokens_per_message must be ≥ 2, got 1"),
-    (0, 0, "max_tokens_per_message"),
-])
+@pytest.mark.parametrize(
+    ("tokens", "message", "match"),
+    [
+        (1, 16384, "tokens_per_step must be ≥ 2, got 1"),
+        (8192, 1, "max_tokens_per_message must be ≥ 2, got 1"),
+        (0, 0, "max_tokens_per_message"),
+    ],
+)
 def test_budget_rule_needs_room_for_one_sequence(tokens, message, match):
     """A row of fewer than MIN_SEQUENCE_TOKENS tokens is never shipped (no next token to learn), so smaller
     budgets could never keep anything."""

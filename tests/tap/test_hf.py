@@ -19,9 +19,16 @@ AUX = (0, 2, 3)  # embedding output, layer-1 and layer-2 outputs of a 4-layer ta
 
 
 def _config(layers: int = 4, hidden: int = 32) -> LlamaConfig:
-    return LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                       num_attention_heads=4, num_key_value_heads=2, vocab_size=V, rms_norm_eps=3e-5,
-                       tie_word_embeddings=False)
+    return LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=V,
+        rms_norm_eps=3e-5,
+        tie_word_embeddings=False,
+    )
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -50,13 +57,21 @@ def make_batch(seqs: list[list[int]], prompt_lens: list[int], pad: int = 0):
     return ids, am, lm
 
 
-def tap_forward(tap, model, seqs, prompt_lens, *, forward=None, step=0, policy_version=0, temperature=1.0,
-                grad=False):
+def tap_forward(
+    tap, model, seqs, prompt_lens, *, forward=None, step=0, policy_version=0, temperature=1.0, grad=False
+):
     ids, am, lm = make_batch(seqs, prompt_lens)
     with torch.set_grad_enabled(grad), tap.capturing():
         out = (forward or model)(input_ids=ids, attention_mask=am)
-        tap.submit(input_ids=ids, attention_mask=am, loss_mask=lm, logits=out.logits, policy_version=policy_version,
-                   step=step, temperature=temperature)
+        tap.submit(
+            input_ids=ids,
+            attention_mask=am,
+            loss_mask=lm,
+            logits=out.logits,
+            policy_version=policy_version,
+            step=step,
+            temperature=temperature,
+        )
     return out
 
 
@@ -76,8 +91,10 @@ def unpack(msg) -> list[dict]:
 def random_seqs(n: int, lengths, seed: int) -> list[list[int]]:
     """Distinct sequences (first token = 1 + index, so a sequence is identified by its first token)."""
     rng = random.Random(seed)
-    return [[1 + i] + [rng.randrange(1, V) for _ in range(length - 1)] for i, length in zip(range(n), lengths,
-                                                                                             strict=True)]
+    return [
+        [1 + i] + [rng.randrange(1, V) for _ in range(length - 1)]
+        for i, length in zip(range(n), lengths, strict=True)
+    ]
 
 
 # -- what is tapped -------------------------------------------------------------------------------------
@@ -94,7 +111,9 @@ def test_kept_sequences_equal_single_sequence_forward(tiny_lm, topk):
     assert len(sink.messages) == 1
     msg = sink.messages[0]
     assert (msg.run_id, msg.policy_version, msg.source_rank, msg.batch_id, msg.step) == ("r", 3, 2, 0, 5)
-    assert tuple(msg.aux_layer_ids) == AUX and msg.final_norm == "post" and msg.temperature == pytest.approx(0.7)
+    assert (
+        tuple(msg.aux_layer_ids) == AUX and msg.final_norm == "post" and msg.temperature == pytest.approx(0.7)
+    )
     assert (msg.hidden_size, msg.vocab_size) == (32, V)
     assert msg.cu_seqlens.tolist() == [0, 7, 11, 21]
     assert msg.aux_hidden.dtype == torch.bfloat16 and msg.final_hidden.dtype == torch.bfloat16
@@ -110,7 +129,9 @@ def test_kept_sequences_equal_single_sequence_forward(tiny_lm, topk):
         assert got["loss_mask"].tolist() == [t >= p for t in range(len(s))]
         aux = torch.cat([ref.hidden_states[i][0] for i in AUX], dim=-1)
         torch.testing.assert_close(got["aux"].float(), aux, atol=2e-2, rtol=1e-2)
-        torch.testing.assert_close(got["final_hidden"].float(), ref.hidden_states[-1][0], atol=2e-2, rtol=1e-2)
+        torch.testing.assert_close(
+            got["final_hidden"].float(), ref.hidden_states[-1][0], atol=2e-2, rtol=1e-2
+        )
         lg = ref.logits[0].double()
         lp = torch.log_softmax(lg, dim=-1)
         nxt = torch.zeros(len(s), dtype=torch.float64)
@@ -120,7 +141,9 @@ def test_kept_sequences_equal_single_sequence_forward(tiny_lm, topk):
             assert not got[name][:sf].any(), name
         torch.testing.assert_close(got["next_logprob"][sf:].double(), nxt[sf:], atol=1e-4, rtol=0)
         assert got["next_logprob"][-1].item() == 0.0
-        torch.testing.assert_close(got["logit_lse"][sf:].double(), torch.logsumexp(lg, -1)[sf:], atol=1e-4, rtol=0)
+        torch.testing.assert_close(
+            got["logit_lse"][sf:].double(), torch.logsumexp(lg, -1)[sf:], atol=1e-4, rtol=0
+        )
         top_lp, top_ids = lp.topk(topk, dim=-1)
         assert torch.equal(got["topk_ids"][sf:], top_ids[sf:])
         torch.testing.assert_close(got["topk_logprobs"][sf:].double(), top_lp[sf:], atol=1e-4, rtol=0)
@@ -151,11 +174,20 @@ def test_fused_head_and_left_padding_give_the_same_batch(tiny_lm, send_final):
     lm = am.bool() & (torch.arange(pw + cw) >= pw)
     with torch.no_grad(), tap.capturing():
         tiny_lm.model(input_ids=ids, attention_mask=am)  # the backbone only: no logits exist
-        tap.submit(input_ids=ids, attention_mask=am, loss_mask=lm, logits=None, policy_version=0, step=0,
-                   temperature=1.0)
+        tap.submit(
+            input_ids=ids,
+            attention_mask=am,
+            loss_mask=lm,
+            logits=None,
+            policy_version=0,
+            step=0,
+            temperature=1.0,
+        )
     tap.end_step()
     for want, got in zip(unpack(right.messages[0]), unpack(left.messages[0]), strict=True):
-        assert torch.equal(want["input_ids"], got["input_ids"]) and torch.equal(want["loss_mask"], got["loss_mask"])
+        assert torch.equal(want["input_ids"], got["input_ids"]) and torch.equal(
+            want["loss_mask"], got["loss_mask"]
+        )
         assert torch.equal(want["topk_ids"], got["topk_ids"])
         for name in ("aux", "final_hidden", "next_logprob", "logit_lse", "topk_logprobs"):
             if want[name] is None:
@@ -199,8 +231,15 @@ def test_statistics_from_the_response_equal_the_full_statistics(tiny_lm, padding
             logits = None
         else:
             logits = tiny_lm(input_ids=ids, attention_mask=am).logits
-        tap.submit(input_ids=ids, attention_mask=am, loss_mask=lm, logits=logits, policy_version=0, step=0,
-                   temperature=1.0)
+        tap.submit(
+            input_ids=ids,
+            attention_mask=am,
+            loss_mask=lm,
+            logits=logits,
+            policy_version=0,
+            step=0,
+            temperature=1.0,
+        )
     tap.end_step()
     (msg,) = sink.messages
     assert msg.stats_from.tolist() == [max(p - 1, 0) for p in prompts]
@@ -240,8 +279,16 @@ def test_job_logprobs_give_the_head_statistics(tiny_lm, padding):
         tap = HFPolicyTap(tiny_lm, AUX, sink, run_id="r", tokens_per_step=1000, topk=0)
         with torch.no_grad(), tap.capturing():
             tiny_lm.model(input_ids=ids, attention_mask=am)  # a fused head: no logits
-            tap.submit(input_ids=ids, attention_mask=am, loss_mask=lm, logits=None, policy_version=0, step=0,
-                       temperature=1.0, next_logprob=nxt)
+            tap.submit(
+                input_ids=ids,
+                attention_mask=am,
+                loss_mask=lm,
+                logits=None,
+                policy_version=0,
+                step=0,
+                temperature=1.0,
+                next_logprob=nxt,
+            )
         tap.end_step()
     (got,), (want,) = got_sink.messages, want_sink.messages
     assert got.topk_ids is None and got.stats_from.tolist() == want.stats_from.tolist()
@@ -254,14 +301,24 @@ def test_job_logprobs_give_the_head_statistics(tiny_lm, padding):
 
 def test_job_logprobs_errors(tiny_lm):
     ids, am, lm = make_batch(random_seqs(2, [5, 3], seed=8), [1, 1])
-    for topk, logits, nxt, match in ((1, None, torch.zeros(2, 5), "topk=0"),
-                                     (0, torch.zeros(2, 5, V), torch.zeros(2, 5), "logits=None"),
-                                     (0, None, torch.zeros(2, 4), r"next_logprob must be \[B, T\]")):
+    for topk, logits, nxt, match in (
+        (1, None, torch.zeros(2, 5), "topk=0"),
+        (0, torch.zeros(2, 5, V), torch.zeros(2, 5), "logits=None"),
+        (0, None, torch.zeros(2, 4), r"next_logprob must be \[B, T\]"),
+    ):
         tap = HFPolicyTap(tiny_lm, AUX, ListSink(), run_id="r", tokens_per_step=100, topk=topk)
         with torch.no_grad(), tap.capturing(), pytest.raises(PolicyTapError, match=match):
             tiny_lm.model(input_ids=ids, attention_mask=am)
-            tap.submit(input_ids=ids, attention_mask=am, loss_mask=lm, logits=logits, policy_version=0, step=0,
-                       temperature=1.0, next_logprob=nxt)
+            tap.submit(
+                input_ids=ids,
+                attention_mask=am,
+                loss_mask=lm,
+                logits=logits,
+                policy_version=0,
+                step=0,
+                temperature=1.0,
+                next_logprob=nxt,
+            )
         assert tap.stats()["sequences_seen"] == 0
 
 
@@ -277,7 +334,9 @@ def test_no_final_no_topk(tiny_lm):
     # hidden_states index 4 of a 4-layer target is the final post-norm state
     with torch.no_grad():
         ref = tiny_lm(torch.tensor([seqs[0]]), output_hidden_states=True)
-    torch.testing.assert_close(unpack(msg)[0]["aux"][:, 32:].float(), ref.hidden_states[4][0], atol=2e-2, rtol=1e-2)
+    torch.testing.assert_close(
+        unpack(msg)[0]["aux"][:, 32:].float(), ref.hidden_states[4][0], atol=2e-2, rtol=1e-2
+    )
     assert out.logits.shape == (2, 6, V)
 
 
@@ -286,8 +345,9 @@ def test_peft_lora_model(tiny_lm):
     torch.manual_seed(1)
     base = LlamaForCausalLM(_config()).eval()
     base.load_state_dict(tiny_lm.state_dict())
-    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
-                          init_lora_weights=False)  # random B: the adapter changes the outputs
+    cfg = peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False
+    )  # random B: the adapter changes the outputs
     pm = peft.get_peft_model(base, cfg).eval()
     inner = pm.base_model.model
     sink = ListSink()
@@ -313,7 +373,9 @@ def test_peft_lora_model(tiny_lm):
     torch.testing.assert_close(got["final_hidden"].float(), ref.hidden_states[-1][0], atol=2e-2, rtol=1e-2)
     sf = sink.messages[0].stats_start(1)  # prompt 3: statistics from position 2 on
     assert sf == 2
-    torch.testing.assert_close(got["logit_lse"][sf:], torch.logsumexp(ref.logits[0], -1)[sf:], atol=1e-4, rtol=0)
+    torch.testing.assert_close(
+        got["logit_lse"][sf:], torch.logsumexp(ref.logits[0], -1)[sf:], atol=1e-4, rtol=0
+    )
     assert tap.head_sync(1, torch.tensor([4, 0, 9]))
     torch.testing.assert_close(sink.messages[-1].rows, tiny_lm.lm_head.weight[[4, 0, 9]].to(torch.bfloat16))
 
@@ -326,8 +388,9 @@ def test_tap_selection_follows_the_seeded_keys(tiny_lm, prefix_keep):
     micro-batches, and splits the step into messages of ≤ max_tokens_per_message tokens."""
     sink = ListSink()
     budget = 24
-    tap = HFPolicyTap(tiny_lm, AUX, sink, run_id="r", tokens_per_step=budget, max_tokens_per_message=9,
-                      seed=7, rank=1)
+    tap = HFPolicyTap(
+        tiny_lm, AUX, sink, run_id="r", tokens_per_step=budget, max_tokens_per_message=9, seed=7, rank=1
+    )
     lengths = [5, 3, 9, 4, 6, 2, 7, 3, 5, 4, 10, 3]  # 10 tokens: over the message limit, never kept
     seqs = random_seqs(12, lengths, seed=3)
     gen = generator_for(7, 1)
@@ -404,8 +467,15 @@ def test_nan_logits_are_counted_not_raised(tiny_lm):
     ids, am, lm = make_batch(random_seqs(2, [4, 5], seed=9), [1, 1])
     with torch.no_grad(), tap.capturing():
         out = tiny_lm(input_ids=ids, attention_mask=am)
-        tap.submit(input_ids=ids, attention_mask=am, loss_mask=lm, logits=torch.full_like(out.logits, math.nan),
-                   policy_version=0, step=0, temperature=1.0)
+        tap.submit(
+            input_ids=ids,
+            attention_mask=am,
+            loss_mask=lm,
+            logits=torch.full_like(out.logits, math.nan),
+            policy_version=0,
+            step=0,
+            temperature=1.0,
+        )
     assert tap.end_step() == 0 and sink.messages == []
     st = tap.stats()
     assert (st["messages_invalid"], st["tokens_dropped"], st["messages_offered"]) == (1, 9, 0)
@@ -422,7 +492,9 @@ def test_messages_split_by_policy_version_and_survive_the_wire(tiny_lm):
     tap_forward(tap, tiny_lm, seqs[2:], [2], policy_version=2, step=3, temperature=0.5)
     assert tap.end_step() == 15
     assert [(m.policy_version, m.temperature, m.cu_seqlens.tolist()) for m in sink.messages] == [
-        (1, 1.0, [0, 4, 10]), (2, 0.5, [0, 5])]
+        (1, 1.0, [0, 4, 10]),
+        (2, 0.5, [0, 5]),
+    ]
     key = b"k" * 32
     for m in sink.messages:
         back = decode(encode(m, key), key)
@@ -446,8 +518,12 @@ def test_head_sync_contents(tiny_lm):
     assert msg.rows.dtype == torch.bfloat16
     assert torch.equal(msg.rows, tiny_lm.lm_head.weight.detach()[d2t].to(torch.bfloat16))
     assert tap.stats()["head_syncs"] == 1
-    for bad, match in [(torch.tensor([1, 1]), "distinct"), (torch.tensor([0, V]), "outside"),
-                       (torch.tensor([[1, 2]]), "1-D"), (torch.tensor([0.5]), "integer")]:
+    for bad, match in [
+        (torch.tensor([1, 1]), "distinct"),
+        (torch.tensor([0, V]), "outside"),
+        (torch.tensor([[1, 2]]), "1-D"),
+        (torch.tensor([0.5]), "integer"),
+    ]:
         with pytest.raises(PolicyTapError, match=match):
             tap.head_sync(5, bad)
     with pytest.raises(PolicyTapError, match="policy_version"):
@@ -542,8 +618,15 @@ def test_cuda_copies_match_cpu(tiny_lm):
         ids, am, lm = ids.to(dev), am.to(dev), lm.to(dev)
         with torch.no_grad(), tap.capturing():
             out = model(input_ids=ids, attention_mask=am)
-            tap.submit(input_ids=ids, attention_mask=am, loss_mask=lm, logits=out.logits, policy_version=0,
-                       step=0, temperature=1.0)
+            tap.submit(
+                input_ids=ids,
+                attention_mask=am,
+                loss_mask=lm,
+                logits=out.logits,
+                policy_version=0,
+                step=0,
+                temperature=1.0,
+            )
         assert tap.end_step() == 21
         results.append(sink.messages[0])
     cpu, gpu = results

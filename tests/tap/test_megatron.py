@@ -69,9 +69,19 @@ def megatron_world(tmp_path_factory):
 def hf_model(dtype: torch.dtype = torch.float32) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=FF, num_hidden_layers=L,
-                      num_attention_heads=NH, num_key_value_heads=KV, head_dim=H // NH, rms_norm_eps=EPS,
-                      rope_theta=10000.0, max_position_embeddings=64, tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        vocab_size=V,
+        hidden_size=H,
+        intermediate_size=FF,
+        num_hidden_layers=L,
+        num_attention_heads=NH,
+        num_key_value_heads=KV,
+        head_dim=H // NH,
+        rms_norm_eps=EPS,
+        rope_theta=10000.0,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg)
     g = torch.Generator().manual_seed(1)
@@ -98,8 +108,15 @@ class TestRMSNorm(nn.Module):
         return (self.weight.float() * y).to(x.dtype)
 
 
-def megatron_model(dtype: torch.dtype = torch.float32, *, tp: int = 1, sp: bool = False, pp: int = 1,
-                   pre: bool = True, post: bool = True) -> nn.Module:
+def megatron_model(
+    dtype: torch.dtype = torch.float32,
+    *,
+    tp: int = 1,
+    sp: bool = False,
+    pp: int = 1,
+    pre: bool = True,
+    post: bool = True,
+) -> nn.Module:
     """A megatron GPTModel stage (RMSNorm, SwiGLU, RoPE, GQA, no bias, untied) of the same shape."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -110,23 +127,52 @@ def megatron_model(dtype: torch.dtype = torch.float32, *, tp: int = 1, sp: bool 
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     cfg = TransformerConfig(
-        num_layers=L, hidden_size=H, num_attention_heads=NH, num_query_groups=KV, ffn_hidden_size=FF,
-        kv_channels=H // NH, normalization="RMSNorm", layernorm_epsilon=EPS, gated_linear_unit=True,
-        activation_func=F.silu, add_bias_linear=False, add_qkv_bias=False, hidden_dropout=0.0,
-        attention_dropout=0.0, bias_dropout_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False,
-        gradient_accumulation_fusion=False, use_cpu_initialization=True, params_dtype=dtype,
-        tensor_model_parallel_size=tp, sequence_parallel=sp, pipeline_model_parallel_size=pp, pipeline_dtype=dtype,
+        num_layers=L,
+        hidden_size=H,
+        num_attention_heads=NH,
+        num_query_groups=KV,
+        ffn_hidden_size=FF,
+        kv_channels=H // NH,
+        normalization="RMSNorm",
+        layernorm_epsilon=EPS,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+        use_cpu_initialization=True,
+        params_dtype=dtype,
+        tensor_model_parallel_size=tp,
+        sequence_parallel=sp,
+        pipeline_model_parallel_size=pp,
+        pipeline_dtype=dtype,
     )
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     if sp:
         spec.submodules.input_layernorm = TestRMSNorm
         spec.submodules.pre_mlp_layernorm = TestRMSNorm
-        spec = TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(cfg), layer_norm=TestRMSNorm)
+        spec = TransformerBlockSubmodules(
+            layer_specs=[spec] * get_num_layers_to_build(cfg), layer_norm=TestRMSNorm
+        )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = GPTModel(cfg, spec, vocab_size=V + (-V) % tp, max_sequence_length=64, pre_process=pre,
-                         post_process=post, parallel_output=False, position_embedding_type="rope",
-                         rotary_base=10000, share_embeddings_and_output_weights=False)
+        model = GPTModel(
+            cfg,
+            spec,
+            vocab_size=V + (-V) % tp,
+            max_sequence_length=64,
+            pre_process=pre,
+            post_process=post,
+            parallel_output=False,
+            position_embedding_type="rope",
+            rotary_base=10000,
+            share_embeddings_and_output_weights=False,
+        )
     return model.eval()
 
 
@@ -145,8 +191,9 @@ def load_hf_weights(model: nn.Module, hf_sd: dict[str, torch.Tensor], tp_rank: i
 
     out: dict[str, torch.Tensor] = {}
     if model.pre_process:
-        out["embedding.word_embeddings.weight"] = rows(F.pad(hf_sd["model.embed_tokens.weight"],
-                                                             (0, 0, 0, (-V) % tp)))
+        out["embedding.word_embeddings.weight"] = rows(
+            F.pad(hf_sd["model.embed_tokens.weight"], (0, 0, 0, (-V) % tp))
+        )
     if model.post_process:
         out["decoder.final_layernorm.weight"] = hf_sd["model.norm.weight"]
         out["output_layer.weight"] = rows(F.pad(hf_sd["lm_head.weight"], (0, 0, 0, (-V) % tp)))
@@ -159,11 +206,15 @@ def load_hf_weights(model: nn.Module, hf_sd: dict[str, torch.Tensor], tp_rank: i
         out[m + "self_attention.linear_proj.weight"] = cols(hf_sd[p + "self_attn.o_proj.weight"])
         out[m + "input_layernorm.weight"] = hf_sd[p + "input_layernorm.weight"]
         out[m + "pre_mlp_layernorm.weight"] = hf_sd[p + "post_attention_layernorm.weight"]
-        out[m + "mlp.linear_fc1.weight"] = torch.cat([rows(hf_sd[p + "mlp.gate_proj.weight"]),
-                                                      rows(hf_sd[p + "mlp.up_proj.weight"])])
+        out[m + "mlp.linear_fc1.weight"] = torch.cat(
+            [rows(hf_sd[p + "mlp.gate_proj.weight"]), rows(hf_sd[p + "mlp.up_proj.weight"])]
+        )
         out[m + "mlp.linear_fc2.weight"] = cols(hf_sd[p + "mlp.down_proj.weight"])
     missing, unexpected = model.load_state_dict(out, strict=False)
-    assert not unexpected and not [k for k in missing if not k.endswith("_extra_state")], (missing, unexpected)
+    assert not unexpected and not [k for k in missing if not k.endswith("_extra_state")], (
+        missing,
+        unexpected,
+    )
 
 
 # ------------------------------------------------------------------------------------------ the inputs
@@ -190,16 +241,33 @@ def hf_reference(model: nn.Module, aux_ids: tuple[int, ...], microbatches: int =
         for mb in range(microbatches):
             ids, att, loss = batch_inputs(7 + mb)
             logits = model(input_ids=ids, attention_mask=att).logits
-            tap.submit(input_ids=ids, attention_mask=att, loss_mask=loss, logits=logits, policy_version=2,
-                       step=5, temperature=0.7)
+            tap.submit(
+                input_ids=ids,
+                attention_mask=att,
+                loss_mask=loss,
+                logits=logits,
+                policy_version=2,
+                step=5,
+                temperature=0.7,
+            )
     tap.end_step()
     tap.head_sync(2, D2T)
     return [m for m in sink if isinstance(m, TapBatch)], next(m for m in sink if isinstance(m, HeadSync))
 
 
 def assert_same_batch(got: TapBatch, want: TapBatch, atol: float, exact_topk: bool = True) -> None:
-    for f in ("run_id", "policy_version", "source_rank", "batch_id", "step", "aux_layer_ids", "hidden_size",
-              "vocab_size", "final_norm", "temperature"):
+    for f in (
+        "run_id",
+        "policy_version",
+        "source_rank",
+        "batch_id",
+        "step",
+        "aux_layer_ids",
+        "hidden_size",
+        "vocab_size",
+        "final_norm",
+        "temperature",
+    ):
         assert getattr(got, f) == getattr(want, f), f
     for name in ("cu_seqlens", "input_ids", "loss_mask"):
         assert torch.equal(getattr(got, name), getattr(want, name)), name
@@ -237,14 +305,22 @@ def test_single_rank_matches_hf_tap(megatron_world, aux_ids, dtype):
     want, want_head = hf_reference(hf, aux_ids)
 
     sink = ListSink()
-    tap = MegatronPolicyTap.from_parallel_state(mg, aux_ids, sink, run_id="r", tokens_per_step=1000, topk=3,
-                                                seed=0)
+    tap = MegatronPolicyTap.from_parallel_state(
+        mg, aux_ids, sink, run_id="r", tokens_per_step=1000, topk=3, seed=0
+    )
     assert isinstance(tap, PolicyTap)
     ids, att, loss = batch_inputs()
     with tap.capturing(), torch.no_grad():
         logits = mg(ids, torch.arange(T).expand(B, T), causal_mask())
-        tap.submit(input_ids=ids, attention_mask=att, loss_mask=loss, logits=logits, policy_version=2, step=5,
-                   temperature=0.7)
+        tap.submit(
+            input_ids=ids,
+            attention_mask=att,
+            loss_mask=loss,
+            logits=logits,
+            policy_version=2,
+            step=5,
+            temperature=0.7,
+        )
     assert tap.end_step() == 21  # rows of 12 and 9 tokens; the row without response is skipped
     assert tap.head_sync(2, D2T)
     got = [m for m in sink if isinstance(m, TapBatch)]
@@ -253,7 +329,9 @@ def test_single_rank_matches_hf_tap(megatron_world, aux_ids, dtype):
     atol = 2e-2 if dtype == torch.float32 else 0.15
     assert_same_batch(got[0], want[0], atol, exact_topk=dtype == torch.float32)
     head = next(m for m in sink if isinstance(m, HeadSync))
-    assert torch.equal(head.rows, want_head.rows) and torch.equal(head.draft_to_target, want_head.draft_to_target)
+    assert torch.equal(head.rows, want_head.rows) and torch.equal(
+        head.draft_to_target, want_head.draft_to_target
+    )
     torch.testing.assert_close(head.norm_weight, want_head.norm_weight)
     assert head.norm_eps == pytest.approx(want_head.norm_eps)
     assert tap.stats()["no_response"] == 1 and tap.stats()["capture_broken"] == 0
@@ -272,13 +350,27 @@ def test_single_rank_bad_calls(megatron_world):
     ids, att, loss = batch_inputs()
     with tap.capturing():
         with pytest.raises(PolicyTapError, match="without a captured forward"):
-            tap.submit(input_ids=ids, attention_mask=att, loss_mask=loss, logits=None, policy_version=0, step=0,
-                       temperature=1.0)
+            tap.submit(
+                input_ids=ids,
+                attention_mask=att,
+                loss_mask=loss,
+                logits=None,
+                policy_version=0,
+                step=0,
+                temperature=1.0,
+            )
         with torch.no_grad():
             mg(ids, torch.arange(T).expand(B, T), causal_mask())
         with pytest.raises(PolicyTapError, match="logits must be"):
-            tap.submit(input_ids=ids, attention_mask=att, loss_mask=loss, logits=None, policy_version=0, step=0,
-                       temperature=1.0)
+            tap.submit(
+                input_ids=ids,
+                attention_mask=att,
+                loss_mask=loss,
+                logits=None,
+                policy_version=0,
+                step=0,
+                temperature=1.0,
+            )
     with pytest.raises(PolicyTapError, match="outside"):
         tap.head_sync(0, torch.tensor([V + 3]))
     with pytest.raises(TapError, match="megatron GPTModel"):
@@ -304,8 +396,15 @@ def test_wrapped_model_is_unwrapped(megatron_world):
     ids, att, loss = batch_inputs()
     with tap.capturing(), torch.no_grad():
         logits = tap.model(ids, torch.arange(T).expand(B, T), causal_mask())
-        tap.submit(input_ids=ids, attention_mask=att, loss_mask=loss, logits=logits, policy_version=2, step=5,
-                   temperature=0.7)
+        tap.submit(
+            input_ids=ids,
+            attention_mask=att,
+            loss_mask=loss,
+            logits=logits,
+            policy_version=2,
+            step=5,
+            temperature=0.7,
+        )
     tap.end_step()
     assert_same_batch(sink[0], hf_reference(hf_model(), (1, 2, 3))[0][0], 2e-2)
 
@@ -330,24 +429,48 @@ def _worker(rank: int, tmp: str) -> None:
     mg = megatron_model(tp=2, sp=True)
     load_hf_weights(mg, hf_sd, tp_rank=rank, tp=2)
     sink = ListSink()
-    tap = MegatronPolicyTap.from_parallel_state(mg, (1, 2, 4), sink, run_id="r", tokens_per_step=1000, topk=3,
-                                                seed=0, vocab_size=V)
+    tap = MegatronPolicyTap.from_parallel_state(
+        mg, (1, 2, 4), sink, run_id="r", tokens_per_step=1000, topk=3, seed=0, vocab_size=V
+    )
     with tap.capturing(), torch.no_grad():
         logits = mg(ids, pos, causal_mask())
-        tap.submit(input_ids=ids, attention_mask=att, loss_mask=loss, logits=logits, policy_version=2, step=5,
-                   temperature=0.7)
+        tap.submit(
+            input_ids=ids,
+            attention_mask=att,
+            loss_mask=loss,
+            logits=logits,
+            policy_version=2,
+            step=5,
+            temperature=0.7,
+        )
     tap.end_step()
     tap.head_sync(2, D2T)
     torch.save([encode(m, key) for m in sink], out / f"tp_rank{rank}.pt")
     # the same with vocab-parallel logits (megatron's parallel_output): statistics computed over the TP group
     sink = ListSink()
-    tap = MegatronPolicyTap.from_parallel_state(mg, (1, 2, 4), sink, run_id="r", tokens_per_step=1000, topk=3,
-                                                seed=0, vocab_size=V, vocab_parallel_logits=True)
+    tap = MegatronPolicyTap.from_parallel_state(
+        mg,
+        (1, 2, 4),
+        sink,
+        run_id="r",
+        tokens_per_step=1000,
+        topk=3,
+        seed=0,
+        vocab_size=V,
+        vocab_parallel_logits=True,
+    )
     with tap.capturing(), torch.no_grad():
         shard = mg(ids, pos, causal_mask(), runtime_gather_output=False)
         assert shard.shape == (B, T, (V + 1) // 2)  # 97 padded to 98: rank 1's last column is padding
-        tap.submit(input_ids=ids, attention_mask=att, loss_mask=loss, logits=shard, policy_version=2, step=5,
-                   temperature=0.7)
+        tap.submit(
+            input_ids=ids,
+            attention_mask=att,
+            loss_mask=loss,
+            logits=shard,
+            policy_version=2,
+            step=5,
+            temperature=0.7,
+        )
     tap.end_step()
     torch.save([encode(m, key) for m in sink], out / f"tpvp_rank{rank}.pt")
     ps.destroy_model_parallel()
@@ -359,8 +482,9 @@ def _worker(rank: int, tmp: str) -> None:
     assert [la.layer_number for la in mg.decoder.layers] == ([1, 2] if rank == 0 else [3, 4])
     load_hf_weights(mg, hf_sd)
     sink = ListSink()
-    tap = MegatronPolicyTap.from_parallel_state(mg, (0, 2, 3), sink, run_id="r", tokens_per_step=1000, topk=3,
-                                                seed=0)
+    tap = MegatronPolicyTap.from_parallel_state(
+        mg, (0, 2, 3), sink, run_id="r", tokens_per_step=1000, topk=3, seed=0
+    )
     logits_per_mb = []
     with tap.capturing(), torch.no_grad():
         for mb in range(2):  # different inputs: the captures must be consumed first-in first-out
@@ -375,8 +499,15 @@ def _worker(rank: int, tmp: str) -> None:
                 logits_per_mb.append(mg(ids, pos, causal_mask()))
         for mb, logits in enumerate(logits_per_mb):
             ids, att, loss = batch_inputs(7 + mb)
-            tap.submit(input_ids=ids, attention_mask=att, loss_mask=loss, logits=logits, policy_version=2,
-                       step=5, temperature=0.7)
+            tap.submit(
+                input_ids=ids,
+                attention_mask=att,
+                loss_mask=loss,
+                logits=logits,
+                policy_version=2,
+                step=5,
+                temperature=0.7,
+            )
     tap.end_step()
     sent_head = tap.head_sync(2, D2T)
     assert sent_head == (rank == 1)
@@ -403,8 +534,10 @@ def two_rank_run(tmp_path_factory):
             else:
                 os.environ[k] = v
     key = b"k" * 32
-    return {name: [decode(f, key) for f in torch.load(Path(tmp) / f"{name}.pt")]
-            for name in ("tp_rank0", "tp_rank1", "tpvp_rank0", "tpvp_rank1", "pp_rank0", "pp_rank1")}
+    return {
+        name: [decode(f, key) for f in torch.load(Path(tmp) / f"{name}.pt")]
+        for name in ("tp_rank0", "tp_rank1", "tpvp_rank0", "tpvp_rank1", "pp_rank0", "pp_rank1")
+    }
 
 
 def test_tensor_parallel_sequence_parallel_only_rank0_sends(two_rank_run):
@@ -424,7 +557,9 @@ def test_vocab_parallel_logits_give_the_same_statistics(two_rank_run):
     (got,) = two_rank_run["tpvp_rank0"]
     assert_same_batch(got, want[0], 2e-2)
     at = defined(want[0])
-    torch.testing.assert_close(got.logit_lse[at], want[0].logit_lse[at], atol=1e-4, rtol=0)  # the padding is ignored
+    torch.testing.assert_close(
+        got.logit_lse[at], want[0].logit_lse[at], atol=1e-4, rtol=0
+    )  # the padding is ignored
 
 
 def test_pipeline_stages_join_into_the_single_process_batch(two_rank_run):

@@ -16,8 +16,16 @@ def test_protocols():
     from draft_align.wire.channel import TapSender
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                                         num_attention_heads=2, num_key_value_heads=1, vocab_size=20)).eval()
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            vocab_size=20,
+        )
+    ).eval()
     sink = ListSink()
     assert isinstance(sink, TapSink) and issubclass(TapSender, TapSink)
     assert isinstance(HFPolicyTap(model, (1, 2), sink, run_id="r", tokens_per_step=10), PolicyTap)

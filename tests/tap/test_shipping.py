@@ -68,8 +68,12 @@ def test_capture_session_attaches_only_inside_and_hands_out_captures():
 
 def test_step_sample_counts_rows_and_chunks_by_version_step_and_size():
     sample = StepSample(100, generator_for(0, 0), max_seq_tokens=100)
-    valid = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0], [1, 1, 0, 0]], dtype=torch.bool)
-    response = torch.tensor([[0, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0], [0, 1, 0, 0]], dtype=torch.bool)
+    valid = torch.tensor(
+        [[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0], [1, 1, 0, 0]], dtype=torch.bool
+    )
+    response = torch.tensor(
+        [[0, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0], [0, 1, 0, 0]], dtype=torch.bool
+    )
     lengths, kept = sample.admit(valid, response)
     assert lengths == [3, 1, 4, 0, 2]
     assert [b for b, _ in kept] == [0, 4]  # row 1 too short, row 2 has no response, row 3 empty
@@ -77,9 +81,12 @@ def test_step_sample_counts_rows_and_chunks_by_version_step_and_size():
     assert (c.sequences_seen, c.tokens_seen, c.too_short, c.no_response) == (4, 10, 1, 1)
     for (b, h), version in zip(kept, (1, 2), strict=True):
         sample.keep(h, seq(lengths[b], version=version))
-    more = [sample.admit(torch.ones(1, n, dtype=torch.bool), torch.ones(1, n, dtype=torch.bool)) for n in (4, 3, 5)]
+    more = [
+        sample.admit(torch.ones(1, n, dtype=torch.bool), torch.ones(1, n, dtype=torch.bool))
+        for n in (4, 3, 5)
+    ]
     for lens, ks in more:
-        (_, h), = ks
+        ((_, h),) = ks
         sample.keep(h, seq(lens[0], version=1))
     chunks = sample.end_step(max_tokens=8)
     # version 1: 3 + 4 | 3 + 5 (a chunk never exceeds 8 tokens); version 2: 2 — in admission order
@@ -132,7 +139,13 @@ def test_head_sync_message_is_host_copies_in_the_wire_dtypes():
     rows = torch.randn(3, 4, generator=torch.Generator().manual_seed(0), requires_grad=True)
     d2t = torch.tensor([5, 0, 2])
     msg = head_sync_message("run", 7, 4, 6, 1e-5, norm, d2t, rows.detach())
-    assert (msg.run_id, msg.policy_version, msg.hidden_size, msg.vocab_size, msg.norm_eps) == ("run", 7, 4, 6, 1e-5)
+    assert (msg.run_id, msg.policy_version, msg.hidden_size, msg.vocab_size, msg.norm_eps) == (
+        "run",
+        7,
+        4,
+        6,
+        1e-5,
+    )
     assert msg.norm_weight.dtype == torch.float32 and torch.equal(msg.norm_weight, norm.float())
     assert msg.rows.dtype == torch.bfloat16 and torch.equal(msg.rows, rows.detach().to(torch.bfloat16))
     assert torch.equal(msg.draft_to_target, d2t)

@@ -55,7 +55,7 @@ def test_only_the_inputs_that_need_a_gradient_get_one():
     w.requires_grad_(False)
     val, _ = masked_lse_sum(x, w, m, arg, row_blocks(37, 1, 8))
     val.backward()
-    ref_gx, = torch.autograd.grad(reference(x, w, m, arg)[0], (x,))
+    (ref_gx,) = torch.autograd.grad(reference(x, w, m, arg)[0], (x,))
     torch.testing.assert_close(x.grad, ref_gx)
     assert w.grad is None
     vd, h = w.shape

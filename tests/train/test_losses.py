@@ -103,14 +103,24 @@ def test_step_weights():
 # Logits, soft targets and TTT attention in row/query blocks (each checkpointed) must give the same loss,
 # stats and gradients as the single-block computation, for both heads, at several lengths and block sizes.
 H_T, N_AUX, VOCAB, VD, HID = 24, 3, 50, 20, 32
-SHAPE = dict(hidden_size=HID, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-             vocab_size=VOCAB, max_position_embeddings=128)
+SHAPE = dict(
+    hidden_size=HID,
+    intermediate_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    vocab_size=VOCAB,
+    max_position_embeddings=128,
+)
 
 
 def eagle3(seed: int) -> tuple[nn.Module, torch.Tensor, int]:
     torch.manual_seed(seed)
-    d = Eagle3Draft(Eagle3Config(**SHAPE, draft_vocab_size=VD, target_hidden_size=H_T, aux_layer_ids=(1, 2, 3),
-                                 target_num_layers=4))
+    d = Eagle3Draft(
+        Eagle3Config(
+            **SHAPE, draft_vocab_size=VD, target_hidden_size=H_T, aux_layer_ids=(1, 2, 3), target_num_layers=4
+        )
+    )
     for p in d.parameters():
         nn.init.normal_(p, std=0.3)
     d.set_vocab(torch.arange(0, 2 * VD, 2))
@@ -135,7 +145,11 @@ def records(lengths: list[int], aux_width: int, final_width: int, seed: int) -> 
     for t in lengths:
         ids = torch.randint(0, VOCAB, (t,), generator=g)
         mask = torch.arange(t) >= t // 3
-        out.append(Record(ids, mask, torch.randn(t, aux_width, generator=g), torch.randn(t, final_width, generator=g)))
+        out.append(
+            Record(
+                ids, mask, torch.randn(t, aux_width, generator=g), torch.randn(t, final_width, generator=g)
+            )
+        )
     return out
 
 
@@ -295,17 +309,28 @@ def test_truncated_loss_is_the_full_rows_loss_on_the_kept_targets(head):
 def test_trainer_cuts_long_rows_and_counts_them():
     draft, rows, aux_w = HEADS["eagle3"](2)
     embed = nn.Embedding(VOCAB, HID)
-    trainer = DraftTrainer(draft, embed, rows, OptimSettings(warmup_steps=1, total_steps=4),
-                           LossSettings(ttt_steps=3, autocast_bf16=False), max_seq_tokens=12)
+    trainer = DraftTrainer(
+        draft,
+        embed,
+        rows,
+        OptimSettings(warmup_steps=1, total_steps=4),
+        LossSettings(ttt_steps=3, autocast_bf16=False),
+        max_seq_tokens=12,
+    )
     recs = records([20, 10], aux_w, H_T, seed=6)
     out = trainer.train_step(collate(recs, 3))
     assert trainer.progress.truncated_sequences == 1
     assert trainer.progress.truncated_targets == int(recs[0].loss_mask[12:].sum()) == 8
-    assert out["targets"] == sum(int((torch.arange(len(r)) + 2 < len(r)).logical_and(
-        torch.roll(r.loss_mask, -2)).sum()) for r in (cut_record(recs[0], 12), recs[1]))
+    assert out["targets"] == sum(
+        int((torch.arange(len(r)) + 2 < len(r)).logical_and(torch.roll(r.loss_mask, -2)).sum())
+        for r in (cut_record(recs[0], 12), recs[1])
+    )
     trainer.train_step(collate(recs[1:], 3))  # short rows: nothing cut, nothing counted
     assert trainer.progress.truncated_sequences == 1
-    assert DraftTrainer(draft, embed, rows, OptimSettings(), LossSettings()).max_seq_tokens == losses.MAX_SEQ_TOKENS
+    assert (
+        DraftTrainer(draft, embed, rows, OptimSettings(), LossSettings()).max_seq_tokens
+        == losses.MAX_SEQ_TOKENS
+    )
     with pytest.raises(ValueError, match="max_seq_tokens must be ≥ 2"):
         DraftTrainer(draft, embed, rows, OptimSettings(), LossSettings(), max_seq_tokens=1)
 
@@ -317,14 +342,24 @@ def test_fp32_training_on_bf16_taps(head):
     draft, rows, aux_w = HEADS[head](2)
     recs = records([18, 12], aux_w, rows.shape[1], seed=8)
     bf = [Record(r.input_ids, r.loss_mask, r.aux.bfloat16(), r.final.bfloat16()) for r in recs]
-    fp = [Record(r.input_ids, r.loss_mask, r.aux.bfloat16().float(), r.final.bfloat16().float()) for r in recs]
+    fp = [
+        Record(r.input_ids, r.loss_mask, r.aux.bfloat16().float(), r.final.bfloat16().float()) for r in recs
+    ]
     emb = nn.Embedding(VOCAB, HID).bfloat16()
     out = []
-    for rs, rw, emb_dtype in ((bf, rows.bfloat16(), torch.bfloat16), (fp, rows.bfloat16().float(), torch.float32)):
+    for rs, rw, emb_dtype in (
+        (bf, rows.bfloat16(), torch.bfloat16),
+        (fp, rows.bfloat16().float(), torch.float32),
+    ):
         d = copy.deepcopy(draft)
         embed = copy.deepcopy(emb).to(emb_dtype)
-        trainer = DraftTrainer(d, embed, rw, OptimSettings(warmup_steps=1, total_steps=4),
-                               LossSettings(ttt_steps=3, autocast_bf16=False))
+        trainer = DraftTrainer(
+            d,
+            embed,
+            rw,
+            OptimSettings(warmup_steps=1, total_steps=4),
+            LossSettings(ttt_steps=3, autocast_bf16=False),
+        )
         assert trainer.autocast_bf16 is False
         out.append(trainer.train_step(collate(rs, 3))["loss"])
     assert math.isfinite(out[0]) and out[0] == pytest.approx(out[1], rel=1e-5)
@@ -333,8 +368,13 @@ def test_fp32_training_on_bf16_taps(head):
 def test_replaced_head_rows_are_used_in_fp32_training():
     """A HeadSync replaces ``trainer.rows``: the fp32 copy the loss uses follows it."""
     draft, rows, aux_w = HEADS["eagle3"](3)
-    trainer = DraftTrainer(draft, nn.Embedding(VOCAB, HID), rows.bfloat16(), OptimSettings(),
-                           LossSettings(ttt_steps=2, autocast_bf16=False))
+    trainer = DraftTrainer(
+        draft,
+        nn.Embedding(VOCAB, HID),
+        rows.bfloat16(),
+        OptimSettings(),
+        LossSettings(ttt_steps=2, autocast_bf16=False),
+    )
     new = torch.randn_like(rows).bfloat16()
     trainer.rows = new
     assert trainer.rows is not None and torch.equal(trainer.rows, new)
@@ -395,11 +435,18 @@ def test_step_and_chain_objectives_by_hand():
     assert accepted.item() == pytest.approx((chain0 + chain1) / 2)
     assert loss.item() == pytest.approx(((3 - chain0) + (1 - chain1)) / 2)
     w = [1.0, 0.8, 0.64]
-    per_step = [((1 - 0.5) + (1 - 0.9)) / 2, ((1 - 0.4) + (1 - 0.7)) / 2, ((1 - 0.9) + (1 - 0.6) + (1 - 0.8)) / 3]
+    per_step = [
+        ((1 - 0.5) + (1 - 0.9)) / 2,
+        ((1 - 0.4) + (1 - 0.7)) / 2,
+        ((1 - 0.9) + (1 - 0.6) + (1 - 0.8)) / 3,
+    ]
     got = losses.step_objective(alpha, mask, w)
     assert got.item() == pytest.approx(sum(a * b for a, b in zip(w, per_step, strict=True)))
     none = torch.zeros_like(mask)
-    assert losses.chain_objective(alpha, none)[0].item() == 0.0 and losses.step_objective(alpha, none, w).item() == 0.0
+    assert (
+        losses.chain_objective(alpha, none)[0].item() == 0.0
+        and losses.step_objective(alpha, none, w).item() == 0.0
+    )
 
 
 @pytest.mark.parametrize("mode", ["probabilistic", "greedy_draft", "greedy"])
@@ -430,7 +477,9 @@ def test_acceptance_head_gradients_match_finite_differences(block_bytes, mode):
     rows = torch.randn(6, 4, generator=g, dtype=torch.float64)
 
     def fn(xx, ww):
-        a, ce, _ = losses.acceptance_head(lambda h: h @ ww.t(), rows, xx, f, mode, 0.8, block_bytes=block_bytes)
+        a, ce, _ = losses.acceptance_head(
+            lambda h: h @ ww.t(), rows, xx, f, mode, 0.8, block_bytes=block_bytes
+        )
         return a, ce
 
     assert torch.autograd.gradcheck(fn, (x, w))
@@ -443,7 +492,9 @@ ACCEPT_SETTINGS = {
     "greedy_surrogate": dict(kind="greedy_surrogate", surrogate_tau=0.7),
     "greedy_surrogate_t0": dict(kind="greedy_surrogate", accept_mode="greedy"),
     "expected_length": dict(kind="expected_length"),
-    "expected_length_greedy_draft+ce": dict(kind="expected_length", accept_mode="greedy_draft", soft_ce_weight=0.5),
+    "expected_length_greedy_draft+ce": dict(
+        kind="expected_length", accept_mode="greedy_draft", soft_ce_weight=0.5
+    ),
 }
 
 
@@ -470,7 +521,9 @@ def test_blocked_acceptance_loss_equals_one_block(head, name, monkeypatch):
         monkeypatch.setattr(losses, "LOGITS_BLOCK_BYTES", logit_bytes)
         draft, embed, rows, batch = ttt_parts(head, [23, 14])
         loss, stats = settings_loss(draft, embed, rows, batch, name)
-        out.append((loss, stats, torch.autograd.grad(loss, [p for p in draft.parameters() if p.requires_grad])))
+        out.append(
+            (loss, stats, torch.autograd.grad(loss, [p for p in draft.parameters() if p.requires_grad]))
+        )
     whole = out[0]
     assert whole[0].item() > 0 and all(g.abs().sum() > 0 for g in whole[2][-1:])
     for blocked in out[1:]:
@@ -502,7 +555,9 @@ def test_tv_objective_is_one_minus_the_monitors_alpha_by_hand():
     draft, embed, rows, batch = ttt_parts("eagle3", [17, 12])
     with torch.no_grad():
         loss, stats = ttt_loss(draft, embed, rows, batch, LossSettings(ttt_steps=1, kind="tv"))
-        xs = draft.unroll_hidden(batch.aux, embed, batch.input_ids, batch.valid, batch.starts, batch.starts_valid, 1)
+        xs = draft.unroll_hidden(
+            batch.aux, embed, batch.input_ids, batch.valid, batch.starts, batch.starts_valid, 1
+        )
         alphas = []
         for b in range(batch.input_ids.shape[0]):
             n = int(batch.valid[b].sum())
@@ -524,7 +579,9 @@ def test_unscored_targets_change_nothing_and_scored_ones_do(name):
     with torch.no_grad():
         base, _ = settings_loss(draft, embed, rows, batch, name)
         nxt_scored = torch.zeros_like(batch.loss_mask)
-        nxt_scored[:, :-1] = batch.loss_mask[:, 1:] & batch.valid[:, 1:]  # position t predicts a response token
+        nxt_scored[:, :-1] = (
+            batch.loss_mask[:, 1:] & batch.valid[:, 1:]
+        )  # position t predicts a response token
         poked = batch.final.clone()
         poked[~nxt_scored] = torch.randn_like(poked[~nxt_scored]) * 5
         assert (~nxt_scored[1]).sum() > 8  # row 1's prompt and its padding
@@ -545,7 +602,9 @@ def test_ttt_acceptance_gradient_matches_finite_differences(name, monkeypatch):
     monkeypatch.setattr(losses, "LOGITS_BLOCK_BYTES", 3000)  # several blocks
     draft, embed, rows, batch = ttt_parts("eagle3", [15, 11], seed=3)
     with torch.no_grad():
-        xs = draft.unroll_hidden(batch.aux, embed, batch.input_ids, batch.valid, batch.starts, batch.starts_valid, 3)
+        xs = draft.unroll_hidden(
+            batch.aux, embed, batch.input_ids, batch.valid, batch.starts, batch.starts_valid, 3
+        )
     xs = [x.double().requires_grad_() for x in xs]
     w = draft.lm_head.weight.detach().double().requires_grad_()
     batch = dataclasses.replace(batch, final=batch.final.double())

@@ -22,8 +22,10 @@ from draft_align.train.parallel import (
 def test_ranks_setting_without_torchrun_is_refused(monkeypatch):
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(var, raising=False)
-    with pytest.raises(RankError, match="torchrun --nproc-per-node 2"), join_ranks(
-            ranks=2, device="cpu", timeout_s=30.0, config={"start_draft": "/d"}):
+    with (
+        pytest.raises(RankError, match="torchrun --nproc-per-node 2"),
+        join_ranks(ranks=2, device="cpu", timeout_s=30.0, config={"start_draft": "/d"}),
+    ):
         pass
     with join_ranks(ranks=1, device="cpu", timeout_s=30.0, config={"start_draft": "/d"}) as ranks:
         assert ranks is None
@@ -32,10 +34,16 @@ def test_ranks_setting_without_torchrun_is_refused(monkeypatch):
 def test_rank_endpoints_and_config_checks():
     from draft_align.wire import channel
 
-    assert channel.tap_endpoints("ipc:///r/tap.sock", 3) == ["ipc:///r/tap.sock", "ipc:///r/tap.1.sock",
-                                                            "ipc:///r/tap.2.sock"]
+    assert channel.tap_endpoints("ipc:///r/tap.sock", 3) == [
+        "ipc:///r/tap.sock",
+        "ipc:///r/tap.1.sock",
+        "ipc:///r/tap.2.sock",
+    ]
     assert channel.rank_endpoint("ipc:///r/tap", 2) == "ipc:///r/tap.2"
-    assert channel.tap_endpoints("tcp://127.0.0.1:5555", 2) == ["tcp://127.0.0.1:5555", "tcp://127.0.0.1:5556"]
+    assert channel.tap_endpoints("tcp://127.0.0.1:5555", 2) == [
+        "tcp://127.0.0.1:5555",
+        "tcp://127.0.0.1:5556",
+    ]
     with pytest.raises(ValueError, match="fixed tcp port"):
         channel.rank_endpoint("tcp://127.0.0.1:*", 1)
     with pytest.raises(ValueError, match="beyond 65535"):

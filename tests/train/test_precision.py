@@ -10,11 +10,14 @@ import torch
 from draft_align.train import precision
 
 
-@pytest.mark.parametrize(("flags", "native"), [
-    ("fpu sse2 avx2 fma", False),  # AVX2-only EPYC: bf16 is emulated
-    ("fpu avx2 avx512f avx512_bf16", True),
-    ("fpu avx2 amx_bf16 amx_tile", True),
-])
+@pytest.mark.parametrize(
+    ("flags", "native"),
+    [
+        ("fpu sse2 avx2 fma", False),  # AVX2-only EPYC: bf16 is emulated
+        ("fpu avx2 avx512f avx512_bf16", True),
+        ("fpu avx2 amx_bf16 amx_tile", True),
+    ],
+)
 def test_cpu_flags_decide(tmp_path: Path, flags: str, native: bool, monkeypatch):
     monkeypatch.setattr(precision.platform, "system", lambda: "Linux")
     info = tmp_path / "cpuinfo"

@@ -12,8 +12,12 @@ def tapped(t: int, version: int = 0, prompt: int = 2, step: int = 0, **kw) -> Ta
     """A t-token record whose tokens after ``prompt`` are response."""
     mask = torch.zeros(t, dtype=torch.bool)
     mask[prompt:] = True
-    rec = Record(torch.zeros(t, dtype=torch.long), mask, torch.zeros(t, AUX_W, dtype=torch.bfloat16),
-                 torch.zeros(t, H, dtype=torch.bfloat16))
+    rec = Record(
+        torch.zeros(t, dtype=torch.long),
+        mask,
+        torch.zeros(t, AUX_W, dtype=torch.bfloat16),
+        torch.zeros(t, H, dtype=torch.bfloat16),
+    )
     return TappedRecord(rec, policy_version=version, step=step, **kw)
 
 
@@ -37,9 +41,13 @@ def test_tapped_record_properties_and_validation():
         tapped(5, version=-1)
     bad = tapped(5)
     with pytest.raises(RecordError, match="aux"):
-        TappedRecord(Record(bad.record.input_ids, bad.record.loss_mask, bad.record.aux[:4], bad.record.final), 0, 0)
+        TappedRecord(
+            Record(bad.record.input_ids, bad.record.loss_mask, bad.record.aux[:4], bad.record.final), 0, 0
+        )
     with pytest.raises(RecordError, match="loss_mask"):
-        TappedRecord(Record(bad.record.input_ids, bad.record.input_ids, bad.record.aux, bad.record.final), 0, 0)
+        TappedRecord(
+            Record(bad.record.input_ids, bad.record.input_ids, bad.record.aux, bad.record.final), 0, 0
+        )
 
 
 def mask_of(t: int, response: list[int]) -> torch.Tensor:

@@ -62,7 +62,9 @@ def test_arrival_and_widths_checked():
     with pytest.raises(ReplayError, match="arrival 5"):
         buf.add(tapped(4, arrival=5))
     other = tapped(4)
-    wide = Record(other.record.input_ids, other.record.loss_mask, torch.zeros(4, AUX_W + 3), other.record.final)
+    wide = Record(
+        other.record.input_ids, other.record.loss_mask, torch.zeros(4, AUX_W + 3), other.record.final
+    )
     with pytest.raises(ReplayError, match="widths"):
         buf.add(TappedRecord(wide, 0, 0))
     assert len(buf) == 4  # the refused ones changed nothing
@@ -78,8 +80,16 @@ def test_eviction_oldest_first_and_holdout_rotation():
     assert [r.record.input_ids[0].item() for r in buf.holdout()] == [3, 4]  # arrival order
     s = buf.stats()
     want = {
-        "tokens": 30, "records": 4, "trainable_tokens": 14, "trainable_records": 2, "holdout_tokens": 16,
-        "holdout_records": 2, "evicted_records": 1, "evicted_tokens": 10, "version_min": 1, "version_max": 4,
+        "tokens": 30,
+        "records": 4,
+        "trainable_tokens": 14,
+        "trainable_records": 2,
+        "holdout_tokens": 16,
+        "holdout_records": 2,
+        "evicted_records": 1,
+        "evicted_tokens": 10,
+        "version_min": 1,
+        "version_max": 4,
         "fill": 1.0,
     }
     assert {key: s[key] for key in want} == want

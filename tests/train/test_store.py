@@ -19,7 +19,9 @@ def test_settings_key_is_stable_and_order_free():
 def test_response_cache_round_trip(tmp_path):
     cache = ResponseCache(tmp_path / "sub" / "r.jsonl")
     assert cache.load() == {}
-    cache.append([(3, torch.tensor([1, 2, 3]), torch.tensor([9, 8])), (0, torch.tensor([4]), torch.tensor([]))])
+    cache.append(
+        [(3, torch.tensor([1, 2, 3]), torch.tensor([9, 8])), (0, torch.tensor([4]), torch.tensor([]))]
+    )
     cache.append([(7, torch.tensor([5, 6]), torch.tensor([2]))])
     done = cache.load()
     assert sorted(done) == [0, 3, 7]

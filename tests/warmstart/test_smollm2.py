@@ -31,14 +31,28 @@ def test_smollm2_demo_recipe_short(tmp_path, monkeypatch):
     recipe = load_recipe(
         REPO / "recipes" / "smollm2_demo.yaml",
         [
-            f"output_dir={tmp_path / 'checkpoints'}", f"target.model={model}", f"data.source={chats}",
-            "data.max_conversations=8", "data.heldout=4", "data.gen_max_new_tokens=24", "data.gen_batch_size=8",
+            f"output_dir={tmp_path / 'checkpoints'}",
+            f"target.model={model}",
+            f"data.source={chats}",
+            "data.max_conversations=8",
+            "data.heldout=4",
+            "data.gen_max_new_tokens=24",
+            "data.gen_batch_size=8",
             "data.gen_engine=hf",  # the data the thresholds below were measured on (vLLM's: test_selfdistill_vllm)
             "draft.draft_vocab_size=2048",
-            "train.max_steps=20", "train.epochs=20", "train.ttt_steps=3", "train.batch_tokens=1024",
-            "train.time_budget_s=null", "train.checkpoint_every=10", "train.warmup_steps=2",
-            "eval.prompts=2", "eval.max_new_tokens=12", "eval.temperatures=[0.0,1.0]",
-            "eval.modes=[greedy,greedy_draft]", "logging.wandb=false", "logging.progress_bar=false",
+            "train.max_steps=20",
+            "train.epochs=20",
+            "train.ttt_steps=3",
+            "train.batch_tokens=1024",
+            "train.time_budget_s=null",
+            "train.checkpoint_every=10",
+            "train.warmup_steps=2",
+            "eval.prompts=2",
+            "eval.max_new_tokens=12",
+            "eval.temperatures=[0.0,1.0]",
+            "eval.modes=[greedy,greedy_draft]",
+            "logging.wandb=false",
+            "logging.progress_bar=false",
         ],
     )
     n_threads = torch.get_num_threads()
@@ -53,7 +67,10 @@ def test_smollm2_demo_recipe_short(tmp_path, monkeypatch):
     m = summary["metrics"]
     assert m["steps"] == 20 and m["skipped_nonfinite"] == 0
     assert m["aux_layer_ids"] == [2, 15, 27]  # the engines' default for 30 layers
-    assert [(r["verify_mode"], r["temperature"]) for r in summary["eval"]] == [("greedy", 0.0), ("greedy_draft", 1.0)]
+    assert [(r["verify_mode"], r["temperature"]) for r in summary["eval"]] == [
+        ("greedy", 0.0),
+        ("greedy_draft", 1.0),
+    ]
     for r in summary["eval"]:
         assert all(math.isfinite(x) for x in r["per_position_est"] + r["per_position_measured"])
     # the trained draft against the same draft before training, on the same held-out prompts: a draft that
@@ -62,15 +79,20 @@ def test_smollm2_demo_recipe_short(tmp_path, monkeypatch):
     prep = warmstart.prepare(recipe)
     torch.manual_seed(recipe.seed)
     untrained = warmstart.build_draft(prep.target, recipe, tuple(m["aux_layer_ids"]), prep)
-    before = {(b["verify_mode"], b["temperature"]): b for b in warmstart.evaluate_draft(recipe, prep, untrained)}
+    before = {
+        (b["verify_mode"], b["temperature"]): b for b in warmstart.evaluate_draft(recipe, prep, untrained)
+    }
     after = summary["eval"][1]
     assert (after["verify_mode"], after["temperature"]) == ("greedy_draft", 1.0)
     b = before[("greedy_draft", 1.0)]
     assert after["acceptance_length_est"] >= b["acceptance_length_est"] + 0.01, (after, b)
     assert after["acceptance_length_measured"] > b["acceptance_length_measured"], (after, b)
     assert after["per_position_est"][0] > b["per_position_est"][0]
-    losses = [json.loads(line)["loss"] for line in (recipe.run_dir / "metrics.jsonl").read_text().splitlines()
-              if '"lr"' in line]
+    losses = [
+        json.loads(line)["loss"]
+        for line in (recipe.run_dir / "metrics.jsonl").read_text().splitlines()
+        if '"lr"' in line
+    ]
     assert all(math.isfinite(x) for x in losses)
     assert len(losses) >= 2 and losses[-1] < losses[0], losses  # it learned on its own data
 

@@ -86,7 +86,9 @@ def test_training_metrics_and_summary(tiny_run):
     assert 0.0 <= m["vocab_lost_mass"] < 1.0 and 0.0 <= m["vocab_oov_argmax_rate"] <= 1.0
     ev = on_disk["eval"]
     assert [(r["verify_mode"], r["temperature"]) for r in ev] == [
-        ("greedy", 0.0), ("greedy_draft", 1.0), ("probabilistic", 1.0)
+        ("greedy", 0.0),
+        ("greedy_draft", 1.0),
+        ("probabilistic", 1.0),
     ]
     for r in ev:
         assert EVAL_KEYS <= r.keys()
@@ -153,7 +155,9 @@ def test_resume_after_a_kill_matches_an_uninterrupted_run(tiny_run, tiny_world, 
             raise Killed
         return real_step(self, batch)
 
-    overrides = tiny_world.overrides(run="killed", out=tmp_path, **{"train.checkpoint_every": 1, "eval.enabled": "false"})
+    overrides = tiny_world.overrides(
+        run="killed", out=tmp_path, **{"train.checkpoint_every": 1, "eval.enabled": "false"}
+    )
     recipe = load_recipe(None, overrides)
     monkeypatch.setattr(DraftTrainer, "train_step", dies_after_3)
     with pytest.raises(Killed):
@@ -174,7 +178,9 @@ def test_resume_after_a_kill_matches_an_uninterrupted_run(tiny_run, tiny_world, 
     assert versions(recipe.run_dir) == ["v0001"]
 
 
-def test_capture_resumed_after_a_kill_gives_the_same_vocab_and_draft(tiny_run, tiny_world, monkeypatch, tmp_path):
+def test_capture_resumed_after_a_kill_gives_the_same_vocab_and_draft(
+    tiny_run, tiny_world, monkeypatch, tmp_path
+):
     """Killed after the first of two capture shards: the rerun captures only the second, yet picks the same
     draft vocab (the predicted mass of the first shard still counts) and trains the same draft."""
     home = tmp_path / "home"
@@ -196,9 +202,16 @@ def test_capture_resumed_after_a_kill_gives_the_same_vocab_and_draft(tiny_run, t
 
     warmstart.run(recipe)
     assert sorted(p.name for p in store.iterdir()) == [
-        ".complete", "shard-00000.safetensors", "shard-00001.safetensors", "vocab_stats.safetensors"]
+        ".complete",
+        "shard-00000.safetensors",
+        "shard-00001.safetensors",
+        "vocab_stats.safetensors",
+    ]
     ref_store = tiny_world.home / "cache" / store.name  # the same settings: the same cache key
-    got, want = load_file(str(store / "vocab_stats.safetensors")), load_file(str(ref_store / "vocab_stats.safetensors"))
+    got, want = (
+        load_file(str(store / "vocab_stats.safetensors")),
+        load_file(str(ref_store / "vocab_stats.safetensors")),
+    )
     assert torch.equal(got["counts"], want["counts"]) and torch.equal(got["mass"], want["mass"])
     a, _ = load_draft(tiny_run.run_dir / "drafts" / "v0001")
     b, _ = load_draft(recipe.run_dir / "drafts" / "v0001")
@@ -208,12 +221,16 @@ def test_capture_resumed_after_a_kill_gives_the_same_vocab_and_draft(tiny_run, t
 
 
 def test_rerun_with_more_steps_continues_and_publishes_a_new_version(tiny_world, tmp_path):
-    first = load_recipe(None, tiny_world.overrides(run="grow", out=tmp_path, **{
-        "train.max_steps": 3, "eval.enabled": "false"}))
+    first = load_recipe(
+        None,
+        tiny_world.overrides(run="grow", out=tmp_path, **{"train.max_steps": 3, "eval.enabled": "false"}),
+    )
     warmstart.run(first)
     assert progress(first.run_dir)["step"] == 3
-    more = load_recipe(None, tiny_world.overrides(run="grow", out=tmp_path, **{
-        "train.max_steps": 5, "eval.enabled": "false"}))
+    more = load_recipe(
+        None,
+        tiny_world.overrides(run="grow", out=tmp_path, **{"train.max_steps": 5, "eval.enabled": "false"}),
+    )
     summary = warmstart.run(more)
     assert summary["metrics"]["steps"] == 5
     rows = step_rows(more.run_dir)
@@ -231,9 +248,19 @@ def test_rerun_with_more_steps_continues_and_publishes_a_new_version(tiny_world,
 def test_train_loss_selects_the_objective_of_the_warmstart(tiny_world, tmp_path):
     """train.loss=expected_length with a soft-CE mix: the logged loss is the chain objective plus λ·Σ_j w_j CE_j
     (K − E[accepted drafts] ≤ K; with soft CE selected instead, loss − λ·Σ_j w_j CE_j measured 8.3 > K = 3)."""
-    recipe = load_recipe(None, tiny_world.overrides(run="el", out=tmp_path, **{
-        "train.max_steps": 3, "eval.enabled": "false", "train.loss": "expected_length",
-        "train.soft_ce_weight": 0.5}))
+    recipe = load_recipe(
+        None,
+        tiny_world.overrides(
+            run="el",
+            out=tmp_path,
+            **{
+                "train.max_steps": 3,
+                "eval.enabled": "false",
+                "train.loss": "expected_length",
+                "train.soft_ce_weight": 0.5,
+            },
+        ),
+    )
     warmstart.run(recipe)
     rows = step_rows(recipe.run_dir)
     assert [r["step"] for r in rows] == [1, 2, 3] and versions(recipe.run_dir) == ["v0001"]
@@ -261,8 +288,12 @@ def test_nan_losses_fail_without_publishing(tiny_world, monkeypatch, tmp_path, m
             yield type(r)(r.input_ids, r.loss_mask, aux, r.final)
 
     monkeypatch.setattr(HiddenStore, "records", nan_records)
-    recipe = load_recipe(None, tiny_world.overrides(run="nan", out=tmp_path, **{
-        "train.max_consecutive_nonfinite": max_bad, "eval.enabled": "false"}))
+    recipe = load_recipe(
+        None,
+        tiny_world.overrides(
+            run="nan", out=tmp_path, **{"train.max_consecutive_nonfinite": max_bad, "eval.enabled": "false"}
+        ),
+    )
     with pytest.raises(warmstart.WarmstartError, match=match):
         warmstart.run(recipe)
     assert versions(recipe.run_dir) == []
@@ -303,7 +334,12 @@ def test_default_aux_layers_of_a_six_layer_target_are_rejected_early(tiny_world,
 
 
 def test_too_few_conversations(tiny_world, tmp_path):
-    recipe = load_recipe(None, tiny_world.overrides(run="few", **{
-        "data.source": str(tiny_world.write_chats(tmp_path / "few.jsonl", n=5)), "data.heldout": 8}))
+    recipe = load_recipe(
+        None,
+        tiny_world.overrides(
+            run="few",
+            **{"data.source": str(tiny_world.write_chats(tmp_path / "few.jsonl", n=5)), "data.heldout": 8},
+        ),
+    )
     with pytest.raises(warmstart.WarmstartError, match="5 conversations, need more than heldout=8"):
         warmstart.prepare(recipe)

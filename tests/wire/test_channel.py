@@ -54,8 +54,12 @@ def connect(sender: TapSender, receiver: Receiver, timeout_s: float = 5.0) -> No
         if receiver.recv(timeout_ms=100) is not None:
             while True:  # every probe sent or dropped, then drain the ones that arrived
                 st = sender.stats()
-                if st["offered"] == st["queue_depth"] + sum(v for k, v in st.items() if k == "sent" or
-                                                            k.startswith("dropped")) and not st["queue_depth"]:
+                if (
+                    st["offered"]
+                    == st["queue_depth"]
+                    + sum(v for k, v in st.items() if k == "sent" or k.startswith("dropped"))
+                    and not st["queue_depth"]
+                ):
                     break
                 time.sleep(0.005)
             while receiver.recv(timeout_ms=50) is not None:
@@ -74,8 +78,12 @@ def test_send_and_receive_every_kind(endpoint):
     with Receiver(endpoint, KEY) as rx, TapSender(endpoint, KEY) as tx:
         connect(tx, rx)
         before = tx.stats()["sent"]
-        msgs = [HeadSync.make_dummy(), TapBatch.make_dummy(seed=1), TapBatch.make_dummy(final=False, topk=0, seed=2),
-                StepReport.make_dummy(step=4)]
+        msgs = [
+            HeadSync.make_dummy(),
+            TapBatch.make_dummy(seed=1),
+            TapBatch.make_dummy(final=False, topk=0, seed=2),
+            StepReport.make_dummy(step=4),
+        ]
         assert all(tx.offer(m) for m in msgs)
         got = [rx.recv(timeout_ms=5000) for _ in msgs]
         for g, m in zip(got, msgs, strict=True):

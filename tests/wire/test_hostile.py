@@ -231,8 +231,10 @@ def test_sender_refuses_a_message_over_the_receivers_limit(tmp_path: Path, caplo
     ep = default_endpoint(tmp_path, "tap")
     big = HeadSync.make_dummy(hidden_size=512, vocab_size=1000, draft_vocab=256)  # ~262 KB of rows
     limit = 64 * 1024
-    with Receiver(ep, KEY, max_bytes=limit) as rx, TapSender(ep, KEY, max_message_bytes=limit,
-                                                             send_timeout_s=2.0) as tx:
+    with (
+        Receiver(ep, KEY, max_bytes=limit) as rx,
+        TapSender(ep, KEY, max_message_bytes=limit, send_timeout_s=2.0) as tx,
+    ):
         tx.offer(big)
         tx.offer(StepReport.make_dummy(step=1))
         got = rx.recv(timeout_ms=5000)

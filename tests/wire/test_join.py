@@ -61,8 +61,18 @@ def test_make_dummy_and_frames_roundtrip():
 def test_tap_batch_encoding_is_unchanged_by_the_new_kind():
     header = json.loads(encode(batch(), None)[0])
     assert header["kind"] == "TapBatch" and header["version"] == 2
-    assert list(header["fields"]) == ["run_id", "policy_version", "source_rank", "batch_id", "step",
-                                      "aux_layer_ids", "hidden_size", "vocab_size", "final_norm", "temperature"]
+    assert list(header["fields"]) == [
+        "run_id",
+        "policy_version",
+        "source_rank",
+        "batch_id",
+        "step",
+        "aux_layer_ids",
+        "hidden_size",
+        "vocab_size",
+        "final_norm",
+        "temperature",
+    ]
 
 
 @pytest.mark.parametrize(
@@ -184,8 +194,9 @@ def test_inconsistent_sequences_and_duplicates():
 def test_final_hidden_from_two_stages_is_rejected():
     b = batch()
     last = TapPart.split(b, [(1, 2), (3,)])[1]
-    first = dataclasses.replace(TapPart.split(b, [(1, 2), (3,)])[0], final_hidden=b.final_hidden,
-                                final_norm="post")
+    first = dataclasses.replace(
+        TapPart.split(b, [(1, 2), (3,)])[0], final_hidden=b.final_hidden, final_norm="post"
+    )
     j = StageJoiner()
     j.add(first)
     with pytest.raises(JoinError) as e:
@@ -252,13 +263,27 @@ def test_sidecar_trains_only_joined_batches(tiny_run, tiny_env, tmp_path):
     try:
         h, aux = sc.hidden, sc.aux_ids
         g = torch.Generator().manual_seed(0)
-        seq = {"input_ids": torch.tensor([5, 6, 7, 8, 9]), "loss_mask": torch.tensor([False, False, True, True, True]),
-               "aux_hidden": torch.randn(5, len(aux) * h, generator=g), "final_hidden": torch.randn(5, h, generator=g)}
+        seq = {
+            "input_ids": torch.tensor([5, 6, 7, 8, 9]),
+            "loss_mask": torch.tensor([False, False, True, True, True]),
+            "aux_hidden": torch.randn(5, len(aux) * h, generator=g),
+            "final_hidden": torch.randn(5, h, generator=g),
+        }
 
         def whole(batch_id: int) -> TapBatch:
-            return pack_sequences([seq, seq], run_id=recipe.run, policy_version=0, source_rank=0,
-                                  batch_id=batch_id, step=0, aux_layer_ids=aux, hidden_size=h, vocab_size=sc.vocab,
-                                  final_norm="post", temperature=1.0)
+            return pack_sequences(
+                [seq, seq],
+                run_id=recipe.run,
+                policy_version=0,
+                source_rank=0,
+                batch_id=batch_id,
+                step=0,
+                aux_layer_ids=aux,
+                hidden_size=h,
+                vocab_size=sc.vocab,
+                final_norm="post",
+                temperature=1.0,
+            )
 
         split = [aux[:1], aux[1:]]
 
@@ -276,8 +301,14 @@ def test_sidecar_trains_only_joined_batches(tiny_run, tiny_env, tmp_path):
         q0, q1 = TapPart.split(whole(1), split)
         raw.send_multipart(encode(q0, key, sender="t", seq=3))  # its other stage never comes
         assert drain_until(lambda: sc.ingest.joiner.pending == 1)
-        raw.send_multipart(encode(StepReport(run_id=recipe.run, step=0, policy_version=0, metrics={"final": 1.0}),
-                                  key, sender="t", seq=9))
+        raw.send_multipart(
+            encode(
+                StepReport(run_id=recipe.run, step=0, policy_version=0, metrics={"final": 1.0}),
+                key,
+                sender="t",
+                seq=9,
+            )
+        )
         assert drain_until(lambda: sc.state.done)
         raw.send_multipart(encode(q1, key, sender="t", seq=10))
         assert drain_until(lambda: sc.rejected["join_after_end"] == 1)

@@ -36,7 +36,9 @@ def tensor_entry(name: str, t: torch.Tensor) -> tuple[dict, bytes]:
         data = (np.asarray(t.float().numpy(), "<f4").view("<u4") >> 16).astype("<u2").tobytes()
         return {"name": name, "dtype": "bfloat16", "shape": list(t.shape)}, data
     dname = str(t.dtype).removeprefix("torch.")
-    return {"name": name, "dtype": dname, "shape": list(t.shape)}, np.asarray(t.numpy(), NP_DTYPES[dname]).tobytes()
+    return {"name": name, "dtype": dname, "shape": list(t.shape)}, np.asarray(
+        t.numpy(), NP_DTYPES[dname]
+    ).tobytes()
 
 
 def raw_frames(header: dict, tensors: list[tuple[dict, bytes]], key: bytes | None) -> list[bytes]:
@@ -52,8 +54,14 @@ def parts(msg) -> tuple[dict, list[tuple[dict, bytes]]]:
         v = getattr(msg, fd.name)
         if not isinstance(v, torch.Tensor) and v is not None or fd.name == "final_norm":
             f[fd.name] = list(v) if isinstance(v, tuple) else v
-    header = {"schema": "draft_align.wire", "version": 2, "kind": type(msg).__name__, "sender": "", "seq": 0,
-              "fields": f}
+    header = {
+        "schema": "draft_align.wire",
+        "version": 2,
+        "kind": type(msg).__name__,
+        "sender": "",
+        "seq": 0,
+        "fields": f,
+    }
     return header, [tensor_entry(n, t) for n, t in msg.tensors().items()]
 
 
@@ -113,8 +121,17 @@ def test_tap_batch_frames_hold_the_values():
     frames = encode(b, None)
     header = json.loads(frames[0])
     names = [e["name"] for e in header["tensors"]]
-    assert names == ["cu_seqlens", "input_ids", "loss_mask", "aux_hidden", "final_hidden", "next_logprob",
-                     "logit_lse", "topk_ids", "topk_logprobs"]
+    assert names == [
+        "cu_seqlens",
+        "input_ids",
+        "loss_mask",
+        "aux_hidden",
+        "final_hidden",
+        "next_logprob",
+        "logit_lse",
+        "topk_ids",
+        "topk_logprobs",
+    ]
     assert np.frombuffer(frames[1], "<i8").tolist() == b.cu_seqlens.tolist()
     assert np.frombuffer(frames[2], "<i8").tolist() == b.input_ids.tolist()
     assert np.frombuffer(frames[3], "u1").tolist() == b.loss_mask.int().tolist()
@@ -127,8 +144,14 @@ def test_tap_batch_frames_hold_the_values():
 @pytest.mark.parametrize("key", [None, KEY])
 @pytest.mark.parametrize(
     "kw",
-    [{}, {"final": False}, {"logprobs": False}, {"topk": 0}, {"final": False, "logprobs": False, "topk": 0},
-     {"topk": 5, "num_sequences": 1, "min_len": 2, "max_len": 2}],
+    [
+        {},
+        {"final": False},
+        {"logprobs": False},
+        {"topk": 0},
+        {"final": False, "logprobs": False, "topk": 0},
+        {"topk": 5, "num_sequences": 1, "min_len": 2, "max_len": 2},
+    ],
 )
 def test_tap_batch_round_trip(kw, key):
     b = TapBatch.make_dummy(**kw, seed=3)
@@ -175,34 +198,74 @@ def test_sequence_views():
     cu = b.cu_seqlens.tolist()
     assert b.num_sequences == 4 and b.num_tokens == cu[-1]
     s = b.sequence(2)
-    assert set(s) == {"input_ids", "loss_mask", "aux_hidden", "final_hidden", "next_logprob", "logit_lse",
-                      "topk_ids", "topk_logprobs"}
-    assert torch.equal(s["input_ids"], b.input_ids[cu[2]:cu[3]])
+    assert set(s) == {
+        "input_ids",
+        "loss_mask",
+        "aux_hidden",
+        "final_hidden",
+        "next_logprob",
+        "logit_lse",
+        "topk_ids",
+        "topk_logprobs",
+    }
+    assert torch.equal(s["input_ids"], b.input_ids[cu[2] : cu[3]])
     assert s["aux_hidden"].data_ptr() == b.aux_hidden[cu[2]].data_ptr()  # a view, not a copy
-    assert torch.equal(b.sequence(-1)["input_ids"], b.input_ids[cu[3]:])
+    assert torch.equal(b.sequence(-1)["input_ids"], b.input_ids[cu[3] :])
     with pytest.raises(IndexError):
         b.sequence(4)
     assert set(TapBatch.make_dummy(final=False, logprobs=False, topk=0).sequence(0)) == {
-        "input_ids", "loss_mask", "aux_hidden"}
+        "input_ids",
+        "loss_mask",
+        "aux_hidden",
+    }
 
 
 def test_pack_sequences_casts_and_concatenates():
     seqs = [
-        {"input_ids": torch.tensor([1, 2, 3], dtype=torch.int32), "loss_mask": torch.tensor([0, 1, 1]),
-         "aux_hidden": torch.full((3, 4), 0.5), "next_logprob": torch.tensor([-1.0, -2.0, 0.0], dtype=torch.float64)},
-        {"input_ids": torch.tensor([4, 5]), "loss_mask": torch.tensor([False, True]),
-         "aux_hidden": torch.full((2, 4), 2.0), "next_logprob": torch.tensor([-0.5, 0.0])},
+        {
+            "input_ids": torch.tensor([1, 2, 3], dtype=torch.int32),
+            "loss_mask": torch.tensor([0, 1, 1]),
+            "aux_hidden": torch.full((3, 4), 0.5),
+            "next_logprob": torch.tensor([-1.0, -2.0, 0.0], dtype=torch.float64),
+        },
+        {
+            "input_ids": torch.tensor([4, 5]),
+            "loss_mask": torch.tensor([False, True]),
+            "aux_hidden": torch.full((2, 4), 2.0),
+            "next_logprob": torch.tensor([-0.5, 0.0]),
+        },
     ]
-    b = pack_sequences(seqs, run_id="r", policy_version=1, source_rank=0, batch_id=7, step=2, aux_layer_ids=[1, 2],
-                       hidden_size=2, vocab_size=6, final_norm=None, temperature=0.7)
+    b = pack_sequences(
+        seqs,
+        run_id="r",
+        policy_version=1,
+        source_rank=0,
+        batch_id=7,
+        step=2,
+        aux_layer_ids=[1, 2],
+        hidden_size=2,
+        vocab_size=6,
+        final_norm=None,
+        temperature=0.7,
+    )
     assert b.cu_seqlens.tolist() == [0, 3, 5] and b.input_ids.tolist() == [1, 2, 3, 4, 5]
     assert b.input_ids.dtype == torch.int64 and b.aux_hidden.dtype == torch.bfloat16
     assert b.loss_mask.tolist() == [False, True, True, False, True]
     assert b.next_logprob.tolist() == [-1.0, -2.0, 0.0, -0.5, 0.0] and b.next_logprob.dtype == torch.float32
     assert b.aux_layer_ids == (1, 2) and b.final_hidden is None
     assert torch.equal(b.sequence(1)["aux_hidden"], torch.full((2, 4), 2.0, dtype=torch.bfloat16))
-    kw = dict(run_id="r", policy_version=1, source_rank=0, batch_id=7, step=2, aux_layer_ids=[1, 2], hidden_size=2,
-              vocab_size=6, final_norm=None, temperature=0.7)
+    kw = dict(
+        run_id="r",
+        policy_version=1,
+        source_rank=0,
+        batch_id=7,
+        step=2,
+        aux_layer_ids=[1, 2],
+        hidden_size=2,
+        vocab_size=6,
+        final_norm=None,
+        temperature=0.7,
+    )
     with pytest.raises(ValueError, match="at least one"):
         pack_sequences([], **kw)
     with pytest.raises(ValueError, match="has tensors"):
@@ -317,7 +380,10 @@ def test_tensor_list_rejections():
     assert reason(rebuild(B, add=[bogus])) == "fields"  # 10 tensors: as many as a TapBatch with stats_from
     full = TapBatch.make_dummy(stats_from=True)  # all 10 TapBatch tensors
     assert reason(rebuild(full, add=[bogus])) == "frames"  # more frames than any kind has (MAX_FRAMES)
-    assert reason(rebuild(B, add=[tensor_entry("logit_lse", B.logit_lse)], drop={"topk_ids", "topk_logprobs"})) == "fields"  # dup
+    assert (
+        reason(rebuild(B, add=[tensor_entry("logit_lse", B.logit_lse)], drop={"topk_ids", "topk_logprobs"}))
+        == "fields"
+    )  # dup
     assert reason(rebuild(B, drop={"topk_logprobs"})) == "fields"  # topk pair
     assert reason(rebuild(HeadSync.make_dummy(), add=[tensor_entry("extra", torch.zeros(1))])) == "fields"
     assert reason(rebuild(StepReport.make_dummy(), add=[tensor_entry("x", torch.zeros(1))])) == "fields"
@@ -468,9 +534,17 @@ def test_size_rejections():
     with pytest.raises(WireError) as ei:
         encode(big, None)
     assert ei.value.reason == "size"
-    h = json.dumps({"schema": "draft_align.wire", "version": 2, "kind": "StepReport", "sender": "", "seq": 0,
-                    "tensors": [],
-                    "fields": {"run_id": "r" * 70_000, "step": 0, "policy_version": 0, "metrics": {}}})
+    h = json.dumps(
+        {
+            "schema": "draft_align.wire",
+            "version": 2,
+            "kind": "StepReport",
+            "sender": "",
+            "seq": 0,
+            "tensors": [],
+            "fields": {"run_id": "r" * 70_000, "step": 0, "policy_version": 0, "metrics": {}},
+        }
+    )
     assert reason([h.encode(), b""]) == "size"
 
 
@@ -570,7 +644,11 @@ def test_fuzz_garbage_frames_only_raise_wire_error(frames, key):
 
 
 JSON = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False) | st.text(max_size=8),
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=False)
+    | st.text(max_size=8),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
     max_leaves=12,
 )
@@ -579,16 +657,45 @@ JSON = st.recursive(
 @FUZZ
 @given(
     st.sampled_from(["TapBatch", "HeadSync", "DraftPublished", "StepReport"]),
-    st.dictionaries(st.sampled_from(["run_id", "step", "policy_version", "metrics", "draft_version", "path",
-                                     "sha256", "hidden_size", "x"]), JSON, max_size=6),
-    st.lists(st.fixed_dictionaries({"name": st.sampled_from(["input_ids", "rows", "cu_seqlens", "z"]),
-                                    "dtype": st.sampled_from(["int64", "bfloat16", "bool", "f"]),
-                                    "shape": st.lists(st.integers(-1, 3), max_size=3)}), max_size=3),
+    st.dictionaries(
+        st.sampled_from(
+            [
+                "run_id",
+                "step",
+                "policy_version",
+                "metrics",
+                "draft_version",
+                "path",
+                "sha256",
+                "hidden_size",
+                "x",
+            ]
+        ),
+        JSON,
+        max_size=6,
+    ),
+    st.lists(
+        st.fixed_dictionaries(
+            {
+                "name": st.sampled_from(["input_ids", "rows", "cu_seqlens", "z"]),
+                "dtype": st.sampled_from(["int64", "bfloat16", "bool", "f"]),
+                "shape": st.lists(st.integers(-1, 3), max_size=3),
+            }
+        ),
+        max_size=3,
+    ),
     st.lists(st.binary(max_size=24), max_size=3),
 )
 def test_fuzz_structured_headers(kind, fields, tensors, blobs):
-    header = {"schema": "draft_align.wire", "version": 2, "kind": kind, "sender": "", "seq": 0, "fields": fields,
-              "tensors": tensors}
+    header = {
+        "schema": "draft_align.wire",
+        "version": 2,
+        "kind": kind,
+        "sender": "",
+        "seq": 0,
+        "fields": fields,
+        "tensors": tensors,
+    }
     frames = [json.dumps(header).encode(), *blobs, b""]
     try:
         msg = decode(frames, None)
@@ -632,22 +739,36 @@ def test_drop_nonfinite_none_and_all():
 HUGE = 10**400  # 401 digits: float() of it raises OverflowError
 
 
-@pytest.mark.parametrize("msg, fields", [
-    (StepReport.make_dummy(), {"metrics": {"reward": HUGE}}),
-    (TapBatch.make_dummy(), {"temperature": HUGE}),
-    (HeadSync.make_dummy(), {"norm_eps": HUGE}),
-])
+@pytest.mark.parametrize(
+    "msg, fields",
+    [
+        (StepReport.make_dummy(), {"metrics": {"reward": HUGE}}),
+        (TapBatch.make_dummy(), {"temperature": HUGE}),
+        (HeadSync.make_dummy(), {"norm_eps": HUGE}),
+    ],
+)
 def test_a_401_digit_float_field_is_a_fields_rejection(msg, fields):
     assert reason(rebuild(msg, fields=fields)) == "fields"
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.sampled_from(["metrics", "temperature", "norm_eps"]),
-       st.one_of(st.integers(min_value=-(10**1000), max_value=10**1000), st.floats(), st.text(max_size=5),
-                 st.booleans(), st.none(), st.lists(st.integers(), max_size=2)))
+@given(
+    st.sampled_from(["metrics", "temperature", "norm_eps"]),
+    st.one_of(
+        st.integers(min_value=-(10**1000), max_value=10**1000),
+        st.floats(),
+        st.text(max_size=5),
+        st.booleans(),
+        st.none(),
+        st.lists(st.integers(), max_size=2),
+    ),
+)
 def test_any_number_in_a_float_field_decodes_or_is_a_wire_error(name, value):
-    msg = {"metrics": StepReport.make_dummy(), "temperature": TapBatch.make_dummy(),
-           "norm_eps": HeadSync.make_dummy()}[name]
+    msg = {
+        "metrics": StepReport.make_dummy(),
+        "temperature": TapBatch.make_dummy(),
+        "norm_eps": HeadSync.make_dummy(),
+    }[name]
     fields = {"metrics": {"m": value}} if name == "metrics" else {name: value}
     try:
         frames = rebuild(msg, fields=fields)
@@ -699,8 +820,14 @@ def test_stats_from_may_reach_the_first_response_token_or_the_end_of_a_promptles
         a = int(b.cu_seqlens[i])
         for x in (lse, nxt, k_ids, k_lp):
             x[a : a + f] = 0
-    at_first = dataclasses.replace(b, stats_from=torch.tensor(firsts, dtype=torch.int32), logit_lse=lse,
-                                   next_logprob=nxt, topk_ids=k_ids, topk_logprobs=k_lp)
+    at_first = dataclasses.replace(
+        b,
+        stats_from=torch.tensor(firsts, dtype=torch.int32),
+        logit_lse=lse,
+        next_logprob=nxt,
+        topk_ids=k_ids,
+        topk_logprobs=k_lp,
+    )
     assert_same(decode(encode(at_first, None), None), at_first)
     # a sequence without a response token: its statistics may be absent altogether (stats_from = its length)
     n0 = int(b.cu_seqlens[1])
@@ -709,8 +836,15 @@ def test_stats_from_may_reach_the_first_response_token_or_the_end_of_a_promptles
     for x in (lse, nxt, k_ids, k_lp):
         x[:n0] = 0
     sf = torch.tensor([n0, *firsts[1:]], dtype=torch.int32)
-    none = dataclasses.replace(at_first, loss_mask=mask, stats_from=sf, logit_lse=lse, next_logprob=nxt,
-                               topk_ids=k_ids, topk_logprobs=k_lp)
+    none = dataclasses.replace(
+        at_first,
+        loss_mask=mask,
+        stats_from=sf,
+        logit_lse=lse,
+        next_logprob=nxt,
+        topk_ids=k_ids,
+        topk_logprobs=k_lp,
+    )
     assert_same(decode(encode(none, None), None), none)
 
 
@@ -730,11 +864,15 @@ def test_stats_from_rejections():
         return ei.value
 
     e = rejected(_bad_stats_from(b, [lengths[0] + 1, *good[1:]]))  # beyond the sequence
-    assert e.reason == "range" and f"stats_from[0]={lengths[0] + 1} outside [0, length {lengths[0]}]" in str(e)
+    assert e.reason == "range" and f"stats_from[0]={lengths[0] + 1} outside [0, length {lengths[0]}]" in str(
+        e
+    )
     e = rejected(_bad_stats_from(b, [*good[:2], -1, good[3]]))  # negative
     assert e.reason == "range" and "stats_from[2]=-1 outside" in str(e)
     e = rejected(_bad_stats_from(b, [good[0], firsts[1] + 1, *good[2:]]))  # after the first response token
-    assert e.reason == "range" and f"after the sequence's first response token (position {firsts[1]})" in str(e)
+    assert e.reason == "range" and f"after the sequence's first response token (position {firsts[1]})" in str(
+        e
+    )
     e = rejected(_bad_stats_from(b, good[:3]))  # not one per sequence
     assert e.reason == "shape" and "stats_from" in str(e)
     e = rejected(rebuild(b, tensors={"stats_from": b.stats_from.long()}))
@@ -759,8 +897,18 @@ def test_stats_from_rejections():
 def test_pack_sequences_and_drop_nonfinite_keep_stats_from():
     b = _stats_batch()
     seqs = [b.sequence(i) for i in range(4)]
-    kw = dict(run_id="dummy", policy_version=0, source_rank=0, batch_id=0, step=0, aux_layer_ids=b.aux_layer_ids,
-              hidden_size=b.hidden_size, vocab_size=b.vocab_size, final_norm="post", temperature=1.0)
+    kw = dict(
+        run_id="dummy",
+        policy_version=0,
+        source_rank=0,
+        batch_id=0,
+        step=0,
+        aux_layer_ids=b.aux_layer_ids,
+        hidden_size=b.hidden_size,
+        vocab_size=b.vocab_size,
+        final_norm="post",
+        temperature=1.0,
+    )
     packed = pack_sequences(seqs, stats_from=b.stats_from.tolist(), **kw)
     assert_same(packed, b)
     with pytest.raises(ValueError, match="3 entries for 4 sequences"):

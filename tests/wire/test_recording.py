@@ -20,8 +20,9 @@ def _same(a, b) -> None:
     assert type(a) is type(b)
     for name, t in a.tensors().items():
         assert torch.equal(t, b.tensors()[name]), name
-    assert {k: v for k, v in vars(a).items() if not isinstance(v, torch.Tensor)} == \
-        {k: v for k, v in vars(b).items() if not isinstance(v, torch.Tensor)}
+    assert {k: v for k, v in vars(a).items() if not isinstance(v, torch.Tensor)} == {
+        k: v for k, v in vars(b).items() if not isinstance(v, torch.Tensor)
+    }
 
 
 def _write(path, msgs) -> WireRecorder:

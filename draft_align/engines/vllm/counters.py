@@ -126,7 +126,12 @@ class SpecCounters:
 
 
 def measured_generate(
-    llm: Any, prompts: Sequence[Sequence[int]], *, temperature: float, max_tokens: int, seed: int = 0,
+    llm: Any,
+    prompts: Sequence[Sequence[int]],
+    *,
+    temperature: float,
+    max_tokens: int,
+    seed: int = 0,
     stop_token_ids: Sequence[int] = (),
 ) -> tuple[list[list[int]], SpecCounters, float]:
     """Decode token-id ``prompts`` (request i seeded ``seed + i``; it also stops at ``stop_token_ids``, which
@@ -134,8 +139,12 @@ def measured_generate(
     vllm = import_vllm()
     stops = [int(t) for t in stop_token_ids]
     params = [
-        vllm.SamplingParams(temperature=float(temperature), max_tokens=int(max_tokens), seed=int(seed) + i,
-                            stop_token_ids=stops)  # fmt: skip
+        vllm.SamplingParams(
+            temperature=float(temperature),
+            max_tokens=int(max_tokens),
+            seed=int(seed) + i,
+            stop_token_ids=stops,
+        )
         for i in range(len(prompts))
     ]
     requests = [{"prompt_token_ids": [int(t) for t in p]} for p in prompts]

@@ -66,25 +66,45 @@ def evaluate_vllm(
     method = draft_sample_method(mode, temperature)
     started = time.perf_counter()
     llm = start_engine(
-        target_name, draft_dir, k=k, draft_sample_method=method,  # type: ignore[arg-type]
-        max_model_len=model_len(prompts, max_new_tokens, k), seed=seed, dtype=dtype, enforce_eager=True,
+        target_name,
+        draft_dir,
+        k=k,
+        draft_sample_method=method,  # type: ignore[arg-type]
+        max_model_len=model_len(prompts, max_new_tokens, k),
+        seed=seed,
+        dtype=dtype,
+        enforce_eager=True,
         **llm_kwargs,
-    )  # fmt: skip
+    )
     start_s = time.perf_counter() - started
     try:
         outs, counters, seconds = measured_generate(
-            llm, [p.tolist() for p in prompts], temperature=temperature, max_tokens=max_new_tokens, seed=seed,
+            llm,
+            [p.tolist() for p in prompts],
+            temperature=temperature,
+            max_tokens=max_new_tokens,
+            seed=seed,
             stop_token_ids=sorted(eos),
-        )  # fmt: skip
+        )
     finally:
         core = getattr(llm.llm_engine, "engine_core", None)
         if core is not None:
             core.shutdown()
     dev = next(target.parameters()).device
     sequences = [
-        (p.flatten().to(dev), torch.tensor(o, dtype=torch.long, device=dev)) for p, o in zip(prompts, outs, strict=True)
+        (p.flatten().to(dev), torch.tensor(o, dtype=torch.long, device=dev))
+        for p, o in zip(prompts, outs, strict=True)
     ]
-    res = scored(target, draft, sequences, counters.as_tally(k), mode=mode, temperature=temperature,
-                 engine="vllm", seconds_decode=seconds, started=started)  # fmt: skip
+    res = scored(
+        target,
+        draft,
+        sequences,
+        counters.as_tally(k),
+        mode=mode,
+        temperature=temperature,
+        engine="vllm",
+        seconds_decode=seconds,
+        started=started,
+    )
     res["seconds_engine_start"] = start_s
     return res

@@ -75,7 +75,9 @@ def self_distill_env(kv_gb: float | None = None) -> Iterator[dict[str, str]]:
             numpy.random.set_state(np_state)  # type: ignore[union-attr]
         for name in done:
             os.environ.pop(name, None)
-        drop_cache = getattr(sys.modules.get("vllm.envs"), "disable_envs_cache", None)  # cached once an engine started
+        drop_cache = getattr(
+            sys.modules.get("vllm.envs"), "disable_envs_cache", None
+        )  # cached once an engine started
         if drop_cache is not None:
             drop_cache()
 
@@ -130,11 +132,15 @@ def generate_responses_vllm(
                 break
             i = order[started]
             params = vllm.SamplingParams(
-                temperature=float(temperature), max_tokens=int(max_new_tokens), seed=int(seeds[i]),
-                stop_token_ids=stops, detokenize=False,
-            )  # fmt: skip
-            (rid,) = llm.enqueue([{"prompt_token_ids": [int(t) for t in prompts[i].tolist()]}], params,
-                                 use_tqdm=False)  # fmt: skip
+                temperature=float(temperature),
+                max_tokens=int(max_new_tokens),
+                seed=int(seeds[i]),
+                stop_token_ids=stops,
+                detokenize=False,
+            )
+            (rid,) = llm.enqueue(
+                [{"prompt_token_ids": [int(t) for t in prompts[i].tolist()]}], params, use_tqdm=False
+            )
             in_flight[external_id(str(rid))] = i
             started += 1
         if not in_flight:

@@ -29,7 +29,11 @@ from draft_align.publish.folder import CONFIG_FILE, MANIFEST_FILE, WEIGHTS_FILE
 # llama_eagle3.py load_weights: `if "t2d" in name: continue` (vLLM maps with d2t only)
 _SKIPPED_BY_DESIGN = {"eagle3": ("t2d",)}
 _SENTINEL = 7.75  # exactly representable; no random weight equals it
-VLLM_CLASSES = {"eagle3": "Eagle3LlamaForCausalLM", "deepseek_v3": "DeepSeekMTP", "qwen3_next": "Qwen3NextMTP"}
+VLLM_CLASSES = {
+    "eagle3": "Eagle3LlamaForCausalLM",
+    "deepseek_v3": "DeepSeekMTP",
+    "qwen3_next": "Qwen3NextMTP",
+}
 
 
 @dataclass
@@ -43,7 +47,9 @@ class LoadReport:
     dropped: list[str] = field(default_factory=list)  # accepted without error, wrote nothing
     skipped: list[str] = field(default_factory=list)  # dropped on purpose by the loader (EAGLE-3: t2d)
     refused: dict[str, str] = field(default_factory=dict)  # our tensor → the loader's error
-    unloaded: list[str] = field(default_factory=list)  # vLLM parameters no tensor wrote (embed_tokens excluded)
+    unloaded: list[str] = field(
+        default_factory=list
+    )  # vLLM parameters no tensor wrote (embed_tokens excluded)
 
     @property
     def ok(self) -> bool:
@@ -60,22 +66,37 @@ def _target_config(layout: str, cfg: Mapping[str, Any]) -> Any:
     """A tiny HF config of the real architecture with our head's shapes (dense MLP, no experts)."""
     n, depth = int(cfg["num_hidden_layers"]), int(cfg.get("num_nextn_predict_layers", 1))
     common = dict(
-        vocab_size=int(cfg["vocab_size"]), hidden_size=int(cfg["hidden_size"]),
-        intermediate_size=int(cfg["intermediate_size"]), num_hidden_layers=n,
-        num_attention_heads=int(cfg["num_attention_heads"]), num_key_value_heads=int(cfg["num_key_value_heads"]),
-        max_position_embeddings=int(cfg["max_position_embeddings"]), rms_norm_eps=float(cfg["rms_norm_eps"]),
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=int(cfg["hidden_size"]),
+        intermediate_size=int(cfg["intermediate_size"]),
+        num_hidden_layers=n,
+        num_attention_heads=int(cfg["num_attention_heads"]),
+        num_key_value_heads=int(cfg["num_key_value_heads"]),
+        max_position_embeddings=int(cfg["max_position_embeddings"]),
+        rms_norm_eps=float(cfg["rms_norm_eps"]),
         tie_word_embeddings=False,
-    )  # fmt: skip
+    )
     if layout == "deepseek_v3":
         from transformers import DeepseekV3Config
 
         # qk_nope/qk_rope 0 → vLLM's plain multi-head DeepseekAttention (the closest to our Llama block);
         # first_k_dense_replace past every MTP layer → a dense MLP there.
         c = DeepseekV3Config(
-            **common, num_nextn_predict_layers=depth, first_k_dense_replace=n + depth, n_routed_experts=1, n_shared_experts=0, num_experts_per_tok=1,
-            q_lora_rank=None, kv_lora_rank=0, qk_nope_head_dim=0, qk_rope_head_dim=0, v_head_dim=0,
-            head_dim=int(cfg["head_dim"]), n_group=1, topk_group=1,
-        )  # fmt: skip
+            **common,
+            num_nextn_predict_layers=depth,
+            first_k_dense_replace=n + depth,
+            n_routed_experts=1,
+            n_shared_experts=0,
+            num_experts_per_tok=1,
+            q_lora_rank=None,
+            kv_lora_rank=0,
+            qk_nope_head_dim=0,
+            qk_rope_head_dim=0,
+            v_head_dim=0,
+            head_dim=int(cfg["head_dim"]),
+            n_group=1,
+            topk_group=1,
+        )
         c.architectures = ["DeepseekV3ForCausalLM"]
         return c
     from transformers import Qwen3NextConfig
@@ -84,10 +105,17 @@ def _target_config(layout: str, cfg: Mapping[str, Any]) -> Any:
     # (set_moe_parameters): the smallest such block, two experts, one shared expert.
     inter = int(cfg["intermediate_size"])
     c = Qwen3NextConfig(
-        **common, num_experts=2, num_experts_per_tok=1, moe_intermediate_size=inter,
-        shared_expert_intermediate_size=inter, decoder_sparse_step=1, mlp_only_layers=[],
-        head_dim=int(cfg["head_dim"]), num_nextn_predict_layers=depth, mtp_num_hidden_layers=depth,
-    )  # fmt: skip
+        **common,
+        num_experts=2,
+        num_experts_per_tok=1,
+        moe_intermediate_size=inter,
+        shared_expert_intermediate_size=inter,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        head_dim=int(cfg["head_dim"]),
+        num_nextn_predict_layers=depth,
+        mtp_num_hidden_layers=depth,
+    )
     c.architectures = ["Qwen3NextForCausalLM"]
     return c
 
@@ -104,17 +132,28 @@ def _build(layout: str, hf_config: Any, workdir: Path, draft_dir: Path | None = 
     with set_current_vllm_config(VllmConfig()):
         if not ps.model_parallel_is_initialized():
             ps.init_distributed_environment(
-                world_size=1, rank=0, local_rank=0, backend="gloo",
+                world_size=1,
+                rank=0,
+                local_rank=0,
+                backend="gloo",
                 distributed_init_method=f"file://{workdir / 'dist-init'}",
-            )  # fmt: skip
+            )
             ps.initialize_model_parallel(1, 1)
     mc = ModelConfig(model=str(workdir), skip_tokenizer_init=True, dtype="float32")
     vc = VllmConfig(model_config=mc)
-    dm = mc if draft_dir is None else ModelConfig(model=str(draft_dir), skip_tokenizer_init=True, dtype="float32")
+    dm = (
+        mc
+        if draft_dir is None
+        else ModelConfig(model=str(draft_dir), skip_tokenizer_init=True, dtype="float32")
+    )
     # the draft classes read the draft's config from the speculative config (MTP: the target's folder)
     vc.speculative_config = types.SimpleNamespace(
-        draft_model_config=dm, enable_adaptive_verification=False, method="eagle3" if draft_dir else "mtp",
-        num_speculative_tokens=1, draft_parallel_config=vc.parallel_config, parallel_drafting=False,
+        draft_model_config=dm,
+        enable_adaptive_verification=False,
+        method="eagle3" if draft_dir else "mtp",
+        num_speculative_tokens=1,
+        draft_parallel_config=vc.parallel_config,
+        parallel_drafting=False,
     )
     with set_current_vllm_config(vc), torch.device("cpu"):
         if layout == "eagle3":
@@ -138,10 +177,15 @@ def _eagle3_target_config(folder: Path) -> Any:
     heads = int(e3["num_attention_heads"])
     h = int(e3["target_hidden_size"])
     c = LlamaConfig(
-        vocab_size=int(e3["vocab_size"]), hidden_size=h, intermediate_size=2 * h, num_hidden_layers=int(e3["target_num_layers"]),
-        num_attention_heads=heads, num_key_value_heads=heads, head_dim=h // heads,
+        vocab_size=int(e3["vocab_size"]),
+        hidden_size=h,
+        intermediate_size=2 * h,
+        num_hidden_layers=int(e3["target_num_layers"]),
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        head_dim=h // heads,
         max_position_embeddings=int(e3["max_position_embeddings"]),
-    )  # fmt: skip
+    )
     c.architectures = ["LlamaForCausalLM"]
     return c
 
@@ -191,7 +235,11 @@ def vllm_load(folder: Path) -> LoadReport:
         # a parameter with any element still at the sentinel was (partly) never written, e.g. the k/v
         # rows of a fused qkv_proj when only q_proj landed
         rep.unloaded = sorted(
-            k for k, v in params.items() if "embed_tokens" not in k and "draft_id_to_target_id" != k and bool((v.detach() == _SENTINEL).any())
+            k
+            for k, v in params.items()
+            if "embed_tokens" not in k
+            and "draft_id_to_target_id" != k
+            and bool((v.detach() == _SENTINEL).any())
         )
     return rep
 
@@ -208,8 +256,14 @@ def vllm_load_isolated(folder: Path, timeout_s: float = 600.0) -> LoadReport:
         "print('REPORT ' + json.dumps(dataclasses.asdict(vllm_load(sys.argv[1]))))"
     )
     env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-c", code, str(folder)], capture_output=True, text=True,
-                          timeout=timeout_s, env=env, check=False)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(folder)],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        env=env,
+        check=False,
+    )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("REPORT ")]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"vLLM load failed (exit {proc.returncode}): {proc.stderr[-2000:]}")

@@ -89,7 +89,9 @@ class DraftRefresher:
     ``llm.llm_engine.step()`` calls.
     """
 
-    def __init__(self, llm: Any, *, guard: ProbeGuard | None = None, serving: DraftVersion | None = None) -> None:
+    def __init__(
+        self, llm: Any, *, guard: ProbeGuard | None = None, serving: DraftVersion | None = None
+    ) -> None:
         self.llm = llm
         self.guard = guard
         spec = llm.llm_engine.vllm_config.speculative_config
@@ -115,14 +117,20 @@ class DraftRefresher:
             self.current = LoadedDraft(start.version, start.policy_version, str(start.path), start.sha256)
         log.info(
             "draft refresher: engine serves v%04d (%s); shared with the target, never written: %s",
-            self.current.version, self.current.path, info.get("shared"),
+            self.current.version,
+            self.current.path,
+            info.get("shared"),
         )
 
     # ----------------------------------------------------------------- engine side
     def _load(self, target: LoadedDraft) -> dict[str, Any]:
         weights = str(Path(target.path) / WEIGHTS_FILE)
-        record = {"version": target.version, "policy_version": target.policy_version, "path": target.path,
-                  "sha256": target.sha256}  # fmt: skip
+        record = {
+            "version": target.version,
+            "policy_version": target.policy_version,
+            "path": target.path,
+            "sha256": target.sha256,
+        }
         results = collective_rpc(self.llm, rpc_load_draft, weights, target.sha256, record)
         self.llm.reset_prefix_cache()  # cached prompt blocks hold the old draft's K/V
         return results[0]
@@ -189,7 +197,12 @@ class DraftRefresher:
                 self.alarms += 1
                 log.error(
                     "draft refresh ALARM: v%04d probe acceptance %.3f collapsed (reference %.3f, min ratio %.2f): "
-                    "rolling back to v%04d", version, probe_l, ref, self.guard.min_ratio, self.current.version,
+                    "rolling back to v%04d",
+                    version,
+                    probe_l,
+                    ref,
+                    self.guard.min_ratio,
+                    self.current.version,
                 )
                 self._rollback(f"acceptance collapse {probe_l:.3f} vs {ref:.3f}")
                 why = f"acceptance collapse: probe {probe_l:.3f} vs reference {ref:.3f}"
@@ -201,7 +214,11 @@ class DraftRefresher:
         self.history.append(RefreshRecord(version, str(path), True, "applied", self.last_apply_s, probe_l))
         log.info(
             "draft refresh: serving v%04d (policy version %d) after %.2f s (%d tensors, %.2f s in the engine)",
-            version, new.policy_version, self.last_apply_s, info["tensors"], info["seconds"],
+            version,
+            new.policy_version,
+            self.last_apply_s,
+            info["tensors"],
+            info["seconds"],
         )
         return True
 

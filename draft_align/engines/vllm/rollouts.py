@@ -99,8 +99,10 @@ class VLLMRollouts:
         self.auto_verify = verify_mode == AUTO_VERIFY_MODE
         if self.auto_verify:
             if guard is None:
-                raise EngineError("verify mode auto measures both draft sampling methods on the probe prompts: "
-                                  "it needs a probe guard (rl.engine_probe_prompts > 0)")  # fmt: skip
+                raise EngineError(
+                    "verify mode auto measures both draft sampling methods on the probe prompts: "
+                    "it needs a probe guard (rl.engine_probe_prompts > 0)"
+                )
             verify_mode = CANDIDATES[0]  # vLLM's default until the first measurement
         if verify_mode not in VERIFY_TO_SAMPLE_METHOD:
             raise EngineError(
@@ -112,7 +114,9 @@ class VLLMRollouts:
         self.verify_mode = verify_mode  # the one serving now
         self.verify_choice: VerifyChoice | None = None  # the latest measurement (verify mode auto)
         if verify_recheck_every < 0:
-            raise EngineError(f"verify_recheck_every must be ≥ 0 (0: measure once), got {verify_recheck_every}")
+            raise EngineError(
+                f"verify_recheck_every must be ≥ 0 (0: measure once), got {verify_recheck_every}"
+            )
         self.verify_recheck_every = int(verify_recheck_every)
         self.adapted_since_choice = 0  # adapted drafts newly served since the latest measurement
         if policy_sync not in POLICY_SYNCS:
@@ -120,13 +124,23 @@ class VLLMRollouts:
         self.policy_sync: PolicySync = policy_sync
         t0 = time.perf_counter()
         if llm is None:
-            llm_kwargs.setdefault("logprobs_mode", "processed_logprobs")  # after temperature, like the RL's log π
+            llm_kwargs.setdefault(
+                "logprobs_mode", "processed_logprobs"
+            )  # after temperature, like the RL's log π
             llm = start_engine(
-                target, frozen.path, k=self.k, draft_sample_method=VERIFY_TO_SAMPLE_METHOD[verify_mode],  # type: ignore[arg-type]
-                max_model_len=max_model_len, seed=seed, dtype=dtype, **llm_kwargs,
-            )  # fmt: skip
+                target,
+                frozen.path,
+                k=self.k,
+                draft_sample_method=VERIFY_TO_SAMPLE_METHOD[verify_mode],  # type: ignore[arg-type]
+                max_model_len=max_model_len,
+                seed=seed,
+                dtype=dtype,
+                **llm_kwargs,
+            )
         elif llm_kwargs:
-            raise EngineError(f"an engine that is already running takes no LLM arguments, got {sorted(llm_kwargs)}")
+            raise EngineError(
+                f"an engine that is already running takes no LLM arguments, got {sorted(llm_kwargs)}"
+            )
         self.llm = llm
         self.start_s = time.perf_counter() - t0
         self.dtype = float_dtype(dtype)
@@ -136,7 +150,9 @@ class VLLMRollouts:
         self.policy_version = 0  # the policy version the engine's target holds
         self.syncs = 0
         self.offers_refused = 0
-        self.last_timings: dict[str, float] = {}  # the latest rollouts' generate/swap seconds and engine steps
+        self.last_timings: dict[
+            str, float
+        ] = {}  # the latest rollouts' generate/swap seconds and engine steps
 
     @property
     def adapted(self) -> DraftVersion | None:
@@ -158,8 +174,13 @@ class VLLMRollouts:
         self.llm.reset_prefix_cache()  # cached prompt blocks hold the previous policy's K/V
         self.policy_version = int(version)
         self.syncs += 1
-        log.info("engine: policy v%d synced (%d layers, %d tensors) in %.2f s", version, info["layers"],
-                 info["tensors"], time.perf_counter() - t0)  # fmt: skip
+        log.info(
+            "engine: policy v%d synced (%d layers, %d tensors) in %.2f s",
+            version,
+            info["layers"],
+            info["tensors"],
+            time.perf_counter() - t0,
+        )
         return True
 
     # ----------------------------------------------------------------- drafts
@@ -207,9 +228,16 @@ class VLLMRollouts:
         assert guard is not None  # checked at construction
         vllm = import_vllm()
         self.set_verify_mode(mode)
-        params = [vllm.SamplingParams(temperature=float(temperature), max_tokens=guard.max_tokens, seed=7919 + i,
-                                      ignore_eos=True, detokenize=False)
-                  for i in range(len(guard.prompts))]  # fmt: skip
+        params = [
+            vllm.SamplingParams(
+                temperature=float(temperature),
+                max_tokens=guard.max_tokens,
+                seed=7919 + i,
+                ignore_eos=True,
+                detokenize=False,
+            )
+            for i in range(len(guard.prompts))
+        ]
         before = SpecCounters.snapshot(self.llm)
         self.llm.generate(list(guard.prompts), params, use_tqdm=False)
         return (SpecCounters.snapshot(self.llm) - before).as_tally(self.k)
@@ -218,8 +246,12 @@ class VLLMRollouts:
         """Measure both modes with the draft that pays (the adapted one when there is one) and serve the winner."""
         self.use("adapted" if self._adapted is not None else "frozen")
         current = self.verify_mode
-        choice = choose_verify_mode(lambda m: self._probe_tally(m, temperature), current=current,
-                                    draft=str(self.refresher.current.path), temperature=temperature)  # fmt: skip
+        choice = choose_verify_mode(
+            lambda m: self._probe_tally(m, temperature),
+            current=current,
+            draft=str(self.refresher.current.path),
+            temperature=temperature,
+        )
         self.set_verify_mode(choice.mode)
         self.verify_choice = choice
         self.adapted_since_choice = 0
@@ -250,9 +282,13 @@ class VLLMRollouts:
         stops = sorted({int(i) for i in stop_ids})
         params = [
             vllm.SamplingParams(
-                temperature=float(temperature), max_tokens=int(max_tokens), seed=int(s), stop_token_ids=stops,
-                logprobs=0, detokenize=False,
-            )  # fmt: skip
+                temperature=float(temperature),
+                max_tokens=int(max_tokens),
+                seed=int(s),
+                stop_token_ids=stops,
+                logprobs=0,
+                detokenize=False,
+            )
             for s in seeds
         ]
         requests = [{"prompt_token_ids": [int(t) for t in p.tolist()]} for p in prompts]
@@ -269,12 +305,17 @@ class VLLMRollouts:
                 lp = entry.get(tid) if entry else None
                 lps[i] = float(lp.logprob) if lp is not None else math.nan
             finished = bool(ids) and ids[-1] in stop_set
-            results.append(EngineOutput(torch.tensor(ids, dtype=torch.long),
-                                        torch.tensor(lps, dtype=torch.float32), finished))  # fmt: skip
+            results.append(
+                EngineOutput(
+                    torch.tensor(ids, dtype=torch.long), torch.tensor(lps, dtype=torch.float32), finished
+                )
+            )
         return results, counters
 
     # ----------------------------------------------------------------- the RolloutEngine interface
-    def prepare(self, policy_model: nn.Module, policy_version: int, adapted: DraftVersion | None) -> dict[str, float]:
+    def prepare(
+        self, policy_model: nn.Module, policy_version: int, adapted: DraftVersion | None
+    ) -> dict[str, float]:
         """Sync the policy, offer the newest verified adapted draft (a no-op unless new; refused → the previous
         one keeps serving); the seconds each took."""
         t0 = time.perf_counter()
@@ -305,19 +346,29 @@ class VLLMRollouts:
             self.use(kind)
             t1 = time.perf_counter()
             outs, counts = self.generate(
-                [prompts[p.prompt_index] for p, _ in mine], [seed for _, seed in mine],
-                temperature=decoding.temperature, max_tokens=decoding.max_tokens, stop_ids=sorted(decoding.eos_ids),
-            )  # fmt: skip
+                [prompts[p.prompt_index] for p, _ in mine],
+                [seed for _, seed in mine],
+                temperature=decoding.temperature,
+                max_tokens=decoding.max_tokens,
+                stop_ids=sorted(decoding.eos_ids),
+            )
             timings["draft_swap_s"] += t1 - t0
             timings[f"generate_s_{kind}"] = time.perf_counter() - t1
             timings[f"engine_steps_{kind}"] = float(counts.engine_steps)
             tallies[kind] = counts.as_tally(self.k)
             results.update({p.index: o for (p, _), o in zip(mine, outs, strict=True)})
         out = [
-            Rollout(p.prompt_index, prompts[p.prompt_index].cpu(), results[p.index].tokens, results[p.index].finished,
-                    p.draft, None, engine_logprobs=results[p.index].logprobs)
+            Rollout(
+                p.prompt_index,
+                prompts[p.prompt_index].cpu(),
+                results[p.index].tokens,
+                results[p.index].finished,
+                p.draft,
+                None,
+                engine_logprobs=results[p.index].logprobs,
+            )
             for p in plan.rollouts
-        ]  # fmt: skip
+        ]
         self.last_timings = timings
         return out, tallies
 

@@ -122,7 +122,9 @@ def start_engine(
     if int(k) < 1:
         raise ValueError(f"k must be ≥ 1 draft tokens per round, got {k}")
     if draft_sample_method is not None and draft_sample_method not in DRAFT_SAMPLE_METHODS:
-        raise ValueError(f"draft_sample_method {draft_sample_method!r}: expected one of {DRAFT_SAMPLE_METHODS}")
+        raise ValueError(
+            f"draft_sample_method {draft_sample_method!r}: expected one of {DRAFT_SAMPLE_METHODS}"
+        )
     if llm_kwargs.get("disable_log_stats", False):
         raise ValueError("disable_log_stats=True hides the spec-decode counters SpecCounters reads")
     if "speculative_config" in llm_kwargs:
@@ -138,26 +140,38 @@ def start_engine(
     start = time.perf_counter()
     try:
         llm = vllm.LLM(
-            model=resolved, speculative_config=spec, max_model_len=int(max_model_len), seed=int(seed),
-            dtype=dtype, disable_log_stats=False, **llm_kwargs,
-        )  # fmt: skip
+            model=resolved,
+            speculative_config=spec,
+            max_model_len=int(max_model_len),
+            seed=int(seed),
+            dtype=dtype,
+            disable_log_stats=False,
+            **llm_kwargs,
+        )
     except Exception as e:  # vLLM raises ValueError, RuntimeError, pydantic errors...: one named error
         raise EngineError(f"vLLM could not start {resolved} with draft {draft}: {e}") from e
     if fix_cpu_sampler and cpu_expand_kernel_broken():
         patched = collective_rpc(llm, rpc_patch_cpu_expand_kernel)
         log.warning(
             "vLLM's CPU expand_kernel loses float outputs (T > 0 rejection sampling would use garbage "
-            "temperatures); patched in %d/%d workers", sum(bool(p) for p in patched), len(patched),
+            "temperatures); patched in %d/%d workers",
+            sum(bool(p) for p in patched),
+            len(patched),
         )
     log.info(
         "vLLM started in %.1f s: target %s, draft v%04d (%s), k=%d",
-        time.perf_counter() - start, resolved, int(manifest["draft_version"]), draft, k,
+        time.perf_counter() - start,
+        resolved,
+        int(manifest["draft_version"]),
+        draft,
+        k,
     )
     return llm
 
 
-def start_plain_engine(target: str, *, max_model_len: int = 2048, seed: int = 0, dtype: str = "bfloat16",
-                       **llm_kwargs: Any) -> LLM:  # fmt: skip
+def start_plain_engine(
+    target: str, *, max_model_len: int = 2048, seed: int = 0, dtype: str = "bfloat16", **llm_kwargs: Any
+) -> LLM:
     """A ``vllm.LLM`` on ``target`` without a draft (plain decoding), statistics on: the baseline a speculative
     engine is timed against (``draft_align.engines.vllm.round_cost``)."""
     from draft_align.assets import resolve_model
@@ -168,8 +182,14 @@ def start_plain_engine(target: str, *, max_model_len: int = 2048, seed: int = 0,
     resolved = resolve_model(target)
     start = time.perf_counter()
     try:
-        llm = vllm.LLM(model=resolved, max_model_len=int(max_model_len), seed=int(seed), dtype=dtype,
-                       disable_log_stats=False, **llm_kwargs)  # fmt: skip
+        llm = vllm.LLM(
+            model=resolved,
+            max_model_len=int(max_model_len),
+            seed=int(seed),
+            dtype=dtype,
+            disable_log_stats=False,
+            **llm_kwargs,
+        )
     except Exception as e:  # as in start_engine: one named error
         raise EngineError(f"vLLM could not start {resolved}: {e}") from e
     log.info("vLLM started in %.1f s: target %s, no draft", time.perf_counter() - start, resolved)

@@ -58,8 +58,9 @@ class VerifyChoice:
         return {f"verify_measured_L_{m}": v for m, v in self.length.items()}
 
     def describe(self) -> str:
-        parts = ", ".join(f"{m} L={self.length[m]:.3f}±{self.se[m]:.3f} ({self.rounds[m]:.0f} rounds)"
-                          for m in self.length)  # fmt: skip
+        parts = ", ".join(
+            f"{m} L={self.length[m]:.3f}±{self.se[m]:.3f} ({self.rounds[m]:.0f} rounds)" for m in self.length
+        )
         return f"verify mode {self.mode} at T={self.temperature:g} (measured: {parts})"
 
 
@@ -89,6 +90,8 @@ def choose_verify_mode(
             diff_se = math.sqrt(se[best] ** 2 + se[current] ** 2)
             if length[best] - length[current] > margin_se * diff_se:
                 chosen = best
-    choice = VerifyChoice(chosen, length, se, {m: t.rounds for m, t in tallies.items()}, draft, float(temperature))
+    choice = VerifyChoice(
+        chosen, length, se, {m: t.rounds for m, t in tallies.items()}, draft, float(temperature)
+    )
     log.info("engine: %s", choice.describe())
     return choice

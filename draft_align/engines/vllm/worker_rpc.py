@@ -36,7 +36,7 @@ def _vllm_name(name: str) -> str:
         return name
     for old in ("midlayer.", "layers.0."):
         if name.startswith(old):
-            return "model.layers.0." + name[len(old):]
+            return "model.layers.0." + name[len(old) :]
     return "model." + name
 
 
@@ -68,7 +68,9 @@ def _under(name: str, prefixes: Sequence[str]) -> bool:
     return any(p == "" or name == p or name.startswith(p + ".") for p in prefixes)
 
 
-def _private_subtrees(module: torch.nn.Module, shared: Sequence[str], prefix: str = "") -> list[torch.nn.Module]:
+def _private_subtrees(
+    module: torch.nn.Module, shared: Sequence[str], prefix: str = ""
+) -> list[torch.nn.Module]:
     """The largest submodules of ``module`` that contain no shared tensor (the root's own tensors excluded)."""
     out: list[torch.nn.Module] = []
     for cname, child in module.named_children():
@@ -173,7 +175,11 @@ def rpc_load_draft(worker: Any, weights_path: str, sha256: str, record: dict[str
             weights.append((name, t))
             continue
         current = params.get(vname)
-        if current is None or tuple(current.shape) != tuple(t.shape) or not torch.equal(current, t.to(current.dtype)):
+        if (
+            current is None
+            or tuple(current.shape) != tuple(t.shape)
+            or not torch.equal(current, t.to(current.dtype))
+        ):
             raise RefreshError(
                 f"{name} is shared with the target model in this engine; loading it would overwrite the "
                 f"target's weights (restart the engine to change it)"
@@ -205,8 +211,12 @@ def rpc_load_draft(worker: Any, weights_path: str, sha256: str, record: dict[str
     if checked == 0:
         raise RuntimeError("no loaded tensor could be read back from the engine: the reload is unverified")
     setattr(draft, LOADED_ATTR, dict(record))
-    return {"tensors": len(weights), "skipped_shared": skipped, "checked": checked,
-            "seconds": time.perf_counter() - start}  # fmt: skip
+    return {
+        "tensors": len(weights),
+        "skipped_shared": skipped,
+        "checked": checked,
+        "seconds": time.perf_counter() - start,
+    }
 
 
 # --------------------------------------------------------------------------------------- the policy
@@ -250,8 +260,13 @@ def rpc_load_policy_layers(worker: Any, weights: Mapping[str, torch.Tensor], ver
             raise EngineError(f"policy sync: {name} holds other values than were sent after the reload")
         checked += 1
     worker.model_runner.draft_align_policy_version = int(version)
-    return {"layers": len(layers), "tensors": len(weights), "loaded": len(loaded or ()), "checked": checked,
-            "seconds": time.perf_counter() - start}  # fmt: skip
+    return {
+        "layers": len(layers),
+        "tensors": len(weights),
+        "loaded": len(loaded or ()),
+        "checked": checked,
+        "seconds": time.perf_counter() - start,
+    }
 
 
 # --------------------------------------------------------------------------------------- draft sampling
@@ -267,11 +282,17 @@ def rpc_set_draft_sample_method(worker: Any, method: str) -> str:
     drafter = getattr(runner, "drafter", None)
     spec = worker.vllm_config.speculative_config
     if drafter is None or spec is None or not hasattr(drafter, PROBABILISTIC_FLAG):
-        raise EngineError("this engine's proposer cannot switch its draft sampling method (restart it instead)")
+        raise EngineError(
+            "this engine's proposer cannot switch its draft sampling method (restart it instead)"
+        )
     if method not in DRAFT_SAMPLE_METHODS:
         raise EngineError(f"draft sample method {method!r}: expected one of {DRAFT_SAMPLE_METHODS}")
-    if method == "probabilistic" and (spec.rejection_sample_method != "standard" or spec.use_heterogeneous_vocab):
-        raise EngineError("probabilistic draft sampling needs vLLM's standard rejection sampler and one vocabulary")
+    if method == "probabilistic" and (
+        spec.rejection_sample_method != "standard" or spec.use_heterogeneous_vocab
+    ):
+        raise EngineError(
+            "probabilistic draft sampling needs vLLM's standard rejection sampler and one vocabulary"
+        )
     spec.draft_sample_method = method
     setattr(drafter, PROBABILISTIC_FLAG, method == "probabilistic")
     return method

@@ -6,6 +6,8 @@
     trainer = GRPOTrainer(..., rollout_func=da.rollout_func)
     trainer.add_callback(da.callback(trainer))
     trainer.train()
+
+The adapter is thin: it maps TRL's hooks onto draft_align's Tap, sidecar and draft source.
 """
 
 from draft_align.integrations.trl.checks import TRLConfigError

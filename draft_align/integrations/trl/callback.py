@@ -55,8 +55,11 @@ class DraftAlignCallback(TrainerCallback):
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         t0 = time.perf_counter()
         self.session.start(self.trainer)
-        log.info("draft_align: started beside TRL in %.1f s (run folder %s)", time.perf_counter() - t0,
-                 self.session.run_dir)  # fmt: skip
+        log.info(
+            "draft_align: started beside TRL in %.1f s (run folder %s)",
+            time.perf_counter() - t0,
+            self.session.run_dir,
+        )
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         t0 = time.perf_counter()

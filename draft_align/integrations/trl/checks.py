@@ -33,13 +33,17 @@ def check_trainer(trainer: Any, recipe: CotrainRecipe, *, uses_rollout_func: boo
     cfg = model.config.get_text_config()
     # optional config fields, absent on most architectures (TRL's fused head reads the same ones)
     if getattr(cfg, "final_logit_softcapping", None) is not None:
-        raise TRLConfigError(f"{type(model).__name__} soft-caps its logits: the Tap's statistics from final state × "
-                             "lm_head would not be the policy's; this architecture is not supported")
+        raise TRLConfigError(
+            f"{type(model).__name__} soft-caps its logits: the Tap's statistics from final state × "
+            "lm_head would not be the policy's; this architecture is not supported"
+        )
     for name in ("logit_scale", "output_multiplier", "lm_head_multiplier", "logits_scaling"):
         value = getattr(cfg, name, None)
         if value is not None and float(value) != 1.0:
-            raise TRLConfigError(f"{type(model).__name__} has {name}={value}: the Tap's statistics from final "
-                                 "state × lm_head would not be the policy's; this architecture is not supported")
+            raise TRLConfigError(
+                f"{type(model).__name__} has {name}={value}: the Tap's statistics from final "
+                "state × lm_head would not be the policy's; this architecture is not supported"
+            )
     if trainer.use_vllm and args.vllm_enable_sleep_mode:
         raise TRLConfigError(
             "vllm_enable_sleep_mode=True: TRL's level-2 sleep discards the engine's weights and re-pushes only the "
@@ -48,8 +52,10 @@ def check_trainer(trainer: Any, recipe: CotrainRecipe, *, uses_rollout_func: boo
         )
     pc = args.parallelism_config
     if pc is not None and (pc.cp_enabled or pc.sp_enabled):
-        raise TRLConfigError("context/sequence parallelism shards each sequence across ranks: the Tap needs whole "
-                             "sequences on one rank; run without cp/sp")
+        raise TRLConfigError(
+            "context/sequence parallelism shards each sequence across ranks: the Tap needs whole "
+            "sequences on one rank; run without cp/sp"
+        )
     if args.steps_per_generation % args.gradient_accumulation_steps and (
         args.gradient_accumulation_steps % args.steps_per_generation
     ):
@@ -65,7 +71,11 @@ def check_trainer(trainer: Any, recipe: CotrainRecipe, *, uses_rollout_func: boo
         )
     if uses_rollout_func:
         defaults = {"top_p": 1.0, "top_k": 0, "min_p": None, "repetition_penalty": 1.0}
-        odd = {k: getattr(args, k) for k, v in defaults.items() if getattr(args, k) not in (v, 0.0 if v is None else v)}
+        odd = {
+            k: getattr(args, k)
+            for k, v in defaults.items()
+            if getattr(args, k) not in (v, 0.0 if v is None else v)
+        }
         if odd or args.generation_kwargs:
             raise TRLConfigError(
                 f"draft_align's rollout_func samples plain temperature sampling; TRL asks for {odd or ''}"
@@ -73,4 +83,6 @@ def check_trainer(trainer: Any, recipe: CotrainRecipe, *, uses_rollout_func: boo
                 "at their defaults"
             )
         if trainer.tools or trainer.environment_factories is not None:
-            raise TRLConfigError("tools/environments run TRL's own multi-turn loop, which a rollout_func replaces")
+            raise TRLConfigError(
+                "tools/environments run TRL's own multi-turn loop, which a rollout_func replaces"
+            )

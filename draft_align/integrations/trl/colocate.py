@@ -31,8 +31,12 @@ def speculative_colocate(draft: DraftVersion, *, k: int, verify_mode: str = "gre
     import trl.generation.vllm_generation as vg
 
     original = vg.LLM
-    spec = {"method": "eagle3", "model": str(draft.path), "num_speculative_tokens": int(k),
-            "draft_sample_method": VERIFY_TO_SAMPLE_METHOD[verify_mode]}  # fmt: skip
+    spec = {
+        "method": "eagle3",
+        "model": str(draft.path),
+        "num_speculative_tokens": int(k),
+        "draft_sample_method": VERIFY_TO_SAMPLE_METHOD[verify_mode],
+    }
 
     def build(*args: Any, **kwargs: Any) -> Any:
         kwargs["speculative_config"] = spec
@@ -57,7 +61,16 @@ def colocate_rollouts(trainer: Any, frozen: DraftVersion, recipe: CotrainRecipe)
         )
     rl = recipe.rl
     if rl.verify_mode == AUTO_VERIFY_MODE:
-        raise TRLConfigError("rl.verify_mode=auto measures both draft sampling methods on draft_align's probe "
-                             "prompts, which TRL's colocate engine is not given: choose greedy_draft or probabilistic")
-    return VLLMRollouts(recipe.target.model, frozen, k=rl.spec_k, verify_mode=rl.verify_mode, dtype=recipe.target.dtype,
-                        llm=trainer.vllm_generation.llm, policy_sync="external")  # fmt: skip
+        raise TRLConfigError(
+            "rl.verify_mode=auto measures both draft sampling methods on draft_align's probe "
+            "prompts, which TRL's colocate engine is not given: choose greedy_draft or probabilistic"
+        )
+    return VLLMRollouts(
+        recipe.target.model,
+        frozen,
+        k=rl.spec_k,
+        verify_mode=rl.verify_mode,
+        dtype=recipe.target.dtype,
+        llm=trainer.vllm_generation.llm,
+        policy_sync="external",
+    )

@@ -41,8 +41,14 @@ class DraftAlign:
     ``draft``: the starting draft (default: the recipe's ``draft`` or its warm-start's published draft)."""
 
     def __init__(
-        self, recipe: CotrainRecipe | str | Path, overrides: Sequence[str] = (), *, draft: str | None = None,
-        sidecar: SidecarMode = "spawn", ready_timeout_s: float = 180.0, exit_timeout_s: float = 120.0,
+        self,
+        recipe: CotrainRecipe | str | Path,
+        overrides: Sequence[str] = (),
+        *,
+        draft: str | None = None,
+        sidecar: SidecarMode = "spawn",
+        ready_timeout_s: float = 180.0,
+        exit_timeout_s: float = 120.0,
     ) -> None:
         if sidecar not in SIDECAR_MODES:
             raise TRLConfigError(f"sidecar={sidecar!r}: expected one of {SIDECAR_MODES}")
@@ -103,15 +109,20 @@ class DraftAlign:
             if (run_dir / SIDECAR_DIR).exists():
                 log.info("draft_align: %s has a sidecar folder: the spawned sidecar resumes from it", run_dir)
             resolved = save_recipe(recipe, run_dir / RESOLVED_RECIPE)
-            self.proc = spawn_sidecar(resolved, self.start_draft, run_dir / "sidecar.log", ranks=recipe.sidecar.ranks)
+            self.proc = spawn_sidecar(
+                resolved, self.start_draft, run_dir / "sidecar.log", ranks=recipe.sidecar.ranks
+            )
             kill_at_exit(self.proc)  # TRL's train() may raise before on_train_end
         if self.sidecar_mode != "off":
             endpoint = recipe.wire.endpoint or channel.default_endpoint(run_dir, TAP_SOCKET)
             self.sender = channel.TapSender(
-                channel.tap_endpoints(endpoint, recipe.sidecar.ranks), key, queue_messages=recipe.wire.queue_messages,
-                queue_bytes=recipe.wire.queue_mb << 20, allow_remote=recipe.wire.allow_remote,
+                channel.tap_endpoints(endpoint, recipe.sidecar.ranks),
+                key,
+                queue_messages=recipe.wire.queue_messages,
+                queue_bytes=recipe.wire.queue_mb << 20,
+                allow_remote=recipe.wire.allow_remote,
                 max_message_bytes=recipe.wire.max_message_mb << 20,
-            )  # fmt: skip
+            )
             notify_ep = recipe.wire.notify_endpoint or channel.default_endpoint(run_dir, NOTIFY_SOCKET)
             self.notify = channel.Subscriber(notify_ep, key, allow_remote=recipe.wire.allow_remote)
         device = trainer.accelerator.device
@@ -120,13 +131,21 @@ class DraftAlign:
             from draft_align.publish.tap_spec import read_tap_spec
 
             hf_tap = HFPolicyTap(
-                policy_model(trainer), read_tap_spec(self.start_draft).aux_layer_ids, self.sender, run_id=recipe.run,
-                tokens_per_step=recipe.tap.tokens_per_step, max_tokens_per_message=recipe.tap.max_tokens_per_message,
-                send_final=recipe.tap.send_final, topk=recipe.tap.topk, rank=int(trainer.accelerator.process_index),
+                policy_model(trainer),
+                read_tap_spec(self.start_draft).aux_layer_ids,
+                self.sender,
+                run_id=recipe.run,
+                tokens_per_step=recipe.tap.tokens_per_step,
+                max_tokens_per_message=recipe.tap.max_tokens_per_message,
+                send_final=recipe.tap.send_final,
+                topk=recipe.tap.topk,
+                rank=int(trainer.accelerator.process_index),
                 seed=recipe.seed,
-            )  # fmt: skip
+            )
             drafts = self.drafts
-            self.tap = TRLTap(trainer, hf_tap, lambda version: hf_tap.head_sync(version, drafts.draft_to_target))
+            self.tap = TRLTap(
+                trainer, hf_tap, lambda version: hf_tap.head_sync(version, drafts.draft_to_target)
+            )
         if self.uses_rollout_func(trainer):
             self.engine = self._start_engine(trainer)
         if self.proc is not None:
@@ -187,8 +206,12 @@ class DraftAlign:
             if trl.get(name):
                 metrics[key] = float(trl[name][-1])
         if self.sender is not None:
-            report = StepReport(run_id=self.recipe.run, step=version - 1, policy_version=version,
-                                metrics={k: v for k, v in metrics.items() if v is None or v == v})  # fmt: skip
+            report = StepReport(
+                run_id=self.recipe.run,
+                step=version - 1,
+                policy_version=version,
+                metrics={k: v for k, v in metrics.items() if v is None or v == v},
+            )
             if not self.sender.offer(report):
                 self.reports_refused += 1
         metrics.update(self._estimates())
@@ -206,8 +229,11 @@ class DraftAlign:
         if not rows:
             return {}
         row = rows[-1]
-        out = {k: row[k] for k in ("accept_est_adapted", "accept_est_frozen", "sidecar_draft_version", "buffer_fill")
-               if isinstance(row.get(k), int | float)}  # fmt: skip
+        out = {
+            k: row[k]
+            for k in ("accept_est_adapted", "accept_est_frozen", "sidecar_draft_version", "buffer_fill")
+            if isinstance(row.get(k), int | float)
+        }
         out["est_step"] = row.get("step")
         return out
 
@@ -222,8 +248,11 @@ class DraftAlign:
             self.engine.shutdown()
         if self.sender is not None:
             version = int(self.trainer.state.global_step)
-            self.sender.offer(StepReport(run_id=self.recipe.run, step=version, policy_version=version,
-                                         metrics={"final": 1.0}))  # fmt: skip
+            self.sender.offer(
+                StepReport(
+                    run_id=self.recipe.run, step=version, policy_version=version, metrics={"final": 1.0}
+                )
+            )
             time.sleep(0.5)  # let the background thread hand the last messages to ZeroMQ
             self.sender.close(timeout_s=5.0)
         if self.notify is not None:
@@ -241,7 +270,9 @@ class DraftAlign:
         the frozen draft; returns TRL's ``prompt_ids``/``completion_ids``/``logprobs`` (the engine's, so TRL
         can compare them with its own)."""
         if self.engine is None or self.drafts is None:
-            raise TRLConfigError("draft_align's rollout_func needs its callback: trainer.add_callback(da.callback(trainer))")
+            raise TRLConfigError(
+                "draft_align's rollout_func needs its callback: trainer.add_callback(da.callback(trainer))"
+            )
         rl = self.recipe.rl
         version = int(trainer.state.global_step)
         metrics = self.engine.prepare(policy_model(trainer), version, self.drafts.adapted_version)
@@ -249,7 +280,9 @@ class DraftAlign:
         tensors = [torch.tensor(p, dtype=torch.long) for p in prompt_ids]
         plan = plan_given(self.recipe.seed, version, len(tensors), rl.frozen_fraction)
         max_tokens = int(trainer.args.max_completion_length)
-        decoding = Decoding(float(trainer.temperature), max_tokens, frozenset(int(i) for i in trainer.eos_token_ids))
+        decoding = Decoding(
+            float(trainer.temperature), max_tokens, frozenset(int(i) for i in trainer.eos_token_ids)
+        )
         t0 = time.perf_counter()
         rollouts, tallies = self.engine.rollouts(plan, tensors, decoding)
         metrics["rollout_s"] = time.perf_counter() - t0
@@ -268,7 +301,13 @@ class DraftAlign:
         logprobs = []
         for r in rollouts:
             lp = r.engine_logprobs
-            logprobs.append([None if x != x else float(x) for x in lp.tolist()] if lp is not None else
-                            [0.0] * int(r.response.numel()))  # fmt: skip
-        return {"prompt_ids": [list(p) for p in prompt_ids], "completion_ids": [r.response.tolist() for r in rollouts],
-                "logprobs": logprobs}  # fmt: skip
+            logprobs.append(
+                [None if x != x else float(x) for x in lp.tolist()]
+                if lp is not None
+                else [0.0] * int(r.response.numel())
+            )
+        return {
+            "prompt_ids": [list(p) for p in prompt_ids],
+            "completion_ids": [r.response.tolist() for r in rollouts],
+            "logprobs": logprobs,
+        }

@@ -141,8 +141,15 @@ class TRLTap:
         generate_every = t.args.steps_per_generation * t.num_iterations
         return t._step % generate_every < t.args.steps_per_generation  # the first of num_iterations passes
 
-    def _logps(self, model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
-               *args: Any, **kwargs: Any) -> Any:
+    def _logps(
+        self,
+        model: Any,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        logits_to_keep: int,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
         if self.in_generation:
             self.generation_calls += 1
         if not self._wanted(model):
@@ -171,13 +178,17 @@ class TRLTap:
                 handle.remove()
 
     # ----------------------------------------------------------------- one chunk
-    def _after_forward(self, _mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+    def _after_forward(
+        self, _mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any
+    ) -> None:
         t0 = time.perf_counter()
         input_ids = kwargs.get("input_ids", args[0] if args else None)
         attention_mask = kwargs.get("attention_mask")
         if input_ids is None or attention_mask is None:
-            raise TRLTapError("TRL's forward passed no input_ids/attention_mask: the Tap cannot follow this layout "
-                              "(padding-free or embeddings input)")
+            raise TRLTapError(
+                "TRL's forward passed no input_ids/attention_mask: the Tap cannot follow this layout "
+                "(padding-free or embeddings input)"
+            )
         width = int(input_ids.shape[1])
         completion = torch.arange(width, device=attention_mask.device) >= width - self._logits_to_keep
         loss_mask = attention_mask.bool() & completion
@@ -185,10 +196,15 @@ class TRLTap:
         _, _, _, lm_head = _parts(self.model)
         with torch.no_grad(), _lm_head_gather(lm_head):
             self.tap.submit(
-                input_ids=input_ids, attention_mask=attention_mask, loss_mask=loss_mask, logits=None,
-                policy_version=self.version, step=self.version, temperature=float(self.trainer.temperature),
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                loss_mask=loss_mask,
+                logits=None,
+                policy_version=self.version,
+                step=self.version,
+                temperature=float(self.trainer.temperature),
                 next_logprob=next_logprob,
-            )  # fmt: skip
+            )
         self.seconds += time.perf_counter() - t0
 
 
@@ -198,13 +214,17 @@ def _next_logprob(out: Any, shape: torch.Size) -> torch.Tensor:
     from trl.trainer.utils import FusedCausalLMOutput
 
     if not isinstance(out, FusedCausalLMOutput) or out.log_probs is None:
-        raise TRLTapError(f"TRL's log-prob forward returned {type(out).__name__}, not its fused head's "
-                          "FusedCausalLMOutput with log_probs: set tap.topk > 0 to compute the statistics from "
-                          "the lm_head instead")
+        raise TRLTapError(
+            f"TRL's log-prob forward returned {type(out).__name__}, not its fused head's "
+            "FusedCausalLMOutput with log_probs: set tap.topk > 0 to compute the statistics from "
+            "the lm_head instead"
+        )
     lp = out.log_probs.detach()
     if tuple(lp.shape) != (shape[0], shape[1] - 1):
-        raise TRLTapError(f"TRL's log_probs are {tuple(lp.shape)}, expected [B, T−1] = {(shape[0], shape[1] - 1)} "
-                          "(a prompt-learning PEFT method adds virtual tokens the Tap cannot follow)")
+        raise TRLTapError(
+            f"TRL's log_probs are {tuple(lp.shape)}, expected [B, T−1] = {(shape[0], shape[1] - 1)} "
+            "(a prompt-learning PEFT method adds virtual tokens the Tap cannot follow)"
+        )
     return torch.nn.functional.pad(lp, (0, 1))
 
 

@@ -60,8 +60,9 @@ def test_spec_counters_diff_gives_acceptance_length_and_rates():
 
 
 def test_engine_steps_are_the_iteration_histograms_count():
-    hist = SimpleNamespace(name="vllm:iteration_tokens_total", labels={"engine": "0"}, count=7, sum=90.0,
-                           buckets={"+Inf": 7})  # fmt: skip
+    hist = SimpleNamespace(
+        name="vllm:iteration_tokens_total", labels={"engine": "0"}, count=7, sum=90.0, buckets={"+Inf": 7}
+    )
     a = SpecCounters.from_metrics(_metrics(10, [6, 3, 1]) + [hist])
     assert a.engine_steps == 7
     hist.count = 12
@@ -98,7 +99,9 @@ def test_trained_draft_is_accepted_by_vllm(engine, chat_prompts, vllm_world):
     from vllm import SamplingParams
 
     before = SpecCounters.snapshot(engine)
-    outs = engine.generate(chat_prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
+    outs = engine.generate(
+        chat_prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False
+    )
     c = SpecCounters.snapshot(engine) - before
     ids = [list(o.outputs[0].token_ids) for o in outs]
     assert [len(x) for x in ids] == [MAX_TOKENS] * len(chat_prompts)
@@ -133,8 +136,9 @@ def test_calibrate_t0_matches_the_engine_counters(engine, vllm_world, chat_promp
     prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in chat_prompts]
     outs, counts, seconds = measured_generate(engine, prompts, temperature=0.0, max_tokens=MAX_TOKENS)
     assert [len(o) for o in outs] == [MAX_TOKENS] * len(prompts) and seconds > 0 and counts.k == 3
-    res = calibrate(target, draft.eval(), prompts, outs, counts.as_tally(3), temperature=0.0,
-                    generate_seconds=seconds)  # fmt: skip
+    res = calibrate(
+        target, draft.eval(), prompts, outs, counts.as_tally(3), temperature=0.0, generate_seconds=seconds
+    )
     assert res["k"] == 3 and res["num_tokens"] == MAX_TOKENS * len(prompts)
     assert res["measured"] == counts.mean_acceptance_length() and res["measured_rounds"] == counts.num_drafts
     assert res["measured"] > 1.8

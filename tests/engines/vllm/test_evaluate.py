@@ -33,10 +33,30 @@ def test_eval_on_vllm_matches_the_reference_decoder_at_t0(vllm_world, vllm_env, 
     from draft_align.publish.versions import version_dir
 
     threads = torch.get_num_threads()
-    args = ["eval", "--draft", str(version_dir(vllm_world.run, 1)), "--target", str(vllm_world.target),
-            "--data", str(vllm_world.root / "chats.jsonl"), "--heldout-seed", "-1", "--prompts", "6",
-            "--max-new-tokens", "32", "--k", "3", "--verify-mode", "greedy_draft", "--dtype", "float32",
-            "--threads", "1", "--json"]  # fmt: skip
+    args = [
+        "eval",
+        "--draft",
+        str(version_dir(vllm_world.run, 1)),
+        "--target",
+        str(vllm_world.target),
+        "--data",
+        str(vllm_world.root / "chats.jsonl"),
+        "--heldout-seed",
+        "-1",
+        "--prompts",
+        "6",
+        "--max-new-tokens",
+        "32",
+        "--k",
+        "3",
+        "--verify-mode",
+        "greedy_draft",
+        "--dtype",
+        "float32",
+        "--threads",
+        "1",
+        "--json",
+    ]
     try:
         results = {}
         for engine in ("vllm", "reference"):

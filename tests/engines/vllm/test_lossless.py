@@ -42,8 +42,9 @@ def stat_prompt(vllm_world) -> list[int]:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(vllm_world.target)
-    text = tok.apply_chat_template([{"role": "user", "content": QUESTION}], tokenize=False,
-                                   add_generation_prompt=True)  # fmt: skip
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": QUESTION}], tokenize=False, add_generation_prompt=True
+    )
     return tok(text, add_special_tokens=False)["input_ids"]
 
 
@@ -67,8 +68,13 @@ def serving(vllm_world, draft_sample_method: str | None) -> Iterator[Any]:
         if draft_sample_method is None:
             llm = start_plain_engine(str(vllm_world.target), **kw)
         else:
-            llm = start_engine(str(vllm_world.target), version_dir(vllm_world.run, 1), k=ENGINE_K,
-                               draft_sample_method=draft_sample_method, **kw)  # type: ignore[arg-type]  # fmt: skip
+            llm = start_engine(
+                str(vllm_world.target),
+                version_dir(vllm_world.run, 1),
+                k=ENGINE_K,
+                draft_sample_method=draft_sample_method,
+                **kw,
+            )  # type: ignore[arg-type]
         try:
             yield llm
         finally:
@@ -119,12 +125,17 @@ def test_speculative_engine_samples_the_target(vllm_world, vllm_env, stat_prompt
     assert_lossless(tokens, exact)
 
 
-def test_distribution_test_rejects_an_accept_always_sampler(monkeypatch, vllm_world, vllm_env, stat_prompt, exact):
+def test_distribution_test_rejects_an_accept_always_sampler(
+    monkeypatch, vllm_world, vllm_env, stat_prompt, exact
+):
     """Uniforms of 0 make vLLM's rejection sampler accept every proposal: the test must see it."""
     import vllm.v1.sample.rejection_sampler as rs
 
-    monkeypatch.setattr(rs, "generate_uniform_probs",
-                        lambda num_tokens, *_a, **_k: torch.zeros(num_tokens, dtype=torch.float64))  # fmt: skip
+    monkeypatch.setattr(
+        rs,
+        "generate_uniform_probs",
+        lambda num_tokens, *_a, **_k: torch.zeros(num_tokens, dtype=torch.float64),
+    )
     with serving(vllm_world, "greedy") as llm:
         tokens, counters = sample_three(llm, stat_prompt)
     assert counters.num_accepted_tokens == counters.num_draft_tokens  # the patch reached the sampler
@@ -151,9 +162,15 @@ def test_verify_mode_switches_in_place_and_stays_lossless(vllm_world, vllm_env, 
     """greedy → probabilistic → greedy in one running engine: the acceptance rate moves with the mode (far past
     its noise) and returns, and the switched engine still samples the target."""
     from draft_align.engines.vllm.rollouts import VLLMRollouts
+
     with serving(vllm_world, "greedy") as llm:
-        eng = VLLMRollouts(str(vllm_world.target), DraftVersion.read(version_dir(vllm_world.run, 1)), k=ENGINE_K,
-                           llm=llm, verify_mode="greedy_draft")  # fmt: skip
+        eng = VLLMRollouts(
+            str(vllm_world.target),
+            DraftVersion.read(version_dir(vllm_world.run, 1)),
+            k=ENGINE_K,
+            llm=llm,
+            verify_mode="greedy_draft",
+        )
         measured = {}
         for step, mode in enumerate(("greedy_draft", "probabilistic", "greedy_draft")):
             eng.set_verify_mode(mode)
@@ -176,22 +193,39 @@ def test_auto_verify_mode_measures_both_and_serves_the_better(vllm_world, vllm_e
     guard = ProbeGuard(({"prompt_token_ids": stat_prompt},) * 8, max_tokens=24)
     with serving(vllm_world, "greedy") as llm:
         with pytest.raises(EngineError, match="probe guard"):
-            VLLMRollouts(str(vllm_world.target), DraftVersion.read(version_dir(vllm_world.run, 1)), k=ENGINE_K,
-                         llm=llm, verify_mode="auto")  # fmt: skip
-        eng = VLLMRollouts(str(vllm_world.target), DraftVersion.read(version_dir(vllm_world.run, 1)), k=ENGINE_K,
-                           llm=llm, verify_mode="auto", guard=guard)  # fmt: skip
+            VLLMRollouts(
+                str(vllm_world.target),
+                DraftVersion.read(version_dir(vllm_world.run, 1)),
+                k=ENGINE_K,
+                llm=llm,
+                verify_mode="auto",
+            )
+        eng = VLLMRollouts(
+            str(vllm_world.target),
+            DraftVersion.read(version_dir(vllm_world.run, 1)),
+            k=ENGINE_K,
+            llm=llm,
+            verify_mode="auto",
+            guard=guard,
+        )
         assert eng.verify_mode == "greedy_draft" and eng.verify_choice is None
-        plan = RolloutPlan(tuple(PlannedRollout(i, 0, "frozen") for i in range(4)), random.Random(3).getstate())
+        plan = RolloutPlan(
+            tuple(PlannedRollout(i, 0, "frozen") for i in range(4)), random.Random(3).getstate()
+        )
         prompt = torch.tensor(stat_prompt)
         eng.rollouts(plan, [prompt], Decoding(0.0, 8, frozenset({2})))
         assert eng.verify_choice is None  # T = 0: vLLM verifies by argmax whatever the mode
         eng.rollouts(plan, [prompt], Decoding(TEMPERATURE, 8, frozenset({2})))
         c = eng.verify_choice
         assert c is not None and set(c.length) == {"greedy_draft", "probabilistic"}
-        assert all(r >= 8 * 23 / (ENGINE_K + 1) for r in c.rounds.values())  # every probe prompt decoded per mode
+        assert all(
+            r >= 8 * 23 / (ENGINE_K + 1) for r in c.rounds.values()
+        )  # every probe prompt decoded per mode
         best = max(c.length, key=c.length.get)
-        past_noise = abs(c.length["probabilistic"] - c.length["greedy_draft"]) > MARGIN_SE * (
-            c.se["probabilistic"] ** 2 + c.se["greedy_draft"] ** 2) ** 0.5  # fmt: skip
+        past_noise = (
+            abs(c.length["probabilistic"] - c.length["greedy_draft"])
+            > MARGIN_SE * (c.se["probabilistic"] ** 2 + c.se["greedy_draft"] ** 2) ** 0.5
+        )
         assert c.mode == (best if past_noise else "greedy_draft")
         assert eng.verify_mode == c.mode
         m = eng.metrics()

@@ -68,8 +68,9 @@ class ListNotifications:
 
 # --------------------------------------------------------------------------------------- engine tests
 @needs_vllm
-def test_refresh_good_bad_good_without_restart(engine, vllm_world, chat_prompts, baseline, tmp_path,
-                                               reload_warnings):
+def test_refresh_good_bad_good_without_restart(
+    engine, vllm_world, chat_prompts, baseline, tmp_path, reload_warnings
+):
     from draft_align.publish.versions import version_dir, write_latest
     from draft_align.rl.drafts import DraftSource
     from draft_align.wire.messages import DraftPublished
@@ -89,8 +90,9 @@ def test_refresh_good_bad_good_without_restart(engine, vllm_world, chat_prompts,
     assert bad.mean_acceptance_length() < 1.1, bad  # the wiped lm_head proposes one fixed token
     assert bad_ids == baseline[0]  # acceptance collapsed, outputs unchanged (lossless)
     v3 = shutil.copytree(version_dir(run, 3), version_dir(rl, 3))  # announced before `latest` moves
-    msg = DraftPublished(run_id="t", draft_version=3, policy_version=2, path=str(v3),
-                         sha256=DraftVersion.read(v3).sha256)  # fmt: skip
+    msg = DraftPublished(
+        run_id="t", draft_version=3, policy_version=2, path=str(v3), sha256=DraftVersion.read(v3).sha256
+    )
     notes.queue.append(msg)
     assert source.poll() is True and source.notified == 1 and source.adapted_version.path == v3
     assert ref.apply(source.adapted_version) is True
@@ -106,7 +108,9 @@ def test_refresh_good_bad_good_without_restart(engine, vllm_world, chat_prompts,
 
 
 @needs_vllm
-def test_versions_the_source_refuses_never_reach_the_engine(engine, vllm_world, chat_prompts, baseline, tmp_path):
+def test_versions_the_source_refuses_never_reach_the_engine(
+    engine, vllm_world, chat_prompts, baseline, tmp_path
+):
     from draft_align.publish.folder import ExportError
     from draft_align.publish.versions import version_dir
     from draft_align.rl.drafts import DraftSource

@@ -24,7 +24,9 @@ QUESTIONS = ["the cat runs on mat?", "why is the sun big?", "how fast dog sits?"
 
 
 @torch.no_grad()
-def _recomputed(policy: Policy, prompt: torch.Tensor, response: torch.Tensor, temperature: float) -> torch.Tensor:
+def _recomputed(
+    policy: Policy, prompt: torch.Tensor, response: torch.Tensor, temperature: float
+) -> torch.Tensor:
     ids = torch.cat([prompt, response]).unsqueeze(0)
     logits = policy.hf_model(input_ids=ids).logits[0, prompt.numel() - 1 : -1].float()
     return torch.log_softmax(logits / temperature, -1).gather(-1, response.unsqueeze(-1)).squeeze(-1)
@@ -40,8 +42,11 @@ def rollouts(vllm_world, vllm_env):
 
     tok = AutoTokenizer.from_pretrained(vllm_world.target)
     prompts = [
-        torch.tensor(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                             return_dict=False))  # fmt: skip
+        torch.tensor(
+            tok.apply_chat_template(
+                [{"role": "user", "content": q}], add_generation_prompt=True, return_dict=False
+            )
+        )
         for q in QUESTIONS
     ]
     guard = ProbeGuard(tuple({"prompt_token_ids": p.tolist()} for p in prompts), max_tokens=24)
@@ -49,10 +54,14 @@ def rollouts(vllm_world, vllm_env):
     torch.set_num_threads(1)
     try:
         eng = VLLMRollouts(
-            str(vllm_world.target), DraftVersion.read(version_dir(vllm_world.run, 1)), k=K, dtype="float32",
+            str(vllm_world.target),
+            DraftVersion.read(version_dir(vllm_world.run, 1)),
+            k=K,
+            dtype="float32",
             max_model_len=256,
-            guard=guard, enforce_eager=True,
-        )  # fmt: skip
+            guard=guard,
+            enforce_eager=True,
+        )
         eng.prompts = prompts
         eng.eos = [int(tok.convert_tokens_to_ids("<|im_end|>")), int(tok.eos_token_id)]
         try:
@@ -64,9 +73,13 @@ def rollouts(vllm_world, vllm_env):
 
 
 def _gap(eng, policy, seeds=(1, 2, 3, 4)):
-    outs, counts = eng.generate(eng.prompts, list(seeds), temperature=TEMPERATURE, max_tokens=24, stop_ids=eng.eos)
+    outs, counts = eng.generate(
+        eng.prompts, list(seeds), temperature=TEMPERATURE, max_tokens=24, stop_ids=eng.eos
+    )
     lp = torch.cat([o.logprobs for o in outs])
-    re = torch.cat([_recomputed(policy, p, o.tokens, TEMPERATURE) for p, o in zip(eng.prompts, outs, strict=True)])
+    re = torch.cat(
+        [_recomputed(policy, p, o.tokens, TEMPERATURE) for p, o in zip(eng.prompts, outs, strict=True)]
+    )
     return logprob_gap(lp, re), outs, counts
 
 
@@ -116,15 +129,18 @@ def test_offer_use_and_guard(rollouts, vllm_world):
     assert (rollouts.serving, rollouts.adapted.version) == ("adapted", 3)
     assert not rollouts.offer(version(2))  # wiped lm_head: probe collapses, rolled back
     assert rollouts.adapted.version == 3 and rollouts.refresher.alarms == 1
-    with pytest.raises(CorruptCheckpointError):  # truncated weights: refused before anything reaches the engine
+    with pytest.raises(
+        CorruptCheckpointError
+    ):  # truncated weights: refused before anything reaches the engine
         DraftVersion.read(vllm_world.corrupt)
     assert rollouts.offers_refused == 1
     # swapping between the two known-good versions costs no probe and keeps serving real drafts
     probes = rollouts.refresher.history[-1]
     for kind in ("frozen", "adapted", "frozen"):
         rollouts.use(kind)
-        _, counts = rollouts.generate(rollouts.prompts, [5, 6, 7, 8], temperature=0.0, max_tokens=16,
-                                      stop_ids=rollouts.eos)  # fmt: skip
+        _, counts = rollouts.generate(
+            rollouts.prompts, [5, 6, 7, 8], temperature=0.0, max_tokens=16, stop_ids=rollouts.eos
+        )
         assert rollouts.serving == kind and counts.mean_acceptance_length() > 1.2, (kind, counts)
     assert rollouts.refresher.history[-1].probe_acceptance_length is None and probes.ok is False
     with pytest.raises(ValueError, match="draft kind"):
@@ -150,9 +166,21 @@ def test_grpo_steps_on_vllm_rollouts(rollouts, vllm_world, tmp_path):
     tok = AutoTokenizer.from_pretrained(vllm_world.target)
     convs = data.load_conversations(str(vllm_world.root / "chats.jsonl"))
     prompts = build_prompts(tok, convs, n=8, max_prompt_tokens=60)
-    rl = RLConfig(steps=2, prompts_per_step=2, group_size=3, max_new_tokens=12, temperature=TEMPERATURE,
-                  spec_k=K, frozen_fraction=0.5, reward="uppercase", lr=5e-2, lora_r=4, lora_alpha=8,
-                  micro_batch=6, lora_targets=["q_proj", "v_proj"])  # fmt: skip
+    rl = RLConfig(
+        steps=2,
+        prompts_per_step=2,
+        group_size=3,
+        max_new_tokens=12,
+        temperature=TEMPERATURE,
+        spec_k=K,
+        frozen_fraction=0.5,
+        reward="uppercase",
+        lr=5e-2,
+        lora_r=4,
+        lora_alpha=8,
+        micro_batch=6,
+        lora_targets=["q_proj", "v_proj"],
+    )
     recipe = CotrainRecipe(run="engine", output_dir=str(tmp_path), seed=1, rl=rl)
     policy = lora_policy(vllm_world.target, targets=("q_proj", "v_proj"))
     eos = set(rollouts.eos)
@@ -170,7 +198,9 @@ def test_grpo_steps_on_vllm_rollouts(rollouts, vllm_world, tmp_path):
     for kind in ("frozen", "adapted"):
         assert m0[f"generate_s_{kind}"] > 0
         # 3 requests per generate: every engine step drafts for at most 3 of them, and at least one
-        assert m0[f"accept_rounds_{kind}"] / 3 <= m0[f"engine_steps_{kind}"] <= m0[f"accept_rounds_{kind}"] + 1
+        assert (
+            m0[f"accept_rounds_{kind}"] / 3 <= m0[f"engine_steps_{kind}"] <= m0[f"accept_rounds_{kind}"] + 1
+        )
     assert m0["generate_s_frozen"] + m0["generate_s_adapted"] + m0["draft_swap_s"] <= m0["rollout_s"]
     assert m0["draft_poll_s"] >= 0
     assert all(r.tally is None and r.engine_logprobs.shape == r.response.shape for r in job.last_rollouts)
@@ -214,7 +244,10 @@ def test_engine_choice_in_recipe_and_launcher(monkeypatch, caplog):
 
     monkeypatch.setattr(rollouts_mod, "VLLMRollouts", refuse)
     caplog.clear()
-    assert cotrain.start_rollout_engine(CotrainRecipe(rl=RLConfig(engine="auto", spec_k=2)), None, prompts) is None
+    assert (
+        cotrain.start_rollout_engine(CotrainRecipe(rl=RLConfig(engine="auto", spec_k=2)), None, prompts)
+        is None
+    )
     assert "could not serve" in caplog.text and "head_dim 16" in caplog.text
     assert seen["k"] == 2 and seen["guard"].prompts == ({"prompt_token_ids": [5, 6, 7]},)
     with pytest.raises(EngineError, match="head_dim 16"):
@@ -234,4 +267,6 @@ def test_guard_reference_is_the_serving_version_probed_just_before(rollouts, vll
     monkeypatch.setattr(ref, "probe", lambda: next(seq))
     target = DraftVersion.read(version_dir(vllm_world.run, 1 if ref.current.version != 1 else 3))
     assert ref.apply(target)  # 0.15 ≥ 0.5 · 0.20 against the fresh reference (it would fail against 2.5)
-    assert ref.history[-1].probe_acceptance_length == pytest.approx(1.15) and ref._probe_ref == pytest.approx(1.15)
+    assert ref.history[-1].probe_acceptance_length == pytest.approx(1.15) and ref._probe_ref == pytest.approx(
+        1.15
+    )

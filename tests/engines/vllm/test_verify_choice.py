@@ -38,8 +38,10 @@ def test_choice_takes_the_other_mode_only_past_the_margin():
     assert seen == ["greedy_draft", "probabilistic"]
     assert c.mode == "probabilistic"
     assert c.length == pytest.approx({"greedy_draft": 1.425, "probabilistic": 1.8})
-    assert c.metrics() == {"verify_measured_L_greedy_draft": pytest.approx(1.425),
-                           "verify_measured_L_probabilistic": pytest.approx(1.8)}  # fmt: skip
+    assert c.metrics() == {
+        "verify_measured_L_greedy_draft": pytest.approx(1.425),
+        "verify_measured_L_probabilistic": pytest.approx(1.8),
+    }
     # within noise of each other: the current mode stays, whichever it is
     close = AcceptanceTally(400.0, [124.0, 40.0, 10.0])  # L = 1.435, < 1 SE (≈ 0.05) above greedy
     for current in ("greedy_draft", "probabilistic"):
@@ -51,16 +53,24 @@ def test_choice_with_no_rounds_and_bad_current():
     empty = AcceptanceTally.empty(3)
     some = AcceptanceTally(10.0, [3.0, 1.0, 0.0])
     measure, _ = measured({"greedy_draft": empty, "probabilistic": some})
-    assert choose_verify_mode(measure, current="greedy_draft", draft="d", temperature=1.0).mode == "probabilistic"
+    assert (
+        choose_verify_mode(measure, current="greedy_draft", draft="d", temperature=1.0).mode
+        == "probabilistic"
+    )
     measure, _ = measured({"greedy_draft": some, "probabilistic": empty})
-    assert choose_verify_mode(measure, current="greedy_draft", draft="d", temperature=1.0).mode == "greedy_draft"
+    assert (
+        choose_verify_mode(measure, current="greedy_draft", draft="d", temperature=1.0).mode == "greedy_draft"
+    )
     with pytest.raises(ValueError, match="not a candidate"):
         choose_verify_mode(measure, current="greedy", draft="d", temperature=1.0)
 
 
 def test_recipe_auto_needs_vllm_and_probe_prompts():
     CotrainRecipe(rl=RLConfig(engine="vllm", verify_mode="auto")).validate()
-    for rl in (RLConfig(engine="reference", verify_mode="auto"), RLConfig(engine="auto", verify_mode="auto"),
-               RLConfig(engine="vllm", verify_mode="auto", engine_probe_prompts=0)):  # fmt: skip
+    for rl in (
+        RLConfig(engine="reference", verify_mode="auto"),
+        RLConfig(engine="auto", verify_mode="auto"),
+        RLConfig(engine="vllm", verify_mode="auto", engine_probe_prompts=0),
+    ):
         with pytest.raises(RecipeError, match="verify_mode=auto"):
             CotrainRecipe(rl=rl).validate()

@@ -41,7 +41,9 @@ def test_worker_refuses_before_touching_the_model(engine, vllm_world, tmp_path):
     from draft_align.publish.versions import version_dir
 
     def greedy():
-        outs = engine.generate(["hello there"], SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)
+        outs = engine.generate(
+            ["hello there"], SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False
+        )
         return list(outs[0].outputs[0].token_ids)
 
     ref = DraftRefresher(engine)

@@ -19,10 +19,15 @@ def fixed_rollouts(tokenizer, seed: int = 0):
 
     def rollout_func(prompts, trainer):
         ids = trainer._tokenize_prompts(prompts)[0]
-        comps = [[rng.randrange(3, len(tokenizer)) for _ in range(COMPLETION_LENGTHS[i % len(COMPLETION_LENGTHS)])]
-                 for i in range(len(prompts))]
-        return {"prompt_ids": [list(p) for p in ids], "completion_ids": comps,
-                "logprobs": [[0.0] * len(c) for c in comps]}
+        comps = [
+            [rng.randrange(3, len(tokenizer)) for _ in range(COMPLETION_LENGTHS[i % len(COMPLETION_LENGTHS)])]
+            for i in range(len(prompts))
+        ]
+        return {
+            "prompt_ids": [list(p) for p in ids],
+            "completion_ids": comps,
+            "logprobs": [[0.0] * len(c) for c in comps],
+        }
 
     return rollout_func
 
@@ -39,13 +44,28 @@ def make_trainer(tiny_world, tmp_path):
     def build(rollout_func=None, lora_targets=("q_proj", "v_proj"), **over):
         tok = AutoTokenizer.from_pretrained(tiny_world.model)
         prompts = ["hello there", "a much longer prompt than that", "hi", "what is up today"] * 4
-        kw = dict(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=4, num_generations=2,
-                  max_completion_length=8, max_steps=1, logging_steps=1, report_to=[], use_cpu=True,
-                  bf16=False, save_strategy="no", seed=0, temperature=1.0, dataloader_num_workers=0)
+        kw = dict(
+            output_dir=str(tmp_path / "trl"),
+            per_device_train_batch_size=4,
+            num_generations=2,
+            max_completion_length=8,
+            max_steps=1,
+            logging_steps=1,
+            report_to=[],
+            use_cpu=True,
+            bf16=False,
+            save_strategy="no",
+            seed=0,
+            temperature=1.0,
+            dataloader_num_workers=0,
+        )
         kw.update(over)
         trainer = GRPOTrainer(
-            model=str(tiny_world.model), reward_funcs=lambda completions, **_: [float(len(c)) for c in completions],
-            args=GRPOConfig(**kw), train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tok,
+            model=str(tiny_world.model),
+            reward_funcs=lambda completions, **_: [float(len(c)) for c in completions],
+            args=GRPOConfig(**kw),
+            train_dataset=Dataset.from_dict({"prompt": prompts}),
+            processing_class=tok,
             peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=list(lora_targets)),
             rollout_func=rollout_func or fixed_rollouts(tok),
         )

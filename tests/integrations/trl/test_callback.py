@@ -38,7 +38,9 @@ def test_trl_run_taps_reports_and_logs_acceptance(tiny_run, tiny_env, tmp_path, 
     assert len(logs) == 3
     for h in logs:  # TRL's own logging, in its own form, plus draft_align's keys
         assert {"loss", "reward", "reward_std", "completions/mean_length"} <= set(h)
-        assert h["draft_align/accept_measured_frozen"] >= 1.0 and h["draft_align/accept_measured_adapted"] >= 1.0
+        assert (
+            h["draft_align/accept_measured_frozen"] >= 1.0 and h["draft_align/accept_measured_adapted"] >= 1.0
+        )
         assert h["draft_align/tap_tokens_accepted"] > 0  # the sidecar was up before the first step
         assert h["draft_align/callback_s"] >= 0
     mon = _rows(da.run_dir / "sidecar" / "monitor.jsonl")
@@ -75,10 +77,17 @@ def test_trl_continues_when_the_sidecar_is_killed(tiny_run, tiny_env, tmp_path, 
 
 
 @pytest.mark.parametrize("case", ["lora_lm_head", "sleep_mode", "temperature", "top_p", "layout"])
-def test_configs_that_cannot_work_fail_at_start(tiny_run, tiny_env, tmp_path, make_trainer, case, monkeypatch):
+def test_configs_that_cannot_work_fail_at_start(
+    tiny_run, tiny_env, tmp_path, make_trainer, case, monkeypatch
+):
     da = _session(tiny_run, tmp_path, "trl-bad", **({"rl.temperature": 0.7} if case == "temperature" else {}))
-    over = {"lora_lm_head": {}, "sleep_mode": {}, "temperature": {},
-            "top_p": dict(top_p=0.9), "layout": dict(gradient_accumulation_steps=2, steps_per_generation=3)}[case]
+    over = {
+        "lora_lm_head": {},
+        "sleep_mode": {},
+        "temperature": {},
+        "top_p": dict(top_p=0.9),
+        "layout": dict(gradient_accumulation_steps=2, steps_per_generation=3),
+    }[case]
     trainer = make_trainer(rollout_func=da.rollout_func, **over)
     if case == "lora_lm_head":  # TRL 1.16 refuses target_modules=["lm_head"] itself; a model adapted before
         from peft import LoraConfig, inject_adapter_in_model
@@ -89,8 +98,13 @@ def test_configs_that_cannot_work_fail_at_start(tiny_run, tiny_env, tmp_path, ma
     if case == "sleep_mode":  # what TRL would run with use_vllm=True, vllm_enable_sleep_mode=True (GPU)
         monkeypatch.setattr(trainer, "use_vllm", True)
         monkeypatch.setattr(trainer.args, "vllm_enable_sleep_mode", True)
-    match = {"lora_lm_head": "lm_head is in the policy's LoRA", "sleep_mode": "wipes the EAGLE-3 draft",
-             "temperature": "rl.temperature", "top_p": "top_p", "layout": "neither divides the other"}[case]
+    match = {
+        "lora_lm_head": "lm_head is in the policy's LoRA",
+        "sleep_mode": "wipes the EAGLE-3 draft",
+        "temperature": "rl.temperature",
+        "top_p": "top_p",
+        "layout": "neither divides the other",
+    }[case]
     with pytest.raises(TRLConfigError, match=match):
         da.callback(trainer)
 

@@ -37,26 +37,55 @@ def test_trl_grpo_example_on_smollm2_with_vllm(tmp_path, monkeypatch):
     monkeypatch.setenv("DRAFT_ALIGN_HOME", str(tmp_path / "home"))
     monkeypatch.chdir(REPO)
     # a starting draft in seconds: 6 TTT steps on 8 conversations as they are (no self-distillation)
-    ws = load_recipe(REPO / "recipes" / "smollm2_demo.yaml", [
-        f"output_dir={tmp_path / 'ck'}", f"target.model={model}", "target.dtype=float32", f"data.source={chats}",
-        "data.max_conversations=8", "data.heldout=4", "data.regenerate=false", "draft.draft_vocab_size=2048",
-        "train.max_steps=6", "train.ttt_steps=2", "train.batch_tokens=1024", "train.time_budget_s=null",
-        "train.warmup_steps=1", "eval.enabled=false", "logging.wandb=false", "logging.progress_bar=false",
-    ])  # fmt: skip
+    ws = load_recipe(
+        REPO / "recipes" / "smollm2_demo.yaml",
+        [
+            f"output_dir={tmp_path / 'ck'}",
+            f"target.model={model}",
+            "target.dtype=float32",
+            f"data.source={chats}",
+            "data.max_conversations=8",
+            "data.heldout=4",
+            "data.regenerate=false",
+            "draft.draft_vocab_size=2048",
+            "train.max_steps=6",
+            "train.ttt_steps=2",
+            "train.batch_tokens=1024",
+            "train.time_budget_s=null",
+            "train.warmup_steps=1",
+            "eval.enabled=false",
+            "logging.wandb=false",
+            "logging.progress_bar=false",
+        ],
+    )
     n_threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         start = warmstart.run(ws)["draft"]
-        out = _example().main([
-            "--steps", "4", "--prompts", "16", "--output-dir", str(tmp_path / "trl"),
-            f"output_dir={tmp_path / 'ck'}", f"target.model={model}", f"draft={start}", "rl.engine=vllm",
-            "sidecar.min_buffer_tokens=0", "sidecar.min_train_steps_per_publish=1", "sidecar.publish_every_s=0",
-            "sidecar.gate_tolerance=100", "sidecar.ttt_steps=2", "sidecar.checkpoint_every_s=5",
-            # the plumbing is under test (a published draft reaches the engine), not the drafts' quality: a draft
-            # trained on four steps of taps may probe worse than the 6-step start, and the probe guard (tested in
-            # tests/engines/vllm) would roll it back
-            "rl.engine_probe_prompts=0",
-        ])  # fmt: skip
+        out = _example().main(
+            [
+                "--steps",
+                "4",
+                "--prompts",
+                "16",
+                "--output-dir",
+                str(tmp_path / "trl"),
+                f"output_dir={tmp_path / 'ck'}",
+                f"target.model={model}",
+                f"draft={start}",
+                "rl.engine=vllm",
+                "sidecar.min_buffer_tokens=0",
+                "sidecar.min_train_steps_per_publish=1",
+                "sidecar.publish_every_s=0",
+                "sidecar.gate_tolerance=100",
+                "sidecar.ttt_steps=2",
+                "sidecar.checkpoint_every_s=5",
+                # the plumbing is under test (a published draft reaches the engine), not the drafts' quality: a draft
+                # trained on four steps of taps may probe worse than the 6-step start, and the probe guard (tested in
+                # tests/engines/vllm) would roll it back
+                "rl.engine_probe_prompts=0",
+            ]
+        )
     finally:
         torch.set_num_threads(n_threads)
     logs = [h for h in out["log_history"] if "loss" in h]
@@ -64,12 +93,18 @@ def test_trl_grpo_example_on_smollm2_with_vllm(tmp_path, monkeypatch):
     for h in logs:  # TRL's own logging keeps its form; draft_align's keys beside it
         assert {"loss", "reward", "reward_std", "completions/mean_length", "step_time"} <= set(h)
         assert h["draft_align/engine_vllm"] == 1.0
-        assert h["draft_align/accept_measured_frozen"] >= 1.0 and h["draft_align/accept_measured_adapted"] >= 1.0
+        assert (
+            h["draft_align/accept_measured_frozen"] >= 1.0 and h["draft_align/accept_measured_adapted"] >= 1.0
+        )
         assert h["draft_align/tap_tokens_accepted"] > 0
     run = Path(out["run_dir"])
-    published = [json.loads(x) for x in (run / "sidecar" / "publish.jsonl").read_text().splitlines() if x.strip()]
+    published = [
+        json.loads(x) for x in (run / "sidecar" / "publish.jsonl").read_text().splitlines() if x.strip()
+    ]
     assert published, "the sidecar published no draft"
     assert max(h["draft_align/draft_version"] for h in logs) >= 1  # the engine served a published draft
     mon = [json.loads(x) for x in (run / "sidecar" / "monitor.jsonl").read_text().splitlines() if x.strip()]
     assert {r["step"] for r in mon} >= {0, 1, 2}
-    assert any("draft_align/accept_est_adapted" in h for h in logs)  # the sidecar's estimates reached TRL's logs
+    assert any(
+        "draft_align/accept_est_adapted" in h for h in logs
+    )  # the sidecar's estimates reached TRL's logs

@@ -40,9 +40,19 @@ def _batches(sink):
 def _sequences(msg):
     cu = msg.cu_seqlens.tolist()
     for i, (a, b) in enumerate(itertools.pairwise(cu)):
-        seq = {k: (None if getattr(msg, k) is None else getattr(msg, k)[a:b])
-               for k in ("input_ids", "loss_mask", "aux_hidden", "final_hidden", "next_logprob", "logit_lse",
-                         "topk_ids", "topk_logprobs")}
+        seq = {
+            k: (None if getattr(msg, k) is None else getattr(msg, k)[a:b])
+            for k in (
+                "input_ids",
+                "loss_mask",
+                "aux_hidden",
+                "final_hidden",
+                "next_logprob",
+                "logit_lse",
+                "topk_ids",
+                "topk_logprobs",
+            )
+        }
         yield {**seq, "stats_from": msg.stats_start(i)}
 
 
@@ -68,8 +78,15 @@ def _hf_reference(trainer, inputs, topk=3):
     model.eval()
     with torch.no_grad(), hf.capturing():
         logits = model(input_ids=ids, attention_mask=am).logits  # TRL's patched forward, unfused
-        hf.submit(input_ids=ids, attention_mask=am, loss_mask=lm, logits=logits, policy_version=0, step=0,
-                  temperature=1.0)
+        hf.submit(
+            input_ids=ids,
+            attention_mask=am,
+            loss_mask=lm,
+            logits=logits,
+            policy_version=0,
+            step=0,
+            temperature=1.0,
+        )
     hf.end_step()
     return [s for m in _batches(sink) for s in _sequences(m)]
 
@@ -102,8 +119,13 @@ def _generate(trainer):
 def test_training_forward_is_tapped_like_the_hf_tap(make_trainer, topk):
     """No old pass (no vLLM): the first training forward; not the reference pass (β > 0, adapter disabled),
     not the second num_iterations pass, not the gradient-checkpointing recompute."""
-    trainer = make_trainer(beta=0.1, num_iterations=2, gradient_accumulation_steps=2, steps_per_generation=1,
-                           gradient_checkpointing=True)
+    trainer = make_trainer(
+        beta=0.1,
+        num_iterations=2,
+        gradient_accumulation_steps=2,
+        steps_per_generation=1,
+        gradient_checkpointing=True,
+    )
     assert tapped_pass(trainer) == "train"
     sink, syncs = ListSink(), []
     tap = _tap(trainer, sink, syncs, topk=topk)
@@ -125,7 +147,9 @@ def test_training_forward_is_tapped_like_the_hf_tap(make_trainer, topk):
     assert sum(1 for m in sink.messages if type(m).__name__ == "HeadSync") == 1
     _same(got, _hf_reference(trainer, inputs, topk=topk))
     tap.uninstall()
-    assert trainer._get_per_token_logps_and_entropies == type(trainer)._get_per_token_logps_and_entropies.__get__(trainer)
+    assert trainer._get_per_token_logps_and_entropies == type(
+        trainer
+    )._get_per_token_logps_and_entropies.__get__(trainer)
 
 
 def test_old_logprob_pass_is_tapped_not_the_reference_pass(make_trainer):
