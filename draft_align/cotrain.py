@@ -74,12 +74,13 @@ def build_job(
     ``notifications``: the sidecar's DraftPublished subscriber (None: the job polls ``latest``)."""
     from draft_align import assets, data
     from draft_align.conventions import float_dtype
+    from draft_align.data import tasks
     from draft_align.monitor.evaluate import eos_ids
     from draft_align.publish.tap_spec import read_tap_spec
     from draft_align.rl.drafts import DraftSource
     from draft_align.rl.grpo import GRPOJob
     from draft_align.rl.policy import Policy
-    from draft_align.rl.prompts import build_prompts, make_kl_sequences
+    from draft_align.rl.prompts import build_prompts, make_kl_sequences, select_prompts
     from draft_align.tap.hf import HFPolicyTap
 
     rl = recipe.rl
@@ -103,7 +104,13 @@ def build_job(
     convs = data.load_conversations(recipe.data.source)
     train_convs, held = data.split_heldout(convs, recipe.data.heldout, recipe.data.split_seed)
     n_prompts = max(rl.prompts_per_step * rl.steps * 4, 64)  # a pool the steps sample from
-    prompts = build_prompts(tok, train_convs[rl.first_prompt :], n_prompts, rl.max_prompt_tokens)
+    prompts, kept = select_prompts(tok, train_convs[rl.first_prompt :], n_prompts, rl.max_prompt_tokens)
+    answers = None
+    if tasks.is_task_source(recipe.data.source):  # a verifiable task: each prompt's checked answer
+        by_question = tasks.answers_by_question(tasks.task_problems(recipe.data.source))
+        train_q = [train_convs[rl.first_prompt + i].messages[0].content for i in kept]
+        tasks.check_disjoint(train_q, [c.messages[0].content for c in held])
+        answers = [by_question[q] for q in train_q]
     eos = eos_ids(target, tok)
     kl_prompts = build_prompts(tok, held, rl.kl_prompts, rl.max_prompt_tokens)
     kl_sequences = make_kl_sequences(policy, kl_prompts, rl.max_new_tokens, eos, recipe.seed)
@@ -130,6 +137,7 @@ def build_job(
         eos,
         extra_metrics=extra,
         engine=engine,
+        answers=answers,
     )
 
 

@@ -3,7 +3,8 @@
 Rows may be in ShareGPT form (``{"conversations": [{"from": "human", "value": ...}, ...]}``) or
 OpenAI form (``{"messages": [{"role": "user", "content": ...}, ...]}``), from a local
 ``.jsonl`` / ``.json`` / ``.parquet`` file, a ``datasets`` hub name (``name`` or ``name:split``),
-or the embedded default ``"sharegpt"``.
+or the embedded default ``"sharegpt"``; or a verifiable-reward task generated in-process (``task:NAME[:SEED]``,
+:mod:`draft_align.data.tasks`).
 
 Role normalisation: ``human``/``user`` → user; ``gpt``/``chatgpt``/``bing``/``bard``/``model``/
 ``assistant`` → assistant; ``system`` → system. A conversation with any other role (``tool``,
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from draft_align import assets
+from draft_align.data import tasks
 from draft_align.data.conversations import Conversation, DataError, Message
 
 logger = logging.getLogger(__name__)
@@ -51,6 +53,9 @@ def load_conversations(source: str, limit: int | None = None) -> list[Conversati
         raise ValueError(f"limit={limit} must be non-negative")
     if limit == 0:
         return []
+    if tasks.is_task_source(source):  # generated in-process: task:NAME[:SEED]
+        convs = [p.conversation() for p in tasks.task_problems(source)]
+        return convs[:limit] if limit is not None else convs
     resolved = assets.resolve_data(source)
     try:
         convs, report = _parse_rows(_iter_rows(resolved), limit, source=resolved)

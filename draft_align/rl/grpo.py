@@ -33,12 +33,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from draft_align.conventions import DRAFT_KINDS, DraftKind
+from draft_align.data.tasks import score
 from draft_align.engines.rollout_types import Decoding, Rollout
 from draft_align.monitor.acceptance import AcceptanceTally
 from draft_align.rl.drafts import DraftSource
 from draft_align.rl.loss import GRPOError, clipped_surrogate, group_advantages, k3_kl, token_logprobs
 from draft_align.rl.policy import Policy, Sequences, adapter_dir, gather_response
-from draft_align.rl.rewards import reward_fn
+from draft_align.rl.rewards import TASK_REWARDS, reward_fn, safe_reward
 from draft_align.rl.rollouts import ReferenceRollouts, RolloutEngine, plan_rollouts
 from draft_align.wire.messages import StepReport
 
@@ -90,10 +91,15 @@ class GRPOJob:
         pad_id: int | None = None,
         extra_metrics: Callable[[], dict[str, Any]] | None = None,
         engine: RolloutEngine | None = None,
+        answers: list[int] | None = None,
     ) -> None:
         rl = recipe.rl
         if not prompts:
             raise GRPOError("no RL prompts")
+        if answers is not None and len(answers) != len(prompts):
+            raise GRPOError(f"{len(answers)} answers for {len(prompts)} prompts")
+        if rl.reward in TASK_REWARDS and answers is None:
+            raise GRPOError(f"rl.reward={rl.reward} checks answers: data.source must be a task (task:NAME)")
         if rl.prompts_per_step < 1 or rl.prompts_per_step > len(prompts):
             raise GRPOError(
                 f"rl.prompts_per_step={rl.prompts_per_step} must be in 1..{len(prompts)} (prompts)"
@@ -122,6 +128,9 @@ class GRPOJob:
             pad_id if pad_id is not None else tok_pad if tok_pad is not None else min(eos_ids, default=0)
         )
         self.reward = reward_fn(rl.reward)
+        self.answers = answers  # the checked answer of each prompt (task rewards), None for chat prompts
+        self.reward_errors = 0  # completions whose reward raised or was not finite (rewarded 0, counted)
+        self._reward_metrics: dict[str, Any] = {}
         self.optimizer = torch.optim.AdamW(policy.trainable_parameters(), lr=rl.lr, weight_decay=0.0)
         self.step_index = 0
         # when each policy version was created (its update) and tapped (its log-prob pass), for the lag from
@@ -226,6 +235,7 @@ class GRPOJob:
             "reward_mean": float(rewards.mean()),
             "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
             "finished_frac": sum(r.finished for r in rollouts) / len(rollouts),
+            **self._reward_metrics,
             "kl_to_initial": kl,
             **self._acceptance(rollouts, tallies),
             "draft_version": served_version,
@@ -279,9 +289,19 @@ class GRPOJob:
         )
         decoding = Decoding(rl.temperature, rl.max_new_tokens, self.eos_ids)
         rollouts, tallies = self.engine.rollouts(plan, self.prompts, decoding)
-        for r in rollouts:
+        correct = 0
+        for i, r in enumerate(rollouts):
             text = self.tokenizer.decode(r.response.tolist(), skip_special_tokens=True)
-            r.reward = self.reward(text, r.finished)
+            answer = self.answers[r.prompt_index] if self.answers is not None else None
+            r.reward, error = safe_reward(self.reward, text, r.finished, answer)
+            if error is not None:
+                self.reward_errors += 1
+                log.warning("step %d: reward of rollout %d refused (%s); it gets 0", step, i, error)
+            elif answer is not None:
+                correct += score(answer, text, r.finished).correct
+        self._reward_metrics = {"reward_errors": self.reward_errors}
+        if self.answers is not None:
+            self._reward_metrics["correct_frac"] = correct / len(rollouts)
         return rollouts, tallies
 
     def _acceptance(

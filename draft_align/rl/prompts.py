@@ -20,15 +20,25 @@ log = logging.getLogger(__name__)
 def build_prompts(
     tokenizer: Any, conversations: Sequence[data.Conversation], n: int, max_prompt_tokens: int
 ) -> list[torch.Tensor]:
-    """The first ``n`` conversations' prompts (chat template + generation prompt) of ≤ ``max_prompt_tokens``.
+    """The first ``n`` conversations' prompts (chat template + generation prompt) of ≤ ``max_prompt_tokens``;
+    longer prompts and conversations the template cannot render are skipped."""
+    return select_prompts(tokenizer, conversations, n, max_prompt_tokens)[0]
+
+
+def select_prompts(
+    tokenizer: Any, conversations: Sequence[data.Conversation], n: int, max_prompt_tokens: int
+) -> tuple[list[torch.Tensor], list[int]]:
+    """The first ``n`` conversations' prompts (chat template + generation prompt) of ≤ ``max_prompt_tokens``,
+    and the index in ``conversations`` of each one kept.
 
     Longer prompts and conversations the template cannot render are skipped.
     """
     if n < 1 or max_prompt_tokens < 1:
         raise GRPOError(f"n ({n}) and max_prompt_tokens ({max_prompt_tokens}) must be ≥ 1")
     out: list[torch.Tensor] = []
+    kept: list[int] = []
     skipped = 0
-    for conv in conversations:
+    for index, conv in enumerate(conversations):
         if len(out) >= n:
             break
         try:
@@ -38,11 +48,12 @@ def build_prompts(
             continue
         if 1 <= ids.numel() <= max_prompt_tokens:
             out.append(ids)
+            kept.append(index)
         else:
             skipped += 1
     if skipped:
         log.info("build_prompts: %d prompts kept, %d skipped (too long or unrenderable)", len(out), skipped)
-    return out
+    return out, kept
 
 
 @torch.no_grad()

@@ -1,44 +1,70 @@
-"""Rule-based rewards on a decoded response.
+"""Rewards on a decoded response: rule-based style rewards and verifiable task rewards.
 
-Each reward is ``f(text, finished) -> float`` where ``text`` is the decoded response (special tokens
-skipped) and ``finished`` says whether it ended with an eos token (not cut at ``max_new_tokens``):
+Each reward is ``f(text, finished, answer=None) -> float`` where ``text`` is the decoded response (special
+tokens skipped), ``finished`` says whether it ended with an eos token (not cut at ``max_new_tokens``), and
+``answer`` is the problem's checked answer (task rewards need it; the style rewards ignore it):
 
 - ``enthusiasm``  min(#'!', 4) / 4  − 0.5·[not finished]                          ∈ [−0.5, 1]
 - ``uppercase``   #uppercase letters / #letters (0 with no letter) − 0.5·[not finished] ∈ [−0.5, 1]
 - ``brevity``     1 − min(len(text), 400) / 400 if finished else 0   (length in characters) ∈ [0, 1]
+- ``task``        0.2·format + 0.8·correct of the last ``Answer: <int>`` line (``data.tasks.score``)  ∈ [0, 1]
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from typing import Protocol
 
-RewardFn = Callable[[str, bool], float]
+from draft_align.data.tasks import Score, score
+
+
+class RewardFn(Protocol):
+    def __call__(self, text: str, finished: bool, answer: int | None = None) -> float: ...
+
+
+class RewardError(ValueError):
+    """A reward that cannot be computed for a completion (it raised, or returned NaN/inf)."""
+
 
 ENTHUSIASM_CAP = 4  # exclamation marks beyond this earn nothing more
 BREVITY_CHARS = 400  # responses this long or longer earn no brevity reward
 UNFINISHED_PENALTY = 0.5
+FORMAT_WEIGHT = 0.2  # task reward: the answer line alone earns this; a correct answer earns 1
 
 
-def enthusiasm(text: str, finished: bool) -> float:
+def enthusiasm(text: str, finished: bool, answer: int | None = None) -> float:
     """min(count('!'), 4) / 4, minus 0.5 when the response did not end with eos."""
     return min(text.count("!"), ENTHUSIASM_CAP) / ENTHUSIASM_CAP - (0.0 if finished else UNFINISHED_PENALTY)
 
 
-def uppercase(text: str, finished: bool) -> float:
+def uppercase(text: str, finished: bool, answer: int | None = None) -> float:
     """Fraction of letters that are uppercase (0 with no letter), minus 0.5 when unfinished."""
     letters = [c for c in text if c.isalpha()]
     frac = sum(c.isupper() for c in letters) / len(letters) if letters else 0.0
     return frac - (0.0 if finished else UNFINISHED_PENALTY)
 
 
-def brevity(text: str, finished: bool) -> float:
+def brevity(text: str, finished: bool, answer: int | None = None) -> float:
     """1 − min(len(text), 400)/400 for a finished response (in characters); 0 when unfinished."""
     if not finished:
         return 0.0
     return 1.0 - min(len(text), BREVITY_CHARS) / BREVITY_CHARS
 
 
-REWARD_NAMES: tuple[str, ...] = ("enthusiasm", "uppercase", "brevity")
+def task_reward_value(s: Score) -> float:
+    """0.2·format + 0.8·correct (a correct answer has the format, so it earns 1)."""
+    return FORMAT_WEIGHT * s.format + (1.0 - FORMAT_WEIGHT) * s.correct
+
+
+def task(text: str, finished: bool, answer: int | None = None) -> float:
+    """The verifiable task reward: format and correctness of the response's last ``Answer:`` line."""
+    if answer is None:
+        raise RewardError("the task reward needs the problem's answer (a task source: data.source task:NAME)")
+    return task_reward_value(score(answer, text, finished))
+
+
+REWARD_NAMES: tuple[str, ...] = ("enthusiasm", "uppercase", "brevity", "task")
+TASK_REWARDS: frozenset[str] = frozenset({"task"})
 
 
 def reward_fn(name: str) -> RewardFn:
@@ -49,4 +75,18 @@ def reward_fn(name: str) -> RewardFn:
         return uppercase
     if name == "brevity":
         return brevity
+    if name == "task":
+        return task
     raise ValueError(f"unknown reward {name!r}; expected one of {list(REWARD_NAMES)}")
+
+
+def safe_reward(fn: RewardFn, text: str, finished: bool, answer: int | None) -> tuple[float, str | None]:
+    """``fn``'s reward, or (0.0, a one-line reason) when it raises or returns a non-finite value: one bad
+    completion must not end the step."""
+    try:
+        value = float(fn(text, finished, answer))
+    except Exception as e:  # a user's reward function may raise anything
+        return 0.0, f"{type(e).__name__}: {e}"
+    if not math.isfinite(value):
+        return 0.0, f"non-finite reward {value}"
+    return value, None

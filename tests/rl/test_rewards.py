@@ -1,6 +1,17 @@
+import math
+
 import pytest
 
-from draft_align.rl.rewards import REWARD_NAMES, brevity, enthusiasm, reward_fn, uppercase
+from draft_align.rl.rewards import (
+    REWARD_NAMES,
+    RewardError,
+    brevity,
+    enthusiasm,
+    reward_fn,
+    safe_reward,
+    task,
+    uppercase,
+)
 
 
 @pytest.mark.parametrize(
@@ -33,10 +44,39 @@ def test_reward_table(name, text, finished, expected):
 
 
 def test_dispatch_returns_the_named_functions():
-    assert [reward_fn(n) for n in REWARD_NAMES] == [enthusiasm, uppercase, brevity]
+    assert [reward_fn(n) for n in REWARD_NAMES] == [enthusiasm, uppercase, brevity, task]
 
 
 @pytest.mark.parametrize("bad", ["", "Enthusiasm", "length", "brevity "])
 def test_unknown_reward_lists_names(bad):
     with pytest.raises(ValueError, match=r"unknown reward .*enthusiasm.*uppercase.*brevity"):
         reward_fn(bad)
+
+
+@pytest.mark.parametrize(
+    ("text", "finished", "expected"),
+    [
+        ("7 + 8 = 15\nAnswer: 15", True, 1.0),  # correct (and so formatted)
+        ("Answer: 16", True, 0.2),  # the format alone
+        ("fifteen", True, 0.0),
+        ("Answer: 15", False, 0.0),  # cut: no credit
+    ],
+)
+def test_task_reward(text, finished, expected):
+    assert reward_fn("task")(text, finished, 15) == pytest.approx(expected)
+
+
+def test_task_reward_needs_an_answer():
+    with pytest.raises(RewardError, match="needs the problem's answer"):
+        task("Answer: 3", True)
+
+
+def test_safe_reward_counts_a_raising_or_non_finite_reward_as_an_error():
+    def boom(text, finished, answer=None):
+        raise KeyError("x")
+
+    assert safe_reward(boom, "a", True, None) == (0.0, "KeyError: 'x'")
+    value, why = safe_reward(lambda t, f, a=None: math.nan, "a", True, None)
+    assert value == 0.0 and why == "non-finite reward nan"
+    assert safe_reward(lambda t, f, a=None: -math.inf, "a", True, None)[1] == "non-finite reward -inf"
+    assert safe_reward(task, "Answer: 2", True, 2) == (1.0, None)

@@ -1,0 +1,79 @@
+"""Verifiable-reward tasks (draft_align.data.tasks): generation, sources, the answer check."""
+
+import pytest
+
+from draft_align import data
+from draft_align.data import tasks
+from draft_align.data.tasks import Score, make_problems, parse_answer, score
+
+
+@pytest.mark.parametrize("name", tasks.TASK_NAMES)
+def test_problems_are_distinct_deterministic_and_solved_by_their_solution(name):
+    a = make_problems(name, 300, seed=1)
+    assert a == make_problems(name, 300, seed=1)
+    assert a != make_problems(name, 300, seed=2)
+    assert len({p.question for p in a}) == 300
+    for p in a:  # the reference solution earns the full reward: its answer line is the answer
+        assert score(p.answer, p.solution, True) == Score(True, True)
+        assert "Answer: <number>" in p.question
+
+
+def test_answers_are_computed_from_the_question():
+    (p,) = make_problems("add", 1, seed=3)
+    a, b = (int(x) for x in p.question.split("?")[0].removeprefix("What is ").split(" + "))
+    assert p.answer == a + b
+    for q in make_problems("arith", 50):
+        nums = [int(t) for t in q.question.split(".")[0].removeprefix("Compute ").split() if t.isdigit()]
+        assert q.answer == nums[0] + nums[1] - nums[2]
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [
+        ("Answer: 42", 42),
+        ("12 + 30 = 42\nAnswer: 42", 42),
+        ("Answer: 1\nno wait\nAnswer: -7", -7),  # the last answer line counts
+        ("Answer: **1,200**", 1200),
+        ("The answer is 42", None),
+        ("Answer: forty", None),
+        ("", None),
+    ],
+)
+def test_parse_answer(text, value):
+    assert parse_answer(text) == value
+
+
+@pytest.mark.parametrize(
+    ("text", "finished", "expected"),
+    [
+        ("Answer: 81", True, Score(True, True)),
+        ("Answer: 80", True, Score(True, False)),
+        ("it is 81", True, Score(False, False)),
+        ("Answer: 81", False, Score(False, False)),  # cut at max_new_tokens: no format, no credit
+    ],
+)
+def test_score(text, finished, expected):
+    assert score(81, text, finished) == expected
+
+
+def test_task_source_loads_as_conversations_and_splits_disjoint():
+    convs = data.load_conversations("task:add:5")
+    assert len(convs) == tasks.POOL_SIZES["add"]
+    assert [c.messages[0].content for c in convs[:10]] == [p.question for p in make_problems("add", 10, 5)]
+    train, held = data.split_heldout(convs, 64, 0)
+    tasks.check_disjoint([c.messages[0].content for c in train], [c.messages[0].content for c in held])
+    assert len(data.load_conversations("task:arith", limit=7)) == 7
+
+
+def test_overlapping_training_and_heldout_problems_are_refused():
+    qs = [p.question for p in make_problems("add", 20)]
+    with pytest.raises(data.DataError, match="3 training problems are also held out"):
+        tasks.check_disjoint(qs[:10], qs[7:15])
+
+
+@pytest.mark.parametrize("bad", ["task:", "task:nope", "task:add:x", "task:add:1:2"])
+def test_bad_task_sources_are_one_line_errors(bad):
+    with pytest.raises(data.DataError, match="task source|unknown task"):
+        tasks.parse_source(bad)
+    with pytest.raises(data.DataError):
+        data.load_conversations(bad)
