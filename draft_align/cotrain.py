@@ -62,6 +62,22 @@ def write_resolved(recipe: CotrainRecipe) -> Path:
     return save_recipe(recipe, recipe.run_dir / RESOLVED_RECIPE)
 
 
+def save_prompts(run_dir: Path, convs: list[Any]) -> Path:
+    """The RL job's prompts (their turns up to the first answer) as ``<run>/rl/prompts.jsonl``: a chat source
+    ``draft-align warmstart`` self-distils an in-domain draft from (``advise`` prints the command)."""
+    from draft_align.data import Conversation
+    from draft_align.monitor.advise import PROMPTS_FILE
+
+    path = run_dir / PROMPTS_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    with tmp.open("wb") as f:
+        for c in convs:
+            f.write(Conversation(tuple(c.prompt)).to_bytes() + b"\n")
+    os.replace(tmp, path)
+    return path
+
+
 def build_job(
     recipe: CotrainRecipe,
     start: Path,
@@ -108,9 +124,10 @@ def build_job(
     answers = None
     if tasks.is_task_source(recipe.data.source):  # a verifiable task: each prompt's checked answer
         by_question = tasks.answers_by_question(tasks.task_problems(recipe.data.source))
-        train_q = [train_convs[rl.first_prompt + i].messages[0].content for i in kept]
-        tasks.check_disjoint(train_q, [c.messages[0].content for c in held])
+        train_q = [tasks.question_of(train_convs[rl.first_prompt + i]) for i in kept]
+        tasks.check_disjoint(train_q, [tasks.question_of(c) for c in held])
         answers = [by_question[q] for q in train_q]
+    save_prompts(recipe.run_dir, [train_convs[rl.first_prompt + i] for i in kept])
     eos = eos_ids(target, tok)
     kl_prompts = build_prompts(tok, held, rl.kl_prompts, rl.max_prompt_tokens)
     kl_sequences = make_kl_sequences(policy, kl_prompts, rl.max_new_tokens, eos, recipe.seed)

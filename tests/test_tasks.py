@@ -15,15 +15,15 @@ def test_problems_are_distinct_deterministic_and_solved_by_their_solution(name):
     assert len({p.question for p in a}) == 300
     for p in a:  # the reference solution earns the full reward: its answer line is the answer
         assert score(p.answer, p.solution, True) == Score(True, True)
-        assert "Answer: <number>" in p.question
+        assert "Answer: <number>" in p.system and p.conversation().messages[0].role == "system"
 
 
 def test_answers_are_computed_from_the_question():
-    (p,) = make_problems("add", 1, seed=3)
-    a, b = (int(x) for x in p.question.split("?")[0].removeprefix("What is ").split(" + "))
-    assert p.answer == a + b
+    for p in make_problems("add", 100, seed=3):
+        a, b = (int(t) for t in p.question.rstrip("?.").replace(" and ", " + ").split() if t.isdigit())
+        assert p.answer == a + b and 1 <= a <= 19 and 1 <= b <= 9
     for q in make_problems("arith", 50):
-        nums = [int(t) for t in q.question.split(".")[0].removeprefix("Compute ").split() if t.isdigit()]
+        nums = [int(t) for t in q.question.rstrip("?").split() if t.isdigit()]
         assert q.answer == nums[0] + nums[1] - nums[2]
 
 
@@ -48,7 +48,9 @@ def test_parse_answer(text, value):
     [
         ("Answer: 81", True, Score(True, True)),
         ("Answer: 80", True, Score(True, False)),
-        ("it is 81", True, Score(False, False)),
+        ("it is 81", True, Score(False, True)),  # right, in the wrong format
+        ("it is 18", True, Score(False, False)),
+        ("81 or 80\nAnswer: 80", True, Score(True, False)),  # the answer line wins over the last integer
         ("Answer: 81", False, Score(False, False)),  # cut at max_new_tokens: no format, no credit
     ],
 )
@@ -59,9 +61,9 @@ def test_score(text, finished, expected):
 def test_task_source_loads_as_conversations_and_splits_disjoint():
     convs = data.load_conversations("task:add:5")
     assert len(convs) == tasks.POOL_SIZES["add"]
-    assert [c.messages[0].content for c in convs[:10]] == [p.question for p in make_problems("add", 10, 5)]
+    assert [tasks.question_of(c) for c in convs[:10]] == [p.question for p in make_problems("add", 10, 5)]
     train, held = data.split_heldout(convs, 64, 0)
-    tasks.check_disjoint([c.messages[0].content for c in train], [c.messages[0].content for c in held])
+    tasks.check_disjoint([tasks.question_of(c) for c in train], [tasks.question_of(c) for c in held])
     assert len(data.load_conversations("task:arith", limit=7)) == 7
 
 

@@ -5,16 +5,18 @@ A task source is named ``task:NAME`` or ``task:NAME:SEED`` wherever a chat sourc
 (``POOL_SIZES``) as one-turn conversations (the user's question; the assistant's turn is the reference solution), so
 ``split_heldout`` holds problems out as it holds out chat data, and no problem occurs twice in a pool.
 
-Every task asks for a final line ``Answer: <value>``; :func:`score` reads the last such line:
+Every task's system prompt asks for the working, then a final line ``Answer: <value>``, and shows one example
+reply. :func:`score` reads the response (both need it finished, not cut at ``max_new_tokens``):
 
-- ``format``: the response finished (not cut) and has an ``Answer:`` line whose value parses;
-- ``correct``: that value equals the problem's answer.
+- ``format``: it has an ``Answer: <int>`` line;
+- ``correct``: its answer equals the problem's: the last ``Answer:`` line's value, or without one the last
+  integer in the text (a right answer in the wrong format still counts as right).
 
-Tasks (``TASK_NAMES``):
+Tasks (``TASK_NAMES``; ``benchmarks/task_probe.py`` measures how SmolLM2-135M-Instruct does on each):
 
-- ``add``       two 2-digit numbers added, the answer alone;
-- ``arith``     ``a + b - c`` (2-digit), worked step by step, then the answer;
-- ``convert``   a unit conversion (km→m, m→cm, h→min, kg→g, min→s), worked, then the answer.
+- ``add``       ``a + b`` with a in 1..19, b in 1..9, in four phrasings, worked in one line;
+- ``arith``     ``a + b - c`` (2-digit), worked step by step;
+- ``convert``   a unit conversion (km→m, h→min, kg→g, ...), worked in one sentence.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from draft_align.data.conversations import Conversation, DataError, Message
 TASK_PREFIX = "task:"
 DEFAULT_SEED = 0
 ANSWER_RE = re.compile(r"Answer:\s*\**\s*(-?\d[\d,]*)")
+INT_RE = re.compile(r"-?\d[\d,]*")
+SYSTEM = "You are a calculator. Reply in exactly this format:\n<working>\nAnswer: <number>\nExample reply to '{q}':\n{s}"
 
 
 @dataclass(frozen=True)
@@ -38,9 +42,12 @@ class Problem:
     question: str
     answer: int
     solution: str
+    system: str
 
     def conversation(self) -> Conversation:
-        return Conversation((Message("user", self.question), Message("assistant", self.solution)))
+        """system (format and example) → user (the question) → assistant (the reference solution)."""
+        turns = (Message("system", self.system), Message("user", self.question))
+        return Conversation((*turns, Message("assistant", self.solution)))
 
 
 @dataclass(frozen=True)
@@ -51,38 +58,54 @@ class Score:
     correct: bool
 
 
+def _system(example_question: str, example_solution: str) -> str:
+    return SYSTEM.format(q=example_question, s=example_solution)
+
+
+_ADD_PHRASES = (
+    "What is {a} + {b}?",
+    "Add {a} and {b}.",
+    "Compute {a} + {b}.",
+    "What is the sum of {a} and {b}?",
+)
+_ADD_SYSTEM = _system("What is 12 + 7?", "12 + 7 = 19\nAnswer: 19")
+
+
 def _add(rng: random.Random) -> Problem:
-    a, b = rng.randint(10, 99), rng.randint(10, 99)
-    q = f"What is {a} + {b}? Reply with one line: Answer: <number>"
-    return Problem(q, a + b, f"Answer: {a + b}")
+    a, b = rng.randint(1, 19), rng.randint(1, 9)
+    q = rng.choice(_ADD_PHRASES).format(a=a, b=b)
+    return Problem(q, a + b, f"{a} + {b} = {a + b}\nAnswer: {a + b}", _ADD_SYSTEM)
+
+
+_ARITH_SYSTEM = _system("What is 12 + 7 - 5?", "12 + 7 = 19\n19 - 5 = 14\nAnswer: 14")
 
 
 def _arith(rng: random.Random) -> Problem:
     a, b, c = rng.randint(10, 99), rng.randint(10, 99), rng.randint(10, 99)
-    q = f"Compute {a} + {b} - {c}. Work it out step by step, then finish with one line: Answer: <number>"
+    q = f"What is {a} + {b} - {c}?"
     s = f"{a} + {b} = {a + b}\n{a + b} - {c} = {a + b - c}\nAnswer: {a + b - c}"
-    return Problem(q, a + b - c, s)
+    return Problem(q, a + b - c, s, _ARITH_SYSTEM)
 
 
 _UNITS = (("kilometers", "meters", 1000), ("meters", "centimeters", 100), ("hours", "minutes", 60))
 _UNITS += (("kilograms", "grams", 1000), ("minutes", "seconds", 60), ("liters", "milliliters", 1000))
 _UNITS += (("days", "hours", 24), ("weeks", "days", 7), ("feet", "inches", 12))
+_CONVERT_SYSTEM = _system(
+    "How many grams are in 3 kilograms?", "3 kilograms is 3 × 1000 = 3000 grams.\nAnswer: 3000"
+)
 
 
 def _convert(rng: random.Random) -> Problem:
     big, small, factor = rng.choice(_UNITS)
     x = rng.randint(2, 99)
-    q = (
-        f"How many {small} are in {x} {big}? Explain in one sentence, then finish with one line: "
-        "Answer: <number>"
-    )
-    s = f"One of the {big} is {factor} {small}, so {x} {big} is {x} × {factor} = {x * factor} {small}.\n"
-    return Problem(q, x * factor, s + f"Answer: {x * factor}")
+    q = f"How many {small} are in {x} {big}?"
+    s = f"{x} {big} is {x} × {factor} = {x * factor} {small}.\nAnswer: {x * factor}"
+    return Problem(q, x * factor, s, _CONVERT_SYSTEM)
 
 
 _TASKS: dict[str, Callable[[random.Random], Problem]] = {"add": _add, "arith": _arith, "convert": _convert}
-# problems in one task source: distinct, and well inside each task's space (add 8,100; convert 882)
-POOL_SIZES = {"add": 4096, "arith": 4096, "convert": 640}
+# problems in one task source: distinct, and inside each task's space (add 684, convert 882 questions)
+POOL_SIZES = {"add": 640, "arith": 4096, "convert": 640}
 TASK_NAMES: tuple[str, ...] = tuple(_TASKS)
 
 
@@ -127,6 +150,11 @@ def task_problems(source: str) -> list[Problem]:
     return make_problems(name, POOL_SIZES[name], seed)
 
 
+def question_of(conv: Conversation) -> str:
+    """A task conversation's question: its first user turn."""
+    return next(m.content for m in conv.messages if m.role == "user")
+
+
 def answers_by_question(problems: list[Problem]) -> dict[str, int]:
     return {p.question: p.answer for p in problems}
 
@@ -153,7 +181,17 @@ def parse_answer(text: str) -> int | None:
         return None
 
 
+def last_integer(text: str) -> int | None:
+    found = INT_RE.findall(text)
+    return int(found[-1].replace(",", "")) if found else None
+
+
 def score(answer: int, text: str, finished: bool) -> Score:
     """The format and correctness of response ``text`` to a problem whose answer is ``answer``."""
-    value = parse_answer(text) if finished else None
-    return Score(value is not None, value is not None and value == answer)
+    if not finished:
+        return Score(False, False)
+    value = parse_answer(text)
+    formatted = value is not None
+    if value is None:
+        value = last_integer(text)
+    return Score(formatted, value is not None and value == answer)

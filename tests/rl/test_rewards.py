@@ -59,6 +59,7 @@ def test_unknown_reward_lists_names(bad):
         ("7 + 8 = 15\nAnswer: 15", True, 1.0),  # correct (and so formatted)
         ("Answer: 16", True, 0.2),  # the format alone
         ("fifteen", True, 0.0),
+        ("it is 15", True, 0.8),  # correct without the answer line
         ("Answer: 15", False, 0.0),  # cut: no credit
     ],
 )
