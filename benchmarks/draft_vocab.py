@@ -31,7 +31,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.arms import (  # noqa: E402
+from benchmarks.common.arms import (  # noqa: E402
     add_common_args,
     finish,
     prepare_shared,

@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from benchmarks.results_md import replace_section  # noqa: E402
+from benchmarks.common.results_md import replace_section  # noqa: E402
 
 HEAD = "## Train-step profile (benchmarks/train_step_profile.py)"
 # operator name → group; the first matching prefix wins (aten names, as torch.profiler reports them)

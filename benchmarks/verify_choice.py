@@ -31,7 +31,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.results_md import replace_section, repo_relative  # noqa: E402
+from benchmarks.common.results_md import replace_section, repo_relative  # noqa: E402
 from benchmarks.vllm_engine import TARGET, held_out_prompts  # noqa: E402
 from draft_align.engines.vllm.verify_choice import MARGIN_SE  # noqa: E402
 

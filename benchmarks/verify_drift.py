@@ -27,8 +27,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.pooled import pooled_acceptance as pooled  # noqa: E402
-from benchmarks.results_md import replace_section  # noqa: E402
+from benchmarks.common.pooled import pooled_acceptance as pooled  # noqa: E402
+from benchmarks.common.results_md import replace_section  # noqa: E402
 
 HEAD = "## Drift with the verify mode chosen by measurement (benchmarks/verify_drift.py)"
 

@@ -42,7 +42,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.results_md import replace_section  # noqa: E402
+from benchmarks.common.results_md import replace_section  # noqa: E402
 
 log = logging.getLogger("bench.vllm")
 HEAD = "## vLLM engine: speed, calibration, refresh latency, log-probs (benchmarks/vllm_engine.py)"
