@@ -120,6 +120,9 @@ class TrainConfig:
     checkpoint_every: int = 50
     # null: bf16 where the device computes it natively, else fp32 (train/precision.py)
     autocast_bf16: bool | None = None
+    # soft CE through the fused log-sum-exp (train/fused_lse.py) where the head allows; false: checkpointed
+    # logit blocks (same values and gradients, logits recomputed in backward)
+    fused_soft_ce: bool = True
     cache_hidden: bool = True  # keep captured target states on disk for later epochs / reruns
     max_consecutive_nonfinite: int = 3
     num_threads: int | None = None
@@ -207,6 +210,7 @@ class SidecarConfig:
     weight_decay: float = 0.0
     grad_clip: float = 0.5
     autocast_bf16: bool | None = None  # null: bf16 where native (train/precision.py), else fp32
+    fused_soft_ce: bool = True  # as train.fused_soft_ce
     min_train_steps_per_publish: int = 10
     publish_every_s: float = 20.0  # try to publish at most this often (after enough steps)
     # also try once as soon as the candidate has trained on a policy version newer than the published draft's
