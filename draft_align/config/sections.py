@@ -52,9 +52,8 @@ class DataConfig:
     gen_batch_size: int = 48
     gen_time_budget_s: float | None = None  # stop generating after this long; train on what is cached
     # what generates them: vllm (batched engine, continuous batching) | hf (the KV-cached HF loop) | auto (vllm
-    # when importable and it starts on the target, else hf); the same cache either way.  hf by default: in fp32
-    # vLLM was 2.4x faster here, but in bf16 on this CPU (no native bf16) `make demo`'s warm-start generated at
-    # 18-20 tokens/s on vLLM and its capture ran slower afterwards (README, "Self-distillation")
+    # when importable and it starts on the target, else hf); the same cache either way (docs/warmstart.md, step 2:
+    # why hf is the default)
     gen_engine: GenEngineChoice = GenEngineChoice("hf")
     # more train conversations (after the max_conversations above) used with their ORIGINAL responses:
     # target soft targets on other text — cheap volume (a forward pass, no generation)
@@ -89,7 +88,7 @@ class DraftConfig:
     adapt: AdaptChoice = AdaptChoice("full")  # lora over a warm-started draft (eagle3: needs init_from)
     lora: LoraAdaptConfig = field(default_factory=LoraAdaptConfig)
     aux_layer_ids: list[int] | None = None  # HF hidden_states indices; None = engines' (2, L//2, L-3)
-    # 16k: at equal training wall-clock it beat 32k and the full vocabulary here (benchmarks/draft_vocab.py; RESULTS.md)
+    # tokens the draft can propose (d2t/t2d map onto the target's vocabulary; docs/warmstart.md, step 4)
     draft_vocab_size: int = 16384
     init_lm_head_from_target: bool = True
     train_lm_head: bool = True
@@ -180,10 +179,8 @@ class SidecarConfig:
     holdout_every: int = 4
     fresh_first: bool = True  # batches start with the newest policy version's records no batch has drawn yet
     # train at most this many tokens per token received (a replay ratio): without new data the sidecar
-    # waits instead of over-fitting the few sequences it holds.  16, not 4, from benchmarks/adapt_replay.py
-    # (RESULTS.md "Sidecar settings on the same taps"): on one recorded vLLM drift run 16 led 4 by +0.008 ±
-    # 0.003 (greedy draft, last half) and +0.013 ± 0.003 (probabilistic), for 1.6× the tokens trained.  Where
-    # the sidecar shares cores with the RL job, a lower cap leaves it more CPU.
+    # waits instead of over-fitting the few sequences it holds; where it shares cores with the RL job, a lower
+    # cap leaves that more CPU (docs/sidecar.md, "Replay buffer": how the default was chosen)
     max_replay_ratio: float = 16.0
     min_buffer_tokens: int = 8192  # no training before the buffer holds this many trainable tokens
     # lr × min(1, trainable tokens / lr_ramp_tokens): small early buffers take small steps (0: off)
