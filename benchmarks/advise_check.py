@@ -1,4 +1,4 @@
-"""Validation of ``draft-align advise``'s projection (issue 15): projected vs measured rollout speed-up on vLLM.
+"""Validation of ``draft-align advise``'s projection: projected vs measured rollout speed-up on vLLM.
 
     .venv/bin/python benchmarks/advise_check.py [--draft checkpoints/smollm2-demo] [--ks 1,3,5,7]
         [--batch-sizes 1,6] [--prompts 12] [--max-tokens 64] [--rates-k 3] [--calibrate-k 1,3]

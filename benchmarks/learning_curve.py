@@ -1,4 +1,4 @@
-"""Learning curve to saturation (issue 13): one EAGLE-3 draft, the recipe's objective, trained for a long budget
+"""Learning curve to saturation: one EAGLE-3 draft, the recipe's objective, trained for a long budget
 (≥ 60 minutes) on one data preparation, with a point every ``--eval-every-s`` and vLLM's measurement at the
 goal's budget and at the end.
 

@@ -1,4 +1,4 @@
-"""Objectives × verify modes (issue 13): EAGLE-3 drafts that differ only in the training objective
+"""Objectives × verify modes: EAGLE-3 drafts that differ only in the training objective
 (``train.loss``, ``train.soft_ce_weight``, ``train.accept_mode``), trained on the same tokens for the same
 wall-clock, then measured by vLLM's spec-decode counters and estimated by engine replay, side by side.
 

@@ -1,4 +1,4 @@
-"""Where one draft train step's time goes (issue 13's roofline item): torch.profiler over warm steps of the
+"""Where one draft train step's time goes (the roofline question): torch.profiler over warm steps of the
 warm-start's own step shape, the operators grouped into matmul / softmax & log-sum-exp / attention /
 elementwise & casts / optimizer / other, beside the step's matmul FLOPs as a fraction of this CPU's measured bf16
 matmul rate.

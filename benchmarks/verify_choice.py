@@ -1,4 +1,4 @@
-"""Does ``rl.verify_mode: auto`` pick the draft sampling that pays?  (Issue 13, item 1.)
+"""Does ``rl.verify_mode: auto`` pick the draft sampling that pays?
 
     .venv/bin/python benchmarks/verify_choice.py [--drafts checkpoints/advise-draft checkpoints/smollm2-demo]
         [--probe-prompts 4] [--probe-tokens 32] [--prompts 16] [--max-tokens 96] [--dtype float32]

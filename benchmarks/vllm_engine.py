@@ -1,4 +1,4 @@
-"""vLLM engine benchmark (issue 4): generation speed with and without speculative decoding, estimator vs
+"""vLLM engine benchmark: generation speed with and without speculative decoding, estimator vs
 vLLM's counters, publish-to-serving latency of a hot draft refresh, and vLLM's log-probs under speculative
 decoding vs the policy's recomputed ones.
 
