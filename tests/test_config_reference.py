@@ -58,3 +58,18 @@ def test_check_mode_fails_on_a_stale_file(tmp_path, capsys):
     out.write_text(out.read_text().replace("| `train.lr` |", "| `train.learning_rate` |"))
     assert main(["--check", "--out", str(out)]) == 1
     assert "out of date" in capsys.readouterr().err
+
+
+@dataclasses.dataclass
+class _Derived(_Example):
+    b: float = 3.0  # the derived class's own word
+    d: int = 4
+
+
+def test_field_comments_of_a_derived_schema_keep_the_base_comments():
+    assert field_comments(_Derived) == {
+        "a": "above, first line above, second line after a",
+        "b": "the derived class's own word",
+        "c": "inside the parentheses",
+        "d": "",
+    }

@@ -40,7 +40,16 @@ naming the key; `validate()` then checks the rules between keys (`draft_align/co
 
 
 def field_comments(cls: type) -> dict[str, str]:
-    """Field name → its schema comment (the ``#`` lines just above the field and those on its own line(s))."""
+    """Field name → its schema comment (the ``#`` lines just above the field and those on its own line(s)); a
+    field a base class declares takes the base's comment unless ``cls`` comments it again."""
+    out: dict[str, str] = {}
+    for base in reversed(cls.__mro__):
+        if dataclasses.is_dataclass(base) and base is not object:
+            out.update({k: v for k, v in _own_comments(base).items() if v or k not in out})
+    return out
+
+
+def _own_comments(cls: type) -> dict[str, str]:
     src = textwrap.dedent(inspect.getsource(cls))
     comments: dict[int, str] = {}
     for tok in tokenize.generate_tokens(io.StringIO(src).readline):
