@@ -43,7 +43,7 @@ fmt: $(STAMP)
 # Benchmarks: `make bench-NAME` re-runs one section of benchmarks/RESULTS.md with the exact command that
 # section records (benchmarks/README.md: what each measures, its minutes on a 2-core CPU, what it needs).
 # The drafts they start from are built by the checkpoint targets below, once. `make bench` runs them all
-# (about a day on a 2-core CPU).
+# (10 hours or more on a 2-core CPU).
 BENCH_TARGETS := bench-warmstart bench-learning-curve bench-draft-vocab bench-objectives \
 	bench-objectives-finetune bench-train-step-profile bench-selfdistill-speed bench-vllm-engine \
 	bench-verify-choice bench-advise bench-drift bench-drift-vllm bench-drift-vllm-kl bench-drift-vllm-oracle \
