@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test fetch bench lint
+.PHONY: setup demo test test-fast fetch lint fmt
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,13 +24,109 @@ demo: fetch
 test: fetch
 	$(PY) -m pytest -q
 
-lint: $(STAMP)
-	$(VENV)/bin/ruff check draft_align tests benchmarks
+# the tests that need no download (tiny random models); `make test` is what CI runs
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
 
-bench: fetch
-	$(PY) benchmarks/warmstart.py
+# style and types (docs/contributing.md, "Lint and types"); CI (.ci/run) runs it before the tests
+LINT_PATHS := draft_align tests benchmarks examples
+lint: $(STAMP)
+	$(VENV)/bin/ruff check $(LINT_PATHS)
+	$(VENV)/bin/ruff format --check $(LINT_PATHS)
+	$(PY) -m mypy
+
+fmt: $(STAMP)
+	$(VENV)/bin/ruff format $(LINT_PATHS)
+	$(VENV)/bin/ruff check --fix $(LINT_PATHS)
+
+# ---------------------------------------------------------------------------------------------------------
+# Benchmarks: `make bench-NAME` re-runs one section of benchmarks/RESULTS.md with the exact command that
+# section records (benchmarks/README.md: what each measures, its minutes on a 2-core CPU, what it needs).
+# The drafts they start from are built by the checkpoint targets below, once. `make bench` runs them all
+# (10 hours or more on a 2-core CPU).
+BENCH_TARGETS := bench-warmstart bench-learning-curve bench-draft-vocab bench-objectives \
+	bench-objectives-finetune bench-train-step-profile bench-selfdistill-speed bench-vllm-engine \
+	bench-verify-choice bench-advise bench-drift bench-drift-vllm bench-drift-vllm-kl bench-drift-vllm-oracle \
+	bench-adapt-replay bench-drift-trigger bench-verify-drift bench-draft-variants bench-tap-stats \
+	bench-trl-drift bench-trl-overhead bench-trl-kl bench-soak
+.PHONY: bench bench-checkpoints $(BENCH_TARGETS)
+
+bench: $(BENCH_TARGETS)
+
+# The starting drafts the recorded commands name (checkpoints/ is git-ignored; each is built once):
+BENCH_DRAFT := checkpoints/smollm2-bench-ttt/latest
+ALT_DRAFT := checkpoints/smollm2-bench-alt/latest
+ADVISE_DRAFT := checkpoints/advise-draft/latest
+DEMO_DRAFT := checkpoints/smollm2-demo/latest
+DRIFTED_POLICY := checkpoints/smollm2-drift/policy_merged/v0020
+ORACLE_RUN := checkpoints/smollm2-drift-vllm_oracle/sidecar/wire.rec
+SOFT_300S := checkpoints/obj-soft-300s/latest
+bench-checkpoints: $(BENCH_DRAFT) $(ALT_DRAFT) $(ADVISE_DRAFT) $(DEMO_DRAFT)
+
+# the 16k-vocab drafts of the vLLM engine section (7- and 2.5-minute warm-starts)
+$(BENCH_DRAFT): | fetch
+	$(PY) -m draft_align warmstart recipes/smollm2_bench.yaml data.gen_time_budget_s=0 data.extra_original_conversations=300 train.time_budget_s=420
+$(ALT_DRAFT): | fetch
+	$(PY) -m draft_align warmstart recipes/smollm2_bench.yaml data.gen_time_budget_s=0 data.extra_original_conversations=300 run=smollm2-bench-alt train.time_budget_s=150
+# the 8k-vocab draft of the advise section: the demo's warm-start recipe in fp32 for 360 s
+$(ADVISE_DRAFT): | fetch
+	$(PY) -m draft_align warmstart recipes/smollm2_demo.yaml run=advise-draft target.dtype=float32 train.time_budget_s=360
+$(DEMO_DRAFT): | fetch
+	$(PY) -m draft_align warmstart recipes/smollm2_demo.yaml
+$(DRIFTED_POLICY):
+	$(MAKE) bench-drift
+$(ORACLE_RUN):
+	$(MAKE) bench-drift-vllm-oracle
+# the `soft` arm's 300-s draft of the objectives section
+$(SOFT_300S):
+	$(MAKE) bench-objectives
+	rm -rf checkpoints/obj-soft-300s
+	cp -r checkpoints/smollm2-bench-ttt-obj-soft checkpoints/obj-soft-300s
+
+bench-warmstart: fetch
+	$(PY) benchmarks/warmstart.py --budget-s 1200 --eval-every-s 300 --eval-prompts 64 --eval-prompts-t1 24 --eval-max-new 128 data.gen_time_budget_s=0 data.extra_original_conversations=300 train.batch_tokens=1536 train.lr=1.5e-3 train.warmup_steps=30
+bench-learning-curve: fetch
+	$(PY) benchmarks/learning_curve.py --budget-s 3600 --eval-every-s 600 --measure-at-s 1200 data.gen_time_budget_s=600 data.extra_original_conversations=300
+bench-draft-vocab: fetch
+	$(PY) benchmarks/draft_vocab.py --budget-s 480 data.gen_time_budget_s=0 data.extra_original_conversations=300
+bench-objectives: fetch
+	$(PY) benchmarks/objectives.py --budget-s 300 train.warmup_steps=10 data.gen_time_budget_s=0 data.extra_original_conversations=300
+bench-objectives-finetune: fetch $(SOFT_300S)
+	$(PY) benchmarks/objectives.py --budget-s 180 --arms soft,tv,expected_length,tv+ce0.1 --out /tmp/obj_ft --no-results-md run=smollm2-bench-ft draft.init_from=checkpoints/obj-soft-300s train.lr=5e-4 train.warmup_steps=5 data.gen_time_budget_s=0 data.extra_original_conversations=300
+bench-train-step-profile: fetch
+	$(PY) benchmarks/train_step_profile.py --reps 6
+bench-selfdistill-speed: fetch
+	$(PY) benchmarks/selfdistill_speed.py --prompts 32 --max-new-tokens 96 target.dtype=float32 --temperatures 0 1
+bench-vllm-engine: fetch $(BENCH_DRAFT) $(ALT_DRAFT)
+	$(PY) benchmarks/vllm_engine.py --draft checkpoints/smollm2-bench-ttt --alt-draft checkpoints/smollm2-bench-alt/drafts/v0001
+bench-verify-choice: fetch $(ADVISE_DRAFT) $(DEMO_DRAFT)
+	$(PY) benchmarks/verify_choice.py
+bench-advise: fetch $(ADVISE_DRAFT)
+	$(PY) benchmarks/advise_check.py --draft checkpoints/advise-draft --ks 1,3,5 --prompts 6 --max-tokens 40 --step-tokens 24 --step-reps 1
+bench-drift: fetch $(BENCH_DRAFT)
 	$(PY) benchmarks/drift.py
-	$(PY) benchmarks/drift.py --name vllm --oracle-at "" --overhead-reps 0 rl.engine=vllm rl.lr=5e-4 rl.prompts_per_step=6
-	$(PY) benchmarks/vllm_engine.py
-	$(PY) benchmarks/vllm_sampling.py
+bench-drift-vllm: fetch $(ADVISE_DRAFT)
+	$(PY) benchmarks/drift.py --name vllm --draft checkpoints/advise-draft --vocab 8192 --steps 20 --oracle-at 2,5,12,20 --oracle-gen-s 120 --oracle-train-s 180 --eval-prompts 32 --overhead-reps 0 rl.engine=vllm target.dtype=float32 rl.lr=6e-4
+bench-drift-vllm-kl: fetch $(BENCH_DRAFT)
+	$(PY) benchmarks/drift.py --name vllm_kl --draft checkpoints/smollm2-bench-ttt --vocab 16384 --steps 20 --oracle-at "" --overhead-reps 0 --no-results-md rl.engine=vllm target.dtype=float32 rl.lr=8e-4
+bench-drift-vllm-oracle: fetch $(BENCH_DRAFT)
+	$(PY) benchmarks/drift.py --name vllm_oracle --draft checkpoints/smollm2-bench-ttt --vocab 16384 --steps 20 --oracle-at 2,5,12,20 --oracle-gen-s 120 --oracle-train-s 180 --eval-prompts 32 --overhead-reps 0 rl.engine=vllm target.dtype=float32 rl.lr=8e-4 sidecar.record_wire=true
+bench-adapt-replay: fetch $(ORACLE_RUN)
+	$(PY) benchmarks/adapt_replay.py --run checkpoints/smollm2-drift-vllm_oracle --arms base,cap16,old,noramp,anchor,lora --train-tokens-per-step 9216 --threads 2
+bench-drift-trigger: fetch $(ADVISE_DRAFT)
+	$(PY) benchmarks/drift_trigger.py --steps 12 rl.engine=vllm target.dtype=float32 rl.lr=5e-4 sidecar.min_buffer_tokens=2048
+bench-verify-drift: fetch $(ADVISE_DRAFT) bench-drift-trigger
+	$(PY) benchmarks/drift.py --name verify_auto --draft checkpoints/advise-draft --steps 12 --oracle-at "" --overhead-reps 0 --no-results-md rl.engine=vllm target.dtype=float32 rl.lr=5e-4 sidecar.min_buffer_tokens=2048 rl.verify_mode=auto
+	$(PY) benchmarks/verify_drift.py
+bench-draft-variants: fetch $(BENCH_DRAFT) $(DRIFTED_POLICY)
 	$(PY) benchmarks/draft_variants.py --eagle-draft checkpoints/smollm2-bench-ttt --drifted checkpoints/smollm2-drift/policy_merged/v0020 --warm-s 600 --adapt-s 180
+bench-tap-stats: fetch
+	$(PY) benchmarks/tap_stats.py
+bench-trl-drift: fetch $(ADVISE_DRAFT)
+	$(PY) benchmarks/trl_drift.py
+bench-trl-overhead: fetch $(ADVISE_DRAFT)
+	$(PY) benchmarks/trl_drift.py --name overhead --arms tapidle,notap --draft checkpoints/advise-draft
+bench-trl-kl: fetch $(ADVISE_DRAFT)
+	$(PY) benchmarks/trl_drift.py --name kl --arms tap --learning-rate 5e-3 --draft checkpoints/advise-draft
+bench-soak: fetch $(DEMO_DRAFT)
+	$(PY) benchmarks/soak.py --minutes 10 --draft checkpoints/smollm2-demo

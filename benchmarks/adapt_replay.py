@@ -40,7 +40,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.results_md import replace_section, repo_relative  # noqa: E402
+from benchmarks.common.results_md import replace_section, repo_relative  # noqa: E402
 from draft_align.config import CotrainRecipe, load_recipe  # noqa: E402
 from draft_align.config.loading import RESOLVED_RECIPE  # noqa: E402
 
@@ -53,7 +53,7 @@ ARMS: dict[str, tuple[list[str], str]] = {
     "cap2": (["sidecar.max_replay_ratio=2"], "replay cap 2 instead of the run's"),
     "old": (
         ["sidecar.min_buffer_tokens=8192", "sidecar.lr_ramp_tokens=0"],
-        "before issue 14: an 8,192-token minimum buffer, no lr ramp",
+        "the earlier defaults: an 8,192-token minimum buffer, no lr ramp",
     ),
     "noramp": (["sidecar.lr_ramp_tokens=0"], "full lr from the first batch (no ramp)"),
     "nofresh": (["sidecar.fresh_first=false"], "recency-weighted sampling only (no newest-first)"),

@@ -1,4 +1,4 @@
-"""Validation of ``draft-align advise``'s projection (issue 15): projected vs measured rollout speed-up on vLLM.
+"""Validation of ``draft-align advise``'s projection: projected vs measured rollout speed-up on vLLM.
 
     .venv/bin/python benchmarks/advise_check.py [--draft checkpoints/smollm2-demo] [--ks 1,3,5,7]
         [--batch-sizes 1,6] [--prompts 12] [--max-tokens 64] [--rates-k 3] [--calibrate-k 1,3]
@@ -37,7 +37,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.results_md import replace_section, repo_relative  # noqa: E402
+from benchmarks.common.results_md import replace_section, repo_relative  # noqa: E402
 from benchmarks.vllm_engine import TARGET, held_out_prompts  # noqa: E402
 
 log = logging.getLogger("bench.advise")

@@ -48,7 +48,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.results_md import replace_section, repo_relative  # noqa: E402
+from benchmarks.common.results_md import replace_section, repo_relative  # noqa: E402
 
 log = logging.getLogger("bench.draft_variants")
 HEAD = "## Draft variants: full vs LoRA, EAGLE-3 vs MTP"

@@ -1,4 +1,4 @@
-"""Draft vocabulary size (issue 13, item 4): acceptance and train speed of EAGLE-3 drafts that differ only in
+"""Draft vocabulary size: acceptance and train speed of EAGLE-3 drafts that differ only in
 ``draft.draft_vocab_size``, trained on the same tokens for the same wall-clock.
 
     .venv/bin/python benchmarks/draft_vocab.py [--vocabs 16384,32768,49152] [--budget-s 360] [--eval-prompts 32]
@@ -31,7 +31,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.arms import (  # noqa: E402
+from benchmarks.common.arms import (  # noqa: E402
     add_common_args,
     finish,
     prepare_shared,

@@ -39,7 +39,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.results_md import replace_section  # noqa: E402
+from benchmarks.common.results_md import replace_section  # noqa: E402
 from draft_align.config import CotrainRecipe, load_recipe  # noqa: E402
 from draft_align.monitor.rows import WAIT_FRAC_PREFIX  # noqa: E402
 

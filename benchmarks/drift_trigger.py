@@ -26,8 +26,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.pooled import pooled_acceptance as pooled  # noqa: E402
-from benchmarks.results_md import replace_section, repo_relative  # noqa: E402
+from benchmarks.common.pooled import pooled_acceptance as pooled  # noqa: E402
+from benchmarks.common.results_md import replace_section, repo_relative  # noqa: E402
 
 HEAD = "## Drift-triggered training vs always-on (benchmarks/drift_trigger.py)"
 MODES = ("always", "drift")

@@ -1,4 +1,4 @@
-"""Learning curve to saturation (issue 13): one EAGLE-3 draft, the recipe's objective, trained for a long budget
+"""Learning curve to saturation: one EAGLE-3 draft, the recipe's objective, trained for a long budget
 (≥ 60 minutes) on one data preparation, with a point every ``--eval-every-s`` and vLLM's measurement at the
 goal's budget and at the end.
 
@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from benchmarks.arms import (  # noqa: E402
+from benchmarks.common.arms import (  # noqa: E402
     K,
     add_common_args,
     finish,
@@ -45,7 +45,7 @@ from benchmarks.arms import (  # noqa: E402
     target_samples,
     train_stats,
 )
-from benchmarks.results_md import repo_relative  # noqa: E402
+from benchmarks.common.results_md import repo_relative  # noqa: E402
 from benchmarks.warmstart import matmul_roofline  # noqa: E402
 
 log = logging.getLogger("bench.learning_curve")

@@ -1,4 +1,4 @@
-"""Objectives × verify modes (issue 13): EAGLE-3 drafts that differ only in the training objective
+"""Objectives × verify modes: EAGLE-3 drafts that differ only in the training objective
 (``train.loss``, ``train.soft_ce_weight``, ``train.accept_mode``), trained on the same tokens for the same
 wall-clock, then measured by vLLM's spec-decode counters and estimated by engine replay, side by side.
 
@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from benchmarks.arms import (  # noqa: E402
+from benchmarks.common.arms import (  # noqa: E402
     K,
     LastMetrics,
     add_common_args,
@@ -45,7 +45,7 @@ from benchmarks.arms import (  # noqa: E402
     train_arm,
     train_stats,
 )
-from benchmarks.results_md import repo_relative  # noqa: E402
+from benchmarks.common.results_md import repo_relative  # noqa: E402
 from draft_align.conventions import check_loss  # noqa: E402
 
 log = logging.getLogger("bench.objectives")

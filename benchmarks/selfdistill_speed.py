@@ -1,4 +1,4 @@
-"""How much of the target's own text per CPU-minute: self-distillation on the HF loop vs vLLM.  (Issue 13, item 3.)
+"""How much of the target's own text per CPU-minute: self-distillation on the HF loop vs vLLM.
 
     .venv/bin/python benchmarks/selfdistill_speed.py [--prompts 48] [--max-new-tokens 96] [--temperatures 0 1]
         [--recipe recipes/smollm2_demo.yaml] [--out benchmarks/out] [--results benchmarks/RESULTS.md]
@@ -33,7 +33,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.results_md import replace_section  # noqa: E402
+from benchmarks.common.results_md import replace_section  # noqa: E402
 
 HEAD = "## Self-distillation speed: HF loop vs vLLM (benchmarks/selfdistill_speed.py)"
 TARGET = "smollm2-135m"

@@ -45,7 +45,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.results_md import replace_section, repo_relative  # noqa: E402
+from benchmarks.common.results_md import replace_section, repo_relative  # noqa: E402
 
 RUN = "soak"
 LEGIT_SEND_TIMEOUT_S = 0.5  # the legit sender waits this long for a peer before it drops a message

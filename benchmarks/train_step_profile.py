@@ -1,4 +1,4 @@
-"""Where one draft train step's time goes (issue 13's roofline item): torch.profiler over warm steps of the
+"""Where one draft train step's time goes (the roofline question): torch.profiler over warm steps of the
 warm-start's own step shape, the operators grouped into matmul / softmax & log-sum-exp / attention /
 elementwise & casts / optimizer / other, beside the step's matmul FLOPs as a fraction of this CPU's measured bf16
 matmul rate.
@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from benchmarks.results_md import replace_section  # noqa: E402
+from benchmarks.common.results_md import replace_section  # noqa: E402
 
 HEAD = "## Train-step profile (benchmarks/train_step_profile.py)"
 # operator name → group; the first matching prefix wins (aten names, as torch.profiler reports them)
@@ -124,9 +124,10 @@ def group_of(name: str) -> str:
 
 
 def build(
-    batch_tokens: int, seq_len: int, steps: int, autocast: bool | None, loss: str
+    batch_tokens: int, seq_len: int, steps: int, autocast: bool | None, loss: str, fused: bool
 ) -> tuple[Any, Any, Any]:
-    """The trainer, one collated batch and the draft's config."""
+    """The trainer (soft CE fused or in checkpointed blocks: ``train.fused_soft_ce``), one collated batch and
+    the draft's config."""
     from torch import nn
 
     from benchmarks.train_step_memory import SMOLLM2
@@ -165,12 +166,12 @@ def build(
         embed,
         rows,
         OptimSettings(lr=1e-4, warmup_steps=1, total_steps=1000),
-        LossSettings(ttt_steps=steps, autocast_bf16=autocast, kind=loss),
+        LossSettings(ttt_steps=steps, autocast_bf16=autocast, kind=loss, fused_soft_ce=fused),
     )
     return trainer, batch, cfg
 
 
-VARIANTS = ("checkpointed", "fused")  # losses.FUSED_SOFT_CE off / on
+VARIANTS = ("checkpointed", "fused")  # LossSettings.fused_soft_ce off / on
 
 
 def profile_groups(prof: Any) -> tuple[dict[str, float], list[tuple[str, int, float]]]:
@@ -249,11 +250,12 @@ def main() -> int:
     ap.add_argument("--no-results-md", action="store_true")
     a = ap.parse_args()
     from benchmarks.warmstart import matmul_roofline, train_step_flops
-    from draft_align.train import losses
 
     torch.set_num_threads(a.threads)
     built = {
-        name: build(a.batch_tokens, a.seq_len, a.steps, False if a.no_autocast else None, a.loss)
+        name: build(
+            a.batch_tokens, a.seq_len, a.steps, False if a.no_autocast else None, a.loss, name == "fused"
+        )
         for name in VARIANTS
     }
     trainer, batch, cfg = built["fused"]
@@ -261,7 +263,6 @@ def main() -> int:
     flops = train_step_flops(cfg, targets, int(batch.valid.sum()), a.steps)
 
     def step(name: str) -> float:
-        losses.FUSED_SOFT_CE = name == "fused"
         tr, b, _ = built[name]
         t = time.perf_counter()
         tr.train_step(b)
@@ -290,7 +291,6 @@ def main() -> int:
             "groups_ms": groups,
             "top_ops": ops[:15],
         }
-    losses.FUSED_SOFT_CE = True
     r = {
         "command": " ".join(["python benchmarks/train_step_profile.py", *sys.argv[1:]]),
         "date": time.strftime("%Y-%m-%d"),

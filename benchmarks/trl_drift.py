@@ -34,8 +34,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.pooled import pooled_acceptance  # noqa: E402
-from benchmarks.results_md import replace_section, repo_relative  # noqa: E402
+from benchmarks.common.pooled import pooled_acceptance  # noqa: E402
+from benchmarks.common.results_md import replace_section, repo_relative  # noqa: E402
 from draft_align.conventions import DRAFT_KINDS  # noqa: E402
 
 HEAD = "## Drift on TRL: GRPOTrainer with draft_align beside it (benchmarks/trl_drift.py)"

@@ -1,4 +1,4 @@
-"""Does ``rl.verify_mode: auto`` pick the draft sampling that pays?  (Issue 13, item 1.)
+"""Does ``rl.verify_mode: auto`` pick the draft sampling that pays?
 
     .venv/bin/python benchmarks/verify_choice.py [--drafts checkpoints/advise-draft checkpoints/smollm2-demo]
         [--probe-prompts 4] [--probe-tokens 32] [--prompts 16] [--max-tokens 96] [--dtype float32]
@@ -31,7 +31,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.results_md import replace_section, repo_relative  # noqa: E402
+from benchmarks.common.results_md import replace_section, repo_relative  # noqa: E402
 from benchmarks.vllm_engine import TARGET, held_out_prompts  # noqa: E402
 from draft_align.engines.vllm.verify_choice import MARGIN_SE  # noqa: E402
 

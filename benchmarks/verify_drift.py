@@ -1,5 +1,5 @@
 """The drift run with ``rl.verify_mode: auto`` against the same run with vLLM's default greedy draft sampling
-(issue 13, item 1: "the drift benchmark re-run with the verify mode chosen by item 1").
+(the drift benchmark re-run with the verify mode chosen by measurement, benchmarks/verify_choice.py).
 
     .venv/bin/python benchmarks/drift.py --name verify_auto --draft checkpoints/advise-draft --steps 12 \\
         --oracle-at "" --overhead-reps 0 --no-results-md rl.engine=vllm target.dtype=float32 rl.lr=5e-4 \\
@@ -27,8 +27,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.pooled import pooled_acceptance as pooled  # noqa: E402
-from benchmarks.results_md import replace_section  # noqa: E402
+from benchmarks.common.pooled import pooled_acceptance as pooled  # noqa: E402
+from benchmarks.common.results_md import replace_section  # noqa: E402
 
 HEAD = "## Drift with the verify mode chosen by measurement (benchmarks/verify_drift.py)"
 

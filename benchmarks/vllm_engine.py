@@ -1,4 +1,4 @@
-"""vLLM engine benchmark (issue 4): generation speed with and without speculative decoding, estimator vs
+"""vLLM engine benchmark: generation speed with and without speculative decoding, estimator vs
 vLLM's counters, publish-to-serving latency of a hot draft refresh, and vLLM's log-probs under speculative
 decoding vs the policy's recomputed ones.
 
@@ -42,7 +42,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.results_md import replace_section  # noqa: E402
+from benchmarks.common.results_md import replace_section  # noqa: E402
 
 log = logging.getLogger("bench.vllm")
 HEAD = "## vLLM engine: speed, calibration, refresh latency, log-probs (benchmarks/vllm_engine.py)"

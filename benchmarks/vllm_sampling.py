@@ -1,5 +1,5 @@
-"""Is vLLM's T = 1 sampling unbiased on this CPU build, with and without EAGLE-3?  (Issue 4: the RL job trains
-on vLLM's samples.)
+"""Is vLLM's T = 1 sampling unbiased on its CPU build, with and without EAGLE-3?  (The RL job trains on vLLM's
+samples.)
 
     .venv/bin/python benchmarks/vllm_sampling.py [--draft checkpoints/smollm2-bench-ttt] [--prompts 16] [--reps 3]
 

@@ -29,7 +29,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.results_md import replace_section  # noqa: E402
+from benchmarks.common.results_md import replace_section  # noqa: E402
 from draft_align.config import load_recipe  # noqa: E402
 from draft_align.hf.generate import generate_responses  # noqa: E402
 from draft_align.monitor.estimator import estimate  # noqa: E402

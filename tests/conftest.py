@@ -220,11 +220,12 @@ def _wait_until(cond, timeout_s: float, every=None, poll_s: float = 0.05) -> boo
 
 @pytest.fixture(autouse=True)
 def _keep_vllm_logging_env():
-    """``cli.main`` sets VLLM_LOGGING_STREAM, and VLLM_LOGGING_LEVEL unless -v (process-level choices); a test
-    that calls it leaves the environment as it found it."""
+    """``cli.main`` sets VLLM_CONFIGURE_LOGGING, VLLM_LOGGING_STREAM, and VLLM_LOGGING_LEVEL and
+    TORCH_CPP_LOG_LEVEL unless -v (process-level choices); a test that calls it leaves the environment as it
+    found it."""
     import os
 
-    names = ("VLLM_LOGGING_LEVEL", "VLLM_LOGGING_STREAM")
+    names = ("VLLM_LOGGING_LEVEL", "VLLM_LOGGING_STREAM", "VLLM_CONFIGURE_LOGGING", "TORCH_CPP_LOG_LEVEL")
     before = {name: os.environ.get(name) for name in names}
     yield
     for name, value in before.items():

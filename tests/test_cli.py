@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -374,3 +375,58 @@ def test_a_hub_id_without_network_fails_at_once_from_the_cache(monkeypatch, tmp_
     assert time.monotonic() - t0 < 10.0  # the cache alone: no retry loop
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert assets.hub_reachable() is False
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_library_warnings_go_to_the_run_log_and_the_console_only_with_v(verbose, tmp_path, monkeypatch):
+    """After route_library_logs (a run command, once its folder is known): vLLM's and other libraries'
+    warnings, python warnings among them, land in <run>/logs/<command>.log; the console shows them only with
+    -v, and always shows draft_align's own lines and any error.  release_run_logs undoes it."""
+    import io
+    import warnings
+
+    from draft_align.cli import logs
+
+    for name in ("VLLM_CONFIGURE_LOGGING", "TORCH_CPP_LOG_LEVEL"):
+        monkeypatch.setenv(name, "x")  # recorded, so the test's end restores it
+        monkeypatch.delenv(name)
+    vllm_logger = logging.getLogger("vllm")  # as an unconfigured vLLM leaves it, whatever ran before here
+    monkeypatch.setattr(vllm_logger, "level", vllm_logger.level)
+    monkeypatch.setattr(vllm_logger, "propagate", True)
+    monkeypatch.setattr(vllm_logger, "handlers", [])
+    root = logging.getLogger()
+    console = io.StringIO()
+    handler = logging.StreamHandler(console)
+    monkeypatch.setattr(root, "level", logging.INFO)
+    root.addHandler(handler)
+    try:
+        logs.setup_logging(verbose)
+        assert os.environ["VLLM_CONFIGURE_LOGGING"] == "0"  # vLLM's records reach our handlers
+        assert os.environ.get("TORCH_CPP_LOG_LEVEL") == (None if verbose else "ERROR")  # C++ warnings on fd 2
+        path = logs.route_library_logs(tmp_path / "run", "cotrain", verbose)
+        logging.getLogger("vllm.platforms.cpu").warning("libtcmalloc is not found in LD_PRELOAD")
+        logging.getLogger("draft_align.cotrain").info("step 0 done")
+        logging.getLogger("transformers.x").error("a library error")
+        warnings.warn("a library's python warning", UserWarning, stacklevel=1)
+    finally:
+        logs.release_run_logs()
+        root.removeHandler(handler)
+    assert path == tmp_path / "run" / "logs" / "cotrain.log"
+    in_file, shown = path.read_text(), console.getvalue()
+    for line in ("libtcmalloc", "step 0 done", "a library error", "a library's python warning"):
+        assert line in in_file
+    assert "step 0 done" in shown and "a library error" in shown
+    assert ("libtcmalloc" in shown) is verbose and ("a library's python warning" in shown) is verbose
+    assert not any(isinstance(h, logs.RunLogHandler) for h in root.handlers)
+    assert logs.ours not in handler.filters
+
+
+def test_vllm_configure_logging_set_by_the_user_is_kept(monkeypatch):
+    from draft_align.cli import logs
+
+    monkeypatch.setenv("VLLM_CONFIGURE_LOGGING", "1")
+    vllm_logger = logging.getLogger("vllm")
+    monkeypatch.setattr(vllm_logger, "level", vllm_logger.level)
+    logs.setup_logging(False)
+    logs.release_run_logs()
+    assert os.environ["VLLM_CONFIGURE_LOGGING"] == "1"

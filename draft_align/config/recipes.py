@@ -36,10 +36,10 @@ VLLM_MAX_TEMPERATURE = 2.0  # vLLM's SamplingParams refuses a higher temperature
 class _RecipeHeader:
     """What every recipe starts with; ``kind`` says which schema a file uses."""
 
-    kind: str
-    run: str
-    output_dir: str = "checkpoints"
-    seed: int = 0
+    kind: str  # which schema the file uses: warmstart | cotrain
+    run: str  # the run's name: everything it writes goes to <output_dir>/<run>/
+    output_dir: str = "checkpoints"  # where run folders are made
+    seed: int = 0  # the run's random seed (initialisation, sampling, batching)
     device: str = "cpu"  # cpu | cuda | cuda:N: every forward, training and eval of the run
     target: TargetConfig = field(default_factory=TargetConfig)
 
@@ -50,8 +50,8 @@ class _RecipeHeader:
 
 @dataclass
 class WarmstartRecipe(_RecipeHeader):
-    kind: str = "warmstart"
-    run: str = "warmstart"
+    kind: str = "warmstart"  # which schema the file uses: warmstart | cotrain
+    run: str = "warmstart"  # the run's name: everything it writes goes to <output_dir>/<run>/
     data: DataConfig = field(default_factory=DataConfig)
     draft: DraftConfig = field(default_factory=DraftConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -104,11 +104,12 @@ class WarmstartRecipe(_RecipeHeader):
 
 @dataclass
 class CotrainRecipe(_RecipeHeader):
-    kind: str = "cotrain"
-    run: str = "cotrain"
+    kind: str = "cotrain"  # which schema the file uses: warmstart | cotrain
+    run: str = "cotrain"  # the run's name: everything it writes goes to <output_dir>/<run>/
     # the starting draft: a published draft folder (or a run folder with `latest`); when null, the
     # warm-start recipe below is run (or its published draft reused)
     draft: str | None = None
+    # run first when its draft is not published yet (and `draft` is unset)
     warmstart_recipe: str = "recipes/smollm2_demo.yaml"
     data: DataConfig = field(default_factory=DataConfig)
     wire: WireConfig = field(default_factory=WireConfig)

@@ -1,6 +1,7 @@
-"""Rollout engines that serve published drafts (vLLM in :mod:`draft_align.engines.vllm`; SGLang is documented
-in docs/engines.md), and the engine-neutral records an engine and the RL job exchange
-(:mod:`draft_align.engines.rollout_types`).
+"""Rollout engines that serve published drafts. Nothing is imported here: vLLM is imported lazily, inside the
+functions that need it; SGLang is documented in docs/engines.md.
 
-Nothing is imported here: vLLM is imported lazily, inside the functions that need it.
+- ``rollout_types.py``: what the RL job and an engine exchange, engine-neutral;
+- ``client_check.py``: ``draft-align export --check CLIENT``: a client's own loader, or the rule-based check;
+- ``vllm/``: vLLM as the rollout engine (start, counters, hot refresh, rollouts, eval).
 """

@@ -1,2 +1,5 @@
-"""Adapters that attach draft_align to other RL frameworks (thin: they map a framework's hooks onto the
-Protocols of ``tap/``, ``rl/`` and ``engines/``)."""
+"""Adapters that attach draft_align to other RL frameworks (thin: they map a framework's hooks onto the Protocols
+of ``tap/``, ``rl/`` and ``engines/``).
+
+- ``trl/``: Hugging Face TRL's ``GRPOTrainer`` (docs/trl.md).
+"""

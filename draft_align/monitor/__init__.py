@@ -1,3 +1,14 @@
-"""Acceptance monitoring: the acceptance math, a lossless reference speculative decoder, an estimator
-that predicts an engine's acceptance from teacher-forced unrolls, and an evaluation that compares them
-(docs/acceptance.md)."""
+"""Acceptance monitoring: reads what the other parts produce and never writes back (docs/acceptance.md).
+
+- ``acceptance.py``: the acceptance math of chain speculative decoding, pure tensor functions;
+- ``specdec.py``: a lossless reference chain speculative decoder (batch size 1);
+- ``estimator.py``: acceptance predicted from teacher-forced unrolls, without decoding;
+- ``records.py``: acceptance estimated on tapped records (no target forward);
+- ``evaluate.py``: measured vs estimated acceptance of a draft;
+- ``calibrate.py``: an engine's measured acceptance vs the estimate on its own outputs;
+- ``logprob_gap.py``: an engine's log-probs of its samples minus the RL job's recomputed ones;
+- ``rows.py``: the monitoring row of one RL step; ``sinks.py``: where rows go (JSONL, wandb, Prometheus);
+- ``live.py``: following a run as a table; ``report.py``: the end-of-run plot and summary;
+- ``round_cost.py``: measured engine-step times; ``projection.py``: projected speed-up from them;
+- ``advise.py``: ``draft-align advise``; ``advise_text.py``: its markdown and report section.
+"""

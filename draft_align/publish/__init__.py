@@ -4,6 +4,13 @@
 ``kind`` when writing (EAGLE-3 → ``eagle3_format``, MTP → ``mtp_format``), by the manifest's ``format``
 when reading.  The folder mechanics are in ``folder``, run versions and ``latest`` in ``versions``,
 compatibility checks in ``compat``, adapter-only deltas in ``lora_delta`` (docs/formats.md).
+
+- ``folder.py``: atomic folders, the manifest, verification; ``versions.py``: ``drafts/vNNNN``, ``latest``;
+- ``eagle3_format.py``, ``mtp_format.py``: the engine formats; ``config_json.py``: the config.json fields both write;
+- ``compat.py``: whether a draft fits a target; ``tap_spec.py``: what a Tap needs to know of a published draft;
+- ``lora_delta.py``: adapter-only deltas;
+- ``sglang.py``: SGLang's loader rules as a check; ``sglang_client.py``, ``speculators.py``: those libraries as
+  clients of our folders.
 """
 
 from __future__ import annotations

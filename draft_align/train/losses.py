@@ -155,9 +155,6 @@ LOGITS_BLOCK_BYTES = 32 * 2**20  # fp32 logits of one row block at most (the blo
 # the fused soft-CE path (fused_lse.py) keeps no logits across blocks, so its blocks bound only a transient:
 # larger blocks mean fewer [Vd, H] gradient accumulations per step
 FUSED_BLOCK_BYTES = 128 * 2**20
-FUSED_SOFT_CE = (
-    True  # plain nn.Linear heads take the fused path (benchmarks/train_step_profile.py's A/B switch)
-)
 # ... unless the [Vd, H] gradient it keeps per TTT step (fp32) is larger than this: a SmolLM2-sized head's is
 # 38 MB (7 steps: 264 MB kept), a Llama-8B-sized one's (32k × 4096) 537 MB, which takes the checkpointed blocks
 FUSED_GRAD_BYTES = 128 * 2**20
@@ -267,6 +264,7 @@ def soft_ce_head(
     p_argmax: torch.Tensor,
     mask: torch.Tensor,
     block_bytes: int | None = None,
+    fused: bool = True,
 ) -> CESums:
     """:func:`soft_ce_step` of z = head(x), summed over row blocks so that one block's logits live at a time.
 
@@ -276,11 +274,12 @@ def soft_ce_head(
     gradient formed in the forward pass; kept O(B·M·H + Vd·H); ``block_bytes`` None: FUSED_BLOCK_BYTES)
     when its weight is frozen or its fp32 gradient fits FUSED_GRAD_BYTES; any other head (a peft LoRA layer,
     a large vocabulary) through autograd with each block checkpointed (logits recomputed in backward; kept
-    O(B·M·H); None: LOGITS_BLOCK_BYTES).
+    O(B·M·H); None: LOGITS_BLOCK_BYTES).  ``fused`` False (``train.fused_soft_ce``): the checkpointed blocks
+    for every head.
     """
     w = head.weight
     if (
-        FUSED_SOFT_CE
+        fused
         and type(head) is nn.Linear
         and head.bias is None
         and (not w.requires_grad or 4 * w.numel() <= FUSED_GRAD_BYTES)

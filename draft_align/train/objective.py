@@ -36,13 +36,15 @@ class LossSection(Protocol):
     soft_ce_weight: float
     surrogate_tau: float
     autocast_bf16: bool | None
+    fused_soft_ce: bool
 
 
 @dataclass(frozen=True)
 class LossSettings:
     """The TTT objective (train/losses.py): ``kind`` (conventions.LossKind); for the acceptance objectives the
     verify mode they score (``accept_mode``, None: the loss's default), the soft-CE mix weight λ and the greedy
-    surrogates' τ."""
+    surrogates' τ; ``fused_soft_ce``: soft CE through the fused log-sum-exp where the head allows it
+    (losses.soft_ce_head), else checkpointed logit blocks (the same values and gradients)."""
 
     ttt_steps: int = 7
     step_decay: float = 0.8
@@ -52,6 +54,7 @@ class LossSettings:
     accept_mode: VerifyMode | None = None
     soft_ce_weight: float = 0.0
     surrogate_tau: float = 0.5
+    fused_soft_ce: bool = True
 
     def __post_init__(self) -> None:
         check_loss(self.kind, self.accept_mode, self.soft_ce_weight, self.surrogate_tau)
@@ -70,6 +73,7 @@ class LossSettings:
             accept_mode=None if mode is None else str(mode),  # type: ignore[arg-type]
             soft_ce_weight=float(section.soft_ce_weight),
             surrogate_tau=float(section.surrogate_tau),
+            fused_soft_ce=bool(section.fused_soft_ce),
         )
 
     @property
@@ -129,7 +133,9 @@ def ttt_loss(
             masks.append(mask)
         elif loss.kind == "soft":
             e = torch.gather(ep, 1, pos.unsqueeze(-1).expand(*pos.shape, ep.shape[-1]))  # [B, M, H]
-            ce, agree, n = soft_ce_head(draft.lm_head, xs[j], e, torch.gather(p_arg, 1, pos), mask)
+            ce, agree, n = soft_ce_head(
+                draft.lm_head, xs[j], e, torch.gather(p_arg, 1, pos), mask, fused=loss.fused_soft_ce
+            )
         else:
             ce, agree, n = hard_ce_head(draft.lm_head, xs[j], torch.gather(tgt_ids, 1, st.nxt), mask)
         ce_total = ce_total + weights[j] * ce / n.clamp(min=1)

@@ -1,6 +1,14 @@
-"""Policy ↔ sidecar wire: the schema and its validators (``schema``), the message dataclasses
-(``messages``), the bytes, HMAC and envelope (``codec``), batch packing (``packing``), replay detection
-(``replay``), and the ZeroMQ channels that carry them (``channel``, the only module that imports zmq)."""
+"""Policy ↔ sidecar wire (docs/wire.md): it knows schemas, not models.
+
+- ``schema.py``: constants, rejection reasons, :class:`WireError`, field and tensor specs, validators;
+- ``messages.py``: the message dataclasses and ``decode``; ``codec.py``: bytes, HMAC and the envelope;
+- ``packing.py``: ragged TapBatch packing; ``join.py``: pipeline stages' TapParts joined into TapBatches;
+- ``replay.py``: the replay guard (per-sender sequence numbers under the MAC);
+- ``keys.py``: the HMAC key; ``endpoints.py``: ipc/tcp endpoint names;
+- ``sockets.py``, ``sender.py``, ``channel.py``: the ZeroMQ side (the only modules that import zmq): socket
+  rules and handshake, the policy's non-blocking :class:`TapSender`, the receivers and draft announcements;
+- ``recording.py``: a file of the messages a receiver accepted, to replay later.
+"""
 
 from draft_align.wire.codec import Origin, encode, validate
 from draft_align.wire.messages import (

@@ -1,4 +1,4 @@
-"""Issue 14's sidecar behaviour: a step's taps train before its report, the newest version first; publishes
+"""The sidecar trains on arrival: a step's taps train before its report, the newest version first; publishes
 follow a newly trained version; the published draft names the version it trained on; the step's estimate uses
 the draft published when its taps came; the lr ramps with the buffer; bad version / report sequences are
 counted, never mis-attributed."""

@@ -1,4 +1,4 @@
-"""draft_align.sidecar on the tiny target, under hostile input and bad luck (issue 16): slash-named metrics
+"""draft_align.sidecar on the tiny target, under hostile input and bad luck: slash-named metrics
 through the real sockets and Prometheus page, a full disk at publish and checkpoint (and a restart on it), an
 export refused at publish time, a poisoned head, non-finite steps in a row, corrupt or forged files at a
 restart, and retention."""

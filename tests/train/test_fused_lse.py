@@ -95,7 +95,7 @@ def test_bad_shapes_are_refused():
 
 
 @pytest.mark.parametrize("block_bytes", [None, 4 * 40 * 3])
-def test_soft_ce_head_fused_equals_checkpointed_blocks(block_bytes, monkeypatch):
+def test_soft_ce_head_fused_equals_checkpointed_blocks(block_bytes):
     """losses.soft_ce_head through the fused path and through checkpointed autograd blocks: same CE sum,
     agreement, count and gradients."""
     g = torch.Generator().manual_seed(3)
@@ -107,8 +107,7 @@ def test_soft_ce_head_fused_equals_checkpointed_blocks(block_bytes, monkeypatch)
     arg[0, :4] = 0
 
     def run(fused):
-        monkeypatch.setattr(losses, "FUSED_SOFT_CE", fused)
-        ce, agree, n = losses.soft_ce_head(head, x, e, arg, mask, block_bytes=block_bytes)
+        ce, agree, n = losses.soft_ce_head(head, x, e, arg, mask, block_bytes=block_bytes, fused=fused)
         return (ce, agree, n, *torch.autograd.grad(ce, (x, head.weight)))
 
     for a, b in zip(run(True), run(False), strict=True):

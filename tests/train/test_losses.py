@@ -199,7 +199,7 @@ def test_blocked_logits_keep_no_vocab_sized_tensor(path, monkeypatch):
     fused path (plain nn.Linear head whose [Vd, H] gradient fits FUSED_GRAD_BYTES) keeps O(N·H + Vd·H) with
     one block or many."""
     fused = path == "fused"
-    monkeypatch.setattr(losses, "FUSED_SOFT_CE", path != "switched off")
+    on = path != "switched off"
     monkeypatch.setattr(losses, "FUSED_GRAD_BYTES", 1 << 30 if path != "gradient over budget" else 1024)
     n, h, vd = 256, 8, 2048
     g = torch.Generator().manual_seed(0)
@@ -208,8 +208,10 @@ def test_blocked_logits_keep_no_vocab_sized_tensor(path, monkeypatch):
     e = torch.randn(1, n, h, generator=g)
     arg = torch.randint(0, vd, (1, n), generator=g)
     mask = torch.ones(1, n, dtype=torch.bool)
-    dense = saved_bytes(lambda: losses.soft_ce_head(head, x, e, arg, mask, block_bytes=1 << 40))
-    blocked = saved_bytes(lambda: losses.soft_ce_head(head, x, e, arg, mask, block_bytes=4 * vd * 8))
+    dense = saved_bytes(lambda: losses.soft_ce_head(head, x, e, arg, mask, block_bytes=1 << 40, fused=on))
+    blocked = saved_bytes(
+        lambda: losses.soft_ce_head(head, x, e, arg, mask, block_bytes=4 * vd * 8, fused=on)
+    )
     if fused:
         assert 4 * vd * h <= dense < 4 * n * vd / 8  # the [Vd, H] gradient of W is kept, no logits
     else:
@@ -615,3 +617,23 @@ def test_ttt_acceptance_gradient_matches_finite_differences(name, monkeypatch):
 
     assert fn(*xs, w).dtype == torch.float64
     assert torch.autograd.gradcheck(fn, (*xs, w), fast_mode=True)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_ttt_loss_takes_the_soft_ce_path_its_settings_name(fused, monkeypatch):
+    """LossSettings.fused_soft_ce (train.fused_soft_ce / sidecar.fused_soft_ce) decides the soft-CE path of
+    ttt_loss: the fused log-sum-exp when on, checkpointed blocks (no masked_lse_sum call) when off."""
+    calls = []
+    real = losses.masked_lse_sum
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(losses, "masked_lse_sum", counted)
+    draft, rows, aux_w = HEADS["eagle3"](0)
+    embed = nn.Embedding(VOCAB, HID)
+    embed.requires_grad_(False)
+    batch = collate(records([9, 14], aux_w, rows.shape[1], seed=5), steps=3)
+    ttt_loss(draft, embed, rows, batch, LossSettings(ttt_steps=3, kind="soft", fused_soft_ce=fused))
+    assert bool(calls) is fused

@@ -74,8 +74,7 @@ def test_smollm2_demo_recipe_short(tmp_path, monkeypatch):
     for r in summary["eval"]:
         assert all(math.isfinite(x) for x in r["per_position_est"] + r["per_position_measured"])
     # the trained draft against the same draft before training, on the same held-out prompts: a draft that
-    # learned nothing fails this.  Measured once (2026-12-01, this recipe): T=1 greedy_draft estimate 1.000
-    # untrained → 1.020 trained, measured 1.000 → 1.100; T=0 1.000 → 1.000 (20 steps do not move the argmax)
+    # learned nothing fails this (at T=0 a few steps need not move the argmax, so T=0 may only hold level)
     prep = warmstart.prepare(recipe)
     torch.manual_seed(recipe.seed)
     untrained = warmstart.build_draft(prep.target, recipe, tuple(m["aux_layer_ids"]), prep)

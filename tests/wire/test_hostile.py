@@ -1,4 +1,4 @@
-"""Hostile input over real sockets (issue 16): junk floods, memory bombs before authentication, replays,
+"""Hostile input over real sockets: junk floods, memory bombs before authentication, replays,
 messages over the receiver's limit."""
 
 from __future__ import annotations

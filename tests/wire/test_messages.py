@@ -735,7 +735,7 @@ def test_drop_nonfinite_none_and_all():
     assert got.aux_hidden[0, 0].isinf() and got.aux_hidden[-1, -1].isnan()
 
 
-# ------------------------------------------------------------------ issue 16 item 3: huge numbers
+# ------------------------------------------------------------------ huge numbers in JSON fields
 HUGE = 10**400  # 401 digits: float() of it raises OverflowError
 
 

@@ -29,8 +29,8 @@ DraftSampleMethod = Literal["greedy", "probabilistic"]
 DRAFT_SAMPLE_METHODS: tuple[str, ...] = ("greedy", "probabilistic")
 SEED_BITS = 62  # width of the per-request seeds vLLM's sampler takes
 
-# vLLM on this CPU: the in-process engine (start ≈ 9 s instead of 25 s, collective_rpc needs no pickling), a
-# small KV cache, and no OpenMP pinning (the RL job's own torch threads share the cores)
+# vLLM on a CPU: the in-process engine (it starts faster, and collective_rpc needs no pickling), a small KV
+# cache, and no OpenMP pinning (the RL job's own torch threads share the cores)
 CPU_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "VLLM_CPU_KVCACHE_SPACE": "1",

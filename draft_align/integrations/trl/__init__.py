@@ -8,6 +8,11 @@
     trainer.train()
 
 The adapter is thin: it maps TRL's hooks onto draft_align's Tap, sidecar and draft source.
+
+- ``session.py``: :class:`DraftAlign`, one draft_align run beside one trainer (sidecar, wire, drafts, Tap, engine);
+- ``tap.py``: the Tap on TRL's own log-prob pass; ``callback.py``: the ``TrainerCallback`` that drives it;
+- ``checks.py``: TRL configurations refused at start, one line each;
+- ``colocate.py``: TRL's colocated vLLM engine with an EAGLE-3 draft (GPU only, not yet run on one).
 """
 
 from draft_align.integrations.trl.checks import TRLConfigError

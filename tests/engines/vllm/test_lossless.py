@@ -1,4 +1,4 @@
-"""Is vLLM's T = 1 speculative sampling lossless on this CPU build, in both of its draft sampling modes?
+"""Is vLLM's T = 1 speculative sampling lossless on vLLM's CPU build, in both of its draft sampling modes?
 
 The RL job trains the policy on vLLM's samples: speculative decoding may only change speed, never what is
 sampled.  Each test draws ``N_SAMPLES`` independent 3-token continuations of one chat prompt from a running

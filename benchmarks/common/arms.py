@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the repository (this file is benchmarks/common/…)
 log = logging.getLogger("bench.arms")
 K = 3  # draft tokens per round in every measurement
 MODES: tuple[tuple[str, float], ...] = (("greedy", 0.0), ("greedy_draft", 1.0), ("probabilistic", 1.0))
@@ -147,7 +147,7 @@ def finish(
     args: argparse.Namespace, result: dict[str, Any], path: Path, head: str, render: Any, t0: float
 ) -> int:
     """The total time, the JSON at ``path``, the RESULTS.md section (unless ``--no-results-md``), printed."""
-    from benchmarks.results_md import replace_section
+    from benchmarks.common.results_md import replace_section
 
     result["total_seconds"] = time.time() - t0
     path.write_text(json.dumps(result, indent=2))

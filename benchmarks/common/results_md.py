@@ -17,7 +17,7 @@ def replace_section(path: Path, head: str, body: str) -> None:
     path.write_text(text)
 
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the repository (this file is benchmarks/common/…)
 
 
 def repo_relative(path: str | Path) -> str:
