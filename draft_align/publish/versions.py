@@ -79,6 +79,28 @@ def check_folder_version(path: Path, manifest: dict[str, Any]) -> int | None:
     return want
 
 
+def run_version_dir(run_dir: Path, path: Path, version: int | None = None) -> Path:
+    """``run_dir/drafts/vNNNN`` when ``path`` is that folder of ``run_dir`` (version ``version``, else the
+    version ``path``'s name gives) with no symbolic link leading elsewhere; ExportError (one line) otherwise,
+    e.g. for a notification naming a folder outside the run or a ``drafts/vNNNN`` linked out of it."""
+    run_dir, path = Path(run_dir), Path(path)
+    v = folder_version(path) if version is None else int(version)
+    if v is None:
+        raise ExportError(f"{path} is not a vNNNN folder of {run_dir / DRAFTS_DIR}: refused")
+    want = version_dir(run_dir, v)
+    try:
+        real, real_want = path.resolve(), want.resolve()
+    except (OSError, RuntimeError) as e:  # a link loop
+        raise ExportError(f"{path}: cannot be resolved ({e})") from None
+    if real_want != run_dir.resolve() / DRAFTS_DIR / want.name or real != real_want:
+        raise ExportError(
+            f"{path} is not {want} of this run (it resolves to {real}; a path or link out of the run): refused"
+        )
+    if not real.is_dir():
+        raise ExportError(f"{want} does not exist")
+    return want
+
+
 def published_versions(run_dir: Path) -> list[Path]:
     """The run's ``drafts/vNNNN`` folders, newest first (whether they verify is the caller's check)."""
     drafts = Path(run_dir) / DRAFTS_DIR
@@ -181,6 +203,12 @@ def read_latest(run_dir: Path) -> Path | None:
     target = run_dir / rel
     if not target.is_dir():
         raise ExportError(f"{run_dir / LATEST_FILE} names {text!r}, which does not exist")
+    try:
+        target.resolve().relative_to(run_dir.resolve())
+    except ValueError:
+        raise ExportError(
+            f"{run_dir / LATEST_FILE} names {text!r}, a link to {target.resolve()} outside {run_dir}: refused"
+        ) from None
     return target
 
 

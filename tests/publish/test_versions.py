@@ -19,6 +19,7 @@ from draft_align.publish.versions import (
     publish_version,
     read_latest,
     resolve_draft_dir,
+    run_version_dir,
     version_dir,
     write_latest,
 )
@@ -51,6 +52,26 @@ def test_versions_and_latest_pointer(e3, tmp_path):
     (run / "latest").write_text("../elsewhere\n")
     with pytest.raises(ExportError, match="relative"):
         read_latest(run)
+
+
+def test_latest_and_version_folders_never_lead_out_of_the_run(e3, tmp_path):
+    run, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    v1 = e3.export(e3.make_draft(), version_dir(run, 1))
+    outside = e3.export(e3.make_draft(seed=1), version_dir(elsewhere, 2), draft_version=2)
+    version_dir(run, 2).symlink_to(outside, target_is_directory=True)
+    (run / "latest").write_text("drafts/v0002\n")
+    with pytest.raises(ExportError, match="outside"):
+        read_latest(run)
+    with pytest.raises(ExportError, match="link out of the run"):
+        run_version_dir(run, version_dir(run, 2))
+    with pytest.raises(ExportError, match="link out of the run"):
+        run_version_dir(run, outside, 2)  # a notification naming another run's folder
+    with pytest.raises(ExportError, match="link out of the run"):
+        run_version_dir(run, v1, 2)  # a version that is not the folder's
+    with pytest.raises(ExportError, match="does not exist"):
+        run_version_dir(run, version_dir(run, 3))
+    (tmp_path / "alias").symlink_to(run)  # a link above the run folder is the run folder itself
+    assert run_version_dir(run, tmp_path / "alias" / "drafts" / "v0001") == v1 == run_version_dir(run, v1)
 
 
 def test_discard_tmp_versions(e3, tmp_path):
