@@ -25,7 +25,7 @@ import torch
 
 import draft_align
 from draft_align.conventions import FLOAT_DTYPE_NAMES, dtype_name, float_dtype
-from draft_align.storage import save_tensors
+from draft_align.storage import make_shared_dirs, save_tensors, share_tree
 
 EAGLE3_FORMAT = "draft_align.eagle3"  # written by publish/eagle3_format.py
 MTP_FORMAT = "draft_align.mtp"  # written by publish/mtp_format.py
@@ -211,10 +211,9 @@ def publish_folder(
     except (TypeError, ValueError) as e:
         raise ExportError(f"manifest/config not JSON serialisable: {e}") from e
     parent = out_dir.parent
-    parent.mkdir(parents=True, exist_ok=True)
+    make_shared_dirs(parent)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out_dir.name}-", dir=parent))
     try:
-        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; engines may run as another user
         names = [weights_file]
         if config_text is not None:
             _write_text(tmp / CONFIG_FILE, config_text)
@@ -225,6 +224,7 @@ def publish_folder(
             sha, size = digest(tmp / name)
             manifest["files"][name] = {"sha256": sha, "bytes": size}
         _write_text(tmp / MANIFEST_FILE, _dumps(manifest))
+        share_tree(tmp)  # engines may run as another user, in the run folder's group (storage.py)
         fsync_path(tmp)
         _rename_into_place(tmp, out_dir, overwrite)
     except BaseException:

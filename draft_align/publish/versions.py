@@ -31,6 +31,7 @@ from draft_align.heads.protocol import DraftHead
 from draft_align.publish import write_draft
 from draft_align.publish.folder import MANIFEST_FILE, ExportError, ExportRequest, fsync_path, weights_sha256
 from draft_align.publish.lora_delta import export_adapter
+from draft_align.storage import SHARED_FILE_MODE
 
 log = logging.getLogger(__name__)
 
@@ -173,7 +174,7 @@ def write_latest(run_dir: Path, version_dir: Path) -> None:
             f.write(rel.as_posix() + "\n")
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp_name, 0o644)
+        os.chmod(tmp_name, SHARED_FILE_MODE)
         os.replace(tmp_name, run_dir / LATEST_FILE)
     except BaseException:
         if os.path.exists(tmp_name):

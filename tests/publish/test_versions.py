@@ -248,3 +248,26 @@ def test_disk_full_at_publish_leaves_no_folder_and_latest_unchanged(e3, tmp_path
         assert read_latest(run) == p1.path
         assert sorted(os.listdir(run / "drafts")) == ["v0001"]  # no temp folder, no unannounced version
     assert versions.next_version(run) == 2
+
+
+@pytest.mark.parametrize("umask", [0o000, 0o077])
+def test_published_versions_are_group_readable_whatever_the_umask(e3, tmp_path, lora_over_base, umask):
+    """The file-mode policy (storage.py): what engines load is 0750 folders / 0640 files, never world-readable,
+    never owner-only (an engine may run as another user of the run folder's group)."""
+    import os
+    import stat
+
+    def mode(p):
+        return stat.S_IMODE(os.lstat(p).st_mode)
+
+    base_dir, draft = lora_over_base
+    old = os.umask(umask)
+    try:
+        run = tmp_path / "out" / "run"  # nothing of it exists yet
+        pub = publish(e3, run, draft, delta_base=base_dir)
+    finally:
+        os.umask(old)
+    made = [tmp_path / "out", run, run / "drafts", pub.path, run / "adapters", pub.delta_path]
+    assert all(mode(p) == 0o750 for p in made), {str(p): oct(mode(p)) for p in made}
+    files = [*pub.path.iterdir(), *pub.delta_path.iterdir(), run / "latest"]
+    assert len(files) == 6 and all(mode(p) == 0o640 for p in files), {str(p): oct(mode(p)) for p in files}
