@@ -165,30 +165,20 @@ def _walk(
 def _open_read(path: Path) -> tuple[int, int]:
     """(fd, size) of the recording at ``path``, its MAGIC checked; RecordingError otherwise."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO must not block the open
     except OSError as e:
         raise RecordingError(f"{path}: cannot read ({e})") from e
     try:
-        size = os.fstat(fd).st_size
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise RecordingError(f"{path}: not a regular file")
+        size = st.st_size
         if _read_at(fd, 0, len(MAGIC)) != MAGIC:
             raise RecordingError(f"{path}: not a draft_align wire recording (no {MAGIC[:-1]!r} header)")
     except BaseException:
         os.close(fd)
         raise
     return fd, size
-
-
-def whole_end(path: Path, max_bytes: int = DEFAULT_MAX_BYTES) -> int:
-    """The byte offset just past the last whole, undamaged entry of the recording at ``path``."""
-    fd, size = _open_read(Path(path))
-    try:
-        last = len(MAGIC)
-        for kind, _, stop, _, _ in _walk(fd, size, max_bytes):
-            if kind == "entry":
-                last = stop
-        return last
-    finally:
-        os.close(fd)
 
 
 class Recording:

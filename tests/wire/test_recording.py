@@ -238,6 +238,8 @@ def test_a_symlinked_or_special_recording_path_is_refused(tmp_path):
     os.mkfifo(fifo)
     rec = WireRecorder(fifo)  # would block on open, or append into a pipe
     assert rec.failed is not None and "not a regular file" in rec.failed
+    with pytest.raises(RecordingError, match="not a regular file"):  # nor does a reader block on it
+        list(Recording(fifo))
 
 
 def test_a_recording_is_owner_only_whatever_the_umask(tmp_path):
