@@ -11,7 +11,10 @@ import pytest
 from draft_align.config import CotrainRecipe, load_recipe
 
 
-@pytest.mark.parametrize("sidecar_world", [{"sidecar.record_wire": True}], indirect=True)
+# no free-space reserve beyond the draft's own: the tests record on whatever disk they run on
+@pytest.mark.parametrize(
+    "sidecar_world", [{"sidecar.record_wire": True, "sidecar.record_wire_reserve_mb": 0}], indirect=True
+)
 def test_a_recorded_run_replays_into_the_same_buffer_and_rows(sidecar_world, until, tiny_run, tmp_path):
     from draft_align.sidecar.launch import starting_draft
     from draft_align.sidecar.loop import Sidecar
@@ -46,7 +49,10 @@ def test_a_recorded_run_replays_into_the_same_buffer_and_rows(sidecar_world, unt
         other.close()
 
 
-@pytest.mark.parametrize("sidecar_world", [{"sidecar.record_wire": True}], indirect=True)
+# no free-space reserve beyond the draft's own: the tests record on whatever disk they run on
+@pytest.mark.parametrize(
+    "sidecar_world", [{"sidecar.record_wire": True, "sidecar.record_wire_reserve_mb": 0}], indirect=True
+)
 def test_adapt_replay_runs_arms_on_a_recording(sidecar_world, until, tmp_path):
     """benchmarks/adapt_replay.py on a 3-step recording: every arm scores every step; a tighter replay cap
     trains fewer tokens on the same messages and says that the cap stopped it."""
