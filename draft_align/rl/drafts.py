@@ -78,7 +78,8 @@ class DraftSource:
     """Frozen and adapted drafts (see the module docstring).  Before any publish the adapted module is the
     frozen one and ``adapted_version`` is None.
 
-    ``notifications``: the sidecar's DraftPublished subscriber (None: poll ``latest`` only).
+    ``notifications``: the sidecar's DraftPublished subscriber (None: poll ``latest`` only).  ``run_id``: the
+    run id a notification must carry (None: the run folder's name).
     """
 
     def __init__(
