@@ -161,14 +161,17 @@ class DraftSource:
 
     # ----------------------------------------------------------------- refresh
     def _newest_notification(self) -> DraftPublished | None:
-        newest = None
         if self.notifications is None:
             return None
+        newer = []
         while (msg := self.notifications.poll(0)) is not None:
-            floor = self.current_version if newest is None else int(newest.draft_version)
-            if int(msg.draft_version) > floor and self._in_run(msg):
-                newest = msg
-        return newest
+            if int(msg.draft_version) > self.current_version:
+                newer.append(msg)
+        # newest first: older ones (perhaps pruned since) are examined only when a newer one is refused
+        for msg in sorted(newer, key=lambda m: -int(m.draft_version)):
+            if self._in_run(msg):
+                return msg
+        return None
 
     def _in_run(self, msg: DraftPublished) -> bool:
         """Whether ``msg`` is this run's and names its ``drafts/vNNNN`` of that version (else counted, logged)."""

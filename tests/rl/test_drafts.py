@@ -273,3 +273,20 @@ def test_a_version_folder_linked_out_of_the_run_is_refused_through_latest(
     (tmp_path / "run2" / "drafts").symlink_to(evil / "drafts", target_is_directory=True)
     notes.queue.append(announce(version_dir(tmp_path / "run2", 2), 2))
     assert w2.poll() is False and w2.current_version == 0 and w2.failures == 1
+
+
+def test_notifications_of_versions_pruned_since_cost_nothing_when_a_newer_one_is_good(
+    tmp_path, frozen_dir, kit, target_config
+):
+    """A sidecar that publishes faster than the RL job polls prunes versions it announced: only the newest
+    announced version is examined (older ones only when it is refused)."""
+    import shutil
+
+    run = tmp_path / "run"
+    notes = ListNotifications()
+    w = DraftSource(run, frozen_dir, notifications=notes)
+    paths = [kit.publish(kit.make(target_config, seed=10 + v), run, target_config, v, v) for v in (1, 2, 3)]
+    notes.queue += [announce(p, v) for v, p in zip((1, 2, 3), paths, strict=True)]
+    shutil.rmtree(paths[0])  # retention deleted v0001 after announcing it
+    shutil.rmtree(paths[1])
+    assert w.poll() is True and w.current_version == 3 and w.failures == 0 and w.notified == 1
