@@ -102,7 +102,9 @@ def build_job(
     rl = recipe.rl
     target, tok = assets.load_target(recipe.target.model, float_dtype(recipe.target.dtype), recipe.device)
     policy = Policy.from_config(target, rl, seed=recipe.seed)
-    drafts = DraftSource(recipe.run_dir, start, device=recipe.device, notifications=notifications)
+    drafts = DraftSource(
+        recipe.run_dir, start, device=recipe.device, notifications=notifications, run_id=recipe.run
+    )
     tap = None
     if recipe.tap.enabled:
         tap = HFPolicyTap(

@@ -30,6 +30,7 @@ ALLOWED: dict[str, set[str]] = {
     "engines": {"conventions", "heads", "hf", "publish", "monitor", "wire", "assets"},
     "rl": {
         "conventions",
+        "storage",
         "config",
         "assets",
         "data",

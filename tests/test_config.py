@@ -366,6 +366,8 @@ def test_load_recipe_returns_the_schemas_type():
         ("sidecar.keep_versions=1", "sidecar.keep_versions must be ≥ 2"),
         ("sidecar.max_seq_tokens=1", "sidecar.max_seq_tokens must be ≥ 2"),
         ("sidecar.max_consecutive_nonfinite=0", "max_consecutive_nonfinite must be ≥ 1"),
+        ("sidecar.record_wire_mb=0", "sidecar.record_wire_mb must be ≥ 1, got 0"),
+        ("sidecar.record_wire_reserve_mb=-1", "sidecar.record_wire_reserve_mb must be ≥ 0, got -1"),
         ("sidecar.anchor_decay=-1", r"sidecar.anchor_decay must be ≥ 0 \(0: off\), got -1"),
         ("sidecar.prometheus_port=70000", "prometheus_port must be in 0..65535"),
         ("sidecar.prometheus_port=-1", "prometheus_port"),

@@ -189,6 +189,8 @@ class CotrainRecipe(_RecipeHeader):
                 ("sidecar.max_seq_tokens", 2),
                 ("sidecar.num_threads", 1),
                 ("sidecar.log_every", 1),
+                ("sidecar.record_wire_mb", 1),
+                ("sidecar.record_wire_reserve_mb", 0),
                 ("wire.max_message_mb", 1),
                 ("wire.max_tokens", 1),
                 ("wire.queue_messages", 1),

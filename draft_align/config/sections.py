@@ -197,6 +197,10 @@ class SidecarConfig:
     # append every valid message received to <run>/sidecar/wire.rec (wire/recording.py), e.g. to compare
     # sidecar settings on the same taps afterwards (benchmarks/adapt_replay.py)
     record_wire: bool = False
+    # the recording stops (one line) before its file passes record_wire_mb, or before the free space on its disk
+    # falls under max(record_wire_reserve_mb, 32 bytes per draft parameter): checkpoints and publishes keep room
+    record_wire_mb: int = 4096
+    record_wire_reserve_mb: int = 2048
     batch_tokens: int = 1536  # tokens per training batch
     ttt_steps: int = 7  # K: unrolled draft steps per chain start (training-time test)
     step_decay: float | None = None  # TTT step weights decay^j; None = the head's default (STEP_DECAY)

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from draft_align.publish.folder import CONFIG_FILE, MANIFEST_FILE, WEIGHTS_FILE, read_manifest
+from draft_align.publish import checked_manifest
+from draft_align.publish.folder import CONFIG_FILE, MANIFEST_FILE, WEIGHTS_FILE
 
 CLIENTS = ("vllm", "sglang", "speculators")
 
@@ -139,7 +140,7 @@ def check_with_client(
 ) -> ClientCheck:
     """Run ``client``'s check on the published folder ``folder`` (its manifest sha256 verified first)."""
     folder = Path(folder)
-    read_manifest(folder, verify=True)
+    checked_manifest(folder, verify=True)
     if client == "vllm":
         return check_vllm(folder)
     if client == "sglang":

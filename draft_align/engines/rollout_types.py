@@ -22,7 +22,8 @@ import torch
 
 from draft_align.conventions import DraftKind
 from draft_align.monitor.acceptance import AcceptanceTally
-from draft_align.publish.folder import WEIGHTS_FILE, read_manifest
+from draft_align.publish import checked_manifest
+from draft_align.publish.folder import WEIGHTS_FILE
 from draft_align.publish.versions import resolve_draft_dir
 
 
@@ -43,7 +44,7 @@ class DraftVersion:
     def read(cls, path: str | Path) -> DraftVersion:
         """Verify the folder (or a run folder's ``latest``) against its manifest: every file's size and sha256."""
         folder = resolve_draft_dir(Path(path))
-        return cls.of(folder, read_manifest(folder, verify=True))
+        return cls.of(folder, checked_manifest(folder, verify=True))
 
     @property
     def version(self) -> int:

@@ -26,7 +26,15 @@ from draft_align.heads.eagle3 import DraftConfigError
 from draft_align.heads.lora import is_lora, merged
 from draft_align.heads.protocol import DraftHead
 from draft_align.publish import eagle3_format, mtp_format
-from draft_align.publish.folder import MTP_FORMAT, Dialect, ExportError, ExportRequest, read_manifest
+from draft_align.publish.folder import (
+    MTP_FORMAT,
+    Dialect,
+    ExportError,
+    ExportRequest,
+    check_sizes,
+    read_manifest,
+    verify_files,
+)
 
 
 def write_draft(draft: DraftHead, out_dir: Path, req: ExportRequest) -> dict[str, Any]:
@@ -86,6 +94,19 @@ def export_draft(
     return Path(out_dir)
 
 
+def checked_manifest(path: Path, *, verify: bool = True) -> dict[str, Any]:
+    """The manifest of the draft folder ``path`` with every listed file's size checked against what its head
+    config implies before anything is hashed (an 8 GiB file is refused at once), no file a link out of the
+    folder; with ``verify`` then every file's sha256.  CorruptCheckpointError / ExportError otherwise."""
+    path = Path(path)
+    manifest = read_manifest(path, verify=False)
+    fmt = mtp_format if manifest.get("format") == MTP_FORMAT else eagle3_format
+    check_sizes(path, manifest, fmt.weights_data_bytes(path, manifest))
+    if verify:
+        verify_files(path, manifest)
+    return manifest
+
+
 def load_draft(
     path: Path,
     *,
@@ -95,12 +116,13 @@ def load_draft(
 ) -> tuple[Any, dict[str, Any]]:
     """Rebuild the draft saved at ``path`` (either format, either dialect); returns (module, manifest).
 
-    With ``verify`` every file the manifest lists is re-hashed first.  The module is built on the ``meta``
+    File sizes are checked against the head config first (:func:`checked_manifest`); with ``verify`` every
+    file the manifest lists is then re-hashed.  The module is built on the ``meta``
     device and the checkpoint tensors are assigned to it (float tensors cast to ``dtype``), then moved to
     ``device``.
     """
     path = Path(path)
-    manifest = read_manifest(path, verify=verify)
+    manifest = checked_manifest(path, verify=verify)
     if manifest.get("format") == MTP_FORMAT:
         return mtp_format.load_mtp(path, manifest, device=device, dtype=dtype), manifest
     return eagle3_format.load_eagle3(path, manifest, device=device, dtype=dtype), manifest
@@ -121,4 +143,4 @@ def engine_sha256(draft: DraftHead, dtype: torch.dtype = torch.bfloat16) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-__all__ = ["engine_sha256", "engine_tensors", "export_draft", "load_draft", "write_draft"]
+__all__ = ["checked_manifest", "engine_sha256", "engine_tensors", "export_draft", "load_draft", "write_draft"]

@@ -17,6 +17,7 @@ config leaves them out and both engines agree without any convention (docs/forma
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,7 @@ from draft_align.publish.folder import (
     publish_folder,
     read_head_config,
     read_weights,
+    stored_itemsize,
 )
 
 SPECULATORS_ARCHITECTURE = "Eagle3Speculator"  # speculators' Eagle3SpeculatorConfig.architectures default
@@ -314,6 +316,15 @@ def write_eagle3(draft: Eagle3Draft, out_dir: Path, req: ExportRequest) -> dict[
     )
     publish_folder(out_dir, tensors, manifest, config=config, overwrite=req.overwrite)
     return manifest
+
+
+def weights_data_bytes(path: Path, manifest: Mapping[str, Any]) -> int:
+    """The tensor bytes model.safetensors holds for the manifest's ``eagle3_config`` and ``dtype``: the engine
+    tensors' elements at the stored float size, d2t int64, t2d bool."""
+    cfg = read_head_config(path, manifest, "eagle3_config", Eagle3Config.from_dict)
+    item = stored_itemsize(path, manifest)
+    sizes = {"d2t": 8, "t2d": 1}
+    return sum(math.prod(shape) * sizes.get(name, item) for name, shape in expected_shapes(cfg).items())
 
 
 def load_eagle3(

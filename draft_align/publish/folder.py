@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 import tempfile
 import uuid
 from collections.abc import Callable, Mapping
@@ -23,8 +24,8 @@ import safetensors.torch
 import torch
 
 import draft_align
-from draft_align.conventions import FLOAT_DTYPE_NAMES, dtype_name
-from draft_align.storage import save_tensors
+from draft_align.conventions import FLOAT_DTYPE_NAMES, dtype_name, float_dtype
+from draft_align.storage import make_shared_dirs, save_tensors, share_tree
 
 EAGLE3_FORMAT = "draft_align.eagle3"  # written by publish/eagle3_format.py
 MTP_FORMAT = "draft_align.mtp"  # written by publish/mtp_format.py
@@ -210,10 +211,9 @@ def publish_folder(
     except (TypeError, ValueError) as e:
         raise ExportError(f"manifest/config not JSON serialisable: {e}") from e
     parent = out_dir.parent
-    parent.mkdir(parents=True, exist_ok=True)
+    make_shared_dirs(parent)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out_dir.name}-", dir=parent))
     try:
-        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; engines may run as another user
         names = [weights_file]
         if config_text is not None:
             _write_text(tmp / CONFIG_FILE, config_text)
@@ -224,6 +224,7 @@ def publish_folder(
             sha, size = digest(tmp / name)
             manifest["files"][name] = {"sha256": sha, "bytes": size}
         _write_text(tmp / MANIFEST_FILE, _dumps(manifest))
+        share_tree(tmp)  # engines may run as another user, in the run folder's group (storage.py)
         fsync_path(tmp)
         _rename_into_place(tmp, out_dir, overwrite)
     except BaseException:
@@ -270,21 +271,84 @@ def draft_manifest(
     }
 
 
-def verify_file(folder: Path, name: str, info: Any) -> None:
-    """Raise CorruptCheckpointError unless ``folder/name`` exists and has the manifest entry's size and sha256."""
-    mpath = folder / MANIFEST_FILE
-    if Path(name).name != name:
-        raise CorruptCheckpointError(f"{mpath}: file name {name!r} is not a plain name")
-    fpath = folder / name
-    if not fpath.is_file():
-        raise CorruptCheckpointError(f"{name} is listed in the manifest but missing from {folder}")
-    sha, size = digest(fpath)
-    if size != info.get("bytes"):
-        raise CorruptCheckpointError(
-            f"{name}: {size} bytes, manifest says {info.get('bytes')} (truncated or modified)"
+# --------------------------------------------------------------------------------------- reading back
+MAX_MANIFEST_BYTES = 16 << 20  # manifest.json is read whole
+MAX_SIDE_FILE_BYTES = 1 << 20  # config.json, or any listed file but the weights
+SAFETENSORS_HEADER_SLACK = 1 << 20  # a safetensors file: u64 header length, JSON header (a few KiB), data
+
+
+def plain_file(folder: Path, name: str) -> os.stat_result:
+    """``folder/name``'s stat: a regular file, and no symbolic link leading out of ``folder`` (a link inside it
+    is followed).  CorruptCheckpointError (FileNotFoundError when it is missing) otherwise."""
+    folder = Path(folder)
+    if Path(name).name != name or name in ("", ".", ".."):
+        raise CorruptCheckpointError(f"{folder / MANIFEST_FILE}: file name {name!r} is not a plain name")
+    path = folder / name
+    st = path.lstat()
+    if stat.S_ISLNK(st.st_mode):
+        real = path.resolve()
+        try:
+            real.relative_to(folder.resolve())
+        except ValueError:
+            raise CorruptCheckpointError(
+                f"{path} is a link to {real}, outside {folder}: refused (copy the file into the folder)"
+            ) from None
+        st = path.stat()
+    if not stat.S_ISREG(st.st_mode):
+        raise CorruptCheckpointError(f"{path} is not a regular file")
+    return st
+
+
+def check_sizes(folder: Path, manifest: Mapping[str, Any], data_bytes: int) -> None:
+    """Before any file is hashed: each listed file's size, as the manifest records it and on disk, must be what
+    the head config implies: the weights ``data_bytes`` of tensor data plus a safetensors header (at most
+    SAFETENSORS_HEADER_SLACK), any other file at most MAX_SIDE_FILE_BYTES.  CorruptCheckpointError otherwise."""
+    mpath = Path(folder) / MANIFEST_FILE
+    for name, info in dict(manifest["files"]).items():
+        low, high = (
+            (data_bytes + 8, data_bytes + 8 + SAFETENSORS_HEADER_SLACK)
+            if name == WEIGHTS_FILE
+            else (0, MAX_SIDE_FILE_BYTES)
         )
+        said = info.get("bytes") if isinstance(info, dict) else None
+        if isinstance(said, bool) or not isinstance(said, int) or not low <= said <= high:
+            raise CorruptCheckpointError(
+                f"{mpath}: {name} listed at {said!r} bytes, the head config implies {low}..{high}: refused"
+            )
+        try:
+            size = plain_file(folder, name).st_size
+        except FileNotFoundError:
+            raise CorruptCheckpointError(
+                f"{name} is listed in the manifest but missing from {folder}"
+            ) from None
+        if size != said:
+            raise CorruptCheckpointError(
+                f"{name}: {size} bytes, manifest says {said} (truncated or modified)"
+            )
+
+
+def verify_file(folder: Path, name: str, info: Any) -> None:
+    """Raise CorruptCheckpointError unless ``folder/name`` (a regular file, no link out of ``folder``) has the
+    manifest entry's size, checked before it is hashed, and sha256."""
+    folder = Path(folder)
+    try:
+        size = plain_file(folder, name).st_size
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{name} is listed in the manifest but missing from {folder}") from None
+    said = info.get("bytes") if isinstance(info, dict) else None
+    if size != said:
+        raise CorruptCheckpointError(f"{name}: {size} bytes, manifest says {said} (truncated or modified)")
+    sha, size = digest(folder / name)
+    if size != said:
+        raise CorruptCheckpointError(f"{name}: changed while it was read (truncated or modified)")
     if sha != info.get("sha256"):
         raise CorruptCheckpointError(f"{name}: sha256 mismatch with the manifest (corrupt or modified)")
+
+
+def verify_files(folder: Path, manifest: Mapping[str, Any]) -> None:
+    """:func:`verify_file` on every file the manifest lists."""
+    for name, info in dict(manifest["files"]).items():
+        verify_file(folder, name, info)
 
 
 def read_manifest(path: Path, *, verify: bool = True) -> dict[str, Any]:
@@ -296,6 +360,8 @@ def read_manifest(path: Path, *, verify: bool = True) -> dict[str, Any]:
     path = Path(path)
     mpath = path / MANIFEST_FILE
     try:
+        if plain_file(path, MANIFEST_FILE).st_size > MAX_MANIFEST_BYTES:
+            raise CorruptCheckpointError(f"{mpath}: larger than {MAX_MANIFEST_BYTES >> 20} MiB: refused")
         manifest = json.loads(mpath.read_text(encoding="utf-8"))
     except FileNotFoundError as e:
         raise CorruptCheckpointError(
@@ -313,8 +379,7 @@ def read_manifest(path: Path, *, verify: bool = True) -> dict[str, Any]:
     if not isinstance(files, dict) or not {CONFIG_FILE, WEIGHTS_FILE} <= set(files):
         raise CorruptCheckpointError(f"{mpath}: files must list {CONFIG_FILE} and {WEIGHTS_FILE}")
     if verify:
-        for name, info in files.items():
-            verify_file(path, name, info)
+        verify_files(path, manifest)
     return manifest
 
 
@@ -333,9 +398,21 @@ def read_head_config(
 def read_weights(path: Path) -> dict[str, torch.Tensor]:
     """The folder's model.safetensors, loaded on the CPU; CorruptCheckpointError when it cannot be read."""
     try:
+        plain_file(Path(path), WEIGHTS_FILE)  # no link out of the folder
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{WEIGHTS_FILE} is missing from {path}") from None
+    try:
         return safetensors.torch.load_file(str(Path(path) / WEIGHTS_FILE), device="cpu")
     except Exception as e:  # safetensors raises its own error types for truncated headers / data
         raise CorruptCheckpointError(f"{WEIGHTS_FILE}: unreadable ({e}); truncated or corrupt") from e
+
+
+def stored_itemsize(path: Path, manifest: Mapping[str, Any]) -> int:
+    """Bytes per element of the manifest's float storage ``dtype``; ExportError for another dtype."""
+    try:
+        return float_dtype(str(manifest.get("dtype"))).itemsize
+    except ValueError as e:
+        raise ExportError(f"{Path(path) / MANIFEST_FILE}: {e}") from e
 
 
 def weights_sha256(manifest: dict[str, Any]) -> str:

@@ -20,6 +20,7 @@ sha256 of both files), manifest ``format: draft_align.mtp``, ``layout``, and the
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -44,6 +45,7 @@ from draft_align.publish.folder import (
     publish_folder,
     read_head_config,
     read_weights,
+    stored_itemsize,
 )
 
 MTP_FORMAT_VERSION = 1
@@ -414,6 +416,17 @@ def write_mtp(draft: MTPDraft, out_dir: Path, req: ExportRequest) -> dict[str, A
     )
     publish_folder(out_dir, tensors, manifest, config=config, overwrite=req.overwrite)
     return manifest
+
+
+def weights_data_bytes(path: Path, manifest: Mapping[str, Any]) -> int:
+    """The tensor bytes model.safetensors holds for the manifest's ``mtp_config`` (its own layout, with
+    DeepSeek-V3's per-depth head copies) at the manifest's stored float size."""
+    cfg = read_head_config(path, manifest, "mtp_config", MTPConfig.from_dict)
+    shapes = _expected_shapes(cfg)
+    theirs = {t: math.prod(shapes[ours]) for ours, t in layout_names(cfg, cfg.layout).items()}
+    ours_of = {t: o for o, t in layout_names(cfg, cfg.layout).items()}
+    copies = sum(math.prod(shapes[ours_of[first]]) for first, _ in head_copies(cfg, cfg.layout))
+    return (sum(theirs.values()) + copies) * stored_itemsize(path, manifest)
 
 
 def load_mtp(

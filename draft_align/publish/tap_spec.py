@@ -16,13 +16,13 @@ from safetensors import safe_open
 from draft_align.heads.eagle3 import DraftConfigError, Eagle3Config
 from draft_align.heads.mtp import MTPConfig
 from draft_align.heads.protocol import HeadKind
+from draft_align.publish import checked_manifest
 from draft_align.publish.folder import (
     MANIFEST_FILE,
     MTP_FORMAT,
     WEIGHTS_FILE,
     CorruptCheckpointError,
     ExportError,
-    read_manifest,
     verify_file,
 )
 from draft_align.publish.versions import resolve_draft_dir
@@ -47,7 +47,7 @@ def read_tap_spec(draft_dir: Path) -> TapSpec:
     first (CorruptCheckpointError otherwise).  MTP: the full target vocabulary (arange), no weights read.
     """
     path = resolve_draft_dir(Path(draft_dir))
-    manifest = read_manifest(path, verify=False)
+    manifest = checked_manifest(path, verify=False)  # sizes against the head config, no links out
     fmt = str(manifest["format"])
     versions = int(manifest.get("draft_version", 0)), int(manifest.get("policy_version", 0))
     try:

@@ -31,6 +31,7 @@ from draft_align.heads.protocol import DraftHead
 from draft_align.publish import write_draft
 from draft_align.publish.folder import MANIFEST_FILE, ExportError, ExportRequest, fsync_path, weights_sha256
 from draft_align.publish.lora_delta import export_adapter
+from draft_align.storage import SHARED_FILE_MODE
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +77,28 @@ def check_folder_version(path: Path, manifest: dict[str, Any]) -> int | None:
         raise ExportError(
             f"{path}: manifest says draft_version {got!r}, the folder is version {want}: refused"
         )
+    return want
+
+
+def run_version_dir(run_dir: Path, path: Path, version: int | None = None) -> Path:
+    """``run_dir/drafts/vNNNN`` when ``path`` is that folder of ``run_dir`` (version ``version``, else the
+    version ``path``'s name gives) with no symbolic link leading elsewhere; ExportError (one line) otherwise,
+    e.g. for a notification naming a folder outside the run or a ``drafts/vNNNN`` linked out of it."""
+    run_dir, path = Path(run_dir), Path(path)
+    v = folder_version(path) if version is None else int(version)
+    if v is None:
+        raise ExportError(f"{path} is not a vNNNN folder of {run_dir / DRAFTS_DIR}: refused")
+    want = version_dir(run_dir, v)
+    try:
+        real, real_want = path.resolve(), want.resolve()
+    except (OSError, RuntimeError) as e:  # a link loop
+        raise ExportError(f"{path}: cannot be resolved ({e})") from None
+    if real_want != run_dir.resolve() / DRAFTS_DIR / want.name or real != real_want:
+        raise ExportError(
+            f"{path} is not {want} of this run (it resolves to {real}; a path or link out of the run): refused"
+        )
+    if not real.is_dir():
+        raise ExportError(f"{want} does not exist")
     return want
 
 
@@ -151,7 +174,7 @@ def write_latest(run_dir: Path, version_dir: Path) -> None:
             f.write(rel.as_posix() + "\n")
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp_name, 0o644)
+        os.chmod(tmp_name, SHARED_FILE_MODE)
         os.replace(tmp_name, run_dir / LATEST_FILE)
     except BaseException:
         if os.path.exists(tmp_name):
@@ -181,6 +204,12 @@ def read_latest(run_dir: Path) -> Path | None:
     target = run_dir / rel
     if not target.is_dir():
         raise ExportError(f"{run_dir / LATEST_FILE} names {text!r}, which does not exist")
+    try:
+        target.resolve().relative_to(run_dir.resolve())
+    except ValueError:
+        raise ExportError(
+            f"{run_dir / LATEST_FILE} names {text!r}, a link to {target.resolve()} outside {run_dir}: refused"
+        ) from None
     return target
 
 

@@ -13,7 +13,9 @@ Anything wrong with a new version (corrupt or half-written files, a config that 
 ``latest`` — not UTF-8, a directory —, a notification whose sha256 or version differs from the folder's, a
 manifest whose ``draft_version`` is not its ``vNNNN`` folder's number) is logged and counted, and the
 previous draft stays in use: :meth:`DraftSource.poll` never raises for what it reads.  A failed version is
-not re-read until its files change.
+not re-read until its files change.  Versions are read from this run's own ``drafts/vNNNN`` only: a
+notification for another ``run_id`` or naming another folder, and a ``latest`` or version folder that a link
+leads out of the run, are refused the same way (``publish.versions.run_version_dir``).
 """
 
 from __future__ import annotations
@@ -28,7 +30,13 @@ from draft_align.engines.rollout_types import DraftVersion
 from draft_align.heads.protocol import DraftHead
 from draft_align.publish import load_draft
 from draft_align.publish.folder import MANIFEST_FILE, WEIGHTS_FILE, CorruptCheckpointError, ExportError
-from draft_align.publish.versions import check_folder_version, read_latest, resolve_draft_dir
+from draft_align.publish.versions import (
+    check_folder_version,
+    read_latest,
+    resolve_draft_dir,
+    run_version_dir,
+    version_dir,
+)
 from draft_align.wire.messages import DraftPublished
 
 log = logging.getLogger(__name__)
@@ -70,7 +78,8 @@ class DraftSource:
     """Frozen and adapted drafts (see the module docstring).  Before any publish the adapted module is the
     frozen one and ``adapted_version`` is None.
 
-    ``notifications``: the sidecar's DraftPublished subscriber (None: poll ``latest`` only).
+    ``notifications``: the sidecar's DraftPublished subscriber (None: poll ``latest`` only).  ``run_id``: the
+    run id a notification must carry (None: the run folder's name).
     """
 
     def __init__(
@@ -81,8 +90,10 @@ class DraftSource:
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
         notifications: Notifications | None = None,
+        run_id: str | None = None,
     ) -> None:
         self.run_dir = Path(run_dir)
+        self.run_id = self.run_dir.name if run_id is None else run_id
         self.device = device
         self.dtype = dtype
         self.notifications = notifications
@@ -150,19 +161,34 @@ class DraftSource:
 
     # ----------------------------------------------------------------- refresh
     def _newest_notification(self) -> DraftPublished | None:
-        newest = None
         if self.notifications is None:
             return None
+        newer = []
         while (msg := self.notifications.poll(0)) is not None:
-            if newest is None or msg.draft_version > newest.draft_version:
-                newest = msg
-        return newest
+            if int(msg.draft_version) > self.current_version:
+                newer.append(msg)
+        # newest first: older ones (perhaps pruned since) are examined only when a newer one is refused
+        for msg in sorted(newer, key=lambda m: -int(m.draft_version)):
+            if self._in_run(msg):
+                return msg
+        return None
+
+    def _in_run(self, msg: DraftPublished) -> bool:
+        """Whether ``msg`` is this run's and names its ``drafts/vNNNN`` of that version (else counted, logged)."""
+        if msg.run_id != self.run_id:
+            return self._fail(f"a notification for run {msg.run_id!r}", ValueError("not this run"), None)
+        try:
+            run_version_dir(self.run_dir, Path(msg.path), int(msg.draft_version))
+        except ExportError as e:
+            return self._fail(f"notification of v{int(msg.draft_version):04d}", e, None)
+        return True
 
     def poll(self) -> bool:
         """Take the newest published version if it is newer than the adapted one; True when one was taken."""
         msg = self._newest_notification()
         if msg is not None and int(msg.draft_version) > self.current_version:
-            if self._take(Path(msg.path), msg.sha256, int(msg.draft_version)):
+            path = version_dir(self.run_dir, int(msg.draft_version))  # checked: the folder msg.path names
+            if self._take(path, msg.sha256, int(msg.draft_version)):
                 self.notified += 1
                 return True
             return False
@@ -173,6 +199,10 @@ class DraftSource:
         current = self.adapted_version
         if path is None or (current is not None and path.resolve() == current.path.resolve()):
             return False
+        try:
+            path = run_version_dir(self.run_dir, path)
+        except ExportError as e:
+            return self._fail(f"{self.run_dir}/latest", e, None)
         return self._take(path, None)
 
     def _take(self, path: Path, sha256: str | None, announced: int | None = None) -> bool:

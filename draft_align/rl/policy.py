@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from draft_align.storage import make_shared_dirs, share_tree
+
 if TYPE_CHECKING:
     from draft_align.config import RLConfig
 
@@ -146,11 +148,11 @@ def _atomic_dir(out_dir: Path, overwrite: bool) -> Iterator[Path]:
     out_dir = Path(out_dir)
     if os.path.lexists(out_dir) and not overwrite:
         raise PolicyError(f"{out_dir} already exists; pass overwrite=True to replace it")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    make_shared_dirs(out_dir.parent)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out_dir.name}-", dir=out_dir.parent))
     try:
         yield tmp
-        os.chmod(tmp, 0o755)
+        share_tree(tmp)  # an engine may load it as another user, in the run folder's group (storage.py)
         if os.path.lexists(out_dir):
             old = out_dir.parent / f".old-{out_dir.name}-{uuid.uuid4().hex[:8]}"
             os.replace(out_dir, old)

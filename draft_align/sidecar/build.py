@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from draft_align.config import CotrainRecipe, recipe_to_dict, step_decay
+from draft_align.config.sections import SidecarConfig
 from draft_align.conventions import float_dtype
 from draft_align.heads.protocol import DraftHead
 from draft_align.monitor.sinks import METRICS_FILE, JsonlSink, PromSink, Sinks, open_sinks
@@ -26,6 +27,7 @@ from draft_align.sidecar.trigger import DriftTrigger
 from draft_align.train.objective import LossSettings
 from draft_align.train.replay import ReplayBuffer
 from draft_align.train.trainer import DraftTrainer, OptimSettings
+from draft_align.wire.recording import WireRecorder
 
 
 @dataclass(frozen=True)
@@ -199,6 +201,19 @@ def open_wire(recipe: CotrainRecipe, *, rank: int | None, is_lead: bool) -> tupl
             receiver.close()
             raise
     return key, receiver, publisher
+
+
+# bytes a checkpoint and a publish may need per draft parameter: fp32 weights and two AdamW moments written
+# beside the previous checkpoint (2 · 12), a bf16 published copy and its temp folder (2 · 2), rounded up
+RESERVE_BYTES_PER_PARAM = 32
+
+
+def open_recorder(sc: SidecarConfig, path: Path, draft: nn.Module) -> WireRecorder:
+    """``sidecar.record_wire``'s recorder at ``path``: capped at ``record_wire_mb``, and stopping before the free
+    space falls under max(``record_wire_reserve_mb``, RESERVE_BYTES_PER_PARAM · the draft's parameters)."""
+    params = sum(p.numel() for p in draft.parameters())
+    reserve = max(sc.record_wire_reserve_mb << 20, RESERVE_BYTES_PER_PARAM * params)
+    return WireRecorder(path, max_file_bytes=sc.record_wire_mb << 20, reserve_bytes=reserve)
 
 
 def open_sidecar_sinks(recipe: CotrainRecipe, sidecar_dir: Path, *, rank: int | None, is_lead: bool) -> Sinks:

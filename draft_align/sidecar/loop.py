@@ -44,6 +44,7 @@ from draft_align.sidecar.build import (
     build_trigger,
     load_starting_drafts,
     load_target_side,
+    open_recorder,
     open_sidecar_sinks,
     open_wire,
     trainable_draft,
@@ -182,7 +183,7 @@ class Sidecar:
         )
         self.wire_key, self.receiver, self.gate.publisher = open_wire(self.recipe, rank=rank, is_lead=lead)
         if self.recipe.sidecar.record_wire:  # every valid message, for adapt_replay.py (wire/recording.py)
-            self.recorder = WireRecorder(self.dir / recording_name(rank))
+            self.recorder = open_recorder(self.recipe.sidecar, self.dir / recording_name(rank), self.frozen)
 
     def _setup_sinks(self) -> None:
         """Lead rank: ``monitor.jsonl``, ``metrics.jsonl``, wandb, Prometheus; the other ranks: their training

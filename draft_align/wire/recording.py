@@ -10,23 +10,36 @@ on the very same taps.  The file is ``MAGIC`` then entries::
 little-endian, the CRC over everything after the entry's ``b"WREC"``.  Each message is re-encoded without a
 MAC and without its sender's envelope (the recording was authenticated when it was received; a reader
 decodes every entry with the wire's own validating decoder, so a forged or damaged file cannot yield a
-message the wire would refuse).  A file cut short by a killed writer reads up to its last whole entry and
-says how many bytes it left; a damaged entry before the end is a :class:`RecordingError`.  A recorder that
-reopens such a file (a restarted sidecar) first cuts it back to its last whole entry, so what it appends
-stays readable; it never appends to a file that is not a recording.
+message the wire would refuse).
+
+Damage.  A file cut short by a killed writer reads up to its last whole entry and says how many bytes it
+left.  Bytes that are no whole entry but are followed by one (a flipped bit, a damaged length field) are
+damage: a :class:`RecordingError` naming the entry, or, with ``skip_damaged``, counted and stepped over to the
+next whole entry (found by its marker and checksum).  A recorder that reopens a file (a restarted sidecar)
+cuts only what follows its last whole entry; damage before a whole entry is kept, reported in one line, and
+appended after.
+Reads use ``pread`` on a file descriptor, never a memory map: a file that shrinks while it is read ends the
+read like a cut file.
+
+Limits.  A recorder refuses a symbolic link or anything but a regular file at its path, creates the file
+0600 (it holds every tapped hidden state and token id, like the wire key) and narrows an existing one to
+0600.  ``max_file_bytes`` caps the file and ``reserve_bytes`` keeps that much free space on its filesystem:
+the entry that would pass either stops the recording with one line.  No failure of a recorder reaches its
+caller: it logs one line, sets ``failed`` and records nothing more.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
-import mmap
 import os
+import stat
 import struct
 import time
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import BinaryIO
 
 from draft_align.wire.codec import MAX_FRAMES, encode
 from draft_align.wire.messages import Message, decode
@@ -35,51 +48,291 @@ from draft_align.wire.schema import DEFAULT_MAX_BYTES, DEFAULT_MAX_TOKENS, WireE
 log = logging.getLogger(__name__)
 
 MAGIC = b"DRAFT_ALIGN_WIRE_RECORDING 1\n"
+RECORDING_MODE = 0o600  # owner only, as the wire key: the file is a copy of every tapped hidden state
 _ENTRY = b"WREC"
 _HEAD = struct.Struct("<dI")
 _LEN = struct.Struct("<Q")
 _CRC = struct.Struct("<I")
+_SCAN_CHUNK = 1 << 20  # bytes read at a time while looking for the next whole entry after damage
 
 
 class RecordingError(ValueError):
     """A recording that cannot be read: not one, damaged, or holding a message the wire refuses."""
 
 
-class WireRecorder:
-    """Appends messages to a recording.  A write that fails (a full disk) is logged once and ends the
-    recording (``failed`` says why); the receiver it records for carries on."""
+# --------------------------------------------------------------------------------------- reading
+def _read_at(fd: int, pos: int, n: int) -> bytes:
+    """Up to ``n`` bytes at ``pos`` (fewer only where the file ends, e.g. it shrank since it was opened)."""
+    parts, got = [], 0
+    while got < n:
+        b = os.pread(fd, min(n - got, 1 << 30), pos + got)
+        if not b:
+            break
+        parts.append(b)
+        got += len(b)
+    return b"".join(parts)
 
-    def __init__(self, path: Path) -> None:
+
+def _entry(fd: int, end: int, pos: int, max_bytes: int) -> tuple[float, list[bytes], int] | None:
+    """(seconds, frames, next position) of the entry at ``pos`` in the first ``end`` bytes; None when the
+    file ends inside it; RecordingError (the reason alone) when it is damaged."""
+    head = _read_at(fd, pos, len(_ENTRY) + _HEAD.size)
+    if len(head) < len(_ENTRY) + _HEAD.size and _ENTRY.startswith(head[: len(_ENTRY)]):
+        return None
+    if head[: len(_ENTRY)] != _ENTRY:
+        raise RecordingError("no entry marker")
+    t, n = _HEAD.unpack_from(head, len(_ENTRY))
+    if not 2 <= n <= MAX_FRAMES:
+        raise RecordingError(f"{n} frames")
+    crc = zlib.crc32(head[len(_ENTRY) :])
+    p = pos + len(head)
+    frames: list[bytes] = []
+    total = 0
+    for _ in range(n):
+        lb = _read_at(fd, p, _LEN.size)
+        if len(lb) < _LEN.size:
+            return None
+        (size,) = _LEN.unpack(lb)
+        total += size
+        if total > max_bytes:
+            raise RecordingError(f"a message of more than {max_bytes} bytes")
+        if end - (p + _LEN.size) < size:
+            return None
+        fr = _read_at(fd, p + _LEN.size, size)
+        if len(fr) < size:
+            return None
+        crc = zlib.crc32(fr, zlib.crc32(lb, crc))
+        frames.append(fr)
+        p += _LEN.size + size
+    cb = _read_at(fd, p, _CRC.size)
+    if len(cb) < _CRC.size:
+        return None
+    if _CRC.unpack(cb)[0] != crc:
+        raise RecordingError("checksum mismatch")
+    return t, frames, p + _CRC.size
+
+
+def _next_whole(fd: int, end: int, start: int, max_bytes: int) -> int | None:
+    """The offset of the first whole, undamaged entry at or after ``start`` (its marker and checksum
+    found), or None."""
+    pos = start
+    while pos < end:
+        chunk = _read_at(fd, pos, min(_SCAN_CHUNK, end - pos))
+        if not chunk:
+            return None
+        i = chunk.find(_ENTRY)
+        while i != -1:
+            try:
+                if _entry(fd, end, pos + i, max_bytes) is not None:
+                    return pos + i
+            except RecordingError:
+                pass
+            i = chunk.find(_ENTRY, i + 1)
+        if pos + len(chunk) >= end:
+            return None
+        pos += len(chunk) - (len(_ENTRY) - 1)  # a marker may straddle two chunks
+    return None
+
+
+def _walk(
+    fd: int, end: int, max_bytes: int
+) -> Iterator[tuple[str, int, int, str, tuple[float, list[bytes]] | None]]:
+    """The file's parts after MAGIC, in order, as (kind, start, stop, why, (seconds, frames)): ``entry``
+    (whole), ``damage`` (bytes that are no whole entry, up to the next whole one or the end), ``tail`` (an
+    unfinished last entry, to the end)."""
+    pos = len(MAGIC)
+    while pos < end:
+        why = ""
+        try:
+            got = _entry(fd, end, pos, max_bytes)
+        except RecordingError as e:
+            got, why = None, str(e)
+        if got is not None:
+            yield "entry", pos, got[2], "", (got[0], got[1])
+            pos = got[2]
+            continue
+        nxt = _next_whole(fd, end, pos + 1, max_bytes)
+        if not why:  # runs past the end of the file: a cut, unless a whole entry follows
+            if nxt is None:
+                yield "tail", pos, end, "", None
+                return
+            why = f"runs past the next whole entry at byte {nxt} (damaged length field)"
+        stop = end if nxt is None else nxt
+        yield "damage", pos, stop, why, None
+        pos = stop
+
+
+def _open_read(path: Path) -> tuple[int, int]:
+    """(fd, size) of the recording at ``path``, its MAGIC checked; RecordingError otherwise."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO must not block the open
+    except OSError as e:
+        raise RecordingError(f"{path}: cannot read ({e})") from e
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise RecordingError(f"{path}: not a regular file")
+        size = st.st_size
+        if _read_at(fd, 0, len(MAGIC)) != MAGIC:
+            raise RecordingError(f"{path}: not a draft_align wire recording (no {MAGIC[:-1]!r} header)")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, size
+
+
+class Recording:
+    """A recording to read: ``for t, msg in Recording(path)``.  After a full pass ``entries`` counts the
+    messages read, ``truncated_bytes`` the bytes of an unfinished last entry (0 when the file ended on an
+    entry's boundary) and, with ``skip_damaged``, ``damaged`` / ``damaged_bytes`` the damaged stretches
+    stepped over (without it, the first one is a :class:`RecordingError`)."""
+
+    def __init__(
+        self,
+        path: Path,
+        *,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        max_tokens: int = DEFAULT_MAX_TOKENS,
+        skip_damaged: bool = False,
+    ):
         self.path = Path(path)
+        self.max_bytes = max_bytes
+        self.max_tokens = max_tokens
+        self.skip_damaged = skip_damaged
+        self.entries = 0
+        self.truncated_bytes = 0
+        self.damaged = 0
+        self.damaged_bytes = 0
+
+    def _damage(self, start: int, stop: int, why: str) -> None:
+        where = f"{self.path}: entry {self.entries} at byte {start}"
+        if not self.skip_damaged:
+            raise RecordingError(
+                f"{where}: {why} (damaged file; {stop - start} bytes up to byte {stop}; "
+                f"Recording(..., skip_damaged=True) reads the whole entries around it)"
+            )
+        self.damaged += 1
+        self.damaged_bytes += stop - start
+        log.warning("%s: %s: %d damaged bytes skipped", where, why, stop - start)
+
+    def __iter__(self) -> Iterator[tuple[float, Message]]:
+        self.entries = self.truncated_bytes = self.damaged = self.damaged_bytes = 0
+        fd, size = _open_read(self.path)
+        try:
+            for kind, start, stop, why, got in _walk(fd, size, self.max_bytes):
+                if kind == "tail":  # a writer killed mid-entry (or the file shrank): everything before stands
+                    self.truncated_bytes = stop - start
+                    log.warning(
+                        "%s: last entry unfinished (%d bytes left unread)", self.path, self.truncated_bytes
+                    )
+                    return
+                if kind == "damage":
+                    self._damage(start, stop, why)
+                    continue
+                assert got is not None
+                t, frames = got
+                try:  # the decoded tensors own their memory (decode_frames copies them)
+                    msg = decode(frames, None, max_bytes=self.max_bytes, max_tokens=self.max_tokens)
+                except WireError as e:
+                    self._damage(start, stop, f"a message the wire refuses: {e}")
+                    continue
+                self.entries += 1
+                yield t, msg
+        finally:
+            os.close(fd)
+
+
+# --------------------------------------------------------------------------------------- writing
+def _free_bytes(folder: Path) -> int:
+    st = os.statvfs(folder)
+    return st.f_bavail * st.f_frsize
+
+
+class WireRecorder:
+    """Appends messages to a recording (see the module docstring for damage, modes and limits).
+
+    ``max_file_bytes``: the file's cap (None: none); ``reserve_bytes``: free space on the file's filesystem
+    that recording never takes.  ``failed`` says why the recording stopped (None while it records).
+    """
+
+    def __init__(self, path: Path, *, max_file_bytes: int | None = None, reserve_bytes: int = 0) -> None:
+        self.path = Path(path)
+        self.max_file_bytes = max_file_bytes
+        self.reserve_bytes = int(reserve_bytes)
         self.failed: str | None = None
         self.messages = 0
+        self.size = 0
         self._t0 = time.monotonic()
         self._f: BinaryIO | None = None
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._f = open(self.path, "ab")  # noqa: SIM115 - open for the recorder's lifetime
-            if self._f.tell() == 0:
+            self._f = self._open()
+            self.size = os.fstat(self._f.fileno()).st_size
+            if self.size == 0:
                 self._f.write(MAGIC)
+                self._f.flush()
+                self.size = len(MAGIC)
             else:
-                self._trim()
-        except (OSError, RecordingError) as e:
-            self._fail(e)
+                self._resume()
+        except Exception as e:  # never into the receiver's loop
+            self._fail(str(e) if isinstance(e, RecordingError) else f"{type(e).__name__}: {e}")
 
-    def _trim(self) -> None:
-        """An existing recording: cut an unfinished or damaged tail back to the last whole entry."""
+    def _open(self) -> BinaryIO:
+        """The file for appending: never through a symbolic link, a regular file only, mode 0600."""
+        flags = os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        try:
+            fd = os.open(self.path, flags, RECORDING_MODE)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise RecordingError(
+                    f"{self.path} is a symbolic link: refused (remove it; a recording is written in place)"
+                ) from None
+            raise
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise RecordingError(f"{self.path} is not a regular file: refused (remove it)")
+            if stat.S_IMODE(st.st_mode) != RECORDING_MODE:
+                os.fchmod(fd, RECORDING_MODE)
+            os.set_blocking(fd, True)
+            return os.fdopen(fd, "ab")
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def _resume(self) -> None:
+        """An existing file: a recording's, or refused.  What follows its last whole entry (an unfinished
+        entry of a killed writer, or damage with nothing whole after it) is cut; damage before a whole entry is
+        kept (readers step over it with ``skip_damaged``) and reported in one line."""
         assert self._f is not None
-        size = self._f.tell()
-        end = whole_end(self.path)
-        if end < size:
+        fd = self._f.fileno()
+        if _read_at(fd, 0, len(MAGIC)) != MAGIC:
+            raise RecordingError(f"{self.path}: not a draft_align wire recording (no {MAGIC[:-1]!r} header)")
+        damaged, first, last = 0, -1, len(MAGIC)
+        for kind, start, stop, _, _ in _walk(fd, self.size, DEFAULT_MAX_BYTES):
+            if kind == "entry":
+                last = stop
+            elif kind == "damage" and stop < self.size:
+                damaged += stop - start
+                first = start if first < 0 else first
+        if last < self.size:
             log.warning(
-                "wire recording %s: dropping %d bytes after its last whole entry", self.path, size - end
+                "wire recording %s: dropping %d bytes after its last whole entry", self.path, self.size - last
             )
-            self._f.truncate(end)
-            self._f.seek(end)
+            os.ftruncate(fd, last)
+            self.size = last
+        if damaged:
+            log.warning(
+                "wire recording %s: %d damaged bytes from byte %d kept before later whole entries; appending "
+                "after them (Recording(..., skip_damaged=True) reads every whole entry)",
+                self.path,
+                damaged,
+                first,
+            )
 
-    def _fail(self, e: Exception) -> None:
-        self.failed = f"{type(e).__name__}: {e}"
-        log.error("wire recording %s stopped: %s", self.path, self.failed)
+    def _fail(self, why: str) -> None:
+        self.failed = why
+        log.error("wire recording %s stopped: %s", self.path, why)
         if self._f is not None:
             try:
                 self._f.close()
@@ -88,22 +341,37 @@ class WireRecorder:
             self._f = None
 
     def record(self, msg: Message) -> None:
-        """Append ``msg`` (validated by the encoder as the wire would), frame by frame."""
+        """Append ``msg`` (validated by the encoder as the wire would), frame by frame; never raises."""
         if self._f is None:
             return
-        frames = encode(msg, None)
-        parts = [_HEAD.pack(time.monotonic() - self._t0, len(frames))]
-        for fr in frames:
-            parts += [_LEN.pack(len(fr)), fr]
-        crc = 0
-        for part in parts:
-            crc = zlib.crc32(part, crc)
         try:
+            frames = encode(msg, None)
+            parts = [_HEAD.pack(time.monotonic() - self._t0, len(frames))]
+            for fr in frames:
+                parts += [_LEN.pack(len(fr)), fr]
+            crc = 0
+            for part in parts:
+                crc = zlib.crc32(part, crc)
+            n = len(_ENTRY) + sum(len(p) for p in parts) + _CRC.size
+            if self.max_file_bytes is not None and self.size + n > self.max_file_bytes:
+                self._fail(
+                    f"the next entry would pass the recording's cap of {self.max_file_bytes >> 20} MiB "
+                    f"({self.messages} messages recorded; a sidecar's cap is sidecar.record_wire_mb)"
+                )
+                return
+            free = _free_bytes(self.path.parent)
+            if free - n < self.reserve_bytes:
+                self._fail(
+                    f"{free >> 20} MiB free on its disk, {self.reserve_bytes >> 20} MiB kept in reserve for "
+                    f"checkpoints and publishes ({self.messages} messages recorded)"
+                )
+                return
             self._f.writelines([_ENTRY, *parts, _CRC.pack(crc)])
             self._f.flush()
-        except OSError as e:  # a half-written entry is cut back by the next recorder, skipped by a reader
-            self._fail(e)
+        except Exception as e:  # never into the receiver's loop; a half-written entry is cut later
+            self._fail(f"{type(e).__name__}: {e}")
             return
+        self.size += n
         self.messages += 1
 
     def close(self) -> None:
@@ -114,107 +382,5 @@ class WireRecorder:
             os.fsync(self._f.fileno())
             self._f.close()
         except OSError as e:
-            self._fail(e)
+            self._fail(f"{type(e).__name__}: {e}")
         self._f = None
-
-
-def _mapped(path: Path) -> memoryview:
-    """The file's bytes, memory-mapped (an empty file: empty); RecordingError when it is not a recording."""
-    try:
-        with open(path, "rb") as f:
-            data: Any = (
-                mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if os.fstat(f.fileno()).st_size else b""
-            )
-    except OSError as e:
-        raise RecordingError(f"{path}: cannot read ({e})") from e
-    if bytes(data[: len(MAGIC)]) != MAGIC:
-        raise RecordingError(f"{path}: not a draft_align wire recording (no {MAGIC[:-1]!r} header)")
-    return memoryview(data)
-
-
-def whole_end(path: Path, max_bytes: int = DEFAULT_MAX_BYTES) -> int:
-    """The byte offset just past the last whole, undamaged entry of the recording at ``path``."""
-    view = _mapped(path)
-    pos, n = len(MAGIC), 0
-    while pos < len(view):
-        try:
-            entry = _entry(view, pos, max_bytes, f"{path}: entry {n} at byte {pos}")
-        except RecordingError:
-            return pos
-        if entry is None:
-            return pos
-        pos, n = entry[2], n + 1
-    return pos
-
-
-def _entry(
-    view: memoryview, pos: int, max_bytes: int, where: str
-) -> tuple[float, list[memoryview], int] | None:
-    """(seconds, frames, next position) of the entry at ``pos``; None when the file ends inside it;
-    RecordingError when it is damaged."""
-    end = len(view)
-    if end - pos < len(_ENTRY) + _HEAD.size:
-        return None
-    if bytes(view[pos : pos + len(_ENTRY)]) != _ENTRY:
-        raise RecordingError(f"{where}: no entry marker (damaged file)")
-    body_start = pos + len(_ENTRY)
-    t, n = _HEAD.unpack_from(view, body_start)
-    if not 2 <= n <= MAX_FRAMES:
-        raise RecordingError(f"{where}: {n} frames (damaged file)")
-    p = body_start + _HEAD.size
-    frames: list[memoryview] = []
-    total = 0
-    for _ in range(n):
-        if end - p < _LEN.size:
-            return None
-        (size,) = _LEN.unpack_from(view, p)
-        total += size
-        if total > max_bytes:
-            raise RecordingError(f"{where}: message of more than {max_bytes} bytes (damaged file)")
-        p += _LEN.size
-        if end - p < size:
-            return None
-        frames.append(view[p : p + size])
-        p += size
-    if end - p < _CRC.size:
-        return None
-    (crc,) = _CRC.unpack_from(view, p)
-    if zlib.crc32(view[body_start:p]) != crc:
-        raise RecordingError(f"{where}: checksum mismatch (damaged file)")
-    return t, frames, p + _CRC.size
-
-
-class Recording:
-    """A recording to read: ``for t, msg in Recording(path)``.  After a full pass ``entries`` counts the
-    messages read and ``truncated_bytes`` the bytes of an unfinished last entry (0 when the file ended on
-    an entry's boundary)."""
-
-    def __init__(
-        self, path: Path, *, max_bytes: int = DEFAULT_MAX_BYTES, max_tokens: int = DEFAULT_MAX_TOKENS
-    ):
-        self.path = Path(path)
-        self.max_bytes = max_bytes
-        self.max_tokens = max_tokens
-        self.entries = 0
-        self.truncated_bytes = 0
-
-    def __iter__(self) -> Iterator[tuple[float, Message]]:
-        self.entries = self.truncated_bytes = 0
-        view = _mapped(self.path)
-        pos = len(MAGIC)
-        while pos < len(view):
-            start = pos
-            entry = _entry(view, pos, self.max_bytes, f"{self.path}: entry {self.entries} at byte {pos}")
-            if entry is None:  # a writer killed mid-entry: everything before it stands
-                self.truncated_bytes = len(view) - start
-                log.warning(
-                    "%s: last entry unfinished (%d bytes left unread)", self.path, self.truncated_bytes
-                )
-                return
-            t, frames, pos = entry
-            try:  # the decoded tensors own their memory (decode_frames copies them)
-                msg = decode(frames, None, max_bytes=self.max_bytes, max_tokens=self.max_tokens)
-            except WireError as e:
-                raise RecordingError(f"{self.path}: entry {self.entries} at byte {start}: {e}") from e
-            self.entries += 1
-            yield t, msg

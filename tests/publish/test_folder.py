@@ -36,8 +36,8 @@ def test_truncated_file_detected(e3, tmp_path):
     w.write_bytes(data[: len(data) // 2])
     with pytest.raises(CorruptCheckpointError, match=r"model\.safetensors: .* bytes"):
         load_draft(out)
-    with pytest.raises(CorruptCheckpointError, match=r"model\.safetensors: unreadable"):
-        load_draft(out, verify=False)  # even unverified, a truncated safetensors file is not loaded
+    with pytest.raises(CorruptCheckpointError, match=r"model\.safetensors: \d+ bytes, manifest says"):
+        load_draft(out, verify=False)  # even unverified, sizes are checked: a truncated file is not loaded
 
 
 def test_missing_or_broken_manifest(e3, tmp_path):
@@ -106,3 +106,57 @@ def test_overwrite_crash_keeps_the_old_draft(e3, tmp_path, monkeypatch):
     assert (out / "manifest.json").read_bytes() == before  # rolled back
     assert sorted(p.name for p in tmp_path.iterdir()) == ["v"]
     load_draft(out)
+
+
+# --------------------------------------------------------------------------------------- sizes first, no links out
+def _refuse_hashing(path):
+    """In place of folder.digest: a check that hashes before it looks at sizes fails here at once (instead of
+    reading gigabytes of a sparse file)."""
+    raise AssertionError(f"{path} hashed before its size was checked")
+
+
+@pytest.mark.parametrize("manifest_agrees", [False, True])
+def test_a_huge_weights_file_is_refused_by_its_size_before_any_hashing(
+    e3, tmp_path, monkeypatch, manifest_agrees
+):
+    import json
+
+    from draft_align.engines.client_check import check_with_client
+
+    out = e3.export(e3.make_draft(), tmp_path / "v")
+    os.truncate(out / "model.safetensors", 8 << 30)  # 8 GiB, sparse
+    if manifest_agrees:  # re-listed at its new size: only the head config can tell
+        man = json.loads((out / "manifest.json").read_text())
+        man["files"]["model.safetensors"]["bytes"] = 8 << 30
+        (out / "manifest.json").write_text(json.dumps(man))
+    monkeypatch.setattr(folder, "digest", _refuse_hashing)
+    why = "the head config implies" if manifest_agrees else "8589934592 bytes, manifest says"
+    for verify in (True, False):
+        with pytest.raises(CorruptCheckpointError, match=why):
+            load_draft(out, verify=verify)
+    with pytest.raises(CorruptCheckpointError, match=why):  # `export --check`'s first step
+        check_with_client(out, "vllm", e3.target_cfg())
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "config.json", "manifest.json"])
+def test_a_file_linked_out_of_the_folder_is_refused(e3, tmp_path, name):
+    from draft_align.engines.client_check import check_with_client
+
+    out = e3.export(e3.make_draft(), tmp_path / "v")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (out / name).rename(elsewhere / name)  # the very same bytes, outside: sha256 and size still match
+    (out / name).symlink_to(elsewhere / name)
+    for verify in (True, False):
+        with pytest.raises(CorruptCheckpointError, match=f"{name} is a link to .*outside .*refused"):
+            load_draft(out, verify=verify)
+    with pytest.raises(CorruptCheckpointError, match="outside"):
+        check_with_client(out, "vllm", e3.target_cfg())
+
+
+def test_a_link_inside_the_folder_is_followed(e3, tmp_path):
+    out = e3.export(e3.make_draft(), tmp_path / "v")
+    (out / "model.safetensors").rename(out / "blob")
+    (out / "model.safetensors").symlink_to("blob")
+    draft, _ = load_draft(out)
+    assert draft.cfg == e3.make_draft().cfg

@@ -19,6 +19,7 @@ from draft_align.publish.versions import (
     publish_version,
     read_latest,
     resolve_draft_dir,
+    run_version_dir,
     version_dir,
     write_latest,
 )
@@ -51,6 +52,26 @@ def test_versions_and_latest_pointer(e3, tmp_path):
     (run / "latest").write_text("../elsewhere\n")
     with pytest.raises(ExportError, match="relative"):
         read_latest(run)
+
+
+def test_latest_and_version_folders_never_lead_out_of_the_run(e3, tmp_path):
+    run, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    v1 = e3.export(e3.make_draft(), version_dir(run, 1))
+    outside = e3.export(e3.make_draft(seed=1), version_dir(elsewhere, 2), draft_version=2)
+    version_dir(run, 2).symlink_to(outside, target_is_directory=True)
+    (run / "latest").write_text("drafts/v0002\n")
+    with pytest.raises(ExportError, match="outside"):
+        read_latest(run)
+    with pytest.raises(ExportError, match="link out of the run"):
+        run_version_dir(run, version_dir(run, 2))
+    with pytest.raises(ExportError, match="link out of the run"):
+        run_version_dir(run, outside, 2)  # a notification naming another run's folder
+    with pytest.raises(ExportError, match="link out of the run"):
+        run_version_dir(run, v1, 2)  # a version that is not the folder's
+    with pytest.raises(ExportError, match="does not exist"):
+        run_version_dir(run, version_dir(run, 3))
+    (tmp_path / "alias").symlink_to(run)  # a link above the run folder is the run folder itself
+    assert run_version_dir(run, tmp_path / "alias" / "drafts" / "v0001") == v1 == run_version_dir(run, v1)
 
 
 def test_discard_tmp_versions(e3, tmp_path):
@@ -227,3 +248,26 @@ def test_disk_full_at_publish_leaves_no_folder_and_latest_unchanged(e3, tmp_path
         assert read_latest(run) == p1.path
         assert sorted(os.listdir(run / "drafts")) == ["v0001"]  # no temp folder, no unannounced version
     assert versions.next_version(run) == 2
+
+
+@pytest.mark.parametrize("umask", [0o000, 0o077])
+def test_published_versions_are_group_readable_whatever_the_umask(e3, tmp_path, lora_over_base, umask):
+    """The file-mode policy (storage.py): what engines load is 0750 folders / 0640 files, never world-readable,
+    never owner-only (an engine may run as another user of the run folder's group)."""
+    import os
+    import stat
+
+    def mode(p):
+        return stat.S_IMODE(os.lstat(p).st_mode)
+
+    base_dir, draft = lora_over_base
+    old = os.umask(umask)
+    try:
+        run = tmp_path / "out" / "run"  # nothing of it exists yet
+        pub = publish(e3, run, draft, delta_base=base_dir)
+    finally:
+        os.umask(old)
+    made = [tmp_path / "out", run, run / "drafts", pub.path, run / "adapters", pub.delta_path]
+    assert all(mode(p) == 0o750 for p in made), {str(p): oct(mode(p)) for p in made}
+    files = [*pub.path.iterdir(), *pub.delta_path.iterdir(), run / "latest"]
+    assert len(files) == 6 and all(mode(p) == 0o640 for p in files), {str(p): oct(mode(p)) for p in files}

@@ -33,7 +33,7 @@ def announce(path, version, sha=None) -> DraftPublished:
         sha if sha is not None else read_manifest(path, verify=False)["files"]["model.safetensors"]["sha256"]
     )
     return DraftPublished(
-        run_id="t", draft_version=version, policy_version=version, path=str(path), sha256=sha
+        run_id="run", draft_version=version, policy_version=version, path=str(path), sha256=sha
     )
 
 
@@ -203,9 +203,9 @@ def test_a_manifest_claiming_a_later_version_is_refused(tmp_path, frozen_dir, ki
     d2 = kit.make(target_config, seed=12)
     kit.publish(d2, run, target_config, 2, 2)
     assert w.poll() is True and w.current_version == 2 and same_weights(w.adapted, d2)
-    # a notification whose version is not the folder's
+    # a notification whose version is not the folder's: refused (counted); `latest` still names the genuine v2
     notes.queue.append(announce(version_dir(run, 2), 7))
-    assert w2.poll() is False and w2.current_version == 0
+    assert w2.poll() is True and w2.current_version == 2 and w2.failures == 3 and w2.notified == 0
 
 
 @pytest.mark.parametrize("latest", [b"drafts/v\xff0001\n", "dir"])
@@ -223,3 +223,70 @@ def test_unreadable_latest_never_raises_out_of_poll(tmp_path, frozen_dir, kit, t
         assert w.poll() is False
     assert ("is a directory" if latest == "dir" else "not UTF-8") in caplog.text
     assert w.failures == 1 and w.current_version == 1
+
+
+# --------------------------------------------------------------------------------------- only this run's folders
+def test_a_notification_naming_a_folder_outside_the_run_is_refused_and_pins_nothing(
+    tmp_path, frozen_dir, kit, target_config, caplog
+):
+    """A DraftPublished naming another run's v0009 (well-formed, and fitting the frozen draft) or carrying
+    another run_id is refused, counted and logged; the genuine later versions are taken."""
+    run, evil = tmp_path / "run", tmp_path / "evil"
+    notes = ListNotifications()
+    w = DraftSource(run, frozen_dir, notifications=notes)
+    outside = kit.publish(kit.make(target_config, seed=66), evil, target_config, 9, 9)
+    v1 = kit.publish(kit.make(target_config, seed=11), run, target_config, 1, 1)
+    (run / "latest").unlink()  # only notifications say where the versions are
+    notes.queue += [announce(outside, 9), announce(v1, 1)]
+    with caplog.at_level(logging.WARNING, logger="draft_align.rl.drafts"):
+        assert w.poll() is True
+    assert w.current_version == 1 and w.adapted_version.path == v1 and w.failures == 1
+    assert "a path or link out of the run" in caplog.text and "refused" in caplog.text
+    v2 = kit.publish(kit.make(target_config, seed=12), run, target_config, 2, 2)
+    (run / "latest").unlink()
+    notes.queue.append(DraftPublished(**{**vars(announce(v2, 2)), "run_id": "another-run"}))
+    assert w.poll() is False and w.failures == 2 and "for run 'another-run'" in caplog.text
+    # announced in this run's folder under a path with a link in it: the same folder, taken
+    (tmp_path / "alias").symlink_to(run)
+    notes.queue.append(announce(tmp_path / "alias" / "drafts" / "v0002", 2))
+    assert w.poll() is True and w.current_version == 2 and w.adapted_version.path == v2
+
+
+def test_a_version_folder_linked_out_of_the_run_is_refused_through_latest(
+    tmp_path, frozen_dir, kit, target_config, caplog
+):
+    run, evil = tmp_path / "run", tmp_path / "evil"
+    w = DraftSource(run, frozen_dir)
+    kit.publish(kit.make(target_config, seed=11), run, target_config, 1, 1)
+    assert w.poll() is True and w.current_version == 1
+    outside = kit.publish(kit.make(target_config, seed=66), evil, target_config, 2, 2)
+    version_dir(run, 2).symlink_to(outside, target_is_directory=True)
+    (run / "latest").write_text("drafts/v0002\n")
+    with caplog.at_level(logging.WARNING, logger="draft_align.rl.drafts"):
+        assert w.poll() is False
+    assert "outside" in caplog.text and "keeping draft v0001" in caplog.text
+    assert w.current_version == 1 and w.failures == 1
+    # the whole drafts/ folder linked elsewhere: refused the same way
+    notes = ListNotifications()
+    w2 = DraftSource(tmp_path / "run2", frozen_dir, notifications=notes)
+    (tmp_path / "run2").mkdir()
+    (tmp_path / "run2" / "drafts").symlink_to(evil / "drafts", target_is_directory=True)
+    notes.queue.append(announce(version_dir(tmp_path / "run2", 2), 2))
+    assert w2.poll() is False and w2.current_version == 0 and w2.failures == 1
+
+
+def test_notifications_of_versions_pruned_since_cost_nothing_when_a_newer_one_is_good(
+    tmp_path, frozen_dir, kit, target_config
+):
+    """A sidecar that publishes faster than the RL job polls prunes versions it announced: only the newest
+    announced version is examined (older ones only when it is refused)."""
+    import shutil
+
+    run = tmp_path / "run"
+    notes = ListNotifications()
+    w = DraftSource(run, frozen_dir, notifications=notes)
+    paths = [kit.publish(kit.make(target_config, seed=10 + v), run, target_config, v, v) for v in (1, 2, 3)]
+    notes.queue += [announce(p, v) for v, p in zip((1, 2, 3), paths, strict=True)]
+    shutil.rmtree(paths[0])  # retention deleted v0001 after announcing it
+    shutil.rmtree(paths[1])
+    assert w.poll() is True and w.current_version == 3 and w.failures == 0 and w.notified == 1

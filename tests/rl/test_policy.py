@@ -152,6 +152,8 @@ def test_adapter_round_trip(load, tmp_path):
         p.name for p in out.iterdir()
     }
     assert not [p for p in (tmp_path / "policy").iterdir() if p.name.startswith(".")]  # no temp left
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (out, *out.iterdir())}  # storage.py's mode policy
+    assert modes == {p.name: 0o750 if p.is_dir() else 0o640 for p in (out, *out.iterdir())}, modes
     with pytest.raises(PolicyError, match="already exists"):
         policy.save_adapter(out)
 

@@ -11,7 +11,10 @@ import pytest
 from draft_align.config import CotrainRecipe, load_recipe
 
 
-@pytest.mark.parametrize("sidecar_world", [{"sidecar.record_wire": True}], indirect=True)
+# no free-space reserve beyond the draft's own: the tests record on whatever disk they run on
+@pytest.mark.parametrize(
+    "sidecar_world", [{"sidecar.record_wire": True, "sidecar.record_wire_reserve_mb": 0}], indirect=True
+)
 def test_a_recorded_run_replays_into_the_same_buffer_and_rows(sidecar_world, until, tiny_run, tmp_path):
     from draft_align.sidecar.launch import starting_draft
     from draft_align.sidecar.loop import Sidecar
@@ -46,7 +49,10 @@ def test_a_recorded_run_replays_into_the_same_buffer_and_rows(sidecar_world, unt
         other.close()
 
 
-@pytest.mark.parametrize("sidecar_world", [{"sidecar.record_wire": True}], indirect=True)
+# no free-space reserve beyond the draft's own: the tests record on whatever disk they run on
+@pytest.mark.parametrize(
+    "sidecar_world", [{"sidecar.record_wire": True, "sidecar.record_wire_reserve_mb": 0}], indirect=True
+)
 def test_adapt_replay_runs_arms_on_a_recording(sidecar_world, until, tmp_path):
     """benchmarks/adapt_replay.py on a 3-step recording: every arm scores every step; a tighter replay cap
     trains fewer tokens on the same messages and says that the cap stopped it."""
@@ -92,3 +98,41 @@ def test_adapt_replay_runs_arms_on_a_recording(sidecar_world, until, tmp_path):
     adapt_replay.summarise(result)
     text = adapt_replay.render(result)
     assert text.startswith(adapt_replay.section_title(None)) and "| cap2 |" in text
+
+
+def _used(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file() and not p.is_symlink())
+
+
+@pytest.mark.parametrize(
+    "sidecar_world",
+    [{"sidecar.record_wire": True, "sidecar.record_wire_reserve_mb": 1, "sidecar.record_wire_mb": 64}],
+    indirect=True,
+)
+def test_recording_on_a_small_disk_stops_before_checkpoints_lose_their_room(
+    sidecar_world, until, monkeypatch, caplog
+):
+    """The run folder on a disk with little room (its free space = a capacity minus what the run holds): the
+    recording stops at the reserve with one line, and the sidecar keeps ingesting, checkpointing and writing
+    rows in the room the reserve kept."""
+    from draft_align.sidecar.build import RESERVE_BYTES_PER_PARAM
+    from draft_align.sidecar.layout import STATE_FILE
+    from draft_align.wire import recording
+
+    recipe, sc, feeder = sidecar_world
+    rec = sc.recorder
+    params = sum(p.numel() for p in sc.frozen.parameters())
+    assert rec.reserve_bytes == max(1 << 20, RESERVE_BYTES_PER_PARAM * params)
+    assert rec.max_file_bytes == 64 << 20
+    capacity = _used(recipe.run_dir) + rec.reserve_bytes + 64 * 1024  # room for a few entries only
+    monkeypatch.setattr(recording, "_free_bytes", lambda folder: capacity - _used(recipe.run_dir))
+    for s in range(3):
+        feeder.step(s, s)
+    assert until(lambda: sc.state.monitor_rows >= 3, 30, every=lambda: sc.drain(0.1, 100))
+    assert rec.failed is not None and "kept in reserve for checkpoints and publishes" in rec.failed
+    assert 0 < rec.messages and sum("wire recording" in r.message for r in caplog.records) == 1
+    assert capacity - _used(recipe.run_dir) >= rec.reserve_bytes - 64 * 1024  # the recording left the reserve
+    before = (sc.dir / STATE_FILE).stat().st_mtime_ns if (sc.dir / STATE_FILE).exists() else None
+    sc.checkpoint()
+    assert sc.backoff.ready() and (sc.dir / STATE_FILE).stat().st_mtime_ns != before
+    assert len(list(recording.Recording(sc.dir / "wire.rec"))) == rec.messages

@@ -137,3 +137,168 @@ def test_a_recorder_never_appends_to_a_file_that_is_not_a_recording(tmp_path):
     rec.record(StepReport.make_dummy())
     rec.close()
     assert path.read_bytes() == b"someone else's data" and rec.messages == 0
+
+
+# --------------------------------------------------------------------------------------- damage kept, safe reads
+def _many(n: int) -> list:
+    return [StepReport.make_dummy(step=i) if i % 2 else TapBatch.make_dummy() for i in range(n)]
+
+
+def _entry_starts(path) -> list[int]:
+    import os
+
+    from draft_align.wire.recording import _walk
+
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return [s for k, s, _, _, _ in _walk(fd, os.fstat(fd).st_size, 1 << 28) if k == "entry"]
+    finally:
+        os.close(fd)
+
+
+def test_a_restarted_recorder_keeps_damage_mid_file_and_every_whole_entry(tmp_path, caplog):
+    path = tmp_path / "wire.rec"
+    _write(path, _many(12))
+    starts = _entry_starts(path)
+    data = bytearray(path.read_bytes())
+    data[starts[2] + 30] ^= 0xFF  # one flipped byte inside entry 2
+    path.write_bytes(bytes(data))
+    rec = WireRecorder(path)  # a restarted sidecar
+    assert rec.failed is None and path.stat().st_size == len(data)  # nothing cut
+    rec.record(StepReport.make_dummy(step=99))
+    rec.close()
+    assert any("damaged bytes from byte" in r.message and "kept" in r.message for r in caplog.records)
+    with pytest.raises(RecordingError, match="entry 2 at byte .*checksum mismatch"):
+        list(Recording(path))
+    r = Recording(path, skip_damaged=True)
+    got = [m for _, m in r]
+    assert len(got) == 12 and r.damaged == 1 and r.damaged_bytes == starts[3] - starts[2]
+    assert got[-1].step == 99 and [type(m) for m in got[:11]] == [
+        type(m) for m in _many(12)[:2] + _many(12)[3:]
+    ]
+
+
+def test_a_damaged_length_field_is_damage_not_a_cut_tail(tmp_path):
+    import struct
+
+    path = tmp_path / "wire.rec"
+    _write(path, _many(6))
+    starts = _entry_starts(path)
+    data = bytearray(path.read_bytes())
+    first_len = starts[1] + 4 + 12  # entry 1's first frame length, after b"WREC", f64, u32
+    struct.pack_into("<Q", data, first_len, 100_000_000)  # past the end of the file, under max_bytes
+    path.write_bytes(bytes(data))
+    with pytest.raises(RecordingError, match="entry 1 at byte .*damaged length field"):
+        list(Recording(path))
+    r = Recording(path, skip_damaged=True)
+    assert len(list(r)) == 5 and r.damaged == 1 and r.truncated_bytes == 0
+
+
+def test_a_file_shrinking_during_a_read_ends_the_read_like_a_cut(tmp_path):
+    """A memory-mapped reader dies of SIGBUS here; the read must end like a cut file."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    path = tmp_path / "wire.rec"
+    _write(path, _many(40))
+    assert path.stat().st_size > 4 * 4096
+    script = f"""
+import os
+from draft_align.wire.recording import Recording
+r = Recording({str(path)!r})
+n = 0
+for _, m in r:
+    n += 1
+    if n == 20:
+        os.truncate({str(path)!r}, 100)
+print("read", n, r.truncated_bytes > 0)
+"""
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run(
+        [sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, (out.returncode, out.stderr[-500:])
+    assert out.stdout.split() == ["read", "20", "True"]
+
+
+def test_a_symlinked_or_special_recording_path_is_refused(tmp_path):
+    import os
+
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"")  # an empty file: a recorder that follows the link writes into it
+    path = tmp_path / "wire.rec"
+    path.symlink_to(victim)
+    rec = WireRecorder(path)
+    rec.record(StepReport.make_dummy())
+    rec.close()
+    assert rec.failed is not None and "symbolic link" in rec.failed and rec.messages == 0
+    assert victim.read_bytes() == b""
+    fifo = tmp_path / "fifo.rec"
+    os.mkfifo(fifo)
+    rec = WireRecorder(fifo)  # would block on open, or append into a pipe
+    assert rec.failed is not None and "not a regular file" in rec.failed
+    with pytest.raises(RecordingError, match="not a regular file"):  # nor does a reader block on it
+        list(Recording(fifo))
+
+
+def test_a_recording_is_owner_only_whatever_the_umask(tmp_path):
+    import os
+    import stat
+
+    old = os.umask(0)
+    try:
+        fresh = tmp_path / "wire.rec"
+        _write(fresh, _many(1))
+        assert stat.S_IMODE(fresh.stat().st_mode) == 0o600
+        older = tmp_path / "old.rec"
+        _write(older, _many(1))
+        older.chmod(0o644)  # written by an earlier version
+        _write(older, _many(1))
+        assert stat.S_IMODE(older.stat().st_mode) == 0o600
+    finally:
+        os.umask(old)
+
+
+# --------------------------------------------------------------------------------------- bounded, never raising
+def test_the_size_cap_stops_the_recording_with_one_line(tmp_path, caplog):
+    path = tmp_path / "wire.rec"
+    entry = _write(tmp_path / "probe.rec", [TapBatch.make_dummy()]).size - len(MAGIC)
+    rec = WireRecorder(path, max_file_bytes=len(MAGIC) + 3 * entry + 10)
+    for _ in range(10):
+        rec.record(TapBatch.make_dummy())
+    rec.close()
+    assert rec.messages == 3 and "cap of" in rec.failed and "sidecar.record_wire_mb" in rec.failed
+    assert path.stat().st_size <= rec.max_file_bytes
+    assert sum("wire recording" in r.message for r in caplog.records) == 1
+    assert len(list(Recording(path))) == 3
+    again = WireRecorder(path, max_file_bytes=rec.max_file_bytes)  # a restart at the cap: stops at once
+    again.record(TapBatch.make_dummy())
+    assert again.messages == 0 and "cap of" in again.failed
+
+
+def test_the_free_space_reserve_stops_the_recording_before_the_disk_fills(tmp_path, monkeypatch):
+    from draft_align.wire import recording
+
+    free = {"bytes": 10 << 20}
+    monkeypatch.setattr(recording, "_free_bytes", lambda folder: free["bytes"])
+    rec = WireRecorder(tmp_path / "wire.rec", reserve_bytes=8 << 20)
+    rec.record(TapBatch.make_dummy())
+    assert rec.messages == 1 and rec.failed is None
+    free["bytes"] = (8 << 20) + 100  # the next entry would eat into the reserve
+    rec.record(TapBatch.make_dummy())
+    assert rec.messages == 1 and "kept in reserve for checkpoints and publishes" in rec.failed
+
+
+def test_no_failure_of_a_recorder_reaches_its_caller(tmp_path, monkeypatch):
+    from draft_align.wire import recording
+
+    def broken(*a, **k):
+        raise RuntimeError("bug")
+
+    for part in ("encode", "_free_bytes"):
+        with monkeypatch.context() as m:
+            m.setattr(recording, part, broken)
+            rec = WireRecorder(tmp_path / f"{part}.rec")
+            rec.record(StepReport.make_dummy())  # must not raise
+        assert rec.failed is not None and "bug" in rec.failed and rec.messages == 0

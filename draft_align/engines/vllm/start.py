@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from draft_align.engines.vllm.cpu_patch import cpu_expand_kernel_broken, rpc_patch_cpu_expand_kernel
+from draft_align.publish import checked_manifest
 from draft_align.publish.compat import check_compatible
-from draft_align.publish.folder import read_manifest
 from draft_align.publish.versions import resolve_draft_dir
 
 if TYPE_CHECKING:
@@ -130,7 +130,7 @@ def start_engine(
     if "speculative_config" in llm_kwargs:
         raise ValueError("speculative_config is built from draft_dir, k and draft_sample_method")
     draft = resolve_draft_dir(Path(draft_dir))
-    manifest = read_manifest(draft, verify=True)
+    manifest = checked_manifest(draft, verify=True)
     resolved = resolve_model(target)
     check_compatible(manifest, AutoConfig.from_pretrained(resolved), None)
     spec: dict[str, Any] = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": int(k)}

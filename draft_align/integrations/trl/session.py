@@ -126,7 +126,9 @@ class DraftAlign:
             notify_ep = recipe.wire.notify_endpoint or channel.default_endpoint(run_dir, NOTIFY_SOCKET)
             self.notify = channel.Subscriber(notify_ep, key, allow_remote=recipe.wire.allow_remote)
         device = trainer.accelerator.device
-        self.drafts = DraftSource(run_dir, self.start_draft, device=device, notifications=self.notify)
+        self.drafts = DraftSource(
+            run_dir, self.start_draft, device=device, notifications=self.notify, run_id=recipe.run
+        )
         if recipe.tap.enabled and self.sender is not None:
             from draft_align.publish.tap_spec import read_tap_spec
 

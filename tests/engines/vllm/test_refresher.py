@@ -91,7 +91,7 @@ def test_refresh_good_bad_good_without_restart(
     assert bad_ids == baseline[0]  # acceptance collapsed, outputs unchanged (lossless)
     v3 = shutil.copytree(version_dir(run, 3), version_dir(rl, 3))  # announced before `latest` moves
     msg = DraftPublished(
-        run_id="t", draft_version=3, policy_version=2, path=str(v3), sha256=DraftVersion.read(v3).sha256
+        run_id="rl", draft_version=3, policy_version=2, path=str(v3), sha256=DraftVersion.read(v3).sha256
     )
     notes.queue.append(msg)
     assert source.poll() is True and source.notified == 1 and source.adapted_version.path == v3
