@@ -5,6 +5,7 @@ with transformers).
 
     python examples/trl_grpo.py --steps 5                   # needs the demo's warm-started draft (make demo)
     python examples/trl_grpo.py --steps 5 rl.engine=reference sidecar.publish_every_s=5
+    python examples/trl_grpo.py --task task:add --steps 20  # the verifiable add task, reward 0.2·format + 0.8·correct
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 from draft_align import assets, data
 from draft_align.integrations.trl import DraftAlign  # draft_align
+from draft_align.integrations.trl.rewards import task_dataset, task_reward
 from draft_align.rl.rewards import reward_fn
 
 
@@ -50,6 +52,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--recipe", default="recipes/trl_smollm2.yaml")
     ap.add_argument("--output-dir", default="checkpoints/smollm2-trl-grpo")
     ap.add_argument("--plain", action="store_true", help="TRL alone, without draft_align")
+    ap.add_argument(
+        "--task", default=None, help="a verifiable task source (task:add): its problems and reward"
+    )
     ap.add_argument("--batch", type=int, default=4, help="completions per step (per_device_train_batch_size)")
     ap.add_argument("--completion-tokens", type=int, default=32, help="max_completion_length")
     ap.add_argument("--learning-rate", type=float, default=1e-3)
@@ -87,10 +92,12 @@ def main(argv: list[str] | None = None) -> dict:
     da = None if a.plain else DraftAlign(a.recipe, a.overrides)  # draft_align
     trainer = GRPOTrainer(
         model=model,
-        reward_funcs=uppercase_reward,
+        reward_funcs=uppercase_reward if a.task is None else task_reward,
         args=args,
         processing_class=tokenizer,
-        train_dataset=sharegpt_prompts(tokenizer, a.prompts, 160),
+        train_dataset=sharegpt_prompts(tokenizer, a.prompts, 160)
+        if a.task is None
+        else Dataset.from_list(task_dataset(a.task, a.prompts)),
         peft_config=LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
         rollout_func=None if da is None else da.rollout_func,  # draft_align
     )

@@ -60,6 +60,7 @@ ALLOWED: dict[str, set[str]] = {
     "integrations": {
         "conventions",
         "config",
+        "data",
         "heads",
         "hf",
         "tap",
