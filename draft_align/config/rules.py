@@ -183,8 +183,7 @@ RANGES: dict[type, dict[str, Range]] = {
         "grad_clip": ABOVE_0,
         "min_train_steps_per_publish": AT_LEAST_0,
         "publish_every_s": Range(0, 7 * 86400),
-        # acceptance lengths lie in [1, k+1]: a tolerance of k or more publishes any candidate
-        "gate_tolerance": Range(0, 64),
+        "gate_tolerance": Range(0, note="sidecar.eval_k or more publishes every candidate"),
         "eval_k": Range(1, 64),
         "eval_temperature": TEMPERATURE,
         "checkpoint_every_s": SECONDS,
