@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from draft_align.conventions import DTYPES
+from draft_align.conventions import DTYPES, temperature_ok, temperature_rule
 
 SCHEMA = "draft_align.wire"
 VERSION = 2  # 2: the envelope (sender, seq) in the header
@@ -138,8 +138,8 @@ def _final_norm(v: Any) -> str | None:
 
 def _temperature(v: Any) -> float:
     t = _float("temperature", v)
-    if t < 0:
-        raise _bad(f"temperature={t} < 0")
+    if not temperature_ok(t):  # 1e308 makes every distribution uniform, 5e-324 overflows z/T to NaN
+        raise _bad(f"temperature={t:g} must be {temperature_rule()}")
     return t
 
 

@@ -245,3 +245,42 @@ def test_sender_refuses_a_message_over_the_receivers_limit(tmp_path: Path, caplo
         st = tx.stats()
         assert st["dropped_too_large"] == 1 and st["sent"] == 1
     assert "over the receiver's limit" in caplog.text and "HeadSync" in caplog.text
+
+
+# ------------------------------------------------------------------------- temperatures out of range
+def test_signed_batches_with_unusable_temperatures_are_counted_drops(tmp_path: Path):
+    """A key holder's TapBatches at T = 1e308 and 5e-324 (acceptance k + 1, NaN estimates downstream) are
+    dropped at the receiver and counted under ``fields``; the legit batch after them arrives.  (Our own
+    encoder refuses to build them: the attacker rewrites a signed header.)"""
+    import json
+
+    from draft_align.wire.codec import frame_mac
+
+    def signed(msg, seq, temperature=None):
+        frames = [bytes(f) for f in encode(msg, KEY, sender="attacker", seq=seq)]
+        if temperature is not None:  # the attacker's own encoder: the field rewritten, the MAC made again
+            header = json.loads(frames[0])
+            header["fields"]["temperature"] = temperature
+            frames[0] = json.dumps(header).encode()
+            frames[-1] = frame_mac(KEY, frames[:-1])
+        return frames
+
+    ep = default_endpoint(tmp_path, "tap")
+    good = TapBatch.make_dummy(seed=4)
+    sends = [signed(good, 0, 1e308), signed(good, 1, 5e-324), signed(good, 2)]
+    with Receiver(ep, KEY) as rx:
+        ctx = zmq.Context()
+        raw = ctx.socket(zmq.PUSH)
+        raw.setsockopt(zmq.LINGER, 1000)
+        authenticate(raw, KEY)
+        raw.connect(ep)
+        for frames in sends:
+            raw.send_multipart(frames)
+        got = None
+        end = time.monotonic() + 10
+        while got is None and time.monotonic() < end:
+            got = rx.recv(timeout_ms=200)
+        raw.close()
+        ctx.term()
+        assert got is not None and got.temperature == good.temperature
+        assert rx.rejected == {"fields": 2}
