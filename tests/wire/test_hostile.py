@@ -284,3 +284,28 @@ def test_signed_batches_with_unusable_temperatures_are_counted_drops(tmp_path: P
         ctx.term()
         assert got is not None and got.temperature == good.temperature
         assert rx.rejected == {"fields": 2}
+
+
+# ------------------------------------------------------------------------- frames libzmq drops
+def test_a_frame_over_the_receivers_limit_dropped_by_libzmq_is_counted_as_lost(tmp_path: Path):
+    """A sender configured with a larger limit than the receiver: libzmq drops the oversize frame at the
+    receiver (MAXMSGSIZE, and the connection with it) without telling the socket.  The sender numbers each
+    message it hands to libzmq, so the next message that arrives shows the gap: counted as ``lost``."""
+    ep = default_endpoint(tmp_path, "tap")
+    small = StepReport(run_id="r", step=0, policy_version=0, metrics={})
+    big = TapBatch.make_dummy(num_sequences=8, min_len=200, max_len=200, hidden_size=256, seed=1)
+    with Receiver(ep, KEY, max_bytes=128 * 1024) as rx, TapSender(ep, KEY, send_timeout_s=2.0) as tx:
+        assert tx.offer(small)
+        assert rx.recv(timeout_ms=5000) == small
+        assert tx.offer(big)  # its hidden-state frame alone is over 128 KiB
+        got = None
+        end = time.monotonic() + 20
+        while got is None and time.monotonic() < end:
+            time.sleep(0.3)  # the PUSH socket reconnects after libzmq dropped the connection
+            tx.offer(small)
+            got = rx.recv(timeout_ms=500)
+        assert got == small
+        sent = tx.stats()["sent"]
+        received = rx.stats()["received"]
+        assert sent >= 3 and rx.rejected["lost"] == sent - received >= 1
+        assert set(rx.rejected) == {"lost"}
