@@ -587,3 +587,20 @@ def test_a_run_name_that_leaves_the_output_folder_fails_at_load(run, kind):
         load_recipe(None, [f"run='{run}'"], SCHEMAS[kind])
     recipe = load_recipe(None, ["run=my-run_2.b", "output_dir=/tmp/elsewhere"], SCHEMAS[kind])
     assert recipe.run_dir.parent == Path("/tmp/elsewhere")
+
+
+def test_the_sidecars_default_sequence_cap_keeps_one_step_in_its_documented_budget():
+    """docs/sizing.md §6: one train step ≤ (a·M/T + c)·cap + b; for the SmolLM2-sized draft (H 576, I 1536,
+    K 7, three aux layers of a 576-wide target, P 14.6 M) the default cap must keep it near 2 GiB, the step's
+    share of a 24 GiB machine beside vLLM (8,192 gave ≈ 3.1 GB).  The docs state the default the schema has."""
+    from draft_align.config.sections import SidecarConfig
+
+    cap = SidecarConfig().max_seq_tokens
+    h, i, k, h_t, p = 576, 1536, 7, 576, 14.6e6
+    a = 4 * k * (14 * h + 4 * i)  # per chain start
+    c = 4 * (3 * h_t + 8 * h)  # per position
+    b = 16 * p + 4 * (16 + 32) * 2**20
+    step = (a * 0.75 + c) * cap + b
+    assert step <= 2 * 2**30, f"default max_seq_tokens={cap}: one step ≈ {step / 2**30:.2f} GiB"
+    sizing = (Path(__file__).resolve().parents[1] / "docs" / "sizing.md").read_text()
+    assert f"**The default, {cap:,}**" in sizing
