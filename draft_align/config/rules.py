@@ -89,11 +89,9 @@ FRACTION = Range(0, 1)  # [0, 1]
 DROPOUT = Range(0, 1, open_high=True)
 SEED = Range(0, 2**32 - 1)  # numpy's and torch's seed range; seed·1000 + epoch still fits an int64
 SECONDS = Range(0, 7 * 86400, open_low=True)  # timeouts and periods: more than a week is a typo
-TEMPERATURE = Range(
-    MIN_TEMPERATURE, MAX_TEMPERATURE, also=(0.0,), note="0: greedy"
-)  # conventions.temperature_ok
+# conventions.temperature_ok, the wire's rule too
+TEMPERATURE = Range(MIN_TEMPERATURE, MAX_TEMPERATURE, also=(0.0,), note="0: greedy")
 TOKENS = Range(1)  # token counts
-NONE_OK = "null: off"
 
 #: Every numeric field's range, by section (a list field: each item's).  A new numeric field without an entry
 #: fails tests/test_config.py; ``None`` values of an optional field are always allowed.
