@@ -143,3 +143,21 @@ def check_tap_budgets(tokens_per_step: int, max_tokens_per_message: int) -> None
     ):
         if int(value) < MIN_TAP_SEQUENCE_TOKENS:
             raise ValueError(f"{name} must be ≥ {MIN_TAP_SEQUENCE_TOKENS}, got {value}")
+
+
+#: Sampling temperatures draft_align accepts anywhere (recipes, Taps, the wire): 0 (greedy) or a finite T in
+#: [MIN_TEMPERATURE, MAX_TEMPERATURE].  Below the floor z/T overflows float32 for ordinary logits (inf − inf =
+#: NaN in a softmax); above the ceiling every distribution is uniform to float precision, so each draft would
+#: "match" the target and acceptance would read k + 1.
+MIN_TEMPERATURE = 1e-3
+MAX_TEMPERATURE = 100.0
+
+
+def temperature_ok(t: float) -> bool:
+    """True iff ``t`` is 0 or in [MIN_TEMPERATURE, MAX_TEMPERATURE] (NaN and ±inf are not)."""
+    return t == 0.0 or MIN_TEMPERATURE <= t <= MAX_TEMPERATURE
+
+
+def temperature_rule() -> str:
+    """The rule of :func:`temperature_ok` in words, for error messages."""
+    return f"0 (greedy) or in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}]"

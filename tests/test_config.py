@@ -358,20 +358,20 @@ def test_load_recipe_returns_the_schemas_type():
     [
         ("sidecar.batch_tokens=0", "sidecar.batch_tokens must be ≥ 1, got 0"),
         ("sidecar.batch_tokens=-5", "sidecar.batch_tokens must be ≥ 1"),
-        ("sidecar.ttt_steps=0", "sidecar.ttt_steps must be ≥ 1"),
-        ("sidecar.eval_k=0", "sidecar.eval_k must be ≥ 1"),
+        ("sidecar.ttt_steps=0", "sidecar.ttt_steps must be in \\[1, 64\\]"),
+        ("sidecar.eval_k=0", "sidecar.eval_k must be in \\[1, 64\\]"),
         ("sidecar.grad_clip=-1", "sidecar.grad_clip must be > 0, got -1"),
         ("sidecar.grad_clip=0", "sidecar.grad_clip must be > 0"),
-        ("sidecar.checkpoint_every_s=0", "sidecar.checkpoint_every_s must be > 0"),
-        ("sidecar.keep_versions=1", "sidecar.keep_versions must be ≥ 2"),
+        ("sidecar.checkpoint_every_s=0", "sidecar.checkpoint_every_s must be in \\(0, 604800\\]"),
+        ("sidecar.keep_versions=1", "sidecar.keep_versions must be in \\[2, 10000\\]"),
         ("sidecar.max_seq_tokens=1", "sidecar.max_seq_tokens must be ≥ 2"),
         ("sidecar.max_consecutive_nonfinite=0", "max_consecutive_nonfinite must be ≥ 1"),
         ("sidecar.record_wire_mb=0", "sidecar.record_wire_mb must be ≥ 1, got 0"),
         ("sidecar.record_wire_reserve_mb=-1", "sidecar.record_wire_reserve_mb must be ≥ 0, got -1"),
         ("sidecar.anchor_decay=-1", r"sidecar.anchor_decay must be ≥ 0 \(0: off\), got -1"),
-        ("sidecar.prometheus_port=70000", "prometheus_port must be in 0..65535"),
+        ("sidecar.prometheus_port=70000", "prometheus_port must be in \\[0, 65535\\]"),
         ("sidecar.prometheus_port=-1", "prometheus_port"),
-        ("wire.max_message_mb=0", "wire.max_message_mb must be ≥ 1"),
+        ("wire.max_message_mb=0", "wire.max_message_mb must be in \\[1, 65536\\]"),
         ("wire.max_message_mb=-3", "wire.max_message_mb"),
         ("wire.max_tokens=0", "wire.max_tokens must be ≥ 1"),
         ("rl.grad_clip=-1", "rl.grad_clip must be > 0"),
@@ -382,7 +382,7 @@ def test_load_recipe_returns_the_schemas_type():
         ),
         ("rl.engine_probe_min_ratio=1.5", "engine_probe_min_ratio must be in"),
         ("rl.engine_probe_prompts=-1", "engine_probe_prompts must be ≥ 0"),
-        ("rl.engine_probe_tokens=1", "engine_probe_tokens ≥ 2"),
+        ("rl.engine_probe_tokens=1", "engine_probe_tokens must be ≥ 2"),
     ],
 )
 def test_cotrain_operator_mistakes_fail_at_load(override, match):
@@ -473,3 +473,139 @@ def test_hard_tokens_only_fail_at_load_for_the_hard_loss_too():
 
     with pytest.raises(RecipeError, match=r"^tap\.send_final=false: the sidecar drops tapped batches"):
         load_recipe(None, ["sidecar.loss=hard", "tap.send_final=false"], CotrainRecipe)
+
+
+# ----------------------------------------------------------------------------- numeric ranges (config/rules.py)
+def _numeric_keys():
+    from draft_align.config.rules import numeric_fields
+
+    return [
+        (kind, key, owner, name)
+        for kind, schema in SCHEMAS.items()
+        for key, owner, name in numeric_fields(schema)
+    ]
+
+
+def test_every_numeric_field_has_a_declared_range_that_its_default_keeps():
+    """A numeric field added to a schema without an entry in rules.RANGES fails here."""
+    from draft_align.config.rules import RANGES
+
+    keys = _numeric_keys()
+    assert len(keys) > 100  # both schemas, every section
+    missing = [f"{owner.__name__}.{name}" for _, _, owner, name in keys if name not in RANGES.get(owner, {})]
+    assert not missing, f"numeric fields without a declared range in config/rules.py RANGES: {missing}"
+    declared = {(owner, name) for _, _, owner, name in keys}
+    stale = [f"{o.__name__}.{n}" for o, fields in RANGES.items() for n in fields if (o, n) not in declared]
+    assert not stale, f"RANGES entries for fields no schema has: {stale}"
+    for schema in SCHEMAS.values():
+        schema().validate()  # every default inside its range
+
+
+def _bad_values(rng, is_int):
+    """Values just outside ``rng`` (and NaN/±inf for a float field, 2^70 for an int one)."""
+    bad = []
+    if rng.low is not None:
+        bad.append(rng.low if rng.open_low else rng.low - (1 if is_int else 1e-3 * max(1.0, abs(rng.low))))
+    if rng.high is not None:
+        bad.append(
+            rng.high if rng.open_high else rng.high + (1 if is_int else 1e-3 * max(1.0, abs(rng.high)))
+        )
+    if is_int:
+        bad.append(2**70)
+    else:
+        bad += ["nan", "-inf"] + ([] if rng.inf_ok else ["inf"])
+    return [v for v in bad if v not in rng.also]
+
+
+@pytest.mark.parametrize(
+    ("kind", "key", "owner", "name"), _numeric_keys(), ids=lambda x: getattr(x, "__name__", x)
+)
+def test_every_numeric_field_refuses_values_outside_its_range_in_one_line(kind, key, owner, name):
+    """Each numeric field of each schema: the values just outside its declared range, NaN and ±inf (floats) and
+    2^70 (ints) fail at load with one line naming the key and the allowed range; the range's own ends load."""
+    import typing
+
+    from draft_align.config.rules import range_of
+
+    rng = range_of(owner, name)
+    from draft_align.config.rules import _item_type
+
+    hint = typing.get_type_hints(owner)[name]
+    is_list = "list[" in str(hint)
+    is_int = _item_type(hint) is int
+    schema = SCHEMAS[kind]
+    for v in _bad_values(rng, is_int):
+        over = f"{key}=[{v}]" if is_list else f"{key}={v}"
+        with pytest.raises(RecipeError) as e:
+            load_recipe(None, [over], schema)
+        msg = str(e.value)
+        assert "\n" not in msg and msg.startswith(
+            f"{key}{'[0]' if is_list else ''} must be {rng.text()}, got"
+        ), msg
+    for v in (rng.low, rng.high):
+        if v is not None and not (v == rng.low and rng.open_low) and not (v == rng.high and rng.open_high):
+            v = int(v) if is_int else float(v)
+            try:
+                load_recipe(None, [f"{key}=[{v}]" if is_list else f"{key}={v}"], schema)
+            except RecipeError as e:  # an end of the range may break a cross-field rule, never its own range
+                assert not str(e).startswith(f"{key} must be {rng.text()}"), str(e)
+
+
+@pytest.mark.parametrize(
+    ("override", "match"),
+    [
+        ("rl.temperature=nan", r"^rl\.temperature must be 0 or in \[0\.001, 100\] \(0: greedy\), got nan$"),
+        ("rl.temperature=1e308", r"^rl\.temperature must be 0 or in"),
+        ("rl.temperature=5e-324", r"^rl\.temperature must be 0 or in"),
+        ("sidecar.eval_temperature=inf", r"^sidecar\.eval_temperature must be 0 or in"),
+        ("sidecar.gate_tolerance=-1", r"^sidecar\.gate_tolerance must be ≥ 0 \(.*\), got -1"),
+        ("sidecar.gate_tolerance=nan", r"^sidecar\.gate_tolerance must be ≥ 0 \(.*\), got nan"),
+        ("sidecar.gate_tolerance=inf", r"^sidecar\.gate_tolerance must be ≥ 0 \(.*\), got inf"),
+        ("sidecar.lr=inf", r"^sidecar\.lr must be > 0, got inf"),
+        ("sidecar.collective_timeout_s=1e300", r"^sidecar\.collective_timeout_s must be in \(0, 604800\]"),
+        ("seed=-1", r"^seed must be in \[0, 4294967295\], got -1"),
+        (
+            "wire.max_message_mb=100000000000000000000000000000",
+            r"^wire\.max_message_mb must be in \[1, 65536\]",
+        ),
+        ("sidecar.keep_versions=100000000000000000000000000000", r"^sidecar\.keep_versions must be in"),
+        (
+            "sidecar.recency_half_life=nan",
+            r"^sidecar\.recency_half_life must be > 0 \(inf: uniform sampling\)",
+        ),
+    ],
+)
+def test_hostile_numeric_overrides_found_by_the_attacker_fail_at_load(override, match):
+    from draft_align.config import CotrainRecipe
+
+    with pytest.raises(RecipeError, match=match):
+        load_recipe(None, [override], CotrainRecipe)
+    assert load_recipe(
+        None, ["sidecar.recency_half_life=inf"], CotrainRecipe
+    ).sidecar.recency_half_life == float("inf")  # inf means uniform sampling (train/replay.py)
+
+
+@pytest.mark.parametrize("run", ["../../x", "/tmp/abs", "a/b", "..", ".", "", " x", "a\\b"])
+@pytest.mark.parametrize("kind", sorted(SCHEMAS))
+def test_a_run_name_that_leaves_the_output_folder_fails_at_load(run, kind):
+    with pytest.raises(RecipeError, match=r"^run .* must be one plain folder name .*set output_dir$"):
+        load_recipe(None, [f"run='{run}'"], SCHEMAS[kind])
+    recipe = load_recipe(None, ["run=my-run_2.b", "output_dir=/tmp/elsewhere"], SCHEMAS[kind])
+    assert recipe.run_dir.parent == Path("/tmp/elsewhere")
+
+
+def test_the_sidecars_default_sequence_cap_keeps_one_step_in_its_documented_budget():
+    """docs/sizing.md §6: one train step ≤ (a·M/T + c)·cap + b; for the SmolLM2-sized draft (H 576, I 1536,
+    K 7, three aux layers of a 576-wide target, P 14.6 M) the default cap must keep it near 2 GiB, the step's
+    share of a 24 GiB machine beside vLLM (8,192 gave ≈ 3.1 GB).  The docs state the default the schema has."""
+    from draft_align.config.sections import SidecarConfig
+
+    cap = SidecarConfig().max_seq_tokens
+    h, i, k, h_t, p = 576, 1536, 7, 576, 14.6e6
+    a = 4 * k * (14 * h + 4 * i)  # per chain start
+    c = 4 * (3 * h_t + 8 * h)  # per position
+    b = 16 * p + 4 * (16 + 32) * 2**20
+    step = (a * 0.75 + c) * cap + b
+    assert step <= 2 * 2**30, f"default max_seq_tokens={cap}: one step ≈ {step / 2**30:.2f} GiB"
+    sizing = (Path(__file__).resolve().parents[1] / "docs" / "sizing.md").read_text()
+    assert f"**The default, {cap:,}**" in sizing

@@ -8,12 +8,14 @@ from pathlib import Path
 from typing import TypeVar
 
 from draft_align.config.rules import (
+    RANGES,
+    SEED,
     RecipeError,
-    check_above_zero,
     check_choices,
     check_lora,
     check_loss_section,
-    check_positive,
+    check_ranges,
+    check_run_name,
 )
 from draft_align.config.sections import (
     DataConfig,
@@ -48,6 +50,9 @@ class _RecipeHeader:
         return Path(self.output_dir) / self.run  # everything a run writes goes under it
 
 
+RANGES[_RecipeHeader] = {"seed": SEED}
+
+
 @dataclass
 class WarmstartRecipe(_RecipeHeader):
     kind: str = "warmstart"  # which schema the file uses: warmstart | cotrain
@@ -63,8 +68,6 @@ class WarmstartRecipe(_RecipeHeader):
         recipe built in code)."""
         _check_header(self)
         if self.draft.head == "mtp":
-            if self.draft.mtp_depth < 1:
-                raise RecipeError(f"draft.mtp_depth {self.draft.mtp_depth}: must be ≥ 1")
             if self.draft.aux_layer_ids is not None:
                 raise RecipeError(
                     "draft.aux_layer_ids: an MTP head reads the target's final hidden state only"
@@ -72,34 +75,13 @@ class WarmstartRecipe(_RecipeHeader):
         check_lora("draft", self.draft.adapt, self.draft.lora)
         if self.draft.adapt == "lora" and self.draft.head == "eagle3" and not self.draft.init_from:
             raise RecipeError("draft.adapt=lora adapts a warm-started EAGLE-3 draft: set draft.init_from")
-        if self.train.ttt_steps < 1:
-            raise RecipeError("train.ttt_steps must be ≥ 1")
         # every warm-start record carries the target's final hidden state (its capture), so every loss has p
         check_loss_section("train", self.train)
-        if self.eval.k < 1:
-            raise RecipeError("eval.k must be ≥ 1")
-        check_positive(
-            self,
-            [
-                ("train.batch_tokens", 1),
-                ("train.max_consecutive_nonfinite", 1),
-                ("data.gen_batch_size", 1),
-                ("data.gen_max_new_tokens", 1),
-            ],
-        )
-        if not self.data.gen_temperature >= 0:
-            raise RecipeError(
-                f"data.gen_temperature must be ≥ 0 (0: greedy), got {self.data.gen_temperature}"
-            )
         if self.data.gen_engine == "vllm" and self.data.gen_temperature > VLLM_MAX_TEMPERATURE:
             raise RecipeError(
                 f"data.gen_temperature {self.data.gen_temperature}: vLLM samples at T ≤ "
                 f"{VLLM_MAX_TEMPERATURE:g} only; use data.gen_engine=hf (or auto)"
             )
-        budget = self.data.gen_time_budget_s
-        if budget is not None and not budget >= 0:
-            raise RecipeError(f"data.gen_time_budget_s must be ≥ 0 seconds or null (no limit), got {budget}")
-        check_above_zero(self, ("train.lr", "train.grad_clip"))
 
 
 @dataclass
@@ -147,79 +129,13 @@ class CotrainRecipe(_RecipeHeader):
                 "rl.verify_mode=auto chooses the draft sampling by measuring both on vLLM's probe prompts: it "
                 "needs rl.engine=vllm and rl.engine_probe_prompts > 0 (or choose greedy_draft | probabilistic)"
             )
-        if self.rl.verify_recheck_every < 0:
-            raise RecipeError("rl.verify_recheck_every must be ≥ 0 (0: measure the verify mode once)")
-        if not 0.0 <= self.rl.frozen_fraction <= 1.0:
-            raise RecipeError("rl.frozen_fraction must be in [0, 1]")
-        if self.rl.group_size < 2:
-            raise RecipeError("rl.group_size must be ≥ 2 (GRPO normalises within a group)")
-        if self.rl.engine_probe_prompts < 0 or self.rl.engine_probe_tokens < 2:
-            raise RecipeError(
-                "rl.engine_probe_prompts must be ≥ 0 (0 turns the probe guard off) and "
-                "rl.engine_probe_tokens ≥ 2 (one token gives no draft round)"
-            )
-        if not 0.0 < self.rl.engine_probe_min_ratio <= 1.0:
-            raise RecipeError(
-                f"rl.engine_probe_min_ratio must be in (0, 1] (to turn the probe guard off: "
-                f"rl.engine_probe_prompts=0), got {self.rl.engine_probe_min_ratio}"
-            )
         try:
             check_tap_budgets(self.tap.tokens_per_step, self.tap.max_tokens_per_message)  # the Tap's own rule
         except ValueError as e:
             raise RecipeError(f"tap.{e}") from e
-        if self.sidecar.max_replay_ratio <= 0:
-            raise RecipeError("sidecar.max_replay_ratio must be > 0")
-        if self.sidecar.holdout_every < 1:
-            raise RecipeError(f"sidecar.holdout_every must be ≥ 1, got {self.sidecar.holdout_every}")
-        if self.sidecar.anchor_decay < 0:
-            raise RecipeError(f"sidecar.anchor_decay must be ≥ 0 (0: off), got {self.sidecar.anchor_decay}")
-        if self.sidecar.lr_ramp_tokens < 0:
-            raise RecipeError(
-                f"sidecar.lr_ramp_tokens must be ≥ 0 (0: off), got {self.sidecar.lr_ramp_tokens}"
-            )
-        check_positive(
-            self,
-            [
-                ("sidecar.batch_tokens", 1),
-                ("sidecar.ttt_steps", 1),
-                ("sidecar.eval_k", 1),
-                ("sidecar.buffer_tokens", 1),
-                ("sidecar.max_consecutive_nonfinite", 1),
-                ("sidecar.keep_versions", 2),
-                ("sidecar.max_seq_tokens", 2),
-                ("sidecar.num_threads", 1),
-                ("sidecar.log_every", 1),
-                ("sidecar.record_wire_mb", 1),
-                ("sidecar.record_wire_reserve_mb", 0),
-                ("wire.max_message_mb", 1),
-                ("wire.max_tokens", 1),
-                ("wire.queue_messages", 1),
-                ("wire.queue_mb", 1),
-                ("rl.spec_k", 1),
-                ("rl.steps", 1),
-            ],
-        )
-        # a negative grad_clip turns descent into ascent, 0 zeroes every gradient
-        check_above_zero(
-            self, ("sidecar.checkpoint_every_s", "sidecar.lr", "rl.lr", "sidecar.grad_clip", "rl.grad_clip")
-        )
-        if not self.sidecar.publish_every_s >= 0:
-            raise RecipeError(f"sidecar.publish_every_s must be ≥ 0, got {self.sidecar.publish_every_s}")
-        port = self.sidecar.prometheus_port
-        if port is not None and not 0 <= port <= 65535:
-            raise RecipeError(
-                f"sidecar.prometheus_port must be in 0..65535 (0: any free port) or null, got {port}"
-            )
         if self.sidecar.buffer_tokens < self.sidecar.batch_tokens:
             raise RecipeError("sidecar.buffer_tokens must be ≥ sidecar.batch_tokens")
-        if self.sidecar.ranks < 1 or not self.sidecar.collective_timeout_s > 0:
-            raise RecipeError("sidecar.ranks must be ≥ 1 and sidecar.collective_timeout_s > 0")
         sc = self.sidecar
-        if not 0.0 < sc.drift_tolerance < 1.0 or not sc.drift_head_threshold > 0 or sc.drift_window < 1:
-            raise RecipeError(
-                "sidecar.drift_tolerance must be in (0, 1), sidecar.drift_head_threshold > 0 and "
-                "sidecar.drift_window ≥ 1"
-            )
         if sc.train_trigger == "drift" and sc.ranks > 1:
             raise RecipeError(
                 "sidecar.train_trigger=drift runs in a single-process sidecar only (sidecar.ranks=1)"
@@ -242,3 +158,5 @@ def _check_header(recipe: Recipe) -> None:
             f"kind {recipe.kind!r}: this is a {recipe.kind} recipe, not a {KIND_NAMES[kind]} one"
         )
     check_choices(recipe, "")
+    check_run_name(recipe.run)
+    check_ranges(recipe)  # every numeric field in its declared range (config/rules.py RANGES)

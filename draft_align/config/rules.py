@@ -1,29 +1,295 @@
-"""The rules a recipe's values must keep beyond their types: the helpers the recipes' ``validate()`` use, and
-:class:`RecipeError`, the one error every recipe problem is raised as."""
+"""The rules a recipe's values must keep beyond their types: the allowed range of every numeric field
+(:data:`RANGES`, declared once per section field and checked by :func:`check_ranges`), the helpers the recipes'
+``validate()`` use, and :class:`RecipeError`, the one error every recipe problem is raised as."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import types
 import typing
+from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
 from draft_align.config.choices import CHOICE_NAMES, AdaptChoice, choice_type
-from draft_align.config.sections import LoraAdaptConfig, SidecarConfig, TrainConfig
-from draft_align.conventions import check_loss
+from draft_align.config.sections import (
+    DataConfig,
+    DraftConfig,
+    EvalConfig,
+    LoggingConfig,
+    LoraAdaptConfig,
+    RLConfig,
+    SidecarConfig,
+    TapConfig,
+    TrainConfig,
+    WireConfig,
+)
+from draft_align.conventions import MAX_TEMPERATURE, MIN_TAP_SEQUENCE_TOKENS, MIN_TEMPERATURE, check_loss
 
 
 class RecipeError(ValueError):
     """A recipe that does not match the schema."""
 
 
+_INT64 = 2**63 - 1  # every integer field must also fit an int64 (torch, numpy, ZeroMQ options, the wire)
+
+
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric field may hold: low ≤ v ≤ high (``open_low``/``open_high``: strict), or one of
+    ``also``; None bounds are unbounded.  NaN never holds, ±inf only where ``inf_ok`` (a float field whose
+    docs give inf a meaning).  ``note``: the meaning of special values, shown in the error."""
+
+    low: float | None = None
+    high: float | None = None
+    open_low: bool = False
+    open_high: bool = False
+    also: tuple[float, ...] = ()
+    inf_ok: bool = False
+    note: str = ""
+
+    def holds(self, v: float) -> bool:
+        if v in self.also:
+            return True
+        if isinstance(v, float) and (math.isnan(v) or (math.isinf(v) and not self.inf_ok)):
+            return False
+        if isinstance(v, int) and abs(v) > _INT64:
+            return False
+        lo_ok = self.low is None or (v > self.low if self.open_low else v >= self.low)
+        hi_ok = self.high is None or (v < self.high if self.open_high else v <= self.high)
+        return lo_ok and hi_ok
+
+    def text(self) -> str:
+        """The range in words: ``≥ 1``, ``> 0``, ``in [0, 1)``, ``0 or in [0.001, 100]``."""
+        lo, hi = _num(self.low), _num(self.high)
+        if self.low is not None and self.high is not None:
+            r = f"in {'(' if self.open_low else '['}{lo}, {hi}{')' if self.open_high else ']'}"
+        elif self.low is not None:
+            r = f"{'>' if self.open_low else '≥'} {lo}"
+        elif self.high is not None:
+            r = f"{'<' if self.open_high else '≤'} {hi}"
+        else:
+            r = "finite"
+        if self.also:
+            r = f"{' or '.join(_num(a) for a in self.also)} or {r}"
+        return f"{r} ({self.note})" if self.note else r
+
+
+def _num(x: float | None) -> str:
+    if x is None:
+        return ""
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+
+AT_LEAST_0 = Range(0)
+AT_LEAST_1 = Range(1)
+ABOVE_0 = Range(0, open_low=True)
+FRACTION = Range(0, 1)  # [0, 1]
+DROPOUT = Range(0, 1, open_high=True)
+SEED = Range(0, 2**32 - 1)  # numpy's and torch's seed range; seed·1000 + epoch still fits an int64
+SECONDS = Range(0, 7 * 86400, open_low=True)  # timeouts and periods: more than a week is a typo
+# conventions.temperature_ok, the wire's rule too
+TEMPERATURE = Range(MIN_TEMPERATURE, MAX_TEMPERATURE, also=(0.0,), note="0: greedy")
+TOKENS = Range(1)  # token counts
+
+#: Every numeric field's range, by section (a list field: each item's).  A new numeric field without an entry
+#: fails tests/test_config.py; ``None`` values of an optional field are always allowed.
+RANGES: dict[type, dict[str, Range]] = {
+    DataConfig: {
+        "max_conversations": Range(1, note="null: all"),
+        "heldout": AT_LEAST_1,
+        "split_seed": SEED,
+        "max_prompt_tokens": TOKENS,
+        "max_seq_len": Range(2),
+        "gen_temperature": TEMPERATURE,
+        "gen_max_new_tokens": TOKENS,
+        "gen_batch_size": AT_LEAST_1,
+        "gen_time_budget_s": Range(0, note="null: no limit"),
+        "extra_original_conversations": AT_LEAST_0,
+        "capture_batch_tokens": TOKENS,
+    },
+    LoraAdaptConfig: {
+        "rank": AT_LEAST_1,
+        "alpha": ABOVE_0,
+        "dropout": DROPOUT,
+        "lr": ABOVE_0,
+        "weight_decay": AT_LEAST_0,
+        "warmup_steps": AT_LEAST_0,
+    },
+    DraftConfig: {
+        "mtp_depth": Range(1, 64),
+        "aux_layer_ids": Range(0, 4096),  # HF hidden_states indices
+        "draft_vocab_size": Range(2),
+    },
+    TrainConfig: {
+        "ttt_steps": Range(1, 64),
+        "step_decay": Range(0, open_low=True, note="null: the head's default"),
+        "soft_ce_weight": AT_LEAST_0,
+        "surrogate_tau": ABOVE_0,
+        "lr": ABOVE_0,
+        "min_lr_ratio": FRACTION,
+        "weight_decay": AT_LEAST_0,
+        "warmup_steps": AT_LEAST_0,
+        "grad_clip": ABOVE_0,
+        "batch_tokens": TOKENS,
+        "epochs": AT_LEAST_1,
+        "max_steps": Range(1, note="null: the epochs decide"),
+        "time_budget_s": Range(0, open_low=True, note="null: no limit"),
+        "checkpoint_every": AT_LEAST_1,
+        "max_consecutive_nonfinite": AT_LEAST_1,
+        "num_threads": Range(1, 1024, note="null: torch's default"),
+    },
+    EvalConfig: {
+        "k": Range(1, 64),
+        "prompts": AT_LEAST_1,
+        "max_new_tokens": TOKENS,
+        "temperatures": TEMPERATURE,
+        "seed": SEED,
+    },
+    LoggingConfig: {"log_every": AT_LEAST_1},
+    WireConfig: {
+        "max_message_mb": Range(1, 65536),  # ≤ 64 GiB
+        "max_tokens": TOKENS,
+        "queue_messages": AT_LEAST_1,
+        "queue_mb": Range(1, 65536),
+    },
+    TapConfig: {
+        "tokens_per_step": Range(MIN_TAP_SEQUENCE_TOKENS),  # conventions.check_tap_budgets
+        "topk": Range(0, 4096),
+        "max_tokens_per_message": Range(MIN_TAP_SEQUENCE_TOKENS),
+    },
+    SidecarConfig: {
+        "buffer_tokens": Range(1, 2**40),
+        "recency_half_life": Range(0, open_low=True, inf_ok=True, note="inf: uniform sampling"),
+        "holdout_records": AT_LEAST_1,
+        "holdout_every": AT_LEAST_1,
+        "max_replay_ratio": ABOVE_0,
+        "min_buffer_tokens": AT_LEAST_0,
+        "lr_ramp_tokens": Range(0, note="0: off"),
+        "anchor_decay": Range(0, note="0: off"),
+        "log_every": AT_LEAST_1,
+        "batch_tokens": TOKENS,
+        "ttt_steps": Range(1, 64),
+        "step_decay": Range(0, open_low=True, note="null: the head's default"),
+        "soft_ce_weight": AT_LEAST_0,
+        "surrogate_tau": ABOVE_0,
+        "lr": ABOVE_0,
+        "min_lr_ratio": FRACTION,
+        "warmup_steps": AT_LEAST_0,
+        "weight_decay": AT_LEAST_0,
+        "grad_clip": ABOVE_0,
+        "min_train_steps_per_publish": AT_LEAST_0,
+        "publish_every_s": Range(0, 7 * 86400),
+        "gate_tolerance": Range(0, note="sidecar.eval_k or more publishes every candidate"),
+        "eval_k": Range(1, 64),
+        "eval_temperature": TEMPERATURE,
+        "checkpoint_every_s": SECONDS,
+        "keep_versions": Range(2, 10_000),
+        "prometheus_port": Range(0, 65535, note="0: any free port; null: off"),
+        "num_threads": Range(1, 1024),
+        "max_consecutive_nonfinite": AT_LEAST_1,
+        "max_seq_tokens": Range(2),
+        "record_wire_mb": AT_LEAST_1,
+        "record_wire_reserve_mb": AT_LEAST_0,
+        "ranks": Range(1, 4096),
+        "collective_timeout_s": SECONDS,
+        "drift_tolerance": Range(0, 1, open_low=True, open_high=True),
+        "drift_head_threshold": ABOVE_0,
+        "drift_window": AT_LEAST_1,
+    },
+    RLConfig: {
+        "steps": AT_LEAST_1,
+        "prompts_per_step": AT_LEAST_1,
+        "group_size": Range(2, note="GRPO normalises within a group"),
+        "max_new_tokens": TOKENS,
+        "temperature": TEMPERATURE,
+        "spec_k": Range(1, 64),
+        "verify_recheck_every": Range(0, note="0: measure the verify mode once"),
+        "frozen_fraction": FRACTION,
+        "lr": ABOVE_0,
+        "lora_r": AT_LEAST_1,
+        "lora_alpha": AT_LEAST_1,
+        "lora_dropout": DROPOUT,
+        "clip_eps": ABOVE_0,
+        "kl_coef": AT_LEAST_0,
+        "grad_clip": ABOVE_0,
+        "micro_batch": AT_LEAST_1,
+        "kl_prompts": AT_LEAST_1,
+        "save_merged_at": AT_LEAST_1,  # RL steps
+        "max_prompt_tokens": TOKENS,
+        "first_prompt": AT_LEAST_0,
+        "num_threads": Range(1, 1024),
+        "wait_for_draft_s": Range(0, 7 * 86400),
+        "engine_kv_cache_gb": Range(0, 4096, open_low=True),
+        "engine_max_model_len": Range(2),
+        "engine_probe_prompts": Range(0, note="0: the probe guard off"),
+        "engine_probe_tokens": Range(2, note="one token gives no draft round"),
+        "engine_probe_min_ratio": Range(
+            0, 1, open_low=True, note="to turn the probe guard off: rl.engine_probe_prompts=0"
+        ),
+    },
+}
+
+
+def _item_type(hint: Any) -> Any:
+    """The scalar type of a field's hint: ``X | None`` → X, ``list[X]`` → X (``int | float`` stays a union)."""
+    for _ in range(2):
+        if typing.get_origin(hint) is list:
+            (hint,) = typing.get_args(hint)
+        elif typing.get_origin(hint) in (typing.Union, types.UnionType):
+            args = [a for a in typing.get_args(hint) if a is not type(None)]
+            hint = args[0] if len(args) == 1 else hint
+    return hint
+
+
+def numeric_fields(cls: type, prefix: str = "") -> list[tuple[str, type, str]]:
+    """``(dotted key, declaring dataclass, field name)`` of every int/float field (also optional, or a list of
+    them) of the dataclass ``cls`` and its sections, in field order."""
+    out: list[tuple[str, type, str]] = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        if dataclasses.is_dataclass(hint):
+            out += numeric_fields(hint, f"{prefix}{f.name}.")  # type: ignore[arg-type]
+            continue
+        if _item_type(hint) in (int, float):
+            owner = next(k for k in cls.__mro__ if f.name in getattr(k, "__annotations__", {}))
+            out.append((f"{prefix}{f.name}", owner, f.name))
+    return out
+
+
+def range_of(owner: type, name: str) -> Range:
+    """The declared range of field ``name`` of the dataclass ``owner`` (KeyError when undeclared)."""
+    return RANGES[owner][name]
+
+
+def check_ranges(recipe: Any) -> None:
+    """RecipeError, one line naming the key, its allowed range and the value, for the first numeric field of
+    ``recipe`` outside its range (a list: the first bad item)."""
+    for key, owner, name in numeric_fields(type(recipe)):
+        value, rng = _get(recipe, key), range_of(owner, name)
+        items = (
+            [(f"{key}[{i}]", v) for i, v in enumerate(value)] if isinstance(value, list) else [(key, value)]
+        )
+        for k, v in items:
+            if v is not None and (isinstance(v, bool) or not rng.holds(v)):
+                raise RecipeError(f"{k} must be {rng.text()}, got {v}")
+
+
+def check_run_name(run: str) -> None:
+    """RecipeError unless ``run`` is one plain folder name: everything a run writes stays under output_dir."""
+    if not run or run in (".", "..") or "/" in run or "\\" in run or "\x00" in run or run.strip() != run:
+        raise RecipeError(
+            f"run {run!r} must be one plain folder name (no '/', '..', absolute path or surrounding spaces): "
+            "the run folder is output_dir/run; to write elsewhere set output_dir"
+        )
+
+
 def check_lora(where: str, adapt: AdaptChoice, lora: LoraAdaptConfig) -> None:
-    """The LoRA section's rules, when ``adapt`` is ``lora``."""
-    if adapt == "lora":
-        if lora.rank < 1 or not lora.alpha > 0 or not lora.target_modules:
-            raise RecipeError(f"{where}.lora: rank must be ≥ 1, alpha > 0 and target_modules non-empty")
-        if not 0.0 <= lora.dropout < 1.0 or not lora.lr > 0:
-            raise RecipeError(f"{where}.lora: dropout must be in [0, 1) and lr > 0")
+    """The LoRA section's rule beyond its ranges, when ``adapt`` is ``lora``: some module to adapt."""
+    if adapt == "lora" and not lora.target_modules:
+        raise RecipeError(f"{where}.lora.target_modules must name at least one module")
 
 
 def check_loss_section(where: str, section: TrainConfig | SidecarConfig) -> None:
@@ -39,22 +305,6 @@ def _get(recipe: Any, dotted: str) -> Any:
     for part in dotted.split("."):
         obj = getattr(obj, part)
     return obj
-
-
-def check_positive(recipe: Any, rules: list[tuple[str, int]]) -> None:
-    """RecipeError unless each ``(key, least)`` integer field is ≥ least."""
-    for key, least in rules:
-        value = _get(recipe, key)
-        if value < least:
-            raise RecipeError(f"{key} must be ≥ {least}, got {value}")
-
-
-def check_above_zero(recipe: Any, keys: tuple[str, ...]) -> None:
-    """RecipeError unless each float field is > 0 (NaN fails too)."""
-    for key in keys:
-        value = _get(recipe, key)
-        if not value > 0:
-            raise RecipeError(f"{key} must be > 0, got {value}")
 
 
 def check_choices(obj: Any, prefix: str) -> None:

@@ -237,7 +237,7 @@ class SidecarConfig:
     max_consecutive_nonfinite: int = 5
     # longer tapped sequences train on their first this-many tokens (the rest counted as truncated): one train
     # step's memory is linear in sequence length with this as its bound (docs/sizing.md §6)
-    max_seq_tokens: int = 8192
+    max_seq_tokens: int = 4096
     # lora: adapters over the frozen starting draft; publishes merge them
     adapt: AdaptChoice = AdaptChoice("full")
     lora: LoraAdaptConfig = field(default_factory=LoraAdaptConfig)

@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -32,10 +32,14 @@ PORT_FILE = Path("sidecar") / "prometheus.port"
 
 
 def number(value: Any) -> float | None:
-    """``value`` as a finite float, or None when it is missing, not a number (bools included) or non-finite."""
+    """``value`` as a finite float, or None when it is missing, not a number (bools included), non-finite or
+    an integer beyond float range."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         return None
-    v = float(value)
+    try:
+        v = float(value)
+    except OverflowError:
+        return None
     return v if math.isfinite(v) else None
 
 
@@ -112,45 +116,137 @@ def format_row(record: Mapping[str, Any], columns: tuple[Column, ...] = COLUMNS)
 HEADER: str = format_header()
 
 
-def parse_line(line: bytes | str, where: str = "") -> dict[str, Any] | None:
-    """One JSONL line → dict; None (with a warning) for a malformed or non-object line, or a blank one."""
-    text = line.decode("utf-8", errors="replace") if isinstance(line, bytes) else line
-    if not text.strip():
+MAX_LINE_BYTES = 1 << 20  # a monitor row is a few KiB: a longer line is damage, skipped without being held
+_MAX_STEP = 2**63 - 1
+_READ_CHUNK = 1 << 20  # bytes read per poll: a large log is streamed, never held whole
+
+
+class BadLines:
+    """The lines of one log that were skipped (not a JSON object, a ``step`` that is not an integer in
+    0..2^63−1, longer than MAX_LINE_BYTES): counted, the first one's place and reason kept; :meth:`report`
+    logs one warning line with the count (again only if more were skipped since)."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = str(path)
+        self.count = 0
+        self.first = ""
+        self.reported = 0
+
+    def add(self, where: str, why: str) -> None:
+        self.count += 1
+        self.first = self.first or f"{where}: {why}"
+
+    def report(self) -> None:
+        if self.count > self.reported:
+            said = (self.path, self.count, self.first)
+            if said not in _SAID:  # the same file read again by this process (report, then its advice)
+                logger.warning("%s: skipped %d bad line(s); the first: %s", *said)
+                if len(_SAID) > 1000:
+                    _SAID.clear()
+                _SAID.add(said)
+            self.reported = self.count
+
+
+_SAID: set[tuple[str, int, str]] = set()  # bad-line warnings already logged by this process
+
+
+def _check_step(obj: dict[str, Any]) -> str | None:
+    """Why the record's ``step`` (optional) is unusable, or None."""
+    step = obj.get("step")
+    if step is None:
         return None
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as e:
-        logger.warning("skipping malformed JSON line %s: %s", where, e)
-        return None
-    if not isinstance(obj, dict):
-        logger.warning("skipping JSON line %s: expected an object, got %s", where, type(obj).__name__)
-        return None
-    return obj
+    ok = not isinstance(step, bool) and (
+        (isinstance(step, int) and 0 <= step <= _MAX_STEP)
+        or (isinstance(step, float) and step.is_integer() and 0 <= step <= _MAX_STEP)
+    )
+    return None if ok else f"step {str(step)[:40]} is not an integer in 0..2^63-1"
+
+
+def parse_line(line: bytes | str, where: str = "", bad: BadLines | None = None) -> dict[str, Any] | None:
+    """One JSONL line → dict; None for a blank line, or a bad one (counted in ``bad``; without it, a warning)."""
+    if len(line) > MAX_LINE_BYTES:
+        why: str | None = f"longer than {MAX_LINE_BYTES} bytes"
+    else:
+        text = line.decode("utf-8", errors="replace") if isinstance(line, bytes) else line
+        if not text.strip():
+            return None
+        try:
+            obj = json.loads(text)
+            why = (
+                _check_step(obj) if isinstance(obj, dict) else f"expected an object, got {type(obj).__name__}"
+            )
+        except (
+            ValueError,
+            RecursionError,
+        ) as e:  # JSONDecodeError, an int over Python's digit limit, nesting
+            why = f"not JSON ({' '.join(str(e).split())[:80]})"
+        if why is None:
+            return obj
+    if bad is not None:
+        bad.add(where, why)
+    else:
+        logger.warning("skipping line %s: %s", where, why)
+    return None
+
+
+def iter_jsonl(path: str | os.PathLike[str], bad: BadLines | None = None) -> Iterator[dict[str, Any]]:
+    """Every complete JSON object line of ``path``, read line by line (memory: one line, ≤ MAX_LINE_BYTES).
+    A last line without its newline (being written) is left out; bad lines are skipped, counted in ``bad``
+    and reported in one warning when the file is done.  FileNotFoundError when the file does not exist."""
+    bad = bad if bad is not None else BadLines(path)
+    with open(path, "rb") as f:
+        i = 0
+        while line := f.readline(MAX_LINE_BYTES + 1):
+            i += 1
+            if not line.endswith(b"\n"):
+                if len(line) <= MAX_LINE_BYTES:
+                    break  # the last line, still being written
+                bad.add(f"{path}:{i}", f"longer than {MAX_LINE_BYTES} bytes")
+                while (rest := f.readline(MAX_LINE_BYTES + 1)) and not rest.endswith(b"\n"):
+                    pass  # the rest of the long line, dropped as it is read
+                continue
+            rec = parse_line(line, f"{path}:{i}", bad)
+            if rec is not None:
+                yield rec
+    bad.report()
 
 
 def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """Every complete JSON object line of ``path``; a last line without its newline (being written) and
-    malformed lines are skipped.  FileNotFoundError when the file does not exist."""
-    data = Path(path).read_bytes()
-    lines = data.split(b"\n")
-    lines.pop()  # the text after the last newline: empty, or a line still being written
-    out = []
-    for i, line in enumerate(lines, 1):
-        rec = parse_line(line, f"{path}:{i}")
+    """:func:`iter_jsonl` as a list (for small logs)."""
+    return list(iter_jsonl(path))
+
+
+def last_record(path: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The last complete, good JSON object line of ``path`` (None when there is none in its last
+    MAX_LINE_BYTES), read from the file's end: cheap however long the log."""
+    with open(path, "rb") as f:
+        size = f.seek(0, os.SEEK_END)
+        start = max(0, size - MAX_LINE_BYTES)
+        f.seek(start)
+        lines = f.read().split(b"\n")
+    lines.pop()  # after the last newline: empty, or a line being written
+    if start > 0 and lines:
+        lines.pop(0)  # may begin mid-line
+    for line in reversed(lines):
+        rec = parse_line(line, str(path), BadLines(path))
         if rec is not None:
-            out.append(rec)
-    return out
+            return rec
+    return None
 
 
 class _Tail:
-    """Complete lines appended to a file since the last poll; survives the file being absent, truncated or
-    replaced (then it starts again from the beginning)."""
+    """Complete lines appended to a file since the last poll, at most ``_READ_CHUNK`` bytes a poll (``behind``:
+    more is there already); survives the file being absent, truncated or replaced (then it starts again from
+    the beginning).  A line longer than MAX_LINE_BYTES is dropped as it is read and counted in ``bad``."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.offset = 0
         self.pending = b""
+        self.skipping = False  # inside an over-long line: drop up to its newline
         self.inode: int | None = None
+        self.behind = False
+        self.bad = BadLines(path)
 
     def poll(self) -> list[bytes]:
         try:
@@ -159,16 +255,29 @@ class _Tail:
             return []
         if self.inode is not None and (st.st_ino != self.inode or st.st_size < self.offset):
             logger.warning("%s was truncated or replaced; reading it from the start", self.path)
-            self.offset, self.pending = 0, b""
+            self.offset, self.pending, self.skipping = 0, b"", False
         self.inode = st.st_ino
         if st.st_size == self.offset:
+            self.behind = False
             return []
         with open(self.path, "rb") as f:
             f.seek(self.offset)
-            chunk = f.read()
+            chunk = f.read(_READ_CHUNK)
         self.offset += len(chunk)
+        self.behind = self.offset < st.st_size
         lines = (self.pending + chunk).split(b"\n")
         self.pending = lines.pop()
+        if self.skipping and lines:
+            lines.pop(0)  # the end of the over-long line
+            self.skipping = False
+        if self.skipping:
+            self.pending = b""
+        elif len(self.pending) > MAX_LINE_BYTES:
+            self.bad.add(
+                f"{self.path} at byte {self.offset - len(self.pending)}",
+                f"longer than {MAX_LINE_BYTES} bytes",
+            )
+            self.pending, self.skipping = b"", True
         return lines
 
 
@@ -201,24 +310,31 @@ def follow(
     line_no = 0
     announced = False
     last_news = time.monotonic()
+    bad = tail.bad
     while True:
         lines = tail.poll()
         for line in lines:
             line_no += 1
-            rec = parse_line(line, f"{path}:{line_no}")
+            rec = parse_line(line, f"{path}:{line_no}", bad)
             if rec is not None:
                 out.write(format_row(rec) + "\n")
                 rows += 1
         if lines:
             out.flush()
             last_news = time.monotonic()
+        if not once and bad.count and not bad.reported:
+            bad.report()  # the first bad line at once; the total when following ends
+        if once and tail.behind:
+            continue
         if once:
+            bad.report()
             return rows
         if not announced and tail.inode is None:
             out.write(f"# waiting for {path} ...\n")
             out.flush()
             announced = True
         if max_wait_s is not None and time.monotonic() - last_news >= max_wait_s:
+            bad.report()
             return rows
         time.sleep(interval_s)
 
@@ -281,19 +397,23 @@ class LiveTable:
         if self._thread is not None:
             self._thread.join()
         self._print_ready(final=True)
+        self._tail.bad.report()
 
     def _run(self) -> None:
         while not self._stop.wait(self._poll_s):
             self._print_ready(final=False)
 
     def _read(self) -> None:
-        for line in self._tail.poll():
-            rec = parse_line(line, str(self._tail.path))
-            step = number(rec.get("step")) if rec is not None else None
-            if rec is not None and step is not None:
-                self._sidecar.setdefault(int(step), {}).update(
-                    {k: v for k, v in rec.items() if v is not None}
-                )
+        while True:
+            for line in self._tail.poll():
+                rec = parse_line(line, str(self._tail.path), self._tail.bad)
+                step = number(rec.get("step")) if rec is not None else None
+                if rec is not None and step is not None:
+                    self._sidecar.setdefault(int(step), {}).update(
+                        {k: v for k, v in rec.items() if v is not None}
+                    )
+            if not self._tail.behind:
+                return
 
     def _print_ready(self, final: bool) -> None:
         with self._lock:

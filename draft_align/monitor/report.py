@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from draft_align.monitor.acceptance import length_stderr
-from draft_align.monitor.live import COLUMNS, DROP_KEYS, MONITOR_LOG, RL_LOG, number, read_jsonl
+from draft_align.monitor.live import COLUMNS, DROP_KEYS, MONITOR_LOG, RL_LOG, iter_jsonl, number
 
 logger = logging.getLogger(__name__)
 
@@ -47,13 +47,13 @@ def find_log(run_dir: str | os.PathLike[str]) -> Path:
 
 
 def load_steps(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """Records of a step log merged per step (later non-null values win), sorted by step.
-
-    Records without an integer ``step`` are skipped with a warning.
+    """Records of a step log merged per step (later non-null values win), sorted by step.  The file is
+    streamed (memory: the merged records, not the file); bad lines are skipped and counted in one warning
+    (monitor/live.py :func:`iter_jsonl`), records without a ``step`` in another.
     """
     by_step: dict[int, dict[str, Any]] = {}
     skipped = 0
-    for rec in read_jsonl(path):
+    for rec in iter_jsonl(path):
         step = rec.get("step")
         if isinstance(step, bool) or not isinstance(step, int | float) or not float(step).is_integer():
             skipped += 1

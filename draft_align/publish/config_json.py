@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
-from draft_align.publish.folder import ExportError
+from draft_align.publish.folder import CONFIG_FILE, CorruptCheckpointError, ExportError
 
 
 def rope_fields(rope: Mapping[str, Any]) -> dict[str, Any]:
@@ -42,3 +44,52 @@ def special_token_ids(target_config: Any) -> dict[str, Any]:
         for key in ("bos_token_id", "eos_token_id")
         if (value := getattr(target_config, key, None)) is not None
     }
+
+
+#: the block fields whose value follows from the weights' shapes (through the head config they were checked
+#: against): an engine that read another value would build another model around the same tensors
+SHAPE_FIELDS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "max_position_embeddings",
+)
+
+
+def config_json_mismatch(config: Any, cfg: Any, extra: dict[str, Any]) -> str | None:
+    """Why a folder's parsed config.json does not describe the head config ``cfg`` (an Eagle3Config or
+    MTPConfig already checked against the weights), or None.  Compared: :data:`SHAPE_FIELDS` of the Llama block
+    (top level, or ``transformer_layer_config`` in the speculators dialect) and ``extra`` (top-level keys the
+    format writes, e.g. ``draft_vocab_size``)."""
+    if not isinstance(config, dict):
+        return f"not a JSON object ({type(config).__name__})"
+    block = config.get("transformer_layer_config", config)
+    if not isinstance(block, dict):
+        return "transformer_layer_config is not an object"
+    want = {k: getattr(cfg, k) for k in SHAPE_FIELDS}
+    for where, wanted in ((block, want), (config, extra)):
+        for key, value in wanted.items():
+            got = where.get(key)
+            if type(got) is not int or got != int(value):
+                return f"{key} is {str(got)[:40]}, the weights say {value}"
+    return None
+
+
+def check_config_json(path: Path, cfg: Any, extra: dict[str, Any]) -> None:
+    """CorruptCheckpointError (one line) unless the folder's config.json, what the engines build the draft
+    from, describes the weights being loaded (:func:`config_json_mismatch`): a config.json edited to another
+    vocabulary or hidden size and re-hashed into the manifest is refused here, not served."""
+    cpath = Path(path) / CONFIG_FILE
+    try:
+        config = json.loads(cpath.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise CorruptCheckpointError(f"{cpath}: unreadable ({' '.join(str(e).split())})") from e
+    why = config_json_mismatch(config, cfg, extra)
+    if why is not None:
+        raise CorruptCheckpointError(
+            f"{cpath}: {why}: it no longer describes this draft (edited after export?); restore it or export "
+            "the draft again"
+        )

@@ -36,7 +36,7 @@ from draft_align.heads.eagle3 import (
 from draft_align.heads.layers import Rotary
 from draft_align.heads.vocab import check_d2t
 from draft_align.publish.compat import check_rope
-from draft_align.publish.config_json import block_config_fields, special_token_ids
+from draft_align.publish.config_json import block_config_fields, check_config_json, special_token_ids
 from draft_align.publish.folder import (
     DIALECTS,
     EAGLE3_FORMAT,
@@ -343,6 +343,9 @@ def load_eagle3(
     cfg = read_head_config(path, manifest, "eagle3_config", Eagle3Config.from_dict)
     tensors = {engine_name(k): v for k, v in read_weights(path).items()}
     check_tensors(tensors, cfg)
+    check_config_json(
+        path, cfg, {"draft_vocab_size": cfg.draft_vocab_size, "target_hidden_size": cfg.target_hidden_size}
+    )
     state = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in tensors.items()}
     with torch.device("meta"):
         draft = Eagle3Draft(cfg)

@@ -31,7 +31,7 @@ import torch
 from draft_align.heads.layers import Rotary
 from draft_align.heads.mtp import LAYOUTS, MTPConfig, MTPDraft
 from draft_align.publish.compat import check_rope
-from draft_align.publish.config_json import block_config_fields, special_token_ids
+from draft_align.publish.config_json import block_config_fields, check_config_json, special_token_ids
 from draft_align.publish.folder import (
     MANIFEST_FILE,
     MTP_FORMAT,
@@ -444,4 +444,7 @@ def load_mtp(
         raise ExportError(
             f"{path / MANIFEST_FILE}: layout {manifest.get('layout')!r} ≠ mtp_config.layout {cfg.layout!r}"
         )
-    return import_mtp(read_weights(path), cfg, device=device, dtype=dtype)
+    draft = import_mtp(read_weights(path), cfg, device=device, dtype=dtype)
+    extra = {"num_hidden_layers": cfg.target_num_layers, "num_nextn_predict_layers": cfg.depth}
+    check_config_json(path, cfg, extra)
+    return draft

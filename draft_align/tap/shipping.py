@@ -14,6 +14,7 @@ from typing import Any, Generic, Literal, Protocol, TypeVar
 
 import torch
 
+from draft_align.conventions import temperature_ok, temperature_rule
 from draft_align.hf.capture import TapError
 from draft_align.tap.budget import MIN_SEQUENCE_TOKENS, TokenBudgetSketch, check_budgets
 from draft_align.tap.protocol import PolicyTapError, TapSink
@@ -177,11 +178,12 @@ def check_topk(topk: int, vocab_size: int) -> int:
 
 
 def check_step_args(policy_version: int, step: int, temperature: float) -> None:
-    """``submit()``'s scalar arguments: all ≥ 0."""
+    """``submit()``'s scalar arguments: versions ≥ 0, a temperature the wire carries
+    (conventions.temperature_ok)."""
     if int(policy_version) < 0 or int(step) < 0:
         raise PolicyTapError(f"policy_version and step must be ≥ 0, got {policy_version}, {step}")
-    if not float(temperature) >= 0.0:
-        raise PolicyTapError(f"temperature must be ≥ 0, got {temperature}")
+    if not temperature_ok(float(temperature)):
+        raise PolicyTapError(f"temperature must be {temperature_rule()}, got {temperature}")
 
 
 def host_masks(

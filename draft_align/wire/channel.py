@@ -136,6 +136,34 @@ class _Inbox:
         self.rejected[e.reason] += 1
         (logger.warning if first else logger.debug)("%s: rejected a message (%s)", self.endpoint, e)
 
+    def _count_lost(self, origin: Any) -> None:
+        """Count, as ``lost``, the messages a remembered sender numbered before ``origin`` that never arrived:
+        libzmq drops a frame over MAXMSGSIZE (and the connection with it) without telling the socket, so the
+        gap in the sender's sequence is where such a drop shows (the sender numbers only what it sent)."""
+        missed = self._guard.missed(origin)
+        if missed:
+            first = self.rejected["lost"] == 0
+            self.rejected["lost"] += missed
+            (logger.warning if first else logger.debug)(
+                "%s: %d message(s) of sender %s never arrived (sequence %d follows a gap): dropped in transit, "
+                "e.g. over this receiver's size limit (wire.max_message_mb) or with a broken connection",
+                self.endpoint,
+                missed,
+                origin.sender,
+                origin.seq,
+            )
+
+    def _note_arrived(self, origin: Any) -> None:
+        """A numbered message arrived but was rejected: its number is no gap (authenticated envelopes only:
+        without a key anyone can write any number)."""
+        if self._key is None:
+            return
+        try:
+            self._count_lost(origin)
+            self._guard.check(origin)
+        except WireError:
+            pass
+
     def _count_auth_failures(self) -> None:
         """Fold the handshake failures the monitor reported into ``rejected["auth"]``."""
         if self._monitor is None or self._monitor.closed:
@@ -166,15 +194,20 @@ class _Inbox:
         except zmq.Again:  # readable, then gone: a peer that died mid-message has its partial one rolled back
             return False, None
         self.counts["bytes_received"] += sum(len(f) for f in frames)
+        origin = None
         try:
             msg, origin = decode_with_origin(
                 frames, self._key, max_bytes=self._max_bytes, max_tokens=self._max_tokens
             )
             if expect is not None and not isinstance(msg, expect):
                 raise WireError("kind", f"{type(msg).__name__} on a {expect.__name__} channel")
+            self._count_lost(origin)
             self._guard.check(origin)
         except WireError as e:
             self._count(e)
+            origin = origin or e.origin
+            if origin is not None and e.reason != "replay":
+                self._note_arrived(origin)
             return True, None
         self.counts["received"] += 1
         return True, msg

@@ -275,6 +275,16 @@ def decode_frames(
 
 def _decode_checked(bufs: list[memoryview], max_tokens: int) -> Decoded:
     header = _parse_header(bufs[0])
+    try:
+        return _decode_body(bufs, header, max_tokens)
+    except WireError as e:
+        # the envelope was read (under the MAC when keyed): a receiver tells this numbered message from one
+        # that never arrived (channel.py counts those as lost)
+        e.origin = Origin(header["sender"], header["seq"])
+        raise
+
+
+def _decode_body(bufs: list[memoryview], header: dict[str, Any], max_tokens: int) -> Decoded:
     kind = header["kind"]
     entries = header["tensors"]
     if len(bufs) != len(entries) + 2:

@@ -45,5 +45,11 @@ class ReplayGuard:
         while len(self._newest) > self._max:
             self._newest.popitem(last=False)
 
+    def missed(self, origin: Origin) -> int:
+        """How many sequence numbers of a remembered sender lie between its newest and ``origin.seq`` (0 for a
+        sender not remembered, or a seq not above its newest): messages it numbered that never arrived."""
+        last = self._newest.get(origin.sender) if origin.sender else None
+        return max(0, origin.seq - last - 1) if last is not None else 0
+
     def __len__(self) -> int:
         return len(self._newest)

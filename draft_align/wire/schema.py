@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from draft_align.conventions import DTYPES
+from draft_align.conventions import DTYPES, temperature_ok, temperature_rule
 
 SCHEMA = "draft_align.wire"
 VERSION = 2  # 2: the envelope (sender, seq) in the header
@@ -35,6 +35,9 @@ REASONS: tuple[str, ...] = (
     "range",  # tensor values out of range (ids, cu_seqlens, loss_mask bytes, NaN log-probs, d2t)
     "auth",  # a connection whose handshake failed (no key or another key): nothing it sent was read
     "replay",  # a (sender, seq) seen before or older than the sender's newest, or no sender id (channel.py)
+    # messages a sender numbered and sent that never arrived (a gap in its sequence; channel.py): dropped in
+    # transit, e.g. by libzmq for a frame over the receiver's MAXMSGSIZE, or with a connection that broke
+    "lost",
 )
 
 _DTYPES = DTYPES
@@ -47,6 +50,7 @@ class ReasonError(ValueError):
     one-line ``detail``; ``str()`` is ``"reason: detail"``."""
 
     reasons: ClassVar[tuple[str, ...]] = ()
+    origin: Any = None  # WireError: the message's envelope (codec.Origin) when it was read before the error
 
     def __init__(self, reason: str, detail: str) -> None:
         if reason not in self.reasons:
@@ -138,8 +142,8 @@ def _final_norm(v: Any) -> str | None:
 
 def _temperature(v: Any) -> float:
     t = _float("temperature", v)
-    if t < 0:
-        raise _bad(f"temperature={t} < 0")
+    if not temperature_ok(t):  # 1e308 makes every distribution uniform, 5e-324 overflows z/T to NaN
+        raise _bad(f"temperature={t:g} must be {temperature_rule()}")
     return t
 
 

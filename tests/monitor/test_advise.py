@@ -267,3 +267,35 @@ def test_run_settings_of_an_auto_verify_run_read_the_mode_that_served(tmp_path):
     assert (
         run_settings(tmp_path, [{"engine_vllm": 1.0}], 3).verify_mode == "auto"
     )  # no step said: left as it is
+
+
+def test_bad_log_lines_are_skipped_counted_and_reported_once_by_report_advise_and_monitor(
+    tmp_path, caplog, capsys
+):
+    """One line whose step is a 400-digit integer (and other damage: not JSON, a 5,000-digit number, a 1.1 MiB
+    line, a negative step) killed report, advise and monitor --once with a traceback; now each skips those
+    lines, counts them and says so in one warning, and works on the good ones."""
+    run = write_run(tmp_path / "run", steps=6)
+    good = (run / "rl" / "steps.jsonl").read_text().splitlines()
+    bad = [
+        json.dumps({"step": 10**400, "accept_measured_adapted": 2.0}),
+        "not json",
+        '{"step": 3, "x": ' + "9" * 5000 + "}",
+        json.dumps({"step": 2, "pad": "y" * (1 << 20)}),
+        json.dumps({"step": -4}),
+    ]
+    log = good[:2] + bad + good[2:]
+    (run / "sidecar").mkdir()
+    (run / "sidecar" / "monitor.jsonl").write_text("\n".join(log) + "\n")
+    from draft_align.monitor import live
+
+    for argv in (["report", str(run)], ["advise", str(run)], ["monitor", str(run), "--once"]):
+        live._SAID.clear()  # each command is its own process: a warning is said once per process
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="draft_align"):
+            assert cli.main(argv) == 0, argv
+        warned = [r.getMessage() for r in caplog.records if "bad line" in r.getMessage()]
+        assert len(warned) == 1 and "skipped 5 bad line(s)" in warned[0], (argv, warned)
+        assert "monitor.jsonl:3: step 1000" in warned[0]  # the first one, by line
+    rows = capsys.readouterr().out
+    assert all(f"\n{s:>6} " in rows for s in range(6))  # monitor --once printed every good step

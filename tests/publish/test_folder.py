@@ -160,3 +160,41 @@ def test_a_link_inside_the_folder_is_followed(e3, tmp_path):
     (out / "model.safetensors").symlink_to("blob")
     draft, _ = load_draft(out)
     assert draft.cfg == e3.make_draft().cfg
+# ----------------------------------------------------------------------------- config.json vs the weights
+def _edit_config_and_rehash(out: Path, edit) -> None:
+    """What an operator (or an attacker with write access) does: config.json edited, its size and sha256 put
+    back into the manifest so that every hash verifies."""
+    import hashlib
+    import json
+
+    cpath = out / "config.json"
+    config = json.loads(cpath.read_text())
+    edit(config)
+    cpath.write_text(json.dumps(config))
+    man = json.loads((out / "manifest.json").read_text())
+    data = cpath.read_bytes()
+    man["files"]["config.json"].update(sha256=hashlib.sha256(data).hexdigest(), bytes=len(data))
+    (out / "manifest.json").write_text(json.dumps(man))
+
+
+@pytest.mark.parametrize("dialect", ["hf", "speculators"])
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("vocab_size", 51), ("hidden_size", 48), ("draft_vocab_size", 21), ("num_attention_heads", "4")],
+)
+def test_a_rehashed_config_json_that_no_longer_fits_the_weights_is_refused(e3, tmp_path, dialect, key, value):
+    """config.json is what the engines build the draft from: edited to another vocabulary or hidden size and
+    re-hashed, every sha256 verifies, but it no longer describes the weights: loading refuses it in one line."""
+    out = e3.export(e3.make_draft(), tmp_path / "v", dialect=dialect)
+    load_draft(out)  # as exported: loads
+    block = key not in ("draft_vocab_size",) and dialect == "speculators"
+
+    def edit(config):
+        (config["transformer_layer_config"] if block else config)[key] = value
+
+    _edit_config_and_rehash(out, edit)
+    folder.read_manifest(out)  # every hash verifies
+    with pytest.raises(
+        CorruptCheckpointError, match=rf"config\.json: {key} is {value}, the weights say \d+: "
+    ):
+        load_draft(out)

@@ -238,6 +238,37 @@ def test_load_refuses_a_tampered_or_mismatched_folder(target, tmp_path):
     assert not (tmp_path / "v2").exists()
 
 
+@pytest.mark.parametrize(
+    ("key", "value"), [("vocab_size", V + 7), ("hidden_size", H * 2), ("num_nextn_predict_layers", 2)]
+)
+def test_load_refuses_a_rehashed_config_json_that_no_longer_fits_the_weights(target, tmp_path, key, value):
+    import hashlib
+    import json
+
+    from draft_align.publish.folder import CorruptCheckpointError
+
+    out = export_draft(
+        make_mtp_head(target, "deepseek_v3"),
+        tmp_path / "v1",
+        target_config=target.config,
+        target_name="tiny",
+        metrics={},
+        draft_version=1,
+        policy_version=0,
+        tokenizer_fingerprint="fp",
+    )
+    load_draft(out)
+    config = json.loads((out / "config.json").read_text())
+    config[key] = value
+    data = json.dumps(config).encode()
+    (out / "config.json").write_bytes(data)
+    man = json.loads((out / "manifest.json").read_text())
+    man["files"]["config.json"].update(sha256=hashlib.sha256(data).hexdigest(), bytes=len(data))
+    (out / "manifest.json").write_text(json.dumps(man))
+    with pytest.raises(CorruptCheckpointError, match=rf"config\.json: {key} is {value}, the weights say"):
+        load_draft(out)
+
+
 def test_load_refuses_an_unusable_config_or_unreadable_weights(target, tmp_path):
     """The loaders' shared readers (folder.read_head_config / read_weights) name the file that is wrong."""
     import json

@@ -589,8 +589,9 @@ def test_submit_errors(tiny_lm):
         submit_after_forward(input_ids=ids.masked_fill(am.bool(), V))
     with pytest.raises(PolicyTapError, match="integer"):
         submit_after_forward(input_ids=ids.float())
-    with pytest.raises(PolicyTapError, match="temperature"):
-        submit_after_forward(temperature=-1.0)
+    for t in (-1.0, 1e308, 5e-324, float("nan")):  # what the wire would refuse is refused at submit
+        with pytest.raises(PolicyTapError, match=r"temperature must be 0 \(greedy\) or in \[0\.001, 100\]"):
+            submit_after_forward(temperature=t)
     with pytest.raises(PolicyTapError, match="step"):
         submit_after_forward(step=-1)
     with pytest.raises(PolicyTapError, match="same batch"):  # forward on another batch than submitted

@@ -271,7 +271,7 @@ def test_bad_choice_and_sizes_are_rejected_at_load(tiny_world):
         load_recipe(None, tiny_world.overrides(**{"data.gen_batch_size": 0}))
     with pytest.raises(RecipeError, match=r"(^|: )data\.gen_time_budget_s must be ≥ 0"):
         load_recipe(None, tiny_world.overrides(**{"data.gen_time_budget_s": -1}))
-    with pytest.raises(RecipeError, match=r"(^|: )data\.gen_temperature must be ≥ 0"):
+    with pytest.raises(RecipeError, match=r"(^|: )data\.gen_temperature must be 0 or in \[0\.001, 100\]"):
         load_recipe(None, tiny_world.overrides(**{"data.gen_temperature": -0.5}))
     with pytest.raises(RecipeError, match=r"(^|: )data\.gen_temperature 3\.0: vLLM samples at T ≤ 2 only"):
         load_recipe(None, tiny_world.overrides(**{"data.gen_temperature": 3.0, "data.gen_engine": "vllm"}))

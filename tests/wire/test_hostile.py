@@ -245,3 +245,67 @@ def test_sender_refuses_a_message_over_the_receivers_limit(tmp_path: Path, caplo
         st = tx.stats()
         assert st["dropped_too_large"] == 1 and st["sent"] == 1
     assert "over the receiver's limit" in caplog.text and "HeadSync" in caplog.text
+
+
+# ------------------------------------------------------------------------- temperatures out of range
+def test_signed_batches_with_unusable_temperatures_are_counted_drops(tmp_path: Path):
+    """A key holder's TapBatches at T = 1e308 and 5e-324 (acceptance k + 1, NaN estimates downstream) are
+    dropped at the receiver and counted under ``fields``; the legit batch after them arrives.  (Our own
+    encoder refuses to build them: the attacker rewrites a signed header.)"""
+    import json
+
+    from draft_align.wire.codec import frame_mac
+
+    def signed(msg, seq, temperature=None):
+        frames = [bytes(f) for f in encode(msg, KEY, sender="attacker", seq=seq)]
+        if temperature is not None:  # the attacker's own encoder: the field rewritten, the MAC made again
+            header = json.loads(frames[0])
+            header["fields"]["temperature"] = temperature
+            frames[0] = json.dumps(header).encode()
+            frames[-1] = frame_mac(KEY, frames[:-1])
+        return frames
+
+    ep = default_endpoint(tmp_path, "tap")
+    good = TapBatch.make_dummy(seed=4)
+    sends = [signed(good, 0, 1e308), signed(good, 1, 5e-324), signed(good, 2)]
+    with Receiver(ep, KEY) as rx:
+        ctx = zmq.Context()
+        raw = ctx.socket(zmq.PUSH)
+        raw.setsockopt(zmq.LINGER, 1000)
+        authenticate(raw, KEY)
+        raw.connect(ep)
+        for frames in sends:
+            raw.send_multipart(frames)
+        got = None
+        end = time.monotonic() + 10
+        while got is None and time.monotonic() < end:
+            got = rx.recv(timeout_ms=200)
+        raw.close()
+        ctx.term()
+        assert got is not None and got.temperature == good.temperature
+        assert rx.rejected == {"fields": 2}
+
+
+# ------------------------------------------------------------------------- frames libzmq drops
+def test_a_frame_over_the_receivers_limit_dropped_by_libzmq_is_counted_as_lost(tmp_path: Path):
+    """A sender configured with a larger limit than the receiver: libzmq drops the oversize frame at the
+    receiver (MAXMSGSIZE, and the connection with it) without telling the socket.  The sender numbers each
+    message it hands to libzmq, so the next message that arrives shows the gap: counted as ``lost``."""
+    ep = default_endpoint(tmp_path, "tap")
+    small = StepReport(run_id="r", step=0, policy_version=0, metrics={})
+    big = TapBatch.make_dummy(num_sequences=8, min_len=200, max_len=200, hidden_size=256, seed=1)
+    with Receiver(ep, KEY, max_bytes=128 * 1024) as rx, TapSender(ep, KEY, send_timeout_s=2.0) as tx:
+        assert tx.offer(small)
+        assert rx.recv(timeout_ms=5000) == small
+        assert tx.offer(big)  # its hidden-state frame alone is over 128 KiB
+        got = None
+        end = time.monotonic() + 20
+        while got is None and time.monotonic() < end:
+            time.sleep(0.3)  # the PUSH socket reconnects after libzmq dropped the connection
+            tx.offer(small)
+            got = rx.recv(timeout_ms=500)
+        assert got == small
+        sent = tx.stats()["sent"]
+        received = rx.stats()["received"]
+        assert sent >= 3 and rx.rejected["lost"] == sent - received >= 1
+        assert set(rx.rejected) == {"lost"}

@@ -353,9 +353,9 @@ def test_tap_batch_field_rejections(fields, want):
 
 
 def test_json_overflow_to_inf_is_rejected():
-    frames = rebuild(B, fields={"temperature": 12345.5})
-    assert decode(frames, None).temperature == 12345.5
-    assert reason([frames[0].replace(b"12345.5", b"1e400"), *frames[1:]]) == "fields"  # json reads inf
+    frames = rebuild(B, fields={"temperature": 12.5})
+    assert decode(frames, None).temperature == 12.5
+    assert reason([frames[0].replace(b"12.5", b"1e400"), *frames[1:]]) == "fields"  # json reads inf
     r = rebuild(StepReport.make_dummy(), fields={"metrics": {"a": 12345.5}})
     assert reason([r[0].replace(b"12345.5", b"-1e400"), *r[1:]]) == "fields"
 
@@ -925,3 +925,17 @@ def test_tap_part_split_refuses_stats_from():
 
     with pytest.raises(ValueError, match="TapPart carries no stats_from"):
         TapPart.split(_stats_batch(), ((1,), (2, 3)))
+
+
+# ------------------------------------------------------------------ temperatures the sidecar can use
+@pytest.mark.parametrize("t", [1e308, 5e-324, 1e-4, 100.5, 12345.5, -0.0 - 1e-9])
+def test_a_signed_tap_batch_with_a_temperature_out_of_range_is_a_fields_rejection(t):
+    """1e308 made both drafts' estimated acceptance k + 1 (every distribution uniform), 5e-324 made it NaN:
+    refused at decode, one line naming the field and the range (the receiver counts it under ``fields``)."""
+    key = b"k" * 32
+    with pytest.raises(
+        WireError, match=r"^fields: temperature=.* must be 0 \(greedy\) or in \[0\.001, 100\]$"
+    ):
+        decode(encode(dataclasses.replace(B, temperature=t), key), key)
+    for ok in (0.0, 1e-3, 0.7, 100.0):
+        assert decode(encode(dataclasses.replace(B, temperature=ok), key), key).temperature == ok

@@ -64,7 +64,7 @@ def check_trainer(trainer: Any, recipe: CotrainRecipe, *, uses_rollout_func: boo
             f"{args.gradient_accumulation_steps}: neither divides the other, so a generation batch straddles "
             "optimizer steps at an offset and the Tap's per-step sample cannot follow it"
         )
-    if abs(float(trainer.temperature) - float(recipe.rl.temperature)) > 1e-9:
+    if not abs(float(trainer.temperature) - float(recipe.rl.temperature)) <= 1e-9:  # NaN is unequal too
         raise TRLConfigError(
             f"TRL samples at temperature {trainer.temperature} but the recipe's rl.temperature is "
             f"{recipe.rl.temperature}: the sidecar's soft targets and gate use the recipe's; make them equal"

@@ -75,6 +75,7 @@ class DraftAlign:
         self.step_metrics: dict[str, float | None] = {}  # this optimizer step's, reported at its end
         self.reports_refused = 0
         self.callback_s = 0.0
+        self.sidecar_exit: int | None = None  # the spawned sidecar's exit code once it has died
 
     @property
     def run_dir(self) -> Path:
@@ -194,6 +195,8 @@ class DraftAlign:
         metrics = dict(self.step_metrics)
         self.step_metrics = {}
         version = int(trainer.state.global_step)
+        if self.proc is not None:
+            metrics["sidecar_alive"] = float(self._sidecar_alive(version))
         if self.tap is not None:
             t0 = time.perf_counter()
             metrics["tap_tokens_accepted"] = float(self.tap.tap.end_step())
@@ -219,18 +222,34 @@ class DraftAlign:
         metrics.update(self._estimates())
         return metrics
 
+    def _sidecar_alive(self, step: int) -> bool:
+        """Whether the spawned sidecar still runs; its death is logged once (ERROR, with its exit code and
+        log file), and ``sidecar_alive`` = 0 in TRL's logs from then on."""
+        rc = self.proc.poll() if self.proc is not None else None
+        if rc is not None and self.sidecar_exit is None:
+            self.sidecar_exit = rc
+            log.error(
+                "draft_align: the spawned sidecar died (exit code %s) by TRL step %d; see %s. Training goes on: "
+                "taps are dropped and the last published draft stays in use (restart it with `draft-align "
+                "sidecar %s` to resume)",
+                rc,
+                step,
+                self.run_dir / "sidecar.log",
+                self.run_dir / RESOLVED_RECIPE,
+            )
+        return rc is None
+
     def _estimates(self) -> dict[str, float | None]:
         """The sidecar's newest estimates (from ``monitor.jsonl``: they arrive a step or more later)."""
-        from draft_align.monitor.live import read_jsonl
+        from draft_align.monitor.live import last_record
         from draft_align.sidecar.layout import MONITOR_FILE, SIDECAR_DIR
 
         path = self.run_dir / SIDECAR_DIR / MONITOR_FILE
         if not path.exists():
             return {}
-        rows = read_jsonl(path)
-        if not rows:
+        row = last_record(path)  # read from the end: a step costs the same however long the log
+        if row is None:
             return {}
-        row = rows[-1]
         out = {
             k: row[k]
             for k in ("accept_est_adapted", "accept_est_frozen", "sidecar_draft_version", "buffer_fill")

@@ -50,7 +50,7 @@ def test_trl_run_taps_reports_and_logs_acceptance(tiny_run, tiny_env, tmp_path, 
     assert (da.run_dir / "latest").exists()  # the sidecar published a draft (gate tolerance 100 here)
 
 
-def test_trl_continues_when_the_sidecar_is_killed(tiny_run, tiny_env, tmp_path, make_trainer):
+def test_trl_continues_when_the_sidecar_is_killed(tiny_run, tiny_env, tmp_path, make_trainer, caplog):
     da = _session(tiny_run, tmp_path, "trl-k9")
     trainer = make_trainer(rollout_func=da.rollout_func, max_steps=4)
     trainer.add_callback(da.callback(trainer))
@@ -68,9 +68,20 @@ def test_trl_continues_when_the_sidecar_is_killed(tiny_run, tiny_env, tmp_path, 
                 Kill.in_use = da.drafts.current_version
 
     trainer.add_callback(Kill())
-    trainer.train()  # no error: TRL's steps 3 and 4 ran without the sidecar
+    with caplog.at_level("ERROR", logger="draft_align.integrations.trl.session"):
+        trainer.train()  # no error: TRL's steps 3 and 4 ran without the sidecar
     logs = [h for h in trainer.state.log_history if "loss" in h]
     assert len(logs) == 4
+    # the death is noticed: TRL's logs say so from the step it happened, and one ERROR line names the exit code
+    assert [h["draft_align/sidecar_alive"] for h in logs] == [
+        1.0,
+        1.0,
+        0.0,
+        0.0,
+    ]  # killed after step 2 was logged
+    died = [r.getMessage() for r in caplog.records if "sidecar died" in r.getMessage()]
+    assert len(died) == 1 and "exit code -9" in died[0] and "sidecar.log" in died[0], died
+    assert da.sidecar_exit == -signal.SIGKILL
     assert da.drafts.current_version >= Kill.in_use and da.drafts.failures == 0
     assert logs[-1]["draft_align/draft_version"] == da.drafts.current_version  # the last draft stays in use
     assert logs[-1]["draft_align/wire_dropped_peer"] > logs[1].get("draft_align/wire_dropped_peer", 0)
