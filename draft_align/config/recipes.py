@@ -25,6 +25,7 @@ from draft_align.config.sections import (
     TapConfig,
     TargetConfig,
     TrainConfig,
+    RayConfig,
     WireConfig,
 )
 from draft_align.conventions import AUTO_VERIFY_MODE, DISTRIBUTION_LOSSES, check_tap_budgets
@@ -115,6 +116,7 @@ class CotrainRecipe(_RecipeHeader):
     tap: TapConfig = field(default_factory=TapConfig)
     sidecar: SidecarConfig = field(default_factory=SidecarConfig)
     rl: RLConfig = field(default_factory=RLConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def validate(self) -> None:
@@ -194,8 +196,17 @@ class CotrainRecipe(_RecipeHeader):
                 ("wire.queue_mb", 1),
                 ("rl.spec_k", 1),
                 ("rl.steps", 1),
+                ("ray.max_restarts", 0),
+                ("ray.max_failures", 0),
             ],
         )
+        check_above_zero(self, ("ray.ready_timeout_s", "ray.call_timeout_s"))
+        if not (self.ray.num_cpus >= 0 and self.ray.num_gpus >= 0):
+            raise RecipeError(
+                f"ray.num_cpus and ray.num_gpus must be ≥ 0, got {self.ray.num_cpus}, {self.ray.num_gpus}"
+            )
+        if not self.ray.namespace:
+            raise RecipeError("ray.namespace must not be empty")
         # a negative grad_clip turns descent into ascent, 0 zeroes every gradient
         check_above_zero(
             self, ("sidecar.checkpoint_every_s", "sidecar.lr", "rl.lr", "sidecar.grad_clip", "rl.grad_clip")
