@@ -20,12 +20,12 @@ from draft_align.config.sections import (
     DraftConfig,
     EvalConfig,
     LoggingConfig,
+    RayConfig,
     RLConfig,
     SidecarConfig,
     TapConfig,
     TargetConfig,
     TrainConfig,
-    RayConfig,
     WireConfig,
 )
 from draft_align.conventions import AUTO_VERIFY_MODE, DISTRIBUTION_LOSSES, check_tap_budgets

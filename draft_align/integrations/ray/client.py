@@ -140,6 +140,16 @@ class RaySidecar:
         """The RL side's DraftPublished source on the registry (``rl/drafts.py``'s Notifications)."""
         return RayNotifications(self.recipe.run, self.recipe.ray.namespace, timeout_s=self.timeout_s)
 
+    def wait(self, timeout_s: float) -> dict[str, Any] | None:
+        """Wait up to ``timeout_s`` for the loop to end on its own (after the RL job's final report: it
+        publishes once more first); the last status seen (None if unreachable)."""
+        end = time.monotonic() + timeout_s
+        status = self.status()
+        while status is not None and status.get("running") and time.monotonic() < end:
+            time.sleep(0.5)
+            status = self.status()
+        return status
+
     def stop(self, timeout_s: float = 120.0, *, kill: bool = True) -> dict[str, Any] | None:
         """Let the loop end (checkpoint, close) within ``timeout_s``, then, with ``kill``, remove the actors
         (a detached sidecar outlives its driver until this).  Returns the final status (None if unreachable)."""

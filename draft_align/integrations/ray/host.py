@@ -104,7 +104,12 @@ def attach_registry(sidecar: Any, run: str, namespace: str, rank: int) -> Any:
             namespace,
         )
         return None
-    registry.register.remote(rank, sidecar.receiver.endpoint)
+    info = {
+        "pid": os.getpid(),
+        "resumed": bool(sidecar.resumed),
+        "train_steps": int(sidecar.state.train_steps),
+    }
+    registry.register.remote(rank, sidecar.receiver.endpoint, info)
     if sidecar.is_lead:
         sidecar.gate.publisher = RegistryPublisher(sidecar.gate.publisher, registry)
     return registry

@@ -84,11 +84,28 @@ class DraftRegistry:
         self._stop = False
         self._published = 0
         self._started = time.time()
+        self._ranks: dict[int, dict[str, Any]] = {}  # rank → what it reported last (start, end)
+        self._starts: dict[int, int] = {}
 
-    def register(self, rank: int, endpoint: str) -> None:
-        """Rank ``rank`` bound ``endpoint`` (after every start or restart)."""
-        self._endpoints[int(rank)] = str(endpoint)
+    def begin(self) -> None:
+        """A (re)started gang: forget the endpoints and reports of the ranks' previous start."""
+        self._endpoints, self._ranks, self._stop = {}, {}, False
+
+    def register(self, rank: int, endpoint: str, info: dict[str, Any] | None = None) -> None:
+        """Rank ``rank`` bound ``endpoint`` (after every start or restart); ``info``: its pid, whether it
+        resumed, …"""
+        rank = int(rank)
+        self._endpoints[rank] = str(endpoint)
+        self._starts[rank] = self._starts.get(rank, 0) + 1
+        self._ranks[rank] = {**(info or {}), "starts": self._starts[rank], "running": True}
         write_endpoints(self.run_dir, self._endpoints)
+
+    def rank_done(self, rank: int, info: dict[str, Any]) -> None:
+        """Rank ``rank``'s loop ended (its train steps, the digest of its draft's weights, …)."""
+        self._ranks[int(rank)] = {**self._ranks.get(int(rank), {}), **info, "running": False}
+
+    def ranks(self) -> dict[int, dict[str, Any]]:
+        return {r: dict(v) for r, v in self._ranks.items()}
 
     def endpoints(self) -> dict[int, str]:
         return dict(self._endpoints)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import os
+import socket
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -31,6 +33,18 @@ def import_ray() -> Any:
     return ray
 
 
+def import_ray_train() -> Any:
+    """``ray.train`` (Ray Train, in the same extra)."""
+    import_ray()
+    try:
+        from ray import train
+    except ImportError as e:
+        raise RayUnavailableError(
+            f"a multi-rank sidecar on Ray needs Ray Train ({e}): pip install '{RAY_EXTRA}'"
+        ) from e
+    return train
+
+
 def connect(address: str | None, namespace: str) -> Any:
     """Join a running Ray cluster and return ``ray``: the one this process is already connected to (an RL
     job's driver), else ``address`` (None: ``"auto"``, i.e. ``$RAY_ADDRESS`` or the cluster started on this
@@ -38,7 +52,12 @@ def connect(address: str | None, namespace: str) -> Any:
     ray = import_ray()
     if ray.is_initialized():
         return ray
-    where = address or "auto"
+    where = address or os.environ.get("RAY_ADDRESS") or "auto"
+    refused = _unreachable(where)
+    if refused is not None:  # ray.init would retry for minutes
+        raise RayConnectError(
+            f"no Ray cluster reachable at {where!r} ({refused}): start one (ray start --head) or set ray.address"
+        )
     try:
         ray.init(address=where, namespace=namespace, log_to_driver=False)
     except (ConnectionError, RuntimeError, ValueError) as e:
@@ -47,6 +66,20 @@ def connect(address: str | None, namespace: str) -> Any:
             f"no Ray cluster reachable at {where!r} ({first}): start one (ray start --head) or set ray.address"
         ) from e
     return ray
+
+
+def _unreachable(address: str, timeout_s: float = 5.0) -> str | None:
+    """Why a ``host:port`` (or ``ray://host:port``) address cannot be reached by tcp within ``timeout_s``; None
+    when it can or when the address is not of that form (``auto``: Ray finds the local cluster itself)."""
+    target = address.removeprefix("ray://")
+    host, _, port = target.rpartition(":")
+    if not host or not port.isdigit():
+        return None
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        return f"tcp connect: {e.strerror or e}"
+    return None
 
 
 def sidecar_name(run: str) -> str:
