@@ -205,6 +205,8 @@ class CotrainRecipe(_RecipeHeader):
             raise RecipeError(
                 f"ray.num_cpus and ray.num_gpus must be ≥ 0, got {self.ray.num_cpus}, {self.ray.num_gpus}"
             )
+        if any(not v >= 0 for v in self.ray.resources.values()):
+            raise RecipeError(f"ray.resources must be ≥ 0 each, got {dict(self.ray.resources)}")
         if not self.ray.namespace:
             raise RecipeError("ray.namespace must not be empty")
         # a negative grad_clip turns descent into ascent, 0 zeroes every gradient

@@ -260,6 +260,9 @@ class RayConfig:
     namespace: str = "draft_align"  # the sidecar and registry actors are named per run in it
     num_cpus: float = 1.0  # per sidecar rank (its own resources, not the RL workers')
     num_gpus: float = 0.0  # per sidecar rank; with device: cuda give each rank one
+    # custom resources per rank, e.g. {draft_node: 1} to place the sidecar on nodes started with
+    # `ray start --resources '{"draft_node": 4}'`
+    resources: dict[str, float] = field(default_factory=dict)
     max_restarts: int = 3  # Ray restarts a dead sidecar actor this often; it resumes from the run folder
     max_failures: int = 3  # ranks > 1: Ray Train restarts the whole gang this often
     lifetime: RayLifetimeChoice = RayLifetimeChoice(

@@ -78,6 +78,7 @@ class RaySidecar:
                     **opts,
                     num_cpus=rc.num_cpus,
                     num_gpus=rc.num_gpus,
+                    resources=dict(rc.resources),
                     max_restarts=rc.max_restarts,
                     max_task_retries=0,
                 )

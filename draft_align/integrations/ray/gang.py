@@ -99,7 +99,11 @@ class SidecarGang:
         self.registry = get_actor(registry_name(recipe.run), namespace)
         if self.registry is not None:
             call(self.registry.begin.remote(), 30.0, "registry begin()")
-        per_worker = {"CPU": rc.num_cpus, **({"GPU": rc.num_gpus} if rc.num_gpus > 0 else {})}
+        per_worker = {
+            "CPU": rc.num_cpus,
+            **({"GPU": rc.num_gpus} if rc.num_gpus > 0 else {}),
+            **dict(rc.resources),
+        }
         cuda = str(recipe.device).startswith("cuda")
         self.trainer = TorchTrainer(
             rank_main,

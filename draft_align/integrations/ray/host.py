@@ -138,7 +138,9 @@ class SidecarHost:
         from draft_align.sidecar.loop import Sidecar
 
         ray = import_ray()
-        self.reconstructed = bool(ray.get_runtime_context().was_current_actor_reconstructed)
+        context = ray.get_runtime_context()
+        self.reconstructed = bool(context.was_current_actor_reconstructed)
+        self.node_id = str(context.get_node_id())
         recipe = load_recipe(recipe_file, [], CotrainRecipe)
         torch.set_num_threads(recipe.sidecar.num_threads)  # this actor is its own process
         torch.manual_seed(recipe.seed)
@@ -173,6 +175,7 @@ class SidecarHost:
             if isinstance(sc.gate.publisher, RegistryPublisher)
             else None,
             "node_ip": self.node_ip,
+            "node_id": self.node_id,
             "pid": os.getpid(),
             "reconstructed": self.reconstructed,
             "resumed": bool(sc.resumed),

@@ -5,9 +5,12 @@ Ray or cluster fail soft or in one line."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -279,3 +282,47 @@ def test_two_rank_gang_over_gloo_restarts_after_a_worker_dies_and_ends_identical
             feeder.close()
         sc.stop(timeout_s=30)
     _versions_verify(recipe.run_dir)
+
+
+def _cli(*args: str, timeout: float = 240) -> tuple[int, str]:
+    """``python -m draft_align ARGS`` as a separate driver process; (exit code, stdout)."""
+    from tests.integrations.ray.conftest import REPO, worker_env
+
+    env = {**os.environ, "PYTHONPATH": worker_env()["PYTHONPATH"]}
+    proc = subprocess.run(
+        [sys.executable, "-m", "draft_align", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.returncode, proc.stdout
+
+
+@pytest.mark.slow
+def test_cli_starts_a_detached_sidecar_that_a_new_driver_re_attaches_to(ray_cluster, tiny_run, tmp_path):
+    """``draft-align ray start`` (its own driver process, which then exits) leaves a detached sidecar; this
+    process, standing for a restarted RL driver, re-attaches to it by run name; ``status`` and ``stop`` (two more
+    driver processes) inspect and remove it."""
+    from draft_align.integrations.ray.client import RaySidecar
+
+    recipe, resolved = _recipe(tiny_run, tmp_path, ray_cluster, "r6")
+    address = f"ray.address={ray.get_runtime_context().gcs_address}"
+    _, out = _cli("ray", "start", str(resolved), address)
+    started = json.loads(out[out.index("{") :])
+    assert started["namespace"] == ray_cluster and started["endpoints"][0].startswith("tcp://127.0.0.1:")
+    sc = RaySidecar.attach(recipe)  # the starting driver is gone: the sidecar outlived it
+    assert sc is not None and sc.ready(timeout_s=30) == started["endpoints"]
+    assert sc.status()["running"]
+    _, out = _cli("ray", "status", str(resolved), address)
+    status = json.loads(out[out.index("{") :])
+    assert status["status"]["running"] and status["endpoints"] == started["endpoints"]
+    _, out = _cli("ray", "stop", str(resolved), address, "--timeout", "30")
+    stopped = json.loads(out[out.index("{") :])
+    assert stopped["final_status"]["running"] is False and stopped["final_status"]["error"] is None
+    deadline = time.monotonic() + 30
+    while RaySidecar.attach(recipe) is not None and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert RaySidecar.attach(recipe) is None
