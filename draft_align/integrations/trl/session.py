@@ -290,11 +290,12 @@ class DraftAlign:
             self.sender.close(timeout_s=5.0)
         if self.notify is not None and hasattr(self.notify, "close"):
             self.notify.close()
+        rc = None
         if self.ray_sidecar is not None:  # it ends after the final report; a detached one stays for re-attach
             self.ray_sidecar.wait(self.exit_timeout_s)
-            self.ray_sidecar.stop(30.0, kill=self.recipe.ray.lifetime != "detached")
+            final = self.ray_sidecar.stop(30.0, kill=self.recipe.ray.lifetime != "detached")
+            rc = 0 if final is not None and final.get("error") is None else 1
             self.ray_sidecar = None
-        rc = None
         if self.proc is not None:
             rc = stop_sidecar(self.proc, self.exit_timeout_s)
             self.proc = None

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -30,22 +32,32 @@ def worker_env(home: Path | None = None) -> dict[str, str]:
     return env
 
 
-@pytest.fixture(scope="module")
-def ray_cluster(tiny_world):
-    """``ray.init`` of a fresh local cluster for this module (4 logical CPUs); its namespace is unique."""
+@contextmanager
+def local_cluster(home: Path | None, num_cpus: int = 4) -> Iterator[str]:
+    """``ray.init`` of a fresh local cluster (``num_cpus`` logical CPUs) for the ``with`` block; yields its
+    unique namespace."""
     os.environ.update(RAY_ENV)
     namespace = f"da-test-{uuid.uuid4().hex[:8]}"
     ray.init(
-        num_cpus=4,
+        num_cpus=num_cpus,
         object_store_memory=80 << 20,
         include_dashboard=False,
         _node_ip_address="127.0.0.1",
         namespace=namespace,
         log_to_driver=False,
-        runtime_env={"env_vars": worker_env(tiny_world.home)},
+        runtime_env={"env_vars": worker_env(home)},
     )
-    yield namespace
-    ray.shutdown()
+    try:
+        yield namespace
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(tiny_world):
+    """A local cluster for this module (:func:`local_cluster`); yields its namespace."""
+    with local_cluster(tiny_world.home) as namespace:
+        yield namespace
 
 
 @pytest.fixture
