@@ -22,7 +22,13 @@ from typing import Any
 
 from draft_align.config import CotrainRecipe, load_recipe
 from draft_align.integrations.ray.host import attach_registry, bind_on_node, weights_digest
-from draft_align.integrations.ray.runtime import call, get_actor, import_ray_train, registry_name
+from draft_align.integrations.ray.runtime import (
+    call,
+    get_actor,
+    import_ray_train,
+    import_ray_train_torch,
+    registry_name,
+)
 
 log = logging.getLogger(__name__)
 
@@ -90,8 +96,7 @@ class SidecarGang:
     def __init__(self, recipe_file: str, start_draft: str, namespace: str) -> None:
         from draft_align.sidecar.launch import starting_draft
 
-        train = import_ray_train()
-        from ray.train.torch import TorchConfig, TorchTrainer  # noqa: I001 - the extra, present once train is
+        train, train_torch = import_ray_train(), import_ray_train_torch()
 
         recipe = load_recipe(recipe_file, [], CotrainRecipe)
         rc, sc = recipe.ray, recipe.sidecar
@@ -105,7 +110,7 @@ class SidecarGang:
             **dict(rc.resources),
         }
         cuda = str(recipe.device).startswith("cuda")
-        self.trainer = TorchTrainer(
+        self.trainer = train_torch.TorchTrainer(
             rank_main,
             train_loop_config={
                 "recipe_file": recipe_file,
@@ -120,7 +125,7 @@ class SidecarGang:
                 storage_path=str(recipe.run_dir / "ray_train"),
                 failure_config=train.FailureConfig(max_failures=rc.max_failures),
             ),
-            torch_config=TorchConfig(
+            torch_config=train_torch.TorchConfig(
                 backend="nccl" if cuda else "gloo", timeout_s=int(sc.collective_timeout_s)
             ),
         )

@@ -45,6 +45,14 @@ def import_ray_train() -> Any:
     return train
 
 
+def import_ray_train_torch() -> Any:
+    """``ray.train.torch`` (``TorchTrainer``, ``TorchConfig``)."""
+    import_ray_train()
+    from ray.train import torch as train_torch
+
+    return train_torch
+
+
 def connect(address: str | None, namespace: str) -> Any:
     """Join a running Ray cluster and return ``ray``: the one this process is already connected to (an RL
     job's driver), else ``address`` (None: ``"auto"``, i.e. ``$RAY_ADDRESS`` or the cluster started on this

@@ -310,7 +310,7 @@ def test_cli_starts_a_detached_sidecar_that_a_new_driver_re_attaches_to(ray_clus
 
     recipe, resolved = _recipe(tiny_run, tmp_path, ray_cluster, "r6")
     address = f"ray.address={ray.get_runtime_context().gcs_address}"
-    _, out = _cli("ray", "start", str(resolved), address)
+    _, out = _cli("ray", "start", str(resolved), address, "ray.ready_timeout_s=240", timeout=360)
     started = json.loads(out[out.index("{") :])
     assert started["namespace"] == ray_cluster and started["endpoints"][0].startswith("tcp://127.0.0.1:")
     sc = RaySidecar.attach(recipe)  # the starting driver is gone: the sidecar outlived it
