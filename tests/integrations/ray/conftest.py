@@ -12,7 +12,13 @@ from pathlib import Path
 
 import pytest
 
-RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+# RAY_worker_niceness=0: Ray's workers keep the test's own priority (Ray adds 15 by default, which starves them on
+# a shared, loaded machine: an actor took minutes to import torch)
+RAY_ENV = {
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_worker_niceness": "0",
+}
 os.environ.update(RAY_ENV)  # before Ray is imported: it reads them at import
 
 ray = pytest.importorskip("ray")

@@ -11,7 +11,9 @@ import pytest
 
 from draft_align.config import CotrainRecipe, load_recipe
 
-os.environ.update({"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"})  # before Ray
+os.environ.update(  # before Ray is imported (tests/integrations/ray/conftest.py says why)
+    {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0", "RAY_worker_niceness": "0"}
+)
 ray = pytest.importorskip("ray")
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.slow]
