@@ -2,11 +2,12 @@
 
 ``run_cotrain`` resolves the starting draft (running the warm-start recipe when it has not been published
 yet), writes the resolved recipe into the run folder, starts ``draft-align sidecar`` on it as a child
-process (``sidecar.host: ray``: as an actor or gang on a Ray cluster, docs/ray.md), then runs the GRPO job with its Tap sending over ZeroMQ.  The RL job never waits for the sidecar:
-sends are non-blocking and drafts are picked up between steps from the sidecar's ``DraftPublished``
-notifications (``latest`` as the fallback).  At the end the job sends a final step report, gives the sidecar
-``sidecar_exit_timeout_s`` to publish and exit, and writes the report.  Process-level settings (torch threads,
-the vLLM-CPU environment) are made here, not in the library.
+process (``sidecar.host: ray``: as an actor or gang on a Ray cluster, docs/ray.md), then runs the GRPO job
+with its Tap sending over ZeroMQ.  The RL job never waits for the sidecar: sends are non-blocking and drafts
+are picked up between steps from the sidecar's ``DraftPublished`` notifications (``latest`` as the fallback).
+At the end the job sends a final step report, gives the sidecar ``sidecar_exit_timeout_s`` to publish and exit,
+and writes the report.  Process-level settings (torch threads, the vLLM-CPU environment) are made here, not in
+the library.
 """
 
 from __future__ import annotations

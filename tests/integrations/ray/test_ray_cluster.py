@@ -12,7 +12,7 @@ from draft_align.config import RESOLVED_RECIPE, CotrainRecipe, load_recipe, save
 
 ray = pytest.importorskip("ray")
 
-pytestmark = [pytest.mark.usefixtures("tiny_env"), pytest.mark.slow]
+pytestmark = [pytest.mark.usefixtures("tiny_env"), pytest.mark.slow, pytest.mark.ray]
 
 
 @pytest.fixture(scope="module")

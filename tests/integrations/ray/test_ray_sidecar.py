@@ -21,7 +21,7 @@ from draft_align.config import RESOLVED_RECIPE, CotrainRecipe, load_recipe, save
 
 ray = pytest.importorskip("ray")
 
-pytestmark = pytest.mark.usefixtures("tiny_env")
+pytestmark = [pytest.mark.usefixtures("tiny_env"), pytest.mark.ray]
 
 
 def _recipe(tiny_run, tmp_path: Path, namespace: str, run: str, **extra) -> tuple[CotrainRecipe, Path]:

@@ -11,6 +11,8 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
+pytestmark = pytest.mark.ray
+
 RECIPE = "recipes/smollm2_cotrain.yaml"
 
 

@@ -16,7 +16,7 @@ os.environ.update(  # before Ray is imported (tests/integrations/ray/conftest.py
 )
 ray = pytest.importorskip("ray")
 
-pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.slow]
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.slow, pytest.mark.ray]
 
 
 @pytest.fixture(scope="module")
