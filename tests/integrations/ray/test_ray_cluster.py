@@ -33,7 +33,7 @@ def two_nodes(tiny_world):
         log_to_driver=False,
         runtime_env={"env_vars": worker_env(tiny_world.home)},
     )
-    yield namespace, second.unique_id
+    yield namespace, second.node_id
     ray.shutdown()
     cluster.shutdown()
 
