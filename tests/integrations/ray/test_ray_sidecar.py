@@ -5,6 +5,7 @@ Ray or cluster fail soft or in one line."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -322,6 +323,33 @@ def test_cli_starts_a_detached_sidecar_that_a_new_driver_re_attaches_to(ray_clus
     _, out = _cli("ray", "stop", str(resolved), address, "--timeout", "30")
     stopped = json.loads(out[out.index("{") :])
     assert stopped["final_status"]["running"] is False and stopped["final_status"]["error"] is None
+    deadline = time.monotonic() + 30
+    while RaySidecar.attach(recipe) is not None and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert RaySidecar.attach(recipe) is None
+
+
+@pytest.mark.slow
+def test_cotrain_places_its_sidecar_on_ray(ray_cluster, tiny_run, tmp_path):
+    """``sidecar.host=ray``: draft-align cotrain's GRPO job taps a sidecar actor over tcp, picks up drafts
+    through the registry, and the job-lifetime sidecar ends cleanly (exit code 0) and is removed."""
+    from draft_align.cotrain import run_cotrain
+    from draft_align.integrations.ray.client import RaySidecar
+
+    over = tiny_run.cotrain_overrides(
+        tmp_path, run="r7", **{"rl.steps": 3, "sidecar.host": "ray", "ray.namespace": ray_cluster}
+    )
+    recipe = load_recipe(None, over, CotrainRecipe)
+    summary = run_cotrain(recipe, out=io.StringIO(), sidecar_exit_timeout_s=120)
+    assert summary["sidecar_rc"] == 0
+    steps = [json.loads(x) for x in (recipe.run_dir / "rl" / "steps.jsonl").read_text().splitlines() if x]
+    assert [int(r["step"]) for r in steps] == [0, 1, 2]
+    assert all(r["tap_tokens_accepted"] > 0 for r in steps)  # the actor was up before the first step
+    assert (recipe.run_dir / "latest").exists()
+    mon = [
+        json.loads(x) for x in (recipe.run_dir / "sidecar" / "monitor.jsonl").read_text().splitlines() if x
+    ]
+    assert [r["step"] for r in mon] == [0, 1, 2]
     deadline = time.monotonic() + 30
     while RaySidecar.attach(recipe) is not None and time.monotonic() < deadline:
         time.sleep(0.5)
