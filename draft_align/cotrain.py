@@ -2,11 +2,12 @@
 
 ``run_cotrain`` resolves the starting draft (running the warm-start recipe when it has not been published
 yet), writes the resolved recipe into the run folder, starts ``draft-align sidecar`` on it as a child
-process, then runs the GRPO job with its Tap sending over ZeroMQ.  The RL job never waits for the sidecar:
-sends are non-blocking and drafts are picked up between steps from the sidecar's ``DraftPublished``
-notifications (``latest`` as the fallback).  At the end the job sends a final step report, gives the sidecar
-``sidecar_exit_timeout_s`` to publish and exit, and writes the report.  Process-level settings (torch threads,
-the vLLM-CPU environment) are made here, not in the library.
+process (``sidecar.host: ray``: as an actor or gang on a Ray cluster, docs/ray.md), then runs the GRPO job
+with its Tap sending over ZeroMQ.  The RL job never waits for the sidecar: sends are non-blocking and drafts
+are picked up between steps from the sidecar's ``DraftPublished`` notifications (``latest`` as the fallback).
+At the end the job sends a final step report, gives the sidecar ``sidecar_exit_timeout_s`` to publish and exit,
+and writes the report.  Process-level settings (torch threads, the vLLM-CPU environment) are made here, not in
+the library.
 """
 
 from __future__ import annotations
@@ -198,18 +199,31 @@ def run_cotrain(
     key = channel.resolve_key(recipe.wire.key_file, run_dir, create=True)
     endpoint = recipe.wire.endpoint or channel.default_endpoint(run_dir, TAP_SOCKET)
     proc = None
-    if sidecar:
+    on_ray = None  # sidecar.host=ray: the sidecar is an actor (gang) on the recipe's Ray cluster
+    endpoints = None
+    if sidecar and recipe.sidecar.host == "ray":
+        from draft_align.integrations.ray.client import RaySidecar
+
+        on_ray = RaySidecar.start(recipe, start_path, resolved)
+        endpoints = on_ray.ready()  # bounded (ray.ready_timeout_s); None: the job runs on, its taps dropped
+    elif sidecar:
         proc = spawn_sidecar(resolved, start_path, run_dir / "sidecar.log", ranks=recipe.sidecar.ranks)
+    if endpoints is None:
+        # the configured endpoints; a Ray sidecar that did not come up: its run folder's socket, which nothing
+        # binds, so every tap is dropped and counted while the job runs on
+        endpoints = channel.tap_endpoints(endpoint, recipe.sidecar.ranks if on_ray is None else 1)
     sender = channel.TapSender(
-        channel.tap_endpoints(endpoint, recipe.sidecar.ranks),
+        endpoints,
         key,
         queue_messages=recipe.wire.queue_messages,
         queue_bytes=recipe.wire.queue_mb << 20,
         allow_remote=recipe.wire.allow_remote,
         max_message_bytes=recipe.wire.max_message_mb << 20,
     )
-    notify = None
-    if sidecar:  # the sidecar's DraftPublished notifications; the job falls back to `latest` without them
+    notify: Any = None
+    if on_ray is not None:  # notifications through the run's registry (never blocking; `latest` as fallback)
+        notify = on_ray.notifications()
+    elif sidecar:  # the sidecar's DraftPublished notifications; the job falls back to `latest` without them
         notify_ep = recipe.wire.notify_endpoint or channel.default_endpoint(run_dir, NOTIFY_SOCKET)
         notify = channel.Subscriber(notify_ep, key, allow_remote=recipe.wire.allow_remote)
     set_process_env(recipe)
@@ -221,9 +235,8 @@ def run_cotrain(
             wait_ready(proc, run_dir, sidecar_ready_timeout_s)
         job.wait_for_first_draft()
         # a step's row is printed once the sidecar has written its own row of that step (never waited for)
-        table = LiveTable(
-            run_dir / MONITOR_LOG, out, sidecar_alive=lambda: proc is not None and proc.poll() is None
-        ).start()
+        alive = (lambda: proc is not None and proc.poll() is None) if on_ray is None else on_ray.alive
+        table = LiveTable(run_dir / MONITOR_LOG, out, sidecar_alive=alive).start()
         for _ in range(recipe.rl.steps):
             table.add(job.step())
         job.finish()
@@ -239,10 +252,14 @@ def run_cotrain(
         time.sleep(0.5)  # let the background thread hand the last messages to ZeroMQ
     finally:
         sender.close(timeout_s=5.0)
-        if notify is not None:
+        if notify is not None and hasattr(notify, "close"):
             notify.close()
         if proc is not None:
             rc = stop_sidecar(proc, sidecar_exit_timeout_s)
+        if on_ray is not None:  # it ends after the final report (a detached one stays for the next job)
+            on_ray.wait(sidecar_exit_timeout_s)
+            final = on_ray.stop(30.0, kill=recipe.ray.lifetime != "detached")
+            rc = 0 if final is not None and final.get("error") is None else 1
         if table is not None:
             table.close()
     report = write_report(run_dir)

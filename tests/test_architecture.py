@@ -184,3 +184,27 @@ def test_lower_parts_import_no_loop_or_face(name: str) -> None:
             continue
         up = {d for d in deps if _part(d) in {"sidecar", "warmstart", "rl", "cli", "cotrain", "integrations"}}
         assert not up, f"{module} imports {sorted(up)}"
+
+
+def _third_party_imports(path: Path) -> set[str]:
+    """The top-level names of every non-draft_align module this file imports (function-level ones included)."""
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            out |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            out.add(node.module.split(".")[0])
+    return out - {"draft_align"}
+
+
+def test_ray_is_imported_from_one_place() -> None:
+    """Ray is optional (the ``ray`` extra) and never imported at import time: one module imports it, inside a
+    function that turns its absence into one line naming the extra (integrations/ray/runtime.py)."""
+    home = "draft_align.integrations.ray.runtime"
+    users = sorted(_module_name(p) for p in PKG.rglob("*.py") if "ray" in _third_party_imports(p))
+    assert users == [home], f"modules importing ray (only {home} may): {users}"
+    tree = ast.parse((PKG / "integrations" / "ray" / "runtime.py").read_text())
+    top = [n for n in tree.body if isinstance(n, ast.Import | ast.ImportFrom)]
+    assert not any(
+        isinstance(n, ast.Import) and any(a.name.split(".")[0] == "ray" for a in n.names) for n in top
+    ), "ray must be imported lazily (inside import_ray), not at module level"

@@ -221,6 +221,8 @@ def test_every_enum_like_field_is_a_choice():
             "sidecar.adapt",
             "sidecar.parallel",
             "sidecar.train_trigger",
+            "sidecar.host",
+            "ray.lifetime",
             "rl.verify_mode",
             "rl.engine",
             "logging.wandb_mode",
@@ -383,6 +385,11 @@ def test_load_recipe_returns_the_schemas_type():
         ("rl.engine_probe_min_ratio=1.5", "engine_probe_min_ratio must be in"),
         ("rl.engine_probe_prompts=-1", "engine_probe_prompts must be ≥ 0"),
         ("rl.engine_probe_tokens=1", "engine_probe_tokens must be ≥ 2"),
+        ("ray.max_restarts=-2", "ray.max_restarts must be"),
+        ("ray.call_timeout_s=0", "ray.call_timeout_s must be"),
+        ("ray.num_gpus=-1", "ray.num_gpus must be"),
+        ("ray.resources.x=-1", "ray.resources must be ≥ 0 each"),
+        ("ray.namespace=''", "ray.namespace must not be empty"),
     ],
 )
 def test_cotrain_operator_mistakes_fail_at_load(override, match):

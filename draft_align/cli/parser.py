@@ -6,11 +6,12 @@ import argparse
 
 from draft_align.cli.advise import cmd_advise
 from draft_align.cli.drafts import cmd_eval, cmd_export
+from draft_align.cli.ray import cmd_ray
 from draft_align.cli.runs import cmd_cotrain, cmd_fetch, cmd_monitor, cmd_report, cmd_sidecar, cmd_warmstart
 
 # the parser's description (``draft-align --help``)
 DESCRIPTION = (
-    "``draft-align`` command line: fetch | warmstart | sidecar | cotrain | monitor | report | advise | eval | export.\n"
+    "``draft-align`` command line: fetch | warmstart | sidecar | ray | cotrain | monitor | report | advise | eval | export.\n"
     "\n"
     "Logging is configured here and nowhere else.\n"
 )
@@ -59,6 +60,18 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--exit-when-done", action="store_true", help="exit after the RL job's final step report")
     sc.add_argument("--max-seconds", type=float, default=None)
     sc.set_defaults(fn=cmd_sidecar)
+
+    ry = sub.add_parser(
+        "ray", help="a sidecar on a Ray cluster, detached: start, status or stop it (docs/ray.md)"
+    )
+    ry.add_argument("action", choices=("start", "status", "stop"))
+    ry.add_argument("recipe", help="co-training recipe YAML (its `ray` section names the cluster)")
+    ry.add_argument("overrides", nargs="*", help="key=value overrides")
+    ry.add_argument("--draft", default=None, help="start: the starting draft (default as for `sidecar`)")
+    ry.add_argument(
+        "--timeout", type=float, default=120.0, help="stop: seconds to let it checkpoint and close"
+    )
+    ry.set_defaults(fn=cmd_ray)
 
     ct = sub.add_parser(
         "cotrain", help="an RL job (GRPO, LoRA policy) with the sidecar as a separate process"

@@ -44,6 +44,10 @@ GenEngineChoice = _choice("GenEngineChoice", ("auto", "vllm", "hf"), "generation
 # when the sidecar trains (sidecar/trigger.py)
 TrainTriggerChoice = _choice("TrainTriggerChoice", ("always", "drift"), "training trigger")
 ParallelChoice = _choice("ParallelChoice", ("ddp", "fsdp2"), "parallelism")  # draft replicated | sharded
+# where the sidecar runs: a child process of the RL job, or an actor (gang) on a Ray cluster (docs/ray.md)
+SidecarHostChoice = _choice("SidecarHostChoice", ("process", "ray"), "sidecar host")
+# a Ray-hosted sidecar's lifetime: dies with the driver that started it, or outlives it (re-attach by name)
+RayLifetimeChoice = _choice("RayLifetimeChoice", ("job", "detached"), "Ray lifetime")
 WandbModeChoice = _choice("WandbModeChoice", ("offline", "online", "disabled"), "wandb mode")
 DtypeChoice = _choice("DtypeChoice", FLOAT_DTYPE_NAMES, "dtype")
 

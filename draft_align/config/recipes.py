@@ -22,6 +22,7 @@ from draft_align.config.sections import (
     DraftConfig,
     EvalConfig,
     LoggingConfig,
+    RayConfig,
     RLConfig,
     SidecarConfig,
     TapConfig,
@@ -98,6 +99,7 @@ class CotrainRecipe(_RecipeHeader):
     tap: TapConfig = field(default_factory=TapConfig)
     sidecar: SidecarConfig = field(default_factory=SidecarConfig)
     rl: RLConfig = field(default_factory=RLConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def validate(self) -> None:
@@ -133,6 +135,10 @@ class CotrainRecipe(_RecipeHeader):
             check_tap_budgets(self.tap.tokens_per_step, self.tap.max_tokens_per_message)  # the Tap's own rule
         except ValueError as e:
             raise RecipeError(f"tap.{e}") from e
+        if any(not v >= 0 for v in self.ray.resources.values()):
+            raise RecipeError(f"ray.resources must be ≥ 0 each, got {dict(self.ray.resources)}")
+        if not self.ray.namespace:
+            raise RecipeError("ray.namespace must not be empty")
         if self.sidecar.buffer_tokens < self.sidecar.batch_tokens:
             raise RecipeError("sidecar.buffer_tokens must be ≥ sidecar.batch_tokens")
         sc = self.sidecar

@@ -19,6 +19,7 @@ from draft_align.config.sections import (
     EvalConfig,
     LoggingConfig,
     LoraAdaptConfig,
+    RayConfig,
     RLConfig,
     SidecarConfig,
     TapConfig,
@@ -228,6 +229,14 @@ RANGES: dict[type, dict[str, Range]] = {
         "engine_probe_min_ratio": Range(
             0, 1, open_low=True, note="to turn the probe guard off: rl.engine_probe_prompts=0"
         ),
+    },
+    RayConfig: {
+        "num_cpus": AT_LEAST_0,
+        "num_gpus": AT_LEAST_0,
+        "max_restarts": Range(0, 10_000),
+        "max_failures": Range(0, 10_000),
+        "ready_timeout_s": SECONDS,
+        "call_timeout_s": SECONDS,
     },
 }
 

@@ -16,7 +16,9 @@ from draft_align.config.choices import (
     MTPInitChoice,
     MTPLayoutChoice,
     ParallelChoice,
+    RayLifetimeChoice,
     RolloutVerifyChoice,
+    SidecarHostChoice,
     TrainTriggerChoice,
     VerifyModeChoice,
     WandbModeChoice,
@@ -258,6 +260,30 @@ class SidecarConfig:
     # drift trigger: relative head-row change that restarts training
     drift_head_threshold: float = 0.05
     drift_window: int = 3  # drift trigger: steps after a publish that set the reference level
+    # where it runs: process (a child of the RL job, torchrun for ranks > 1) or ray (an actor, or a Ray Train
+    # gang for ranks > 1, on the cluster the `ray` section names; docs/ray.md)
+    host: SidecarHostChoice = SidecarHostChoice("process")
+
+
+@dataclass
+class RayConfig:
+    """A sidecar hosted on Ray (``sidecar.host: ray``, ``draft-align ray``; docs/ray.md).  Ray is the control
+    plane only: taps still travel over the wire (tcp on each rank's node address, any free port)."""
+
+    address: str | None = None  # the cluster to join; None: the driver's (if connected), else "auto"
+    namespace: str = "draft_align"  # the sidecar and registry actors are named per run in it
+    num_cpus: float = 1.0  # per sidecar rank (its own resources, not the RL workers')
+    num_gpus: float = 0.0  # per sidecar rank; with device: cuda give each rank one
+    # custom resources per rank, e.g. {draft_node: 1} to place the sidecar on nodes started with
+    # `ray start --resources '{"draft_node": 4}'`
+    resources: dict[str, float] = field(default_factory=dict)
+    max_restarts: int = 3  # Ray restarts a dead sidecar actor this often; it resumes from the run folder
+    max_failures: int = 3  # ranks > 1: Ray Train restarts the whole gang this often
+    lifetime: RayLifetimeChoice = RayLifetimeChoice(
+        "job"
+    )  # detached: outlives the driver (draft-align ray stop)
+    ready_timeout_s: float = 300.0  # the driver waits this long for the sidecar's endpoints, then runs on
+    call_timeout_s: float = 2.0  # any other Ray call from the RL side: after this it is counted and skipped
 
 
 @dataclass

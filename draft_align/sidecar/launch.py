@@ -8,6 +8,7 @@ set a stop event) and calls :func:`run_sidecar`; tests and other programs build 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,8 +42,9 @@ def starting_draft(recipe: CotrainRecipe, path: str | None = None) -> Path:
         ) from e
 
 
-def world_config(recipe: CotrainRecipe, start_draft: Path) -> dict[str, Any]:
-    """What every rank must agree on, flattened to dotted keys: the resolved recipe and the starting draft."""
+def world_config(recipe: CotrainRecipe, start_draft: Path, local: tuple[str, ...] = ()) -> dict[str, Any]:
+    """What every rank must agree on, flattened to dotted keys: the resolved recipe and the starting draft;
+    ``local``: dotted keys each rank sets for itself, left out."""
     flat: dict[str, Any] = {"start_draft": str(Path(start_draft).resolve())}
 
     def walk(prefix: str, x: Any) -> None:
@@ -53,7 +55,7 @@ def world_config(recipe: CotrainRecipe, start_draft: Path) -> dict[str, Any]:
             flat[prefix[:-1]] = x
 
     walk("", recipe_to_dict(recipe))
-    return flat
+    return {k: v for k, v in flat.items() if k not in local}
 
 
 def run_sidecar(
@@ -63,10 +65,15 @@ def run_sidecar(
     exit_when_done: bool = False,
     max_seconds: float | None = None,
     stop: threading.Event | None = None,
+    on_ready: Callable[[Sidecar], None] | None = None,
+    rank_local: tuple[str, ...] = (),
 ) -> SidecarState:
     """One sidecar process: find the starting draft, join the other ranks under torchrun, set up and run.
 
-    ``stop``: set it (e.g. from a signal handler) to end the loop; it then checkpoints and closes."""
+    ``stop``: set it (e.g. from a signal handler) to end the loop; it then checkpoints and closes.
+    ``on_ready``: called with the set-up sidecar (its sockets bound) before its loop starts (a host that
+    reports the bound endpoints, e.g. ``integrations/ray``).  ``rank_local``: recipe keys each rank sets for
+    itself (e.g. ``wire.endpoint`` on its own node), not compared between ranks."""
     start_dir = starting_draft(recipe, start)
     sc = recipe.sidecar
     # None unless torchrun started several ranks; rank 0 first restores a checkpoint a killed save left aside
@@ -74,8 +81,14 @@ def run_sidecar(
         ranks=sc.ranks,
         device=recipe.device,
         timeout_s=sc.collective_timeout_s,
-        config=world_config(recipe, start_dir),
+        config=world_config(recipe, start_dir, rank_local),
         lead_first=lambda: checkpoint_exists(recipe.run_dir / SIDECAR_DIR / TRAINER_DIR),
     ) as ranks:
         sidecar = Sidecar(recipe, start_dir, exit_when_done=exit_when_done, ranks=ranks, stop=stop).setup()
+        if on_ready is not None:
+            try:
+                on_ready(sidecar)
+            except BaseException:
+                sidecar.close()
+                raise
         return sidecar.run(max_seconds=max_seconds)

@@ -22,6 +22,7 @@ PORT_FILE = "prometheus.port"  # the Prometheus page's port
 READY_FILE = "ready.json"  # written once the sockets are bound: {"pid", "ppid", "time", "draft_version", …}
 TAP_SOCKET = "tap"  # PULL: TapBatch / TapPart / HeadSync / StepReport from the policy side
 NOTIFY_SOCKET = "notify"  # PUB: DraftPublished
+RAY_ENDPOINTS_FILE = "ray_endpoints.json"  # sidecar.host=ray: each rank's bound tap endpoint, by rank
 WIRE_RECORDING = "wire.rec"  # sidecar.record_wire: every valid message received (wire/recording.py)
 
 

@@ -107,9 +107,18 @@ class RankGroup:
         self.info = info
         self.timeout_s = float(timeout_s)
         timeout = timedelta(seconds=self.timeout_s)
+        # a launcher that formed the default group itself (Ray Train's TorchTrainer) keeps owning it
+        self.adopted = dist.is_initialized()
+        if self.adopted and (dist.get_rank(), dist.get_world_size()) != (info.rank, info.world_size):
+            raise RankError(
+                f"rank {info.rank}/{info.world_size}: the process group already formed here is rank "
+                f"{dist.get_rank()}/{dist.get_world_size()} (RANK / WORLD_SIZE disagree with the launcher)"
+            )
         try:
-            dist.init_process_group(backend, rank=info.rank, world_size=info.world_size, timeout=timeout)
-            self.cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
+            if not self.adopted:
+                dist.init_process_group(backend, rank=info.rank, world_size=info.world_size, timeout=timeout)
+            default_gloo = dist.get_backend() == "gloo"
+            self.cpu_group = None if default_gloo else dist.new_group(backend="gloo", timeout=timeout)
         except Exception as e:
             raise RankError(f"rank {info.rank}/{info.world_size}: cannot join the process group ({e})") from e
 
@@ -202,7 +211,7 @@ class RankGroup:
     def close(self) -> None:
         import torch.distributed as dist
 
-        if dist.is_initialized():
+        if dist.is_initialized() and not self.adopted:
             dist.destroy_process_group()
 
 

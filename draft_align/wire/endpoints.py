@@ -84,7 +84,8 @@ def default_endpoint(run_dir: Path, name: str) -> str:
 
 def rank_endpoint(endpoint: str, rank: int) -> str:
     """The PULL endpoint sidecar rank ``rank`` binds: rank 0 keeps ``endpoint``; rank r > 0 binds
-    ``ipc://…/<name>.<r>.sock`` (``.<r>`` appended when the path does not end in ``.sock``) or the tcp port + r."""
+    ``ipc://…/<name>.<r>.sock`` (``.<r>`` appended when the path does not end in ``.sock``) or the tcp port + r
+    (a ``*`` port: each rank any free one, which it reports)."""
     if rank < 0:
         raise ValueError(f"rank must be ≥ 0, got {rank}")
     if rank == 0:
@@ -94,10 +95,8 @@ def rank_endpoint(endpoint: str, rank: int) -> str:
         return f"{stem}.{rank}.sock" if dot and not ext else f"{endpoint}.{rank}"
     if endpoint.startswith("tcp://"):
         host, port = _split_tcp(endpoint)
-        if port == "*":
-            raise ValueError(
-                f"{endpoint!r}: a multi-rank sidecar needs a fixed tcp port (rank r binds port + r)"
-            )
+        if port == "*":  # every rank binds its own free port and reports it (integrations/ray)
+            return endpoint
         if int(port) + rank > 65535:
             raise ValueError(f"{endpoint!r}: port + rank {rank} is beyond 65535")
         return endpoint[: -len(port)] + str(int(port) + rank)
@@ -108,6 +107,11 @@ def tap_endpoints(endpoint: str, ranks: int) -> list[str]:
     """The endpoints of an N-rank sidecar, rank order (what a TapSender connects to)."""
     if ranks < 1:
         raise ValueError(f"ranks must be ≥ 1, got {ranks}")
+    if ranks > 1 and endpoint.startswith("tcp://") and _split_tcp(endpoint)[1] == "*":
+        raise ValueError(
+            f"{endpoint!r}: the ranks of a multi-rank sidecar bind ports only they know; give a fixed tcp "
+            f"port (rank r binds port + r) or discover them (sidecar.host=ray)"
+        )
     return [rank_endpoint(endpoint, r) for r in range(ranks)]
 
 

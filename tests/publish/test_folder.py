@@ -160,6 +160,8 @@ def test_a_link_inside_the_folder_is_followed(e3, tmp_path):
     (out / "model.safetensors").symlink_to("blob")
     draft, _ = load_draft(out)
     assert draft.cfg == e3.make_draft().cfg
+
+
 # ----------------------------------------------------------------------------- config.json vs the weights
 def _edit_config_and_rehash(out: Path, edit) -> None:
     """What an operator (or an attacker with write access) does: config.json edited, its size and sha256 put

@@ -10,9 +10,16 @@ from draft_align.config import CotrainRecipe, load_recipe
 
 
 class Feeder:
-    """The policy side of a test: a tiny HF target, an HFPolicyTap and a TapSender to the sidecar."""
+    """The policy side of a test: a tiny HF target, an HFPolicyTap and a TapSender to the sidecar (its ipc
+    socket in the run folder, or ``endpoints``)."""
 
-    def __init__(self, recipe: CotrainRecipe, draft_to_target: torch.Tensor, aux: tuple[int, ...]) -> None:
+    def __init__(
+        self,
+        recipe: CotrainRecipe,
+        draft_to_target: torch.Tensor,
+        aux: tuple[int, ...],
+        endpoints: list[str] | None = None,
+    ) -> None:
         from transformers import AutoModelForCausalLM
 
         from draft_align.tap.hf import HFPolicyTap
@@ -22,7 +29,7 @@ class Feeder:
         self.model = AutoModelForCausalLM.from_pretrained(recipe.target.model, dtype=torch.float32).eval()
         self.key = channel.resolve_key(None, recipe.run_dir, create=True)
         self.sender = channel.TapSender(
-            channel.default_endpoint(recipe.run_dir, "tap"), self.key, send_timeout_s=0.5
+            endpoints or channel.default_endpoint(recipe.run_dir, "tap"), self.key, send_timeout_s=0.5
         )
         self.tap = HFPolicyTap(self.model, aux, self.sender, run_id=recipe.run, tokens_per_step=2000)
         self.d2t = draft_to_target

@@ -29,6 +29,10 @@ def test_world_config_flattens_the_recipe_and_the_start(tiny_run, tmp_path):
     assert flat["start_draft"] == str((tmp_path / "d").resolve())
     assert flat["sidecar.lr"] == recipe.sidecar.lr and flat["run"] == recipe.run
     assert not any(isinstance(v, dict) for v in flat.values())
+    # keys each rank sets for itself (a Ray rank's endpoint on its own node) are not compared
+    local = world_config(recipe, tmp_path / "d", ("wire.endpoint", "wire.notify_endpoint"))
+    assert "wire.endpoint" in flat and "wire.endpoint" not in local and "wire.notify_endpoint" not in local
+    assert {k: v for k, v in flat.items() if not k.startswith("wire.") or "endpoint" not in k} == local
 
 
 def test_cli_sidecar_refuses_a_missing_starting_draft(tiny_run, tiny_env, tmp_path):

@@ -44,8 +44,11 @@ def test_rank_endpoints_and_config_checks():
         "tcp://127.0.0.1:5555",
         "tcp://127.0.0.1:5556",
     ]
+    # a '*' port: every rank binds its own free port (and reports it, integrations/ray); a tap cannot derive them
+    assert channel.rank_endpoint("tcp://127.0.0.1:*", 1) == "tcp://127.0.0.1:*"
+    assert channel.tap_endpoints("tcp://127.0.0.1:*", 1) == ["tcp://127.0.0.1:*"]
     with pytest.raises(ValueError, match="fixed tcp port"):
-        channel.rank_endpoint("tcp://127.0.0.1:*", 1)
+        channel.tap_endpoints("tcp://127.0.0.1:*", 2)
     with pytest.raises(ValueError, match="beyond 65535"):
         channel.rank_endpoint("tcp://127.0.0.1:65535", 1)
     msgs = [[b"head", b"", b"\x00" * 5], [b"x"]]

@@ -7,7 +7,9 @@ The recipe is a co-training recipe (``kind: cotrain``, validated like every reci
 rollouts is read (``temperature``, which must equal TRL's, ``spec_k``, ``verify_mode``, ``frozen_fraction``,
 ``engine*``).  TRL owns everything else (prompts, rewards, the optimizer, steps).  ``sidecar``: ``spawn`` (a
 child process, like ``draft-align cotrain``), ``connect`` (one already running on the same run folder, e.g.
-``draft-align sidecar RECIPE``) or ``off`` (taps go nowhere; drafts are still picked up from ``latest``).
+``draft-align sidecar RECIPE``), ``ray`` (an actor or gang on the Ray cluster the recipe's ``ray`` section names,
+started or re-attached by name; its endpoints and drafts come through the run's registry, docs/ray.md) or
+``off`` (taps go nowhere; drafts are still picked up from ``latest``).
 """
 
 from __future__ import annotations
@@ -32,8 +34,8 @@ from draft_align.rl.rollouts import RolloutEngine, plan_given, start_rollout_eng
 
 log = logging.getLogger(__name__)
 
-SidecarMode = Literal["spawn", "connect", "off"]
-SIDECAR_MODES: tuple[str, ...] = ("spawn", "connect", "off")
+SidecarMode = Literal["spawn", "connect", "ray", "off"]
+SIDECAR_MODES: tuple[str, ...] = ("spawn", "connect", "ray", "off")
 
 
 class DraftAlign:
@@ -52,6 +54,10 @@ class DraftAlign:
     ) -> None:
         if sidecar not in SIDECAR_MODES:
             raise TRLConfigError(f"sidecar={sidecar!r}: expected one of {SIDECAR_MODES}")
+        if sidecar == "ray":  # fails now, in one line naming the extra, when Ray is not installed
+            from draft_align.integrations.ray.runtime import import_ray
+
+            import_ray()
         if isinstance(recipe, CotrainRecipe):
             if overrides:
                 raise TRLConfigError("overrides apply to a recipe file, not to a CotrainRecipe object")
@@ -67,6 +73,7 @@ class DraftAlign:
         self.exit_timeout_s = float(exit_timeout_s)
         self.trainer: Any = None
         self.proc: subprocess.Popen | None = None
+        self.ray_sidecar: Any = None  # sidecar="ray": integrations/ray/client.py's RaySidecar
         self.sender: Any = None
         self.notify: Any = None
         self.drafts: DraftSource | None = None
@@ -114,7 +121,9 @@ class DraftAlign:
                 resolved, self.start_draft, run_dir / "sidecar.log", ranks=recipe.sidecar.ranks
             )
             kill_at_exit(self.proc)  # TRL's train() may raise before on_train_end
-        if self.sidecar_mode != "off":
+        if self.sidecar_mode == "ray":
+            self._start_on_ray(key)
+        elif self.sidecar_mode != "off":
             endpoint = recipe.wire.endpoint or channel.default_endpoint(run_dir, TAP_SOCKET)
             self.sender = channel.TapSender(
                 channel.tap_endpoints(endpoint, recipe.sidecar.ranks),
@@ -153,6 +162,30 @@ class DraftAlign:
             self.engine = self._start_engine(trainer)
         if self.proc is not None:
             wait_ready(self.proc, run_dir, self.ready_timeout_s)
+
+    def _start_on_ray(self, key: bytes) -> None:
+        """sidecar="ray": start the run's sidecar on the cluster or re-attach to it (every process asks; the
+        first creates it), then connect the Tap to the endpoints its ranks report.  A sidecar that is not ready
+        within ``ray.ready_timeout_s`` means no Tap (logged); drafts still come from the registry or ``latest``."""
+        from draft_align.integrations.ray.client import RaySidecar
+        from draft_align.wire import channel
+
+        recipe = self.recipe
+        resolved = save_recipe(recipe, recipe.run_dir / RESOLVED_RECIPE)
+        self.ray_sidecar = RaySidecar.start(recipe, self.start_draft, resolved)
+        self.notify = self.ray_sidecar.notifications()
+        endpoints = self.ray_sidecar.ready()
+        if endpoints is None:
+            log.warning("draft_align: the Ray sidecar is not ready: this run trains without taps")
+            return
+        self.sender = channel.TapSender(
+            endpoints,
+            key,
+            queue_messages=recipe.wire.queue_messages,
+            queue_bytes=recipe.wire.queue_mb << 20,
+            allow_remote=recipe.wire.allow_remote,
+            max_message_bytes=recipe.wire.max_message_mb << 20,
+        )
 
     def _start_engine(self, trainer: Any) -> RolloutEngine:
         """The engine the rollout_func decodes with: draft_align's vLLM engine (``rl.engine``), or the reference
@@ -276,9 +309,14 @@ class DraftAlign:
             )
             time.sleep(0.5)  # let the background thread hand the last messages to ZeroMQ
             self.sender.close(timeout_s=5.0)
-        if self.notify is not None:
+        if self.notify is not None and hasattr(self.notify, "close"):
             self.notify.close()
         rc = None
+        if self.ray_sidecar is not None:  # it ends after the final report; a detached one stays for re-attach
+            self.ray_sidecar.wait(self.exit_timeout_s)
+            final = self.ray_sidecar.stop(30.0, kill=self.recipe.ray.lifetime != "detached")
+            rc = 0 if final is not None and final.get("error") is None else 1
+            self.ray_sidecar = None
         if self.proc is not None:
             rc = stop_sidecar(self.proc, self.exit_timeout_s)
             self.proc = None
