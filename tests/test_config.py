@@ -364,7 +364,7 @@ def test_load_recipe_returns_the_schemas_type():
         ("sidecar.grad_clip=0", "sidecar.grad_clip must be > 0"),
         ("sidecar.checkpoint_every_s=0", "sidecar.checkpoint_every_s must be > 0"),
         ("sidecar.keep_versions=1", "sidecar.keep_versions must be ≥ 2"),
-        ("sidecar.max_seq_tokens=1", "sidecar.max_seq_tokens must be ≥ 2"),
+        ("sidecar.max_seq_tokens=2", "sidecar.max_seq_tokens must be ≥ 3"),
         ("sidecar.max_consecutive_nonfinite=0", "max_consecutive_nonfinite must be ≥ 1"),
         ("sidecar.anchor_decay=-1", r"sidecar.anchor_decay must be ≥ 0 \(0: off\), got -1"),
         ("sidecar.prometheus_port=70000", "prometheus_port must be in 0..65535"),

@@ -185,7 +185,7 @@ class CotrainRecipe(_RecipeHeader):
                 ("sidecar.buffer_tokens", 1),
                 ("sidecar.max_consecutive_nonfinite", 1),
                 ("sidecar.keep_versions", 2),
-                ("sidecar.max_seq_tokens", 2),
+                ("sidecar.max_seq_tokens", 3),
                 ("sidecar.num_threads", 1),
                 ("sidecar.log_every", 1),
                 ("wire.max_message_mb", 1),

@@ -196,6 +196,9 @@ class Ingest:
         for rec, extras in split_records(clean):
             if not bool(rec.loss_mask.any()):
                 continue
+            if not bool(rec.loss_mask[2:].any()):  # no chain start: no step of any cut could train on it
+                self.state.untrainable_records += 1
+                continue
             tr = TappedRecord(
                 record=rec,
                 policy_version=self.policy_version(clean.policy_version),

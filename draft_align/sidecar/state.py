@@ -49,6 +49,7 @@ class SidecarState:
     )
     untapped_heads: int = 0  # HeadSyncs replaced before any TapBatch of their version came
     reports_without_taps: int = 0  # StepReports of steps no record arrived for (a row without estimates)
+    untrainable_records: int = 0  # records whose responses start before position 2: dropped at ingest
     policy_offset: int = 0  # added to every policy version the RL job sends (raised at each RL restart)
     publish_failures: int = 0  # publishes or checkpoints that failed (disk full, export error)
     gate_rejections: int = 0
@@ -200,6 +201,7 @@ def sidecar_stats(
         old_version_batches=state.old_version_batches,
         untapped_heads=state.untapped_heads,
         reports_without_taps=state.reports_without_taps,
+        untrainable_records=state.untrainable_records,
         publish_failures=state.publish_failures,
         rejected=dict(rejected),
     )
