@@ -35,6 +35,7 @@ REASONS: tuple[str, ...] = (
     "range",  # tensor values out of range (ids, cu_seqlens, loss_mask bytes, NaN log-probs, d2t)
     "auth",  # a connection whose handshake failed (no key or another key): nothing it sent was read
     "replay",  # a (sender, seq) seen before or older than the sender's newest, or no sender id (channel.py)
+    "senders",  # a new sender while the receiver's sender table is full of recently heard ones (replay.py)
 )
 
 _DTYPES = DTYPES

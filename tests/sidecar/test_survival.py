@@ -3,16 +3,23 @@ the end of the wire's range, a restart under replayed traffic, and a second side
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 from draft_align.sidecar.ingest import Ingest
 from draft_align.sidecar.state import Rates, SidecarState
 from draft_align.train.replay import ReplayBuffer
-from draft_align.wire.messages import HeadSync
+from draft_align.wire.messages import HeadSync, StepReport
 from draft_align.wire.packing import pack_sequences
 
 H, V, AUX = 8, 50, (1, 2, 3)
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _ingest() -> Ingest:
@@ -78,3 +85,102 @@ def test_records_whose_cap_leaves_only_prompt_train_instead_of_killing_the_loop(
         assert sc.train_one()
     assert sc.state.train_steps == 3
     assert sc.trainer.progress.prompt_cut_sequences > 0
+
+
+# ------------------------------------------------------------------ 4: one sidecar per run folder
+def test_a_second_sidecar_on_the_same_run_is_refused_naming_the_holder(sidecar_world):
+    """The second one used to bind the same ipc socket (the first then received nothing) and write the same
+    folder; it is refused before it touches the run, and the lock is released at close."""
+    from draft_align.sidecar.launch import starting_draft
+    from draft_align.sidecar.lock import RunInUseError
+    from draft_align.sidecar.loop import Sidecar
+
+    recipe, sc, _ = sidecar_world
+    second = Sidecar(recipe, starting_draft(recipe))
+    with pytest.raises(RunInUseError, match=rf"in use by another sidecar \(pid {os.getpid()}, lock "):
+        second.setup()
+    assert not hasattr(second, "receiver")  # refused before binding anything
+    sc.close()
+    third = Sidecar(recipe, starting_draft(recipe)).setup()
+    assert third.lock is not None and third.lock.held
+    third.close()
+    assert not third.lock.held
+
+
+def test_the_lock_of_a_killed_sidecar_is_recovered(tmp_path):
+    from draft_align.sidecar.lock import RunInUseError, RunLock
+
+    path = tmp_path / "run" / "sidecar" / "lock"
+    path.parent.mkdir(parents=True)
+    code = (
+        "import sys, time; from draft_align.sidecar.lock import RunLock; "
+        f"RunLock.acquire({str(path)!r}); print('held', flush=True); time.sleep(60)"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        assert child.stdout.readline().strip() == "held"
+        with pytest.raises(RunInUseError, match=rf"pid {child.pid}, lock {path}\): stop that one first"):
+            RunLock.acquire(path)
+    finally:
+        child.kill()
+        child.wait()
+    lock = RunLock.acquire(path)  # the kernel dropped the dead holder's lock
+    assert path.read_text().strip() == str(os.getpid())
+    lock.release()
+    lock.release()  # idempotent
+    link = path.with_name("lock-rank1")
+    link.symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(OSError):
+        RunLock.acquire(link)
+
+
+# ------------------------------------------------------------------ 3: replay protection outlives a restart
+def _head(recipe, sc, version: int) -> HeadSync:
+    d2t = sc.frozen.draft_to_target
+    dummy = HeadSync.make_dummy(hidden_size=sc.hidden, vocab_size=sc.vocab, draft_vocab=d2t.numel())
+    return dataclasses.replace(dummy, run_id=recipe.run, policy_version=version, draft_to_target=d2t.clone())
+
+
+def _push(endpoint: str, key: bytes, captured: list[list[bytes]]) -> None:
+    """Send frames as captured (a key holder's raw socket: it passes the handshake)."""
+    import zmq
+
+    from draft_align.wire.sockets import authenticate
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 5000)
+    authenticate(sock, key)
+    sock.connect(endpoint)
+    for frames in captured:
+        sock.send_multipart(frames)
+    sock.close()
+    ctx.term()
+
+
+def test_a_restarted_sidecar_refuses_what_it_accepted_before(sidecar_world, until):
+    """Captured signed messages were all accepted again by a restarted sidecar, and an old HeadSync was
+    taken as an RL restart (shifting every later policy version); the replay guard is now saved and loaded."""
+    from draft_align.sidecar.launch import starting_draft
+    from draft_align.sidecar.loop import Sidecar
+    from draft_align.wire.codec import encode
+
+    recipe, sc, _ = sidecar_world
+    msgs = [_head(recipe, sc, 5), _head(recipe, sc, 6)]
+    msgs += [StepReport(run_id=recipe.run, step=s, policy_version=6, metrics={"r": 1.0}) for s in range(3)]
+    captured = [encode(m, sc.wire_key, sender="captured", seq=i) for i, m in enumerate(msgs)]
+    _push(sc.receiver.endpoint, sc.wire_key, captured)
+    assert until(lambda: sc.state.monitor_rows >= 3, 60, every=lambda: sc.drain(0.1, 100))
+    assert sc.state.head_policy_version == 6 and sc.state.rl_restarts == 0
+    sc.checkpoint()
+    sc.close()
+    again = Sidecar(recipe, starting_draft(recipe)).setup()
+    try:
+        assert again.resumed and again.state.head_policy_version == 6
+        _push(again.receiver.endpoint, again.wire_key, captured)
+        assert until(lambda: again.receiver.rejected["replay"] >= 5, 60, every=lambda: again.drain(0.1, 100))
+        assert again.receiver.rejected == {"replay": 5}
+        assert again.state.rl_restarts == 0 and again.state.head_policy_version == 6
+        assert again.state.monitor_rows == 3 and not again.has_head
+    finally:
+        again.close()
