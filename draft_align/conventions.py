@@ -143,3 +143,8 @@ def check_tap_budgets(tokens_per_step: int, max_tokens_per_message: int) -> None
     ):
         if int(value) < MIN_TAP_SEQUENCE_TOKENS:
             raise ValueError(f"{name} must be ≥ {MIN_TAP_SEQUENCE_TOKENS}, got {value}")
+
+
+#: The largest draft or policy version (and wire sequence number): the wire's ints are int64.  Every version
+#: arithmetic (an RL restart's policy-version offset, the next published version) must stay at or below it.
+MAX_VERSION = 2**63 - 1

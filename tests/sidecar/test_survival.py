@@ -184,3 +184,96 @@ def test_a_restarted_sidecar_refuses_what_it_accepted_before(sidecar_world, unti
         assert again.state.monitor_rows == 3 and not again.has_head
     finally:
         again.close()
+
+
+# ------------------------------------------------------------------ 2: versions at the end of the wire's range
+TOP = 2**63 - 1
+
+
+def test_a_restart_after_a_head_at_the_top_of_the_range_is_refused_counted():
+    """The restart offset after a head at 2^63 − 1 made every later version 2^63 + v: the publish of such a
+    version wrote its folder and then died in the wire's encoder, and the offset was checkpointed."""
+    ing = _ingest()
+    assert ing.accept_head(HeadSync.make_dummy(hidden_size=H, vocab_size=V, policy_version=TOP))
+    assert not ing.accept_head(HeadSync.make_dummy(hidden_size=H, vocab_size=V, policy_version=0))
+    assert ing.state.version_overflows == 1 and ing.state.rl_restarts == 0 and ing.state.policy_offset == 0
+    ing.on_batch(_batch([_seq(6, 2)], version=3))  # kept under its own version (older than the head)
+    assert ing.state.newest_policy_version == 3 and ing.state.old_version_batches == 1
+    # a genuine restart below the top still shifts, and a batch that the shift would carry past it is refused
+    ing2 = _ingest()
+    assert ing2.accept_head(HeadSync.make_dummy(hidden_size=H, vocab_size=V, policy_version=TOP - 10))
+    assert ing2.accept_head(HeadSync.make_dummy(hidden_size=H, vocab_size=V, policy_version=0))
+    assert ing2.state.head_policy_version == TOP - 9 and ing2.state.policy_offset == TOP - 9
+    ing2.on_batch(_batch([_seq(6, 2)], version=10))
+    assert ing2.state.version_overflows == 1 and ing2.buffer.stats()["records"] == 0
+    ing2.on_batch(_batch([_seq(6, 2)], version=9, batch_id=1))
+    assert ing2.state.newest_policy_version == TOP
+
+
+def test_version_folders_past_the_range_are_not_versions_and_never_written(tmp_path):
+    from draft_align.publish.folder import ExportError
+    from draft_align.publish.versions import folder_version, next_version, publish_version
+
+    (tmp_path / "drafts" / f"v{10**30 + 1}").mkdir(parents=True)
+    (tmp_path / "drafts" / "v0003").mkdir()
+    assert folder_version(tmp_path / "drafts" / f"v{10**30 + 1}") is None
+    assert folder_version(tmp_path / "drafts" / f"v{TOP}") == TOP
+    assert next_version(tmp_path) == 4
+    with pytest.raises(ExportError, match="past the last one the wire can carry"):
+        publish_version(
+            tmp_path,
+            None,
+            target_config=None,
+            target_name="t",
+            tokenizer_fingerprint="f",
+            metrics={},
+            policy_version=0,
+            at_least=TOP + 1,
+        )
+    assert sorted(p.name for p in (tmp_path / "drafts").iterdir()) == ["v0003", f"v{10**30 + 1}"]
+
+
+def test_a_state_that_cannot_be_continued_is_refused_at_start(sidecar_world):
+    """A state.json with published_version 10^30 wrote a folder v1000…0001 and then died; it is refused at
+    start with one line and a way out, and nothing is written."""
+    import json
+
+    from draft_align.sidecar.launch import starting_draft
+    from draft_align.sidecar.loop import Sidecar
+    from draft_align.sidecar.state import StateRangeError
+
+    recipe, sc, _ = sidecar_world
+    sc.checkpoint()
+    sc.close()
+    state_file = sc.dir / "state.json"
+    for field, value in (
+        ("published_version", 10**30),
+        ("policy_offset", 2**63),
+        ("head_policy_version", -2),
+    ):
+        good = json.loads(state_file.read_text())
+        state_file.write_text(json.dumps({**good, field: value}))
+        again = Sidecar(recipe, starting_draft(recipe))
+        with pytest.raises(
+            StateRangeError, match=rf"{field} .* is outside .*cannot be continued; move .* aside"
+        ):
+            again.setup()
+        assert not again.lock.held  # released: the way out can be taken at once
+        state_file.write_text(json.dumps(good))
+    assert (
+        not (recipe.run_dir / "drafts").exists()
+        or [p.name for p in (recipe.run_dir / "drafts").iterdir() if len(p.name) > 8] == []
+    )
+
+
+def test_a_head_at_the_top_of_the_range_then_a_restart_publishes_without_dying(sidecar_world, until):
+    recipe, sc, feeder = sidecar_world
+    sc.handle(_head(recipe, sc, TOP))
+    for s in range(2):
+        feeder.step(s, s)  # the RL job's own HeadSync v0, v1: refused, counted; its batches kept as old
+    assert until(lambda: sc.state.monitor_rows >= 2, 30, every=lambda: sc.drain(0.1, 100))
+    assert sc.state.version_overflows == 2 and sc.state.policy_offset == 0
+    for _ in range(3):
+        assert sc.train_one()
+    assert sc.maybe_publish(force=True)
+    assert sc.state.published_version == 1 and sc.state.published_policy_version <= TOP
