@@ -93,6 +93,7 @@ class Sidecar:
         exit_when_done: bool = False,
         ranks: RankGroup | None = None,
         stop: threading.Event | None = None,
+        lock: RunLock | None = None,
     ) -> None:
         self.recipe = recipe
         self.start_draft = Path(start_draft)
@@ -116,14 +117,16 @@ class Sidecar:
         self._step_drafts: dict[int, nn.Module] = {}
         self._shared_control: list[Control] = []  # received here, for every rank to apply (multi-rank only)
         self.recorder: WireRecorder | None = None  # sidecar.record_wire
-        self.lock: RunLock | None = None  # one sidecar per run folder (sidecar/lock.py)
+        self.lock = lock  # one sidecar per run folder (sidecar/lock.py); taken at setup unless given
         self._replay_saved, self._replay_saved_at = 0, 0.0  # the guard's changes at its last save, and when
+        self._replay_failing = False  # the last save failed (a full disk)
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> Sidecar:
         """Build everything (in this order); returns self."""
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.lock = RunLock.acquire(self.dir / lock_name(self.rank))  # before anything in the run is touched
+        if self.lock is None:  # before anything in the run is touched
+            self.lock = RunLock.acquire(self.dir / lock_name(self.rank))
         try:
             discard_tmp_versions(self.run_dir)
             draft = self._setup_drafts()
@@ -254,12 +257,16 @@ class Sidecar:
             not force and time.monotonic() - self._replay_saved_at < REPLAY_SAVE_S
         ):
             return
+        self._replay_saved_at = time.monotonic()
         try:
             save_guard(self.replay_file, guard, self.wire_key)
-        except OSError as e:
-            log.error("cannot save the replay guard to %s: %s", self.replay_file, e)
+        except OSError as e:  # logged once per failing stretch; retried every REPLAY_SAVE_S
+            (log.debug if self._replay_failing else log.error)(
+                "cannot save the replay guard to %s: %s", self.replay_file, e
+            )
+            self._replay_failing = True
             return
-        self._replay_saved, self._replay_saved_at = guard.changes, time.monotonic()
+        self._replay_saved, self._replay_failing = guard.changes, False
 
     def handle(self, msg: Message) -> None:
         """One valid message off the wire (or out of a recording: ``benchmarks/adapt_replay.py``)."""
