@@ -158,7 +158,7 @@ def _push(endpoint: str, key: bytes, captured: list[list[bytes]]) -> None:
     ctx.term()
 
 
-def test_a_restarted_sidecar_refuses_what_it_accepted_before(sidecar_world, until):
+def test_a_restarted_sidecar_refuses_what_it_accepted_before(sidecar_world, until, monkeypatch, caplog):
     """Captured signed messages were all accepted again by a restarted sidecar, and an old HeadSync was
     taken as an RL restart (shifting every later policy version); the replay guard is now saved and loaded."""
     from draft_align.sidecar.launch import starting_draft
@@ -182,6 +182,22 @@ def test_a_restarted_sidecar_refuses_what_it_accepted_before(sidecar_world, unti
         assert again.receiver.rejected == {"replay": 5}
         assert again.state.rl_restarts == 0 and again.state.head_policy_version == 6
         assert again.state.monitor_rows == 3 and not again.has_head
+        # a full disk when the guard is saved: one ERROR line, the loop goes on, the next save catches up
+        from draft_align.sidecar import loop
+        from draft_align.wire.codec import Origin
+
+        def full(*a, **k):
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(loop, "save_guard", full)
+        again.receiver.guard.check(Origin("after-disk-full", 0))
+        with caplog.at_level("ERROR"):
+            again.save_replay(force=True)
+            again.save_replay(force=True)
+        assert caplog.text.count("cannot save the replay guard") == 1
+        monkeypatch.undo()
+        again.save_replay(force=True)
+        assert "after-disk-full" in again.replay_file.read_text()
     finally:
         again.close()
 
