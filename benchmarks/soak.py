@@ -15,6 +15,11 @@ Three processes besides the sidecar (``draft-align sidecar``, started exactly as
   rejections by reason, kills and restarts it at random, fills its disk (a tmpfs mounted for the run, when
   the process may mount one) for ``--full-disk-s`` seconds, verifies every visible draft version (sha256
   manifests) after every kill and every 30 s, and writes ``benchmarks/out/soak.json`` and RESULTS.md's section.
+  Before each kill it sends ``--replay-probes`` signed StepReports under a fresh sender id and, once the
+  restarted sidecar is up, replays every probe captured so far: the restarted sidecar must accept none again
+  (each probe step must have exactly one monitoring row).  At ``--second-sidecar-at`` of the run it starts a
+  second ``draft-align sidecar`` on the same run folder, which must be refused (exit 2, one line naming the
+  live sidecar's pid) while the first keeps serving.
 
     python benchmarks/soak.py --minutes 10 --draft checkpoints/smollm2-demo
 
@@ -510,6 +515,84 @@ def _fill(disk: Path) -> int:
     return n
 
 
+PROBE_STEP = 7_000_000  # probe i of kill n reports step PROBE_STEP + 100·n + i
+
+
+class _Prober:
+    """Signed StepReports sent before each kill and replayed after each restart (a key holder's raw socket:
+    it passes the handshake, and the envelope alone must stop the replays)."""
+
+    def __init__(self, recipe: Any, key: bytes, per_kill: int) -> None:
+        import zmq
+
+        from draft_align.wire import channel
+
+        self.recipe, self.key, self.per_kill = recipe, key, per_kill
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.PUSH)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SNDHWM, 1000)
+        channel.authenticate(self.sock, key)
+        self.sock.connect(channel.default_endpoint(recipe.run_dir, "tap"))
+        self.captured: list[list[bytes]] = []
+        self.steps: list[int] = []
+        self.sent = self.replayed = self.blocked = 0
+
+    def _send(self, frames: list[bytes]) -> bool:
+        import zmq
+
+        try:
+            self.sock.send_multipart(frames, flags=zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            self.blocked += 1
+            return False
+
+    def probe(self, n: int) -> None:
+        """This kill's probes (sender ``soak-probe-<n>``, seq 0..)."""
+        from draft_align.wire.codec import encode
+        from draft_align.wire.messages import StepReport
+
+        for i in range(self.per_kill):
+            step = PROBE_STEP + 100 * n + i
+            msg = StepReport(
+                run_id=self.recipe.run, step=step, policy_version=0, metrics={"soak_replay_probe": 1.0}
+            )
+            frames = encode(msg, self.key, sender=f"soak-probe-{n}", seq=i)
+            if self._send(frames):
+                self.captured.append(frames)
+                self.steps.append(step)
+                self.sent += 1
+
+    def replay(self) -> None:
+        """Every probe captured so far, exactly as sent."""
+        for frames in self.captured:
+            self.replayed += self._send(frames)
+
+    def result(self, monitor_file: Path) -> dict[str, Any]:
+        """How often each probe step became a monitoring row (1: accepted once; more: a replay accepted)."""
+        rows = dict.fromkeys(self.steps, 0)
+        try:
+            lines = monitor_file.read_text(encoding="utf-8", errors="replace").splitlines()
+        except OSError:
+            lines = []
+        for line in lines:
+            try:
+                step = json.loads(line).get("step")
+            except ValueError:
+                continue
+            if step in rows:
+                rows[step] += 1
+        self.ctx.destroy(linger=0)
+        return {
+            "probes_sent": self.sent,
+            "probe_messages_replayed_after_restarts": self.replayed,
+            "not_queued": self.blocked,
+            "probe_rows_seen": sum(1 for c in rows.values() if c),
+            "accepted_again": sum(max(0, c - 1) for c in rows.values()),
+        }
+
+
 def orchestrate(a: argparse.Namespace) -> dict[str, Any]:
     from draft_align.cotrain import spawn_sidecar, write_resolved
     from draft_align.sidecar.launch import starting_draft
@@ -523,7 +606,11 @@ def orchestrate(a: argparse.Namespace) -> dict[str, Any]:
     start = starting_draft(recipe)
     from draft_align.wire import channel
 
-    channel.resolve_key(None, recipe.run_dir, create=True)
+    key = channel.resolve_key(None, recipe.run_dir, create=True)
+    prober = _Prober(recipe, key, a.replay_probes)
+    replay_pending = False
+    second: subprocess.Popen | None = None
+    second_info: dict[str, Any] = {"started": False}
     log_file = work / "sidecar.log"
     common = [
         "--disk",
@@ -620,12 +707,37 @@ def orchestrate(a: argparse.Namespace) -> dict[str, Any]:
             down_intervals[-1][1] = (recipe.run_dir / SIDECAR_DIR / READY_FILE).stat().st_mtime
         legit_windows.append((up, legit_stats()))
         up_s += 1.0 if up else 0.0
+        if up and replay_pending:  # the restarted sidecar is serving: every captured probe again
+            prober.replay()
+            replay_pending = False
+        if up and second is None and now - t0 >= a.minutes * 60 * a.second_sidecar_at:
+            second = spawn_sidecar(resolved, start, work / "second.log")
+            second_info = {"started": True, "t": round(now - t0, 1), "first_pid": sidecar.pid}
+        if second is not None and "rc" not in second_info:
+            if second.poll() is not None:
+                second_info["rc"] = second.returncode
+                second_info["seconds"] = round(now - t0 - second_info["t"], 1)
+                text = (work / "second.log").read_text(errors="replace")
+                line = next((x for x in text.splitlines() if "in use by another sidecar" in x), None)
+                second_info["refusal"] = line
+                second_info["names_first_pid"] = (
+                    line is not None and f"pid {second_info['first_pid']}," in line
+                )
+                second_info["first_still_running"] = sidecar.poll() is None
+            elif now - t0 - second_info["t"] > 300:
+                second.kill()
+                second.wait()
+                second_info["rc"] = "killed after 300 s (not refused)"
         if sidecar.poll() is not None:  # it exited by itself: a crash (or a clean stop we did not ask for)
             crashes.append({"t": now - t0, "rc": sidecar.returncode})
             down_since = now
             down_intervals.append([time.time() - 1.0, None])  # it died within the last sample
             restart("crash")
+        if now >= next_kill and second is not None and "rc" not in second_info:
+            next_kill = now + 5.0  # no kill while the second sidecar is being refused (it would get the lock)
         if now >= next_kill:
+            prober.probe(len(kills))
+            time.sleep(2.0)  # handled, and the replay guard saved (at most every 0.5 s)
             down_intervals.append([time.time(), None])
             os.kill(sidecar.pid, signal.SIGKILL)
             sidecar.wait()
@@ -643,6 +755,7 @@ def orchestrate(a: argparse.Namespace) -> dict[str, Any]:
             )
             time.sleep(rng.uniform(0.5, 3.0))  # the RL side runs on while the sidecar is dead
             restart("kill")
+            replay_pending = True
             next_kill = time.monotonic() + rng.uniform(a.kill_every_s * 0.5, a.kill_every_s * 1.5)
         if mounted and not filled and now >= disk_full_at:
             disk_full["filled_bytes"] = _fill(disk)
@@ -675,6 +788,11 @@ def orchestrate(a: argparse.Namespace) -> dict[str, Any]:
     n, bad = _verify_versions(recipe.run_dir)
     verified += n
     problems += bad
+    if second is not None and second.poll() is None:
+        second.kill()
+        second.wait()
+        second_info.setdefault("rc", "still running at the end (not refused)")
+    replay_after_restart = prober.result(recipe.run_dir / SIDECAR_DIR / "monitor.jsonl")
     tmp_left = [p.name for p in (recipe.run_dir / "drafts").glob(".tmp-*")]
     state = json.loads((recipe.run_dir / SIDECAR_DIR / STATE_FILE).read_text())
     hostile_stats = json.loads((work / "hostile.json").read_text())
@@ -756,8 +874,12 @@ def orchestrate(a: argparse.Namespace) -> dict[str, Any]:
                 "mismatched_messages",
                 "last_step_report",
                 "done",
+                "untrainable_records",
+                "version_overflows",
             )
         },
+        "replay_after_restart": replay_after_restart,
+        "second_sidecar": second_info,
         "legit": {
             "steps": final_legit.get("steps"),
             "sender": final_legit.get("sender"),
@@ -802,6 +924,20 @@ def _drop_times(detail: list[dict[str, Any]]) -> str:
     return ", ".join(f"{d['t_s']} s ({d['s_since_last_restart']} s)" for d in detail) or "none"
 
 
+def _replays(p: dict[str, Any]) -> str:
+    keys = ("probes_sent", "probe_messages_replayed_after_restarts", "probe_rows_seen", "accepted_again")
+    return " / ".join(str(p.get(k, "–")) for k in keys)
+
+
+def _second(s: dict[str, Any]) -> str:
+    if not s.get("started"):
+        return "not started"
+    return (
+        f"exit {s.get('rc')} after {s.get('seconds')} s; names the pid: {s.get('names_first_pid')}; "
+        f"first still running: {s.get('first_still_running')}"
+    )
+
+
 def _markdown(r: dict[str, Any]) -> str:
     sent = r["hostile_sent_by_category"]
     rej = r["sidecar_rejected_by_reason"]
@@ -839,6 +975,10 @@ def _markdown(r: dict[str, Any]) -> str:
         f"{r['sidecar_state']['nonfinite_heads']} / {r['sidecar_state']['rl_restarts']} / "
         f"{r['sidecar_state']['held_dropped_records']} |",
         f"| sidecar exit after the final report | {r['sidecar_exit']} |",
+        f"| signed probes replayed after restarts: sent / replayed / rows seen / accepted again (goal 0) | "
+        f"{_replays(r.get('replay_after_restart', {}))} |",
+        f"| a second sidecar on the same run (goal: refused, exit 2, naming the live one's pid) | "
+        f"{_second(r.get('second_sidecar', {}))} |",
         "",
         "Hostile messages by category (`delivered`: taken by the sidecar's socket; the others waited in the attacker's "
         "own queue, bounded by its high-water mark, or failed the handshake):",
@@ -872,6 +1012,13 @@ def main() -> None:
     ap.add_argument("--disk-mb", type=int, default=1024)
     ap.add_argument("--warmup-s", type=float, default=20.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--replay-probes", type=int, default=5, help="signed probes sent before each kill")
+    ap.add_argument(
+        "--second-sidecar-at",
+        type=float,
+        default=0.3,
+        help="fraction of the run when a second sidecar starts",
+    )
     ap.add_argument("--override", action="append", default=[], help="extra recipe key=value (repeatable)")
     ap.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "out" / "soak.json")
     ap.add_argument("--disk", help=argparse.SUPPRESS)

@@ -161,3 +161,8 @@ def temperature_ok(t: float) -> bool:
 def temperature_rule() -> str:
     """The rule of :func:`temperature_ok` in words, for error messages."""
     return f"0 (greedy) or in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}]"
+
+
+#: The largest draft or policy version (and wire sequence number): the wire's ints are int64.  Every version
+#: arithmetic (an RL restart's policy-version offset, the next published version) must stay at or below it.
+MAX_VERSION = 2**63 - 1

@@ -366,7 +366,7 @@ def test_load_recipe_returns_the_schemas_type():
         ("sidecar.grad_clip=0", "sidecar.grad_clip must be > 0"),
         ("sidecar.checkpoint_every_s=0", "sidecar.checkpoint_every_s must be in \\(0, 604800\\]"),
         ("sidecar.keep_versions=1", "sidecar.keep_versions must be in \\[2, 10000\\]"),
-        ("sidecar.max_seq_tokens=1", "sidecar.max_seq_tokens must be ≥ 2"),
+        ("sidecar.max_seq_tokens=2", "sidecar.max_seq_tokens must be ≥ 3"),
         ("sidecar.max_consecutive_nonfinite=0", "max_consecutive_nonfinite must be ≥ 1"),
         ("sidecar.record_wire_mb=0", "sidecar.record_wire_mb must be ≥ 1, got 0"),
         ("sidecar.record_wire_reserve_mb=-1", "sidecar.record_wire_reserve_mb must be ≥ 0, got -1"),

@@ -190,7 +190,7 @@ RANGES: dict[type, dict[str, Range]] = {
         "prometheus_port": Range(0, 65535, note="0: any free port; null: off"),
         "num_threads": Range(1, 1024),
         "max_consecutive_nonfinite": AT_LEAST_1,
-        "max_seq_tokens": Range(2),
+        "max_seq_tokens": Range(3),
         "record_wire_mb": AT_LEAST_1,
         "record_wire_reserve_mb": AT_LEAST_0,
         "ranks": Range(1, 4096),

@@ -68,6 +68,8 @@ class SidecarStats:
     untapped_heads: int = 0  # HeadSyncs replaced before any TapBatch of their version came
     reports_without_taps: int = 0  # StepReports of steps no record arrived for (rows without estimates)
     publish_failures: int = 0  # publishes/checkpoints that failed (disk full, export error); retried later
+    untrainable_records: int = 0  # tapped records without a trainable target (response before position 2)
+    version_overflows: int = 0  # messages refused: their policy version would pass the wire's int64
     rejected: Mapping[str, int] = field(default_factory=dict)  # wire rejections by reason (this process)
     train_state: str = "training"  # sidecar.train_trigger: training | settling | idle (always: training)
     waiting_for: str | None = None  # why the sidecar is not training now (None: it is)
@@ -105,6 +107,8 @@ class SidecarStats:
             "untapped_heads": self.untapped_heads,
             "reports_without_taps": self.reports_without_taps,
             "publish_failures": self.publish_failures,
+            "untrainable_records": self.untrainable_records,
+            "version_overflows": self.version_overflows,
             "sidecar_training": int(self.train_state == "training"),  # a number: Prometheus plots it
             "sidecar_train_state": self.train_state,
             "sidecar_waiting_for": self.waiting_for,

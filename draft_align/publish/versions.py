@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from draft_align.conventions import MAX_VERSION
 from draft_align.heads.lora import AdapterMismatchError
 from draft_align.heads.protocol import DraftHead
 from draft_align.publish import write_draft
@@ -56,14 +57,18 @@ def next_version(run_dir: Path) -> int:
     drafts = Path(run_dir) / DRAFTS_DIR
     if not drafts.is_dir():
         return 1
-    found = [int(m.group(1)) for p in drafts.iterdir() if p.is_dir() and (m := _VERSION_RE.match(p.name))]
+    found = [v for p in drafts.iterdir() if p.is_dir() and (v := folder_version(p)) is not None]
     return max(found, default=0) + 1
 
 
 def folder_version(path: Path) -> int | None:
-    """The version a ``vNNNN`` folder's name gives (None for a folder not named so, e.g. a starting draft)."""
+    """The version a ``vNNNN`` folder's name gives (None for a folder not named so, e.g. a starting draft, or
+    for a number past :data:`~draft_align.conventions.MAX_VERSION`, which no version can have)."""
     m = _VERSION_RE.match(Path(path).name)
-    return int(m.group(1)) if m else None
+    if m is None or len(m.group(1)) > len(str(MAX_VERSION)):
+        return None
+    v = int(m.group(1))
+    return v if v <= MAX_VERSION else None
 
 
 def check_folder_version(path: Path, manifest: dict[str, Any]) -> int | None:
@@ -258,6 +263,10 @@ def publish_version(
     logged warning and ``delta_path=None``; the version itself stays published.
     """
     v = max(next_version(run_dir), int(at_least))
+    if v > MAX_VERSION:  # checked before anything is written: the wire could not announce it
+        raise ExportError(
+            f"draft version {v} is past the last one the wire can carry (2^63 - 1): not published"
+        )
     out = version_dir(run_dir, v)
     req = ExportRequest(
         target_config=target_config,

@@ -21,7 +21,7 @@ from draft_align.publish.compat import check_compatible, tokenizer_fingerprint
 from draft_align.sidecar.gate import Gate, plain_copy
 from draft_align.sidecar.ingest import Ingest
 from draft_align.sidecar.layout import MONITOR_FILE, NOTIFY_SOCKET, PORT_FILE, SIDECAR_DIR, TAP_SOCKET
-from draft_align.sidecar.resume import resume_state, start_published
+from draft_align.sidecar.resume import resume_state, set_aside, start_published
 from draft_align.sidecar.state import Rates, SidecarState
 from draft_align.sidecar.trigger import DriftTrigger
 from draft_align.train.objective import LossSettings
@@ -175,13 +175,28 @@ def build_ingest(
     )
 
 
-def open_wire(recipe: CotrainRecipe, *, rank: int | None, is_lead: bool) -> tuple[bytes, Any, Any | None]:
+def open_wire(
+    recipe: CotrainRecipe, *, rank: int | None, is_lead: bool, replay_file: Path | None = None
+) -> tuple[bytes, Any, Any | None]:
     """``(key, receiver, publisher)``: the HMAC key (created in the run folder when none is configured), the PULL
-    socket (rank r: its own endpoint) and, on the lead rank, the DraftPublished PUB socket (else None)."""
+    socket (rank r: its own endpoint) and, on the lead rank, the DraftPublished PUB socket (else None).  The
+    receiver's replay guard continues the one saved in ``replay_file`` (a file that does not verify is set
+    aside, and the guard starts empty)."""
     from draft_align.wire import channel
+    from draft_align.wire.replay import load_guard
 
     wire, run_dir = recipe.wire, recipe.run_dir
     key = channel.resolve_key(wire.key_file, run_dir, create=True)
+    guard = None
+    if replay_file is not None:
+        try:
+            guard = load_guard(replay_file, key)
+        except ValueError as e:
+            set_aside(
+                replay_file,
+                e,
+                "the replay guard starts empty (messages captured before now are accepted once)",
+            )
     tap_ep = wire.endpoint or channel.default_endpoint(run_dir, TAP_SOCKET)
     if rank is not None:
         tap_ep = channel.rank_endpoint(tap_ep, rank)
@@ -191,6 +206,7 @@ def open_wire(recipe: CotrainRecipe, *, rank: int | None, is_lead: bool) -> tupl
         max_bytes=wire.max_message_mb << 20,
         max_tokens=wire.max_tokens,
         allow_remote=wire.allow_remote,
+        guard=guard,
     )
     publisher = None
     if is_lead:

@@ -15,6 +15,9 @@ Policy versions: a HeadSync whose version is lower than the one in use is a rest
 started again from version 0 beside this sidecar, or the head in use came with a bogus version): it is
 logged, counted (``rl_restarts``) and accepted, and from then on every version the RL job sends is shifted
 by ``policy_offset`` so that the versions the sidecar trains, weights and publishes with keep increasing.
+They end at :data:`~draft_align.conventions.MAX_VERSION` (the wire's int64): a HeadSync or TapBatch whose
+version would go past it (a restart after a bogus head at 2^63 − 1) is refused, counted in
+``version_overflows`` and logged once, never carried into a publish the wire cannot announce.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import time
 
 import torch
 
+from draft_align.conventions import MAX_VERSION
 from draft_align.heads.layers import rms_norm
 from draft_align.sidecar.state import Rates, SidecarState
 from draft_align.train.records import Record, TappedRecord
@@ -120,7 +124,11 @@ class Ingest:
             log.warning("HeadSync v%d rejected: %s", msg.policy_version, bad)
             return False
         version = self.policy_version(msg.policy_version)
-        if version < self.state.head_policy_version:
+        restart = version < self.state.head_policy_version
+        if (self.state.head_policy_version + 1 if restart else version) > MAX_VERSION:
+            self._out_of_range("HeadSync", msg.policy_version)
+            return False
+        if restart:
             offset = self.state.head_policy_version + 1 - int(msg.policy_version)
             log.warning(
                 "HeadSync policy version %d is lower than the head in use (v%d): the RL job restarted; its "
@@ -143,6 +151,20 @@ class Ingest:
         self.state.head_policy_version = version
         self.has_head = True
         return True
+
+    def _out_of_range(self, what: str, sent: int) -> None:
+        """Count (``version_overflows``) and log a message whose policy version cannot be counted."""
+        self.state.version_overflows += 1
+        (log.error if self.state.version_overflows == 1 else log.debug)(
+            "%s policy version %d cannot be counted after the head in use (v%d, offset %d): sidecar policy "
+            "versions end at 2^63 - 1; refused (counted in version_overflows).  A bogus version was accepted "
+            "earlier: start a new run (or move %s aside) to count from 0 again",
+            what,
+            sent,
+            self.state.head_policy_version,
+            self.state.policy_offset,
+            "<run>/sidecar",
+        )
 
     def on_part(self, msg: TapPart) -> None:
         """A pipeline stage's share: ingested only once all stages joined."""
@@ -174,6 +196,9 @@ class Ingest:
             return
         t0 = time.perf_counter()
         version = self.policy_version(msg.policy_version)
+        if version > MAX_VERSION:
+            self._out_of_range("TapBatch", msg.policy_version)
+            return
         if version < self.state.head_policy_version:
             # older than the head in use, with no HeadSync saying the RL job restarted: kept under the version
             # it names (weighted as old data), counted
@@ -195,6 +220,9 @@ class Ingest:
             clean = dataclasses.replace(clean, final_hidden=normed, final_norm="post")
         for rec, extras in split_records(clean):
             if not bool(rec.loss_mask.any()):
+                continue
+            if not bool(rec.loss_mask[2:].any()):  # no chain start: no step of any cut could train on it
+                self.state.untrainable_records += 1
                 continue
             tr = TappedRecord(
                 record=rec,

@@ -15,11 +15,12 @@ from typing import Any
 from draft_align.config import CotrainRecipe, WarmstartRecipe, load_recipe, recipe_to_dict
 from draft_align.publish.folder import ExportError
 from draft_align.publish.versions import resolve_draft_dir
-from draft_align.sidecar.layout import SIDECAR_DIR, TRAINER_DIR
+from draft_align.sidecar.layout import SIDECAR_DIR, TRAINER_DIR, lock_name
+from draft_align.sidecar.lock import RunLock
 from draft_align.sidecar.loop import Sidecar
 from draft_align.sidecar.state import SidecarState
 from draft_align.train.checkpoint import checkpoint_exists
-from draft_align.train.parallel import join_ranks
+from draft_align.train.parallel import join_ranks, rank_info_from_env
 
 
 class SidecarError(RuntimeError):
@@ -76,19 +77,29 @@ def run_sidecar(
     itself (e.g. ``wire.endpoint`` on its own node), not compared between ranks."""
     start_dir = starting_draft(recipe, start)
     sc = recipe.sidecar
-    # None unless torchrun started several ranks; rank 0 first restores a checkpoint a killed save left aside
-    with join_ranks(
-        ranks=sc.ranks,
-        device=recipe.device,
-        timeout_s=sc.collective_timeout_s,
-        config=world_config(recipe, start_dir, rank_local),
-        lead_first=lambda: checkpoint_exists(recipe.run_dir / SIDECAR_DIR / TRAINER_DIR),
-    ) as ranks:
-        sidecar = Sidecar(recipe, start_dir, exit_when_done=exit_when_done, ranks=ranks, stop=stop).setup()
-        if on_ready is not None:
-            try:
-                on_ready(sidecar)
-            except BaseException:
-                sidecar.close()
-                raise
-        return sidecar.run(max_seconds=max_seconds)
+    # the run's lock before rank 0 touches the checkpoint below (a live sidecar may be saving it)
+    info = rank_info_from_env()
+    sidecar_dir = recipe.run_dir / SIDECAR_DIR
+    sidecar_dir.mkdir(parents=True, exist_ok=True)
+    lock = RunLock.acquire(sidecar_dir / lock_name(info.rank if info.world_size > 1 else None))
+    try:
+        # None unless torchrun started several ranks; rank 0 first restores a checkpoint a killed save left aside
+        with join_ranks(
+            ranks=sc.ranks,
+            device=recipe.device,
+            timeout_s=sc.collective_timeout_s,
+            config=world_config(recipe, start_dir, rank_local),
+            lead_first=lambda: checkpoint_exists(sidecar_dir / TRAINER_DIR),
+        ) as ranks:
+            sidecar = Sidecar(
+                recipe, start_dir, exit_when_done=exit_when_done, ranks=ranks, stop=stop, lock=lock
+            ).setup()
+            if on_ready is not None:
+                try:
+                    on_ready(sidecar)
+                except BaseException:
+                    sidecar.close()
+                    raise
+            return sidecar.run(max_seconds=max_seconds)
+    finally:
+        lock.release()

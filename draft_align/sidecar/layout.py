@@ -24,6 +24,18 @@ TAP_SOCKET = "tap"  # PULL: TapBatch / TapPart / HeadSync / StepReport from the 
 NOTIFY_SOCKET = "notify"  # PUB: DraftPublished
 RAY_ENDPOINTS_FILE = "ray_endpoints.json"  # sidecar.host=ray: each rank's bound tap endpoint, by rank
 WIRE_RECORDING = "wire.rec"  # sidecar.record_wire: every valid message received (wire/recording.py)
+LOCK_FILE = "lock"  # held (flock) by the live sidecar of the run (sidecar/lock.py)
+REPLAY_FILE = "replay.json"  # the receiver's replay guard, kept across restarts (wire/replay.py)
+
+
+def replay_name(rank: int | None) -> str:
+    """The replay guard's file in ``<run>/sidecar/``: ``replay.json``; under torchrun ``replay-rank<r>.json``."""
+    return REPLAY_FILE if rank is None else f"replay-rank{rank}.json"
+
+
+def lock_name(rank: int | None) -> str:
+    """The run lock's file name in ``<run>/sidecar/``: ``lock`` (one process, or rank 0); ``lock-rank<r>``."""
+    return LOCK_FILE if not rank else f"{LOCK_FILE}-rank{rank}"
 
 
 def recording_name(rank: int | None) -> str:

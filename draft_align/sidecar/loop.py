@@ -53,9 +53,12 @@ from draft_align.sidecar.layout import (
     SIDECAR_DIR,
     STATE_FILE,
     TRAINER_DIR,
+    lock_name,
     recording_name,
+    replay_name,
     write_ready,
 )
+from draft_align.sidecar.lock import RunLock
 from draft_align.sidecar.ranked import GatheredDraft, ranked_loop
 from draft_align.sidecar.resume import set_aside
 from draft_align.sidecar.state import Backoff, Rates, SidecarState, sidecar_stats
@@ -65,10 +68,12 @@ from draft_align.train.trainer import NonFiniteLossError
 from draft_align.wire.channel import DRAIN_MAX_MESSAGES
 from draft_align.wire.messages import HeadSync, Message, StepReport, TapBatch, TapPart
 from draft_align.wire.recording import WireRecorder
+from draft_align.wire.replay import save_guard
 
 log = logging.getLogger(__name__)
 
 Control = HeadSync | StepReport  # what every rank applies, whichever rank received it
+REPLAY_SAVE_S = 0.5  # the replay guard is saved at most this often (and at close): a kill loses less
 
 
 class Sidecar:
@@ -89,6 +94,7 @@ class Sidecar:
         exit_when_done: bool = False,
         ranks: RankGroup | None = None,
         stop: threading.Event | None = None,
+        lock: RunLock | None = None,
     ) -> None:
         self.recipe = recipe
         self.start_draft = Path(start_draft)
@@ -112,18 +118,23 @@ class Sidecar:
         self._step_drafts: dict[int, nn.Module] = {}
         self._shared_control: list[Control] = []  # received here, for every rank to apply (multi-rank only)
         self.recorder: WireRecorder | None = None  # sidecar.record_wire
+        self.lock = lock  # one sidecar per run folder (sidecar/lock.py); taken at setup unless given
+        self._replay_saved, self._replay_saved_at = 0, 0.0  # the guard's changes at its last save, and when
+        self._replay_failing = False  # the last save failed (a full disk)
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> Sidecar:
         """Build everything (in this order); returns self."""
         self.dir.mkdir(parents=True, exist_ok=True)
-        discard_tmp_versions(self.run_dir)
-        draft = self._setup_drafts()
-        self._setup_trainer(draft)
+        if self.lock is None:  # before anything in the run is touched
+            self.lock = RunLock.acquire(self.dir / lock_name(self.rank))
         try:
+            discard_tmp_versions(self.run_dir)
+            draft = self._setup_drafts()
+            self._setup_trainer(draft)
             self._setup_wire()
             self._setup_sinks()
-        except BaseException:  # e.g. a busy Prometheus port: release the sockets already bound
+        except BaseException:  # e.g. a busy Prometheus port: release the sockets already bound, and the lock
             self.close()
             raise
         self._last_ckpt = time.monotonic()
@@ -181,7 +192,10 @@ class Sidecar:
         self.ingest = build_ingest(
             self.recipe, self.state, self.rates, self.frozen, self.target_config, rank, lead
         )
-        self.wire_key, self.receiver, self.gate.publisher = open_wire(self.recipe, rank=rank, is_lead=lead)
+        self.replay_file = self.dir / replay_name(rank)  # the replay guard outlives a restart
+        self.wire_key, self.receiver, self.gate.publisher = open_wire(
+            self.recipe, rank=rank, is_lead=lead, replay_file=self.replay_file
+        )
         if self.recipe.sidecar.record_wire:  # every valid message, for adapt_replay.py (wire/recording.py)
             self.recorder = open_recorder(self.recipe.sidecar, self.dir / recording_name(rank), self.frozen)
 
@@ -233,7 +247,27 @@ class Sidecar:
         for msg in self.receiver.drain(budget_s, timeout_ms, max_messages):
             n += 1
             self.handle(msg)
+        self.save_replay()
         return n
+
+    def save_replay(self, force: bool = False) -> None:
+        """Save the receiver's replay guard when it accepted messages since the last save, at most every
+        ``REPLAY_SAVE_S`` (``force``: now); a failure (full disk) is logged and retried at the next call."""
+        guard = self.receiver.guard
+        if guard.changes == self._replay_saved or (
+            not force and time.monotonic() - self._replay_saved_at < REPLAY_SAVE_S
+        ):
+            return
+        self._replay_saved_at = time.monotonic()
+        try:
+            save_guard(self.replay_file, guard, self.wire_key)
+        except OSError as e:  # logged once per failing stretch; retried every REPLAY_SAVE_S
+            (log.debug if self._replay_failing else log.error)(
+                "cannot save the replay guard to %s: %s", self.replay_file, e
+            )
+            self._replay_failing = True
+            return
+        self._replay_saved, self._replay_failing = guard.changes, False
 
     def handle(self, msg: Message) -> None:
         """One valid message off the wire (or out of a recording: ``benchmarks/adapt_replay.py``)."""
@@ -506,11 +540,15 @@ class Sidecar:
 
     def close(self) -> None:
         """Close what was set up (also after a failed :meth:`setup`)."""
+        if getattr(self, "receiver", None) is not None:
+            self.save_replay(force=True)
         for part in (
             getattr(self, "receiver", None),
-            self.gate.publisher,
+            getattr(getattr(self, "gate", None), "publisher", None),
             getattr(self, "sinks", None),
             self.recorder,
         ):
             if part is not None:
                 part.close()
+        if self.lock is not None:
+            self.lock.release()

@@ -98,12 +98,13 @@ def trusted_published(
     return None
 
 
-def set_aside(path: Path, why: Exception) -> Path:
-    """Move an unusable checkpoint file or folder aside (never deleted) and say so; returns where it went."""
+def set_aside(path: Path, why: Exception, then: str = "training restarts from the published draft") -> Path:
+    """Move an unusable checkpoint file or folder aside (never deleted) and say so (``then``: what happens
+    instead); returns where it went."""
     path = Path(path)
     dest = path.with_name(f".corrupt-{path.name}-{int(time.time())}")
     os.replace(path, dest)
-    log.error("%s is unusable (%s): moved to %s; training restarts from the published draft", path, why, dest)
+    log.error("%s is unusable (%s): moved to %s; %s", path, why, dest, then)
     return dest
 
 

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from draft_align.conventions import MAX_VERSION
 from draft_align.monitor.rows import SidecarStats
 from draft_align.sidecar.trigger import DriftTrigger
 
@@ -19,6 +20,22 @@ log = logging.getLogger(__name__)
 
 class StateError(ValueError):
     """A ``state.json`` that cannot be read (not JSON, not an object, a field of the wrong type)."""
+
+
+class StateRangeError(ValueError):
+    """A readable ``state.json`` that cannot be continued: a version outside the wire's range (the next
+    publish or policy version could not be announced).  Refused at start, nothing written."""
+
+
+# field → (lowest, highest) value a state that can be continued holds
+_VERSION_RANGES: dict[str, tuple[int, int]] = {
+    "published_version": (0, MAX_VERSION - 1),  # the next publish is published_version + 1
+    "published_policy_version": (-1, MAX_VERSION),
+    "newest_policy_version": (-1, MAX_VERSION),
+    "trained_policy_version": (-1, MAX_VERSION),
+    "head_policy_version": (-1, MAX_VERSION),
+    "policy_offset": (0, MAX_VERSION),
+}
 
 
 @dataclass
@@ -49,6 +66,8 @@ class SidecarState:
     )
     untapped_heads: int = 0  # HeadSyncs replaced before any TapBatch of their version came
     reports_without_taps: int = 0  # StepReports of steps no record arrived for (a row without estimates)
+    untrainable_records: int = 0  # records whose responses start before position 2: dropped at ingest
+    version_overflows: int = 0  # HeadSyncs/TapBatches refused: their policy version would pass MAX_VERSION
     policy_offset: int = 0  # added to every policy version the RL job sends (raised at each RL restart)
     publish_failures: int = 0  # publishes or checkpoints that failed (disk full, export error)
     gate_rejections: int = 0
@@ -83,6 +102,17 @@ class SidecarState:
             if not isinstance(value, want) or (isinstance(value, bool) and want is int):
                 raise StateError(f"{path}: field {name!r} is {value!r} ({type(value).__name__}): wrong type")
             setattr(out, name, value)
+        for name, (lo, hi) in _VERSION_RANGES.items():
+            value = getattr(out, name)
+            if not lo <= value <= hi:
+                shown = (
+                    str(value) if len(str(value)) <= 24 else f"{str(value)[:12]}…({len(str(value))} digits)"
+                )
+                raise StateRangeError(
+                    f"{path}: {name} {shown} is outside [{lo}, {hi}] (versions must fit the wire's int64): this "
+                    f"sidecar state cannot be continued; move {Path(path).parent} aside to restart the sidecar "
+                    f"from the run's newest published draft, or start a new run"
+                )
         return out
 
     def save(self, path: Path) -> None:
@@ -200,6 +230,8 @@ def sidecar_stats(
         old_version_batches=state.old_version_batches,
         untapped_heads=state.untapped_heads,
         reports_without_taps=state.reports_without_taps,
+        untrainable_records=state.untrainable_records,
+        version_overflows=state.version_overflows,
         publish_failures=state.publish_failures,
         rejected=dict(rejected),
     )

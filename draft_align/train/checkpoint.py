@@ -34,6 +34,7 @@ class Progress:
     skipped_nonfinite: int = 0
     truncated_sequences: int = 0  # rows longer than the trainer's max_seq_tokens, cut to it
     truncated_targets: int = 0  # response tokens past the cap in those rows (not trained on)
+    prompt_cut_sequences: int = 0  # of those, rows whose window starts after their prompt's start
     seconds: float = 0.0
     total_steps: int = 0  # the schedule's length (may adapt to a time budget)
     history: list[dict] = field(default_factory=list)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -372,37 +372,69 @@ def _sum_blocks(
     return ce, agree, count
 
 
-def truncate_batch(batch: Batch, max_tokens: int, steps: int) -> tuple[Batch, int, int]:
-    """The batch cut to its first ``max_tokens`` positions, with its chain starts recomputed for ``steps``
-    TTT steps (as :func:`~draft_align.train.records.collate` lists them for the cut rows).
+class Cut(NamedTuple):
+    """What :func:`truncate_batch` made of a batch."""
 
-    Attention is causal and a step's inputs precede its target, so the cut batch's loss is the full rows'
-    loss over the targets at positions < max_tokens (their mean).  Returns (batch, rows cut, targets
-    dropped: response tokens at positions ≥ max_tokens); the batch itself when no row is longer.
+    batch: Batch
+    rows_cut: int  # rows longer than max_tokens
+    targets_dropped: int  # response tokens of those rows outside the window they keep
+    rows_shifted: int  # rows whose window had to start after position 0 (their prompt side cut)
+
+
+def _chain_hits(loss_mask: torch.Tensor, steps: int) -> torch.Tensor:
+    """[B, T] bool: position s is a chain start, i.e. loss_mask[s+2+j] for some j < steps."""
+    t = loss_mask.shape[1]
+    hit = torch.zeros_like(loss_mask)
+    for j in range(steps):
+        off = 2 + j
+        if off < t:
+            hit[:, : t - off] |= loss_mask[:, off:]
+    return hit
+
+
+def truncate_batch(batch: Batch, max_tokens: int, steps: int) -> Cut:
+    """The batch cut to windows of ``max_tokens`` ≥ 3 positions, with its chain starts recomputed for
+    ``steps`` TTT steps (as :func:`~draft_align.train.records.collate` lists them for the cut rows).
+
+    A row keeps its first ``max_tokens`` positions when they hold a chain start: attention is causal and a
+    step's inputs precede its target, so its loss is the full row's loss over the targets at positions
+    < max_tokens.  A row whose first ``max_tokens`` positions hold no target (a long prompt) keeps instead the
+    window [o, o + max_tokens) with o = min(its first chain start, length − max_tokens): its prompt side is
+    cut, so a cut never leaves a row of a trainable record without targets.  The batch itself when no row is
+    longer.
     """
+    if max_tokens < 3:
+        raise ValueError(
+            f"max_tokens must be ≥ 3 (a chain start, its input and its target), got {max_tokens}"
+        )
     t = batch.input_ids.shape[1]
     if t <= max_tokens:
-        return batch, 0, 0
-    rows_cut = int(batch.valid[:, max_tokens:].any(-1).sum())
-    dropped = int((batch.loss_mask[:, max_tokens:] & batch.valid[:, max_tokens:]).sum())
-    lm = batch.loss_mask[:, :max_tokens]
-    hit = torch.zeros_like(lm)
-    for j in range(steps):  # chain start s trains iff loss_mask[s+2+j] for some j < steps
-        off = 2 + j
-        if off < max_tokens:
-            hit[:, : max_tokens - off] |= lm[:, off:]
-    pos = torch.arange(max_tokens, device=lm.device).expand_as(lm)
-    order = torch.where(hit, pos, pos + max_tokens).sort(dim=1).values  # chain starts first, ascending
+        return Cut(batch, 0, 0, 0)
+    lengths = batch.valid.sum(1)  # [B]
+    long_rows = lengths > max_tokens
+    rows_cut = int(long_rows.sum())
+    lm_full = batch.loss_mask & batch.valid
+    first_ok = _chain_hits(lm_full[:, :max_tokens], steps).any(1)  # [B] the plain cut keeps a target
+    full_hits = _chain_hits(lm_full, steps)
+    pos = torch.arange(t, device=lm_full.device).expand_as(lm_full)
+    first_start = torch.where(full_hits, pos, t).min(1).values  # [B] (t: the row has no chain start)
+    shift = long_rows & ~first_ok & (first_start < t)
+    offset = torch.where(shift, torch.minimum(first_start, lengths - max_tokens), 0)  # [B]
+    idx = offset[:, None] + torch.arange(max_tokens, device=offset.device)  # [B, max_tokens]
+
+    def take(x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2:
+            return x.gather(1, idx)
+        return x.gather(1, idx[..., None].expand(-1, -1, x.shape[-1]))
+
+    lm = take(batch.loss_mask)
+    valid = take(batch.valid)
+    dropped = int(lm_full.sum() - (lm & valid).sum())
+    hit = _chain_hits(lm & valid, steps)
+    window = torch.arange(max_tokens, device=lm.device).expand_as(lm)
+    order = torch.where(hit, window, window + max_tokens).sort(dim=1).values  # chain starts first, ascending
     m = max(1, int(hit.sum(1).max()))
     sv = order[:, :m] < max_tokens
     starts = torch.where(sv, order[:, :m], torch.zeros_like(order[:, :m]))
-    cut = Batch(
-        batch.input_ids[:, :max_tokens],
-        batch.valid[:, :max_tokens],
-        lm,
-        batch.aux[:, :max_tokens],
-        batch.final[:, :max_tokens],
-        starts,
-        sv,
-    )
-    return cut, rows_cut, dropped
+    cut = Batch(take(batch.input_ids), valid, lm, take(batch.aux), take(batch.final), starts, sv)
+    return Cut(cut, rows_cut, dropped, int(shift.sum()))

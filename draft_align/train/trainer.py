@@ -82,9 +82,10 @@ class DraftTrainer:
         loss: LossSettings,
         max_seq_tokens: int = MAX_SEQ_TOKENS,
     ) -> None:
-        if max_seq_tokens < 2:
-            raise ValueError(f"max_seq_tokens must be ≥ 2, got {max_seq_tokens}")
-        # rows longer than this are cut to it before the step (counted in progress): bounds one step's memory
+        if max_seq_tokens < 3:
+            raise ValueError(f"max_seq_tokens must be ≥ 3 (a target needs 3 positions), got {max_seq_tokens}")
+        # rows longer than this are cut to a window of it before the step (counted in progress): bounds one
+        # step's memory
         self.max_seq_tokens = int(max_seq_tokens)
         self.draft = draft
         self.embed = embed.requires_grad_(False)
@@ -233,19 +234,21 @@ class DraftTrainer:
                 p.lerp_(next(anchors), step)
 
     def _cap(self, batch: Batch) -> Batch:
-        """The batch cut to ``max_seq_tokens`` positions (losses.truncate_batch), counted in progress."""
-        batch, rows_cut, targets = truncate_batch(batch, self.max_seq_tokens, self.loss_settings.ttt_steps)
-        if rows_cut:
+        """The batch cut to windows of ``max_seq_tokens`` positions (losses.truncate_batch: a row whose
+        first positions hold no target loses its prompt side instead), counted in progress."""
+        cut = truncate_batch(batch, self.max_seq_tokens, self.loss_settings.ttt_steps)
+        if cut.rows_cut:
             if not self.progress.truncated_sequences:
                 log.warning(
                     "sequences longer than max_seq_tokens=%d are cut to it for training (%d targets "
                     "dropped in this batch; counted in progress.truncated_*)",
                     self.max_seq_tokens,
-                    targets,
+                    cut.targets_dropped,
                 )
-            self.progress.truncated_sequences += rows_cut
-            self.progress.truncated_targets += targets
-        return batch
+            self.progress.truncated_sequences += cut.rows_cut
+            self.progress.truncated_targets += cut.targets_dropped
+            self.progress.prompt_cut_sequences += cut.rows_shifted
+        return cut.batch
 
     # ------------------------------------------------------------------ checkpoint (train/checkpoint.py)
     def save(self, path: Path, state: tuple[dict[str, torch.Tensor], dict] | None = None) -> None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import secrets
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -31,7 +30,7 @@ from draft_align.wire.endpoints import (
 )
 from draft_align.wire.keys import KEY_BYTES, KEY_ENV, KEY_FILE_NAME, MIN_KEY_BYTES, resolve_key
 from draft_align.wire.messages import DraftPublished, Message, decode_with_origin
-from draft_align.wire.replay import ReplayGuard
+from draft_align.wire.replay import Envelope, ReplayGuard
 from draft_align.wire.schema import DEFAULT_MAX_BYTES, DEFAULT_MAX_TOKENS, HEADER_MAX_BYTES, WireError
 from draft_align.wire.sender import TapSender
 from draft_align.wire.sockets import (
@@ -91,6 +90,7 @@ class _Inbox:
         max_bytes: int,
         max_tokens: int,
         buffer_bytes: int,
+        guard: ReplayGuard | None = None,
     ) -> None:
         import zmq
 
@@ -100,7 +100,7 @@ class _Inbox:
         self._key = key
         self._max_bytes = max_bytes
         self._max_tokens = max_tokens
-        self._guard = ReplayGuard()
+        self.guard = guard if guard is not None else ReplayGuard()
         self.rejected: collections.Counter[str] = collections.Counter()
         self.counts = collections.Counter(received=0, bytes_received=0)
         self.rcvhwm = max(1, buffer_bytes // max_bytes)
@@ -140,7 +140,7 @@ class _Inbox:
         """Count, as ``lost``, the messages a remembered sender numbered before ``origin`` that never arrived:
         libzmq drops a frame over MAXMSGSIZE (and the connection with it) without telling the socket, so the
         gap in the sender's sequence is where such a drop shows (the sender numbers only what it sent)."""
-        missed = self._guard.missed(origin)
+        missed = self.guard.missed(origin)
         if missed:
             first = self.rejected["lost"] == 0
             self.rejected["lost"] += missed
@@ -160,7 +160,7 @@ class _Inbox:
             return
         try:
             self._count_lost(origin)
-            self._guard.check(origin)
+            self.guard.check(origin)
         except WireError:
             pass
 
@@ -202,7 +202,7 @@ class _Inbox:
             if expect is not None and not isinstance(msg, expect):
                 raise WireError("kind", f"{type(msg).__name__} on a {expect.__name__} channel")
             self._count_lost(origin)
-            self._guard.check(origin)
+            self.guard.check(origin)
         except WireError as e:
             self._count(e)
             origin = origin or e.origin
@@ -283,6 +283,11 @@ class _Listening(Closing):
         """received, bytes_received (valid or not), rejected, rejected_by_reason."""
         return self._inbox.stats()
 
+    @property
+    def guard(self) -> ReplayGuard:
+        """The replay guard (wire/replay.py; a restarted receiver may be given the saved one)."""
+        return self._inbox.guard
+
     def close(self) -> None:
         self._inbox.close()
 
@@ -305,6 +310,7 @@ class Receiver(_Listening):
         max_tokens: int = DEFAULT_MAX_TOKENS,
         allow_remote: bool = False,
         buffer_bytes: int = DEFAULT_BUFFER_BYTES,
+        guard: ReplayGuard | None = None,
     ) -> None:
         check_endpoint(endpoint, key, allow_remote)
         self._inbox = _Inbox(
@@ -315,6 +321,7 @@ class Receiver(_Listening):
             max_bytes=max_bytes,
             max_tokens=max_tokens,
             buffer_bytes=buffer_bytes,
+            guard=guard,
         )
         self.endpoint = self._inbox.endpoint  # the bound address (a tcp '*' port resolved)
 
@@ -340,8 +347,7 @@ class Publisher(Closing):
         import zmq
 
         self._key = key
-        self.sender_id = secrets.token_hex(8)
-        self._seq = 0
+        self._envelope = Envelope()  # the (sender id, seq) stamps
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.PUB)
         self._zap: ZapHandler | None = None
@@ -359,8 +365,8 @@ class Publisher(Closing):
 
         if not isinstance(msg, DraftPublished):
             raise TypeError(f"Publisher sends DraftPublished, got {type(msg).__name__}")
-        frames = encode(msg, self._key, sender=self.sender_id, seq=self._seq)
-        self._seq += 1
+        sender, seq = self._envelope.next()
+        frames = encode(msg, self._key, sender=sender, seq=seq)
         try:
             self._sock.send_multipart(frames, flags=zmq.NOBLOCK)
         except zmq.Again:

@@ -1,55 +1,250 @@
-"""Replay detection (docs/wire.md, "Envelope"): every message carries, under the MAC, its sender's id and
-that sender's strictly increasing sequence number; a receiver keeps the newest number of each sender it
-has heard from and drops the rest.  Pure bookkeeping, no sockets."""
+"""Replay detection (docs/wire.md, "Envelope and replays"): every message carries, under the MAC, its sender's
+id and that sender's strictly increasing sequence number; a receiver keeps the newest number of each sender it
+has heard from and drops the rest.  Pure bookkeeping and one small file, no sockets.
+
+- :class:`ReplayGuard` (receiving side): bounded and aged without reopening replays; its state can be saved
+  and restored (:func:`save_guard`, :func:`load_guard`) so a restarted receiver still refuses what it accepted.
+- :class:`Envelope` (sending side): the (sender, seq) stamps, with a fresh id after a long silence or at the
+  end of the seq range, so that no receiver rule ever locks a live sender out.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import json
+import logging
+import os
+import secrets
+import time
 from collections import OrderedDict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 from draft_align.wire.codec import Origin
-from draft_align.wire.schema import WireError
+from draft_align.wire.schema import _MAX_INT, WireError
 
-DEFAULT_MAX_SENDERS = 4096
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_SENDERS = 4096  # senders remembered with their newest seq
+DEFAULT_MAX_RETIRED = 16384  # ids of senders forgotten after a long silence, refused from then on
+MAX_SEQ_STEP = 1 << 32  # the most a sender's seq may advance in one message (its dropped sends included)
+RETIRE_IDLE_S = 3600.0  # a sender silent this long may be retired when the table is full
+RENEW_IDLE_S = RETIRE_IDLE_S / 2  # a sender silent this long draws a new id before its next message
+STATE_FORMAT = "draft_align.replay_guard/1"
 
 
 class ReplayGuard:
-    """Accept a message iff its ``seq`` is above every earlier one of its ``sender``.
+    """Accept a message iff its ``seq`` is above every earlier one of its ``sender`` and at most
+    :data:`MAX_SEQ_STEP` above it (a new sender: counted from −1).
 
-    A duplicate (``seq`` equal to the newest) and a stale message (below it) raise ``WireError("replay")``;
-    so does a message without a sender id when ``require_sender``.  A restarted sender draws a new id
-    and starts again at 0.  At most ``max_senders`` senders are remembered (least recently heard from
-    forgotten first; a forgotten sender's old messages would be accepted again, so the bound is kept far
-    above the number of live senders of a run)."""
+    Raises ``WireError("replay")`` for a duplicate (``seq`` equal to the newest), a stale message (below it), a
+    jump past the step bound (so one message at seq 2^63 − 1 cannot lock its sender out: it is refused and
+    the sender's newest stays), a retired sender, and (``require_sender``) a message without a sender id.
 
-    def __init__(self, *, max_senders: int = DEFAULT_MAX_SENDERS, require_sender: bool = True) -> None:
-        if max_senders < 1:
-            raise ValueError(f"max_senders must be ≥ 1, got {max_senders}")
-        self._newest: OrderedDict[str, int] = OrderedDict()
+    Bounds: ``max_senders`` senders are remembered.  When a new sender arrives at a full table, the least
+    recently heard one is retired if it has been silent for ``retire_idle_s``: its id moves to a bounded set
+    of retired ids whose messages are refused for good (an evicted sender's captured messages must not become
+    acceptable again); a live sender never does this, since senders draw a new id after
+    ``retire_idle_s / 2`` of silence (:class:`Envelope`).  When nobody can be retired (all heard recently,
+    or ``max_retired`` ids retired already) the new sender is refused, ``WireError("senders")``, counted by
+    the receiver; the remembered ones keep working.  A refused message never changes the state.
+    """
+
+    def __init__(
+        self,
+        *,
+        max_senders: int = DEFAULT_MAX_SENDERS,
+        require_sender: bool = True,
+        max_retired: int = DEFAULT_MAX_RETIRED,
+        retire_idle_s: float = RETIRE_IDLE_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if max_senders < 1 or max_retired < 0:
+            raise ValueError(f"max_senders must be ≥ 1 and max_retired ≥ 0, got {max_senders}, {max_retired}")
+        self._newest: OrderedDict[str, tuple[int, float]] = OrderedDict()  # sender → (seq, heard at)
+        self._retired: OrderedDict[str, None] = OrderedDict()
         self._max = max_senders
+        self._max_retired = max_retired
+        self._idle_s = retire_idle_s
         self._require = require_sender
+        self._clock = clock
+        self.changes = 0  # accepted messages since the state was created or loaded (persisting: any news)
 
     def check(self, origin: Origin) -> None:
-        """Record ``origin`` or raise ``WireError("replay", …)`` (the record is unchanged then)."""
-        if not origin.sender:
+        """Record ``origin`` or raise ``WireError`` (``replay`` or ``senders``; the state is unchanged then)."""
+        sender, seq = origin.sender, origin.seq
+        if not sender:
             if self._require:
                 raise WireError("replay", "message carries no sender id (cannot tell a replay)")
             return
-        last = self._newest.get(origin.sender)
-        if last is not None and origin.seq <= last:
-            what = "duplicate" if origin.seq == last else "stale"
+        if sender in self._retired:
             raise WireError(
-                "replay", f"{what} message {origin.seq} of sender {origin.sender} (newest {last})"
+                "replay", f"sender {sender} was retired after a long silence (its messages are refused)"
             )
-        self._newest[origin.sender] = origin.seq
-        self._newest.move_to_end(origin.sender)
-        while len(self._newest) > self._max:
-            self._newest.popitem(last=False)
+        known = self._newest.get(sender)
+        last = known[0] if known is not None else -1
+        if known is not None and seq <= last:
+            what = "duplicate" if seq == last else "stale"
+            raise WireError("replay", f"{what} message {seq} of sender {sender} (newest {last})")
+        if seq - last > MAX_SEQ_STEP:
+            raise WireError(
+                "replay",
+                f"message {seq} of sender {sender} jumps {seq - last} past its newest {last} (at most 2^32)",
+            )
+        now = self._clock()
+        if known is None and len(self._newest) >= self._max:
+            self._make_room(sender, now)
+        self._newest[sender] = (seq, now)
+        self._newest.move_to_end(sender)
+        self.changes += 1
+
+    def _make_room(self, sender: str, now: float) -> None:
+        oldest, (_, heard) = next(iter(self._newest.items()))
+        if now - heard < self._idle_s or len(self._retired) >= self._max_retired:
+            raise WireError(
+                "senders",
+                f"new sender {sender} refused: {len(self._newest)} senders are remembered, the least recently "
+                f"heard {now - heard:.0f} s ago, and {len(self._retired)} retired",
+            )
+        del self._newest[oldest]
+        self._retired[oldest] = None
 
     def missed(self, origin: Origin) -> int:
         """How many sequence numbers of a remembered sender lie between its newest and ``origin.seq`` (0 for a
         sender not remembered, or a seq not above its newest): messages it numbered that never arrived."""
-        last = self._newest.get(origin.sender) if origin.sender else None
-        return max(0, origin.seq - last - 1) if last is not None else 0
+        known = self._newest.get(origin.sender) if origin.sender else None
+        if known is None or origin.seq - known[0] > MAX_SEQ_STEP:  # a jump the guard refuses is no loss
+            return 0
+        return max(0, origin.seq - known[0] - 1)
 
     def __len__(self) -> int:
         return len(self._newest)
+
+    @property
+    def retired(self) -> int:
+        return len(self._retired)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The state as JSON-ready data: per sender its newest seq and seconds since it was heard; the
+        retired ids (oldest first)."""
+        now = self._clock()
+        return {
+            "format": STATE_FORMAT,
+            "senders": [[s, seq, round(max(0.0, now - t), 3)] for s, (seq, t) in self._newest.items()],
+            "retired": list(self._retired),
+        }
+
+    def restore(self, data: dict[str, Any]) -> None:
+        """Take over a state :meth:`to_dict` wrote (ValueError when it is not one)."""
+        if not isinstance(data, dict) or data.get("format") != STATE_FORMAT:
+            raise ValueError(
+                f"not a replay guard state (format {data.get('format') if isinstance(data, dict) else None!r})"
+            )
+        senders, retired = data.get("senders"), data.get("retired")
+        if not isinstance(senders, list) or not isinstance(retired, list):
+            raise ValueError("senders and retired must be lists")
+        now = self._clock()
+        newest: OrderedDict[str, tuple[int, float]] = OrderedDict()
+        for entry in senders:
+            if (
+                not isinstance(entry, list)
+                or len(entry) != 3
+                or not isinstance(entry[0], str)
+                or type(entry[1]) is not int
+                or not 0 <= entry[1] <= _MAX_INT
+                or not isinstance(entry[2], int | float)
+                or not 0 <= entry[2] < float("inf")
+            ):
+                raise ValueError(f"bad sender entry {str(entry)[:80]}")
+            newest[entry[0]] = (entry[1], now - float(entry[2]))
+        if not all(isinstance(r, str) for r in retired):
+            raise ValueError("retired ids must be strings")
+        # over the bounds (a file of another configuration): the least recently heard are retired, the
+        # oldest retired ids dropped
+        self._newest, self._retired = newest, OrderedDict.fromkeys(retired)
+        while len(self._newest) > self._max:
+            self._retired[self._newest.popitem(last=False)[0]] = None
+        while len(self._retired) > self._max_retired:
+            self._retired.popitem(last=False)
+        self.changes = 0
+
+
+def _state_mac(key: bytes | None, body: bytes) -> str | None:
+    return None if key is None else hmac.new(key, body, hashlib.sha256).hexdigest()
+
+
+def save_guard(path: Path, guard: ReplayGuard, key: bytes | None) -> None:
+    """Write ``guard``'s state to ``path`` atomically (temp file, fsync, rename; mode 0600), with an HMAC of
+    it under the wire key so that a file edited without the key is refused at load."""
+    body = json.dumps(guard.to_dict(), separators=(",", ":")).encode()
+    doc = json.dumps({"state": json.loads(body), "mac": _state_mac(key, body)}, separators=(",", ":"))
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(doc)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def load_guard(path: Path, key: bytes | None, **guard_kw: Any) -> ReplayGuard:
+    """A guard with the state saved at ``path`` (a fresh one when there is none).  ValueError (one line)
+    when the file is not a state this key wrote (damaged, edited, or written under another key)."""
+    guard = ReplayGuard(**guard_kw)
+    path = Path(path)
+    try:
+        raw = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return guard
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"replay state {path} is unreadable ({e})") from e
+    try:
+        doc = json.loads(raw)
+        body = json.dumps(doc["state"], separators=(",", ":")).encode()
+        if key is not None and not hmac.compare_digest(str(doc.get("mac")), str(_state_mac(key, body))):
+            raise ValueError("its MAC does not match the wire key")
+        guard.restore(doc["state"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"replay state {path} does not verify ({e})") from e
+    return guard
+
+
+class Envelope:
+    """A sending end's stamps: :meth:`next` gives (sender id, seq) for its next message.  The id is drawn
+    at random when it is created, again after :data:`RENEW_IDLE_S` without a message (a receiver may retire
+    an id silent for :data:`RETIRE_IDLE_S`), and before seq would leave the wire's range; seq starts at 0
+    with each id."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self.sender_id = ""
+        self._seq = 0
+        self._last = clock()
+        self._renew()
+
+    def _renew(self) -> None:
+        self.sender_id, self._seq = secrets.token_hex(8), 0
+
+    def stamp(self) -> tuple[str, int]:
+        """(sender id, seq) for the next message, without using the number up: :meth:`advance` does, once the
+        message was handed to the socket (a number is a gap at the receiver only when a sent message is lost)."""
+        now = self._clock()
+        if self._seq > _MAX_INT or now - self._last >= RENEW_IDLE_S:
+            self._renew()
+        self._last = now
+        return self.sender_id, self._seq
+
+    def advance(self) -> None:
+        self._seq += 1
+
+    def next(self) -> tuple[str, int]:
+        stamp = self.stamp()
+        self.advance()
+        return stamp

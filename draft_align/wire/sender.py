@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import secrets
 import threading
 import time
 from typing import Any
@@ -15,6 +14,7 @@ from typing import Any
 from draft_align.wire.codec import encode
 from draft_align.wire.endpoints import check_endpoint
 from draft_align.wire.messages import DraftPublished, HeadSync, Message, StepReport, TapBatch, TapPart
+from draft_align.wire.replay import Envelope
 from draft_align.wire.schema import DEFAULT_MAX_BYTES
 from draft_align.wire.sockets import Closing, authenticate
 
@@ -69,8 +69,7 @@ class TapSender(Closing):
         self._queue_bytes = queue_bytes
         self._send_timeout_s = send_timeout_s
         self._max_message_bytes = max_message_bytes
-        self.sender_id = secrets.token_hex(8)
-        self._seq = 0
+        self._envelope = Envelope()  # the (sender id, seq) stamps
         self._cv = threading.Condition()
         self._queue: collections.deque[tuple[Message, int]] = collections.deque()
         self._queued_bytes = 0
@@ -98,6 +97,11 @@ class TapSender(Closing):
             self._thread.join()
             self._ctx.term()
             raise ValueError(f"cannot connect to {endpoint!r}: {self._start_error}") from self._start_error
+
+    @property
+    def sender_id(self) -> str:
+        """The id the next message goes out under (a new one after a long silence: wire/replay.py)."""
+        return self._envelope.sender_id
 
     def offer(self, msg: Message) -> bool:
         """Queue ``msg`` for sending (thread-safe, never blocks).  False when it was dropped (queue full or
@@ -161,8 +165,9 @@ class TapSender(Closing):
     def _send(self, sock: Any, msg: Message) -> None:
         import zmq
 
+        sender, seq = self._envelope.stamp()
         try:
-            frames = encode(msg, self._key, sender=self.sender_id, seq=self._seq)
+            frames = encode(msg, self._key, sender=sender, seq=seq)
         except Exception as e:  # an invalid message must not kill the sending thread
             logger.warning("tap: dropping an invalid %s: %s", type(msg).__name__, e)
             with self._cv:
@@ -195,7 +200,7 @@ class TapSender(Closing):
                     return
                 time.sleep(0.002)
                 continue
-            self._seq += 1  # numbers only what reached libzmq: a gap at the receiver is a loss in transit
+            self._envelope.advance()  # numbers only what reached libzmq: a gap at the receiver is a loss in transit
             with self._cv:
                 self._counts["sent"] += 1
                 self._counts["bytes_sent"] += sum(len(f) for f in frames)

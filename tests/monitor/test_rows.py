@@ -48,6 +48,8 @@ SIDECAR_KEYS = [
     "untapped_heads",
     "reports_without_taps",
     "publish_failures",
+    "untrainable_records",
+    "version_overflows",
     "sidecar_training",
     "sidecar_train_state",
     "sidecar_waiting_for",

@@ -65,6 +65,8 @@ def test_rates_and_stats():
         "untapped_heads": 0,
         "reports_without_taps": 0,
         "publish_failures": 0,
+        "untrainable_records": 0,
+        "version_overflows": 0,
         "sidecar_training": 1,
         "sidecar_train_state": "training",
         "sidecar_waiting_for": None,

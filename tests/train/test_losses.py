@@ -280,14 +280,52 @@ def cut_record(r: Record, cap: int) -> Record:
 def test_truncate_batch_is_the_collate_of_the_cut_records():
     recs = records([30, 11, 22], N_AUX * H_T, H_T, seed=4)
     cap, steps = 16, 3
-    batch, rows_cut, dropped = losses.truncate_batch(collate(recs, steps), cap, steps)
+    batch, rows_cut, dropped, shifted = losses.truncate_batch(collate(recs, steps), cap, steps)
     want = collate([cut_record(r, cap) for r in recs], steps)
     for name in ("input_ids", "valid", "loss_mask", "aux", "final", "starts", "starts_valid"):
         assert torch.equal(getattr(batch, name), getattr(want, name)), name
     assert rows_cut == 2  # the 30- and 22-token rows
     assert dropped == int(recs[0].loss_mask[cap:].sum() + recs[2].loss_mask[cap:].sum()) == 14 + 6
-    same, n, k = losses.truncate_batch(want, cap, steps)
-    assert same is want and n == k == 0
+    assert shifted == 0  # every row's first 16 positions hold targets
+    same, n, k, s = losses.truncate_batch(want, cap, steps)
+    assert same is want and n == k == s == 0
+
+
+def long_prompt(t: int, prompt: int, seed: int) -> Record:
+    g = torch.Generator().manual_seed(seed)
+    return Record(
+        torch.randint(0, VOCAB, (t,), generator=g),
+        torch.arange(t) >= prompt,
+        torch.randn(t, N_AUX * H_T, generator=g),
+        torch.randn(t, H_T, generator=g),
+    )
+
+
+def test_a_cut_that_would_leave_no_target_cuts_the_prompt_side():
+    """A 60-token record with a 40-token prompt under a cap of 16: the plain cut keeps no target (the
+    trainer died reshaping an empty tensor); the row keeps the window starting at its first chain start."""
+    steps, cap = 3, 16
+    recs = [
+        long_prompt(60, 40, seed=1),
+        long_prompt(50, 45, seed=2),
+        *records([10], N_AUX * H_T, H_T, seed=3),
+    ]
+    cut = losses.truncate_batch(collate(recs, steps), cap, steps)
+    # first chain start: prompt − 2 − (steps − 1); row 0: 36 → window [36, 52); row 1: 41 > 50 − 16 → [34, 50)
+    want = collate(
+        [
+            cut_record(Record(*(x[o:] for x in dataclasses.astuple(r))), cap)
+            for r, o in ((recs[0], 36), (recs[1], 34), (recs[2], 0))
+        ],
+        steps,
+    )
+    for name in ("input_ids", "valid", "loss_mask", "aux", "final", "starts", "starts_valid"):
+        assert torch.equal(getattr(cut.batch, name), getattr(want, name)), name
+    assert cut.batch.starts_valid.any(1).all()  # every row trains
+    assert (cut.rows_cut, cut.rows_shifted) == (2, 2)
+    assert cut.targets_dropped == (20 - 12) + (5 - 5)  # row 0 keeps response positions 40..51
+    with pytest.raises(ValueError, match="max_tokens must be ≥ 3"):
+        losses.truncate_batch(collate(recs, steps), 2, steps)
 
 
 @pytest.mark.parametrize("head", ["eagle3", "mtp2"])
@@ -297,7 +335,7 @@ def test_truncated_loss_is_the_full_rows_loss_on_the_kept_targets(head):
     embed = nn.Embedding(VOCAB, HID).requires_grad_(False)
     recs = records([28, 19], aux_w, rows.shape[1], seed=5)
     cap = 15
-    cut, _, _ = losses.truncate_batch(collate(recs, 3), cap, 3)
+    cut = losses.truncate_batch(collate(recs, 3), cap, 3).batch
     masked = [Record(r.input_ids, r.loss_mask & (torch.arange(len(r)) < cap), r.aux, r.final) for r in recs]
     settings = LossSettings(ttt_steps=3)
     with torch.no_grad():
@@ -333,8 +371,25 @@ def test_trainer_cuts_long_rows_and_counts_them():
         DraftTrainer(draft, embed, rows, OptimSettings(), LossSettings()).max_seq_tokens
         == losses.MAX_SEQ_TOKENS
     )
-    with pytest.raises(ValueError, match="max_seq_tokens must be ≥ 2"):
-        DraftTrainer(draft, embed, rows, OptimSettings(), LossSettings(), max_seq_tokens=1)
+    with pytest.raises(ValueError, match="max_seq_tokens must be ≥ 3"):
+        DraftTrainer(draft, embed, rows, OptimSettings(), LossSettings(), max_seq_tokens=2)
+
+
+def test_trainer_trains_a_record_whose_cap_leaves_only_prompt():
+    """A 600-token record with a 400-token prompt and max_seq_tokens=256 (sized down 10×): one step trains
+    on its response instead of dying on an empty tensor."""
+    draft, rows, aux_w = HEADS["eagle3"](2)
+    trainer = DraftTrainer(
+        draft,
+        nn.Embedding(VOCAB, HID),
+        rows,
+        OptimSettings(warmup_steps=1, total_steps=4),
+        LossSettings(ttt_steps=3, autocast_bf16=False),
+        max_seq_tokens=26,
+    )
+    out = trainer.train_step(collate([long_prompt(60, 40, seed=7)], 3))
+    assert out["targets"] > 0 and math.isfinite(out["loss"])
+    assert trainer.progress.truncated_sequences == trainer.progress.prompt_cut_sequences == 1
 
 
 @pytest.mark.parametrize("head", ["eagle3", "mtp2"])

@@ -221,9 +221,11 @@ def test_replay_guard_drops_duplicates_and_stale():
         g.check(Origin("", 0))
     ReplayGuard(require_sender=False).check(Origin("", 0))
     g.check(Origin("b", 0))
-    g.check(Origin("c", 0))  # bounded: the least recently heard sender ("a") is forgotten
-    assert len(g) == 2
-    g.check(Origin("a", 0))
+    with pytest.raises(WireError, match="new sender c refused") as e:
+        g.check(Origin("c", 0))  # bounded: "a" was heard recently, so "c" is refused, not "a" forgotten
+    assert e.value.reason == "senders" and len(g) == 2
+    with pytest.raises(WireError, match="stale"):
+        g.check(Origin("a", 0))  # still remembered: its old messages stay refused
 
 
 # ------------------------------------------------------------------------- 10: over the size limit
