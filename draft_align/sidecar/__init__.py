@@ -10,6 +10,7 @@
 - :mod:`~draft_align.sidecar.ranked`: the multi-rank loop and the gathered FSDP2 copy;
 - :mod:`~draft_align.sidecar.trigger`: when to train (always, or on drift);
 - :mod:`~draft_align.sidecar.resume`: what a restarting sidecar can trust (the newest version and checkpoint that verify);
+- :mod:`~draft_align.sidecar.lock`: one sidecar per run folder (an exclusive ``flock`` naming the holder's pid);
 - :mod:`~draft_align.sidecar.launch`: the starting draft and the process entry point (``draft-align sidecar``);
 - :mod:`~draft_align.sidecar.process`: the sidecar as a child process of an RL job (start, wait until bound, stop).
 """
