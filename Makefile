@@ -48,7 +48,7 @@ BENCH_TARGETS := bench-warmstart bench-learning-curve bench-draft-vocab bench-ob
 	bench-objectives-finetune bench-train-step-profile bench-selfdistill-speed bench-vllm-engine \
 	bench-verify-choice bench-advise bench-drift bench-drift-vllm bench-drift-vllm-kl bench-drift-vllm-oracle \
 	bench-adapt-replay bench-drift-trigger bench-verify-drift bench-draft-variants bench-tap-stats \
-	bench-trl-drift bench-trl-overhead bench-trl-kl bench-soak
+	bench-trl-drift bench-trl-overhead bench-trl-kl bench-soak bench-task-probe
 .PHONY: bench bench-checkpoints $(BENCH_TARGETS)
 
 bench: $(BENCH_TARGETS)
@@ -130,3 +130,5 @@ bench-trl-kl: fetch $(ADVISE_DRAFT)
 	$(PY) benchmarks/trl_drift.py --name kl --arms tap --learning-rate 5e-3 --draft checkpoints/advise-draft
 bench-soak: fetch $(DEMO_DRAFT)
 	$(PY) benchmarks/soak.py --minutes 10 --draft checkpoints/smollm2-demo
+bench-task-probe: fetch
+	$(PY) benchmarks/task_probe.py --prompts 16 --group 8 --max-new-tokens 64 --threads 1
