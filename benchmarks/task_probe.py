@@ -7,7 +7,7 @@ the table reports the mean reward, the format and correctness rates, the share o
 reward spread, and the mean response length.  Sampling is the KV-cached HF loop (the same distribution vLLM
 samples; it stays usable on a shared CPU).
 
-    python benchmarks/task_probe.py --prompts 24 --group 8
+    python benchmarks/task_probe.py --prompts 16 --group 8 --max-new-tokens 64 --threads 1
 """
 
 from __future__ import annotations
