@@ -27,6 +27,7 @@ from draft_align.engines.rollout_types import Decoding
 from draft_align.integrations.trl.callback import DraftAlignCallback
 from draft_align.integrations.trl.checks import TRLConfigError, check_trainer
 from draft_align.integrations.trl.tap import TRLTap, policy_model
+from draft_align.rl.draft_guard import counter_guard
 from draft_align.rl.drafts import DraftSource
 from draft_align.rl.rollouts import RolloutEngine, plan_given, start_rollout_engine
 
@@ -126,7 +127,14 @@ class DraftAlign:
             notify_ep = recipe.wire.notify_endpoint or channel.default_endpoint(run_dir, NOTIFY_SOCKET)
             self.notify = channel.Subscriber(notify_ep, key, allow_remote=recipe.wire.allow_remote)
         device = trainer.accelerator.device
-        self.drafts = DraftSource(run_dir, self.start_draft, device=device, notifications=self.notify)
+        self.drafts = DraftSource(
+            run_dir,
+            self.start_draft,
+            device=device,
+            notifications=self.notify,
+            background=True,  # new versions are hashed, loaded and checked off TRL's thread
+            guard=counter_guard(recipe.rl),
+        )
         if recipe.tap.enabled and self.sender is not None:
             from draft_align.publish.tap_spec import read_tap_spec
 
@@ -255,6 +263,8 @@ class DraftAlign:
             )
             time.sleep(0.5)  # let the background thread hand the last messages to ZeroMQ
             self.sender.close(timeout_s=5.0)
+        if self.drafts is not None:
+            self.drafts.close()  # its verifier thread reads the subscriber: stopped before the socket closes
         if self.notify is not None:
             self.notify.close()
         rc = None
