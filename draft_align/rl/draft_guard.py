@@ -7,10 +7,10 @@ acceptance length (bonus token included) and A the draft tokens accepted in one 
 draft has collapsed when both hold:
 
     L_new − 1 < min_ratio · (L_ref − 1)                       (it keeps less than min_ratio of the reference's gain)
-    L_ref − L_new > z · sqrt(Var_new(A)/n_new + Var_ref(A)/n_ref)   (beyond the noise of the step's rounds)
+    L_ref − L_new > z · sqrt(se_new² + se_ref²)          (beyond the noise of the step's rounds)
 
-Var(A) comes from the engine-style tally itself: with c_i the rounds whose first i+1 drafts were accepted,
-E[A] = Σ_i c_i / n and E[A²] = Σ_i (2i + 1) c_i / n.  The reference is the frozen draft's tally of the same
+with se the standard error of a measured mean length from its own tally
+(:func:`~draft_align.monitor.acceptance.length_stderr`).  The reference is the frozen draft's tally of the same
 step (same policy, same prompts' distribution); when that step had too few frozen rounds, the tally of the
 previous good adapted draft on the step before.  No verdict while either side has fewer than ``min_rounds``
 rounds or the reference gains nothing (L_ref ≤ 1: a collapse cannot be told from it).
@@ -22,22 +22,12 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-from draft_align.monitor.acceptance import AcceptanceTally
+from draft_align.monitor.acceptance import AcceptanceTally, length_stderr
 
 if TYPE_CHECKING:
     from draft_align.config import RLConfig
 
 Verdict = Literal["pass", "collapse", "undecided"]
-
-
-def length_variance(tally: AcceptanceTally) -> float:
-    """Var(A) of the draft tokens accepted per round (0 without rounds)."""
-    n = tally.rounds
-    if n <= 0:
-        return 0.0
-    mean = tally.num_accepted / n
-    second = sum((2 * i + 1) * c for i, c in enumerate(tally.accepted_per_pos)) / n
-    return max(second - mean * mean, 0.0)
 
 
 @dataclass(frozen=True)
@@ -51,8 +41,8 @@ class CounterGuard:
     def __post_init__(self) -> None:
         if not 0.0 < self.min_ratio <= 1.0:
             raise ValueError(f"CounterGuard.min_ratio must be in (0, 1], got {self.min_ratio}")
-        if self.z < 0 or self.min_rounds < 1:
-            raise ValueError("CounterGuard.z must be ≥ 0 and min_rounds ≥ 1")
+        if self.z < 0 or self.min_rounds < 2:
+            raise ValueError("CounterGuard.z must be ≥ 0 and min_rounds ≥ 2")
 
     def verdict(self, new: AcceptanceTally, ref: AcceptanceTally | None) -> Verdict:
         """``pass``, ``collapse`` or ``undecided`` for the new draft's tally against the reference's."""
@@ -61,7 +51,9 @@ class CounterGuard:
         l_new, l_ref = new.mean_length(), ref.mean_length()
         if not (math.isfinite(l_ref) and l_ref > 1.0):
             return "undecided"
-        se = math.sqrt(length_variance(new) / new.rounds + length_variance(ref) / ref.rounds)
+        se = math.hypot(
+            length_stderr(new.rounds, new.per_position()), length_stderr(ref.rounds, ref.per_position())
+        )
         if l_new - 1.0 < self.min_ratio * (l_ref - 1.0) and l_ref - l_new > self.z * se:
             return "collapse"
         return "pass"
