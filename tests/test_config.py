@@ -223,6 +223,7 @@ def test_every_enum_like_field_is_a_choice():
             "sidecar.train_trigger",
             "rl.verify_mode",
             "rl.engine",
+            "rl.draft_guard",
             "logging.wandb_mode",
         )
     }
@@ -376,11 +377,12 @@ def test_load_recipe_returns_the_schemas_type():
         ("rl.lr=nan", "rl.lr must be > 0"),
         (
             "rl.engine_probe_min_ratio=0",
-            r"engine_probe_min_ratio must be in \(0, 1\] \(to turn the probe guard off",
+            r"engine_probe_min_ratio must be in \(0, 1\] \(to turn the guard off: rl.draft_guard=none",
         ),
         ("rl.engine_probe_min_ratio=1.5", "engine_probe_min_ratio must be in"),
         ("rl.engine_probe_prompts=-1", "engine_probe_prompts must be ≥ 0"),
         ("rl.engine_probe_tokens=1", "engine_probe_tokens ≥ 2"),
+        ("rl.draft_guard=probe rl.engine_probe_prompts=0", "rl.draft_guard=probe decodes"),
     ],
 )
 def test_cotrain_operator_mistakes_fail_at_load(override, match):

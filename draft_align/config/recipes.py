@@ -160,12 +160,12 @@ class CotrainRecipe(_RecipeHeader):
         if not 0.0 < self.rl.engine_probe_min_ratio <= 1.0:
             raise RecipeError(
                 f"rl.engine_probe_min_ratio must be in (0, 1] (to turn the guard off: "
-                f"rl.draft_guard=off), got {self.rl.engine_probe_min_ratio}"
+                f"rl.draft_guard=none), got {self.rl.engine_probe_min_ratio}"
             )
         if self.rl.draft_guard == "probe" and self.rl.engine_probe_prompts == 0:
             raise RecipeError(
                 "rl.draft_guard=probe decodes rl.engine_probe_prompts after each new draft: set it > 0, or use "
-                "rl.draft_guard=counters (the step's own rollouts) or off"
+                "rl.draft_guard=counters (the step's own rollouts) or none"
             )
         try:
             check_tap_budgets(self.tap.tokens_per_step, self.tap.max_tokens_per_message)  # the Tap's own rule

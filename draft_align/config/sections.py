@@ -283,7 +283,7 @@ class RLConfig:
     engine_max_model_len: int = 1024
     # silent-zero guard: counters = a new draft is judged on the first step it served, from that step's
     # rollout counters against the frozen draft's (rolled back at the next step boundary); probe = the engine
-    # decodes engine_probe_prompts at T=0 before and after each new draft (seconds on the job's thread); off
+    # decodes engine_probe_prompts at T=0 before and after each new draft (seconds on the job's thread); none
     draft_guard: DraftGuardChoice = DraftGuardChoice("counters")
     engine_probe_prompts: int = 4  # held-out prompts of the probe guard and of verify_mode auto
     engine_probe_tokens: int = 32

@@ -61,5 +61,5 @@ class CounterGuard:
 
 def counter_guard(rl: RLConfig) -> CounterGuard | None:
     """The guard ``rl.draft_guard`` asks the job to apply: a CounterGuard at ``rl.engine_probe_min_ratio`` for
-    ``counters``, else None (``probe``: the engine checks each load itself; ``off``)."""
+    ``counters``, else None (``probe``: the engine checks each load itself; ``none``)."""
     return CounterGuard(min_ratio=rl.engine_probe_min_ratio) if rl.draft_guard == "counters" else None
