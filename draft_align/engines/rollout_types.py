@@ -40,9 +40,12 @@ class DraftVersion:
     weights: Mapping[str, torch.Tensor] | None = field(default=None, compare=False, repr=False)
 
     @classmethod
-    def of(cls, path: Path, manifest: Mapping[str, Any]) -> DraftVersion:
-        """The version at ``path`` whose files were verified against ``manifest`` by the caller."""
-        return cls(Path(path), manifest, str(manifest["files"][WEIGHTS_FILE]["sha256"]))
+    def of(
+        cls, path: Path, manifest: Mapping[str, Any], weights: Mapping[str, torch.Tensor] | None = None
+    ) -> DraftVersion:
+        """The version at ``path`` whose files were verified against ``manifest`` by the caller (``weights``:
+        the tensors of exactly the bytes it verified, if it kept them)."""
+        return cls(Path(path), manifest, str(manifest["files"][WEIGHTS_FILE]["sha256"]), weights)
 
     def without_weights(self) -> DraftVersion:
         """The same version with no kept tensors (an engine then reads and hashes the file itself)."""

@@ -113,9 +113,7 @@ class DraftSource:
         path = resolve_draft_dir(frozen_path)
         frozen, manifest = load_draft(path, verify=True, device=device, dtype=dtype)
         self.frozen: DraftHead = frozen.requires_grad_(False).eval()
-        self.frozen_version = DraftVersion(
-            path, manifest, DraftVersion.of(path, manifest).sha256, read_verified_weights(path, manifest)
-        )
+        self.frozen_version = DraftVersion.of(path, manifest, read_verified_weights(path, manifest))
         self.adapted: DraftHead = self.frozen
         self.adapted_version: DraftVersion | None = None
         self.failures = 0
@@ -128,9 +126,7 @@ class DraftSource:
         self._reference: AcceptanceTally | None = None  # the last good adapted draft's tally
         self.rollbacks = 0
         self.alarms = 0
-        self.verify_s: float | None = (
-            None  # seconds the latest verification took (off the RL thread if background)
-        )
+        self.verify_s: float | None = None  # the latest verification's seconds (on the verifier thread)
         self.background = background
         self.poll_interval_s = float(poll_interval_s)
         self._lock = threading.Lock()
@@ -192,8 +188,7 @@ class DraftSource:
         ``draft_version`` must be the folder name's.  Raises ExportError / OSError."""
         draft, manifest = load_draft(path, verify=True, device=self.device, dtype=self.dtype)
         check_folder_version(path, manifest)
-        version = DraftVersion.of(path, manifest)
-        version = DraftVersion(path, manifest, version.sha256, read_verified_weights(path, manifest))
+        version = DraftVersion.of(path, manifest, read_verified_weights(path, manifest))
         if sha256 is not None and version.sha256 != sha256:
             raise CorruptCheckpointError(
                 "the notification's sha256 differs from the folder's (rewritten since?)"
