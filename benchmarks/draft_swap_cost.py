@@ -82,13 +82,13 @@ def _publish(draft: Any, run: Path, version: int, target_config: Any, fingerprin
     return out
 
 
-def _counters(engine: Any, prompts: list[torch.Tensor]) -> dict[str, Any]:
+def _counters(engine: Any, prompts: list[torch.Tensor], tokens: int = 8) -> dict[str, Any]:
     """A step's rollouts in miniature: the prompts on the adapted and on the frozen draft, T = 1."""
     from draft_align.engines.rollout_types import Decoding
     from draft_align.rl.rollouts import plan_given
 
     plan = plan_given(0, 0, len(prompts) * 2, 0.5)
-    _, tallies = engine.rollouts(plan, prompts * 2, Decoding(1.0, 16, frozenset()))
+    _, tallies = engine.rollouts(plan, prompts * 2, Decoding(1.0, tokens, frozenset()))
     return tallies
 
 
@@ -148,7 +148,7 @@ def main() -> None:
             use_tqdm_on_load=False,
         )
         start_s = time.perf_counter() - t0
-        _counters(engine, prompts)  # warm-up
+        _counters(engine, prompts[:1], 2)  # warm-up
         # ---- old path: verify + probe guard on the job's thread, the engine re-reads and re-hashes the file
         for i in range(args.swaps):
             _publish(drafts[1 + i % 2], root / "old", 2 + i, tc, fp)
@@ -172,7 +172,6 @@ def main() -> None:
                     "policy_sync_s": m["policy_sync_s"],
                 }
             )
-            _counters(engine, prompts)  # the step's rollouts (not part of the swap cost)
         # ---- new path: verified off the thread, the load alone, the guard on the step's counters
         engine.refresher.guard = None  # rl.draft_guard: counters
         new_src = DraftSource(
