@@ -293,14 +293,13 @@ def speedup_text(v: Labelled | None, digits: int = 2) -> str:
 PROMPTS_FILE = "rl/prompts.jsonl"  # the RL job's own prompts, as the co-training run saved them
 
 
-def in_domain_command(run_name: str) -> str:
+def in_domain_command() -> str:
     """The command that warm-starts an in-domain draft from a run's own prompts, answered by the policy itself
-    (docs/advise.md: what an in-domain draft measured on the arithmetic task)."""
+    (docs/tasks.md: what an in-domain draft measured on the add task)."""
     return (
-        f"an in-domain draft from this run's own prompts (self-distilled by the policy): `draft-align warmstart "
-        f"recipes/smollm2_task_warmstart.yaml data.source={run_name}/{PROMPTS_FILE} "
-        f"target.model=<the policy: a merged folder under {run_name}/policy_merged> run=<name>`, then "
-        f"`draft-align cotrain RECIPE --draft checkpoints/<name>`"
+        "an in-domain draft from this run's own prompts, self-distilled by the policy (RUN: this run's folder): "
+        f"`draft-align warmstart recipes/smollm2_task_warmstart.yaml data.source=RUN/{PROMPTS_FILE} "
+        "target.model=RUN/policy_merged/vNNNN run=NAME`, then `draft-align cotrain RECIPE --draft checkpoints/NAME`"
     )
 
 
@@ -321,7 +320,7 @@ def advice_lines(
             f"acceptance rate {100 * rate:.0f}% measured (accepted / proposed draft tokens, {s.draft} draft, "
             f"k={s.k}) is below {100 * LOW_ACCEPTANCE:.0f}%: a larger or in-domain draft pays more than tuning k"
         )
-        lines.append(in_domain_command(run_name))
+        lines.append(in_domain_command())
     else:
         lines.append(
             f"acceptance rate {100 * rate:.0f}% measured is at or above {100 * LOW_ACCEPTANCE:.0f}%: "

@@ -301,3 +301,24 @@ def test_bad_log_lines_are_skipped_counted_and_reported_once_by_report_advise_an
         assert "monitor.jsonl:3: step 1000" in warned[0]  # the first one, by line
     rows = capsys.readouterr().out
     assert all(f"\n{s:>6} " in rows for s in range(6))  # monitor --once printed every good step
+
+
+def test_low_acceptance_advice_gives_the_in_domain_command_and_its_recipe_exists():
+    from pathlib import Path
+
+    from draft_align.cotrain import save_prompts
+    from draft_align.data import Conversation, Message, load_conversations
+    from draft_align.monitor.advise import PROMPTS_FILE, in_domain_command
+
+    line = in_domain_command()
+    assert f"data.source=RUN/{PROMPTS_FILE}" in line and "draft-align warmstart" in line
+    recipe = line.split("draft-align warmstart ")[1].split()[0]
+    assert (Path(__file__).resolve().parents[2] / recipe).is_file()
+    # what the command reads: the prompts a co-training run saved, a chat source warmstart loads
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        conv = Conversation((Message("system", "s"), Message("user", "q"), Message("assistant", "a")))
+        path = save_prompts(Path(d), [conv])
+        (loaded,) = load_conversations(str(path))
+        assert [m.role for m in loaded.messages] == ["system", "user"]
