@@ -25,7 +25,7 @@ def _drop_reports(feeder, steps: set[int]) -> None:
     feeder._offer = offer
 
 
-@pytest.mark.parametrize("sidecar_world", [{"sidecar.publish_every_s": 1e9}], indirect=True)
+@pytest.mark.parametrize("sidecar_world", [{"sidecar.publish_every_s": 604800}], indirect=True)
 def test_taps_train_before_their_report_and_publish_names_the_trained_version(sidecar_world, until):
     from draft_align.publish.folder import read_manifest
     from draft_align.publish.versions import read_latest
@@ -33,7 +33,7 @@ def test_taps_train_before_their_report_and_publish_names_the_trained_version(si
     recipe, sc, feeder = sidecar_world
     feeder.step(0, 0)
     assert until(lambda: sc.state.monitor_rows >= 1, 20, every=lambda: sc.drain(0.1, 100))
-    assert sc.gate.due() is False  # nothing trained yet; the interval is 1e9 s
+    assert sc.gate.due() is False  # nothing trained yet; the interval is a week
     assert sc.train_one() and sc.state.trained_policy_version == 0
     assert sc.gate.due()  # a newly trained version: one attempt, though the interval has not passed
     assert sc.maybe_publish() and read_manifest(read_latest(recipe.run_dir))["policy_version"] == 0
