@@ -168,7 +168,9 @@ class DraftSource:
             ready = self._ready
         return ready[0] if ready is not None else self.adapted_version
 
-    def _newest_version(self) -> int:
+    @property
+    def verified_version(self) -> int:
+        """The newest version verified so far (served, or waiting for :meth:`poll`); 0 before any."""
         newest = self._newest()
         return newest.version if newest is not None else 0
 
@@ -243,7 +245,7 @@ class DraftSource:
     def _poll_files(self) -> bool:
         """Look for a newer version (notifications, then ``latest``) and verify it here."""
         msg = self._newest_notification()
-        if msg is not None and int(msg.draft_version) > self._newest_version():
+        if msg is not None and int(msg.draft_version) > self.verified_version:
             path = version_dir(self.run_dir, int(msg.draft_version))  # checked: the folder msg.path names
             if self._take(path, msg.sha256, int(msg.draft_version)):
                 self.notified += 1
@@ -275,12 +277,12 @@ class DraftSource:
         except (ExportError, CorruptCheckpointError, OSError, KeyError, TypeError, ValueError) as e:
             return self._fail(f"{path} rejected", e, sig)
         self.verify_s = time.perf_counter() - t0
-        if version.version <= self._newest_version():
+        if version.version <= self.verified_version:
             log.info(
                 "draft refresh: %s is v%04d, not newer than v%04d",
                 path,
                 version.version,
-                self._newest_version(),
+                self.verified_version,
             )
             self._skip.add(sig)  # not an error, but nothing to re-read until it changes
             return False
