@@ -94,6 +94,7 @@ def build_job(
     from draft_align.data import tasks
     from draft_align.monitor.evaluate import eos_ids
     from draft_align.publish.tap_spec import read_tap_spec
+    from draft_align.rl.draft_guard import counter_guard
     from draft_align.rl.drafts import DraftSource
     from draft_align.rl.grpo import GRPOJob
     from draft_align.rl.policy import Policy
@@ -104,7 +105,13 @@ def build_job(
     target, tok = assets.load_target(recipe.target.model, float_dtype(recipe.target.dtype), recipe.device)
     policy = Policy.from_config(target, rl, seed=recipe.seed)
     drafts = DraftSource(
-        recipe.run_dir, start, device=recipe.device, notifications=notifications, run_id=recipe.run
+        recipe.run_dir,
+        start,
+        device=recipe.device,
+        notifications=notifications,
+        background=True,  # new versions are hashed, loaded and checked off the job's thread
+        guard=counter_guard(rl),
+        run_id=recipe.run,
     )
     tap = None
     if recipe.tap.enabled:
@@ -229,6 +236,7 @@ def run_cotrain(
     set_process_env(recipe)
     rc = None
     table = None
+    job = None
     try:
         job = build_job(recipe, start_path, sender, sender, notifications=notify)
         if proc is not None:
@@ -252,6 +260,8 @@ def run_cotrain(
         time.sleep(0.5)  # let the background thread hand the last messages to ZeroMQ
     finally:
         sender.close(timeout_s=5.0)
+        if job is not None:
+            job.drafts.close()  # its verifier thread reads the subscriber: stopped before the socket closes
         if notify is not None and hasattr(notify, "close"):
             notify.close()
         if proc is not None:

@@ -225,6 +225,7 @@ def test_every_enum_like_field_is_a_choice():
             "ray.lifetime",
             "rl.verify_mode",
             "rl.engine",
+            "rl.draft_guard",
             "logging.wandb_mode",
         )
     }
@@ -380,7 +381,7 @@ def test_load_recipe_returns_the_schemas_type():
         ("rl.lr=nan", "rl.lr must be > 0"),
         (
             "rl.engine_probe_min_ratio=0",
-            r"engine_probe_min_ratio must be in \(0, 1\] \(to turn the probe guard off",
+            r"engine_probe_min_ratio must be in \(0, 1\] \(to turn the guard off: rl.draft_guard=none",
         ),
         ("rl.engine_probe_min_ratio=1.5", "engine_probe_min_ratio must be in"),
         ("rl.engine_probe_prompts=-1", "engine_probe_prompts must be ≥ 0"),
@@ -390,6 +391,7 @@ def test_load_recipe_returns_the_schemas_type():
         ("ray.num_gpus=-1", "ray.num_gpus must be"),
         ("ray.resources.x=-1", "ray.resources must be ≥ 0 each"),
         ("ray.namespace=''", "ray.namespace must not be empty"),
+        ("rl.draft_guard=probe rl.engine_probe_prompts=0", "rl.draft_guard=probe decodes"),
     ],
 )
 def test_cotrain_operator_mistakes_fail_at_load(override, match):

@@ -39,6 +39,9 @@ LossChoice = _choice("LossChoice", LOSS_KINDS, "loss")  # training objectives (c
 VerifyModeChoice = _choice("VerifyModeChoice", VERIFY_MODES, "verify mode")
 RolloutVerifyChoice = _choice("RolloutVerifyChoice", ROLLOUT_VERIFY_MODES, "rollout verify mode")  # + auto
 EngineChoice = _choice("EngineChoice", ("auto", "vllm", "reference"), "rollout engine")
+# the RL job's silent-zero guard: its own rollout counters (off its critical path), a synchronous probe decode
+# in the engine after each new draft, or none
+DraftGuardChoice = _choice("DraftGuardChoice", ("counters", "probe", "none"), "draft guard")
 # what generates the self-distillation responses (auto: vLLM when importable, else the HF loop)
 GenEngineChoice = _choice("GenEngineChoice", ("auto", "vllm", "hf"), "generation engine")
 # when the sidecar trains (sidecar/trigger.py)

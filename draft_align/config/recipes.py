@@ -131,6 +131,11 @@ class CotrainRecipe(_RecipeHeader):
                 "rl.verify_mode=auto chooses the draft sampling by measuring both on vLLM's probe prompts: it "
                 "needs rl.engine=vllm and rl.engine_probe_prompts > 0 (or choose greedy_draft | probabilistic)"
             )
+        if self.rl.draft_guard == "probe" and self.rl.engine_probe_prompts == 0:
+            raise RecipeError(
+                "rl.draft_guard=probe decodes rl.engine_probe_prompts after each new draft: set it > 0, or use "
+                "rl.draft_guard=counters (the step's own rollouts) or none"
+            )
         try:
             check_tap_budgets(self.tap.tokens_per_step, self.tap.max_tokens_per_message)  # the Tap's own rule
         except ValueError as e:

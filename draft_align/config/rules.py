@@ -227,7 +227,7 @@ RANGES: dict[type, dict[str, Range]] = {
         "engine_probe_prompts": Range(0, note="0: the probe guard off"),
         "engine_probe_tokens": Range(2, note="one token gives no draft round"),
         "engine_probe_min_ratio": Range(
-            0, 1, open_low=True, note="to turn the probe guard off: rl.engine_probe_prompts=0"
+            0, 1, open_low=True, note="to turn the guard off: rl.draft_guard=none"
         ),
     },
     RayConfig: {

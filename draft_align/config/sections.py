@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from draft_align.config.choices import (
     AdaptChoice,
+    DraftGuardChoice,
     DtypeChoice,
     EngineChoice,
     GenEngineChoice,
@@ -321,8 +322,12 @@ class RLConfig:
     engine: EngineChoice = EngineChoice("auto")
     engine_kv_cache_gb: float = 1.0  # vLLM's KV cache, GiB
     engine_max_model_len: int = 1024  # vLLM's longest sequence
-    engine_probe_prompts: int = (
-        4  # silent-zero guard: held-out prompts decoded at T=0 after each new draft (0: off)
-    )
+    # silent-zero guard: counters = a new draft is judged on the first step it served, from that step's
+    # rollout counters against the frozen draft's (rolled back at the next step boundary); probe = the engine
+    # decodes engine_probe_prompts at T=0 before and after each new draft (seconds on the job's thread); none
+    draft_guard: DraftGuardChoice = DraftGuardChoice("counters")
+    engine_probe_prompts: int = 4  # held-out prompts of the probe guard and of verify_mode auto
     engine_probe_tokens: int = 32  # tokens per probe prompt
-    engine_probe_min_ratio: float = 0.5  # alarm + rollback when L − 1 < ratio · (previous L − 1); in (0, 1]
+    engine_probe_min_ratio: float = (
+        0.5  # either guard: rollback when L − 1 < ratio · (reference L − 1); in (0, 1]
+    )

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,16 +29,28 @@ from draft_align.publish.versions import resolve_draft_dir
 
 @dataclass(frozen=True)
 class DraftVersion:
-    """A published draft folder, its manifest and the sha256 of its weights, as verified (docs/formats.md)."""
+    """A published draft folder, its manifest and the sha256 of its weights, as verified (docs/formats.md).
+
+    ``weights``: the tensors parsed from exactly the bytes that hashed to ``sha256``, when the verifier kept
+    them; an engine loads those instead of reading (and hashing) the file again.  Not part of equality.
+    """
 
     path: Path
     manifest: Mapping[str, Any]
     sha256: str  # of model.safetensors
+    weights: Mapping[str, torch.Tensor] | None = field(default=None, compare=False, repr=False)
 
     @classmethod
-    def of(cls, path: Path, manifest: Mapping[str, Any]) -> DraftVersion:
-        """The version at ``path`` whose files were verified against ``manifest`` by the caller."""
-        return cls(Path(path), manifest, str(manifest["files"][WEIGHTS_FILE]["sha256"]))
+    def of(
+        cls, path: Path, manifest: Mapping[str, Any], weights: Mapping[str, torch.Tensor] | None = None
+    ) -> DraftVersion:
+        """The version at ``path`` whose files were verified against ``manifest`` by the caller (``weights``:
+        the tensors of exactly the bytes it verified, if it kept them)."""
+        return cls(Path(path), manifest, str(manifest["files"][WEIGHTS_FILE]["sha256"]), weights)
+
+    def without_weights(self) -> DraftVersion:
+        """The same version with no kept tensors (an engine then reads and hashes the file itself)."""
+        return DraftVersion(self.path, self.manifest, self.sha256)
 
     @classmethod
     def read(cls, path: str | Path) -> DraftVersion:

@@ -1,6 +1,7 @@
 """Acceptance monitoring: reads what the other parts produce and never writes back (docs/acceptance.md).
 
 - ``acceptance.py``: the acceptance math of chain speculative decoding, pure tensor functions;
+- ``step_profile.py``: :class:`StepProfile`, where an RL step's time goes (NeMo RL's stages), apart from its sinks;
 - ``specdec.py``: a lossless reference chain speculative decoder (batch size 1);
 - ``estimator.py``: acceptance predicted from teacher-forced unrolls, without decoding;
 - ``records.py``: acceptance estimated on tapped records (no target forward);

@@ -3,8 +3,9 @@
 Read from the run folder (``sidecar/monitor.jsonl``, else ``rl/steps.jsonl``; ``cotrain_recipe.yaml``;
 ``round_cost.json`` when a calibration wrote one):
 
-- the **stage profile** of the RL step, measured: mean seconds per step over every step but the first (it warms
-  the engine up) of generation, log-prob pass, update, policy sync, draft refresh, Tap, save + KL probe, other;
+- the **stage profile** of the RL step, measured: mean seconds and share per step over every step but the first
+  (it warms the engine up) of data, weight sync, generation, log-prob, train, draft refresh, Tap, checkpoint and
+  other (:mod:`.step_profile`);
 - the **acceptance** of the serving (adapted) and frozen drafts, measured: cumulative per-position rates
   P_1..P_k pooled over the last half of the steps from the engine's counters (Σ_steps r_i·rounds / Σ rounds), in
   the run's verify mode; and, where the sidecar logged them, its estimates on the tapped data per verify mode
@@ -45,6 +46,7 @@ from draft_align.monitor.projection import (
 )
 from draft_align.monitor.report import find_log, load_steps
 from draft_align.monitor.round_cost import ROUND_COST_FILE, RoundCostTable
+from draft_align.monitor.step_profile import LABELS, OTHER, STAGES, StepProfile
 
 SECTION_HEAD = "## Speculative decoding: profile, projection, advice"
 LOW_ACCEPTANCE = 0.60  # accepted / proposed draft tokens below this: a larger or in-domain draft
@@ -73,7 +75,7 @@ class StageProfile:
 
     @property
     def generation_s(self) -> float:
-        return next(s.seconds for s in self.stages if s.name == "generation")
+        return next(s.seconds for s in self.stages if s.name == LABELS["generation"])
 
     @property
     def rest_s(self) -> float:
@@ -85,39 +87,19 @@ def _mean_of(records: Sequence[Mapping[str, Any]], key: str) -> float | None:
     return sum(vals) / len(vals) if vals else None
 
 
-def _sum_keys(records: Sequence[Mapping[str, Any]], keys: Sequence[str]) -> float:
-    return sum(_mean_of(records, k) or 0.0 for k in keys)
-
-
 def stage_profile(records: Sequence[Mapping[str, Any]]) -> StageProfile:
-    """The stage profile of ``records`` (merged, step-sorted), the first step left out when there are more.
-
-    generation = Σ ``generate_s_<kind>`` (vLLM's generate calls) when logged, else ``rollout_s`` − ``draft_swap_s``;
-    log-prob pass = ``logprob_s`` − ``tap_s``; update = ``update_s``; policy sync = ``policy_sync_s``;
-    draft refresh = ``draft_poll_s`` + ``draft_offer_s`` + ``draft_swap_s``; Tap = ``tap_s``;
-    save + KL probe = ``save_s`` + ``kl_s``; other = ``step_s`` − the rest.
-    """
-    timed = [r for r in records if number(r.get("step_s")) is not None]
+    """The stage profile of ``records`` (merged, step-sorted), the first step left out when there are more:
+    the mean of each step's :class:`~draft_align.monitor.step_profile.StepProfile` (its ``stage_*`` keys, or
+    for older logs the same stages derived from their raw timers); ``other`` = ``step_s`` − the rest."""
+    timed = [(r, p) for r in records if (p := StepProfile.from_metrics(r)) is not None]
     if not timed:
         raise AdviseError("no stage timings (step_s) in any step record")
     use = timed[1:] if len(timed) > 1 else timed
-    by_kind = {k: v for k in DRAFT_KINDS if (v := _mean_of(use, f"generate_s_{k}")) is not None}
-    rollout = _mean_of(use, "rollout_s") or 0.0
-    swap = _mean_of(use, "draft_swap_s") or 0.0
-    generation = sum(by_kind.values()) if by_kind else max(rollout - swap, 0.0)
-    tap = _mean_of(use, "tap_s") or 0.0
-    stages = [
-        Stage("generation", generation),
-        Stage("log-prob pass", max((_mean_of(use, "logprob_s") or 0.0) - tap, 0.0)),
-        Stage("update", _mean_of(use, "update_s") or 0.0),
-        Stage("policy sync", _mean_of(use, "policy_sync_s") or 0.0),
-        Stage("draft refresh", _sum_keys(use, ("draft_poll_s", "draft_offer_s", "draft_swap_s"))),
-        Stage("Tap", tap),
-        Stage("save + KL probe", _sum_keys(use, ("save_s", "kl_s"))),
-    ]
-    step_s = _mean_of(use, "step_s") or 0.0
-    stages.append(Stage("other", max(step_s - sum(s.seconds for s in stages), 0.0)))
-    return StageProfile(tuple(stages), step_s, tuple(int(r["step"]) for r in use), by_kind)
+    mean = StepProfile.mean([p for _, p in use])
+    rows = [r for r, _ in use]
+    by_kind = {k: v for k in DRAFT_KINDS if (v := _mean_of(rows, f"generate_s_{k}")) is not None}
+    stages = tuple(Stage(LABELS[s], mean.stage_s(s)) for s in (*STAGES, OTHER))
+    return StageProfile(stages, mean.step_s, tuple(int(r["step"]) for r in rows), by_kind)
 
 
 @dataclass(frozen=True)

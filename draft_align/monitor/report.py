@@ -30,6 +30,7 @@ from typing import Any
 
 from draft_align.monitor.acceptance import length_stderr
 from draft_align.monitor.live import COLUMNS, DROP_KEYS, MONITOR_LOG, RL_LOG, iter_jsonl, number
+from draft_align.monitor.step_profile import LABELS, OTHER, STAGES, StepProfile
 
 logger = logging.getLogger(__name__)
 
@@ -285,6 +286,42 @@ def _fmt(v: Any, digits: int = 3) -> str:
     return str(v)
 
 
+def stage_section(records: Sequence[dict[str, Any]]) -> list[str]:
+    """``## Step profile``: each step's seconds and share per stage (:mod:`.step_profile`), and their mean over
+    every step but the first (engine warm-up); no lines when no step logged ``step_s``."""
+    rows = [(r, p) for r in records if (p := StepProfile.from_metrics(r)) is not None]
+    if not rows:
+        return []
+    mean = StepProfile.mean([p for _, p in (rows[1:] if len(rows) > 1 else rows)])
+    stages = (*STAGES, OTHER)
+    lines = [
+        "## Step profile (seconds and share of the step, measured)",
+        "",
+        "Stages as NeMo RL reports a GRPO step, plus draft refresh and the Tap; other = the step's time no "
+        "timer covers. Mean over "
+        + (f"steps {rows[1][0].get('step')}–{rows[-1][0].get('step')}" if len(rows) > 1 else "the step")
+        + ".",
+        "",
+        "| stage | mean s / step | mean share |",
+        "|---|---:|---:|",
+    ]
+    for st in stages:
+        share = mean.share(st)
+        lines.append(
+            f"| {LABELS[st]} | {mean.stage_s(st):.3f} | {'–' if share is None else f'{100 * share:.1f}%'} |"
+        )
+    lines += [f"| **step** | **{mean.step_s:.3f}** | 100% |", ""]
+    lines.append("| step | " + " | ".join(st.replace("_", " ") for st in stages) + " | step s |")
+    lines.append("|" + "|".join("---:" for _ in range(len(stages) + 2)) + "|")
+    for r, p in rows:
+        cells = []
+        for st in stages:
+            share = p.share(st)
+            cells.append(f"{p.stage_s(st):.2f} ({'–' if share is None else f'{100 * share:.0f}%'})")
+        lines.append(f"| {r.get('step')} | " + " | ".join(cells) + f" | {p.step_s:.2f} |")
+    return lines + [""]
+
+
 def markdown(
     records: Sequence[dict[str, Any]], summary: dict[str, Any], run_name: str, source: Path, png: str | None
 ) -> str:
@@ -318,6 +355,7 @@ def markdown(
     ]
     if png is not None:
         lines += [f"![acceptance and KL vs step]({png})", ""]
+    lines += stage_section(records)
     lines += ["## Steps", ""]
     lines.append("| " + " | ".join(c.title for c in COLUMNS) + " |")
     lines.append("|" + "|".join("---:" for _ in COLUMNS) + "|")

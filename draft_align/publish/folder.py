@@ -415,6 +415,28 @@ def stored_itemsize(path: Path, manifest: Mapping[str, Any]) -> int:
         raise ExportError(f"{Path(path) / MANIFEST_FILE}: {e}") from e
 
 
+def read_verified_weights(path: Path, manifest: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """The folder's model.safetensors parsed from one read of its bytes, after those bytes matched the
+    manifest's size and sha256 (so the tensors are exactly what was verified); CorruptCheckpointError if not."""
+    info = manifest["files"][WEIGHTS_FILE]
+    try:
+        data = (Path(path) / WEIGHTS_FILE).read_bytes()
+    except OSError as e:
+        raise CorruptCheckpointError(f"{WEIGHTS_FILE}: unreadable in {path} ({e})") from e
+    if len(data) != info.get("bytes"):
+        raise CorruptCheckpointError(
+            f"{WEIGHTS_FILE}: {len(data)} bytes, manifest says {info.get('bytes')} (truncated or modified)"
+        )
+    if hashlib.sha256(data).hexdigest() != info.get("sha256"):
+        raise CorruptCheckpointError(
+            f"{WEIGHTS_FILE}: sha256 mismatch with the manifest (corrupt or modified)"
+        )
+    try:
+        return safetensors.torch.load(data)
+    except Exception as e:  # safetensors raises its own error types for bad headers
+        raise CorruptCheckpointError(f"{WEIGHTS_FILE}: unreadable ({e}); corrupt") from e
+
+
 def weights_sha256(manifest: dict[str, Any]) -> str:
     """The sha256 the manifest records for the folder's model.safetensors."""
     return str(manifest["files"][WEIGHTS_FILE]["sha256"])

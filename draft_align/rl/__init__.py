@@ -4,7 +4,8 @@
 - ``policy.py``: the LoRA policy, versioned, savable, KL to the initial policy;
 - ``loss.py``: the GRPO objective (group-normalised advantages, clipped surrogate, k3 KL);
 - ``prompts.py``: the RL prompts and the fixed KL sequences;
-- ``rewards.py``: rule-based rewards;
+- ``rewards.py``: rule-based style rewards and the verifiable task reward;
 - ``rollouts.py``: :class:`RolloutEngine`, the step's plan, and the reference engine;
-- ``drafts.py``: :class:`DraftSource`, the frozen draft and the newest published one.
+- ``drafts.py``: :class:`DraftSource`, the frozen draft and the newest published one;
+- ``draft_guard.py``: :class:`CounterGuard`, the silent-zero guard on a step's own rollout counters.
 """

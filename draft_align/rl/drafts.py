@@ -16,11 +16,22 @@ previous draft stays in use: :meth:`DraftSource.poll` never raises for what it r
 not re-read until its files change.  Versions are read from this run's own ``drafts/vNNNN`` only: a
 notification for another ``run_id`` or naming another folder, and a ``latest`` or version folder that a link
 leads out of the run, are refused the same way (``publish.versions.run_version_dir``).
+
+``background=True`` (the RL job's setting) takes all of that off the job's thread: a daemon thread looks for
+new versions every ``poll_interval_s`` and hashes, loads and checks them as they appear, mid-step; ``poll``
+only swaps in the newest version already verified (an assignment).  A version that fails there is never
+handed to ``poll``.  The silent-zero guard is :meth:`DraftSource.judge` (a
+:class:`~draft_align.rl.draft_guard.CounterGuard` on the step's own rollout counters): a new version stays
+on probation until the first step it served is judged, and one that collapsed is replaced by the previous
+good version (or the frozen draft), so the engine serves that again from the next step boundary on.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Protocol
 
@@ -28,8 +39,15 @@ import torch
 
 from draft_align.engines.rollout_types import DraftVersion
 from draft_align.heads.protocol import DraftHead
+from draft_align.monitor.acceptance import AcceptanceTally
 from draft_align.publish import load_draft
-from draft_align.publish.folder import MANIFEST_FILE, WEIGHTS_FILE, CorruptCheckpointError, ExportError
+from draft_align.publish.folder import (
+    MANIFEST_FILE,
+    WEIGHTS_FILE,
+    CorruptCheckpointError,
+    ExportError,
+    read_verified_weights,
+)
 from draft_align.publish.versions import (
     check_folder_version,
     read_latest,
@@ -37,6 +55,7 @@ from draft_align.publish.versions import (
     run_version_dir,
     version_dir,
 )
+from draft_align.rl.draft_guard import CounterGuard
 from draft_align.wire.messages import DraftPublished
 
 log = logging.getLogger(__name__)
@@ -78,7 +97,9 @@ class DraftSource:
     """Frozen and adapted drafts (see the module docstring).  Before any publish the adapted module is the
     frozen one and ``adapted_version`` is None.
 
-    ``notifications``: the sidecar's DraftPublished subscriber (None: poll ``latest`` only).  ``run_id``: the
+    ``notifications``: the sidecar's DraftPublished subscriber (None: poll ``latest`` only); with
+    ``background`` it is read by the verifier thread only.  ``guard``: the silent-zero guard :meth:`judge`
+    applies (None: every verified version serves).  Call :meth:`close` to stop the verifier thread.  ``run_id``: the
     run id a notification must carry (None: the run folder's name).
     """
 
@@ -91,6 +112,9 @@ class DraftSource:
         dtype: torch.dtype = torch.float32,
         notifications: Notifications | None = None,
         run_id: str | None = None,
+        background: bool = False,
+        guard: CounterGuard | None = None,
+        poll_interval_s: float = 0.1,
     ) -> None:
         self.run_dir = Path(run_dir)
         self.run_id = self.run_dir.name if run_id is None else run_id
@@ -100,13 +124,29 @@ class DraftSource:
         path = resolve_draft_dir(frozen_path)
         frozen, manifest = load_draft(path, verify=True, device=device, dtype=dtype)
         self.frozen: DraftHead = frozen.requires_grad_(False).eval()
-        self.frozen_version = DraftVersion.of(path, manifest)
+        self.frozen_version = DraftVersion.of(path, manifest, read_verified_weights(path, manifest))
         self.adapted: DraftHead = self.frozen
         self.adapted_version: DraftVersion | None = None
         self.failures = 0
         self.refreshes = 0
         self.notified = 0  # versions taken from a notification (the rest came from `latest`)
         self._skip: set[Signature] = set()
+        self.guard = guard
+        self.probation: DraftVersion | None = None  # served, not yet judged by the guard
+        self._good: tuple[DraftVersion | None, DraftHead] = (None, self.frozen)  # what a rollback restores
+        self._reference: AcceptanceTally | None = None  # the last good adapted draft's tally
+        self.rollbacks = 0
+        self.alarms = 0
+        self.verify_s: float | None = None  # the latest verification's seconds (on the verifier thread)
+        self.background = background
+        self.poll_interval_s = float(poll_interval_s)
+        self._lock = threading.Lock()
+        self._ready: tuple[DraftVersion, DraftHead] | None = None  # verified, not yet taken by poll
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if background:
+            self._thread = threading.Thread(target=self._verify_loop, name="draft-verify", daemon=True)
+            self._thread.start()
 
     @property
     def frozen_path(self) -> Path:
@@ -121,6 +161,18 @@ class DraftSource:
     def current_version(self) -> int:
         """The adapted draft's version number (0 before any publish)."""
         return self.adapted_version.version if self.adapted_version is not None else 0
+
+    def _newest(self) -> DraftVersion | None:
+        """The newest version verified so far: one waiting for :meth:`poll`, else the adapted one."""
+        with self._lock:
+            ready = self._ready
+        return ready[0] if ready is not None else self.adapted_version
+
+    @property
+    def verified_version(self) -> int:
+        """The newest version verified so far (served, or waiting for :meth:`poll`); 0 before any."""
+        newest = self._newest()
+        return newest.version if newest is not None else 0
 
     # ----------------------------------------------------------------- checks
     def _fail(self, what: str, err: Exception, sig: Signature | None) -> bool:
@@ -149,7 +201,7 @@ class DraftSource:
         ``draft_version`` must be the folder name's.  Raises ExportError / OSError."""
         draft, manifest = load_draft(path, verify=True, device=self.device, dtype=self.dtype)
         check_folder_version(path, manifest)
-        version = DraftVersion.of(path, manifest)
+        version = DraftVersion.of(path, manifest, read_verified_weights(path, manifest))
         if sha256 is not None and version.sha256 != sha256:
             raise CorruptCheckpointError(
                 "the notification's sha256 differs from the folder's (rewritten since?)"
@@ -184,9 +236,16 @@ class DraftSource:
         return True
 
     def poll(self) -> bool:
-        """Take the newest published version if it is newer than the adapted one; True when one was taken."""
+        """Take the newest published version if it is newer than the adapted one; True when one was taken.
+        With ``background``: the newest version the verifier thread finished, if any (never waits)."""
+        if self.background:
+            return self._take_ready()
+        return self._poll_files()
+
+    def _poll_files(self) -> bool:
+        """Look for a newer version (notifications, then ``latest``) and verify it here."""
         msg = self._newest_notification()
-        if msg is not None and int(msg.draft_version) > self.current_version:
+        if msg is not None and int(msg.draft_version) > self.verified_version:
             path = version_dir(self.run_dir, int(msg.draft_version))  # checked: the folder msg.path names
             if self._take(path, msg.sha256, int(msg.draft_version)):
                 self.notified += 1
@@ -196,7 +255,7 @@ class DraftSource:
             path = read_latest(self.run_dir)
         except (ExportError, OSError, ValueError) as e:
             return self._fail(f"{self.run_dir}/latest unreadable", e, None)
-        current = self.adapted_version
+        current = self._newest()
         if path is None or (current is not None and path.resolve() == current.path.resolve()):
             return False
         try:
@@ -212,22 +271,27 @@ class DraftSource:
             return self._fail(f"{path} incomplete", e, None)
         if sig in self._skip:
             return False
+        t0 = time.perf_counter()
         try:
             version, draft = self.verify(path, sha256, announced)
         except (ExportError, CorruptCheckpointError, OSError, KeyError, TypeError, ValueError) as e:
             return self._fail(f"{path} rejected", e, sig)
-        if version.version <= self.current_version:
+        self.verify_s = time.perf_counter() - t0
+        if version.version <= self.verified_version:
             log.info(
                 "draft refresh: %s is v%04d, not newer than v%04d",
                 path,
                 version.version,
-                self.current_version,
+                self.verified_version,
             )
             self._skip.add(sig)  # not an error, but nothing to re-read until it changes
             return False
-        self.adapted = draft.requires_grad_(False).eval()
-        self.adapted_version = version
-        self.refreshes += 1
+        draft = draft.requires_grad_(False).eval()
+        if self.background:
+            with self._lock:
+                self._ready = (version, draft)
+        else:
+            self._install(version, draft)
         log.info(
             "draft refresh: loaded v%04d (policy version %d) from %s%s",
             version.version,
@@ -235,4 +299,89 @@ class DraftSource:
             path,
             " (notified)" if sha256 is not None else "",
         )
+        return True
+
+    # ----------------------------------------------------------------- background verification
+    def _verify_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._poll_files()
+            except Exception:  # a bug here must not stop the thread: the job keeps its draft
+                log.exception("draft refresh: the verifier thread failed once; it keeps polling")
+            self._stop.wait(self.poll_interval_s)
+
+    def _take_ready(self) -> bool:
+        with self._lock:
+            ready, self._ready = self._ready, None
+        if ready is None:
+            return False
+        self._install(*ready)
+        return True
+
+    def _install(self, version: DraftVersion, draft: DraftHead) -> None:
+        """Serve ``version``: on probation until :meth:`judge` passes it; a rollback restores the last good one."""
+        if self.probation is None:
+            self._good = (self.adapted_version, self.adapted)
+        self.adapted, self.adapted_version = draft, version
+        self.probation = version if self.guard is not None else None
+        self.refreshes += 1
+
+    def wait_verified(self, timeout_s: float) -> bool:
+        """Block until the verifier thread holds a version for :meth:`poll` (for start-up and tests, never per
+        step); True when one is ready."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with self._lock:
+                if self._ready is not None:
+                    return True
+            time.sleep(0.02)
+        return False
+
+    def close(self) -> None:
+        """Stop the verifier thread (waits for a verification in progress)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=60.0)
+
+    # ----------------------------------------------------------------- silent-zero guard
+    def judge(self, served: DraftVersion | None, tallies: Mapping[str, AcceptanceTally]) -> bool:
+        """After a step's rollouts: judge the version on probation by ``tallies`` (each draft's counters of the
+        step) when ``served`` (the adapted version that decoded them) is that version.  On a collapse, log an
+        alarm and restore the last good version, which the engine is offered at the next step boundary; True
+        then.  A version that passed becomes the reference for later ones when a step lacks frozen rounds."""
+        adapted = tallies.get("adapted")
+        if self.guard is None or served is None or adapted is None:
+            return False
+        probation = self.probation
+        if probation is None or served.sha256 != probation.sha256:
+            if self.adapted_version is not None and served.sha256 == self.adapted_version.sha256:
+                if adapted.rounds >= self.guard.min_rounds:
+                    self._reference = adapted
+            return False
+        frozen = tallies.get("frozen")
+        ref = frozen if frozen is not None and frozen.rounds >= self.guard.min_rounds else self._reference
+        verdict = self.guard.verdict(adapted, ref)
+        if verdict == "undecided":
+            return False
+        self.probation = None
+        if verdict == "pass":
+            self._reference = adapted
+            return False
+        self.alarms += 1
+        self.rollbacks += 1
+        good_version, good = self._good
+        log.error(
+            "draft guard ALARM: v%04d measured acceptance %.3f collapsed on its first step (reference %.3f, "
+            "min ratio %.2f): back to %s from the next step",
+            probation.version,
+            adapted.mean_length(),
+            ref.mean_length() if ref is not None else float("nan"),
+            self.guard.min_ratio,
+            f"v{good_version.version:04d}" if good_version is not None else "the frozen draft",
+        )
+        try:
+            self._skip.add(_signature(probation.path))
+        except (OSError, ValueError):
+            pass  # the folder is gone: nothing will re-read it
+        self.adapted_version, self.adapted = good_version, good
         return True

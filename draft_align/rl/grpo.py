@@ -2,16 +2,20 @@
 
 One RL step (``GRPOJob.step``), never blocking on the sidecar (docs/architecture.md):
 
-a. ``drafts.poll()``: pick up the sidecar's newest published draft (a notification or ``latest``; no wait);
+a. ``drafts.poll()``: take the sidecar's newest published draft that the source's verifier thread already
+   hashed, loaded and checked (no wait, no hashing on this thread);
 b. rollouts from the :class:`~draft_align.rl.rollouts.RolloutEngine` (the reference decoder or vLLM, which
    first syncs the policy and is offered the new draft): frozen and adapted drafts on one seeded plan;
+   ``drafts.judge`` then checks a newly served draft on this step's counters (the silent-zero guard: a
+   collapsed one is rolled back at the next step's ``poll``/``prepare``);
 c. rewards and group-normalised advantages (:mod:`draft_align.rl.loss`);
 d. the log-prob pass inside ``tap.capturing()``: one no-grad forward per micro-batch, handed to
    ``tap.submit``; these are the "old" log-probs (an engine's own are only compared with them); then
    ``tap.end_step()``.  ``tap.head_sync`` runs once per policy version, before its first TapBatch;
 e. one AdamW step on the clipped surrogate [+ β·k3] → policy version + 1, adapter saved under
    ``run_dir/policy/v{version:04d}``;
-f. KL(π ‖ π_initial) on fixed sequences; the metrics go to ``run_dir/rl/steps.jsonl`` and, as a
+f. KL(π ‖ π_initial) on fixed sequences; the metrics, with the step's stage profile
+   (:class:`~draft_align.monitor.step_profile.StepProfile`), go to ``run_dir/rl/steps.jsonl`` and, as a
    StepReport, to the sink (non-blocking offer).
 
 ``policy_merged/v{version:04d}/`` holds a plain HF folder after each step listed in ``rl.save_merged_at``
@@ -36,6 +40,7 @@ from draft_align.conventions import DRAFT_KINDS, DraftKind
 from draft_align.data.tasks import score
 from draft_align.engines.rollout_types import Decoding, Rollout
 from draft_align.monitor.acceptance import AcceptanceTally
+from draft_align.monitor.step_profile import StepProfile
 from draft_align.rl.drafts import DraftSource
 from draft_align.rl.loss import GRPOError, clipped_surrogate, group_advantages, k3_kl, token_logprobs
 from draft_align.rl.policy import Policy, Sequences, adapter_dir, gather_response
@@ -141,6 +146,7 @@ class GRPOJob:
         self.synced_version: int | None = None
         self.head_syncs_refused = 0
         self.last_rollouts: list[Rollout] = []  # the latest step's rollouts (for inspection)
+        self.last_reward_s = 0.0  # seconds the latest rollouts' rewards took (the data stage)
         self.steps_path = self.run_dir / "rl" / STEPS_FILE
         self.extra_metrics = extra_metrics  # e.g. the wire sender's counters, merged into each step's metrics
         self.engine: RolloutEngine = (
@@ -195,15 +201,20 @@ class GRPOJob:
         rollout_s = time.perf_counter() - t0
         self.last_rollouts = rollouts
         served = self.engine.adapted  # the adapted draft these rollouts were decoded with
+        t0 = time.perf_counter()
+        rolled_back = self.drafts.judge(served, tallies)
+        judge_s = time.perf_counter() - t0
         served_version = served.version if served is not None else 0
         served_policy_version = served.policy_version if served is not None else 0
         lags = self._serve_lags(served_policy_version if served is not None else None, served_at)
 
+        t0 = time.perf_counter()
         rewards = torch.tensor([r.reward for r in rollouts], dtype=torch.float64)
         adv = group_advantages(rewards.view(self.rl.prompts_per_step, self.rl.group_size)).flatten()
         for r, a in zip(rollouts, adv.tolist(), strict=True):
             r.advantage = a
         seqs = Sequences.pack([(r.prompt, r.response) for r in rollouts], self.pad_id)
+        data_s = self.last_reward_s + time.perf_counter() - t0
 
         t0 = time.perf_counter()
         old_logp, tap_s, tap_tokens, head_ok = self._logprob_pass(seqs, s, rollout_version)
@@ -244,6 +255,9 @@ class GRPOJob:
             **lags,
             "draft_refreshed": float(refreshed),
             "draft_failures": self.drafts.failures,
+            "draft_rolled_back": float(rolled_back),
+            "draft_rollbacks": self.drafts.rollbacks,
+            "draft_verify_s": self.drafts.verify_s,  # the latest verification, on the verifier thread
             "rollout_tokens": sum(r.response.numel() for r in rollouts),
             "response_tokens_mean": sum(r.response.numel() for r in rollouts) / len(rollouts),
             **{k: upd[k] for k in ("loss", "grad_norm", "clip_frac", "ratio_mean", "kl_penalty")},
@@ -254,7 +268,7 @@ class GRPOJob:
             "update_s": update_s,
             "save_s": save_s,
             "kl_s": kl_s,
-            "step_s": time.perf_counter() - t_start,
+            "draft_judge_s": judge_s,
             "tap_tokens_accepted": tap_tokens,
             "head_sync_ok": head_ok,
             **engine_metrics,
@@ -263,6 +277,8 @@ class GRPOJob:
             metrics.update({f"tap_{k}": v for k, v in self.tap.stats().items()})
         if self.extra_metrics is not None:
             metrics.update(self.extra_metrics())
+        metrics["step_s"] = time.perf_counter() - t_start
+        metrics.update(self._profile(metrics, rollout_s, data_s).to_metrics())
         clean = {k: _clean(v) for k, v in metrics.items()}
         self._record(s, clean)
         self.step_index += 1
@@ -279,6 +295,29 @@ class GRPOJob:
         )
         return clean
 
+    def _profile(self, m: dict[str, Any], rollout_s: float, data_s: float) -> StepProfile:
+        """The step's stage profile from its timers (docs/advise.md): generation is the engine's rollout time
+        without its draft swaps and verify-mode measurement; rewards belong to the data stage."""
+        swap = float(m.get("draft_swap_s") or 0.0)
+        choice = float(m.get("verify_choice_s") or 0.0)
+        return StepProfile(
+            float(m["step_s"]),
+            {
+                "data": data_s,
+                "weight_sync": float(m.get("policy_sync_s") or 0.0),
+                "generation": max(rollout_s - self.last_reward_s - swap - choice, 0.0),
+                "logprob": max(m["logprob_s"] - m["tap_s"], 0.0) + m["kl_s"],
+                "train": m["update_s"],
+                "draft_refresh": m["draft_poll_s"]
+                + float(m.get("draft_offer_s") or 0.0)
+                + swap
+                + choice
+                + m["draft_judge_s"],
+                "tap": m["tap_s"],
+                "checkpoint": m["save_s"],
+            },
+        )
+
     # ----------------------------------------------------------------- b: rollouts
     def rollouts(self, step: int) -> tuple[list[Rollout], dict[DraftKind, AcceptanceTally]]:
         """Step ``step``'s rollouts from the engine, rewarded, and each draft's measured acceptance (the
@@ -289,6 +328,7 @@ class GRPOJob:
         )
         decoding = Decoding(rl.temperature, rl.max_new_tokens, self.eos_ids)
         rollouts, tallies = self.engine.rollouts(plan, self.prompts, decoding)
+        t0 = time.perf_counter()
         correct = 0
         for i, r in enumerate(rollouts):
             text = self.tokenizer.decode(r.response.tolist(), skip_special_tokens=True)
@@ -302,6 +342,7 @@ class GRPOJob:
         self._reward_metrics = {"reward_errors": self.reward_errors}
         if self.answers is not None:
             self._reward_metrics["correct_frac"] = correct / len(rollouts)
+        self.last_reward_s = time.perf_counter() - t0
         return rollouts, tallies
 
     def _acceptance(

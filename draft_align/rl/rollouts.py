@@ -155,8 +155,9 @@ class ReferenceRollouts:
 
 
 def probe_guard(rl: RLConfig, probe_prompts: list[torch.Tensor]) -> ProbeGuard | None:
-    """The engine's silent-zero guard on the first ``rl.engine_probe_prompts`` of ``probe_prompts``, or None
-    when ``rl.engine_probe_prompts`` is 0 (the guard off: every verified draft is served, none rolled back)."""
+    """The probe set on the first ``rl.engine_probe_prompts`` of ``probe_prompts`` (the engine's load-time guard
+    under ``rl.draft_guard: probe``, and what ``rl.verify_mode: auto`` measures on), or None when
+    ``rl.engine_probe_prompts`` is 0."""
     from draft_align.engines.vllm.refresher import ProbeGuard
 
     if rl.engine_probe_prompts == 0:
@@ -174,8 +175,9 @@ def start_rollout_engine(
 
     ``frozen``: the verified starting draft.  ``auto``: vLLM when it is importable and starts on the target; a
     start failure is logged as an error and the job continues on the reference decoder.  ``vllm``: a failure
-    raises.  The probe guard (:func:`probe_guard`) decodes the first ``rl.engine_probe_prompts`` held-out
-    prompts at T = 0 after each newly offered draft.  The launcher sets the vLLM-CPU environment first (``set_cpu_env``).
+    raises.  With ``rl.draft_guard: probe`` the probe guard (:func:`probe_guard`) decodes the first
+    ``rl.engine_probe_prompts`` held-out prompts at T = 0 before and after each newly offered draft; otherwise
+    its prompts serve ``rl.verify_mode: auto`` only.  The launcher sets the vLLM-CPU environment first (``set_cpu_env``).
     """
     from draft_align.engines.vllm import start as vllm_start
 
@@ -209,6 +211,7 @@ def start_rollout_engine(
             guard=guard,
             enforce_eager=True,
             verify_recheck_every=rl.verify_recheck_every,
+            guard_on_load=rl.draft_guard == "probe",
             use_tqdm_on_load=False,  # no progress bars between the table's rows
         )
     except (vllm_start.EngineError, ValueError) as e:

@@ -290,3 +290,147 @@ def test_notifications_of_versions_pruned_since_cost_nothing_when_a_newer_one_is
     shutil.rmtree(paths[0])  # retention deleted v0001 after announcing it
     shutil.rmtree(paths[1])
     assert w.poll() is True and w.current_version == 3 and w.failures == 0 and w.notified == 1
+
+
+# --------------------------------------------------------------------------------------- off the job's thread
+def test_background_poll_never_waits_for_a_slow_hash(tmp_path, frozen_dir, kit, target_config, monkeypatch):
+    """The verifier thread hashes and loads; ``poll`` on the job's thread only swaps in what is ready."""
+    import draft_align.rl.drafts as drafts_mod
+
+    run = tmp_path / "run"
+    w = DraftSource(run, frozen_dir, background=True, poll_interval_s=0.02)
+    try:
+        slow = drafts_mod.read_verified_weights
+        hashing = []
+
+        def slow_hash(path, manifest):
+            hashing.append(path)
+            time.sleep(1.5)
+            return slow(path, manifest)
+
+        monkeypatch.setattr(drafts_mod, "read_verified_weights", slow_hash)
+        d1 = kit.make(target_config, seed=11)
+        kit.publish(d1, run, target_config, 1, 1)
+        deadline = time.monotonic() + 5
+        while not hashing and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert hashing, "the verifier thread never started on the new version"
+        t0 = time.perf_counter()
+        assert w.poll() is False  # still hashing over there: nothing to take, and no wait here
+        assert time.perf_counter() - t0 < 0.2
+        assert w.adapted is w.frozen and w.adapted_version is None
+        assert w.wait_verified(10.0)
+        t0 = time.perf_counter()
+        assert w.poll() is True and time.perf_counter() - t0 < 0.2
+        assert w.adapted_version.version == 1 and same_weights(w.adapted, d1)
+        assert w.adapted_version.weights is not None  # the verified tensors the engine loads
+        assert w.verify_s >= 1.5 and w.poll() is False
+    finally:
+        w.close()
+
+
+def test_background_failed_verification_is_never_served(tmp_path, frozen_dir, kit, target_config, until):
+    run = tmp_path / "run"
+    w = DraftSource(run, frozen_dir, background=True, poll_interval_s=0.02)
+    try:
+        bad = kit.publish(kit.make(target_config, seed=12), run, target_config, 1, 1)
+        weights = bad / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:100])
+        assert until(lambda: w.failures >= 1, 10)
+        time.sleep(0.2)  # the truncating write may have been seen half-done: a changed file is read again
+        failed = w.failures
+        time.sleep(0.2)  # more verifier rounds: the same broken folder is neither re-read nor handed over
+        assert w.poll() is False and w.adapted is w.frozen and w.adapted_version is None
+        assert w.failures == failed and not w.wait_verified(0.1)
+        kit.publish(kit.make(target_config, seed=13), run, target_config, 2, 2)
+        assert w.wait_verified(10.0) and w.poll() is True and w.adapted_version.version == 2
+    finally:
+        w.close()
+
+
+# --------------------------------------------------------------------------------------- silent-zero guard
+def tally(rounds, per_pos):
+    from draft_align.monitor.acceptance import AcceptanceTally
+
+    return AcceptanceTally(float(rounds), [float(x) for x in per_pos])
+
+
+def test_counter_guard_verdicts():
+    from draft_align.rl.draft_guard import CounterGuard
+
+    g = CounterGuard(min_ratio=0.5)
+    frozen = tally(200, [80, 30, 10])  # L = 1.6
+    assert g.verdict(tally(200, [0, 0, 0]), frozen) == "collapse"  # a wiped draft: L = 1
+    assert g.verdict(tally(200, [90, 40, 10]), frozen) == "pass"
+    assert g.verdict(tally(200, [50, 20, 5]), frozen) == "pass"  # lower, but above half the gain
+    assert g.verdict(tally(4, [0, 0, 0]), frozen) == "undecided"  # too few rounds to say
+    assert g.verdict(tally(200, [0, 0, 0]), None) == "undecided"
+    assert g.verdict(tally(200, [0, 0, 0]), tally(200, [0, 0, 0])) == "undecided"  # the reference gains 0
+    # weak drafts: 1.10 vs 1.04 over 30 rounds each is below half the gain but inside the noise
+    assert g.verdict(tally(30, [1, 0, 0]), tally(30, [3, 0, 0])) == "pass"
+    with pytest.raises(ValueError, match="min_ratio"):
+        CounterGuard(min_ratio=0.0)
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_collapsed_draft_is_rolled_back_after_its_first_step(
+    tmp_path, frozen_dir, kit, target_config, background
+):
+    from draft_align.rl.draft_guard import CounterGuard
+
+    run = tmp_path / "run"
+    w = DraftSource(run, frozen_dir, background=background, guard=CounterGuard(), poll_interval_s=0.02)
+    try:
+
+        def take():
+            if background:
+                assert w.wait_verified(10.0)
+            assert w.poll() is True
+
+        frozen_tally = tally(100, [50, 20, 5])
+        d1 = kit.make(target_config, seed=11)
+        kit.publish(d1, run, target_config, 1, 1)
+        take()
+        assert w.probation == w.adapted_version
+        # a step that served v1 passes it; v1 is then the version a rollback goes back to
+        assert (
+            w.judge(w.adapted_version, {"adapted": tally(100, [55, 20, 6]), "frozen": frozen_tally}) is False
+        )
+        assert w.probation is None and w.adapted_version.version == 1
+        kit.publish(kit.make(target_config, seed=12), run, target_config, 2, 2)
+        take()
+        v2 = w.adapted_version
+        assert v2.version == 2 and w.probation == v2
+        # v2 served one step and accepted nothing: back to v1 for the next step
+        assert w.judge(v2, {"adapted": tally(100, [0, 0, 0]), "frozen": frozen_tally}) is True
+        assert w.adapted_version.version == 1 and same_weights(w.adapted, d1)
+        assert (w.rollbacks, w.alarms) == (1, 1) and w.probation is None
+        time.sleep(0.1)
+        assert w.poll() is False and w.adapted_version.version == 1  # `latest` still names v2: not re-taken
+        # a step without frozen rollouts is judged against the last good adapted draft's tally
+        kit.publish(kit.make(target_config, seed=13), run, target_config, 3, 3)
+        take()
+        v3 = w.adapted_version
+        assert w.judge(v3, {"adapted": tally(100, [0, 0, 0]), "frozen": tally(0, [0, 0, 0])}) is True
+        assert w.adapted_version.version == 1
+    finally:
+        w.close()
+
+
+def test_collapse_with_no_good_version_goes_back_to_the_frozen_draft(
+    tmp_path, frozen_dir, kit, target_config
+):
+    from draft_align.rl.draft_guard import CounterGuard
+
+    run = tmp_path / "run"
+    w = DraftSource(run, frozen_dir, guard=CounterGuard())
+    kit.publish(kit.make(target_config, seed=12), run, target_config, 1, 1)
+    assert w.poll() is True
+    other = DraftPublished(run_id="t", draft_version=9, policy_version=9, path="x", sha256="0" * 64)
+    served = w.adapted_version
+    assert w.judge(None, {"adapted": tally(100, [0, 0, 0])}) is False  # nothing adapted served
+    assert (
+        w.judge(type(served)(served.path, served.manifest, other.sha256), {}) is False
+    )  # not the one on probation
+    assert w.judge(served, {"adapted": tally(100, [0, 0, 0]), "frozen": tally(100, [40, 10, 0])}) is True
+    assert w.adapted is w.frozen and w.adapted_version is None and w.current_version == 0

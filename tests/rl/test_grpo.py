@@ -323,3 +323,39 @@ def test_serve_lags_are_reported_once_per_newly_served_policy_version():
     assert lags(job, 0, 180.0) == {"draft_serve_lag_s": None, "draft_tap_to_serve_s": None}  # not new
     assert lags(job, 2, 200.0) == {"draft_serve_lag_s": 40.0, "draft_tap_to_serve_s": None}  # v2 never tapped
     assert job._served_policy_version == 2 and job._created == {} and job._tapped == {}  # pruned as served
+
+
+def test_step_profile_adds_up_and_reaches_report_and_advise(world):
+    """Each step's stages (data, weight sync, generation, log-prob, train, draft refresh, Tap, checkpoint) are
+    timed apart and never sum past the step; other is the rest; report.md and advise print them."""
+    from draft_align.monitor.advise import advise_run
+    from draft_align.monitor.advise_text import format_advice
+    from draft_align.monitor.report import write_report
+    from draft_align.monitor.step_profile import LABELS, OTHER, STAGES, StepProfile
+
+    job, _, sink = world()
+    metrics = [job.step() for _ in range(3)]
+    for m, rep in zip(metrics, sink.messages, strict=True):
+        p = StepProfile.from_metrics(m)
+        assert p.step_s == m["step_s"] and m["stage_step_s"] == m["step_s"]
+        assert p.timed_s <= p.step_s  # no stage counted twice
+        assert p.timed_s + p.other_s == pytest.approx(p.step_s)
+        assert sum(p.share(s) for s in (*STAGES, OTHER)) == pytest.approx(1.0)
+        for stage in ("data", "generation", "logprob", "train", "draft_refresh", "tap", "checkpoint"):
+            assert m[f"stage_{stage}_s"] > 0, stage
+        assert m["stage_weight_sync_s"] == 0.0  # the reference decoder reads the live policy: nothing to sync
+        assert m["stage_other_s"] < 0.5 * m["step_s"]  # the timers cover most of the step
+        assert m["stage_generation_s"] <= m["rollout_s"] and m["stage_train_s"] == m["update_s"]
+        assert rep.metrics["stage_generation_share"] == m["stage_generation_share"]  # in the StepReport
+    write_report(job.run_dir)
+    report = (job.run_dir / "report.md").read_text()
+    assert "## Step profile (seconds and share of the step, measured)" in report
+    assert all(LABELS[s] in report for s in (*STAGES, OTHER))
+    mean_gen = sum(m["stage_generation_s"] for m in metrics[1:]) / 2
+    assert f"| generation | {mean_gen:.3f} |" in report
+    a = advise_run(job.run_dir)
+    got = {s.name: s.seconds for s in a.profile.stages}
+    assert got[LABELS["generation"]] == pytest.approx(mean_gen)
+    assert got[LABELS["data"]] == pytest.approx(sum(m["stage_data_s"] for m in metrics[1:]) / 2)
+    text = format_advice(a)
+    assert f"| {LABELS['draft_refresh']} |" in text and f"| {LABELS['data']} |" in text

@@ -110,9 +110,11 @@ class DraftRefresher:
         self.alarms = 0
         self.last_apply_s: float | None = None
         self._probe_ref: float | None = None
+        self._current_weights: Any = None  # the serving version's verified tensors, when kept (rollback)
         if info.get("loaded"):  # another refresher already swapped drafts in this engine
             self.current = LoadedDraft(**info["loaded"])
         else:
+            self._current_weights = serving.weights if serving is not None else None
             start = serving if serving is not None else DraftVersion.read(spec.model)
             self.current = LoadedDraft(start.version, start.policy_version, str(start.path), start.sha256)
         log.info(
@@ -123,7 +125,7 @@ class DraftRefresher:
         )
 
     # ----------------------------------------------------------------- engine side
-    def _load(self, target: LoadedDraft) -> dict[str, Any]:
+    def _load(self, target: LoadedDraft, tensors: Any = None) -> dict[str, Any]:
         weights = str(Path(target.path) / WEIGHTS_FILE)
         record = {
             "version": target.version,
@@ -131,7 +133,7 @@ class DraftRefresher:
             "path": target.path,
             "sha256": target.sha256,
         }
-        results = collective_rpc(self.llm, rpc_load_draft, weights, target.sha256, record)
+        results = collective_rpc(self.llm, rpc_load_draft, weights, target.sha256, record, tensors)
         self.llm.reset_prefix_cache()  # cached prompt blocks hold the old draft's K/V
         return results[0]
 
@@ -139,7 +141,7 @@ class DraftRefresher:
         """Re-apply the serving version after a failed or collapsed load; EngineError if even that fails."""
         self.rollbacks += 1
         try:
-            self._load(self.current)
+            self._load(self.current, self._current_weights)
         except Exception as e:
             raise EngineError(
                 f"draft refresh: rollback to v{self.current.version:04d} failed after '{why}': {e}; the engine's "
@@ -178,7 +180,7 @@ class DraftRefresher:
         if guarded:  # the serving version on the same probe and the same target: the policy may have moved
             self._probe_ref = self.probe().mean_acceptance_length()
         try:
-            info = self._load(new)
+            info = self._load(new, draft.weights)
         except RefreshError as e:  # raised before the model was touched
             return self._fail(version, path, f"RefreshError: {e}", start)
         except Exception as e:
@@ -209,6 +211,7 @@ class DraftRefresher:
                 return self._fail(version, path, why, start)
             self._probe_ref = probe_l
         self.current = new
+        self._current_weights = draft.weights
         self.refreshes += 1
         self.last_apply_s = time.perf_counter() - start
         self.history.append(RefreshRecord(version, str(path), True, "applied", self.last_apply_s, probe_l))

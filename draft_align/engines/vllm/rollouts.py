@@ -77,7 +77,10 @@ class VLLMRollouts:
     :func:`~draft_align.engines.vllm.verify_choice.choose_verify_mode`) before the first T > 0 rollouts, and again
     after every ``verify_recheck_every`` newly served adapted drafts (0: never again; one measurement costs
     two probe passes); vLLM has no "argmax everywhere" mode at T > 0.  ``llm``: an engine already running with ``frozen`` as its
-    EAGLE-3 draft (else one is started); ``policy_sync``: see :data:`PolicySync`.
+    EAGLE-3 draft (else one is started); ``policy_sync``: see :data:`PolicySync`.  ``guard_on_load``: the
+    refresher probes every newly offered draft with ``guard`` before it serves (synchronous, seconds per
+    draft); False leaves the silent-zero check to the RL job's counters
+    (:meth:`~draft_align.rl.drafts.DraftSource.judge`) and uses ``guard``'s prompts for ``auto`` only.
     """
 
     def __init__(
@@ -94,6 +97,7 @@ class VLLMRollouts:
         llm: Any = None,
         policy_sync: PolicySync = "layers",
         verify_recheck_every: int = 0,
+        guard_on_load: bool = True,
         **llm_kwargs: Any,
     ) -> None:
         self.auto_verify = verify_mode == AUTO_VERIFY_MODE
@@ -144,7 +148,8 @@ class VLLMRollouts:
         self.llm = llm
         self.start_s = time.perf_counter() - t0
         self.dtype = float_dtype(dtype)
-        self.refresher = DraftRefresher(self.llm, guard=guard, serving=frozen)
+        self.probes = guard  # the prompts verify mode auto measures on
+        self.refresher = DraftRefresher(self.llm, guard=guard if guard_on_load else None, serving=frozen)
         self._adapted: DraftVersion | None = None
         self.serving: DraftKind = "frozen"
         self.policy_version = 0  # the policy version the engine's target holds
@@ -224,7 +229,7 @@ class VLLMRollouts:
     def _probe_tally(self, mode: str, temperature: float) -> AcceptanceTally:
         """The serving draft's counters over the guard's probe prompts in ``mode`` at ``temperature`` (fixed
         seeds, every prompt ``max_tokens`` long)."""
-        guard = self.refresher.guard
+        guard = self.probes
         assert guard is not None  # checked at construction
         vllm = import_vllm()
         self.set_verify_mode(mode)
@@ -324,6 +329,8 @@ class VLLMRollouts:
         t0 = time.perf_counter()
         if adapted is not None:
             self.offer(adapted)
+        elif self._adapted is not None:  # the job rolled its adapted draft back to the frozen one
+            self._adapted = None
         return {"engine_vllm": 1.0, "policy_sync_s": sync_s, "draft_offer_s": time.perf_counter() - t0}
 
     def rollouts(
@@ -331,13 +338,15 @@ class VLLMRollouts:
     ) -> tuple[list[Rollout], dict[DraftKind, AcceptanceTally]]:
         """All rollouts of ``plan``: one batched generate per draft, the serving draft's first; each draft's
         acceptance is the counter difference around its generate."""
+        t0 = time.perf_counter()
         if self.auto_verify and decoding.temperature > 0 and self._verify_choice_stale(decoding.temperature):
             self.choose_verify_mode(decoding.temperature)
+        verify_choice_s = time.perf_counter() - t0
         seeded = list(zip(plan.rollouts, plan.seeds(SEED_BITS), strict=True))
         order = sorted(DRAFT_KINDS, key=lambda kind: kind != self.serving)
         results: dict[int, EngineOutput] = {}
         tallies = {kind: AcceptanceTally.empty(self.k) for kind in DRAFT_KINDS}
-        timings = {"draft_swap_s": 0.0}
+        timings = {"draft_swap_s": 0.0, "verify_choice_s": verify_choice_s}
         for kind in order:
             mine = [(p, seed) for p, seed in seeded if p.draft == kind]
             if not mine:

@@ -133,10 +133,18 @@ def rpc_describe(worker: Any) -> dict[str, Any]:
     }
 
 
-def rpc_load_draft(worker: Any, weights_path: str, sha256: str, record: dict[str, Any]) -> dict[str, Any]:
+def rpc_load_draft(
+    worker: Any,
+    weights_path: str,
+    sha256: str,
+    record: dict[str, Any],
+    tensors: Mapping[str, torch.Tensor] | None = None,
+) -> dict[str, Any]:
     """(runs in each worker) Load the draft-private tensors of ``weights_path`` into the serving draft.
 
-    Checks before touching the model (RefreshError, engine unchanged): the bytes read hash to ``sha256``; the
+    ``tensors``: the file's tensors as the caller parsed them from the very bytes it hashed to ``sha256``
+    (:class:`~draft_align.engines.rollout_types.DraftVersion` ``weights``); then the file is neither read nor
+    hashed again here.  Checks before touching the model (RefreshError, engine unchanged): the bytes read hash to ``sha256``; the
     vocab map equals the engine's; a tensor the draft shares with the target is either absent or identical.
     Then, inside ``set_current_vllm_config``: ``initialize_layerwise_reload`` on every module of the
     draft-private subtrees that holds weights (:func:`_reloadable`),
@@ -149,10 +157,13 @@ def rpc_load_draft(worker: Any, weights_path: str, sha256: str, record: dict[str
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
     start = time.perf_counter()
-    data = Path(weights_path).read_bytes()
-    if hashlib.sha256(data).hexdigest() != sha256:
-        raise RefreshError(f"{weights_path}: sha256 of the bytes read differs from the manifest's")
-    tensors = safetensors.torch.load(data)
+    if tensors is None:
+        data = Path(weights_path).read_bytes()
+        if hashlib.sha256(data).hexdigest() != sha256:
+            raise RefreshError(f"{weights_path}: sha256 of the bytes read differs from the manifest's")
+        tensors = safetensors.torch.load(data)
+    else:
+        tensors = dict(tensors)  # the caller's mapping is kept as it is (d2t/t2d are popped below)
     runner = worker.model_runner
     draft = runner.get_draft_model()
     if draft is None:

@@ -2,7 +2,9 @@
 
 Given the trainer at construction (as TRL's own callbacks are): ``on_train_begin`` starts (or connects to) the
 sidecar, the wire, the drafts, the Tap and the engine; ``on_step_begin`` picks up the newest published draft
-(between steps, before generation); ``on_step_end`` ships the step's taps and sends the StepReport;
+(between steps, before generation) and starts the step's stage profile
+(:mod:`~draft_align.integrations.trl.profile`), which ``on_pre_optimizer_step``/``on_optimizer_step`` also
+feed; ``on_step_end`` ships the step's taps and sends the StepReport;
 ``on_train_end`` stops cleanly.  draft_align's metrics go into TRL's own metric store under ``draft_align/…``,
 so ``trainer.log`` averages them with TRL's and every ``report_to`` backend gets them.  Nothing here blocks
 on the sidecar: a dead sidecar means dropped (counted) taps and the last draft staying in use.
@@ -31,6 +33,8 @@ class Session(Protocol):
     def start(self, trainer: Any) -> None: ...
 
     def refresh(self) -> bool: ...
+
+    def optimizer_step(self, begin: bool) -> None: ...
 
     def end_step(self, trainer: Any) -> dict[str, float | None]: ...
 
@@ -65,6 +69,12 @@ class DraftAlignCallback(TrainerCallback):
         t0 = time.perf_counter()
         self.session.refresh()
         self.callback_s = time.perf_counter() - t0
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.session.optimizer_step(True)
+
+    def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.session.optimizer_step(False)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         t0 = time.perf_counter()

@@ -28,7 +28,9 @@ from draft_align.conventions import DRAFT_KINDS
 from draft_align.engines.rollout_types import Decoding
 from draft_align.integrations.trl.callback import DraftAlignCallback
 from draft_align.integrations.trl.checks import TRLConfigError, check_trainer
+from draft_align.integrations.trl.profile import StageTimer
 from draft_align.integrations.trl.tap import TRLTap, policy_model
+from draft_align.rl.draft_guard import counter_guard
 from draft_align.rl.drafts import DraftSource
 from draft_align.rl.rollouts import RolloutEngine, plan_given, start_rollout_engine
 
@@ -79,6 +81,7 @@ class DraftAlign:
         self.drafts: DraftSource | None = None
         self.tap: TRLTap | None = None
         self.engine: RolloutEngine | None = None
+        self.timer = StageTimer(lambda: self.tap.seconds if self.tap is not None else 0.0)
         self.step_metrics: dict[str, float | None] = {}  # this optimizer step's, reported at its end
         self.reports_refused = 0
         self.callback_s = 0.0
@@ -137,7 +140,13 @@ class DraftAlign:
             self.notify = channel.Subscriber(notify_ep, key, allow_remote=recipe.wire.allow_remote)
         device = trainer.accelerator.device
         self.drafts = DraftSource(
-            run_dir, self.start_draft, device=device, notifications=self.notify, run_id=recipe.run
+            run_dir,
+            self.start_draft,
+            device=device,
+            notifications=self.notify,
+            background=True,  # new versions are hashed, loaded and checked off TRL's thread
+            guard=counter_guard(recipe.rl),
+            run_id=recipe.run,
         )
         if recipe.tap.enabled and self.sender is not None:
             from draft_align.publish.tap_spec import read_tap_spec
@@ -158,6 +167,7 @@ class DraftAlign:
             self.tap = TRLTap(
                 trainer, hf_tap, lambda version: hf_tap.head_sync(version, drafts.draft_to_target)
             )
+        self.timer.install(trainer)  # after the Tap's own wrappers: its seconds are taken out of each stage
         if self.uses_rollout_func(trainer):
             self.engine = self._start_engine(trainer)
         if self.proc is not None:
@@ -217,9 +227,18 @@ class DraftAlign:
     def refresh(self) -> bool:
         """on_step_begin: pick up the newest published draft (never waits); the engine is offered it before
         the step's rollouts."""
-        refreshed = self.drafts.poll()
+        self.timer.begin_step()
+        with self.timer.region("draft_refresh"):
+            refreshed = self.drafts.poll()
         self.step_metrics["draft_refreshed"] = float(refreshed)
         return refreshed
+
+    def optimizer_step(self, begin: bool) -> None:
+        """on_pre_optimizer_step (``begin``) / on_optimizer_step: the optimizer step is part of ``train``."""
+        if begin:
+            self.timer.open("optimizer", "train")
+        else:
+            self.timer.close("optimizer")
 
     def end_step(self, trainer: Any) -> dict[str, float | None]:
         """on_step_end: ship the step's taps, send the StepReport; returns the step's draft_align metrics."""
@@ -235,10 +254,15 @@ class DraftAlign:
             metrics["tap_tokens_accepted"] = float(self.tap.tap.end_step())
             metrics["tap_s"] = self.tap.take_seconds() + time.perf_counter() - t0
             metrics.update({f"tap_{k}": float(v) for k, v in self.tap.tap.stats().items()})
+        profile = self.timer.end_step(float(metrics.get("tap_s") or 0.0))
+        if profile is not None:
+            metrics["step_s"] = profile.step_s
+            metrics.update(profile.to_metrics())
         if self.sender is not None:
             metrics.update({f"wire_{k}": float(v) for k, v in self.sender.stats().items()})
         metrics["draft_failures"] = float(self.drafts.failures)
         metrics["draft_refreshes"] = float(self.drafts.refreshes)
+        metrics["draft_rollbacks"] = float(self.drafts.rollbacks)
         trl = trainer._metrics["train"]  # this step's values TRL will average into its next log
         for name, key in (("reward", "reward_mean"), ("reward_std", "reward_std"), ("kl", "kl_ref")):
             if trl.get(name):
@@ -296,6 +320,7 @@ class DraftAlign:
         from draft_align.sidecar.process import stop_sidecar
         from draft_align.wire.messages import StepReport
 
+        self.timer.uninstall()  # before the Tap's: these wrap its wrappers
         if self.tap is not None:
             self.tap.uninstall()
         if self.engine is not None:
@@ -309,6 +334,8 @@ class DraftAlign:
             )
             time.sleep(0.5)  # let the background thread hand the last messages to ZeroMQ
             self.sender.close(timeout_s=5.0)
+        if self.drafts is not None:
+            self.drafts.close()  # its verifier thread reads the subscriber: stopped before the socket closes
         if self.notify is not None and hasattr(self.notify, "close"):
             self.notify.close()
         rc = None
@@ -332,9 +359,16 @@ class DraftAlign:
             raise TRLConfigError(
                 "draft_align's rollout_func needs its callback: trainer.add_callback(da.callback(trainer))"
             )
+        with self.timer.region("data"):  # what is left once the engine's own stages are recorded
+            return self._rollouts(prompts, trainer)
+
+    def _rollouts(self, prompts: list[Any], trainer: Any) -> dict[str, Any]:
+        assert self.engine is not None and self.drafts is not None
         rl = self.recipe.rl
         version = int(trainer.state.global_step)
         metrics = self.engine.prepare(policy_model(trainer), version, self.drafts.adapted_version)
+        self.timer.record("weight_sync", metrics.get("policy_sync_s", 0.0))
+        self.timer.record("draft_refresh", metrics.get("draft_offer_s", 0.0))
         prompt_ids = trainer._tokenize_prompts(prompts)[0]  # TRL's own chat template and tokenisation
         tensors = [torch.tensor(p, dtype=torch.long) for p in prompt_ids]
         plan = plan_given(self.recipe.seed, version, len(tensors), rl.frozen_fraction)
@@ -345,7 +379,13 @@ class DraftAlign:
         t0 = time.perf_counter()
         rollouts, tallies = self.engine.rollouts(plan, tensors, decoding)
         metrics["rollout_s"] = time.perf_counter() - t0
+        timings = dict(getattr(self.engine, "last_timings", {}))
+        swaps = timings.get("draft_swap_s", 0.0) + timings.get("verify_choice_s", 0.0)
+        self.timer.record("generation", metrics["rollout_s"] - swaps)
         served = self.engine.adapted
+        t0 = time.perf_counter()
+        metrics["draft_rolled_back"] = float(self.drafts.judge(served, tallies))
+        self.timer.record("draft_refresh", swaps + time.perf_counter() - t0)
         metrics["draft_version"] = float(served.version if served is not None else 0)
         metrics["draft_policy_version"] = float(served.policy_version if served is not None else 0)
         metrics["staleness"] = float(version - (served.policy_version if served is not None else 0))
@@ -353,6 +393,8 @@ class DraftAlign:
             tally = tallies[kind]
             metrics[f"accept_measured_{kind}"] = tally.mean_length() if tally.rounds else None
             metrics[f"accept_rounds_{kind}"] = float(tally.rounds)
+            for i, rate in enumerate(tally.per_position()):  # P_{i+1}, what advise projects from
+                metrics[f"accept_r{i}_{kind}"] = rate if tally.rounds else None
             metrics[f"rollouts_{kind}"] = float(sum(r.draft == kind for r in rollouts))
         if hasattr(self.engine, "metrics"):
             metrics.update(self.engine.metrics())

@@ -270,3 +270,85 @@ def test_guard_reference_is_the_serving_version_probed_just_before(rollouts, vll
     assert ref.history[-1].probe_acceptance_length == pytest.approx(1.15) and ref._probe_ref == pytest.approx(
         1.15
     )
+
+
+@needs_vllm
+def test_counter_guard_rolls_back_a_wiped_draft_after_one_step(rollouts, vllm_world, tmp_path):
+    """rl.draft_guard counters on vLLM: the verifier thread checks each new version, the engine loads it with
+    no probe, and a draft whose acceptance collapsed on its first step (vLLM's counters, against the frozen
+    draft's on the same step) is replaced at the next step boundary; the guard costs no decode."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from draft_align import data
+    from draft_align.config import CotrainRecipe, RLConfig
+    from draft_align.publish.versions import version_dir, write_latest
+    from draft_align.rl.draft_guard import CounterGuard
+    from draft_align.rl.drafts import DraftSource
+    from draft_align.rl.grpo import GRPOJob
+    from draft_align.rl.prompts import build_prompts, make_kl_sequences
+
+    tok = AutoTokenizer.from_pretrained(vllm_world.target)
+    prompts = build_prompts(tok, data.load_conversations(str(vllm_world.root / "chats.jsonl")), 8, 60)
+    rl = RLConfig(
+        steps=4,
+        prompts_per_step=2,
+        group_size=4,
+        max_new_tokens=16,
+        temperature=TEMPERATURE,
+        spec_k=K,
+        frozen_fraction=0.5,
+        reward="uppercase",
+        lr=1e-5,
+        lora_r=4,
+        lora_alpha=8,
+        micro_batch=8,
+        lora_targets=["q_proj", "v_proj"],
+    )
+    recipe = CotrainRecipe(run="guard", output_dir=str(tmp_path), seed=3, rl=rl)
+    policy = lora_policy(vllm_world.target, targets=("q_proj", "v_proj"))
+    eos = set(rollouts.eos)
+    kl = make_kl_sequences(policy, prompts[:2], max_new_tokens=6, eos_ids=eos, seed=0)
+    drafts = DraftSource(
+        recipe.run_dir,
+        version_dir(vllm_world.run, 1),
+        background=True,
+        guard=CounterGuard(),
+        poll_interval_s=0.02,
+    )
+    guard, rollouts.refresher.guard = rollouts.refresher.guard, None  # the engine probes nothing on a load
+    probes = len([h for h in rollouts.refresher.history if h.probe_acceptance_length is not None])
+    try:
+        job = GRPOJob(
+            recipe, policy, tok, prompts, kl, drafts, None, None, recipe.run_dir, eos, engine=rollouts
+        )
+
+        def publish(v):
+            shutil.copytree(version_dir(vllm_world.run, v), version_dir(recipe.run_dir, v))
+            write_latest(recipe.run_dir, version_dir(recipe.run_dir, v))
+            assert drafts.wait_verified(30.0)
+
+        m0 = job.step()  # the frozen draft on both kinds of rollouts
+        assert m0["draft_version"] == 0 and m0["accept_measured_adapted"] > 1.2
+        publish(2)  # the wiped lm_head: passes every file and shape check
+        m1 = job.step()
+        assert m1["draft_refreshed"] == 1 and m1["draft_version"] == 2  # it served this step ...
+        assert m1["accept_measured_adapted"] < 1.05 < 1.2 < m1["accept_measured_frozen"]
+        assert m1["draft_rolled_back"] == 1 and drafts.alarms == 1  # ... and was judged on it
+        m2 = job.step()  # the next boundary: the engine serves the frozen draft for adapted rollouts again
+        assert m2["draft_version"] == 0 and rollouts.adapted is None and m2["accept_measured_adapted"] > 1.2
+        assert m2["draft_rolled_back"] == 0 and m2["draft_refreshed"] == 0  # v2 is not picked up again
+        publish(3)
+        m3 = job.step()
+        assert (
+            m3["draft_version"] == 3 and m3["accept_measured_adapted"] > 1.2 and m3["draft_rolled_back"] == 0
+        )
+        assert drafts.probation is None and drafts.rollbacks == 1  # v3 passed on its first step
+        # no probe decode anywhere: the guard read the step's own counters
+        assert len([h for h in rollouts.refresher.history if h.probe_acceptance_length is not None]) == probes
+        for m in (m1, m3):
+            assert m["draft_offer_s"] < 1.0  # the load alone (the hash was done on the verifier thread)
+    finally:
+        rollouts.refresher.guard = guard
+        drafts.close()

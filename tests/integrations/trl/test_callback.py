@@ -49,6 +49,29 @@ def test_trl_run_taps_reports_and_logs_acceptance(tiny_run, tiny_env, tmp_path, 
     assert mon[0]["reward_mean"] == pytest.approx(logs[0]["reward"])
     assert (da.run_dir / "latest").exists()  # the sidecar published a draft (gate tolerance 100 here)
 
+    # the stage profile of each TRL step: timed apart, never past the step, other = the rest; in the monitor
+    # rows, report.md and advise
+    from draft_align.monitor.advise import advise_run
+    from draft_align.monitor.advise_text import format_advice
+    from draft_align.monitor.report import write_report
+    from draft_align.monitor.step_profile import LABELS, OTHER, STAGES, StepProfile
+
+    for r in mon[:3]:
+        p = StepProfile.from_metrics(r)
+        assert p is not None and p.step_s == r["stage_step_s"] > 0
+        assert p.timed_s <= p.step_s and p.timed_s + p.other_s == pytest.approx(p.step_s)
+        for stage in ("data", "generation", "train", "draft_refresh", "tap"):
+            assert r[f"stage_{stage}_s"] > 0, stage
+        assert r["stage_other_s"] < 0.5 * r["stage_step_s"]  # the hooks cover most of TRL's step
+        assert r["stage_generation_s"] <= r["rollout_s"]
+    for h in logs:
+        assert h["draft_align/stage_train_share"] > 0 and h["draft_align/stage_step_s"] > 0
+    write_report(da.run_dir)
+    report = (da.run_dir / "report.md").read_text()
+    assert "## Step profile" in report and all(LABELS[s] in report for s in (*STAGES, OTHER))
+    text = format_advice(advise_run(da.run_dir))
+    assert f"| {LABELS['train']} |" in text and f"| {LABELS['generation']} |" in text
+
 
 def test_trl_continues_when_the_sidecar_is_killed(tiny_run, tiny_env, tmp_path, make_trainer, caplog):
     da = _session(tiny_run, tmp_path, "trl-k9")
