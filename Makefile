@@ -18,8 +18,9 @@ setup: $(STAMP)
 fetch: $(STAMP)
 	$(PY) -m draft_align fetch all
 
+# GRPO on the verifiable `add` task with the in-domain warm-start first (recipes/smollm2_task_*.yaml)
 demo: fetch
-	$(PY) -m draft_align cotrain recipes/smollm2_cotrain.yaml
+	$(PY) -m draft_align cotrain recipes/smollm2_task_cotrain.yaml
 
 test: fetch
 	$(PY) -m pytest -q
@@ -48,7 +49,7 @@ BENCH_TARGETS := bench-warmstart bench-learning-curve bench-draft-vocab bench-ob
 	bench-objectives-finetune bench-train-step-profile bench-selfdistill-speed bench-vllm-engine \
 	bench-verify-choice bench-advise bench-drift bench-drift-vllm bench-drift-vllm-kl bench-drift-vllm-oracle \
 	bench-adapt-replay bench-drift-trigger bench-verify-drift bench-draft-variants bench-tap-stats \
-	bench-trl-drift bench-trl-overhead bench-trl-kl bench-soak bench-task-probe
+	bench-trl-drift bench-trl-overhead bench-trl-kl bench-soak bench-task-probe bench-task-pays
 .PHONY: bench bench-checkpoints $(BENCH_TARGETS)
 
 bench: $(BENCH_TARGETS)
@@ -58,10 +59,11 @@ BENCH_DRAFT := checkpoints/smollm2-bench-ttt/latest
 ALT_DRAFT := checkpoints/smollm2-bench-alt/latest
 ADVISE_DRAFT := checkpoints/advise-draft/latest
 DEMO_DRAFT := checkpoints/smollm2-demo/latest
+TASK_DRAFT := checkpoints/smollm2-task-draft/latest
 DRIFTED_POLICY := checkpoints/smollm2-drift/policy_merged/v0020
 ORACLE_RUN := checkpoints/smollm2-drift-vllm_oracle/sidecar/wire.rec
 SOFT_300S := checkpoints/obj-soft-300s/latest
-bench-checkpoints: $(BENCH_DRAFT) $(ALT_DRAFT) $(ADVISE_DRAFT) $(DEMO_DRAFT)
+bench-checkpoints: $(BENCH_DRAFT) $(ALT_DRAFT) $(ADVISE_DRAFT) $(DEMO_DRAFT) $(TASK_DRAFT)
 
 # the 16k-vocab drafts of the vLLM engine section (7- and 2.5-minute warm-starts)
 $(BENCH_DRAFT): | fetch
@@ -71,8 +73,12 @@ $(ALT_DRAFT): | fetch
 # the 8k-vocab draft of the advise section: the demo's warm-start recipe in fp32 for 360 s
 $(ADVISE_DRAFT): | fetch
 	$(PY) -m draft_align warmstart recipes/smollm2_demo.yaml run=advise-draft target.dtype=float32 train.time_budget_s=360
+# the general chat draft (fp32: this CPU has no native bf16)
 $(DEMO_DRAFT): | fetch
-	$(PY) -m draft_align warmstart recipes/smollm2_demo.yaml
+	$(PY) -m draft_align warmstart recipes/smollm2_demo.yaml target.dtype=float32
+# the in-domain draft for the `add` task (`make demo` builds the same one)
+$(TASK_DRAFT): | fetch
+	$(PY) -m draft_align warmstart recipes/smollm2_task_warmstart.yaml
 $(DRIFTED_POLICY):
 	$(MAKE) bench-drift
 $(ORACLE_RUN):
@@ -132,3 +138,5 @@ bench-soak: fetch $(DEMO_DRAFT)
 	$(PY) benchmarks/soak.py --minutes 10 --draft checkpoints/smollm2-demo
 bench-task-probe: fetch
 	$(PY) benchmarks/task_probe.py --prompts 16 --group 8 --max-new-tokens 64 --threads 1
+bench-task-pays: fetch $(TASK_DRAFT) $(DEMO_DRAFT)
+	$(PY) benchmarks/task_pays.py --speed-batches 1,16 --oracle-gen-s 60 --oracle-train-s 90
