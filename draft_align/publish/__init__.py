@@ -9,6 +9,8 @@ compatibility checks in ``compat``, adapter-only deltas in ``lora_delta`` (docs/
 - ``eagle3_format.py``, ``mtp_format.py``: the engine formats; ``config_json.py``: the config.json fields both write;
 - ``compat.py``: whether a draft fits a target; ``tap_spec.py``: what a Tap needs to know of a published draft;
 - ``lora_delta.py``: adapter-only deltas;
+- ``native_mtp_format.py``: a model's own MTP layers under its own tensor names, the folder vLLM's MTP drafter
+  loads (docs/mtp.md);
 - ``sglang.py``: SGLang's loader rules as a check; ``sglang_client.py``, ``speculators.py``: those libraries as
   clients of our folders.
 """
