@@ -510,10 +510,10 @@ def from_checkpoint(
             sd[k] = torch.zeros(own[k].shape, dtype=torch.float32)
             continue
         raise DraftConfigError(f"no checkpoint tensor feeds {k}")
+    # copies: the head trains in place and must never write into the caller's checkpoint tensors
+    want_dtype = {k: dtype if dtype is not None and v.is_floating_point() else v.dtype for k, v in sd.items()}
     draft.load_state_dict(
-        {k: v.to(dtype) if dtype is not None and v.is_floating_point() else v for k, v in sd.items()},
-        strict=False,
-        assign=True,
+        {k: v.detach().to(want_dtype[k], copy=True) for k, v in sd.items()}, strict=False, assign=True
     )
     # non-persistent buffers (RoPE inverse frequencies, vocabulary maps) are rebuilt off the meta device
     fresh_rotary = getattr(importlib.import_module(fam.module), fam.rotary_class)(cfg.hf_config())
