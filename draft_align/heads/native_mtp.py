@@ -325,14 +325,18 @@ class NativeMTPDraft(nn.Module):
             di = self.cfg.depth_of_step(j)
             layer = self.layers[di]
             pos = starts + j
-            if j == 0:
-                x = x0.gather(1, starts.unsqueeze(-1).expand(b, m, x0.shape[-1]))
-            else:
-                x = layer.fuse(self._embed(embed, chain_tokens(input_ids, starts, j), pos), prev)
+            if j == 0:  # step 0 is the context row at s itself (depth 0 over the committed context)
+                out_all = self._run(layer, x0, pos_all, ctx_ctx.unsqueeze(1))  # [B, T, H]
+                out = out_all.gather(1, starts.unsqueeze(-1).expand(b, m, out_all.shape[-1]))
+                normed = layer.out_norm(out)
+                hidden.append(normed)
+                prev = normed if self.cfg.spec.chain_normed else out
+                continue
+            x = layer.fuse(self._embed(embed, chain_tokens(input_ids, starts, j), pos), prev)
             rows[di].append(x)
             row_pos[di].append(pos)
             n = len(rows[di])
-            # chain row of group i (the i-th step this depth ran) sees groups 0..i of its own chain
+            # the chain's i-th row at this depth sees rows 0..i of its own chain at this depth
             chain = [torch.cat([same] * (i + 1) + [none] * (n - i - 1), dim=2) for i in range(n)]
             if di == 0:
                 xs = torch.cat([x0, *rows[0]], dim=1)
