@@ -44,6 +44,11 @@ def write_draft(draft: DraftHead, out_dir: Path, req: ExportRequest) -> dict[str
     as written (``files`` holds each file's sha256 and size)."""
     if is_lora(draft):  # engines load plain weights
         draft = merged(draft)  # type: ignore[assignment]
+    if draft.kind == "native_mtp":
+        raise ExportError(
+            "a model's own MTP layers are written by publish.native_mtp_format.write_native_mtp "
+            "(the folder also needs the target's shared embedding and head)"
+        )
     if draft.kind == "mtp":
         if req.dialect != "hf":
             raise ExportError(
@@ -134,6 +139,8 @@ def engine_tensors(draft: DraftHead, dtype: torch.dtype = torch.bfloat16) -> dic
     """Exactly the tensors a publish of this (plain) draft writes to model.safetensors (HF dialect)."""
     if is_lora(draft):
         raise DraftConfigError("merge the adapters first (engine tensors are plain weights)")
+    if draft.kind == "native_mtp":
+        raise DraftConfigError("a model's own MTP layers: publish.native_mtp_format.engine_tensors")
     if draft.kind == "mtp":
         return mtp_format.engine_tensors(draft, dtype)  # type: ignore[arg-type]
     return eagle3_format.engine_tensors(draft, dtype, "hf")  # type: ignore[arg-type]
