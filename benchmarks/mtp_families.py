@@ -81,6 +81,10 @@ def cfg_for(fam):
             qk_rope_head_dim=32,
             v_head_dim=64,
         )
+        c.topk_method, c.scoring_func = (
+            "noaux_tc",
+            "sigmoid",
+        )  # as DeepSeek-V3's config.json (vLLM reads them)
         arch = "DeepseekV3ForCausalLM"
     elif fam == "qwen3_next":
         c = T.Qwen3NextConfig(
@@ -203,6 +207,7 @@ def build(fam, out: Path):
 
     torch.manual_seed(0)
     c = cfg_for(fam)
+    arch = list(c.architectures)  # save_pretrained overwrites it with the class it built (Qwen2 for MiMo)
     m = AutoModelForCausalLM.from_config(c)
     m.save_pretrained(out)
     sd = {}
@@ -214,6 +219,7 @@ def build(fam, out: Path):
     st.save_file({k: v.contiguous() for k, v in new.items()}, str(out / "model.safetensors"))
     cj = json.loads((out / "config.json").read_text())
     cj["num_hidden_layers"] = N
+    cj["architectures"] = arch
     if isinstance(cj.get("layer_types"), list):
         cj["layer_types"] = cj["layer_types"][:N]
     if fam == "mimo":
