@@ -76,15 +76,13 @@ def cfg_for(fam):
             num_hidden_layers=N + D,
             num_nextn_predict_layers=D,
             q_lora_rank=None,
-            kv_lora_rank=64,
-            qk_nope_head_dim=32,
-            qk_rope_head_dim=32,
+            kv_lora_rank=512,  # vLLM's MLA takes latent + rope = 320, 512 or 576 (DeepSeek-V3: 512 + 64)
+            qk_nope_head_dim=64,
+            qk_rope_head_dim=64,
             v_head_dim=64,
         )
-        c.topk_method, c.scoring_func = (
-            "noaux_tc",
-            "sigmoid",
-        )  # as DeepSeek-V3's config.json (vLLM reads them)
+        # the router DeepSeek-V3's config.json names (vLLM builds e_score_correction_bias only for noaux_tc)
+        c.topk_method, c.scoring_func = "noaux_tc", "sigmoid"
         arch = "DeepseekV3ForCausalLM"
     elif fam == "qwen3_next":
         c = T.Qwen3NextConfig(
@@ -117,9 +115,20 @@ def cfg_for(fam):
         c.mtp_num_hidden_layers = D
         arch = "Qwen3_5ForCausalLM"
     elif fam == "ernie":
-        c = T.Ernie4_5Config(**COMMON, intermediate_size=256, num_hidden_layers=N + D)
+        # ERNIE-4.5 MoE trunk (vLLM maps only ernie4_5_moe to ErnieMTP); its MTP block is a dense Llama layer, so
+        # layer N (the MTP block here) stays dense: experts in layer 1 only
+        c = T.Ernie4_5_MoeConfig(
+            **COMMON,
+            intermediate_size=256,
+            moe_intermediate_size=64,
+            moe_num_experts=4,
+            moe_k=2,
+            moe_layer_start_index=1,
+            moe_layer_end_index=1,
+            num_hidden_layers=N + D,
+        )
         c.num_nextn_predict_layers = D
-        arch = "Ernie4_5ForCausalLM"
+        arch = "Ernie4_5_MoeForCausalLM"
     elif fam == "glm4_moe_lite":
         c = T.Glm4MoeLiteConfig(
             **{k: v for k, v in COMMON.items() if k != "head_dim"},
@@ -134,9 +143,9 @@ def cfg_for(fam):
             num_hidden_layers=N + D,
             num_nextn_predict_layers=D,
             q_lora_rank=None,
-            kv_lora_rank=64,
-            qk_nope_head_dim=32,
-            qk_rope_head_dim=32,
+            kv_lora_rank=512,  # vLLM's MLA takes latent + rope = 320, 512 or 576 (DeepSeek-V3: 512 + 64)
+            qk_nope_head_dim=64,
+            qk_rope_head_dim=64,
             v_head_dim=64,
         )
         arch = "Glm4MoeLiteForCausalLM"
