@@ -196,6 +196,7 @@ class NativeMTPConfig:
             cfg.layer_types = list(types) + ["full_attention"] * self.depth
         cfg.num_hidden_layers = self.target_num_layers + self.depth
         cfg._attn_implementation = "sdpa"  # a 4-D additive mask: the TTT chains
+        cfg._experts_implementation = "eager"  # the experts' own loop (a standalone layer has no dispatch)
         return cfg
 
 

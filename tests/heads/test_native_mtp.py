@@ -208,3 +208,40 @@ def test_mismatched_vocabulary(ckpt):
             bad[k] = torch.zeros(cfg.vocab_size + 1, cfg.hidden_size)
     with pytest.raises(DraftConfigError, match="has shape"):
         head(cfg, bad)
+
+
+def test_the_projects_trainer_trains_it(ckpt):
+    """DraftTrainer (the EAGLE-3 trainer: TTT over K = 2 steps, soft CE against the target's distribution)
+    trains the native head from the target's final hidden states, as the sidecar would feed them."""
+    from draft_align.train.objective import LossSettings
+    from draft_align.train.records import Record, collate
+    from draft_align.train.trainer import DraftTrainer, OptimSettings
+
+    family, depth, cfg, tensors, out = ckpt
+    if depth != 1:
+        pytest.skip("one depth is enough here")
+    draft = head(cfg, tensors)
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    prompts = torch.randint(3, cfg.vocab_size, (6, 4), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        ids = model.generate(prompts, max_new_tokens=24, do_sample=False, pad_token_id=0)
+        hidden = model(ids, output_hidden_states=True).hidden_states[-1]
+    records = []
+    for i in range(ids.shape[0]):
+        mask = torch.zeros(ids.shape[1], dtype=torch.bool)
+        mask[4:] = True  # the response
+        records.append(Record(ids[i], mask, hidden[i], hidden[i]))  # aux = final = hidden_states[L]
+    batch = collate(records, steps=2)
+    trainer = DraftTrainer(
+        draft,
+        model.get_input_embeddings(),
+        model.lm_head.weight.detach(),
+        OptimSettings(lr=3e-3, warmup_steps=0, total_steps=40),
+        LossSettings(ttt_steps=2, step_decay=0.6, autocast_bf16=False),
+    )
+    first = trainer.train_step(batch)
+    for _ in range(39):
+        last = trainer.train_step(batch)
+    assert last["ce_0"] < 0.7 * first["ce_0"] and last["acc_0"] > first["acc_0"]
+    assert not draft.lm_head.weight.requires_grad  # the shared head never trains
