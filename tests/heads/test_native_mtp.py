@@ -24,7 +24,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def ckpt(request, tmp_path_factory):
     family, depth = request.param
     out = tmp_path_factory.mktemp(f"{family}{depth}")
-    cfg, tensors = save_checkpoint(family, out, depth=depth)
+    cfg, tensors = save_checkpoint(family, out, depth=depth, logit_scale=15.0)  # peaky: soft CE can fall
     return family, depth, cfg, tensors, out
 
 
