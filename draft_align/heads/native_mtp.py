@@ -2,7 +2,8 @@
 (docs/mtp.md).
 
 Only the MTP glue is written here, once for every family; the block is the family's transformers decoder layer
-(``Qwen2DecoderLayer`` for MiMo, ``Glm4MoeDecoderLayer`` with its mixture of experts for GLM-4.5), built from
+(``Qwen2DecoderLayer`` for MiMo, ``Glm4MoeDecoderLayer`` with its mixture of experts for GLM-4.5,
+``DeepseekV3DecoderLayer`` with MLA and experts for DeepSeek-V3), built from
 the target's own config with the layer index the checkpoint gives it (N + d).  Depth d at position t::
 
     e   = embed_target(x[t+1])  (0 at position 0)                    # [H] the target's embedding, frozen
@@ -13,7 +14,8 @@ the target's own config with the layer index the checkpoint gives it (N + d).  D
 ``h`` is the target's final post-norm hidden state (HF ``hidden_states[L]``) for step 0 and the previous
 step's chained hidden afterwards: ``out`` for GLM-4.5 (vLLM's ``Glm4MoeMultiTokenPredictorLayer`` returns the
 pre-norm output and ``compute_logits`` applies ``shared_head.norm``), ``out_norm(out)`` for MiMo (its layer
-returns ``final_layernorm(out)``).  Step j runs at RoPE position t+j on depth 0 (``steps_run="first"``:
+returns ``final_layernorm(out)``) and DeepSeek-V3 (vLLM 0.32's layer returns ``(out, shared_head(out))`` and
+recycles the second).  Step j runs at RoPE position t+j on depth 0 (``steps_run="first"``:
 vLLM 0.32's proposer never passes ``spec_step_idx``, so every draft step runs the first MTP layer) or on depth
 j mod D (``"cycle"``, what ``spec_step_idx % num_mtp_layers`` would give); its attention sees depth 0's keys of
 the committed context 0..t and the earlier steps of its own chain that ran the same depth.
@@ -102,6 +104,24 @@ FAMILIES: dict[str, MTPFamily] = {
         head="shared_head.head",
         hidden_first=False,
         chain_normed=False,
+    ),
+    "deepseek_v3": MTPFamily(
+        name="deepseek_v3",
+        architecture="DeepseekV3ForCausalLM",
+        module="transformers.models.deepseek_v3.modeling_deepseek_v3",
+        layer_class="DeepseekV3DecoderLayer",
+        rotary_class="DeepseekV3RotaryEmbedding",
+        norm_class="DeepseekV3RMSNorm",
+        prefix="model.layers.{n}.",
+        glue=(
+            ("emb_norm", "enorm"),
+            ("hidden_norm", "hnorm"),
+            ("proj", "eh_proj"),
+            ("out_norm", "shared_head.norm"),
+        ),
+        head="shared_head.head",
+        hidden_first=False,
+        chain_normed=True,  # vLLM 0.32's DeepSeekMTP recycles shared_head.norm(out) (as SGLang's nextn)
     ),
 }
 

@@ -13,7 +13,7 @@ from draft_align.heads.eagle3 import DraftConfigError
 from draft_align.heads.native_mtp import NativeMTPConfig, from_checkpoint, to_checkpoint
 from tests.mtp_models import N_LAYERS, family_config, mtp_names, save_checkpoint
 
-FAMILIES = ("mimo", "glm4_moe")
+FAMILIES = ("mimo", "glm4_moe", "deepseek_v3")
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -47,9 +47,10 @@ def test_block_is_the_families_own_layer(ckpt):
     family, depth, cfg, tensors, _ = ckpt
     draft = head(cfg, tensors)
     kinds = {type(layer.block).__name__ for layer in draft.layers}
-    assert kinds == {"Qwen2DecoderLayer" if family == "mimo" else "Glm4MoeDecoderLayer"}
-    if family == "glm4_moe":  # layer N ≥ first_k_dense_replace: the checkpoint's MTP layer is a MoE layer
-        assert type(draft.layers[0].block.mlp).__name__ == "Glm4MoeMoE"
+    want = {"mimo": "Qwen2", "glm4_moe": "Glm4Moe", "deepseek_v3": "DeepseekV3"}[family]
+    assert kinds == {f"{want}DecoderLayer"}
+    if family != "mimo":  # layer N ≥ first_k_dense_replace: the checkpoint's MTP layer is a MoE layer
+        assert type(draft.layers[0].block.mlp).__name__ == f"{want}MoE"
 
 
 def _target_hidden(out, ids):
