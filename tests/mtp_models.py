@@ -59,7 +59,8 @@ def family_config(family: str, depth: int = 1, n_layers: int = N_LAYERS) -> Any:
         )
         c.architectures = ["Glm4MoeForCausalLM"]
     elif family == "deepseek_v3":
-        common = {k: v for k, v in COMMON.items() if k != "head_dim"}
+        # MLA has no grouped K/V: transformers' DeepSeek attention needs as many K/V heads as query heads
+        common = {**{k: v for k, v in COMMON.items() if k != "head_dim"}, "num_key_value_heads": 2}
         c = T.DeepseekV3Config(
             **common,
             intermediate_size=256,

@@ -18,7 +18,7 @@ from tests.mtp_models import family_config, mtp_names, save_checkpoint
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(scope="module", params=["mimo", "glm4_moe"])
+@pytest.fixture(scope="module", params=["mimo", "glm4_moe", "deepseek_v3"])
 def ckpt(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(request.param)
     cfg, tensors = save_checkpoint(request.param, out)
