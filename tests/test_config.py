@@ -288,14 +288,14 @@ def test_choices_come_from_their_one_source():
 
     from draft_align.cli import build_parser
     from draft_align.config.choices import DtypeChoice, HeadChoice, MTPLayoutChoice, VerifyModeChoice
-    from draft_align.conventions import FLOAT_DTYPE_NAMES, VERIFY_MODES
+    from draft_align.conventions import FLOAT_DTYPE_NAMES, RECIPE_HEAD_KINDS, VERIFY_MODES
     from draft_align.heads.mtp import Layout
     from draft_align.heads.protocol import HeadKind
 
     assert tuple(VerifyModeChoice) == VERIFY_MODES and tuple(DtypeChoice) == FLOAT_DTYPE_NAMES
-    assert tuple(HeadChoice) == typing.get_args(HeadKind) and tuple(MTPLayoutChoice) == typing.get_args(
-        Layout
-    )
+    # a recipe names the heads the warm-start and sidecar build; native_mtp is a HeadKind, not yet a choice
+    assert tuple(HeadChoice) == RECIPE_HEAD_KINDS and set(RECIPE_HEAD_KINDS) < set(typing.get_args(HeadKind))
+    assert tuple(MTPLayoutChoice) == typing.get_args(Layout)
     ev = next(
         a
         for a in build_parser()._subparsers._group_actions[0].choices["eval"]._actions
