@@ -132,3 +132,8 @@ bench-soak: fetch $(DEMO_DRAFT)
 	$(PY) benchmarks/soak.py --minutes 10 --draft checkpoints/smollm2-demo
 bench-task-probe: fetch
 	$(PY) benchmarks/task_probe.py --prompts 16 --group 8 --max-new-tokens 64 --threads 1
+# Not in BENCH_TARGETS until RESULTS.md records its run (tests/test_results_md.py: every listed target's command
+# is one RESULTS.md records); list it there with the run's section.
+.PHONY: bench-ray-vs-process
+bench-ray-vs-process: fetch $(DEMO_DRAFT)
+	$(PY) benchmarks/ray_vs_process.py --repeats 5 --draft checkpoints/smollm2-demo
