@@ -541,8 +541,12 @@ class _SmallDiskRecording:
                 small.rmdir()
 
     def overrides(self) -> list[str]:
-        cap = [] if self.bound else [f"sidecar.record_wire_mb={self.size_mb}"]
-        return ["sidecar.record_wire=true", *cap]
+        """Bound: no reserve beyond its floor (32 bytes per draft parameter, free on the run folder's disk, which
+        the default 2048 MiB would exceed on the soak's disk and stop the recording at its first message), so
+        that the small disk itself fills up; else the cap."""
+        if self.bound:
+            return ["sidecar.record_wire=true", "sidecar.record_wire_reserve_mb=0"]
+        return ["sidecar.record_wire=true", f"sidecar.record_wire_mb={self.size_mb}"]
 
     def watch(self, t_run: float) -> None:
         """New stop lines in the sidecar's log (``t_run``: seconds into the run, for each one found)."""
