@@ -14,8 +14,9 @@ Each trial starts from a fresh run folder (the same recipe, the same starting dr
 - **tap throughput and train-step rate**: a ``TapSender`` in this process feeds synthetic ``TapBatch``es
   (``TapBatch.make_dummy`` with the draft's shapes, one HeadSync first, a StepReport after every
   ``--batches-per-step`` batches) as fast as the sidecar takes them (it waits while its own queue holds 4);
-  the rates are the sidecar's ``sidecar_ingested_tokens`` and ``sidecar_train_steps`` counters (its
-  ``monitor.jsonl`` rows) over ``--feed-s`` seconds after ``--warm-s``, by this process's clock.
+  the rates are the growth of the sidecar's ``sidecar_ingested_tokens`` and ``sidecar_train_steps`` counters
+  from the first to the last of its ``monitor.jsonl`` rows (one per StepReport, by each row's own time) written
+  in the ``--feed-s`` seconds after ``--warm-s``.
 - **kill → next publish**: the feeder paced (one step of one batch every ``--step-s``, a new policy version
   and its HeadSync every step), SIGKILL of the sidecar's process; in process mode it is spawned again at
   once (what a supervisor does), in Ray mode Ray restarts the actor (``ray.max_restarts``).  Seconds until
@@ -79,6 +80,7 @@ class Trial:
     train_steps_per_s: float | None = None
     train_tokens_per_s: float | None = None
     sidecar_ingest_tokens_per_s: float | None = None  # the sidecar's own: tokens / seconds spent ingesting
+    feed_rows: int = 0  # monitoring rows in the feed window (the rates need 2)
     kill_to_ready_s: float | None = None
     kill_to_publish_s: float | None = None
     version_before_kill: int | None = None
@@ -248,22 +250,33 @@ def _latest_version(run_dir: Path) -> int:
         return 0
 
 
-def _last_row(run_dir: Path) -> dict[str, Any] | None:
+def _rows(run_dir: Path, t_from: float, t_to: float) -> list[dict[str, Any]]:
+    """The sidecar's monitoring rows written between wall-clock times ``t_from`` and ``t_to`` (its own clock,
+    the row's ``time``)."""
     from draft_align.sidecar.layout import MONITOR_FILE, SIDECAR_DIR
 
     try:
-        with open(run_dir / SIDECAR_DIR / MONITOR_FILE, "rb") as f:
-            f.seek(0, 2)
-            f.seek(max(0, f.tell() - 65536))
-            lines = f.read().splitlines()
+        lines = (run_dir / SIDECAR_DIR / MONITOR_FILE).read_text(errors="replace").splitlines()
     except OSError:
-        return None
-    for line in reversed(lines):
+        return []
+    rows = []
+    for line in lines:
         try:
-            return json.loads(line)
+            row = json.loads(line)
         except ValueError:
             continue
-    return None
+        if isinstance(row.get("time"), (int, float)) and t_from <= row["time"] <= t_to:
+            rows.append(row)
+    return rows
+
+
+def _rate(first: dict[str, Any], last: dict[str, Any], key: str) -> float | None:
+    """Growth per second of the counter ``key`` from row ``first`` to row ``last``."""
+    dt = last["time"] - first["time"]
+    a, b = first.get(key), last.get(key)
+    if dt <= 0 or not isinstance(a, (int, float)) or not isinstance(b, (int, float)):
+        return None
+    return (b - a) / dt
 
 
 def _wait(cond: Any, timeout_s: float, every_s: float = 0.02) -> float | None:
@@ -384,6 +397,20 @@ class _Host:
             shutil.rmtree(self.tmp_ray, ignore_errors=True)
 
 
+def _print_logs(run_dir: Path, ray_tmp: str | None) -> None:
+    """The last lines of a failed trial's sidecar logs (the run folder's, and Ray's worker logs)."""
+    logs = [run_dir / "sidecar.log"]
+    if ray_tmp:
+        logs += sorted(Path(ray_tmp).glob("session_*/logs/worker-*.err"))
+    for p in logs:
+        try:
+            tail = p.read_text(errors="replace").splitlines()[-15:]
+        except OSError:
+            continue
+        if tail:
+            print(f"ray_vs_process: --- {p.name}", *tail, sep="\n", file=sys.stderr, flush=True)
+
+
 def run_trial(mode: str, repeat: int, a: argparse.Namespace, out: Path) -> Trial:
     from draft_align.cotrain import write_resolved
     from draft_align.publish import load_draft
@@ -426,20 +453,19 @@ def run_trial(mode: str, repeat: int, a: argparse.Namespace, out: Path) -> Trial
                 time.sleep(0.5)
 
         sample_until(time.monotonic() + a.warm_s)
-        row0, t_a = _last_row(recipe.run_dir), time.monotonic()
-        sample_until(t_a + a.feed_s)
-        row1, t_b = _last_row(recipe.run_dir), time.monotonic()
+        wall_a = time.time()
+        sample_until(time.monotonic() + a.feed_s)
+        wall_b = time.time()
         trial.sidecar_rss_mib = max(rss) if rss else None
         if mode == "ray":
             trial.ray_rss_mib, trial.ray_processes = _descendants_rss({pid})
-        if row0 and row1:
-            dt = t_b - t_a
-            trial.ingest_tokens_per_s = (
-                row1["sidecar_ingested_tokens"] - row0["sidecar_ingested_tokens"]
-            ) / dt
-            trial.train_steps_per_s = (row1["sidecar_train_steps"] - row0["sidecar_train_steps"]) / dt
-            trial.train_tokens_per_s = (row1["sidecar_trained_tokens"] - row0["sidecar_trained_tokens"]) / dt
-            trial.sidecar_ingest_tokens_per_s = row1.get("sidecar_ingest_tokens_per_s")
+        rows = _rows(recipe.run_dir, wall_a, wall_b)
+        trial.feed_rows = len(rows)
+        if len(rows) >= 2:  # the first and last rows of the window: the sidecar's counters and clock
+            trial.ingest_tokens_per_s = _rate(rows[0], rows[-1], "sidecar_ingested_tokens")
+            trial.train_steps_per_s = _rate(rows[0], rows[-1], "sidecar_train_steps")
+            trial.train_tokens_per_s = _rate(rows[0], rows[-1], "sidecar_trained_tokens")
+            trial.sidecar_ingest_tokens_per_s = rows[-1].get("sidecar_ingest_tokens_per_s")
 
         # kill → next publish, the feeder paced as an RL job's steps
         feeder.configure(1, a.step_s, 1)
@@ -465,6 +491,8 @@ def run_trial(mode: str, repeat: int, a: argparse.Namespace, out: Path) -> Trial
     finally:
         if feeder is not None:
             trial.sender = feeder.close()
+        if trial.error:
+            _print_logs(recipe.run_dir, host.tmp_ray)
         host.stop()
         shutil.rmtree(run_root, ignore_errors=True)
 
@@ -547,9 +575,9 @@ def markdown(r: dict[str, Any]) -> str:
     errors = [f"{t['mode']} #{t['repeat']}: {t['error']}" for t in r["trials"] if t.get("error")]
     lines += [
         "",
-        "Ray's processes: every descendant of the benchmark process but the actor's (GCS server, raylet, idle "
-        "workers, …), RSS summed (shared pages counted in each); the cluster's start is not in the Ray "
-        "start-up figure (on a cluster it is already running). Kill → ready: until the restarted sidecar's "
+        "Ray's processes: every descendant of the benchmark process but the actor's (GCS server, raylet, the "
+        "registry actor's worker, idle workers, …), RSS summed (shared pages counted in each); the cluster's "
+        "start is not in the Ray start-up figure (on a cluster it is already running). Kill → ready: until the restarted sidecar's "
         "`ready.json`; kill → publish: until `latest` names a newer version (the restarted sidecar needs the "
         "next step's HeadSync and one train step first). Per-trial figures: `benchmarks/out/ray_vs_process.json`.",
         "",
@@ -590,7 +618,10 @@ def main() -> int:
     try:
         for rep in range(a.repeats):
             for mode in MODES if rep % 2 == 0 else MODES[::-1]:
-                t = run_trial(mode, rep, a, out)
+                try:
+                    t = run_trial(mode, rep, a, out)
+                except Exception as e:  # noqa: BLE001 - one failed trial is recorded, the others run
+                    t = Trial(mode=mode, repeat=rep, error=f"{type(e).__name__}: {e}"[:300])
                 trials.append(t)
                 print(f"ray_vs_process: {json.dumps(asdict(t))}", flush=True)
     finally:
