@@ -334,11 +334,13 @@ class _Host:
         self.proc: subprocess.Popen | None = None
         self.ray_sidecar: Any = None
         self.tmp_ray: str | None = None
+        self.t_request = 0.0  # when the sidecar was asked for (after the Ray cluster's own start)
 
     def start(self, trial: Trial) -> None:
         from draft_align.cotrain import spawn_sidecar
 
         if self.mode == "process":
+            self.t_request = time.monotonic()
             self.proc = spawn_sidecar(self.resolved, self.start_draft, self.recipe.run_dir / "sidecar.log")
             return
         import ray
@@ -364,6 +366,7 @@ class _Host:
             },
         )
         trial.ray_cluster_start_s = time.monotonic() - t0
+        self.t_request = time.monotonic()
         self.ray_sidecar = RaySidecar.start(self.recipe, self.start_draft, self.resolved)
 
     def after_ready(self, trial: Trial, t0: float) -> None:
@@ -387,12 +390,14 @@ class _Host:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        if self.ray_sidecar is not None:
+        if self.mode == "ray":
             import ray
 
-            self.ray_sidecar.stop(timeout_s=30)
-            ray.shutdown()
-            self.ray_sidecar = None
+            if self.ray_sidecar is not None:
+                self.ray_sidecar.stop(timeout_s=30)
+                self.ray_sidecar = None
+            if ray.is_initialized():
+                ray.shutdown()
         if self.tmp_ray:
             shutil.rmtree(self.tmp_ray, ignore_errors=True)
 
@@ -429,7 +434,7 @@ def run_trial(mode: str, repeat: int, a: argparse.Namespace, out: Path) -> Trial
     feeder: Feeder | None = None
     try:
         host.start(trial)
-        t_actor = time.monotonic()
+        t_actor = host.t_request
         waited = _wait(lambda: _ready_pid(recipe.run_dir)[0] is not None, a.timeout_s, 0.05)
         if waited is None:
             trial.error = "not ready"
