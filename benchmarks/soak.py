@@ -607,6 +607,13 @@ class _SmallDiskRecording:
         out["published_after_first_stop"] = len(pubs)
         out["monitor_rows_after_first_stop"] = len(rows)
         out["train_steps_after_first_stop"] = (max(steps) - min(steps)) if steps else 0
+        out["goal_met"] = (
+            1 <= out["stop_lines"] <= incarnations
+            and out.get("read_error") is None
+            and out.get("damaged") == 0
+            and out["published_after_first_stop"] > 0
+            and out["train_steps_after_first_stop"] > 0
+        )
         if self.bound:
             subprocess.run(["umount", str(self.path)], capture_output=True)
         if self.small is not None:
@@ -1082,11 +1089,16 @@ def _recording(d: dict[str, Any]) -> str:
     )
     stops = d.get("stops") or []
     first = f" (first at {stops[0]['t_s']} s: {stops[0]['why']})" if stops else ""
+    after = (
+        f"after the first stop: {d['published_after_first_stop']} publishes, "
+        f"{d['train_steps_after_first_stop']} train steps, {d['monitor_rows_after_first_stop']} monitoring rows"
+        if stops
+        else "the recording never stopped (its disk did not fill)"
+    )
     return (
-        f"{d['disk']}; stop lines {d['stop_lines']} for {d['incarnations']} sidecar incarnations{first}; "
-        f"file {d.get('file_bytes', 0) / 2**20:.1f} MiB, {read}; after the first stop: "
-        f"{d['published_after_first_stop']} publishes, {d['train_steps_after_first_stop']} train steps, "
-        f"{d['monitor_rows_after_first_stop']} monitoring rows"
+        f"goal met: {'yes' if d.get('goal_met') else 'no'}; {d['disk']}; stop lines {d['stop_lines']} for "
+        f"{d['incarnations']} sidecar incarnations{first}; file {d.get('file_bytes', 0) / 2**20:.1f} MiB, "
+        f"{read}; {after}"
     )
 
 
