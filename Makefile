@@ -140,3 +140,8 @@ bench-task-probe: fetch
 	$(PY) benchmarks/task_probe.py --prompts 16 --group 8 --max-new-tokens 64 --threads 1
 bench-task-pays: fetch $(TASK_DRAFT) $(DEMO_DRAFT)
 	$(PY) benchmarks/task_pays.py --speed-batches 1,16 --oracle-gen-s 60 --oracle-train-s 90
+# Not in BENCH_TARGETS until RESULTS.md records its run (tests/test_results_md.py: every listed target's command
+# is one RESULTS.md records); list it there with the run's section.
+.PHONY: bench-ray-vs-process
+bench-ray-vs-process: fetch $(DEMO_DRAFT)
+	$(PY) benchmarks/ray_vs_process.py --repeats 5 --draft checkpoints/smollm2-demo
