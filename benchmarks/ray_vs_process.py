@@ -485,6 +485,10 @@ def run_trial(mode: str, repeat: int, a: argparse.Namespace, out: Path) -> Trial
         trial.kill_to_ready_s = _wait(
             lambda: _ready_pid(recipe.run_dir)[0] not in (None, pid), a.timeout_s, 0.02
         )
+        if trial.kill_to_ready_s is None:  # e.g. Ray gave up starting its worker (a starved machine)
+            trial.error = f"not ready again within {a.timeout_s:.0f} s of the kill"
+            trial.version_after_kill = _latest_version(recipe.run_dir)
+            return trial
         got = _wait(
             lambda: _latest_version(recipe.run_dir) > before, a.timeout_s - (time.monotonic() - t_kill)
         )
