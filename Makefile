@@ -49,7 +49,7 @@ BENCH_TARGETS := bench-warmstart bench-learning-curve bench-draft-vocab bench-ob
 	bench-objectives-finetune bench-train-step-profile bench-selfdistill-speed bench-vllm-engine \
 	bench-verify-choice bench-advise bench-drift bench-drift-vllm bench-drift-vllm-kl bench-drift-vllm-oracle \
 	bench-adapt-replay bench-drift-trigger bench-verify-drift bench-draft-variants bench-tap-stats \
-	bench-trl-drift bench-trl-overhead bench-trl-kl bench-soak bench-task-probe bench-task-pays
+	bench-trl-drift bench-trl-overhead bench-trl-kl bench-soak bench-task-probe bench-task-pays bench-draft-swap-cost
 .PHONY: bench bench-checkpoints $(BENCH_TARGETS)
 
 bench: $(BENCH_TARGETS)
@@ -138,6 +138,8 @@ bench-soak: fetch $(DEMO_DRAFT)
 	$(PY) benchmarks/soak.py --minutes 10 --draft checkpoints/smollm2-demo
 bench-task-probe: fetch
 	$(PY) benchmarks/task_probe.py --prompts 16 --group 8 --max-new-tokens 64 --threads 1
+bench-draft-swap-cost: fetch
+	$(PY) benchmarks/draft_swap_cost.py --swaps 3
 bench-task-pays: fetch $(TASK_DRAFT) $(DEMO_DRAFT)
 	$(PY) benchmarks/task_pays.py --speed-batches 1,16 --oracle-gen-s 60 --oracle-train-s 90
 # Not in BENCH_TARGETS until RESULTS.md records its run (tests/test_results_md.py: every listed target's command
