@@ -453,6 +453,9 @@ def main() -> int:
     for v in args.speed_at:
         if v == 0:
             continue
+        if args.skip_run and str(v) in earlier.get("speed", {}):  # measured with the run: kept
+            result["speed"][str(v)] = earlier["speed"][str(v)]
+            continue
         adapted, mode = adapted_at(v)
         result["speed"][str(v)] = speed_ab(
             policy_at(recipe, v), adapted, recipe, rl.spec_k, mode, prompts, batches

