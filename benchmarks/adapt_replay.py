@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/adapt_replay.py --run checkpoints/smollm2-drift-vllm_oracle \
         [--arms base,cap16,old,noramp,nofresh] [--train-tokens-per-step 9216] [--threads 2] [--name NAME]
 
-The run must have been made with ``sidecar.record_wire=true`` (``<run>/sidecar/wire.rec``, wire/recording.py).
+The run must have been made with ``sidecar.recording.enabled=true`` (``<run>/sidecar/wire.rec``, wire/recording.py).
 Every arm is a fresh sidecar with the run's resolved recipe (``<run>/cotrain_recipe.yaml``) plus the arm's
 overrides, starting from the run's starting draft.  The recording's messages are handed to it in their
 recorded order (``Sidecar.handle``, the path ``drain`` takes); after each RL step's ``StepReport`` the arm
@@ -15,7 +15,7 @@ s are scored (the row's ``accept_est_adapted*``) by the draft published when the
 
 What differs between arms is only their settings: same records, same order, same compute budget, same seeds.
 Acceptance is the sidecar's estimate on each step's fresh taps (greedy draft and probabilistic at the run's
-temperature, k = ``sidecar.eval_k``), not vLLM's counters; the drift benchmark validates that estimate
+temperature, k = ``sidecar.gate.k``), not vLLM's counters; the drift benchmark validates that estimate
 against them.  Differences are paired by step against the first arm.
 
 Writes ``benchmarks/out/adapt_replay[_NAME].json`` and its section of ``benchmarks/RESULTS.md``.
@@ -49,20 +49,20 @@ log = logging.getLogger("bench.adapt_replay")
 # name → (overrides, what it tests); "base" is the recorded run's own settings
 ARMS: dict[str, tuple[list[str], str]] = {
     "base": ([], "the run's settings"),
-    "cap16": (["sidecar.max_replay_ratio=16"], "replay cap 16 instead of the run's"),
-    "cap2": (["sidecar.max_replay_ratio=2"], "replay cap 2 instead of the run's"),
+    "cap16": (["sidecar.buffer.max_replay_ratio=16"], "replay cap 16 instead of the run's"),
+    "cap2": (["sidecar.buffer.max_replay_ratio=2"], "replay cap 2 instead of the run's"),
     "old": (
-        ["sidecar.min_buffer_tokens=8192", "sidecar.lr_ramp_tokens=0"],
+        ["sidecar.buffer.min_tokens=8192", "sidecar.train.lr_ramp_tokens=0"],
         "the earlier defaults: an 8,192-token minimum buffer, no lr ramp",
     ),
-    "noramp": (["sidecar.lr_ramp_tokens=0"], "full lr from the first batch (no ramp)"),
-    "nofresh": (["sidecar.fresh_first=false"], "recency-weighted sampling only (no newest-first)"),
+    "noramp": (["sidecar.train.lr_ramp_tokens=0"], "full lr from the first batch (no ramp)"),
+    "nofresh": (["sidecar.buffer.fresh_first=false"], "recency-weighted sampling only (no newest-first)"),
     "anchor": (
-        ["sidecar.lr_ramp_tokens=0", "sidecar.anchor_decay=10"],
+        ["sidecar.train.lr_ramp_tokens=0", "sidecar.train.anchor_decay=10"],
         "no lr ramp; each step pulled toward the starting draft (anchor_decay 10)",
     ),
     "lora": (
-        ["sidecar.adapt=lora", "sidecar.lr_ramp_tokens=0"],
+        ["sidecar.train.adapt=lora", "sidecar.train.lr_ramp_tokens=0"],
         "LoRA adapters (r 8, lr 2e-3) on the starting draft instead of full weights, no lr ramp",
     ),
 }
@@ -83,8 +83,8 @@ def replay_arm(
         run / RESOLVED_RECIPE,
         [
             f"output_dir={arm_dir}",
-            "sidecar.record_wire=false",
-            "sidecar.prometheus_port=0",
+            "sidecar.recording.enabled=false",
+            "sidecar.monitor.prometheus_port=0",
             "logging.wandb=false",
             *overrides,
         ],
@@ -238,7 +238,7 @@ def render(result: dict[str, Any]) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument(
-        "--run", required=True, help="a co-training run folder made with sidecar.record_wire=true"
+        "--run", required=True, help="a co-training run folder made with sidecar.recording.enabled=true"
     )
     ap.add_argument("--arms", default="base,cap16,old,noramp")
     ap.add_argument("--train-tokens-per-step", type=int, default=9216)
@@ -269,7 +269,7 @@ def main() -> int:
     reports = [m for m in messages if isinstance(m, StepReport) and not m.metrics.get("final")]
     if not reports:
         raise SystemExit(
-            f"{rec.path}: no StepReport in the recording (was the run made with sidecar.record_wire=true?)"
+            f"{rec.path}: no StepReport in the recording (was the run made with sidecar.recording.enabled=true?)"
         )
     torch.set_num_threads(args.threads)
     recipe = load_recipe(run / RESOLVED_RECIPE, None, CotrainRecipe)
@@ -283,7 +283,7 @@ def main() -> int:
         "steps": len(reports),
         "train_tokens_per_step": args.train_tokens_per_step,
         "threads": args.threads,
-        "eval_k": recipe.sidecar.eval_k,
+        "eval_k": recipe.sidecar.gate.k,
         "temperature": recipe.rl.temperature,
         "name": args.name,
         "arms": [],

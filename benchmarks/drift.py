@@ -564,7 +564,7 @@ def main() -> int:
     ov = [
         f"rl.steps={args.steps}",
         f"rl.save_merged_at=[{','.join(map(str, merged_at))}]",
-        f"sidecar.keep_versions={max(5, 10 * args.steps)}",
+        f"sidecar.publish.keep_versions={max(5, 10 * args.steps)}",
         *args.overrides,
     ]
     recipe = load_recipe(args.recipe, ov, CotrainRecipe)

@@ -315,9 +315,9 @@ def test_sidecar_operator_mistakes_are_one_line_errors(sidecar_cli, tmp_path, ca
     (tmp_path / "keydir").mkdir()
     cases = [
         (["wire.key_file=" + str(tmp_path / "keydir")], "is not a regular file"),
-        ([f"sidecar.prometheus_port={busy.getsockname()[1]}"], f"127.0.0.1:{busy.getsockname()[1]}"),
+        ([f"sidecar.monitor.prometheus_port={busy.getsockname()[1]}"], f"127.0.0.1:{busy.getsockname()[1]}"),
         (["wire.endpoint=ipc:///etc/hostname/tap"], "/etc/hostname"),
-        (["sidecar.batch_tokens=0"], "sidecar.batch_tokens must be ≥ 1"),
+        (["sidecar.train.batch_tokens=0"], "sidecar.train.batch_tokens must be ≥ 1"),
     ]
     if not torch.cuda.is_available():
         cases.append((["device=cuda"], "CUDA is not available"))
@@ -339,7 +339,7 @@ def test_sidecar_operator_mistakes_are_one_line_errors(sidecar_cli, tmp_path, ca
 
 def test_verbose_keeps_the_traceback(sidecar_cli, caplog):
     with caplog.at_level(logging.ERROR, logger="draft_align"):
-        assert sidecar_cli("sidecar.batch_tokens=0", verbose=True) == 2
+        assert sidecar_cli("sidecar.train.batch_tokens=0", verbose=True) == 2
     assert any(r.exc_info for r in caplog.records)
 
 

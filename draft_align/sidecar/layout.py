@@ -23,7 +23,7 @@ READY_FILE = "ready.json"  # written once the sockets are bound: {"pid", "ppid",
 TAP_SOCKET = "tap"  # PULL: TapBatch / TapPart / HeadSync / StepReport from the policy side
 NOTIFY_SOCKET = "notify"  # PUB: DraftPublished
 RAY_ENDPOINTS_FILE = "ray_endpoints.json"  # sidecar.host=ray: each rank's bound tap endpoint, by rank
-WIRE_RECORDING = "wire.rec"  # sidecar.record_wire: every valid message received (wire/recording.py)
+WIRE_RECORDING = "wire.rec"  # sidecar.recording.enabled: every valid message received (wire/recording.py)
 LOCK_FILE = "lock"  # held (flock) by the live sidecar of the run (sidecar/lock.py)
 REPLAY_FILE = "replay.json"  # the receiver's replay guard, kept across restarts (wire/replay.py)
 

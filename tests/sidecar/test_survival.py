@@ -74,7 +74,7 @@ def test_a_record_without_a_trainable_target_is_dropped_counted():
     assert stats.to_dict()["untrainable_records"] == 1
 
 
-@pytest.mark.parametrize("sidecar_world", [{"sidecar.max_seq_tokens": 12}], indirect=True)
+@pytest.mark.parametrize("sidecar_world", [{"sidecar.train.max_seq_tokens": 12}], indirect=True)
 def test_records_whose_cap_leaves_only_prompt_train_instead_of_killing_the_loop(sidecar_world, until):
     """Chat prompts of the tiny world are longer than 12 tokens: the plain cut left no target and the
     next train step raised 'cannot reshape tensor of 0 elements'."""

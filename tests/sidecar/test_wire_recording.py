@@ -1,4 +1,4 @@
-"""sidecar.record_wire: the sidecar records every valid message it handles; a second sidecar fed that
+"""sidecar.recording.enabled: the sidecar records every valid message it handles; a second sidecar fed that
 recording (benchmarks/adapt_replay.py's way) ends with the same buffer and the same step estimates."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from draft_align.config import CotrainRecipe, load_recipe
 
 # no free-space reserve beyond the draft's own: the tests record on whatever disk they run on
 @pytest.mark.parametrize(
-    "sidecar_world", [{"sidecar.record_wire": True, "sidecar.record_wire_reserve_mb": 0}], indirect=True
+    "sidecar_world", [{"sidecar.recording.enabled": True, "sidecar.recording.reserve_mb": 0}], indirect=True
 )
 def test_a_recorded_run_replays_into_the_same_buffer_and_rows(sidecar_world, until, tiny_run, tmp_path):
     from draft_align.sidecar.launch import starting_draft
@@ -51,7 +51,7 @@ def test_a_recorded_run_replays_into_the_same_buffer_and_rows(sidecar_world, unt
 
 # no free-space reserve beyond the draft's own: the tests record on whatever disk they run on
 @pytest.mark.parametrize(
-    "sidecar_world", [{"sidecar.record_wire": True, "sidecar.record_wire_reserve_mb": 0}], indirect=True
+    "sidecar_world", [{"sidecar.recording.enabled": True, "sidecar.recording.reserve_mb": 0}], indirect=True
 )
 def test_adapt_replay_runs_arms_on_a_recording(sidecar_world, until, tmp_path):
     """benchmarks/adapt_replay.py on a 3-step recording: every arm scores every step; a tighter replay cap
@@ -106,7 +106,7 @@ def _used(folder: Path) -> int:
 
 @pytest.mark.parametrize(
     "sidecar_world",
-    [{"sidecar.record_wire": True, "sidecar.record_wire_reserve_mb": 1, "sidecar.record_wire_mb": 64}],
+    [{"sidecar.recording.enabled": True, "sidecar.recording.reserve_mb": 1, "sidecar.recording.max_mb": 64}],
     indirect=True,
 )
 def test_recording_on_a_small_disk_stops_before_checkpoints_lose_their_room(
