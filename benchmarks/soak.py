@@ -737,7 +737,7 @@ def orchestrate(a: argparse.Namespace) -> dict[str, Any]:
             next_kill = now + 5.0  # no kill while the second sidecar is being refused (it would get the lock)
         if now >= next_kill:
             prober.probe(len(kills))
-            time.sleep(2.0)  # handled, and the replay guard saved (at most every 0.5 s)
+            time.sleep(2.0)  # handled, and the sequence guard saved (at most every 0.5 s)
             down_intervals.append([time.time(), None])
             os.kill(sidecar.pid, signal.SIGKILL)
             sidecar.wait()

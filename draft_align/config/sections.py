@@ -283,7 +283,7 @@ class SidecarMonitorConfig:
 class SidecarRecordingConfig:
     """A recording of the wire: every valid message received, appended to <run>/sidecar/wire.rec
     (wire/recording.py), e.g. to compare sidecar settings on the same taps afterwards
-    (benchmarks/adapt_replay.py)."""
+    (benchmarks/adapt_playback.py)."""
 
     enabled: bool = False  # record the wire
     # the recording stops (one line) before its file passes max_mb, or before the free space on its disk falls

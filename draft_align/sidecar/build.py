@@ -176,26 +176,26 @@ def build_ingest(
 
 
 def open_wire(
-    recipe: CotrainRecipe, *, rank: int | None, is_lead: bool, replay_file: Path | None = None
+    recipe: CotrainRecipe, *, rank: int | None, is_lead: bool, guard_file: Path | None = None
 ) -> tuple[bytes, Any, Any | None]:
     """``(key, receiver, publisher)``: the HMAC key (created in the run folder when none is configured), the PULL
     socket (rank r: its own endpoint) and, on the lead rank, the DraftPublished PUB socket (else None).  The
-    receiver's replay guard continues the one saved in ``replay_file`` (a file that does not verify is set
+    receiver's sequence guard continues the one saved in ``guard_file`` (a file that does not verify is set
     aside, and the guard starts empty)."""
     from draft_align.wire import channel
-    from draft_align.wire.replay import load_guard
+    from draft_align.wire.sequence_guard import load_guard
 
     wire, run_dir = recipe.wire, recipe.run_dir
     key = channel.resolve_key(wire.key_file, run_dir, create=True)
     guard = None
-    if replay_file is not None:
+    if guard_file is not None:
         try:
-            guard = load_guard(replay_file, key)
+            guard = load_guard(guard_file, key)
         except ValueError as e:
             set_aside(
-                replay_file,
+                guard_file,
                 e,
-                "the replay guard starts empty (messages captured before now are accepted once)",
+                "the sequence guard starts empty (messages captured before now are accepted once)",
             )
     tap_ep = wire.endpoint or channel.default_endpoint(run_dir, TAP_SOCKET)
     if rank is not None:

@@ -1,7 +1,7 @@
 """The publish decision and the versioned publish.
 
 Every ``sidecar.publish.every_s`` (after ``publish.min_train_steps`` steps) the candidate is compared with the
-published draft on the freshest held-out records (paired, per sequence, engine-replay estimate,
+published draft on the freshest held-out records (paired, per sequence, round-walk estimate,
 :func:`paired_gate`); it is published only if not worse beyond noise: ``diff ≥ −max(gate.tolerance,
 2·stderr)``.  A published version is a complete folder renamed into place (never half-visible), then
 ``latest`` moves, ``DraftPublished`` is sent and ``publish.jsonl`` gets a line (docs/formats.md).
@@ -40,7 +40,7 @@ def paired_gate(cand: dict[str, Any], base: dict[str, Any], tolerance: float) ->
     """Paired comparison of two :func:`~draft_align.monitor.records.estimate_records` results on the same
     records: (ok, diff, stderr); RecordEstimateError when they are not on the same records.
 
-    d_i = L_cand,i − L_base,i (per-sequence replay mean lengths), weights w_i = (R_cand,i + R_base,i) / 2
+    d_i = L_cand,i − L_base,i (per-sequence round-walk mean lengths), weights w_i = (R_cand,i + R_base,i) / 2
     (mean rounds, so swapping the drafts flips the sign); sequences with no round in either are skipped.
     diff = Σ w̃_i d_i with w̃ = w / Σ w; stderr² = n/(n−1) · Σ w̃_i² (d_i − diff)² (NaN for n = 1, then
     the tolerance alone decides).  ok iff diff ≥ −max(tolerance, 2·stderr).

@@ -53,9 +53,9 @@ from draft_align.sidecar.layout import (
     SIDECAR_DIR,
     STATE_FILE,
     TRAINER_DIR,
+    guard_name,
     lock_name,
     recording_name,
-    replay_name,
     write_ready,
 )
 from draft_align.sidecar.lock import RunLock
@@ -68,12 +68,12 @@ from draft_align.train.trainer import NonFiniteLossError
 from draft_align.wire.channel import DRAIN_MAX_MESSAGES
 from draft_align.wire.messages import HeadSync, Message, StepReport, TapBatch, TapPart
 from draft_align.wire.recording import WireRecorder
-from draft_align.wire.replay import save_guard
+from draft_align.wire.sequence_guard import save_guard
 
 log = logging.getLogger(__name__)
 
 Control = HeadSync | StepReport  # what every rank applies, whichever rank received it
-REPLAY_SAVE_S = 0.5  # the replay guard is saved at most this often (and at close): a kill loses less
+GUARD_SAVE_S = 0.5  # the sequence guard is saved at most this often (and at close): a kill loses less
 
 
 class Sidecar:
@@ -119,8 +119,8 @@ class Sidecar:
         self._shared_control: list[Control] = []  # received here, for every rank to apply (multi-rank only)
         self.recorder: WireRecorder | None = None  # sidecar.recording.enabled
         self.lock = lock  # one sidecar per run folder (sidecar/lock.py); taken at setup unless given
-        self._replay_saved, self._replay_saved_at = 0, 0.0  # the guard's changes at its last save, and when
-        self._replay_failing = False  # the last save failed (a full disk)
+        self._guard_saved, self._guard_saved_at = 0, 0.0  # the guard's changes at its last save, and when
+        self._guard_failing = False  # the last save failed (a full disk)
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> Sidecar:
@@ -192,12 +192,12 @@ class Sidecar:
         self.ingest = build_ingest(
             self.recipe, self.state, self.rates, self.frozen, self.target_config, rank, lead
         )
-        self.replay_file = self.dir / replay_name(rank)  # the replay guard outlives a restart
+        self.guard_file = self.dir / guard_name(rank)  # the sequence guard outlives a restart
         self.wire_key, self.receiver, self.gate.publisher = open_wire(
-            self.recipe, rank=rank, is_lead=lead, replay_file=self.replay_file
+            self.recipe, rank=rank, is_lead=lead, guard_file=self.guard_file
         )
         rc = self.recipe.sidecar.recording
-        if rc.enabled:  # every valid message, for adapt_replay.py (wire/recording.py)
+        if rc.enabled:  # every valid message, for adapt_playback.py (wire/recording.py)
             self.recorder = open_recorder(rc, self.dir / recording_name(rank), self.frozen)
 
     def _setup_sinks(self) -> None:
@@ -248,30 +248,30 @@ class Sidecar:
         for msg in self.receiver.drain(budget_s, timeout_ms, max_messages):
             n += 1
             self.handle(msg)
-        self.save_replay()
+        self.save_guard_state()
         return n
 
-    def save_replay(self, force: bool = False) -> None:
-        """Save the receiver's replay guard when it accepted messages since the last save, at most every
-        ``REPLAY_SAVE_S`` (``force``: now); a failure (full disk) is logged and retried at the next call."""
+    def save_guard_state(self, force: bool = False) -> None:
+        """Save the receiver's sequence guard when it accepted messages since the last save, at most every
+        ``GUARD_SAVE_S`` (``force``: now); a failure (full disk) is logged and retried at the next call."""
         guard = self.receiver.guard
-        if guard.changes == self._replay_saved or (
-            not force and time.monotonic() - self._replay_saved_at < REPLAY_SAVE_S
+        if guard.changes == self._guard_saved or (
+            not force and time.monotonic() - self._guard_saved_at < GUARD_SAVE_S
         ):
             return
-        self._replay_saved_at = time.monotonic()
+        self._guard_saved_at = time.monotonic()
         try:
-            save_guard(self.replay_file, guard, self.wire_key)
-        except OSError as e:  # logged once per failing stretch; retried every REPLAY_SAVE_S
-            (log.debug if self._replay_failing else log.error)(
-                "cannot save the replay guard to %s: %s", self.replay_file, e
+            save_guard(self.guard_file, guard, self.wire_key)
+        except OSError as e:  # logged once per failing stretch; retried every GUARD_SAVE_S
+            (log.debug if self._guard_failing else log.error)(
+                "cannot save the sequence guard to %s: %s", self.guard_file, e
             )
-            self._replay_failing = True
+            self._guard_failing = True
             return
-        self._replay_saved, self._replay_failing = guard.changes, False
+        self._guard_saved, self._guard_failing = guard.changes, False
 
     def handle(self, msg: Message) -> None:
-        """One valid message off the wire (or out of a recording: ``benchmarks/adapt_replay.py``)."""
+        """One valid message off the wire (or out of a recording: ``benchmarks/adapt_playback.py``)."""
         if getattr(msg, "run_id", None) != self.recipe.run:
             self.state.foreign_messages += 1
             return
@@ -542,7 +542,7 @@ class Sidecar:
     def close(self) -> None:
         """Close what was set up (also after a failed :meth:`setup`)."""
         if getattr(self, "receiver", None) is not None:
-            self.save_replay(force=True)
+            self.save_guard_state(force=True)
         for part in (
             getattr(self, "receiver", None),
             getattr(getattr(self, "gate", None), "publisher", None),

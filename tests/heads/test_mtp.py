@@ -267,7 +267,7 @@ def test_reference_decoder_is_lossless_at_t0(target, good_head, layout, depth):
 
 
 def test_estimator_matches_the_decoder_at_t0(target, good_head):
-    """monitor.evaluate with an MTP head: the engine-replay estimate equals the decoder's counters at T=0,
+    """monitor.evaluate with an MTP head: the round-walk estimate equals the decoder's counters at T=0,
     up to each prompt's last round (drafts accepted past the limit: ≤ k per prompt)."""
     from draft_align.monitor.evaluate import evaluate
 

@@ -120,7 +120,7 @@ def test_estimate_records_pools_like_estimate(target, draft_good48, samples):
             assert got["acceptance_length_observed"] is None
         assert got["sequence_ids"] == list(range(len(samples)))
         assert len(got["per_sequence"]) == len(samples)
-        # pooled replay = rounds-weighted per-sequence mean length
+        # pooled round walk = rounds-weighted per-sequence mean length
         ls = torch.tensor(got["per_sequence"], dtype=torch.float64)
         pooled = float((ls[:, 0] * ls[:, 1]).sum() / ls[:, 1].sum())
         assert pooled == pytest.approx(got["acceptance_length_est"], rel=1e-9)

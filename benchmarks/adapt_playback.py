@@ -1,6 +1,6 @@
-"""Sidecar settings compared on the same taps: a recorded co-training run replayed into one sidecar per arm.
+"""Sidecar settings compared on the same taps: a recorded co-training run played back into one sidecar per arm.
 
-    .venv/bin/python benchmarks/adapt_replay.py --run checkpoints/smollm2-drift-vllm_oracle \
+    .venv/bin/python benchmarks/adapt_playback.py --run checkpoints/smollm2-drift-vllm_oracle \
         [--arms base,cap16,old,noramp,nofresh] [--train-tokens-per-step 9216] [--threads 2] [--name NAME]
 
 The run must have been made with ``sidecar.recording.enabled=true`` (``<run>/sidecar/wire.rec``, wire/recording.py).
@@ -18,7 +18,7 @@ Acceptance is the sidecar's estimate on each step's fresh taps (greedy draft and
 temperature, k = ``sidecar.gate.k``), not vLLM's counters; the drift benchmark validates that estimate
 against them.  Differences are paired by step against the first arm.
 
-Writes ``benchmarks/out/adapt_replay[_NAME].json`` and its section of ``benchmarks/RESULTS.md``.
+Writes ``benchmarks/out/adapt_playback[_NAME].json`` and its section of ``benchmarks/RESULTS.md``.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from benchmarks.common.results_md import replace_section, repo_relative  # noqa:
 from draft_align.config import CotrainRecipe, load_recipe  # noqa: E402
 from draft_align.config.loading import RESOLVED_RECIPE  # noqa: E402
 
-log = logging.getLogger("bench.adapt_replay")
+log = logging.getLogger("bench.adapt_playback")
 
 # name → (overrides, what it tests); "base" is the recorded run's own settings
 ARMS: dict[str, tuple[list[str], str]] = {
@@ -69,7 +69,7 @@ ARMS: dict[str, tuple[list[str], str]] = {
 KEYS = {"greedy_draft": "accept_est_adapted", "probabilistic": "accept_est_adapted_prob"}
 
 
-def replay_arm(
+def playback_arm(
     run: Path, arm: str, overrides: list[str], messages: list, budget: int, out: Path
 ) -> dict[str, Any]:
     """One arm: a fresh sidecar fed the recording; its monitor rows, publishes and waits."""
@@ -188,7 +188,7 @@ def _pm(p: dict[str, float] | None) -> str:
 
 
 def section_title(name: str | None) -> str:
-    return "## Sidecar settings on the same taps (benchmarks/adapt_replay.py" + (
+    return "## Sidecar settings on the same taps (benchmarks/adapt_playback.py" + (
         f" --name {name})" if name else ")"
     )
 
@@ -262,7 +262,7 @@ def main() -> int:
     messages = [m for _, m in rec]
     if rec.truncated_bytes:
         log.warning(
-            "recording ends in an unfinished entry (%d bytes): replaying the %d whole ones",
+            "recording ends in an unfinished entry (%d bytes): playing back the %d whole ones",
             rec.truncated_bytes,
             rec.entries,
         )
@@ -273,9 +273,9 @@ def main() -> int:
         )
     torch.set_num_threads(args.threads)
     recipe = load_recipe(run / RESOLVED_RECIPE, None, CotrainRecipe)
-    work = ROOT / "checkpoints" / f"adapt_replay{'_' + args.name if args.name else ''}"
+    work = ROOT / "checkpoints" / f"adapt_playback{'_' + args.name if args.name else ''}"
     result: dict[str, Any] = {
-        "command": " ".join(["python benchmarks/adapt_replay.py", *sys.argv[1:]]),
+        "command": " ".join(["python benchmarks/adapt_playback.py", *sys.argv[1:]]),
         "date": time.strftime("%Y-%m-%d"),
         "run": repo_relative(run),
         "recording": repo_relative(rec.path),
@@ -289,11 +289,13 @@ def main() -> int:
         "arms": [],
     }
     for arm in arms:
-        result["arms"].append(replay_arm(run, arm, ARMS[arm][0], messages, args.train_tokens_per_step, work))
+        result["arms"].append(
+            playback_arm(run, arm, ARMS[arm][0], messages, args.train_tokens_per_step, work)
+        )
     summarise(result)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"adapt_replay{'_' + args.name if args.name else ''}.json").write_text(
+    (out / f"adapt_playback{'_' + args.name if args.name else ''}.json").write_text(
         json.dumps(result, indent=1, default=str)
     )
     if not args.no_results_md:
