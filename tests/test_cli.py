@@ -421,6 +421,23 @@ def test_library_warnings_go_to_the_run_log_and_the_console_only_with_v(verbose,
     assert logs.ours not in handler.filters
 
 
+@pytest.mark.parametrize("verbose", [False, True])
+def test_transformers_progress_bars_are_off_without_v(verbose, tmp_path):
+    """transformers' tqdm bars (from_pretrained's "Loading weights") are not log records: a run command turns
+    them off without -v, and release_run_logs turns them on again."""
+    from transformers.utils import logging as hf_logging
+
+    from draft_align.cli import logs
+
+    assert hf_logging.is_progress_bar_enabled()
+    try:
+        logs.route_library_logs(tmp_path / "run", "cotrain", verbose)
+        assert hf_logging.is_progress_bar_enabled() is verbose
+    finally:
+        logs.release_run_logs()
+    assert hf_logging.is_progress_bar_enabled()
+
+
 def test_vllm_configure_logging_set_by_the_user_is_kept(monkeypatch):
     from draft_align.cli import logs
 
