@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.common.results_md import replace_section, repo_relative  # noqa: E402
 from draft_align.config import CotrainRecipe, load_recipe  # noqa: E402
-from draft_align.config.loading import RESOLVED_RECIPE  # noqa: E402
+from draft_align.config.recipe_files import RESOLVED_RECIPE  # noqa: E402
 
 log = logging.getLogger("bench.adapt_playback")
 

@@ -88,7 +88,7 @@ def rollouts(
 
 
 def measure_engine(llm: Any, k: int, prompts: list[list[int]], args: argparse.Namespace) -> dict[str, Any]:
-    from draft_align.engines.vllm.round_cost import decode_step_seconds
+    from draft_align.engines.vllm.round_timing import decode_step_seconds
 
     rollouts(llm, prompts[:2], 2, args.temperature, 8, seed=999)  # warm-up
     out: dict[str, Any] = {"k": k, "batches": {}}

@@ -217,7 +217,7 @@ def trainer_bytes(trainer: Any) -> dict[str, int]:
 
 
 def acceptance(draft: Any, embed: Any, rows: torch.Tensor, records: list, k: int) -> dict[str, float]:
-    from draft_align.monitor.records import estimate_records
+    from draft_align.monitor.tapped_estimate import estimate_records
 
     out = {}
     for mode, temp in (("greedy_draft", 1.0), ("greedy", 0.0)):

@@ -189,7 +189,7 @@ def measure_point(
     for name, path in drafts.items():
         draft, man = load_draft(path)
         if engine == "vllm":
-            from draft_align.engines.vllm.evaluate import evaluate_vllm
+            from draft_align.engines.vllm.vllm_eval import evaluate_vllm
 
             r = evaluate_vllm(
                 str(policy),

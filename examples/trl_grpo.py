@@ -22,7 +22,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 from draft_align import assets, data
 from draft_align.integrations.trl import DraftAlign  # draft_align
-from draft_align.integrations.trl.rewards import task_dataset, task_reward
+from draft_align.integrations.trl.reward_funcs import task_dataset, task_reward
 from draft_align.rl.rewards import reward_fn
 
 

@@ -342,8 +342,8 @@ def test_choices_come_from_their_one_source():
     from draft_align.cli import build_parser
     from draft_align.config.choices import DtypeChoice, HeadChoice, MTPLayoutChoice, VerifyModeChoice
     from draft_align.conventions import FLOAT_DTYPE_NAMES, VERIFY_MODES
+    from draft_align.heads.draft_head import HeadKind
     from draft_align.heads.mtp import Layout
-    from draft_align.heads.protocol import HeadKind
 
     assert tuple(VerifyModeChoice) == VERIFY_MODES and tuple(DtypeChoice) == FLOAT_DTYPE_NAMES
     assert tuple(HeadChoice) == typing.get_args(HeadKind) and tuple(MTPLayoutChoice) == typing.get_args(

@@ -317,7 +317,7 @@ class SidecarConfig:
 
 
 #: The flat ``sidecar.*`` keys that moved into a section, old → new (without the ``sidecar.`` prefix): a recipe
-#: or override still using one is refused in one line naming the new key (config/loading.py).
+#: or override still using one is refused in one line naming the new key (config/recipe_files.py).
 SIDECAR_MOVED: dict[str, str] = {
     "buffer_tokens": "buffer.tokens",
     "min_buffer_tokens": "buffer.min_tokens",

@@ -6,7 +6,7 @@ drafts) reconstructs the counters from the outputs themselves and equals the mea
 Both exact statements hold up to each prompt's last round, whose drafts accepted past max_new_tokens or
 eos the decoder counts (as engines do) and the output cannot show: at most k per prompt.
 
-:func:`scored` is the scoring half alone: ``engines/vllm/evaluate.py`` decodes with vLLM (batched, the
+:func:`scored` is the scoring half alone: ``engines/vllm/vllm_eval.py`` decodes with vLLM (batched, the
 engine's own counters as the measurement) and scores its outputs the same way.
 """
 

@@ -29,7 +29,7 @@ def row_estimates(
     drafts: Mapping[str, Any], estimate: Callable[[Any, str], Mapping[str, Any]]
 ) -> dict[str, float]:
     """The :attr:`StepRow.estimates` of the named drafts: ``estimate(draft, mode)``
-    (:func:`~draft_align.monitor.records.estimate_records` on the step's records) under each of ``ROW_MODES``."""
+    (:func:`~draft_align.monitor.tapped_estimate.estimate_records` on the step's records) under each of ``ROW_MODES``."""
     out: dict[str, float] = {}
     for name, draft in drafts.items():
         for mode, suffix in ROW_MODES:

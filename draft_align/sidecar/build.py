@@ -14,7 +14,7 @@ from torch import nn
 from draft_align.config import CotrainRecipe, recipe_to_dict, step_decay
 from draft_align.config.sections import SidecarRecordingConfig
 from draft_align.conventions import float_dtype
-from draft_align.heads.protocol import DraftHead
+from draft_align.heads.draft_head import DraftHead
 from draft_align.monitor.sinks import METRICS_FILE, JsonlSink, PromSink, Sinks, open_sinks
 from draft_align.publish import load_draft
 from draft_align.publish.compat import check_compatible, tokenizer_fingerprint

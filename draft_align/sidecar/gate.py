@@ -21,8 +21,8 @@ import torch
 from torch import nn
 
 from draft_align.config import CotrainRecipe
-from draft_align.heads.protocol import DraftHead
-from draft_align.monitor.records import RecordEstimateError
+from draft_align.heads.draft_head import DraftHead
+from draft_align.monitor.tapped_estimate import RecordEstimateError
 from draft_align.publish.folder import ExportError
 from draft_align.publish.versions import prune_versions, publish_version
 from draft_align.sidecar.layout import PUBLISH_FILE, SIDECAR_DIR
@@ -37,7 +37,7 @@ Estimate = Callable[[nn.Module, list[TappedRecord], str, float], dict[str, Any]]
 
 
 def paired_gate(cand: dict[str, Any], base: dict[str, Any], tolerance: float) -> tuple[bool, float, float]:
-    """Paired comparison of two :func:`~draft_align.monitor.records.estimate_records` results on the same
+    """Paired comparison of two :func:`~draft_align.monitor.tapped_estimate.estimate_records` results on the same
     records: (ok, diff, stderr); RecordEstimateError when they are not on the same records.
 
     d_i = L_cand,i − L_base,i (per-sequence round-walk mean lengths), weights w_i = (R_cand,i + R_base,i) / 2

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from draft_align.config import CotrainRecipe
-from draft_align.heads.protocol import DraftHead
+from draft_align.heads.draft_head import DraftHead
 from draft_align.monitor.rows import SidecarStats, StepRow, estimate_key, row_estimates
 from draft_align.publish.versions import discard_tmp_versions
 from draft_align.sidecar.build import (
@@ -347,8 +347,8 @@ class Sidecar:
     def estimate(
         self, draft: nn.Module, records: list[TappedRecord], mode: str, temperature: float
     ) -> dict[str, Any]:
-        """:func:`~draft_align.monitor.records.estimate_records` with the current head rows and ``gate.k``."""
-        from draft_align.monitor.records import estimate_records
+        """:func:`~draft_align.monitor.tapped_estimate.estimate_records` with the current head rows and ``gate.k``."""
+        from draft_align.monitor.tapped_estimate import estimate_records
 
         return estimate_records(
             draft, self.embed, self.trainer.rows, records, self.recipe.sidecar.gate.k, mode, temperature

@@ -213,7 +213,7 @@ def test_hard_ce_trains_too(target):
 
 def test_records_estimate_equals_alpha_table(target, good_head):
     from draft_align.monitor.estimator import alpha_table
-    from draft_align.monitor.records import record_alpha
+    from draft_align.monitor.tapped_estimate import record_alpha
     from draft_align.train.records import Record, TappedRecord
 
     ids = torch.randint(0, V, (16,), generator=torch.Generator().manual_seed(9))

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from draft_align.monitor.records import RecordEstimateError
+from draft_align.monitor.tapped_estimate import RecordEstimateError
 from draft_align.sidecar.gate import paired_gate
 
 

@@ -60,7 +60,7 @@ def test_adapt_playback_runs_arms_on_a_recording(sidecar_world, until, tmp_path)
     trains fewer tokens on the same messages and says that the cap stopped it."""
     import sys
 
-    from draft_align.config.loading import RESOLVED_RECIPE, save_recipe
+    from draft_align.config.recipe_files import RESOLVED_RECIPE, save_recipe
     from draft_align.wire.recording import Recording
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))

