@@ -20,9 +20,9 @@ Three processes besides the sidecar (``draft-align sidecar``, started exactly as
   (each probe step must have exactly one monitoring row).  At ``--second-sidecar-at`` of the run it starts a
   second ``draft-align sidecar`` on the same run folder, which must be refused (exit 2, one line naming the
   live sidecar's pid) while the first keeps serving.
-  The sidecar records the wire (``sidecar.record_wire``) onto a small disk: a tmpfs of ``--record-disk-mb`` MiB
+  The sidecar records the wire (``sidecar.recording.enabled``) onto a small disk: a tmpfs of ``--record-disk-mb`` MiB
   bind-mounted at ``<run>/sidecar/wire.rec`` when the process may mount one (else the recording is capped at
-  that size by ``sidecar.record_wire_mb``).  The recording must stop with one error line per sidecar
+  that size by ``sidecar.recording.max_mb``).  The recording must stop with one error line per sidecar
   incarnation, training and publishing must go on, and the recording must read back whole (a torn last entry
   at most).
 
@@ -76,14 +76,14 @@ def _recipe(disk: Path, draft: str, extra: list[str]):
         f"output_dir={disk}",
         f"draft={draft}",
         "logging.wandb=false",
-        "sidecar.keep_versions=3",
-        "sidecar.checkpoint_every_s=20",
-        "sidecar.publish_every_s=10",
-        "sidecar.min_train_steps_per_publish=1",
-        "sidecar.min_buffer_tokens=1024",
-        "sidecar.batch_tokens=512",
-        "sidecar.gate_tolerance=100.0",
-        "sidecar.prometheus_port=0",
+        "sidecar.publish.keep_versions=3",
+        "sidecar.train.checkpoint_every_s=20",
+        "sidecar.publish.every_s=10",
+        "sidecar.publish.min_train_steps=1",
+        "sidecar.buffer.min_tokens=1024",
+        "sidecar.train.batch_tokens=512",
+        "sidecar.gate.tolerance=100.0",
+        "sidecar.monitor.prometheus_port=0",
         "wire.max_message_mb=16",
         "tap.tokens_per_step=1024",
         *extra,
@@ -505,9 +505,9 @@ def _mount_disk(size_mb: int) -> tuple[Path, bool]:
 
 
 class _SmallDiskRecording:
-    """``sidecar.record_wire`` onto a small disk: a tmpfs of ``size_mb`` MiB whose one file is bind-mounted at
+    """``sidecar.recording.enabled`` onto a small disk: a tmpfs of ``size_mb`` MiB whose one file is bind-mounted at
     ``<run>/sidecar/wire.rec`` (root, ``mount``), else the recording capped at ``size_mb`` by
-    ``sidecar.record_wire_mb``.  :meth:`watch` follows the sidecar's log for the recorder's stop lines;
+    ``sidecar.recording.max_mb``.  :meth:`watch` follows the sidecar's log for the recorder's stop lines;
     :meth:`result` reads the recording back."""
 
     STOP = "wire recording "  # … "<path> stopped: <why>" (wire/recording.py, WireRecorder._fail)
@@ -545,8 +545,8 @@ class _SmallDiskRecording:
         the default 2048 MiB would exceed on the soak's disk and stop the recording at its first message), so
         that the small disk itself fills up; else the cap."""
         if self.bound:
-            return ["sidecar.record_wire=true", "sidecar.record_wire_reserve_mb=0"]
-        return ["sidecar.record_wire=true", f"sidecar.record_wire_mb={self.size_mb}"]
+            return ["sidecar.recording.enabled=true", "sidecar.recording.reserve_mb=0"]
+        return ["sidecar.recording.enabled=true", f"sidecar.recording.max_mb={self.size_mb}"]
 
     def watch(self, t_run: float) -> None:
         """New stop lines in the sidecar's log (``t_run``: seconds into the run, for each one found)."""
@@ -868,7 +868,7 @@ def orchestrate(a: argparse.Namespace) -> dict[str, Any]:
             next_kill = now + 5.0  # no kill while the second sidecar is being refused (it would get the lock)
         if now >= next_kill:
             prober.probe(len(kills))
-            time.sleep(2.0)  # handled, and the replay guard saved (at most every 0.5 s)
+            time.sleep(2.0)  # handled, and the sequence guard saved (at most every 0.5 s)
             down_intervals.append([time.time(), None])
             os.kill(sidecar.pid, signal.SIGKILL)
             sidecar.wait()

@@ -1,6 +1,6 @@
 """Draft heads: pure math, no I/O (docs/formats.md).
 
-- ``protocol.py``: :class:`DraftHead`, the interface every head implements;
+- ``draft_head.py``: :class:`DraftHead`, the interface every head implements;
 - ``layers.py``: the Llama decoder-block pieces both heads are built from (RMSNorm, RoPE, attention, MLP);
 - ``eagle3.py``: the EAGLE-3 head (vLLM's and SGLang's ``LlamaForCausalLMEagle3``), its TTT unroll and KV-cached step;
 - ``mtp.py``: the multi-token-prediction head (DeepSeek-V3 and Qwen3-Next layouts);

@@ -24,9 +24,9 @@ from typing import Any
 import safetensors.torch
 import torch
 
+from draft_align.heads.draft_head import DraftHead
 from draft_align.heads.eagle3 import DraftConfigError
 from draft_align.heads.lora import is_lora, merged
-from draft_align.heads.protocol import DraftHead
 from draft_align.publish import eagle3_format, mtp_format
 from draft_align.publish.folder import (
     MTP_FORMAT,
