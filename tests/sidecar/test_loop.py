@@ -79,7 +79,7 @@ def test_nonfinite_loss_skips_the_step_and_publishes_nothing(sidecar_world, unti
 
     recipe, sc, feeder = sidecar_world
     assert sc.trainer.loss_settings == LossSettings.from_section(
-        recipe.sidecar, 0.8, True
+        recipe.sidecar.train, 0.8, True
     )  # the recipe's objective
     feeder.step(0, 0)
     assert until(lambda: sc.state.monitor_rows >= 1, 20, every=lambda: sc.drain(0.1, 100))

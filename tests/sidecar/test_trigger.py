@@ -76,7 +76,7 @@ def test_bad_settings():
     ):
         with pytest.raises(RecipeError):
             load_recipe(None, bad, CotrainRecipe)
-    with pytest.raises(RecipeError, match="train_trigger"):
+    with pytest.raises(RecipeError, match="sidecar.trigger.when"):
         load_recipe(None, ["sidecar.trigger.when=sometimes"], CotrainRecipe)
 
 
