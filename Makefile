@@ -48,7 +48,7 @@ fmt: $(STAMP)
 BENCH_TARGETS := bench-warmstart bench-learning-curve bench-draft-vocab bench-objectives \
 	bench-objectives-finetune bench-train-step-profile bench-selfdistill-speed bench-vllm-engine \
 	bench-verify-choice bench-advise bench-drift bench-drift-vllm bench-drift-vllm-kl bench-drift-vllm-oracle \
-	bench-adapt-replay bench-drift-trigger bench-verify-drift bench-draft-variants bench-tap-stats \
+	bench-adapt-playback bench-drift-trigger bench-verify-drift bench-draft-variants bench-tap-stats \
 	bench-trl-drift bench-trl-overhead bench-trl-kl bench-soak bench-task-probe bench-task-pays bench-draft-swap-cost
 .PHONY: bench bench-checkpoints $(BENCH_TARGETS)
 
@@ -116,13 +116,13 @@ bench-drift-vllm: fetch $(ADVISE_DRAFT)
 bench-drift-vllm-kl: fetch $(BENCH_DRAFT)
 	$(PY) benchmarks/drift.py --name vllm_kl --draft checkpoints/smollm2-bench-ttt --vocab 16384 --steps 20 --oracle-at "" --overhead-reps 0 --no-results-md rl.engine=vllm target.dtype=float32 rl.lr=8e-4
 bench-drift-vllm-oracle: fetch $(BENCH_DRAFT)
-	$(PY) benchmarks/drift.py --name vllm_oracle --draft checkpoints/smollm2-bench-ttt --vocab 16384 --steps 20 --oracle-at 2,5,12,20 --oracle-gen-s 120 --oracle-train-s 180 --eval-prompts 32 --overhead-reps 0 rl.engine=vllm target.dtype=float32 rl.lr=8e-4 sidecar.record_wire=true
-bench-adapt-replay: fetch $(ORACLE_RUN)
-	$(PY) benchmarks/adapt_replay.py --run checkpoints/smollm2-drift-vllm_oracle --arms base,cap16,old,noramp,anchor,lora --train-tokens-per-step 9216 --threads 2
+	$(PY) benchmarks/drift.py --name vllm_oracle --draft checkpoints/smollm2-bench-ttt --vocab 16384 --steps 20 --oracle-at 2,5,12,20 --oracle-gen-s 120 --oracle-train-s 180 --eval-prompts 32 --overhead-reps 0 rl.engine=vllm target.dtype=float32 rl.lr=8e-4 sidecar.recording.enabled=true
+bench-adapt-playback: fetch $(ORACLE_RUN)
+	$(PY) benchmarks/adapt_playback.py --run checkpoints/smollm2-drift-vllm_oracle --arms base,cap16,old,noramp,anchor,lora --train-tokens-per-step 9216 --threads 2
 bench-drift-trigger: fetch $(ADVISE_DRAFT)
-	$(PY) benchmarks/drift_trigger.py --steps 12 rl.engine=vllm target.dtype=float32 rl.lr=5e-4 sidecar.min_buffer_tokens=2048
+	$(PY) benchmarks/drift_trigger.py --steps 12 rl.engine=vllm target.dtype=float32 rl.lr=5e-4 sidecar.buffer.min_tokens=2048
 bench-verify-drift: fetch $(ADVISE_DRAFT) bench-drift-trigger
-	$(PY) benchmarks/drift.py --name verify_auto --draft checkpoints/advise-draft --steps 12 --oracle-at "" --overhead-reps 0 --no-results-md rl.engine=vllm target.dtype=float32 rl.lr=5e-4 sidecar.min_buffer_tokens=2048 rl.verify_mode=auto
+	$(PY) benchmarks/drift.py --name verify_auto --draft checkpoints/advise-draft --steps 12 --oracle-at "" --overhead-reps 0 --no-results-md rl.engine=vllm target.dtype=float32 rl.lr=5e-4 sidecar.buffer.min_tokens=2048 rl.verify_mode=auto
 	$(PY) benchmarks/verify_drift.py
 bench-draft-variants: fetch $(BENCH_DRAFT) $(DRIFTED_POLICY)
 	$(PY) benchmarks/draft_variants.py --eagle-draft checkpoints/smollm2-bench-ttt --drifted checkpoints/smollm2-drift/policy_merged/v0020 --warm-s 600 --adapt-s 180
@@ -142,3 +142,8 @@ bench-draft-swap-cost: fetch
 	$(PY) benchmarks/draft_swap_cost.py --swaps 3
 bench-task-pays: fetch $(TASK_DRAFT) $(DEMO_DRAFT)
 	$(PY) benchmarks/task_pays.py --speed-batches 1,16 --oracle-gen-s 60 --oracle-train-s 90
+# Not in BENCH_TARGETS until RESULTS.md records its run (tests/test_results_md.py: every listed target's command
+# is one RESULTS.md records); list it there with the run's section.
+.PHONY: bench-ray-vs-process
+bench-ray-vs-process: fetch $(DEMO_DRAFT)
+	$(PY) benchmarks/ray_vs_process.py --repeats 5 --draft checkpoints/smollm2-demo

@@ -10,7 +10,7 @@ default (greedy) draft sampling, as the RL job's rollouts; one engine at a time 
    EAGLE-3 engine per k in ``--ks``, in batches of each size in ``--batch-sizes``; speed-up = generated tokens/s
    with the draft ÷ without.  The plain engine runs first and again last (the machine's drift shows as the gap).
 2. Measured inputs of the projection, from the same engines: per-position acceptance (vLLM's counters over the
-   rollouts) and engine-step seconds with all requests decoding (``engines.vllm.round_cost.decode_step_seconds``).
+   rollouts) and engine-step seconds with all requests decoding (``engines.vllm.round_timing.decode_step_seconds``).
 3. Projected, two ways (``monitor.projection``):
    - *advise*: what ``draft-align advise`` does for a run at k = ``--rates-k``: the rates measured at that k
      (positions beyond it extrapolated), round costs measured at ``--calibrate-k`` only (the line c(k) = a + b·k);
@@ -88,7 +88,7 @@ def rollouts(
 
 
 def measure_engine(llm: Any, k: int, prompts: list[list[int]], args: argparse.Namespace) -> dict[str, Any]:
-    from draft_align.engines.vllm.round_cost import decode_step_seconds
+    from draft_align.engines.vllm.round_timing import decode_step_seconds
 
     rollouts(llm, prompts[:2], 2, args.temperature, 8, seed=999)  # warm-up
     out: dict[str, Any] = {"k": k, "batches": {}}

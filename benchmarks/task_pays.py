@@ -130,9 +130,9 @@ def speed_ab(
 ) -> dict[str, Any]:
     """Plain vs speculative decoding of ``prompts`` with ``policy`` (interleaved engines, one at a time): per
     batch size the tokens/s of each pass, the measured speed-up (medians), step seconds, the projection."""
-    from draft_align.engines.vllm.round_cost import decode_step_seconds
+    from draft_align.engines.vllm.round_timing import decode_step_seconds
     from draft_align.engines.vllm.start import start_engine, start_plain_engine, stop_engine
-    from draft_align.engines.vllm.rollouts import VERIFY_TO_SAMPLE_METHOD
+    from draft_align.engines.vllm.vllm_rollouts import VERIFY_TO_SAMPLE_METHOD
     from draft_align.monitor.projection import CostModel, project
 
     t = float(recipe.rl.temperature)
@@ -379,7 +379,7 @@ def main() -> int:
         f"rl.steps={args.steps}",
         "rl.verify_mode=auto",
         f"rl.save_merged_at=[{','.join(map(str, merged_at))}]",
-        f"sidecar.keep_versions={max(5, 10 * args.steps)}",
+        f"sidecar.publish.keep_versions={max(5, 10 * args.steps)}",
         "run=smollm2-task-pays",
         *args.overrides,
     ]

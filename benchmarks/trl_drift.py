@@ -43,7 +43,7 @@ P = "draft_align/"
 # tap: the full integration; notap: the Tap off (the sidecar runs, gets nothing, never trains); tapidle: the Tap on,
 # the sidecar ingests and estimates every step but never trains (its buffer never reaches the minimum): the Tap's
 # own cost without the sidecar's training sharing this 2-core CPU
-ARMS = {"tap": [], "notap": ["tap.enabled=false"], "tapidle": ["sidecar.min_buffer_tokens=1000000000"]}
+ARMS = {"tap": [], "notap": ["tap.enabled=false"], "tapidle": ["sidecar.buffer.min_tokens=1000000000"]}
 
 
 def _child(spec: dict[str, Any]) -> None:

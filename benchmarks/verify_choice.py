@@ -4,7 +4,7 @@
         [--probe-prompts 4] [--probe-tokens 32] [--prompts 16] [--max-tokens 96] [--dtype float32]
 
 For each draft: one vLLM engine (SmolLM2-135M-Instruct, EAGLE-3 k = 3, eager, one torch thread) wrapped in the
-RL job's :class:`~draft_align.engines.vllm.rollouts.VLLMRollouts` with ``verify_mode="auto"``.
+RL job's :class:`~draft_align.engines.vllm.vllm_rollouts.VLLMRollouts` with ``verify_mode="auto"``.
 1. The choice: ``choose_verify_mode(T = 1)`` on the probe prompts (the first ``--probe-prompts`` held-out
    ShareGPT prompts, ``--probe-tokens`` each) — what the RL job does before its first T > 0 rollouts — and
    its seconds.
@@ -71,7 +71,7 @@ def run_draft(
 ) -> dict[str, Any]:
     from draft_align.engines.rollout_types import DraftVersion
     from draft_align.engines.vllm.refresher import ProbeGuard
-    from draft_align.engines.vllm.rollouts import VLLMRollouts
+    from draft_align.engines.vllm.vllm_rollouts import VLLMRollouts
     from draft_align.publish.versions import resolve_draft_dir
 
     version = DraftVersion.read(resolve_draft_dir(draft))

@@ -3,7 +3,7 @@
 
     .venv/bin/python benchmarks/drift.py --name verify_auto --draft checkpoints/advise-draft --steps 12 \\
         --oracle-at "" --overhead-reps 0 --no-results-md rl.engine=vllm target.dtype=float32 rl.lr=5e-4 \\
-        sidecar.min_buffer_tokens=2048 rl.verify_mode=auto
+        sidecar.buffer.min_tokens=2048 rl.verify_mode=auto
     .venv/bin/python benchmarks/verify_drift.py [--auto drift_verify_auto.json] [--greedy drift_trigger_always.json]
 
 The greedy run is drift_trigger.py's ``always`` arm: the same recipe, seeds, prompts, steps and starting draft,

@@ -27,7 +27,7 @@ VERIFY_MODES: tuple[str, ...] = get_args(VerifyMode)
 AUTO_VERIFY_MODE = "auto"
 ROLLOUT_VERIFY_MODES: tuple[str, ...] = (AUTO_VERIFY_MODE, *VERIFY_MODES)
 
-#: The draft's training objectives (``train.loss`` / ``sidecar.loss``; formulas in train/losses.py and
+#: The draft's training objectives (``train.loss`` / ``sidecar.train.loss``; formulas in train/losses.py and
 #: docs/acceptance.md "Training objectives"): ``soft`` cross-entropy against the target's distribution p
 #: (forward KL); ``hard`` cross-entropy on the sampled next tokens; ``tv`` per-step 1 − Σ min(p, q) (what
 #: ``probabilistic`` verification rejects); ``greedy_surrogate`` per-step 1 − a smooth α of greedy-draft
@@ -89,8 +89,11 @@ def check_loss(loss: str, accept_mode: str | None, soft_ce_weight: float, surrog
         raise ValueError(f"surrogate_tau must be > 0, got {surrogate_tau}")
 
 
-#: Draft head architectures (and so export formats): EAGLE-3 heads and multi-token-prediction (MTP) heads.
-HeadKind = Literal["eagle3", "mtp"]
+#: Draft head architectures (and so export formats): EAGLE-3 heads, the Llama-block multi-token-prediction (MTP)
+#: head and a model's own MTP layers (``native_mtp``: heads/native_mtp.py, not yet a recipe choice).
+HeadKind = Literal["eagle3", "mtp", "native_mtp"]
+#: The head kinds a recipe's ``draft.head`` may name.
+RECIPE_HEAD_KINDS: tuple[str, ...] = ("eagle3", "mtp")
 #: The MTP tensor layouts draft_align imports and exports (docs/formats.md §3).
 MTPLayout = Literal["deepseek_v3", "qwen3_next"]
 

@@ -4,7 +4,7 @@ all a working TRL script needs (docs/trl.md); ``--plain`` runs the same script w
 with transformers).
 
     python examples/trl_grpo.py --steps 5                   # needs the demo's warm-started draft (make demo)
-    python examples/trl_grpo.py --steps 5 rl.engine=reference sidecar.publish_every_s=5
+    python examples/trl_grpo.py --steps 5 rl.engine=reference sidecar.publish.every_s=5
     python examples/trl_grpo.py --task task:add --steps 20  # the verifiable add task, reward 0.2·format + 0.8·correct
 """
 
@@ -22,7 +22,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 from draft_align import assets, data
 from draft_align.integrations.trl import DraftAlign  # draft_align
-from draft_align.integrations.trl.rewards import task_dataset, task_reward
+from draft_align.integrations.trl.reward_funcs import task_dataset, task_reward
 from draft_align.rl.rewards import reward_fn
 
 

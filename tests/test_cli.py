@@ -315,9 +315,9 @@ def test_sidecar_operator_mistakes_are_one_line_errors(sidecar_cli, tmp_path, ca
     (tmp_path / "keydir").mkdir()
     cases = [
         (["wire.key_file=" + str(tmp_path / "keydir")], "is not a regular file"),
-        ([f"sidecar.prometheus_port={busy.getsockname()[1]}"], f"127.0.0.1:{busy.getsockname()[1]}"),
+        ([f"sidecar.monitor.prometheus_port={busy.getsockname()[1]}"], f"127.0.0.1:{busy.getsockname()[1]}"),
         (["wire.endpoint=ipc:///etc/hostname/tap"], "/etc/hostname"),
-        (["sidecar.batch_tokens=0"], "sidecar.batch_tokens must be ≥ 1"),
+        (["sidecar.train.batch_tokens=0"], "sidecar.train.batch_tokens must be ≥ 1"),
     ]
     if not torch.cuda.is_available():
         cases.append((["device=cuda"], "CUDA is not available"))
@@ -339,7 +339,7 @@ def test_sidecar_operator_mistakes_are_one_line_errors(sidecar_cli, tmp_path, ca
 
 def test_verbose_keeps_the_traceback(sidecar_cli, caplog):
     with caplog.at_level(logging.ERROR, logger="draft_align"):
-        assert sidecar_cli("sidecar.batch_tokens=0", verbose=True) == 2
+        assert sidecar_cli("sidecar.train.batch_tokens=0", verbose=True) == 2
     assert any(r.exc_info for r in caplog.records)
 
 
@@ -419,6 +419,23 @@ def test_library_warnings_go_to_the_run_log_and_the_console_only_with_v(verbose,
     assert ("libtcmalloc" in shown) is verbose and ("a library's python warning" in shown) is verbose
     assert not any(isinstance(h, logs.RunLogHandler) for h in root.handlers)
     assert logs.ours not in handler.filters
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_transformers_progress_bars_are_off_without_v(verbose, tmp_path):
+    """transformers' tqdm bars (from_pretrained's "Loading weights") are not log records: a run command turns
+    them off without -v, and release_run_logs turns them on again."""
+    from transformers.utils import logging as hf_logging
+
+    from draft_align.cli import logs
+
+    assert hf_logging.is_progress_bar_enabled()
+    try:
+        logs.route_library_logs(tmp_path / "run", "cotrain", verbose)
+        assert hf_logging.is_progress_bar_enabled() is verbose
+    finally:
+        logs.release_run_logs()
+    assert hf_logging.is_progress_bar_enabled()
 
 
 def test_vllm_configure_logging_set_by_the_user_is_kept(monkeypatch):

@@ -6,7 +6,15 @@ from pathlib import Path
 
 import pytest
 
-from draft_align.config import SCHEMAS, RecipeError, WarmstartRecipe, load_recipe, recipe_kind, recipe_to_dict
+from draft_align.config import (
+    SCHEMAS,
+    CotrainRecipe,
+    RecipeError,
+    WarmstartRecipe,
+    load_recipe,
+    recipe_kind,
+    recipe_to_dict,
+)
 
 RECIPES = sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*.yaml"))
 
@@ -25,12 +33,15 @@ def test_every_recipe_loads_and_validates(path):
     raw = yaml.safe_load(path.read_text())
     # every value the YAML sets is what the recipe holds (nothing silently dropped)
     as_dict = recipe_to_dict(r)
-    for section, values in raw.items():
-        if isinstance(values, dict):
-            for k, v in values.items():
-                assert as_dict[section][k] == v, f"{section}.{k}"
+
+    def same(held, given, key):  # a nested section: every key it sets, at any depth
+        if isinstance(given, dict):
+            for k, v in given.items():
+                same(held[k], v, f"{key}.{k}" if key else k)
         else:
-            assert as_dict[section] == values, section
+            assert held == given, key
+
+    same(as_dict, raw, "")
     assert r.run_dir == Path(r.output_dir) / r.run
 
 
@@ -78,6 +89,45 @@ def test_unknown_key_in_yaml_names_the_key(tmp_path):
 def test_unknown_override_names_the_key(override, key):
     with pytest.raises(RecipeError, match=rf"overrides .*{key}"):
         load_recipe(RECIPES[0], ["train.lr=1e-3", override])
+
+
+@pytest.mark.parametrize(
+    ("override", "line"),
+    [
+        ("sidecar.lr=1e-3", "sidecar.lr moved to sidecar.train.lr"),
+        ("sidecar.eval_k=2", "sidecar.eval_k moved to sidecar.gate.k"),
+        ("sidecar.buffer_tokens=9000", "sidecar.buffer_tokens moved to sidecar.buffer.tokens"),
+        ("sidecar.lora.rank=4", "sidecar.lora.rank moved to sidecar.train.lora.rank"),
+        ("sidecar.train_trigger=drift", "sidecar.train_trigger moved to sidecar.trigger.when"),
+        ("sidecar.record_wire=true", "sidecar.record_wire moved to sidecar.recording.enabled"),
+    ],
+)
+def test_a_flat_sidecar_override_names_its_new_key_in_one_line(override, line):
+    with pytest.raises(RecipeError) as e:
+        load_recipe(None, ["sidecar.train.lr=1e-3", override], CotrainRecipe)
+    assert str(e.value).endswith(f": {line}") and "\n" not in str(e.value)
+
+
+def test_a_flat_sidecar_key_in_yaml_names_its_new_key_in_one_line(tmp_path):
+    p = tmp_path / "old.yaml"
+    p.write_text("kind: cotrain\nsidecar:\n  ranks: 1\n  lr: 3.0e-4\n  min_buffer_tokens: 2048\n")
+    with pytest.raises(RecipeError) as e:
+        load_recipe(p, [], CotrainRecipe)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"recipe {p}: ")
+    assert "sidecar.lr moved to sidecar.train.lr" in msg
+    assert "sidecar.min_buffer_tokens moved to sidecar.buffer.min_tokens" in msg
+
+
+def test_every_moved_sidecar_key_names_a_key_that_exists():
+    from draft_align.config.sections import SIDECAR_MOVED, SidecarConfig
+
+    flat = {f.name for f in dataclasses.fields(SidecarConfig)}
+    for old, new in SIDECAR_MOVED.items():
+        assert old not in flat, old
+        obj = CotrainRecipe().sidecar
+        for part in new.split("."):
+            obj = getattr(obj, part)  # AttributeError: the message would name a key that does not exist
 
 
 def test_wrongly_typed_value_is_an_error():
@@ -142,10 +192,10 @@ def test_mtp_and_lora_keys():
     assert step_decay(0.9, "mtp") == 0.9
     with pytest.raises(RecipeError, match="bogus"):
         load_recipe(None, ["draft.lora.bogus=1"])
-    c = load_recipe(None, ["sidecar.adapt=lora", "sidecar.lora.lr=1e-3"], schema=CotrainRecipe)
-    assert c.sidecar.adapt == "lora" and c.sidecar.lora.lr == 1e-3
-    with pytest.raises(RecipeError, match="sidecar.adapt"):
-        load_recipe(None, ["sidecar.adapt=half"], schema=CotrainRecipe)
+    c = load_recipe(None, ["sidecar.train.adapt=lora", "sidecar.train.lora.lr=1e-3"], schema=CotrainRecipe)
+    assert c.sidecar.train.adapt == "lora" and c.sidecar.train.lora.lr == 1e-3
+    with pytest.raises(RecipeError, match="sidecar.train.adapt"):
+        load_recipe(None, ["sidecar.train.adapt=half"], schema=CotrainRecipe)
 
 
 def test_kind_selects_the_schema_and_a_mismatch_fails(tmp_path):
@@ -154,7 +204,7 @@ def test_kind_selects_the_schema_and_a_mismatch_fails(tmp_path):
     cot = RECIPES[0].parent / "smollm2_cotrain.yaml"
     assert recipe_kind(cot) == "cotrain"
     r = load_recipe(cot, schema=CotrainRecipe)
-    assert r.rl.steps >= 1 and r.sidecar.batch_tokens <= r.sidecar.buffer_tokens
+    assert r.rl.steps >= 1 and r.sidecar.train.batch_tokens <= r.sidecar.buffer.tokens
     with pytest.raises(RecipeError, match="warm-start recipe.*needs a co-training recipe"):
         load_recipe(RECIPES[0].parent / "smollm2_demo.yaml", schema=CotrainRecipe)
     with pytest.raises(RecipeError, match="co-training recipe.*needs a warm-start recipe"):
@@ -215,12 +265,12 @@ def test_every_enum_like_field_is_a_choice():
         for k in (
             "target.dtype",
             "data.gen_engine",
-            "sidecar.loss",
-            "sidecar.accept_mode",
-            "sidecar.eval_mode",
-            "sidecar.adapt",
+            "sidecar.train.loss",
+            "sidecar.train.accept_mode",
+            "sidecar.gate.mode",
+            "sidecar.train.adapt",
             "sidecar.parallel",
-            "sidecar.train_trigger",
+            "sidecar.trigger.when",
             "sidecar.host",
             "ray.lifetime",
             "rl.verify_mode",
@@ -246,9 +296,10 @@ def test_bad_choice_names_the_key_and_the_allowed_values(tmp_path, schema, key, 
     assert "\n" not in msg and f"{shown}: unknown" in msg and "'bogus'" in msg
     assert msg.endswith("expected one of " + " | ".join(allowed))
     # the same from a YAML file: the error names the file
-    section, leaf = key.split(".")
+    *sections, leaf = key.split(".")
+    nested = "".join(f"{'  ' * i}{name}:\n" for i, name in enumerate(sections))
     p = tmp_path / "bad.yaml"
-    p.write_text(f"kind: {schema.kind}\n{section}:\n  {leaf}: {value}\n")
+    p.write_text(f"kind: {schema.kind}\n{nested}{'  ' * len(sections)}{leaf}: {value}\n")
     with pytest.raises(
         RecipeError, match=rf"^recipe .*bad\.yaml: {re.escape(shown)}: unknown .*'bogus'; expected"
     ):
@@ -257,12 +308,14 @@ def test_bad_choice_names_the_key_and_the_allowed_values(tmp_path, schema, key, 
     extra = {
         "draft.adapt": ["draft.init_from=x"],
         "train.accept_mode": ["train.loss=expected_length"],
-        "sidecar.accept_mode": ["sidecar.loss=expected_length"],
+        "sidecar.train.accept_mode": ["sidecar.train.loss=expected_length"],
     }.get(key, [])
     for v in allowed:
         needs = ["rl.engine=vllm"] if (key, v) == ("rl.verify_mode", "auto") else []  # measured on vLLM
         r = load_recipe(None, [f"{key}=[{v}]" if is_list else f"{key}={v}", *extra, *needs], schema)
-        got = getattr(getattr(r, section), leaf)
+        got = r
+        for name in key.split("."):
+            got = getattr(got, name)
         assert (got[0] if is_list else got) == v and isinstance(got[0] if is_list else got, str)
 
 
@@ -288,14 +341,14 @@ def test_choices_come_from_their_one_source():
 
     from draft_align.cli import build_parser
     from draft_align.config.choices import DtypeChoice, HeadChoice, MTPLayoutChoice, VerifyModeChoice
-    from draft_align.conventions import FLOAT_DTYPE_NAMES, VERIFY_MODES
+    from draft_align.conventions import FLOAT_DTYPE_NAMES, RECIPE_HEAD_KINDS, VERIFY_MODES
+    from draft_align.heads.draft_head import HeadKind
     from draft_align.heads.mtp import Layout
-    from draft_align.heads.protocol import HeadKind
 
     assert tuple(VerifyModeChoice) == VERIFY_MODES and tuple(DtypeChoice) == FLOAT_DTYPE_NAMES
-    assert tuple(HeadChoice) == typing.get_args(HeadKind) and tuple(MTPLayoutChoice) == typing.get_args(
-        Layout
-    )
+    # a recipe names the heads the warm-start and sidecar build; native_mtp is a HeadKind, not yet a choice
+    assert tuple(HeadChoice) == RECIPE_HEAD_KINDS and set(RECIPE_HEAD_KINDS) < set(typing.get_args(HeadKind))
+    assert tuple(MTPLayoutChoice) == typing.get_args(Layout)
     ev = next(
         a
         for a in build_parser()._subparsers._group_actions[0].choices["eval"]._actions
@@ -359,21 +412,21 @@ def test_load_recipe_returns_the_schemas_type():
 @pytest.mark.parametrize(
     ("override", "match"),
     [
-        ("sidecar.batch_tokens=0", "sidecar.batch_tokens must be ≥ 1, got 0"),
-        ("sidecar.batch_tokens=-5", "sidecar.batch_tokens must be ≥ 1"),
-        ("sidecar.ttt_steps=0", "sidecar.ttt_steps must be in \\[1, 64\\]"),
-        ("sidecar.eval_k=0", "sidecar.eval_k must be in \\[1, 64\\]"),
-        ("sidecar.grad_clip=-1", "sidecar.grad_clip must be > 0, got -1"),
-        ("sidecar.grad_clip=0", "sidecar.grad_clip must be > 0"),
-        ("sidecar.checkpoint_every_s=0", "sidecar.checkpoint_every_s must be in \\(0, 604800\\]"),
-        ("sidecar.keep_versions=1", "sidecar.keep_versions must be in \\[2, 10000\\]"),
-        ("sidecar.max_seq_tokens=2", "sidecar.max_seq_tokens must be ≥ 3"),
-        ("sidecar.max_consecutive_nonfinite=0", "max_consecutive_nonfinite must be ≥ 1"),
-        ("sidecar.record_wire_mb=0", "sidecar.record_wire_mb must be ≥ 1, got 0"),
-        ("sidecar.record_wire_reserve_mb=-1", "sidecar.record_wire_reserve_mb must be ≥ 0, got -1"),
-        ("sidecar.anchor_decay=-1", r"sidecar.anchor_decay must be ≥ 0 \(0: off\), got -1"),
-        ("sidecar.prometheus_port=70000", "prometheus_port must be in \\[0, 65535\\]"),
-        ("sidecar.prometheus_port=-1", "prometheus_port"),
+        ("sidecar.train.batch_tokens=0", "sidecar.train.batch_tokens must be ≥ 1, got 0"),
+        ("sidecar.train.batch_tokens=-5", "sidecar.train.batch_tokens must be ≥ 1"),
+        ("sidecar.train.ttt_steps=0", "sidecar.train.ttt_steps must be in \\[1, 64\\]"),
+        ("sidecar.gate.k=0", "sidecar.gate.k must be in \\[1, 64\\]"),
+        ("sidecar.train.grad_clip=-1", "sidecar.train.grad_clip must be > 0, got -1"),
+        ("sidecar.train.grad_clip=0", "sidecar.train.grad_clip must be > 0"),
+        ("sidecar.train.checkpoint_every_s=0", "sidecar.train.checkpoint_every_s must be in \\(0, 604800\\]"),
+        ("sidecar.publish.keep_versions=1", "sidecar.publish.keep_versions must be in \\[2, 10000\\]"),
+        ("sidecar.train.max_seq_tokens=2", "sidecar.train.max_seq_tokens must be ≥ 3"),
+        ("sidecar.train.max_consecutive_nonfinite=0", "max_consecutive_nonfinite must be ≥ 1"),
+        ("sidecar.recording.max_mb=0", "sidecar.recording.max_mb must be ≥ 1, got 0"),
+        ("sidecar.recording.reserve_mb=-1", "sidecar.recording.reserve_mb must be ≥ 0, got -1"),
+        ("sidecar.train.anchor_decay=-1", r"sidecar.train.anchor_decay must be ≥ 0 \(0: off\), got -1"),
+        ("sidecar.monitor.prometheus_port=70000", "prometheus_port must be in \\[0, 65535\\]"),
+        ("sidecar.monitor.prometheus_port=-1", "prometheus_port"),
         ("wire.max_message_mb=0", "wire.max_message_mb must be in \\[1, 65536\\]"),
         ("wire.max_message_mb=-3", "wire.max_message_mb"),
         ("wire.max_tokens=0", "wire.max_tokens must be ≥ 1"),
@@ -439,9 +492,9 @@ def test_objective_fields_load_in_both_schemas_and_reach_the_same_loss_settings(
         "fused_soft_ce": "false",
     }
     w = load_recipe(None, [f"train.{k}={v}" for k, v in keys.items()])
-    c = load_recipe(None, [f"sidecar.{k}={v}" for k, v in keys.items()], CotrainRecipe)
+    c = load_recipe(None, [f"sidecar.train.{k}={v}" for k, v in keys.items()], CotrainRecipe)
     a = LossSettings.from_section(w.train, 0.8, True)
-    b = LossSettings.from_section(c.sidecar, 0.8, True)
+    b = LossSettings.from_section(c.sidecar.train, 0.8, True)
     assert (a.kind, a.accept_mode, a.soft_ce_weight, a.surrogate_tau, a.fused_soft_ce) == (
         "expected_length",
         "greedy_draft",
@@ -457,8 +510,8 @@ def test_objective_fields_load_in_both_schemas_and_reach_the_same_loss_settings(
         == "probabilistic"
     )
     assert LossSettings.from_section(w.train.__class__(), 0.8, True).verify_mode is None  # soft CE
-    with pytest.raises(RecipeError, match=r"^sidecar\.soft_ce_weight=1\.0 mixes soft CE"):
-        load_recipe(None, ["sidecar.soft_ce_weight=1"], CotrainRecipe)
+    with pytest.raises(RecipeError, match=r"^sidecar\.train\.soft_ce_weight=1\.0 mixes soft CE"):
+        load_recipe(None, ["sidecar.train.soft_ce_weight=1"], CotrainRecipe)
     with pytest.raises(ValueError, match="loss 'kl' unknown"):
         LossSettings(kind="kl")  # type: ignore[arg-type]
 
@@ -468,12 +521,12 @@ def test_a_distribution_loss_on_hard_tokens_only_fails_at_load(loss):
     from draft_align.config import CotrainRecipe
 
     with pytest.raises(RecipeError) as e:
-        load_recipe(None, [f"sidecar.loss={loss}", "tap.send_final=false"], CotrainRecipe)
+        load_recipe(None, [f"sidecar.train.loss={loss}", "tap.send_final=false"], CotrainRecipe)
     assert str(e.value) == (
-        f"sidecar.loss={loss} needs the target's distribution, but tap.send_final=false ships "
+        f"sidecar.train.loss={loss} needs the target's distribution, but tap.send_final=false ships "
         f"hard tokens only (no final hidden state): set tap.send_final=true"
     )
-    load_recipe(None, [f"sidecar.loss={loss}", "tap.send_final=true"], CotrainRecipe)
+    load_recipe(None, [f"sidecar.train.loss={loss}", "tap.send_final=true"], CotrainRecipe)
 
 
 def test_hard_tokens_only_fail_at_load_for_the_hard_loss_too():
@@ -481,7 +534,7 @@ def test_hard_tokens_only_fail_at_load_for_the_hard_loss_too():
     from draft_align.config import CotrainRecipe
 
     with pytest.raises(RecipeError, match=r"^tap\.send_final=false: the sidecar drops tapped batches"):
-        load_recipe(None, ["sidecar.loss=hard", "tap.send_final=false"], CotrainRecipe)
+        load_recipe(None, ["sidecar.train.loss=hard", "tap.send_final=false"], CotrainRecipe)
 
 
 # ----------------------------------------------------------------------------- numeric ranges (config/rules.py)
@@ -566,21 +619,24 @@ def test_every_numeric_field_refuses_values_outside_its_range_in_one_line(kind, 
         ("rl.temperature=nan", r"^rl\.temperature must be 0 or in \[0\.001, 100\] \(0: greedy\), got nan$"),
         ("rl.temperature=1e308", r"^rl\.temperature must be 0 or in"),
         ("rl.temperature=5e-324", r"^rl\.temperature must be 0 or in"),
-        ("sidecar.eval_temperature=inf", r"^sidecar\.eval_temperature must be 0 or in"),
-        ("sidecar.gate_tolerance=-1", r"^sidecar\.gate_tolerance must be ≥ 0 \(.*\), got -1"),
-        ("sidecar.gate_tolerance=nan", r"^sidecar\.gate_tolerance must be ≥ 0 \(.*\), got nan"),
-        ("sidecar.gate_tolerance=inf", r"^sidecar\.gate_tolerance must be ≥ 0 \(.*\), got inf"),
-        ("sidecar.lr=inf", r"^sidecar\.lr must be > 0, got inf"),
+        ("sidecar.gate.temperature=inf", r"^sidecar\.gate\.temperature must be 0 or in"),
+        ("sidecar.gate.tolerance=-1", r"^sidecar\.gate\.tolerance must be ≥ 0 \(.*\), got -1"),
+        ("sidecar.gate.tolerance=nan", r"^sidecar\.gate\.tolerance must be ≥ 0 \(.*\), got nan"),
+        ("sidecar.gate.tolerance=inf", r"^sidecar\.gate\.tolerance must be ≥ 0 \(.*\), got inf"),
+        ("sidecar.train.lr=inf", r"^sidecar\.train\.lr must be > 0, got inf"),
         ("sidecar.collective_timeout_s=1e300", r"^sidecar\.collective_timeout_s must be in \(0, 604800\]"),
         ("seed=-1", r"^seed must be in \[0, 4294967295\], got -1"),
         (
             "wire.max_message_mb=100000000000000000000000000000",
             r"^wire\.max_message_mb must be in \[1, 65536\]",
         ),
-        ("sidecar.keep_versions=100000000000000000000000000000", r"^sidecar\.keep_versions must be in"),
         (
-            "sidecar.recency_half_life=nan",
-            r"^sidecar\.recency_half_life must be > 0 \(inf: uniform sampling\)",
+            "sidecar.publish.keep_versions=100000000000000000000000000000",
+            r"^sidecar\.publish\.keep_versions must be in",
+        ),
+        (
+            "sidecar.buffer.recency_half_life=nan",
+            r"^sidecar\.buffer\.recency_half_life must be > 0 \(inf: uniform sampling\)",
         ),
     ],
 )
@@ -590,8 +646,8 @@ def test_hostile_numeric_overrides_found_by_the_attacker_fail_at_load(override, 
     with pytest.raises(RecipeError, match=match):
         load_recipe(None, [override], CotrainRecipe)
     assert load_recipe(
-        None, ["sidecar.recency_half_life=inf"], CotrainRecipe
-    ).sidecar.recency_half_life == float("inf")  # inf means uniform sampling (train/replay.py)
+        None, ["sidecar.buffer.recency_half_life=inf"], CotrainRecipe
+    ).sidecar.buffer.recency_half_life == float("inf")  # inf means uniform sampling (train/replay.py)
 
 
 @pytest.mark.parametrize("run", ["../../x", "/tmp/abs", "a/b", "..", ".", "", " x", "a\\b"])
@@ -607,9 +663,9 @@ def test_the_sidecars_default_sequence_cap_keeps_one_step_in_its_documented_budg
     """docs/sizing.md §6: one train step ≤ (a·M/T + c)·cap + b; for the SmolLM2-sized draft (H 576, I 1536,
     K 7, three aux layers of a 576-wide target, P 14.6 M) the default cap must keep it near 2 GiB, the step's
     share of a 24 GiB machine beside vLLM (8,192 gave ≈ 3.1 GB).  The docs state the default the schema has."""
-    from draft_align.config.sections import SidecarConfig
+    from draft_align.config.sections import SidecarTrainConfig
 
-    cap = SidecarConfig().max_seq_tokens
+    cap = SidecarTrainConfig().max_seq_tokens
     h, i, k, h_t, p = 576, 1536, 7, 576, 14.6e6
     a = 4 * k * (14 * h + 4 * i)  # per chain start
     c = 4 * (3 * h_t + 8 * h)  # per position

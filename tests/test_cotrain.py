@@ -98,7 +98,7 @@ def test_cotrain_runs_rl_with_a_live_sidecar_and_reports(tiny_run, tiny_env, tmp
     assert [printed[r["step"]]["drops"] for r in steps] == [str(int(r["wire_dropped"])) for r in steps]
     assert (run / "report.png").stat().st_size > 10_000
     assert summary["report"]["steps"] == 3
-    # the sidecar's per-position estimates (sidecar.eval_k = 2) and advise's section at the end of report.md
+    # the sidecar's per-position estimates (sidecar.gate.k = 2) and advise's section at the end of report.md
     assert all(0 <= r["accept_est_r1_adapted"] <= r["accept_est_r0_adapted"] <= 1 for r in mon)
     advice = (run / "report.md").read_text().split("## Speculative decoding: profile, projection, advice")[1]
     assert "### Stage profile of the RL step (measured" in advice and "### Advice" in advice
@@ -176,7 +176,9 @@ def test_rl_steps_continue_when_the_sidecar_is_killed(tiny_run, tiny_env, tmp_pa
             stop_sidecar(proc, 1)
 
 
-@pytest.mark.parametrize("bad", ["rl.group_size=1", "rl.frozen_fraction=1.5", "sidecar.max_replay_ratio=0"])
+@pytest.mark.parametrize(
+    "bad", ["rl.group_size=1", "rl.frozen_fraction=1.5", "sidecar.buffer.max_replay_ratio=0"]
+)
 def test_bad_cotrain_settings_fail_early(bad):
     from draft_align.config import RecipeError
 

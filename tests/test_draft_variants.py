@@ -159,10 +159,10 @@ def test_sidecar_trains_and_publishes(tiny_run, tmp_path, variant):
     if "lora" in variant:
         extra.update(
             {
-                "sidecar.adapt": "lora",
-                "sidecar.lora.rank": 2,
-                "sidecar.lora.lr": 5e-3,
-                "sidecar.lora.publish_delta": "true",
+                "sidecar.train.adapt": "lora",
+                "sidecar.train.lora.rank": 2,
+                "sidecar.train.lora.lr": 5e-3,
+                "sidecar.train.lora.publish_delta": "true",
             }
         )
     recipe = load_recipe(None, tiny_run.cotrain_overrides(tmp_path, **extra), CotrainRecipe)

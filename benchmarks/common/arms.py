@@ -160,8 +160,8 @@ def finish(
 
 def measure(prep: Any, draft_dir: Path, prompts: list, dtype: str, max_new: int) -> list[dict[str, Any]]:
     """``draft-align eval --engine vllm`` of the published draft at k = 3 for every (mode, T) of MODES."""
-    from draft_align.engines.vllm.evaluate import evaluate_vllm
     from draft_align.engines.vllm.start import EngineError
+    from draft_align.engines.vllm.vllm_eval import evaluate_vllm
     from draft_align.monitor.evaluate import eos_ids
     from draft_align.publish import load_draft
 

@@ -1,6 +1,6 @@
 """``draft-align`` command line: the parser (``parser.py``), logging (``logs.py``, configured here and nowhere
 else), the commands of a run (``runs.py``: fetch, warmstart, sidecar, cotrain, monitor, report), of a published
-draft (``drafts.py``: eval, export), ``advise`` (``advise.py``) and ``ray`` (``ray.py``: a sidecar on a Ray cluster); :func:`main` runs one and turns the errors a
+draft (``draft_commands.py``: eval, export), ``advise`` (``advise_command.py``) and ``ray`` (``ray.py``: a sidecar on a Ray cluster); :func:`main` runs one and turns the errors a
 user can cause into one line and exit status 2.
 """
 

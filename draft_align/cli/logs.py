@@ -70,8 +70,8 @@ def setup_logging(verbose: bool) -> None:
 def route_library_logs(run_dir: Path, command: str, verbose: bool) -> Path:
     """Once a run's folder is known: every record also goes to ``<run_dir>/logs/<command>.log``, and without -v
     the console keeps only draft_align's lines (and errors); library warnings, vLLM's among them, are in the
-    file.  transformers and datasets print through handlers of their own: they are routed here as well.
-    Returns the log file's path.  (Lines C/C++ code writes to file descriptor 2 are not records: torch's C++
+    file.  transformers and datasets print through handlers of their own: they are routed here as well, and
+    without -v transformers' progress bars (its "Loading weights" bar) are off.  Returns the log file's path.  (Lines C/C++ code writes to file descriptor 2 are not records: torch's C++
     warnings are off without -v (:func:`setup_logging`), anything else written there still reaches the
     console.)"""
     path = Path(run_dir) / RUN_LOG / f"{command}.log"
@@ -93,7 +93,16 @@ def route_library_logs(run_dir: Path, command: str, verbose: bool) -> Path:
             if type(h) is logging.StreamHandler:
                 lib_logger.removeHandler(h)
         lib_logger.propagate = True
+        if lib == "transformers" and not verbose:
+            # its tqdm bars ("Loading weights" in from_pretrained) are not records: off without -v
+            mod.disable_progress_bar()
+            _bars_off.add(lib)
     return path
+
+
+_bars_off: set[str] = (
+    set()
+)  # libraries whose progress bars route_library_logs turned off (release turns them on)
 
 
 def say_rank(rank: int) -> None:
@@ -111,3 +120,6 @@ def release_run_logs() -> None:
         else:
             h.removeFilter(ours)
     logging.captureWarnings(False)
+    for lib in sorted(_bars_off):
+        importlib.import_module(f"{lib}.utils.logging").enable_progress_bar()
+    _bars_off.clear()

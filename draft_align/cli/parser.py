@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from draft_align.cli.advise import cmd_advise
-from draft_align.cli.drafts import cmd_eval, cmd_export
+from draft_align.cli.advise_command import cmd_advise
+from draft_align.cli.draft_commands import cmd_eval, cmd_export
 from draft_align.cli.ray import cmd_ray
 from draft_align.cli.runs import cmd_cotrain, cmd_fetch, cmd_monitor, cmd_report, cmd_sidecar, cmd_warmstart
 

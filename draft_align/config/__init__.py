@@ -6,9 +6,15 @@ Its members are strings: ``recipe.draft.head == "mtp"`` and ``f"{mode}"`` work a
 ``draft_align.config`` is the recipe API the loops, the CLI and the examples import (the two schemas, loading and
 saving, :class:`RecipeError`); its rooms: ``choices.py`` (the choice fields), ``sections.py`` (one dataclass per
 recipe section), ``recipes.py`` (the two schemas and their cross-field rules), ``rules.py`` (the rule helpers,
-:class:`RecipeError`), ``loading.py`` (files and overrides), ``reference.py`` (docs/config.md generated from the schemas)."""
+:class:`RecipeError`), ``recipe_files.py`` (files and overrides), ``reference.py`` (docs/config.md generated from the schemas)."""
 
-from draft_align.config.loading import RESOLVED_RECIPE, load_recipe, recipe_kind, recipe_to_dict, save_recipe
+from draft_align.config.recipe_files import (
+    RESOLVED_RECIPE,
+    load_recipe,
+    recipe_kind,
+    recipe_to_dict,
+    save_recipe,
+)
 from draft_align.config.recipes import SCHEMAS, CotrainRecipe, Recipe, WarmstartRecipe
 from draft_align.config.rules import RecipeError
 from draft_align.config.sections import RLConfig, step_decay

@@ -13,9 +13,9 @@ from typing import Any
 from draft_align.conventions import (
     FLOAT_DTYPE_NAMES,
     LOSS_KINDS,
+    RECIPE_HEAD_KINDS,
     ROLLOUT_VERIFY_MODES,
     VERIFY_MODES,
-    HeadKind,
     MTPLayout,
 )
 
@@ -31,7 +31,7 @@ def _choice(name: str, values: Sequence[str], what: str) -> type[StrEnum]:
 
 
 # the verify modes, dtypes, head kinds and MTP layouts from their one source
-HeadChoice = _choice("HeadChoice", typing.get_args(HeadKind), "draft head")
+HeadChoice = _choice("HeadChoice", RECIPE_HEAD_KINDS, "draft head")
 MTPLayoutChoice = _choice("MTPLayoutChoice", typing.get_args(MTPLayout), "MTP layout")
 MTPInitChoice = _choice("MTPInitChoice", ("last_layer", "random"), "MTP init")
 AdaptChoice = _choice("AdaptChoice", ("full", "lora"), "adaptation")  # whole draft | LoRA over a frozen one

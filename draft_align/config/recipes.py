@@ -106,12 +106,12 @@ class CotrainRecipe(_RecipeHeader):
         """The cross-field rules (field types and choices are the schema's, checked again here for a
         recipe built in code)."""
         _check_header(self)
-        check_lora("sidecar", self.sidecar.adapt, self.sidecar.lora)
-        check_loss_section("sidecar", self.sidecar)
+        check_lora("sidecar.train", self.sidecar.train.adapt, self.sidecar.train.lora)
+        check_loss_section("sidecar.train", self.sidecar.train)
         if not self.tap.send_final:
-            if self.sidecar.loss in DISTRIBUTION_LOSSES:
+            if self.sidecar.train.loss in DISTRIBUTION_LOSSES:
                 raise RecipeError(
-                    f"sidecar.loss={self.sidecar.loss} needs the target's distribution, but "
+                    f"sidecar.train.loss={self.sidecar.train.loss} needs the target's distribution, but "
                     f"tap.send_final=false ships hard tokens only (no final hidden state): set "
                     f"tap.send_final=true"
                 )
@@ -144,12 +144,12 @@ class CotrainRecipe(_RecipeHeader):
             raise RecipeError(f"ray.resources must be ≥ 0 each, got {dict(self.ray.resources)}")
         if not self.ray.namespace:
             raise RecipeError("ray.namespace must not be empty")
-        if self.sidecar.buffer_tokens < self.sidecar.batch_tokens:
-            raise RecipeError("sidecar.buffer_tokens must be ≥ sidecar.batch_tokens")
         sc = self.sidecar
-        if sc.train_trigger == "drift" and sc.ranks > 1:
+        if sc.buffer.tokens < sc.train.batch_tokens:
+            raise RecipeError("sidecar.buffer.tokens must be ≥ sidecar.train.batch_tokens")
+        if sc.trigger.when == "drift" and sc.ranks > 1:
             raise RecipeError(
-                "sidecar.train_trigger=drift runs in a single-process sidecar only (sidecar.ranks=1)"
+                "sidecar.trigger.when=drift runs in a single-process sidecar only (sidecar.ranks=1)"
             )
 
 

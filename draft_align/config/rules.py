@@ -21,7 +21,14 @@ from draft_align.config.sections import (
     LoraAdaptConfig,
     RayConfig,
     RLConfig,
+    SidecarBufferConfig,
     SidecarConfig,
+    SidecarGateConfig,
+    SidecarMonitorConfig,
+    SidecarPublishConfig,
+    SidecarRecordingConfig,
+    SidecarTrainConfig,
+    SidecarTriggerConfig,
     TapConfig,
     TrainConfig,
     WireConfig,
@@ -161,15 +168,19 @@ RANGES: dict[type, dict[str, Range]] = {
         "max_tokens_per_message": Range(MIN_TAP_SEQUENCE_TOKENS),
     },
     SidecarConfig: {
-        "buffer_tokens": Range(1, 2**40),
+        "ranks": Range(1, 4096),
+        "collective_timeout_s": SECONDS,
+        "num_threads": Range(1, 1024),
+    },
+    SidecarBufferConfig: {
+        "tokens": Range(1, 2**40),
+        "min_tokens": AT_LEAST_0,
         "recency_half_life": Range(0, open_low=True, inf_ok=True, note="inf: uniform sampling"),
         "holdout_records": AT_LEAST_1,
         "holdout_every": AT_LEAST_1,
         "max_replay_ratio": ABOVE_0,
-        "min_buffer_tokens": AT_LEAST_0,
-        "lr_ramp_tokens": Range(0, note="0: off"),
-        "anchor_decay": Range(0, note="0: off"),
-        "log_every": AT_LEAST_1,
+    },
+    SidecarTrainConfig: {
         "batch_tokens": TOKENS,
         "ttt_steps": Range(1, 64),
         "step_decay": Range(0, open_low=True, note="null: the head's default"),
@@ -180,24 +191,34 @@ RANGES: dict[type, dict[str, Range]] = {
         "warmup_steps": AT_LEAST_0,
         "weight_decay": AT_LEAST_0,
         "grad_clip": ABOVE_0,
-        "min_train_steps_per_publish": AT_LEAST_0,
-        "publish_every_s": Range(0, 7 * 86400),
-        "gate_tolerance": Range(0, note="sidecar.eval_k or more publishes every candidate"),
-        "eval_k": Range(1, 64),
-        "eval_temperature": TEMPERATURE,
-        "checkpoint_every_s": SECONDS,
-        "keep_versions": Range(2, 10_000),
-        "prometheus_port": Range(0, 65535, note="0: any free port; null: off"),
-        "num_threads": Range(1, 1024),
-        "max_consecutive_nonfinite": AT_LEAST_1,
+        "lr_ramp_tokens": Range(0, note="0: off"),
+        "anchor_decay": Range(0, note="0: off"),
         "max_seq_tokens": Range(3),
-        "record_wire_mb": AT_LEAST_1,
-        "record_wire_reserve_mb": AT_LEAST_0,
-        "ranks": Range(1, 4096),
-        "collective_timeout_s": SECONDS,
+        "max_consecutive_nonfinite": AT_LEAST_1,
+        "checkpoint_every_s": SECONDS,
+    },
+    SidecarTriggerConfig: {
         "drift_tolerance": Range(0, 1, open_low=True, open_high=True),
         "drift_head_threshold": ABOVE_0,
         "drift_window": AT_LEAST_1,
+    },
+    SidecarGateConfig: {
+        "tolerance": Range(0, note="sidecar.gate.k or more publishes every candidate"),
+        "k": Range(1, 64),
+        "temperature": TEMPERATURE,
+    },
+    SidecarPublishConfig: {
+        "min_train_steps": AT_LEAST_0,
+        "every_s": Range(0, 7 * 86400),
+        "keep_versions": Range(2, 10_000),
+    },
+    SidecarMonitorConfig: {
+        "log_every": AT_LEAST_1,
+        "prometheus_port": Range(0, 65535, note="0: any free port; null: off"),
+    },
+    SidecarRecordingConfig: {
+        "max_mb": AT_LEAST_1,
+        "reserve_mb": AT_LEAST_0,
     },
     RLConfig: {
         "steps": AT_LEAST_1,
@@ -301,8 +322,8 @@ def check_lora(where: str, adapt: AdaptChoice, lora: LoraAdaptConfig) -> None:
         raise RecipeError(f"{where}.lora.target_modules must name at least one module")
 
 
-def check_loss_section(where: str, section: TrainConfig | SidecarConfig) -> None:
-    """The objective's rule (conventions.check_loss) on a ``train`` or ``sidecar`` section."""
+def check_loss_section(where: str, section: TrainConfig | SidecarTrainConfig) -> None:
+    """The objective's rule (conventions.check_loss) on a ``train`` or ``sidecar.train`` section."""
     try:
         check_loss(section.loss, section.accept_mode, section.soft_ce_weight, section.surrogate_tau)
     except ValueError as e:

@@ -177,8 +177,11 @@ class TapConfig:
 
 
 @dataclass
-class SidecarConfig:
-    buffer_tokens: int = 200_000  # replay buffer bound; oldest records leave first
+class SidecarBufferConfig:
+    """The replay buffer (train/replay.py): what it holds, what it holds out, how batches draw from it."""
+
+    tokens: int = 200_000  # the buffer's bound in tokens; oldest records leave first
+    min_tokens: int = 8192  # no training before the buffer holds this many trainable tokens
     recency_half_life: float = 2.0  # policy versions: a record's sampling weight halves per this many
     holdout_records: int = 16  # fresh records kept out of training, for the publish gate's evaluation
     # every holdout_every-th record is a hold-out candidate (train/replay.py): > 1 keeps each step's records
@@ -189,21 +192,12 @@ class SidecarConfig:
     # waits instead of over-fitting the few sequences it holds; where it shares cores with the RL job, a lower
     # cap leaves that more CPU (docs/sidecar.md, "Replay buffer": how the default was chosen)
     max_replay_ratio: float = 16.0
-    min_buffer_tokens: int = 8192  # no training before the buffer holds this many trainable tokens
-    # lr × min(1, trainable tokens / lr_ramp_tokens): small early buffers take small steps (0: off)
-    lr_ramp_tokens: int = 0
-    # pull toward the starting draft after each step: θ ← θ − lr · anchor_decay · (θ − θ_start), AdamW-style
-    # decoupled decay toward the starting weights instead of 0; after a restart θ_start is the newest
-    # published draft (0: off)
-    anchor_decay: float = 0.0
-    log_every: int = 10  # train steps between training-metric lines in <run>/sidecar/metrics.jsonl
-    # append every valid message received to <run>/sidecar/wire.rec (wire/recording.py), e.g. to compare
-    # sidecar settings on the same taps afterwards (benchmarks/adapt_replay.py)
-    record_wire: bool = False
-    # the recording stops (one line) before its file passes record_wire_mb, or before the free space on its disk
-    # falls under max(record_wire_reserve_mb, 32 bytes per draft parameter): checkpoints and publishes keep room
-    record_wire_mb: int = 4096
-    record_wire_reserve_mb: int = 2048
+
+
+@dataclass
+class SidecarTrainConfig:
+    """How the sidecar trains the draft: the objective, the optimizer and its schedule, the trainer's limits."""
+
     batch_tokens: int = 1536  # tokens per training batch
     ttt_steps: int = 7  # K: unrolled draft steps per chain start (training-time test)
     step_decay: float | None = None  # TTT step weights decay^j; None = the head's default (STEP_DECAY)
@@ -218,32 +212,93 @@ class SidecarConfig:
     warmup_steps: int = 10  # linear warm-up steps
     weight_decay: float = 0.0  # AdamW weight decay
     grad_clip: float = 0.5  # gradient-norm clip
+    # lr × min(1, trainable tokens / lr_ramp_tokens): small early buffers take small steps (0: off)
+    lr_ramp_tokens: int = 0
+    # pull toward the starting draft after each step: θ ← θ − lr · anchor_decay · (θ − θ_start), AdamW-style
+    # decoupled decay toward the starting weights instead of 0; after a restart θ_start is the newest
+    # published draft (0: off)
+    anchor_decay: float = 0.0
     autocast_bf16: bool | None = None  # null: bf16 where native (train/precision.py), else fp32
     fused_soft_ce: bool = True  # as train.fused_soft_ce
-    min_train_steps_per_publish: int = 10  # optimizer steps between publish attempts
-    publish_every_s: float = 20.0  # try to publish at most this often (after enough steps)
-    # also try once as soon as the candidate has trained on a policy version newer than the published draft's
-    publish_on_new_version: bool = True
-    # publish iff candidate − published ≥ −max(gate_tolerance, 2·stderr) (paired, mean acceptance length)
-    gate_tolerance: float = 0.0
-    eval_k: int = 3  # k of the gate's acceptance estimate
-    eval_mode: VerifyModeChoice = VerifyModeChoice("greedy_draft")  # the gate's verify mode (vLLM's default)
-    eval_temperature: float = 1.0  # temperature of the gate's estimate (that of the rollouts)
-    checkpoint_every_s: float = 60.0  # seconds between trainer checkpoints
-    # retention: published versions beyond the newest keep_versions are deleted (never the one `latest` names);
-    # ≥ 2 so that an engine can always roll back to the version before
-    keep_versions: int = 5
-    # 0 = any free port (written to <run_dir>/sidecar/prometheus.port); null = off
-    prometheus_port: int | None = 0
-    num_threads: int = 1  # torch threads of the sidecar
-    # non-finite losses in a row that stop the run (sidecar: drop the head until HeadSync)
-    max_consecutive_nonfinite: int = 5
     # longer tapped sequences train on their first this-many tokens (the rest counted as truncated): one train
     # step's memory is linear in sequence length with this as its bound (docs/sizing.md §6)
     max_seq_tokens: int = 4096
+    # non-finite losses in a row that drop the head in use (until the next HeadSync)
+    max_consecutive_nonfinite: int = 5
+    checkpoint_every_s: float = 60.0  # seconds between trainer checkpoints
     # lora: adapters over the frozen starting draft; publishes merge them
     adapt: AdaptChoice = AdaptChoice("full")
     lora: LoraAdaptConfig = field(default_factory=LoraAdaptConfig)
+
+
+@dataclass
+class SidecarTriggerConfig:
+    """When to train (sidecar/trigger.py): always (whenever data allows), or drift: idle after each publish while
+    the published draft's estimated acceptance on fresh taps holds (its gain over plain decoding within
+    ``drift_tolerance``, relative, of its level over the ``drift_window`` steps after publication) and the head
+    rows moved less than ``drift_head_threshold`` (relative) since; single-process sidecars only."""
+
+    when: TrainTriggerChoice = TrainTriggerChoice("always")  # always | drift
+    # drift trigger: relative fall of the published draft's gain that restarts training
+    drift_tolerance: float = 0.1
+    # drift trigger: relative head-row change that restarts training
+    drift_head_threshold: float = 0.05
+    drift_window: int = 3  # drift trigger: steps after a publish that set the reference level
+
+
+@dataclass
+class SidecarGateConfig:
+    """The publish gate (sidecar/gate.py): the candidate against the published draft, paired, on hold-out taps."""
+
+    # publish iff candidate − published ≥ −max(tolerance, 2·stderr) (paired, mean acceptance length)
+    tolerance: float = 0.0
+    k: int = 3  # k of the gate's acceptance estimate
+    mode: VerifyModeChoice = VerifyModeChoice("greedy_draft")  # the gate's verify mode (vLLM's default)
+    temperature: float = 1.0  # temperature of the gate's estimate (that of the rollouts)
+
+
+@dataclass
+class SidecarPublishConfig:
+    """When the sidecar tries to publish, and how many published versions it keeps."""
+
+    min_train_steps: int = 10  # optimizer steps between publish attempts
+    every_s: float = 20.0  # try to publish at most this often (after enough steps)
+    # also try once as soon as the candidate has trained on a policy version newer than the published draft's
+    on_new_version: bool = True
+    # retention: published versions beyond the newest keep_versions are deleted (never the one `latest` names);
+    # ≥ 2 so that an engine can always roll back to the version before
+    keep_versions: int = 5
+
+
+@dataclass
+class SidecarMonitorConfig:
+    """What the sidecar reports besides the step rows."""
+
+    log_every: int = 10  # train steps between training-metric lines in <run>/sidecar/metrics.jsonl
+    # 0 = any free port (written to <run_dir>/sidecar/prometheus.port); null = off
+    prometheus_port: int | None = 0
+
+
+@dataclass
+class SidecarRecordingConfig:
+    """A recording of the wire: every valid message received, appended to <run>/sidecar/wire.rec
+    (wire/recording.py), e.g. to compare sidecar settings on the same taps afterwards
+    (benchmarks/adapt_playback.py)."""
+
+    enabled: bool = False  # record the wire
+    # the recording stops (one line) before its file passes max_mb, or before the free space on its disk falls
+    # under max(reserve_mb, 32 bytes per draft parameter): checkpoints and publishes keep room
+    max_mb: int = 4096
+    reserve_mb: int = 2048
+
+
+@dataclass
+class SidecarConfig:
+    """The sidecar process: where it runs, and one section per concern."""
+
+    # where it runs: process (a child of the RL job, torchrun for ranks > 1) or ray (an actor, or a Ray Train
+    # gang for ranks > 1, on the cluster the `ray` section names; docs/ray.md)
+    host: SidecarHostChoice = SidecarHostChoice("process")
     # torchrun ranks (train/parallel.py): the policy's tap connects to this many sidecar endpoints, and
     # `torchrun --nproc-per-node` must equal it; gradients averaged by DDP or, with the draft's parameters and
     # optimizer state sharded over the ranks, FSDP2 (`parallel`: ddp | fsdp2)
@@ -251,19 +306,52 @@ class SidecarConfig:
     # ddp: the draft replicated on each rank | fsdp2: sharded
     parallel: ParallelChoice = ParallelChoice("ddp")
     collective_timeout_s: float = 300.0  # a rank that died or hangs stops the others after this long
-    # when to train (sidecar/trigger.py): always (whenever data allows), or drift: idle after each publish while
-    # the published draft's estimated acceptance on fresh taps holds (its gain over plain decoding within
-    # drift_tolerance, relative, of its level over the drift_window steps after publication) and the head rows
-    # moved less than drift_head_threshold (relative) since; single-process sidecars only
-    train_trigger: TrainTriggerChoice = TrainTriggerChoice("always")
-    # drift trigger: relative fall of the published draft's gain that restarts training
-    drift_tolerance: float = 0.1
-    # drift trigger: relative head-row change that restarts training
-    drift_head_threshold: float = 0.05
-    drift_window: int = 3  # drift trigger: steps after a publish that set the reference level
-    # where it runs: process (a child of the RL job, torchrun for ranks > 1) or ray (an actor, or a Ray Train
-    # gang for ranks > 1, on the cluster the `ray` section names; docs/ray.md)
-    host: SidecarHostChoice = SidecarHostChoice("process")
+    num_threads: int = 1  # torch threads of the sidecar
+    buffer: SidecarBufferConfig = field(default_factory=SidecarBufferConfig)
+    train: SidecarTrainConfig = field(default_factory=SidecarTrainConfig)
+    trigger: SidecarTriggerConfig = field(default_factory=SidecarTriggerConfig)
+    gate: SidecarGateConfig = field(default_factory=SidecarGateConfig)
+    publish: SidecarPublishConfig = field(default_factory=SidecarPublishConfig)
+    monitor: SidecarMonitorConfig = field(default_factory=SidecarMonitorConfig)
+    recording: SidecarRecordingConfig = field(default_factory=SidecarRecordingConfig)
+
+
+#: The flat ``sidecar.*`` keys that moved into a section, old → new (without the ``sidecar.`` prefix): a recipe
+#: or override still using one is refused in one line naming the new key (config/recipe_files.py).
+SIDECAR_MOVED: dict[str, str] = {
+    "buffer_tokens": "buffer.tokens",
+    "min_buffer_tokens": "buffer.min_tokens",
+    "recency_half_life": "buffer.recency_half_life",
+    "holdout_records": "buffer.holdout_records",
+    "holdout_every": "buffer.holdout_every",
+    "fresh_first": "buffer.fresh_first",
+    "max_replay_ratio": "buffer.max_replay_ratio",
+    **{
+        k: f"train.{k}"
+        for k in (
+            "batch_tokens ttt_steps step_decay loss accept_mode soft_ce_weight surrogate_tau lr min_lr_ratio "
+            "warmup_steps weight_decay grad_clip lr_ramp_tokens anchor_decay autocast_bf16 fused_soft_ce "
+            "max_seq_tokens max_consecutive_nonfinite checkpoint_every_s adapt lora"
+        ).split()
+    },
+    "train_trigger": "trigger.when",
+    "drift_tolerance": "trigger.drift_tolerance",
+    "drift_head_threshold": "trigger.drift_head_threshold",
+    "drift_window": "trigger.drift_window",
+    "gate_tolerance": "gate.tolerance",
+    "eval_k": "gate.k",
+    "eval_mode": "gate.mode",
+    "eval_temperature": "gate.temperature",
+    "min_train_steps_per_publish": "publish.min_train_steps",
+    "publish_every_s": "publish.every_s",
+    "publish_on_new_version": "publish.on_new_version",
+    "keep_versions": "publish.keep_versions",
+    "log_every": "monitor.log_every",
+    "prometheus_port": "monitor.prometheus_port",
+    "record_wire": "recording.enabled",
+    "record_wire_mb": "recording.max_mb",
+    "record_wire_reserve_mb": "recording.reserve_mb",
+}
 
 
 @dataclass

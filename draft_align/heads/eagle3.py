@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from draft_align.conventions import default_aux_layer_ids
+from draft_align.heads.draft_head import HeadKind
 from draft_align.heads.layers import (
     MLP,
     Attention,
@@ -40,7 +41,6 @@ from draft_align.heads.layers import (
     chain_tokens,
     next_tokens,
 )
-from draft_align.heads.protocol import HeadKind
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 C = TypeVar("C")

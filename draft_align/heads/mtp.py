@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from draft_align.conventions import MTPLayout
+from draft_align.heads.draft_head import HeadKind
 from draft_align.heads.eagle3 import DraftConfigError, config_from_dict
 from draft_align.heads.layers import (
     MLP,
@@ -49,7 +50,6 @@ from draft_align.heads.layers import (
     chain_tokens,
     next_tokens,
 )
-from draft_align.heads.protocol import HeadKind
 
 Layout = MTPLayout
 LAYOUTS: tuple[str, ...] = ("deepseek_v3", "qwen3_next")

@@ -4,7 +4,7 @@
 - ``step_profile.py``: :class:`StepProfile`, where an RL step's time goes (NeMo RL's stages), apart from its sinks;
 - ``specdec.py``: a lossless reference chain speculative decoder (batch size 1);
 - ``estimator.py``: acceptance predicted from teacher-forced unrolls, without decoding;
-- ``records.py``: acceptance estimated on tapped records (no target forward);
+- ``tapped_estimate.py``: acceptance estimated on tapped records (no target forward);
 - ``evaluate.py``: measured vs estimated acceptance of a draft;
 - ``calibrate.py``: an engine's measured acceptance vs the estimate on its own outputs;
 - ``logprob_gap.py``: an engine's log-probs of its samples minus the RL job's recomputed ones;

@@ -11,7 +11,7 @@ is the greedy one.  With k drafts per round the mean acceptance length (bonus to
 1 + Σ_{i<k} Π_{j≤i} α_j.  Two ways to average it over a sequence:
 
 - *all starts*: the product per chain start, averaged over every start (overstates an engine);
-- *engine replay*: rounds start at the last prompt token and jump ahead by accepted + 1 tokens, as an
+- *round walk*: rounds start at the last prompt token and jump ahead by accepted + 1 tokens, as an
   engine does; across sequences it is a ratio of sums (Σ accepted / Σ rounds), like engine counters.
 """
 
@@ -76,7 +76,7 @@ class AcceptanceTally:
     """Engine-style acceptance counters (vLLM's ``num_drafts`` and ``num_accepted_tokens_per_pos``).
 
     ``rounds`` counts verification rounds; ``accepted_per_pos[i]`` counts rounds whose first i+1 drafts
-    were all accepted.  Floats so that expected counts (the replay estimate) fit too.  Mean acceptance
+    were all accepted.  Floats so that expected counts (the round-walk estimate) fit too.  Mean acceptance
     length = 1 + Σ_i accepted_per_pos[i] / rounds; r_i = accepted_per_pos[i] / rounds.  Both are NaN while
     ``rounds`` is 0.
     """
@@ -187,8 +187,8 @@ def acceptance_length_all_starts(alpha: torch.Tensor, valid: torch.Tensor) -> tu
     return 1.0 + float(per.sum()), per
 
 
-def replay_tally(alpha: torch.Tensor, valid: torch.Tensor) -> AcceptanceTally:
-    """Expected engine counters of ONE sequence, replaying rounds the way an engine does.
+def round_walk_tally(alpha: torch.Tensor, valid: torch.Tensor) -> AcceptanceTally:
+    """Expected engine counters of ONE sequence, walking rounds the way an engine does.
 
     alpha [S, k], valid [S, k] bool: row 0 is the chain start at the last prompt token, row s the start
     s tokens later; invalid steps count as rejected.  A round at row s with n accepted drafts moves to
@@ -199,7 +199,7 @@ def replay_tally(alpha: torch.Tensor, valid: torch.Tensor) -> AcceptanceTally:
         A_i(s) = Π_{j≤i} a_j + Σ_n P(n|s) A_i(s+n+1)        expected rounds with ≥ i+1 accepted
 
     computed backwards over rows; returns rounds = R(0), accepted_per_pos = A(0).  For α ∈ {0, 1} this is
-    the exact replay.
+    the exact round walk.
     """
     _check_table(alpha, valid)
     s_rows, k = alpha.shape
@@ -230,9 +230,9 @@ def replay_tally(alpha: torch.Tensor, valid: torch.Tensor) -> AcceptanceTally:
     return AcceptanceTally(rounds[0], acc[0])
 
 
-def acceptance_length_replay(alpha: torch.Tensor, valid: torch.Tensor) -> tuple[float, torch.Tensor]:
-    """Engine-replay acceptance of one sequence: (1 + Σ_i A_i(0)/R(0), A(0)/R(0) [k]); see :func:`replay_tally`."""
-    tally = replay_tally(alpha, valid)
+def acceptance_length_round_walk(alpha: torch.Tensor, valid: torch.Tensor) -> tuple[float, torch.Tensor]:
+    """Round-walk acceptance of one sequence: (1 + Σ_i A_i(0)/R(0), A(0)/R(0) [k]); see :func:`round_walk_tally`."""
+    tally = round_walk_tally(alpha, valid)
     return tally.mean_length(), torch.tensor(tally.per_position(), dtype=torch.float64)
 
 
@@ -240,7 +240,7 @@ class EstimatePool:
     """Per-sequence α tables pooled into the estimators' report (see :func:`estimator.estimate`).
 
     ``add`` takes one sequence's α [S, k], the observed-acceptance table [S, k] and validity [S, k]; its engine
-    replay is pooled as Σ accepted / Σ rounds, the all-starts average over every valid chain start.
+    round walk is pooled as Σ accepted / Σ rounds, the all-starts average over every valid chain start.
     """
 
     def __init__(self, k: int) -> None:
@@ -251,10 +251,10 @@ class EstimatePool:
         self.n_starts = 0
 
     def add(self, alpha: torch.Tensor, observed: torch.Tensor, valid: torch.Tensor) -> AcceptanceTally:
-        """Pool one sequence; returns its own replay tally."""
-        one = replay_tally(alpha, valid)
+        """Pool one sequence; returns its own round-walk tally."""
+        one = round_walk_tally(alpha, valid)
         self.tally.merge(one)
-        self.observed.merge(replay_tally(observed, valid))
+        self.observed.merge(round_walk_tally(observed, valid))
         n, s = all_starts_sums(alpha, valid)
         self.n_starts += n
         self.sums += s

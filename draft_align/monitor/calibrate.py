@@ -1,4 +1,4 @@
-"""Calibration: an engine's measured acceptance vs :func:`~draft_align.monitor.estimator.estimate` replayed
+"""Calibration: an engine's measured acceptance vs :func:`~draft_align.monitor.estimator.estimate`'s round walk
 on the engine's own outputs (docs/acceptance.md).
 
 The engine side decodes and counts (for vLLM:
@@ -36,8 +36,8 @@ def calibrate(
 
     ``target`` (HF) and ``draft`` must be the models the engine serves; ``outputs[i]``: the engine's new
     tokens after ``prompts[i]``; ``measured``: the engine's counters over exactly this batch (k =
-    ``measured.k``).  Returns ``measured`` (L and r_i), the estimator's engine replay (``est``), its observed
-    replay (``observed``: the counters an argmax draft would report on these outputs) and the all-starts
+    ``measured.k``).  Returns ``measured`` (L and r_i), the estimator's round walk (``est``), its observed
+    round walk (``observed``: the counters an argmax draft would report on these outputs) and the all-starts
     average, plus the relative gap (est − measured) / measured.
     """
     k = measured.k

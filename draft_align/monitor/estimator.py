@@ -6,7 +6,7 @@ logits q_{s,j} (step 0 at s reads aux[s], embed(x[s+1]) and predicts x[s+2]) and
 position s+1+j (the distribution of x[s+2+j]); α_{s,j} = acceptance_prob(p, q) (docs/acceptance.md) is
 valid iff s+2+j ≤ T−1.
 
-On the target's own samples (rollouts, or the output of a lossless decoder) the engine replay of these
+On the target's own samples (rollouts, or the output of a lossless decoder) the round walk of these
 α predicts an engine's counters: exactly at T = 0, in expectation at T > 0 (for ``greedy_draft`` and
 ``probabilistic`` α is the acceptance probability given the context).  One difference remains by
 construction: an engine's last round may accept drafts past the end of the output (max tokens, eos),
@@ -133,7 +133,7 @@ def observed_alpha_table(
     :func:`alpha_table`.
 
     For a draft that proposes argmax q (``greedy_draft`` at any T, every mode at T = 0) a draft token is
-    accepted iff the emitted token equals it (a rejection never emits the rejected token), so the replay
+    accepted iff the emitted token equals it (a rejection never emits the rejected token), so the round walk
     of this table reproduces the engine's counters on exactly these outputs.
     """
     logits, q, starts = _unroll_scores(target, draft, input_ids, prompt_len, k, tap)
@@ -151,10 +151,10 @@ def estimate(
 ) -> dict[str, Any]:
     """Estimated acceptance of ``draft`` on target samples, no decoding.
 
-    ``acceptance_length_est``: engine replay per sequence, pooled as Σ accepted / Σ rounds (what predicts
+    ``acceptance_length_est``: round walk per sequence, pooled as Σ accepted / Σ rounds (what predicts
     an engine's counters); ``acceptance_length_all_starts``: Π α averaged over every chain start of every
     sequence (an overestimate, docs/acceptance.md).  ``per_position_*`` are the r_i; ``num_tokens`` counts
-    response tokens.  ``acceptance_length_observed`` replays :func:`observed_alpha_table`: the counters
+    response tokens.  ``acceptance_length_observed`` walks :func:`observed_alpha_table`: the counters
     an argmax-proposing draft's engine reports on exactly these outputs (None for ``probabilistic`` at
     T > 0, whose draft samples).  Sequences with an empty response are skipped.
     """

@@ -1,12 +1,12 @@
 """Measured vs estimated acceptance of a draft: decode with :class:`SpecDecoder`, then re-score its output.
 
-The decoder is lossless, so its outputs are target samples and the estimator's replay on them predicts
+The decoder is lossless, so its outputs are target samples and the estimator's round walk on them predicts
 the measured counters: in expectation at T > 0, exactly at T = 0.  ``acceptance_length_observed`` (argmax
 drafts) reconstructs the counters from the outputs themselves and equals the measured value at any T.
 Both exact statements hold up to each prompt's last round, whose drafts accepted past max_new_tokens or
 eos the decoder counts (as engines do) and the output cannot show: at most k per prompt.
 
-:func:`scored` is the scoring half alone: ``engines/vllm/evaluate.py`` decodes with vLLM (batched, the
+:func:`scored` is the scoring half alone: ``engines/vllm/vllm_eval.py`` decodes with vLLM (batched, the
 engine's own counters as the measurement) and scores its outputs the same way.
 """
 
@@ -108,7 +108,7 @@ def scored(
     started: float,
 ) -> dict[str, Any]:
     """The eval result: ``measured`` (the decoding engine's counters over exactly these sequences) beside the
-    estimator's replay on them (k = ``measured.k``); ``engine`` names what decoded (``reference``: the
+    estimator's round walk on them (k = ``measured.k``); ``engine`` names what decoded (``reference``: the
     lossless batch-1 decoder here, ``vllm``), ``started`` is the ``time.perf_counter()`` the eval began at."""
     k = measured.k
     est = estimate(target, draft, sequences, k, mode, temperature)
@@ -135,7 +135,7 @@ def scored(
 
 
 def format_table(results: list[dict[str, Any]]) -> str:
-    """A text table, one row per result: mode, T, k, est (replay), all-starts, measured, then r_i as
+    """A text table, one row per result: mode, T, k, est (round walk), all-starts, measured, then r_i as
     measured/est for i = 1..max k."""
     kmax = max((int(r["k"]) for r in results), default=0)
     head = ["mode", "T", "k", "est", "all-starts", "measured"] + [f"r{i + 1} meas/est" for i in range(kmax)]

@@ -5,7 +5,7 @@ forward, sample, and with a draft its k draft forwards) while exactly ``batch_si
 ``k`` = 0 is plain decoding, k ≥ 1 speculative decoding with k drafts per round.  The relative round cost at a
 batch size is c(k) = step_s(k) / step_s(0) (:meth:`RoundCostTable.relative`).  A table is written to
 ``<run>/round_cost.json`` by ``draft-align advise RUN --calibrate`` (built by
-``draft_align.engines.vllm.round_cost``), with ``source`` saying what measured it.
+``draft_align.engines.vllm.round_timing``), with ``source`` saying what measured it.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ def row_estimates(
     drafts: Mapping[str, Any], estimate: Callable[[Any, str], Mapping[str, Any]]
 ) -> dict[str, float]:
     """The :attr:`StepRow.estimates` of the named drafts: ``estimate(draft, mode)``
-    (:func:`~draft_align.monitor.records.estimate_records` on the step's records) under each of ``ROW_MODES``."""
+    (:func:`~draft_align.monitor.tapped_estimate.estimate_records` on the step's records) under each of ``ROW_MODES``."""
     out: dict[str, float] = {}
     for name, draft in drafts.items():
         for mode, suffix in ROW_MODES:
@@ -58,7 +58,7 @@ class SidecarStats:
     nonfinite_heads: int  # HeadSyncs ignored for non-finite or out-of-range rows
     gate_rejections: int
     restarts: int
-    # heads dropped after sidecar.max_consecutive_nonfinite non-finite steps in a row
+    # heads dropped after sidecar.train.max_consecutive_nonfinite non-finite steps in a row
     nonfinite_alarms: int = 0
     held_dropped: int = (
         0  # tapped records left out of their step's estimate (bound reached; they still train)
@@ -71,7 +71,7 @@ class SidecarStats:
     untrainable_records: int = 0  # tapped records without a trainable target (response before position 2)
     version_overflows: int = 0  # messages refused: their policy version would pass the wire's int64
     rejected: Mapping[str, int] = field(default_factory=dict)  # wire rejections by reason (this process)
-    train_state: str = "training"  # sidecar.train_trigger: training | settling | idle (always: training)
+    train_state: str = "training"  # sidecar.trigger.when: training | settling | idle (always: training)
     waiting_for: str | None = None  # why the sidecar is not training now (None: it is)
     drift_triggers: int = 0  # idle → training transitions of the drift trigger (this process)
     trained_policy_version: int = -1  # the newest policy version a training batch came from (−1: none yet)
@@ -133,7 +133,7 @@ class StepRow:
 
     ``estimates``: ``accept_est_{adapted,frozen}`` (``greedy_draft``) and ``..._prob`` (``probabilistic``),
     mean acceptance lengths estimated on ``est_records`` records, with their cumulative per-position rates
-    ``accept_est_r{i}_{adapted,frozen}[_prob]`` (i < sidecar.eval_k; all absent before the first HeadSync or
+    ``accept_est_r{i}_{adapted,frozen}[_prob]`` (i < sidecar.gate.k; all absent before the first HeadSync or
     for a step without records).  ``staleness_sidecar`` = policy_version − the published draft's policy
     version.
     """

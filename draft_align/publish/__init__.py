@@ -9,6 +9,8 @@ compatibility checks in ``compat``, adapter-only deltas in ``lora_delta`` (docs/
 - ``eagle3_format.py``, ``mtp_format.py``: the engine formats; ``config_json.py``: the config.json fields both write;
 - ``compat.py``: whether a draft fits a target; ``tap_spec.py``: what a Tap needs to know of a published draft;
 - ``lora_delta.py``: adapter-only deltas;
+- ``native_mtp_format.py``: a model's own MTP layers under its own tensor names, the folder vLLM's MTP drafter
+  loads (docs/mtp.md);
 - ``sglang.py``: SGLang's loader rules as a check; ``sglang_client.py``, ``speculators.py``: those libraries as
   clients of our folders.
 """
@@ -22,9 +24,9 @@ from typing import Any
 import safetensors.torch
 import torch
 
+from draft_align.heads.draft_head import DraftHead
 from draft_align.heads.eagle3 import DraftConfigError
 from draft_align.heads.lora import is_lora, merged
-from draft_align.heads.protocol import DraftHead
 from draft_align.publish import eagle3_format, mtp_format
 from draft_align.publish.folder import (
     MTP_FORMAT,
@@ -42,6 +44,11 @@ def write_draft(draft: DraftHead, out_dir: Path, req: ExportRequest) -> dict[str
     as written (``files`` holds each file's sha256 and size)."""
     if is_lora(draft):  # engines load plain weights
         draft = merged(draft)  # type: ignore[assignment]
+    if draft.kind == "native_mtp":
+        raise ExportError(
+            "a model's own MTP layers are written by publish.native_mtp_format.write_native_mtp "
+            "(the folder also needs the target's shared embedding and head)"
+        )
     if draft.kind == "mtp":
         if req.dialect != "hf":
             raise ExportError(
@@ -132,6 +139,8 @@ def engine_tensors(draft: DraftHead, dtype: torch.dtype = torch.bfloat16) -> dic
     """Exactly the tensors a publish of this (plain) draft writes to model.safetensors (HF dialect)."""
     if is_lora(draft):
         raise DraftConfigError("merge the adapters first (engine tensors are plain weights)")
+    if draft.kind == "native_mtp":
+        raise DraftConfigError("a model's own MTP layers: publish.native_mtp_format.engine_tensors")
     if draft.kind == "mtp":
         return mtp_format.engine_tensors(draft, dtype)  # type: ignore[arg-type]
     return eagle3_format.engine_tensors(draft, dtype, "hf")  # type: ignore[arg-type]

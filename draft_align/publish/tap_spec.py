@@ -13,9 +13,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from draft_align.heads.draft_head import HeadKind
 from draft_align.heads.eagle3 import DraftConfigError, Eagle3Config
 from draft_align.heads.mtp import MTPConfig
-from draft_align.heads.protocol import HeadKind
 from draft_align.publish import checked_manifest
 from draft_align.publish.folder import (
     MANIFEST_FILE,

@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from draft_align.conventions import MAX_VERSION
+from draft_align.heads.draft_head import DraftHead
 from draft_align.heads.lora import AdapterMismatchError
-from draft_align.heads.protocol import DraftHead
 from draft_align.publish import write_draft
 from draft_align.publish.folder import MANIFEST_FILE, ExportError, ExportRequest, fsync_path, weights_sha256
 from draft_align.publish.lora_delta import export_adapter

@@ -6,7 +6,7 @@ of them uses the frozen warm-start draft, the rest the adapted draft (:func:`pla
 decoding is lossless, so the RL data has the policy's distribution either way, and both drafts' acceptance
 is measured on real rollouts of the same step.  The engine that decoded a step is also the one source of
 which adapted draft served it (:attr:`RolloutEngine.adapted`).  Implementations: :class:`ReferenceRollouts`
-and :class:`draft_align.engines.vllm.rollouts.VLLMRollouts`.
+and :class:`draft_align.engines.vllm.vllm_rollouts.VLLMRollouts`.
 """
 
 from __future__ import annotations
@@ -196,7 +196,7 @@ def start_rollout_engine(
             )
         log.warning("rl.engine auto: the starting draft is an MTP head; rollouts use the reference decoder")
         return None
-    from draft_align.engines.vllm import rollouts as vllm_rollouts
+    from draft_align.engines.vllm import vllm_rollouts
 
     try:
         guard = probe_guard(rl, probe_prompts)

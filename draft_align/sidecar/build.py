@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 from draft_align.config import CotrainRecipe, recipe_to_dict, step_decay
-from draft_align.config.sections import SidecarConfig
+from draft_align.config.sections import SidecarRecordingConfig
 from draft_align.conventions import float_dtype
-from draft_align.heads.protocol import DraftHead
+from draft_align.heads.draft_head import DraftHead
 from draft_align.monitor.sinks import METRICS_FILE, JsonlSink, PromSink, Sinks, open_sinks
 from draft_align.publish import load_draft
 from draft_align.publish.compat import check_compatible, tokenizer_fingerprint
@@ -103,19 +103,19 @@ def trainable_draft(recipe: CotrainRecipe, published: DraftHead, device: torch.d
     """The draft to train: a plain copy of the published one (``adapt: lora``: with adapters over it, which
     have their own optimizer settings)."""
     draft = plain_copy(published, device)
-    if recipe.sidecar.adapt == "lora":
+    if recipe.sidecar.train.adapt == "lora":
         from draft_align.heads.lora import apply_lora, lora_settings
 
-        apply_lora(draft, lora_settings(recipe.sidecar.lora), seed=recipe.seed)
+        apply_lora(draft, lora_settings(recipe.sidecar.train.lora), seed=recipe.seed)
     return draft
 
 
 def build_trainer(
     recipe: CotrainRecipe, draft: DraftHead, embed: nn.Module, rows: torch.Tensor
 ) -> DraftTrainer:
-    """The trainer of ``draft`` with the ``sidecar`` section's settings (``adapt: lora``: the LoRA section's
+    """The trainer of ``draft`` with the ``sidecar.train`` section's settings (``adapt: lora``: the LoRA section's
     learning rate, weight decay and warmup); the schedule never ends (online training)."""
-    sc = recipe.sidecar
+    sc = recipe.sidecar.train
     lora = sc.adapt == "lora"
     optim = OptimSettings(
         lr=sc.lora.lr if lora else sc.lr,
@@ -131,10 +131,10 @@ def build_trainer(
 
 
 def build_trigger(recipe: CotrainRecipe) -> DriftTrigger:
-    """When to train (``sidecar.train_trigger``: always, or drift with its tolerance, head threshold, window)."""
-    sc = recipe.sidecar
+    """When to train (``sidecar.trigger.when``: always, or drift with its tolerance, head threshold, window)."""
+    sc = recipe.sidecar.trigger
     return DriftTrigger(
-        sc.train_trigger.value,
+        sc.when.value,
         tolerance=sc.drift_tolerance,
         head_threshold=sc.drift_head_threshold,
         window=sc.drift_window,
@@ -152,9 +152,9 @@ def build_ingest(
 ) -> Ingest:
     """The replay buffer (only the lead rank, which gates, holds records out; each rank samples with its own
     seed) and the ingest in front of it, checking records against the frozen draft and the target."""
-    sc = recipe.sidecar
+    sc = recipe.sidecar.buffer
     buffer = ReplayBuffer(
-        sc.buffer_tokens,
+        sc.tokens,
         sc.recency_half_life,
         sc.holdout_records if is_lead else 0,
         recipe.seed + (rank if rank is not None else 0),
@@ -162,7 +162,7 @@ def build_ingest(
         fresh_first=sc.fresh_first,
     )
     # records of steps whose report has not come are held at most this many tokens (docs/sizing.md)
-    held = max(sc.buffer_tokens // 4, 2 * recipe.tap.tokens_per_step)
+    held = max(sc.tokens // 4, 2 * recipe.tap.tokens_per_step)
     return Ingest(
         buffer,
         state,
@@ -176,26 +176,26 @@ def build_ingest(
 
 
 def open_wire(
-    recipe: CotrainRecipe, *, rank: int | None, is_lead: bool, replay_file: Path | None = None
+    recipe: CotrainRecipe, *, rank: int | None, is_lead: bool, guard_file: Path | None = None
 ) -> tuple[bytes, Any, Any | None]:
     """``(key, receiver, publisher)``: the HMAC key (created in the run folder when none is configured), the PULL
     socket (rank r: its own endpoint) and, on the lead rank, the DraftPublished PUB socket (else None).  The
-    receiver's replay guard continues the one saved in ``replay_file`` (a file that does not verify is set
+    receiver's sequence guard continues the one saved in ``guard_file`` (a file that does not verify is set
     aside, and the guard starts empty)."""
     from draft_align.wire import channel
-    from draft_align.wire.replay import load_guard
+    from draft_align.wire.sequence_guard import load_guard
 
     wire, run_dir = recipe.wire, recipe.run_dir
     key = channel.resolve_key(wire.key_file, run_dir, create=True)
     guard = None
-    if replay_file is not None:
+    if guard_file is not None:
         try:
-            guard = load_guard(replay_file, key)
+            guard = load_guard(guard_file, key)
         except ValueError as e:
             set_aside(
-                replay_file,
+                guard_file,
                 e,
-                "the replay guard starts empty (messages captured before now are accepted once)",
+                "the sequence guard starts empty (messages captured before now are accepted once)",
             )
     tap_ep = wire.endpoint or channel.default_endpoint(run_dir, TAP_SOCKET)
     if rank is not None:
@@ -224,12 +224,12 @@ def open_wire(
 RESERVE_BYTES_PER_PARAM = 32
 
 
-def open_recorder(sc: SidecarConfig, path: Path, draft: nn.Module) -> WireRecorder:
-    """``sidecar.record_wire``'s recorder at ``path``: capped at ``record_wire_mb``, and stopping before the free
-    space falls under max(``record_wire_reserve_mb``, RESERVE_BYTES_PER_PARAM · the draft's parameters)."""
+def open_recorder(rc: SidecarRecordingConfig, path: Path, draft: nn.Module) -> WireRecorder:
+    """``sidecar.recording``'s recorder at ``path``: capped at ``max_mb``, and stopping before the free space
+    falls under max(``reserve_mb``, RESERVE_BYTES_PER_PARAM · the draft's parameters)."""
     params = sum(p.numel() for p in draft.parameters())
-    reserve = max(sc.record_wire_reserve_mb << 20, RESERVE_BYTES_PER_PARAM * params)
-    return WireRecorder(path, max_file_bytes=sc.record_wire_mb << 20, reserve_bytes=reserve)
+    reserve = max(rc.reserve_mb << 20, RESERVE_BYTES_PER_PARAM * params)
+    return WireRecorder(path, max_file_bytes=rc.max_mb << 20, reserve_bytes=reserve)
 
 
 def open_sidecar_sinks(recipe: CotrainRecipe, sidecar_dir: Path, *, rank: int | None, is_lead: bool) -> Sinks:
@@ -238,8 +238,8 @@ def open_sidecar_sinks(recipe: CotrainRecipe, sidecar_dir: Path, *, rank: int | 
     if not is_lead:
         return Sinks(JsonlSink(sidecar_dir / f"rank{rank}" / METRICS_FILE))
     prom = None
-    if recipe.sidecar.prometheus_port is not None:
-        prom = PromSink(port=recipe.sidecar.prometheus_port)
+    if recipe.sidecar.monitor.prometheus_port is not None:
+        prom = PromSink(port=recipe.sidecar.monitor.prometheus_port)
         prom.write_port_file(sidecar_dir / PORT_FILE)
     return open_sinks(
         sidecar_dir,

@@ -1,8 +1,8 @@
 """The publish decision and the versioned publish.
 
-Every ``publish_every_s`` (after ``min_train_steps_per_publish`` steps) the candidate is compared with the
-published draft on the freshest held-out records (paired, per sequence, engine-replay estimate,
-:func:`paired_gate`); it is published only if not worse beyond noise: ``diff ≥ −max(gate_tolerance,
+Every ``sidecar.publish.every_s`` (after ``publish.min_train_steps`` steps) the candidate is compared with the
+published draft on the freshest held-out records (paired, per sequence, round-walk estimate,
+:func:`paired_gate`); it is published only if not worse beyond noise: ``diff ≥ −max(gate.tolerance,
 2·stderr)``.  A published version is a complete folder renamed into place (never half-visible), then
 ``latest`` moves, ``DraftPublished`` is sent and ``publish.jsonl`` gets a line (docs/formats.md).
 """
@@ -21,8 +21,8 @@ import torch
 from torch import nn
 
 from draft_align.config import CotrainRecipe
-from draft_align.heads.protocol import DraftHead
-from draft_align.monitor.records import RecordEstimateError
+from draft_align.heads.draft_head import DraftHead
+from draft_align.monitor.tapped_estimate import RecordEstimateError
 from draft_align.publish.folder import ExportError
 from draft_align.publish.versions import prune_versions, publish_version
 from draft_align.sidecar.layout import PUBLISH_FILE, SIDECAR_DIR
@@ -37,10 +37,10 @@ Estimate = Callable[[nn.Module, list[TappedRecord], str, float], dict[str, Any]]
 
 
 def paired_gate(cand: dict[str, Any], base: dict[str, Any], tolerance: float) -> tuple[bool, float, float]:
-    """Paired comparison of two :func:`~draft_align.monitor.records.estimate_records` results on the same
+    """Paired comparison of two :func:`~draft_align.monitor.tapped_estimate.estimate_records` results on the same
     records: (ok, diff, stderr); RecordEstimateError when they are not on the same records.
 
-    d_i = L_cand,i − L_base,i (per-sequence replay mean lengths), weights w_i = (R_cand,i + R_base,i) / 2
+    d_i = L_cand,i − L_base,i (per-sequence round-walk mean lengths), weights w_i = (R_cand,i + R_base,i) / 2
     (mean rounds, so swapping the drafts flips the sign); sequences with no round in either are skipped.
     diff = Σ w̃_i d_i with w̃ = w / Σ w; stderr² = n/(n−1) · Σ w̃_i² (d_i − diff)² (NaN for n = 1, then
     the tolerance alone decides).  ok iff diff ≥ −max(tolerance, 2·stderr).
@@ -112,28 +112,26 @@ class Gate:
         self.protect = tuple(Path(p) for p in protect)  # folders retention never deletes (the starting draft)
         self.last_publish = time.monotonic()
         self.steps_since_publish = 0
-        self.tried_version = -1  # the trained policy version of the last attempt (publish_on_new_version)
+        self.tried_version = -1  # the trained policy version of the last attempt (publish.on_new_version)
 
     def due(self, force: bool = False) -> bool:
         """Enough train steps since the last publish, and the interval passed (or ``force``, or with
-        ``publish_on_new_version`` the candidate trained on a policy version newer than the published draft's
+        ``publish.on_new_version`` the candidate trained on a policy version newer than the published draft's
         and no attempt was made for that version yet)."""
-        sc = self.recipe.sidecar
-        if self.steps_since_publish < sc.min_train_steps_per_publish:
+        sc = self.recipe.sidecar.publish
+        if self.steps_since_publish < sc.min_train_steps:
             return False
         trained = self.state.trained_policy_version
-        if sc.publish_on_new_version and trained > max(
-            self.state.published_policy_version, self.tried_version
-        ):
+        if sc.on_new_version and trained > max(self.state.published_policy_version, self.tried_version):
             return True
-        return force or time.monotonic() - self.last_publish >= sc.publish_every_s
+        return force or time.monotonic() - self.last_publish >= sc.every_s
 
     def maybe_publish(
         self, candidate: Callable[[], nn.Module], holdout: list[TappedRecord], estimate: Estimate
     ) -> bool:
         """Gate ``candidate()`` against the published draft on ``holdout`` and publish it if it passes; True when
         a new version was published (call only when :meth:`due`)."""
-        sc = self.recipe.sidecar
+        gc = self.recipe.sidecar.gate
         self.last_publish = time.monotonic()
         self.tried_version = self.state.trained_policy_version
         if not holdout:
@@ -143,10 +141,9 @@ class Gate:
             self.state.gate_rejections += 1
             log.error("candidate draft has non-finite weights: not published")
             return False
-        temp = sc.eval_temperature
-        c = estimate(cand, holdout, sc.eval_mode, temp)
-        b = estimate(self.published, holdout, sc.eval_mode, temp)
-        ok, diff, stderr = paired_gate(c, b, sc.gate_tolerance)
+        c = estimate(cand, holdout, gc.mode, gc.temperature)
+        b = estimate(self.published, holdout, gc.mode, gc.temperature)
+        ok, diff, stderr = paired_gate(c, b, gc.tolerance)
         if not ok:
             self.state.gate_rejections += 1
             log.info(
@@ -162,7 +159,7 @@ class Gate:
         policy_version = trained if trained >= 0 else max(tr.policy_version for tr in holdout)
         # retention before the publish: with the new version there are at most keep_versions, even when the
         # process is killed right after the rename (pruning afterwards would leave keep_versions + 1)
-        self._prune(self.recipe.sidecar.keep_versions - 1)
+        self._prune(self.recipe.sidecar.publish.keep_versions - 1)
         try:
             self._publish(cand, c, b, diff, stderr, policy_version)
         except ExportError as e:
@@ -192,7 +189,7 @@ class Gate:
             "train_steps": self.state.train_steps,
             "trained_tokens": self.state.trained_tokens,
         }
-        sc = self.recipe.sidecar
+        sc = self.recipe.sidecar.train
         delta_base = (
             Path(self.state.lora_base_dir or "") if sc.adapt == "lora" and sc.lora.publish_delta else None
         )

@@ -6,7 +6,7 @@ a pre-norm final state is normalised with the HeadSync's norm.  Records enter th
 arrive (training on RL step n's taps starts before step n's ``StepReport``, which the RL job sends only after
 its update); :attr:`Ingest.fresh` keeps references to step n's records until that report, for the monitoring
 row's estimates (the sidecar estimates them with the draft published when they arrived, which no training on
-them reached).  Those references are bounded: beyond ``max_held_tokens`` (the sidecar: ``buffer_tokens // 4``)
+them reached).  Those references are bounded: beyond ``max_held_tokens`` (the sidecar: ``sidecar.buffer.tokens // 4``)
 the longest-held leave the step's estimate and are counted (``held_dropped_records``/``held_dropped_tokens``),
 so steps whose report never comes cannot pile up.  ``HeadSync`` messages are checked here (:meth:`Ingest.accept_head`: shapes, finite,
 ``|x| ≤ HEAD_MAX_ABS``); the sidecar applies the accepted ones.

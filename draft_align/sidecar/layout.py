@@ -23,14 +23,16 @@ READY_FILE = "ready.json"  # written once the sockets are bound: {"pid", "ppid",
 TAP_SOCKET = "tap"  # PULL: TapBatch / TapPart / HeadSync / StepReport from the policy side
 NOTIFY_SOCKET = "notify"  # PUB: DraftPublished
 RAY_ENDPOINTS_FILE = "ray_endpoints.json"  # sidecar.host=ray: each rank's bound tap endpoint, by rank
-WIRE_RECORDING = "wire.rec"  # sidecar.record_wire: every valid message received (wire/recording.py)
+WIRE_RECORDING = "wire.rec"  # sidecar.recording.enabled: every valid message received (wire/recording.py)
 LOCK_FILE = "lock"  # held (flock) by the live sidecar of the run (sidecar/lock.py)
-REPLAY_FILE = "replay.json"  # the receiver's replay guard, kept across restarts (wire/replay.py)
+GUARD_FILE = (
+    "sequence_guard.json"  # the receiver's sequence guard, kept across restarts (wire/sequence_guard.py)
+)
 
 
-def replay_name(rank: int | None) -> str:
-    """The replay guard's file in ``<run>/sidecar/``: ``replay.json``; under torchrun ``replay-rank<r>.json``."""
-    return REPLAY_FILE if rank is None else f"replay-rank{rank}.json"
+def guard_name(rank: int | None) -> str:
+    """The sequence guard's file in ``<run>/sidecar/``: ``sequence_guard.json``; under torchrun ``sequence_guard-rank<r>.json``."""
+    return GUARD_FILE if rank is None else f"sequence_guard-rank{rank}.json"
 
 
 def lock_name(rank: int | None) -> str:

@@ -6,16 +6,16 @@ to the replay buffer (``sidecar/ingest.py``), ``HeadSync`` replaces the head row
 computed from, ``StepReport`` closes an RL step: the estimated acceptance of the published and frozen drafts
 on the step's fresh records, merged with the RL job's own measurements into one monitoring row
 (``monitor/rows.py``) for the sinks; (2) one optimizer step on a recency-weighted batch (a non-finite loss
-skips it, counted); (3) every ``publish_every_s`` the candidate is gated against the published draft
-(``sidecar/gate.py``); (4) every ``checkpoint_every_s`` the trainer state is saved atomically.  Published
+skips it, counted); (3) every ``publish.every_s`` the candidate is gated against the published draft
+(``sidecar/gate.py``); (4) every ``train.checkpoint_every_s`` the trainer state is saved atomically.  Published
 versions are complete folders renamed into place, never half-visible.  Nothing here can reach the policy.
 
 A full disk (OSError) or an export refused (ExportError: e.g. weights finite in fp32, ±inf in bf16) at
 publish or checkpoint time is one logged line and a counter (``publish_failures``; an export refusal is a
 gate rejection); the last published draft keeps serving and the next attempt waits (:class:`Backoff`).  After
-``max_consecutive_nonfinite`` non-finite steps in a row the head in use is dropped (ERROR, ``nonfinite_alarms``)
+``train.max_consecutive_nonfinite`` non-finite steps in a row the head in use is dropped (ERROR, ``nonfinite_alarms``)
 and training waits for the next HeadSync.  A restart trusts only what verifies (``sidecar/resume.py``).
-Published versions beyond the newest ``keep_versions`` (never ``latest``) are deleted after each publish.
+Published versions beyond the newest ``publish.keep_versions`` (never ``latest``) are deleted after each publish.
 Under torchrun the multi-rank loop (``sidecar/ranked.py``) runs instead.  The parts are built from the recipe
 in ``sidecar/build.py``.
 """
@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from draft_align.config import CotrainRecipe
-from draft_align.heads.protocol import DraftHead
+from draft_align.heads.draft_head import DraftHead
 from draft_align.monitor.rows import SidecarStats, StepRow, estimate_key, row_estimates
 from draft_align.publish.versions import discard_tmp_versions
 from draft_align.sidecar.build import (
@@ -53,9 +53,9 @@ from draft_align.sidecar.layout import (
     SIDECAR_DIR,
     STATE_FILE,
     TRAINER_DIR,
+    guard_name,
     lock_name,
     recording_name,
-    replay_name,
     write_ready,
 )
 from draft_align.sidecar.lock import RunLock
@@ -68,12 +68,12 @@ from draft_align.train.trainer import NonFiniteLossError
 from draft_align.wire.channel import DRAIN_MAX_MESSAGES
 from draft_align.wire.messages import HeadSync, Message, StepReport, TapBatch, TapPart
 from draft_align.wire.recording import WireRecorder
-from draft_align.wire.replay import save_guard
+from draft_align.wire.sequence_guard import save_guard
 
 log = logging.getLogger(__name__)
 
 Control = HeadSync | StepReport  # what every rank applies, whichever rank received it
-REPLAY_SAVE_S = 0.5  # the replay guard is saved at most this often (and at close): a kill loses less
+GUARD_SAVE_S = 0.5  # the sequence guard is saved at most this often (and at close): a kill loses less
 
 
 class Sidecar:
@@ -117,10 +117,10 @@ class Sidecar:
         # train on arrival, so a draft published later may have trained on them)
         self._step_drafts: dict[int, nn.Module] = {}
         self._shared_control: list[Control] = []  # received here, for every rank to apply (multi-rank only)
-        self.recorder: WireRecorder | None = None  # sidecar.record_wire
+        self.recorder: WireRecorder | None = None  # sidecar.recording.enabled
         self.lock = lock  # one sidecar per run folder (sidecar/lock.py); taken at setup unless given
-        self._replay_saved, self._replay_saved_at = 0, 0.0  # the guard's changes at its last save, and when
-        self._replay_failing = False  # the last save failed (a full disk)
+        self._guard_saved, self._guard_saved_at = 0, 0.0  # the guard's changes at its last save, and when
+        self._guard_failing = False  # the last save failed (a full disk)
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> Sidecar:
@@ -157,7 +157,7 @@ class Sidecar:
         self.state, self.resumed = start.state, start.resumed
         self.gate = build_gate(recipe, start, target, self.start_draft, self.device)
         draft = trainable_draft(recipe, start.published, self.device)
-        if sc.adapt == "lora" and (not self.resumed or not self.state.lora_base_dir):
+        if sc.train.adapt == "lora" and (not self.resumed or not self.state.lora_base_dir):
             self.state.lora_base_dir = str(start.latest if start.latest is not None else self.start_draft)
         return draft
 
@@ -192,12 +192,13 @@ class Sidecar:
         self.ingest = build_ingest(
             self.recipe, self.state, self.rates, self.frozen, self.target_config, rank, lead
         )
-        self.replay_file = self.dir / replay_name(rank)  # the replay guard outlives a restart
+        self.guard_file = self.dir / guard_name(rank)  # the sequence guard outlives a restart
         self.wire_key, self.receiver, self.gate.publisher = open_wire(
-            self.recipe, rank=rank, is_lead=lead, replay_file=self.replay_file
+            self.recipe, rank=rank, is_lead=lead, guard_file=self.guard_file
         )
-        if self.recipe.sidecar.record_wire:  # every valid message, for adapt_replay.py (wire/recording.py)
-            self.recorder = open_recorder(self.recipe.sidecar, self.dir / recording_name(rank), self.frozen)
+        rc = self.recipe.sidecar.recording
+        if rc.enabled:  # every valid message, for adapt_playback.py (wire/recording.py)
+            self.recorder = open_recorder(rc, self.dir / recording_name(rank), self.frozen)
 
     def _setup_sinks(self) -> None:
         """Lead rank: ``monitor.jsonl``, ``metrics.jsonl``, wandb, Prometheus; the other ranks: their training
@@ -235,7 +236,7 @@ class Sidecar:
     def checkpoint_due(self) -> bool:
         return (
             self.backoff.ready()
-            and time.monotonic() - self._last_ckpt >= self.recipe.sidecar.checkpoint_every_s
+            and time.monotonic() - self._last_ckpt >= self.recipe.sidecar.train.checkpoint_every_s
         )
 
     def drain(self, budget_s: float, timeout_ms: int, max_messages: int = DRAIN_MAX_MESSAGES) -> int:
@@ -247,30 +248,30 @@ class Sidecar:
         for msg in self.receiver.drain(budget_s, timeout_ms, max_messages):
             n += 1
             self.handle(msg)
-        self.save_replay()
+        self.save_guard_state()
         return n
 
-    def save_replay(self, force: bool = False) -> None:
-        """Save the receiver's replay guard when it accepted messages since the last save, at most every
-        ``REPLAY_SAVE_S`` (``force``: now); a failure (full disk) is logged and retried at the next call."""
+    def save_guard_state(self, force: bool = False) -> None:
+        """Save the receiver's sequence guard when it accepted messages since the last save, at most every
+        ``GUARD_SAVE_S`` (``force``: now); a failure (full disk) is logged and retried at the next call."""
         guard = self.receiver.guard
-        if guard.changes == self._replay_saved or (
-            not force and time.monotonic() - self._replay_saved_at < REPLAY_SAVE_S
+        if guard.changes == self._guard_saved or (
+            not force and time.monotonic() - self._guard_saved_at < GUARD_SAVE_S
         ):
             return
-        self._replay_saved_at = time.monotonic()
+        self._guard_saved_at = time.monotonic()
         try:
-            save_guard(self.replay_file, guard, self.wire_key)
-        except OSError as e:  # logged once per failing stretch; retried every REPLAY_SAVE_S
-            (log.debug if self._replay_failing else log.error)(
-                "cannot save the replay guard to %s: %s", self.replay_file, e
+            save_guard(self.guard_file, guard, self.wire_key)
+        except OSError as e:  # logged once per failing stretch; retried every GUARD_SAVE_S
+            (log.debug if self._guard_failing else log.error)(
+                "cannot save the sequence guard to %s: %s", self.guard_file, e
             )
-            self._replay_failing = True
+            self._guard_failing = True
             return
-        self._replay_saved, self._replay_failing = guard.changes, False
+        self._guard_saved, self._guard_failing = guard.changes, False
 
     def handle(self, msg: Message) -> None:
-        """One valid message off the wire (or out of a recording: ``benchmarks/adapt_replay.py``)."""
+        """One valid message off the wire (or out of a recording: ``benchmarks/adapt_playback.py``)."""
         if getattr(msg, "run_id", None) != self.recipe.run:
             self.state.foreign_messages += 1
             return
@@ -331,7 +332,7 @@ class Sidecar:
             estimates = row_estimates(drafts, lambda draft, mode: self.estimate(draft, records, mode, temp))
         self.ingest.flush(upto_step=step)
         self.state.last_step_report = max(self.state.last_step_report, step)
-        gate_mode = "probabilistic" if self.recipe.sidecar.eval_mode == "probabilistic" else "greedy_draft"
+        gate_mode = "probabilistic" if self.recipe.sidecar.gate.mode == "probabilistic" else "greedy_draft"
         self.trigger.on_estimate(estimates.get(estimate_key("adapted", gate_mode)))
         row = StepRow.from_report(
             msg,
@@ -346,11 +347,11 @@ class Sidecar:
     def estimate(
         self, draft: nn.Module, records: list[TappedRecord], mode: str, temperature: float
     ) -> dict[str, Any]:
-        """:func:`~draft_align.monitor.records.estimate_records` with the current head rows and ``eval_k``."""
-        from draft_align.monitor.records import estimate_records
+        """:func:`~draft_align.monitor.tapped_estimate.estimate_records` with the current head rows and ``gate.k``."""
+        from draft_align.monitor.tapped_estimate import estimate_records
 
         return estimate_records(
-            draft, self.embed, self.trainer.rows, records, self.recipe.sidecar.eval_k, mode, temperature
+            draft, self.embed, self.trainer.rows, records, self.recipe.sidecar.gate.k, mode, temperature
         )
 
     def stats(self, window: bool = False) -> SidecarStats:
@@ -373,26 +374,26 @@ class Sidecar:
 
     def next_batch(self) -> Batch | None:
         """A training batch from the replay buffer, or None while training should wait."""
-        sc = self.recipe.sidecar
+        buf, tc = self.recipe.sidecar.buffer, self.recipe.sidecar.train
         if not self.has_head:
             self.waiting = "no head yet"
         elif not self.trigger.wants_training():
             self.waiting = self.trigger.reason  # drift trigger: the published draft holds
-        elif self.state.trained_tokens >= sc.max_replay_ratio * self.state.buffered_tokens:
+        elif self.state.trained_tokens >= buf.max_replay_ratio * self.state.buffered_tokens:
             self.waiting = "replay cap"  # wait for new data rather than over-fit what is there
-        elif (trainable := self.ingest.buffer.trainable_tokens) < min(sc.min_buffer_tokens, sc.buffer_tokens):
+        elif (trainable := self.ingest.buffer.trainable_tokens) < min(buf.min_tokens, buf.tokens):
             self.waiting = "min buffer"  # a few dozen sequences would be memorised, not learned from
         else:
-            chosen = self.ingest.buffer.sample_records(sc.batch_tokens)
+            chosen = self.ingest.buffer.sample_records(tc.batch_tokens)
             self.waiting = None if chosen else "no trainable record"
             if not chosen:
                 return None
             self.state.trained_policy_version = max(
                 self.state.trained_policy_version, max(r.policy_version for r in chosen)
             )
-            if sc.lr_ramp_tokens > 0:  # small early buffers take small steps
-                self.trainer.set_lr_scale(min(1.0, max(trainable, 1) / sc.lr_ramp_tokens))
-            return collate([r.record for r in chosen], sc.ttt_steps)
+            if tc.lr_ramp_tokens > 0:  # small early buffers take small steps
+                self.trainer.set_lr_scale(min(1.0, max(trainable, 1) / tc.lr_ramp_tokens))
+            return collate([r.record for r in chosen], tc.ttt_steps)
         return None
 
     def train_on(self, batch: Batch) -> bool:
@@ -405,7 +406,7 @@ class Sidecar:
             self.state.nonfinite_steps += 1
             self.nonfinite_in_a_row += 1
             log.warning("%s", e)
-            if self.nonfinite_in_a_row >= sc.max_consecutive_nonfinite:
+            if self.nonfinite_in_a_row >= sc.train.max_consecutive_nonfinite:
                 self.state.nonfinite_alarms += 1
                 log.error(
                     "ALARM: %d non-finite steps in a row on the head of policy v%d: head dropped, waiting "
@@ -422,7 +423,7 @@ class Sidecar:
         self.state.train_steps += 1
         self.state.trained_tokens += batch.num_tokens
         self.gate.steps_since_publish += 1
-        if self.state.train_steps % max(1, sc.log_every) == 0:
+        if self.state.train_steps % max(1, sc.monitor.log_every) == 0:
             self.sinks.log({f"train/{k}": v for k, v in stats.items()}, step=self.state.train_steps)
         return True
 
@@ -541,7 +542,7 @@ class Sidecar:
     def close(self) -> None:
         """Close what was set up (also after a failed :meth:`setup`)."""
         if getattr(self, "receiver", None) is not None:
-            self.save_replay(force=True)
+            self.save_guard_state(force=True)
         for part in (
             getattr(self, "receiver", None),
             getattr(getattr(self, "gate", None), "publisher", None),

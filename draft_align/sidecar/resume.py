@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from draft_align.heads.protocol import DraftHead
+from draft_align.heads.draft_head import DraftHead
 from draft_align.publish import load_draft
 from draft_align.publish.folder import ExportError, weights_sha256
 from draft_align.publish.versions import check_folder_version, folder_version, published_versions, read_latest

@@ -1,4 +1,4 @@
-"""When the sidecar trains: always, or only when the published draft drifts (``sidecar.train_trigger``).
+"""When the sidecar trains: always, or only when the published draft drifts (``sidecar.trigger.when``).
 
 ``always``: the sidecar trains whenever it has a head and data (bounded by ``max_replay_ratio``).
 
@@ -17,7 +17,7 @@
 
 The trigger only decides; the loop asks :meth:`DriftTrigger.wants_training` before each step and reports
 :attr:`state` and :attr:`reason` in its monitoring row.  Verl-SpeCo-style fixed-interval training is
-``always`` with ``publish_every_s``.
+``always`` with ``publish.every_s``.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ class DriftTrigger:
 
     def __init__(self, mode: str, *, tolerance: float, head_threshold: float, window: int) -> None:
         if mode not in ("always", "drift"):
-            raise ValueError(f"train_trigger {mode!r}: must be always or drift")
+            raise ValueError(f"trigger {mode!r}: must be always or drift")
         if not 0.0 < tolerance < 1.0 or head_threshold <= 0.0 or window < 1:
             raise ValueError("drift_tolerance must be in (0, 1), drift_head_threshold > 0, drift_window ≥ 1")
         self.mode = mode

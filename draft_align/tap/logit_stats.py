@@ -114,7 +114,7 @@ def logprob_stats(
 def stats_start(response: torch.Tensor) -> int:
     """Where a sequence's statistics start: the position predicting its first response token (loss_mask
     [L] bool, some True), first − 1, or 0.  Only the response is ever scored against them
-    (:mod:`draft_align.monitor.records`); the position before it costs one row and keeps the wire's rule
+    (:mod:`draft_align.monitor.tapped_estimate`); the position before it costs one row and keeps the wire's rule
     (``stats_from`` ≤ the first response position) with room to spare."""
     return max(int(response.to(torch.int8).argmax()) - 1, 0)
 

@@ -28,7 +28,7 @@ from draft_align.train.records import Batch
 
 
 class LossSection(Protocol):
-    """A recipe section that sets the objective (``config.TrainConfig``, ``config.SidecarConfig``)."""
+    """A recipe section that sets the objective (``config.TrainConfig``, ``config.SidecarTrainConfig``)."""
 
     ttt_steps: int
     loss: str

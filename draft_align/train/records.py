@@ -2,7 +2,7 @@
 from the policy (:class:`TappedRecord`), and their collation into padded TTT batches (:class:`Batch`).
 
 Warm-start captures Records from its own target forwards; the sidecar receives TappedRecords (docs/wire.md);
-the replay buffer, the trainer, the hidden-state store and the record estimates (``monitor/records.py``) all
+the replay buffer, the trainer, the hidden-state store and the record estimates (``monitor/tapped_estimate.py``) all
 read them from here.
 """
 

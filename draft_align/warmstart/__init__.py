@@ -1,7 +1,14 @@
 """Offline warm-start of a draft from chat data: :mod:`.preparation` (data, self-distillation, capture) and
-:mod:`.loop` (build, train, publish, evaluate); ``run(recipe)`` is the whole warm-start."""
+:mod:`.pipeline` (build, train, publish, evaluate); ``run(recipe)`` is the whole warm-start."""
 
-from draft_align.warmstart.loop import build_draft, evaluate_draft, load_init_draft, run, train, vocab_report
+from draft_align.warmstart.pipeline import (
+    build_draft,
+    evaluate_draft,
+    load_init_draft,
+    run,
+    train,
+    vocab_report,
+)
 from draft_align.warmstart.preparation import Prepared, WarmstartError, capture, heldout_prompts, prepare
 
 __all__ = [

@@ -175,7 +175,7 @@ def _generate_vllm(
             d.gen_temperature,
         )
         return False
-    from draft_align.engines.vllm.generate import (
+    from draft_align.engines.vllm.target_responses import (
         generate_responses_vllm,
         kv_cache_gb,
         request_seed,

@@ -3,11 +3,11 @@
 - ``schema.py``: constants, rejection reasons, :class:`WireError`, field and tensor specs, validators;
 - ``messages.py``: the message dataclasses and ``decode``; ``codec.py``: bytes, HMAC and the envelope;
 - ``packing.py``: ragged TapBatch packing; ``join.py``: pipeline stages' TapParts joined into TapBatches;
-- ``replay.py``: the replay guard (per-sender sequence numbers under the MAC);
+- ``sequence_guard.py``: the sequence guard (per-sender sequence numbers under the MAC);
 - ``keys.py``: the HMAC key; ``endpoints.py``: ipc/tcp endpoint names;
 - ``sockets.py``, ``sender.py``, ``channel.py``: the ZeroMQ side (the only modules that import zmq): socket
   rules and handshake, the policy's non-blocking :class:`TapSender`, the receivers and draft announcements;
-- ``recording.py``: a file of the messages a receiver accepted, to replay later.
+- ``recording.py``: a file of the messages a receiver accepted, for playback later.
 """
 
 from draft_align.wire.codec import Origin, encode, validate

@@ -30,9 +30,9 @@ from draft_align.wire.endpoints import (
 )
 from draft_align.wire.keys import KEY_BYTES, KEY_ENV, KEY_FILE_NAME, MIN_KEY_BYTES, resolve_key
 from draft_align.wire.messages import DraftPublished, Message, decode_with_origin
-from draft_align.wire.replay import Envelope, ReplayGuard
 from draft_align.wire.schema import DEFAULT_MAX_BYTES, DEFAULT_MAX_TOKENS, HEADER_MAX_BYTES, WireError
 from draft_align.wire.sender import TapSender
+from draft_align.wire.sequence_guard import Envelope, SequenceGuard
 from draft_align.wire.sockets import (
     AUTH_EVENTS,
     Closing,
@@ -90,7 +90,7 @@ class _Inbox:
         max_bytes: int,
         max_tokens: int,
         buffer_bytes: int,
-        guard: ReplayGuard | None = None,
+        guard: SequenceGuard | None = None,
     ) -> None:
         import zmq
 
@@ -100,7 +100,7 @@ class _Inbox:
         self._key = key
         self._max_bytes = max_bytes
         self._max_tokens = max_tokens
-        self.guard = guard if guard is not None else ReplayGuard()
+        self.guard = guard if guard is not None else SequenceGuard()
         self.rejected: collections.Counter[str] = collections.Counter()
         self.counts = collections.Counter(received=0, bytes_received=0)
         self.rcvhwm = max(1, buffer_bytes // max_bytes)
@@ -206,7 +206,7 @@ class _Inbox:
         except WireError as e:
             self._count(e)
             origin = origin or e.origin
-            if origin is not None and e.reason != "replay":
+            if origin is not None and e.reason != "sequence":
                 self._note_arrived(origin)
             return True, None
         self.counts["received"] += 1
@@ -284,8 +284,8 @@ class _Listening(Closing):
         return self._inbox.stats()
 
     @property
-    def guard(self) -> ReplayGuard:
-        """The replay guard (wire/replay.py; a restarted receiver may be given the saved one)."""
+    def guard(self) -> SequenceGuard:
+        """The sequence guard (wire/sequence_guard.py; a restarted receiver may be given the saved one)."""
         return self._inbox.guard
 
     def close(self) -> None:
@@ -310,7 +310,7 @@ class Receiver(_Listening):
         max_tokens: int = DEFAULT_MAX_TOKENS,
         allow_remote: bool = False,
         buffer_bytes: int = DEFAULT_BUFFER_BYTES,
-        guard: ReplayGuard | None = None,
+        guard: SequenceGuard | None = None,
     ) -> None:
         check_endpoint(endpoint, key, allow_remote)
         self._inbox = _Inbox(

@@ -7,7 +7,7 @@ A message is a list of frames: ``[header JSON, tensor bytes..., mac]``.  The MAC
 over every frame but the MAC itself; without a key the MAC frame is empty.  The header carries, under
 the MAC, the envelope: ``sender`` (an id a sending process draws at random when it starts) and ``seq``
 (that sender's message counter, strictly increasing), so a receiver can drop a replayed or stale message
-(:class:`~draft_align.wire.replay.ReplayGuard`).  No pickle anywhere: the header is JSON and tensors are
+(:class:`~draft_align.wire.sequence_guard.SequenceGuard`).  No pickle anywhere: the header is JSON and tensors are
 raw little-endian C-contiguous bytes described by the header.  Decoding checks the frame count, the size
 and the MAC before it parses anything, then validates the header, every field, every tensor's dtype,
 shape and values; any failure raises :class:`~draft_align.wire.schema.WireError` with one of

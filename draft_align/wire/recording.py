@@ -1,8 +1,8 @@
-"""A recording of the messages a receiver accepted, in wire format, to replay them later (docs/wire.md,
+"""A recording of the messages a receiver accepted, in wire format, to play them back later (docs/wire.md,
 "Recordings").
 
-A sidecar with ``sidecar.record_wire`` appends every valid message it handles to ``<run>/sidecar/wire.rec``;
-``benchmarks/adapt_replay.py`` feeds such a file to sidecars with other settings, so that they can be compared
+A sidecar with ``sidecar.recording.enabled`` appends every valid message it handles to ``<run>/sidecar/wire.rec``;
+``benchmarks/adapt_playback.py`` feeds such a file to sidecars with other settings, so that they can be compared
 on the very same taps.  The file is ``MAGIC`` then entries::
 
     b"WREC" | f64 seconds since the recording began | u32 frame count | (u64 length | frame bytes)… | u32 crc32
@@ -356,7 +356,7 @@ class WireRecorder:
             if self.max_file_bytes is not None and self.size + n > self.max_file_bytes:
                 self._fail(
                     f"the next entry would pass the recording's cap of {self.max_file_bytes >> 20} MiB "
-                    f"({self.messages} messages recorded; a sidecar's cap is sidecar.record_wire_mb)"
+                    f"({self.messages} messages recorded; a sidecar's cap is sidecar.recording.max_mb)"
                 )
                 return
             free = _free_bytes(self.path.parent)

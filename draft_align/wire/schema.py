@@ -34,11 +34,11 @@ REASONS: tuple[str, ...] = (
     "shape",  # shapes inconsistent with each other or with the fields
     "range",  # tensor values out of range (ids, cu_seqlens, loss_mask bytes, NaN log-probs, d2t)
     "auth",  # a connection whose handshake failed (no key or another key): nothing it sent was read
-    "replay",  # a (sender, seq) seen before or older than the sender's newest, or no sender id (channel.py)
+    "sequence",  # a (sender, seq) seen before or older than the sender's newest, or no sender id (channel.py)
     # messages a sender numbered and sent that never arrived (a gap in its sequence; channel.py): dropped in
     # transit, e.g. by libzmq for a frame over the receiver's MAXMSGSIZE, or with a connection that broke
     "lost",
-    "senders",  # a new sender while the receiver's sender table is full of recently heard ones (replay.py)
+    "senders",  # a new sender while the receiver's sender table is full of recently heard ones (sequence_guard.py)
 )
 
 _DTYPES = DTYPES

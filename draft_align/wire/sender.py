@@ -14,8 +14,8 @@ from typing import Any
 from draft_align.wire.codec import encode
 from draft_align.wire.endpoints import check_endpoint
 from draft_align.wire.messages import DraftPublished, HeadSync, Message, StepReport, TapBatch, TapPart
-from draft_align.wire.replay import Envelope
 from draft_align.wire.schema import DEFAULT_MAX_BYTES
+from draft_align.wire.sequence_guard import Envelope
 from draft_align.wire.sockets import Closing, authenticate
 
 logger = logging.getLogger(__name__)
@@ -100,7 +100,7 @@ class TapSender(Closing):
 
     @property
     def sender_id(self) -> str:
-        """The id the next message goes out under (a new one after a long silence: wire/replay.py)."""
+        """The id the next message goes out under (a new one after a long silence: wire/sequence_guard.py)."""
         return self._envelope.sender_id
 
     def offer(self, msg: Message) -> bool:

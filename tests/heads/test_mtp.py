@@ -213,7 +213,7 @@ def test_hard_ce_trains_too(target):
 
 def test_records_estimate_equals_alpha_table(target, good_head):
     from draft_align.monitor.estimator import alpha_table
-    from draft_align.monitor.records import record_alpha
+    from draft_align.monitor.tapped_estimate import record_alpha
     from draft_align.train.records import Record, TappedRecord
 
     ids = torch.randint(0, V, (16,), generator=torch.Generator().manual_seed(9))
@@ -267,7 +267,7 @@ def test_reference_decoder_is_lossless_at_t0(target, good_head, layout, depth):
 
 
 def test_estimator_matches_the_decoder_at_t0(target, good_head):
-    """monitor.evaluate with an MTP head: the engine-replay estimate equals the decoder's counters at T=0,
+    """monitor.evaluate with an MTP head: the round-walk estimate equals the decoder's counters at T=0,
     up to each prompt's last round (drafts accepted past the limit: ≤ k per prompt)."""
     from draft_align.monitor.evaluate import evaluate
 

@@ -6,11 +6,11 @@ import torch
 from draft_align.monitor.acceptance import (
     AcceptanceTally,
     acceptance_length_all_starts,
-    acceptance_length_replay,
+    acceptance_length_round_walk,
     acceptance_prob,
     draft_probs_on_target,
     length_stderr,
-    replay_tally,
+    round_walk_tally,
 )
 
 D2T = torch.tensor([0, 2, 3])  # draft ids 0, 1, 2 → target ids 0, 2, 3 (target vocab 4)
@@ -80,7 +80,7 @@ VALID_DET = torch.arange(10).view(-1, 1) + torch.arange(3).view(1, -1) <= 8
 
 
 def engine_rounds(alpha, valid):
-    """Plain replay of deterministic α: the list of accepted counts per round."""
+    """Plain round walk of deterministic α: the list of accepted counts per round."""
     s, out = 0, []
     while s < alpha.shape[0] and valid[s, 0]:
         n = 0
@@ -91,12 +91,12 @@ def engine_rounds(alpha, valid):
     return out
 
 
-def test_replay_deterministic_is_the_engine():
+def test_round_walk_deterministic_is_the_engine():
     assert engine_rounds(ALPHA_DET, VALID_DET) == [2, 0, 3, 1]
-    tally = replay_tally(ALPHA_DET, VALID_DET)
+    tally = round_walk_tally(ALPHA_DET, VALID_DET)
     assert tally.rounds == 4
     assert tally.accepted_per_pos == [3, 2, 1]
-    mean, per = acceptance_length_replay(ALPHA_DET, VALID_DET)
+    mean, per = acceptance_length_round_walk(ALPHA_DET, VALID_DET)
     assert mean == pytest.approx(1 + 6 / 4)
     assert per.tolist() == pytest.approx([0.75, 0.5, 0.25])
 
@@ -115,20 +115,20 @@ def test_all_starts_averages_products_not_factors():
     assert mean == 2.0
 
 
-def test_replay_trivial_cases():
-    empty = replay_tally(torch.zeros(1, 3), torch.zeros(1, 3, dtype=torch.bool))
+def test_round_walk_trivial_cases():
+    empty = round_walk_tally(torch.zeros(1, 3), torch.zeros(1, 3, dtype=torch.bool))
     assert empty.rounds == 0 and math.isnan(empty.mean_length())
-    ones = replay_tally(torch.ones(7, 2), torch.ones(7, 2, dtype=torch.bool))
+    ones = round_walk_tally(torch.ones(7, 2), torch.ones(7, 2, dtype=torch.bool))
     assert ones.rounds == 3  # rows 0, 3, 6 (then row 9 ≥ S)
     assert ones.accepted_per_pos == [3, 3]
 
 
-def test_replay_fractional_matches_monte_carlo():
+def test_round_walk_fractional_matches_monte_carlo():
     g = torch.Generator().manual_seed(0)
     s_rows, k = 14, 3
     alpha = torch.rand(s_rows, k, generator=g)
     valid = torch.arange(s_rows).view(-1, 1) + torch.arange(k).view(1, -1) <= s_rows - 2
-    tally = replay_tally(alpha, valid)
+    tally = round_walk_tally(alpha, valid)
     runs = 20000
     a = (alpha * valid).tolist()
     u = torch.rand(runs, s_rows, k, generator=g).tolist()

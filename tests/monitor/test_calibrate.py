@@ -1,5 +1,5 @@
 """Calibration on the reference decoder standing in for an engine: its outputs and tallies in, the measured
-acceptance, the estimator's replay on the same outputs and their gap out."""
+acceptance, the estimator's round walk on the same outputs and their gap out."""
 
 import math
 
@@ -27,7 +27,7 @@ def engine_run(target, draft_good48):
     return prompts, outputs, measured
 
 
-def test_calibrate_reports_the_engine_and_the_replay(target, draft_good48, engine_run):
+def test_calibrate_reports_the_engine_and_the_round_walk(target, draft_good48, engine_run):
     prompts, outputs, measured = engine_run
     res = calibrate(target, draft_good48, prompts, outputs, measured, temperature=0.0, generate_seconds=1.5)
     seqs = [(torch.tensor(p), torch.tensor(o)) for p, o in zip(prompts, outputs, strict=True)]
@@ -39,7 +39,7 @@ def test_calibrate_reports_the_engine_and_the_replay(target, draft_good48, engin
     assert res["est"] == est["acceptance_length_est"] and res["observed"] == est["acceptance_length_observed"]
     assert res["all_starts"] == est["acceptance_length_all_starts"] and res["rounds_est"] == est["rounds_est"]
     assert res["rel_gap"] == pytest.approx((res["est"] - res["measured"]) / res["measured"])
-    # at T = 0 the replay sees the engine's own rounds, up to each prompt's last round (≤ k drafts each)
+    # at T = 0 the round walk sees the engine's own rounds, up to each prompt's last round (≤ k drafts each)
     assert res["measured"] > 1.5
     assert abs(res["observed"] - res["measured"]) * measured.rounds <= K * len(prompts)
 

@@ -5,7 +5,7 @@ import torch
 
 from draft_align.hf.capture import HFTap
 from draft_align.hf.parts import decoder_parts
-from draft_align.monitor.acceptance import acceptance_prob, replay_tally
+from draft_align.monitor.acceptance import acceptance_prob, round_walk_tally
 from draft_align.monitor.estimator import alpha_table, estimate, observed_alpha_table
 from draft_align.monitor.specdec import SpecDecoder
 
@@ -39,8 +39,8 @@ def test_alpha_table_layout(target, draft_good48):
 
 @pytest.mark.parametrize("draft_name", ["draft_good48", "draft_random48"])
 @pytest.mark.parametrize("k", [1, 3, 5])
-def test_replay_equals_measured_at_t0(request, target, draft_name, k):
-    """At T = 0 acceptance is deterministic: the engine replay of the teacher-forced unroll on the
+def test_round_walk_equals_measured_at_t0(request, target, draft_name, k):
+    """At T = 0 acceptance is deterministic: the round walk of the teacher-forced unroll on the
     target's greedy output must reproduce the KV-cached decoder's counters exactly."""
     draft = request.getfixturevalue(draft_name)
     n = 30
@@ -52,9 +52,9 @@ def test_replay_equals_measured_at_t0(request, target, draft_name, k):
         assert longer[:n].tolist() == out.tolist()
         ids = torch.cat([p, longer])
         alpha, valid = alpha_table(target, draft, ids, len(prompt), k, "greedy", 0.0)
-        replay = replay_tally(alpha[: n - 1], valid[: n - 1])  # rounds start at rows 0..n-2
-        assert replay.rounds == measured.rounds
-        assert replay.accepted_per_pos == measured.accepted_per_pos
+        walk = round_walk_tally(alpha[: n - 1], valid[: n - 1])  # rounds start at rows 0..n-2
+        assert walk.rounds == measured.rounds
+        assert walk.accepted_per_pos == measured.accepted_per_pos
         observed, _ = observed_alpha_table(target, draft, ids, len(prompt), k)
         assert torch.equal(observed, alpha)
         # on the cut output itself only the last round can lose accepted drafts
@@ -67,9 +67,9 @@ def test_replay_equals_measured_at_t0(request, target, draft_name, k):
 
 
 @pytest.mark.parametrize("k", [2, 4])
-def test_observed_replay_equals_measured_greedy_draft_t1(target, draft_good48, k):
+def test_observed_round_walk_equals_measured_greedy_draft_t1(target, draft_good48, k):
     """At T > 0 a greedy-draft engine accepts d iff it emits d, so its counters can be rebuilt from its
-    outputs: the observed table's replay equals the decoder's tally exactly."""
+    outputs: the observed table's round walk equals the decoder's tally exactly."""
     n = 30
     dec = SpecDecoder(target, draft_good48, k, "greedy_draft", 1.0)
     total = 0.0
@@ -79,8 +79,8 @@ def test_observed_replay_equals_measured_greedy_draft_t1(target, draft_good48, k
         longer, _ = dec.generate(p, n + k + 1, set(), torch.Generator().manual_seed(seed))
         assert longer[:n].tolist() == out.tolist()  # same draws in the same order
         observed, valid = observed_alpha_table(target, draft_good48, torch.cat([p, longer]), len(prompt), k)
-        replay = replay_tally(observed[: n - 1], valid[: n - 1])
-        assert (replay.rounds, replay.accepted_per_pos) == (measured.rounds, measured.accepted_per_pos)
+        walk = round_walk_tally(observed[: n - 1], valid[: n - 1])
+        assert (walk.rounds, walk.accepted_per_pos) == (measured.rounds, measured.accepted_per_pos)
         total += measured.num_accepted
     assert total > 10
 

@@ -323,14 +323,14 @@ def test_missing_files_are_reported(tmp_path):
 @pytest.mark.parametrize("target_hidden, rc", [(H, 0), (24, 1)])
 def test_cli_export_check_sglang(tmp_path, monkeypatch, capsys, target_hidden, rc):
     from draft_align import cli
-    from draft_align.cli import drafts
+    from draft_align.cli import draft_commands
     from draft_align.publish import compat
 
     target = target_cfg(hidden_size=target_hidden)
     draft = make_draft(DEFAULT_IDS, target_hidden_size=target_hidden)
     manifest = {"target": {"name": "tiny/target"}, "metrics": {}, "draft_version": 1, "policy_version": 0}
     monkeypatch.setattr(
-        drafts,
+        draft_commands,
         "_load_target_and_draft",
         lambda t, d: (SimpleNamespace(config=target), None, draft, manifest, d),
     )

@@ -50,7 +50,7 @@ def test_plan_given_keeps_the_prompt_order_and_splits_the_drafts():
 
 
 def test_both_engines_have_the_protocol_members():
-    from draft_align.engines.vllm.rollouts import VLLMRollouts
+    from draft_align.engines.vllm.vllm_rollouts import VLLMRollouts
 
     members = [
         n

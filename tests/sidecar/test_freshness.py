@@ -25,7 +25,7 @@ def _drop_reports(feeder, steps: set[int]) -> None:
     feeder._offer = offer
 
 
-@pytest.mark.parametrize("sidecar_world", [{"sidecar.publish_every_s": 604800}], indirect=True)
+@pytest.mark.parametrize("sidecar_world", [{"sidecar.publish.every_s": 604800}], indirect=True)
 def test_taps_train_before_their_report_and_publish_names_the_trained_version(sidecar_world, until):
     from draft_align.publish.folder import read_manifest
     from draft_align.publish.versions import read_latest
@@ -66,7 +66,7 @@ def test_taps_train_before_their_report_and_publish_names_the_trained_version(si
     assert row["sidecar_trained_policy_version"] == 1 and not sc._step_drafts
 
 
-@pytest.mark.parametrize("sidecar_world", [{"sidecar.lr_ramp_tokens": 1_000_000}], indirect=True)
+@pytest.mark.parametrize("sidecar_world", [{"sidecar.train.lr_ramp_tokens": 1_000_000}], indirect=True)
 def test_the_lr_ramps_with_the_trainable_tokens(sidecar_world, until):
     recipe, sc, feeder = sidecar_world
     feeder.step(0, 0)
@@ -79,7 +79,7 @@ def test_the_lr_ramps_with_the_trainable_tokens(sidecar_world, until):
     stats = sc.trainer.train_step(batch)
     assert stats["lr"] == pytest.approx(lr_before)
     # warmup_steps=1: the schedule's factor is 1 from here on; the lr is the recipe's × the ramp
-    assert sc.trainer.optimizer.param_groups[0]["lr"] == pytest.approx(recipe.sidecar.lr * scale)
+    assert sc.trainer.optimizer.param_groups[0]["lr"] == pytest.approx(recipe.sidecar.train.lr * scale)
 
 
 def test_a_report_without_taps_is_a_row_without_estimates_and_counted(sidecar_world, until):
@@ -94,7 +94,7 @@ def test_a_report_without_taps_is_a_row_without_estimates_and_counted(sidecar_wo
     assert sc.state.reports_without_taps == 1
 
 
-@pytest.mark.parametrize("sidecar_world", [{"sidecar.holdout_records": 1}], indirect=True)
+@pytest.mark.parametrize("sidecar_world", [{"sidecar.buffer.holdout_records": 1}], indirect=True)
 def test_a_one_record_gate_set_publishes_and_notifies_without_a_stderr(sidecar_world, until):
     import math
     import time

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from draft_align.monitor.records import RecordEstimateError
+from draft_align.monitor.tapped_estimate import RecordEstimateError
 from draft_align.sidecar.gate import paired_gate
 
 
@@ -64,7 +64,7 @@ def test_publish_is_due_after_steps_and_interval(sidecar_world):
     assert not sc.gate.due(force=True)  # min_train_steps_per_publish = 1
     sc.gate.steps_since_publish = 1
     assert sc.gate.due(force=True) and sc.gate.due()  # publish_every_s = 0
-    recipe.sidecar.publish_every_s = 3600.0
+    recipe.sidecar.publish.every_s = 3600.0
     assert sc.gate.due(force=True) and not sc.gate.due()
 
 
@@ -72,7 +72,7 @@ def test_gate_refuses_a_worse_candidate(sidecar_world, until):
     recipe, sc, feeder = sidecar_world
     feeder.step(0, 0)
     assert until(lambda: sc.state.monitor_rows >= 1, 20, every=lambda: sc.drain(0.1, 100))
-    sc.recipe.sidecar.gate_tolerance = 0.0
+    sc.recipe.sidecar.gate.tolerance = 0.0
     assert sc.train_one()
     with torch.no_grad():  # wreck the candidate: it proposes the same token everywhere
         sc.trainer.draft.lm_head.weight.zero_()

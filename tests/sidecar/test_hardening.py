@@ -140,7 +140,7 @@ def test_poisoned_head_is_rejected_and_nonfinite_steps_drop_the_head(sidecar_wor
     with torch.no_grad():
         feeder.model.lm_head.weight.copy_(saved)
     # finite but huge states: every step non-finite; after max_consecutive_nonfinite in a row, an alarm
-    sc.recipe.sidecar.max_consecutive_nonfinite = 3
+    sc.recipe.sidecar.train.max_consecutive_nonfinite = 3
     sc.ingest.buffer = ReplayBuffer(4000, 2.0, 0, 0)
     h = sc.hidden
     rec = Record(
@@ -235,7 +235,7 @@ def test_retention_keeps_the_newest_versions_and_latest(tiny_run, tiny_env, tmp_
     from draft_align.sidecar.loop import Sidecar
 
     recipe = load_recipe(
-        None, [*tiny_run.cotrain_overrides(tmp_path), "sidecar.keep_versions=2"], CotrainRecipe
+        None, [*tiny_run.cotrain_overrides(tmp_path), "sidecar.publish.keep_versions=2"], CotrainRecipe
     )
     sc = Sidecar(recipe, starting_draft(recipe)).setup()
     feeder = feeder_cls(recipe, sc.frozen.draft_to_target, sc.aux_ids)

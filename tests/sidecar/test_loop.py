@@ -31,7 +31,7 @@ def test_ingest_train_gate_publish_notify_and_monitor(sidecar_world, until):
     assert sc.has_head and sc.state.head_policy_version == 1
     assert sc.state.ingested_messages >= 2 and sc.rejected == {}
     stats = sc.ingest.buffer.stats()
-    # every 4th record (sidecar.holdout_every) is held out, at most holdout_records = 6
+    # every 4th record (sidecar.buffer.holdout_every) is held out, at most holdout_records = 6
     assert stats["records"] == 16 and stats["holdout_records"] == 4
     for _ in range(4):
         assert sc.train_one()
@@ -54,7 +54,7 @@ def test_ingest_train_gate_publish_notify_and_monitor(sidecar_world, until):
         "accept_est_adapted_prob",
         "accept_est_frozen_prob",
     ):
-        assert 1.0 <= rows[1][key] <= 1.0 + recipe.sidecar.eval_k
+        assert 1.0 <= rows[1][key] <= 1.0 + recipe.sidecar.gate.k
     # before any publish the "adapted" draft is the starting one: both estimates agree exactly
     assert rows[1]["accept_est_adapted"] == rows[1]["accept_est_frozen"]
     metrics = scrape(metrics_url(recipe.run_dir))
@@ -65,7 +65,11 @@ def test_ingest_train_gate_publish_notify_and_monitor(sidecar_world, until):
 
 @pytest.mark.parametrize(
     "sidecar_world",
-    [{}, {"sidecar.loss": "tv", "sidecar.soft_ce_weight": 0.5}, {"sidecar.loss": "expected_length"}],
+    [
+        {},
+        {"sidecar.train.loss": "tv", "sidecar.train.soft_ce_weight": 0.5},
+        {"sidecar.train.loss": "expected_length"},
+    ],
     indirect=True,
     ids=["soft", "tv+ce", "expected_length"],
 )
@@ -75,7 +79,7 @@ def test_nonfinite_loss_skips_the_step_and_publishes_nothing(sidecar_world, unti
 
     recipe, sc, feeder = sidecar_world
     assert sc.trainer.loss_settings == LossSettings.from_section(
-        recipe.sidecar, 0.8, True
+        recipe.sidecar.train, 0.8, True
     )  # the recipe's objective
     feeder.step(0, 0)
     assert until(lambda: sc.state.monitor_rows >= 1, 20, every=lambda: sc.drain(0.1, 100))
@@ -167,9 +171,9 @@ def test_kill9_mid_run_and_mid_publish_then_resume(tiny_run, tiny_env, tmp_path,
                 worst = max(worst, time.perf_counter() - t)
             assert worst < 2.0
             versions = _check_visible_versions(recipe.run_dir)
-            # consecutive, the newest sidecar.keep_versions of them (retention runs before each publish)
+            # consecutive, the newest sidecar.publish.keep_versions of them (retention runs before each publish)
             assert versions == list(range(versions[0], versions[0] + len(versions)))
-            assert len(versions) <= recipe.sidecar.keep_versions
+            assert len(versions) <= recipe.sidecar.publish.keep_versions
             newest = versions[-1]
             proc = _spawn(resolved, start, env_log)
             assert until(lambda n=newest: max(_check_visible_versions(recipe.run_dir)) > n, 90, every=feed), (

@@ -159,17 +159,17 @@ def _same_weights_overrides(
         run=run,
         **{
             "sidecar.ranks": ranks,
-            "sidecar.holdout_records": N_HOLD,
-            "sidecar.autocast_bf16": "false",
-            "sidecar.holdout_every": 1,
-            "sidecar.fresh_first": "false",
-            "sidecar.publish_on_new_version": "false",
-            "sidecar.max_replay_ratio": 1000.0,
-            "sidecar.publish_every_s": 604800,
-            "sidecar.checkpoint_every_s": 604800,
-            "sidecar.prometheus_port": "null",
-            "sidecar.warmup_steps": 0,
-            "sidecar.lr": 3e-3,
+            "sidecar.buffer.holdout_records": N_HOLD,
+            "sidecar.train.autocast_bf16": "false",
+            "sidecar.buffer.holdout_every": 1,
+            "sidecar.buffer.fresh_first": "false",
+            "sidecar.publish.on_new_version": "false",
+            "sidecar.buffer.max_replay_ratio": 1000.0,
+            "sidecar.publish.every_s": 604800,
+            "sidecar.train.checkpoint_every_s": 604800,
+            "sidecar.monitor.prometheus_port": "null",
+            "sidecar.train.warmup_steps": 0,
+            "sidecar.train.lr": 3e-3,
             "sidecar.parallel": parallel,
             **extra,
         },
@@ -292,7 +292,7 @@ def _two_ranks_match_one_process(tiny_run, tmp_path: Path, parallel: str, **extr
     _wait_ok(procs)
     # the global gradient norm (clipping's denominator): over DTensor shards under fsdp2
     norms2 = json.loads((tmp_path / "two" / "grad_norms.json").read_text())
-    assert len(norms) == len(norms2) == STEPS and norms[0] > one.sidecar.grad_clip, (norms, norms2)
+    assert len(norms) == len(norms2) == STEPS and norms[0] > one.sidecar.train.grad_clip, (norms, norms2)
     assert norms2 == pytest.approx(norms, rel=1e-4), (norms, norms2)
     (pub1, w1), (pub2, w2) = _tensors(tmp_path / "one"), _tensors(tmp_path / "two")
     start = sc.frozen.state_dict()
@@ -462,8 +462,8 @@ def test_kill9_of_a_rank_is_reported_and_a_restarted_job_resumes(tiny_run, tiny_
             **{
                 "sidecar.ranks": 2,
                 "sidecar.collective_timeout_s": 30.0,
-                "sidecar.prometheus_port": "null",
-                "sidecar.publish_every_s": 0.5,
+                "sidecar.monitor.prometheus_port": "null",
+                "sidecar.publish.every_s": 0.5,
             },
         ),
         CotrainRecipe,
@@ -498,7 +498,7 @@ def test_kill9_of_a_rank_is_reported_and_a_restarted_job_resumes(tiny_run, tiny_
         before = _versions(recipe.run_dir)  # consecutive; retention keeps the newest keep_versions
         assert (
             before == list(range(before[0], before[0] + len(before)))
-            and len(before) <= recipe.sidecar.keep_versions
+            and len(before) <= recipe.sidecar.publish.keep_versions
         )
         steps_before = json.loads((recipe.run_dir / "sidecar" / "state.json").read_text())["train_steps"]
         assert steps_before >= 1
@@ -566,7 +566,7 @@ def test_ranks_that_disagree_on_the_recipe_refuse_to_start(tiny_run, tiny_env, t
             tiny_run.cotrain_overrides(
                 tmp_path / f"r{r}",
                 run="bad",
-                **{"sidecar.ranks": 2, "sidecar.lr": lr, "sidecar.collective_timeout_s": 30.0},
+                **{"sidecar.ranks": 2, "sidecar.train.lr": lr, "sidecar.collective_timeout_s": 30.0},
             ),
             CotrainRecipe,
         )
@@ -583,7 +583,7 @@ def test_ranks_that_disagree_on_the_recipe_refuse_to_start(tiny_run, tiny_env, t
     for p in procs:
         out, _ = p.communicate(timeout=90)
         assert p.returncode == 2, out[-2000:]
-        assert "disagree on the recipe" in out and "sidecar.lr: rank 0 0.001, rank 1 0.002" in out, out[
+        assert "disagree on the recipe" in out and "sidecar.train.lr: rank 0 0.001, rank 1 0.002" in out, out[
             -2000:
         ]
     assert not (tmp_path / "r0" / "bad" / "sidecar" / "ready.json").exists()

@@ -74,7 +74,7 @@ def test_a_record_without_a_trainable_target_is_dropped_counted():
     assert stats.to_dict()["untrainable_records"] == 1
 
 
-@pytest.mark.parametrize("sidecar_world", [{"sidecar.max_seq_tokens": 12}], indirect=True)
+@pytest.mark.parametrize("sidecar_world", [{"sidecar.train.max_seq_tokens": 12}], indirect=True)
 def test_records_whose_cap_leaves_only_prompt_train_instead_of_killing_the_loop(sidecar_world, until):
     """Chat prompts of the tiny world are longer than 12 tokens: the plain cut left no target and the
     next train step raised 'cannot reshape tensor of 0 elements'."""
@@ -160,7 +160,7 @@ def _push(endpoint: str, key: bytes, captured: list[list[bytes]]) -> None:
 
 def test_a_restarted_sidecar_refuses_what_it_accepted_before(sidecar_world, until, monkeypatch, caplog):
     """Captured signed messages were all accepted again by a restarted sidecar, and an old HeadSync was
-    taken as an RL restart (shifting every later policy version); the replay guard is now saved and loaded."""
+    taken as an RL restart (shifting every later policy version); the sequence guard is now saved and loaded."""
     from draft_align.sidecar.launch import starting_draft
     from draft_align.sidecar.loop import Sidecar
     from draft_align.wire.codec import encode
@@ -178,8 +178,10 @@ def test_a_restarted_sidecar_refuses_what_it_accepted_before(sidecar_world, unti
     try:
         assert again.resumed and again.state.head_policy_version == 6
         _push(again.receiver.endpoint, again.wire_key, captured)
-        assert until(lambda: again.receiver.rejected["replay"] >= 5, 60, every=lambda: again.drain(0.1, 100))
-        assert again.receiver.rejected == {"replay": 5}
+        assert until(
+            lambda: again.receiver.rejected["sequence"] >= 5, 60, every=lambda: again.drain(0.1, 100)
+        )
+        assert again.receiver.rejected == {"sequence": 5}
         assert again.state.rl_restarts == 0 and again.state.head_policy_version == 6
         assert again.state.monitor_rows == 3 and not again.has_head
         # a full disk when the guard is saved: one ERROR line, the loop goes on, the next save catches up
@@ -192,12 +194,12 @@ def test_a_restarted_sidecar_refuses_what_it_accepted_before(sidecar_world, unti
         monkeypatch.setattr(loop, "save_guard", full)
         again.receiver.guard.check(Origin("after-disk-full", 0))
         with caplog.at_level("ERROR"):
-            again.save_replay(force=True)
-            again.save_replay(force=True)
-        assert caplog.text.count("cannot save the replay guard") == 1
+            again.save_guard_state(force=True)
+            again.save_guard_state(force=True)
+        assert caplog.text.count("cannot save the sequence guard") == 1
         monkeypatch.undo()
-        again.save_replay(force=True)
-        assert "after-disk-full" in again.replay_file.read_text()
+        again.save_guard_state(force=True)
+        assert "after-disk-full" in again.guard_file.read_text()
     finally:
         again.close()
 

@@ -69,15 +69,15 @@ def test_bad_settings():
     with pytest.raises(ValueError, match="drift_tolerance"):
         DriftTrigger("drift", tolerance=1.5, head_threshold=0.1, window=1)
     for bad in (
-        ["sidecar.drift_tolerance=0"],
-        ["sidecar.drift_window=0"],
-        ["sidecar.drift_head_threshold=-1"],
-        ["sidecar.train_trigger=drift", "sidecar.ranks=2"],
+        ["sidecar.trigger.drift_tolerance=0"],
+        ["sidecar.trigger.drift_window=0"],
+        ["sidecar.trigger.drift_head_threshold=-1"],
+        ["sidecar.trigger.when=drift", "sidecar.ranks=2"],
     ):
         with pytest.raises(RecipeError):
             load_recipe(None, bad, CotrainRecipe)
-    with pytest.raises(RecipeError, match="train_trigger"):
-        load_recipe(None, ["sidecar.train_trigger=sometimes"], CotrainRecipe)
+    with pytest.raises(RecipeError, match="sidecar.trigger.when"):
+        load_recipe(None, ["sidecar.trigger.when=sometimes"], CotrainRecipe)
 
 
 def test_the_loop_idles_after_a_publish_and_says_why(tiny_run, tiny_env, tmp_path, until, feeder_cls):
@@ -91,9 +91,9 @@ def test_the_loop_idles_after_a_publish_and_says_why(tiny_run, tiny_env, tmp_pat
         tiny_run.cotrain_overrides(
             tmp_path,
             **{
-                "sidecar.train_trigger": "drift",
-                "sidecar.drift_window": 1,
-                "sidecar.drift_head_threshold": 0.01,
+                "sidecar.trigger.when": "drift",
+                "sidecar.trigger.drift_window": 1,
+                "sidecar.trigger.drift_head_threshold": 0.01,
             },
         ),
         CotrainRecipe,

@@ -1,5 +1,5 @@
-"""sidecar.record_wire: the sidecar records every valid message it handles; a second sidecar fed that
-recording (benchmarks/adapt_replay.py's way) ends with the same buffer and the same step estimates."""
+"""sidecar.recording.enabled: the sidecar records every valid message it handles; a second sidecar fed that
+recording (benchmarks/adapt_playback.py's way) ends with the same buffer and the same step estimates."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from draft_align.config import CotrainRecipe, load_recipe
 
 # no free-space reserve beyond the draft's own: the tests record on whatever disk they run on
 @pytest.mark.parametrize(
-    "sidecar_world", [{"sidecar.record_wire": True, "sidecar.record_wire_reserve_mb": 0}], indirect=True
+    "sidecar_world", [{"sidecar.recording.enabled": True, "sidecar.recording.reserve_mb": 0}], indirect=True
 )
-def test_a_recorded_run_replays_into_the_same_buffer_and_rows(sidecar_world, until, tiny_run, tmp_path):
+def test_a_recorded_run_plays_back_into_the_same_buffer_and_rows(sidecar_world, until, tiny_run, tmp_path):
     from draft_align.sidecar.launch import starting_draft
     from draft_align.sidecar.loop import Sidecar
     from draft_align.wire.messages import HeadSync, StepReport, TapBatch
@@ -32,7 +32,9 @@ def test_a_recorded_run_replays_into_the_same_buffer_and_rows(sidecar_world, unt
     assert kinds.count(HeadSync) == 2 and kinds.count(StepReport) == 2 and kinds.count(TapBatch) >= 2
     assert sc.recorder.messages == len(got)
 
-    again = load_recipe(None, tiny_run.cotrain_overrides(tmp_path / "replay", run=recipe.run), CotrainRecipe)
+    again = load_recipe(
+        None, tiny_run.cotrain_overrides(tmp_path / "playback", run=recipe.run), CotrainRecipe
+    )
     assert again.run_dir != recipe.run_dir
     other = Sidecar(again, starting_draft(again)).setup()
     try:
@@ -51,18 +53,18 @@ def test_a_recorded_run_replays_into_the_same_buffer_and_rows(sidecar_world, unt
 
 # no free-space reserve beyond the draft's own: the tests record on whatever disk they run on
 @pytest.mark.parametrize(
-    "sidecar_world", [{"sidecar.record_wire": True, "sidecar.record_wire_reserve_mb": 0}], indirect=True
+    "sidecar_world", [{"sidecar.recording.enabled": True, "sidecar.recording.reserve_mb": 0}], indirect=True
 )
-def test_adapt_replay_runs_arms_on_a_recording(sidecar_world, until, tmp_path):
-    """benchmarks/adapt_replay.py on a 3-step recording: every arm scores every step; a tighter replay cap
+def test_adapt_playback_runs_arms_on_a_recording(sidecar_world, until, tmp_path):
+    """benchmarks/adapt_playback.py on a 3-step recording: every arm scores every step; a tighter replay cap
     trains fewer tokens on the same messages and says that the cap stopped it."""
     import sys
 
-    from draft_align.config.loading import RESOLVED_RECIPE, save_recipe
+    from draft_align.config.recipe_files import RESOLVED_RECIPE, save_recipe
     from draft_align.wire.recording import Recording
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-    from benchmarks import adapt_replay
+    from benchmarks import adapt_playback
 
     recipe, sc, feeder = sidecar_world
     save_recipe(recipe, recipe.run_dir / RESOLVED_RECIPE)
@@ -72,7 +74,9 @@ def test_adapt_replay_runs_arms_on_a_recording(sidecar_world, until, tmp_path):
     sc.close()
     msgs = [m for _, m in Recording(sc.dir / "wire.rec")]
     arms = [
-        adapt_replay.replay_arm(recipe.run_dir, arm, adapt_replay.ARMS[arm][0], msgs, 1600, tmp_path / "arms")
+        adapt_playback.playback_arm(
+            recipe.run_dir, arm, adapt_playback.ARMS[arm][0], msgs, 1600, tmp_path / "arms"
+        )
         for arm in ("base", "cap2")
     ]
     for a in arms:
@@ -95,9 +99,9 @@ def test_adapt_replay_runs_arms_on_a_recording(sidecar_world, until, tmp_path):
         "name": None,
         "arms": arms,
     }
-    adapt_replay.summarise(result)
-    text = adapt_replay.render(result)
-    assert text.startswith(adapt_replay.section_title(None)) and "| cap2 |" in text
+    adapt_playback.summarise(result)
+    text = adapt_playback.render(result)
+    assert text.startswith(adapt_playback.section_title(None)) and "| cap2 |" in text
 
 
 def _used(folder: Path) -> int:
@@ -106,7 +110,7 @@ def _used(folder: Path) -> int:
 
 @pytest.mark.parametrize(
     "sidecar_world",
-    [{"sidecar.record_wire": True, "sidecar.record_wire_reserve_mb": 1, "sidecar.record_wire_mb": 64}],
+    [{"sidecar.recording.enabled": True, "sidecar.recording.reserve_mb": 1, "sidecar.recording.max_mb": 64}],
     indirect=True,
 )
 def test_recording_on_a_small_disk_stops_before_checkpoints_lose_their_room(

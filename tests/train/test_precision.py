@@ -44,5 +44,5 @@ def test_recipes_default_to_automatic():
     from draft_align.config import CotrainRecipe, WarmstartRecipe, load_recipe
 
     assert load_recipe(None, [], WarmstartRecipe).train.autocast_bf16 is None
-    assert load_recipe(None, [], CotrainRecipe).sidecar.autocast_bf16 is None
+    assert load_recipe(None, [], CotrainRecipe).sidecar.train.autocast_bf16 is None
     assert load_recipe(None, ["train.autocast_bf16=false"], WarmstartRecipe).train.autocast_bf16 is False

@@ -20,13 +20,13 @@ import torch
 from draft_align import assets
 from draft_align.config import RecipeError, load_recipe
 from draft_align.engines.vllm import start as vllm_start
-from draft_align.engines.vllm.generate import (
+from draft_align.engines.vllm.start import vllm_available
+from draft_align.engines.vllm.target_responses import (
     generate_responses_vllm,
     kv_cache_gb,
     request_seed,
     self_distill_env,
 )
-from draft_align.engines.vllm.start import vllm_available
 from draft_align.train.store import ResponseCache
 from draft_align.warmstart import WarmstartError
 from draft_align.warmstart import preparation as prep
@@ -206,11 +206,11 @@ def test_chunks_are_handed_over_as_they_finish_and_stop_after_eos(plain_engine, 
 
 @needs_vllm
 def test_deadline_starts_nothing_new_and_keeps_what_was_in_flight(plain_engine, vworld, monkeypatch):
-    from draft_align.engines.vllm import generate
+    from draft_align.engines.vllm import target_responses
 
     prompts = chat_prompts(vworld, 12)
     clock = [0.0]
-    monkeypatch.setattr(generate, "time", types.SimpleNamespace(time=lambda: clock[0]))
+    monkeypatch.setattr(target_responses, "time", types.SimpleNamespace(time=lambda: clock[0]))
     handed: list[int] = []
 
     def on_batch(idx, rs):

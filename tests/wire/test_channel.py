@@ -124,7 +124,7 @@ def test_receiver_survives_garbage_and_forgeries(endpoint):
         raw.close()
         ctx.term()
     assert same(got, good)
-    assert rx.rejected == {"frames": 1, "mac": 3, "size": 1, "replay": 1}
+    assert rx.rejected == {"frames": 1, "mac": 3, "size": 1, "sequence": 1}
     st = rx.stats()
     assert st["received"] == 1 and st["rejected"] == 6 and st["rejected_by_reason"] == dict(rx.rejected)
 

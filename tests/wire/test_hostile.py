@@ -16,8 +16,8 @@ import zmq
 from draft_align.wire.channel import Receiver, TapSender, authenticate, default_endpoint
 from draft_align.wire.codec import Origin, encode
 from draft_align.wire.messages import HeadSync, StepReport, TapBatch
-from draft_align.wire.replay import ReplayGuard
 from draft_align.wire.schema import WireError
+from draft_align.wire.sequence_guard import SequenceGuard
 from draft_align.wire.sockets import zap_server
 
 KEY = bytes(range(32))
@@ -194,14 +194,14 @@ def test_replayed_batch_and_final_report_are_rejected(tmp_path: Path):
             raw.send_multipart(f)
         got = []
         end = time.monotonic() + 5
-        while time.monotonic() < end and rx.rejected["replay"] < 10:
+        while time.monotonic() < end and rx.rejected["sequence"] < 10:
             m = rx.recv(timeout_ms=100)
             if m is not None:
                 got.append(m)
         raw.close()
         ctx.term()
         assert [type(m).__name__ for m in got] == ["TapBatch", "StepReport"]
-        assert rx.rejected == {"replay": 10}
+        assert rx.rejected == {"sequence": 10}
         # a restarted sender has a new id and starts again at 0: accepted
         with TapSender(ep, KEY, send_timeout_s=2.0) as tx:
             tx.offer(final)
@@ -209,17 +209,17 @@ def test_replayed_batch_and_final_report_are_rejected(tmp_path: Path):
 
 
 def test_replay_guard_drops_duplicates_and_stale():
-    g = ReplayGuard(max_senders=2)
+    g = SequenceGuard(max_senders=2)
     g.check(Origin("a", 0))
     g.check(Origin("a", 5))
     for seq, what in ((5, "duplicate"), (3, "stale")):
         with pytest.raises(WireError, match=what) as e:
             g.check(Origin("a", seq))
-        assert e.value.reason == "replay"
+        assert e.value.reason == "sequence"
     g.check(Origin("a", 6))
     with pytest.raises(WireError, match="no sender id"):
         g.check(Origin("", 0))
-    ReplayGuard(require_sender=False).check(Origin("", 0))
+    SequenceGuard(require_sender=False).check(Origin("", 0))
     g.check(Origin("b", 0))
     with pytest.raises(WireError, match="new sender c refused") as e:
         g.check(Origin("c", 0))  # bounded: "a" was heard recently, so "c" is refused, not "a" forgotten

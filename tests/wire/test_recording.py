@@ -268,7 +268,7 @@ def test_the_size_cap_stops_the_recording_with_one_line(tmp_path, caplog):
     for _ in range(10):
         rec.record(TapBatch.make_dummy())
     rec.close()
-    assert rec.messages == 3 and "cap of" in rec.failed and "sidecar.record_wire_mb" in rec.failed
+    assert rec.messages == 3 and "cap of" in rec.failed and "sidecar.recording.max_mb" in rec.failed
     assert path.stat().st_size <= rec.max_file_bytes
     assert sum("wire recording" in r.message for r in caplog.records) == 1
     assert len(list(Recording(path))) == 3

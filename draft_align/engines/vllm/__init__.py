@@ -6,12 +6,12 @@
 - :mod:`.counters`: :class:`~.counters.SpecCounters`, one snapshot of vLLM's spec-decode counters;
 - :mod:`.worker_rpc`: the functions ``LLM.collective_rpc`` runs inside the engine's workers;
 - :mod:`.refresher`: :class:`~.refresher.DraftRefresher` (hot draft swap) and its :class:`~.refresher.ProbeGuard`;
-- :mod:`.rollouts`: :class:`~.rollouts.VLLMRollouts`, the RL job's rollout engine;
-- :mod:`.generate`: the warm-start's self-distillation on a plain engine (continuous batching, per-request
+- :mod:`.vllm_rollouts`: :class:`~.vllm_rollouts.VLLMRollouts`, the RL job's rollout engine;
+- :mod:`.target_responses`: the warm-start's self-distillation on a plain engine (continuous batching, per-request
   seeds, chunks handed over as they finish);
-- :mod:`.evaluate`: ``draft-align eval`` on vLLM (one batched ``generate``, the counters as the measurement);
+- :mod:`.vllm_eval`: ``draft-align eval`` on vLLM (one batched ``generate``, the counters as the measurement);
 - :mod:`.load_check`: our folders through vLLM's own draft model classes, without an engine;
-- :mod:`.round_cost`: seconds of one engine step, plain and speculative, per batch size;
+- :mod:`.round_timing`: seconds of one engine step, plain and speculative, per batch size;
 - :mod:`.verify_choice`: which draft sampling pays at T > 0, measured on the running engine.
 
 Nothing is imported here, and no module imports vLLM at import time.  The functions passed to

@@ -173,7 +173,7 @@ def start_plain_engine(
     target: str, *, max_model_len: int = 2048, seed: int = 0, dtype: str = "bfloat16", **llm_kwargs: Any
 ) -> LLM:
     """A ``vllm.LLM`` on ``target`` without a draft (plain decoding), statistics on: the baseline a speculative
-    engine is timed against (``draft_align.engines.vllm.round_cost``)."""
+    engine is timed against (``draft_align.engines.vllm.round_timing``)."""
     from draft_align.assets import resolve_model
 
     if "speculative_config" in llm_kwargs:

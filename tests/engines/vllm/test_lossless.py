@@ -161,7 +161,7 @@ def rpc_probabilistic_flag(worker) -> bool:
 def test_verify_mode_switches_in_place_and_stays_lossless(vllm_world, vllm_env, stat_prompt, exact):
     """greedy → probabilistic → greedy in one running engine: the acceptance rate moves with the mode (far past
     its noise) and returns, and the switched engine still samples the target."""
-    from draft_align.engines.vllm.rollouts import VLLMRollouts
+    from draft_align.engines.vllm.vllm_rollouts import VLLMRollouts
 
     with serving(vllm_world, "greedy") as llm:
         eng = VLLMRollouts(
@@ -188,7 +188,7 @@ def test_verify_mode_switches_in_place_and_stays_lossless(vllm_world, vllm_env, 
 def test_auto_verify_mode_measures_both_and_serves_the_better(vllm_world, vllm_env, stat_prompt, exact):
     from draft_align.engines.rollout_types import Decoding, PlannedRollout, RolloutPlan
     from draft_align.engines.vllm.refresher import ProbeGuard
-    from draft_align.engines.vllm.rollouts import VLLMRollouts
+    from draft_align.engines.vllm.vllm_rollouts import VLLMRollouts
 
     guard = ProbeGuard(({"prompt_token_ids": stat_prompt},) * 8, max_tokens=24)
     with serving(vllm_world, "greedy") as llm:

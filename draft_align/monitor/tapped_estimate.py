@@ -187,9 +187,9 @@ def estimate_records(
 ) -> dict[str, Any]:
     """Estimated acceptance of ``draft`` on tapped records, pooled like :func:`estimator.estimate`.
 
-    ``acceptance_length_est``: engine replay pooled as Σ accepted / Σ rounds; ``..._all_starts``: Π α
-    averaged over every chain start; ``..._observed``: replay of 1[d2t(argmax q) == next token] (None for
-    ``probabilistic`` at T > 0).  ``per_sequence``: (replay mean length, rounds) of each record in order
+    ``acceptance_length_est``: round walk pooled as Σ accepted / Σ rounds; ``..._all_starts``: Π α
+    averaged over every chain start; ``..._observed``: round walk of 1[d2t(argmax q) == next token] (None for
+    ``probabilistic`` at T > 0).  ``per_sequence``: (round-walk mean length, rounds) of each record in order
     (NaN, 0.0 for a record with no chain start) and ``sequence_ids`` their arrivals, for the sidecar's
     :func:`~draft_align.sidecar.gate.paired_gate`.  ``num_tokens`` counts response tokens.  Records without a response token are
     refused (RecordEstimateError): the buffer never holds them.

@@ -101,7 +101,7 @@ def test_timed_steps_counts_each_engine_step_and_restores_the_engine(engine):
     from vllm import SamplingParams
 
     from draft_align.engines.vllm.counters import SpecCounters
-    from draft_align.engines.vllm.round_cost import decode_step_seconds, timed_steps
+    from draft_align.engines.vllm.round_timing import decode_step_seconds, timed_steps
 
     prompts = [[1, 5, 6, 7, 8], [1, 9, 10, 11]]
     before = SpecCounters.snapshot(engine)

@@ -1,8 +1,8 @@
-"""Replay detection (docs/wire.md, "Envelope and replays"): every message carries, under the MAC, its sender's
+"""The sequence guard (docs/wire.md, "Envelope and sequence numbers"): it stops replayed and stale messages: every message carries, under the MAC, its sender's
 id and that sender's strictly increasing sequence number; a receiver keeps the newest number of each sender it
 has heard from and drops the rest.  Pure bookkeeping and one small file, no sockets.
 
-- :class:`ReplayGuard` (receiving side): bounded and aged without reopening replays; its state can be saved
+- :class:`SequenceGuard` (receiving side): bounded and aged without reopening replays; its state can be saved
   and restored (:func:`save_guard`, :func:`load_guard`) so a restarted receiver still refuses what it accepted.
 - :class:`Envelope` (sending side): the (sender, seq) stamps, with a fresh id after a long silence or at the
   end of the seq range, so that no receiver rule ever locks a live sender out.
@@ -32,14 +32,14 @@ DEFAULT_MAX_RETIRED = 16384  # ids of senders forgotten after a long silence, re
 MAX_SEQ_STEP = 1 << 32  # the most a sender's seq may advance in one message (its dropped sends included)
 RETIRE_IDLE_S = 3600.0  # a sender silent this long may be retired when the table is full
 RENEW_IDLE_S = RETIRE_IDLE_S / 2  # a sender silent this long draws a new id before its next message
-STATE_FORMAT = "draft_align.replay_guard/1"
+STATE_FORMAT = "draft_align.sequence_guard/1"
 
 
-class ReplayGuard:
+class SequenceGuard:
     """Accept a message iff its ``seq`` is above every earlier one of its ``sender`` and at most
     :data:`MAX_SEQ_STEP` above it (a new sender: counted from −1).
 
-    Raises ``WireError("replay")`` for a duplicate (``seq`` equal to the newest), a stale message (below it), a
+    Raises ``WireError("sequence")`` for a duplicate (``seq`` equal to the newest), a stale message (below it), a
     jump past the step bound (so one message at seq 2^63 − 1 cannot lock its sender out: it is refused and
     the sender's newest stays), a retired sender, and (``require_sender``) a message without a sender id.
 
@@ -73,24 +73,24 @@ class ReplayGuard:
         self.changes = 0  # accepted messages since the state was created or loaded (persisting: any news)
 
     def check(self, origin: Origin) -> None:
-        """Record ``origin`` or raise ``WireError`` (``replay`` or ``senders``; the state is unchanged then)."""
+        """Record ``origin`` or raise ``WireError`` (``sequence`` or ``senders``; the state is unchanged then)."""
         sender, seq = origin.sender, origin.seq
         if not sender:
             if self._require:
-                raise WireError("replay", "message carries no sender id (cannot tell a replay)")
+                raise WireError("sequence", "message carries no sender id (cannot tell a replay)")
             return
         if sender in self._retired:
             raise WireError(
-                "replay", f"sender {sender} was retired after a long silence (its messages are refused)"
+                "sequence", f"sender {sender} was retired after a long silence (its messages are refused)"
             )
         known = self._newest.get(sender)
         last = known[0] if known is not None else -1
         if known is not None and seq <= last:
             what = "duplicate" if seq == last else "stale"
-            raise WireError("replay", f"{what} message {seq} of sender {sender} (newest {last})")
+            raise WireError("sequence", f"{what} message {seq} of sender {sender} (newest {last})")
         if seq - last > MAX_SEQ_STEP:
             raise WireError(
-                "replay",
+                "sequence",
                 f"message {seq} of sender {sender} jumps {seq - last} past its newest {last} (at most 2^32)",
             )
         now = self._clock()
@@ -140,7 +140,7 @@ class ReplayGuard:
         """Take over a state :meth:`to_dict` wrote (ValueError when it is not one)."""
         if not isinstance(data, dict) or data.get("format") != STATE_FORMAT:
             raise ValueError(
-                f"not a replay guard state (format {data.get('format') if isinstance(data, dict) else None!r})"
+                f"not a sequence guard state (format {data.get('format') if isinstance(data, dict) else None!r})"
             )
         senders, retired = data.get("senders"), data.get("retired")
         if not isinstance(senders, list) or not isinstance(retired, list):
@@ -175,7 +175,7 @@ def _state_mac(key: bytes | None, body: bytes) -> str | None:
     return None if key is None else hmac.new(key, body, hashlib.sha256).hexdigest()
 
 
-def save_guard(path: Path, guard: ReplayGuard, key: bytes | None) -> None:
+def save_guard(path: Path, guard: SequenceGuard, key: bytes | None) -> None:
     """Write ``guard``'s state to ``path`` atomically (temp file, fsync, rename; mode 0600), with an HMAC of
     it under the wire key so that a file edited without the key is refused at load."""
     body = json.dumps(guard.to_dict(), separators=(",", ":")).encode()
@@ -194,17 +194,17 @@ def save_guard(path: Path, guard: ReplayGuard, key: bytes | None) -> None:
         raise
 
 
-def load_guard(path: Path, key: bytes | None, **guard_kw: Any) -> ReplayGuard:
+def load_guard(path: Path, key: bytes | None, **guard_kw: Any) -> SequenceGuard:
     """A guard with the state saved at ``path`` (a fresh one when there is none).  ValueError (one line)
     when the file is not a state this key wrote (damaged, edited, or written under another key)."""
-    guard = ReplayGuard(**guard_kw)
+    guard = SequenceGuard(**guard_kw)
     path = Path(path)
     try:
         raw = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         return guard
     except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"replay state {path} is unreadable ({e})") from e
+        raise ValueError(f"sequence guard state {path} is unreadable ({e})") from e
     try:
         doc = json.loads(raw)
         body = json.dumps(doc["state"], separators=(",", ":")).encode()
@@ -212,7 +212,7 @@ def load_guard(path: Path, key: bytes | None, **guard_kw: Any) -> ReplayGuard:
             raise ValueError("its MAC does not match the wire key")
         guard.restore(doc["state"])
     except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"replay state {path} does not verify ({e})") from e
+        raise ValueError(f"sequence guard state {path} does not verify ({e})") from e
     return guard
 
 

@@ -13,6 +13,7 @@ from typing import Any, overload
 from draft_align.config.choices import choice_type
 from draft_align.config.recipes import KIND_NAMES, SCHEMAS, R, Recipe, WarmstartRecipe
 from draft_align.config.rules import RecipeError, choice_error
+from draft_align.config.sections import SIDECAR_MOVED
 
 
 def _recipe_error(schema: type, e: Exception, where: str) -> RecipeError:
@@ -27,6 +28,24 @@ def _recipe_error(schema: type, e: Exception, where: str) -> RecipeError:
         if (choice := choice_type(hint)) is not None:
             return RecipeError(f"{where}: {choice_error(key, e.value, choice)}")
     return RecipeError(f"{where}: {e}")
+
+
+def _moved(key: str) -> str | None:
+    """``"sidecar.lr moved to sidecar.train.lr"`` for a dotted key under a flat ``sidecar.*`` key that moved
+    into a section (sections.SIDECAR_MOVED), else None."""
+    section, _, rest = key.partition(".")
+    name, _, tail = rest.partition(".")
+    if section != "sidecar" or name not in SIDECAR_MOVED:
+        return None
+    new = f"sidecar.{SIDECAR_MOVED[name]}" + (f".{tail}" if tail else "")
+    return f"{key} moved to {new}"
+
+
+def _refuse_moved(keys: list[str], where: str) -> None:
+    """One line naming each moved key's new home, before OmegaConf would call it merely unknown."""
+    moved = [m for k in keys if (m := _moved(k)) is not None]
+    if moved:
+        raise RecipeError(f"{where}: {'; '.join(moved)}")
 
 
 def _declared_kind(raw: Any) -> str:
@@ -71,9 +90,13 @@ def load_recipe(
                     f"recipe {p} is a {KIND_NAMES.get(kind, kind)} recipe (kind: {kind}); this command needs a "
                     f"{KIND_NAMES[want]} recipe (kind: {want})"
                 )
+            sidecar = raw.get("sidecar") if hasattr(raw, "get") else None
+            if hasattr(sidecar, "keys"):
+                _refuse_moved([f"sidecar.{k}" for k in sidecar.keys()], where)
             merged = OmegaConf.merge(merged, raw)
         if overrides:
             where = f"overrides {list(overrides)}"
+            _refuse_moved([o.split("=", 1)[0].strip() for o in overrides], where)
             merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)))
         recipe: Recipe = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except OmegaConfBaseException as e:

@@ -1,4 +1,4 @@
-"""draft_align.monitor.records: acceptance from tapped records equals the estimator that runs the target
+"""draft_align.monitor.tapped_estimate: acceptance from tapped records equals the estimator that runs the target
 (and the sidecar's paired gate separates real drafts estimated this way)."""
 
 import pytest
@@ -7,7 +7,7 @@ import torch
 from draft_align.hf.capture import HFTap
 from draft_align.hf.parts import decoder_parts, head_rows
 from draft_align.monitor.estimator import alpha_table, estimate
-from draft_align.monitor.records import RecordEstimateError, estimate_records, record_alpha
+from draft_align.monitor.tapped_estimate import RecordEstimateError, estimate_records, record_alpha
 from draft_align.sidecar.gate import paired_gate
 from draft_align.train.records import Record, TappedRecord
 
@@ -120,7 +120,7 @@ def test_estimate_records_pools_like_estimate(target, draft_good48, samples):
             assert got["acceptance_length_observed"] is None
         assert got["sequence_ids"] == list(range(len(samples)))
         assert len(got["per_sequence"]) == len(samples)
-        # pooled replay = rounds-weighted per-sequence mean length
+        # pooled round walk = rounds-weighted per-sequence mean length
         ls = torch.tensor(got["per_sequence"], dtype=torch.float64)
         pooled = float((ls[:, 0] * ls[:, 1]).sum() / ls[:, 1].sum())
         assert pooled == pytest.approx(got["acceptance_length_est"], rel=1e-9)

@@ -14,9 +14,9 @@ def _calibrate_round_cost(run: Path, args: argparse.Namespace) -> Path:
 
     from draft_align import assets, data
     from draft_align.config import RESOLVED_RECIPE, CotrainRecipe, load_recipe
-    from draft_align.engines.vllm.rollouts import VERIFY_TO_SAMPLE_METHOD
-    from draft_align.engines.vllm.round_cost import calibrate_round_cost
+    from draft_align.engines.vllm.round_timing import calibrate_round_cost
     from draft_align.engines.vllm.start import set_cpu_env
+    from draft_align.engines.vllm.vllm_rollouts import VERIFY_TO_SAMPLE_METHOD
     from draft_align.monitor.advise import advise_run
     from draft_align.monitor.round_cost import ROUND_COST_FILE
     from draft_align.rl.prompts import build_prompts
