@@ -447,3 +447,18 @@ def test_vllm_configure_logging_set_by_the_user_is_kept(monkeypatch):
     logs.setup_logging(False)
     logs.release_run_logs()
     assert os.environ["VLLM_CONFIGURE_LOGGING"] == "1"
+
+
+def test_console_keeps_only_warnings_of_the_per_refresh_loggers():
+    import logging
+
+    from draft_align.cli.logs import ours
+
+    def rec(name: str, level: int) -> logging.LogRecord:
+        return logging.LogRecord(name, level, __file__, 1, "x", None, None)
+
+    assert not ours(rec("draft_align.rl.drafts", logging.INFO))
+    assert not ours(rec("draft_align.engines.vllm.refresher", logging.INFO))
+    assert ours(rec("draft_align.rl.drafts", logging.WARNING))
+    assert ours(rec("draft_align.cotrain", logging.INFO)) and ours(rec("vllm.engine", logging.ERROR))
+    assert not ours(rec("vllm.engine", logging.WARNING))

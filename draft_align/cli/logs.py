@@ -24,10 +24,22 @@ OUR_LOGGERS = ("draft_align", "bench", "__main__")  # what the console shows wit
 RUN_LOG = "logs"  # <run_dir>/logs/<command>.log
 
 
+# draft_align loggers whose INFO lines are per-draft-refresh progress: the console shows their warnings only (the
+# live table's drf.v column says which draft serves); the run's log file keeps every line
+WARNINGS_ONLY_ON_CONSOLE = ("draft_align.rl.drafts", "draft_align.engines.vllm.refresher")
+
+
+def _under(name: str, prefixes: tuple[str, ...]) -> bool:
+    return any(name == n or name.startswith(n + ".") for n in prefixes)
+
+
 def ours(record: logging.LogRecord) -> bool:
-    """A record the console shows without -v: draft_align's own lines, and any library's errors."""
+    """A record the console shows without -v: draft_align's own lines (warnings only from the per-refresh
+    loggers), and any library's errors."""
     name = record.name
-    return record.levelno >= logging.ERROR or any(name == n or name.startswith(n + ".") for n in OUR_LOGGERS)
+    if record.levelno < logging.WARNING and _under(name, WARNINGS_ONLY_ON_CONSOLE):
+        return False
+    return record.levelno >= logging.ERROR or _under(name, OUR_LOGGERS)
 
 
 class RunLogHandler(logging.Handler):
