@@ -33,7 +33,6 @@ import argparse
 import gc
 import json
 import logging
-import math
 import resource
 import shutil
 import statistics
@@ -48,7 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common.results_md import replace_section, repo_relative  # noqa: E402
-from benchmarks.drift import measure_point, oracle_point, publish_latency  # noqa: E402
+from benchmarks.drift import _f, _median, _rows, measure_point, oracle_point, publish_latency  # noqa: E402
 from draft_align.config import CotrainRecipe, load_recipe  # noqa: E402
 
 log = logging.getLogger("bench.task_pays")
@@ -57,18 +56,6 @@ HEAD = "## Task workload: does the aligned draft pay? (benchmarks/task_pays.py)"
 
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
-
-
-def _rows(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
-
-
-def _median(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else math.nan
-
-
-def _f(x: Any, nd: int = 3) -> str:
-    return "–" if x is None or x != x else f"{x:.{nd}f}" if isinstance(x, float) else str(x)
 
 
 def policy_at(recipe: CotrainRecipe, version: int) -> Path:
@@ -265,13 +252,15 @@ def render(result: dict[str, Any]) -> str:
         "",
         "### Per RL step (measured: vLLM's counters on the step's own rollouts)",
         "",
-        "| step | reward | correct | KL to initial | adapted | in-domain frozen | draft v | verify | generation s | "
+        "| step | reward | correct | response tokens | KL to initial | adapted | in-domain frozen | draft v | verify | "
+        "generation s | "
         "log-prob s | train s | draft refresh s | tap s | step s |",
-        "|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in result["steps"]:
         lines.append(
             f"| {int(r['step'])} | {_f(r.get('reward_mean'))} | {_f(r.get('correct_frac'), 2)} | "
+            f"{_f(r.get('response_tokens_mean'), 1)} | "
             f"{_f(r.get('kl_to_initial'), 4)} | {_f(r.get('accept_measured_adapted'))} | "
             f"{_f(r.get('accept_measured_frozen'))} | {int(r.get('draft_version') or 0)} | "
             f"{'prob' if r.get('verify_probabilistic') else 'greedy'} | {_f(r.get('stage_generation_s'), 1)} | {_f(r.get('stage_logprob_s'), 1)} | "
