@@ -128,6 +128,7 @@ class DraftSource:
         self.adapted: DraftHead = self.frozen
         self.adapted_version: DraftVersion | None = None
         self.failures = 0
+        self.superseded = 0  # versions pruned by the sidecar's retention while they were verified
         self.refreshes = 0
         self.notified = 0  # versions taken from a notification (the rest came from `latest`)
         self._skip: set[Signature] = set()
@@ -275,6 +276,12 @@ class DraftSource:
         try:
             version, draft = self.verify(path, sha256, announced)
         except (ExportError, CorruptCheckpointError, OSError, KeyError, TypeError, ValueError) as e:
+            if self._pruned_since(path):
+                self.superseded += 1
+                log.info(
+                    "draft refresh: %s was pruned while it was verified (a newer version replaced it)", path
+                )
+                return False
             return self._fail(f"{path} rejected", e, sig)
         self.verify_s = time.perf_counter() - t0
         if version.version <= self.verified_version:
@@ -300,6 +307,17 @@ class DraftSource:
             " (notified)" if sha256 is not None else "",
         )
         return True
+
+    def _pruned_since(self, path: Path) -> bool:
+        """Whether ``path`` is gone and ``latest`` names a newer version: the sidecar's retention removed it
+        while it was read, which is no failure (the newer one is taken next)."""
+        if path.exists():
+            return False
+        try:
+            newest = read_latest(self.run_dir)
+            return newest is not None and newest.resolve() != path.resolve()
+        except (ExportError, OSError, ValueError):
+            return False
 
     # ----------------------------------------------------------------- background verification
     def _verify_loop(self) -> None:

@@ -292,6 +292,43 @@ def test_notifications_of_versions_pruned_since_cost_nothing_when_a_newer_one_is
     assert w.poll() is True and w.current_version == 3 and w.failures == 0 and w.notified == 1
 
 
+def test_a_version_pruned_while_it_is_verified_is_superseded_not_failed(
+    tmp_path, frozen_dir, kit, target_config, monkeypatch
+):
+    """Retention removes the folder between the notification and the read (seen under load in CI): counted as
+    superseded, not as a failure, and the newer version is taken at the next poll."""
+    import shutil
+
+    import draft_align.rl.drafts as drafts_mod
+
+    run = tmp_path / "run"
+    notes = ListNotifications()
+    w = DraftSource(run, frozen_dir, notifications=notes)
+    p1 = kit.publish(kit.make(target_config, seed=11), run, target_config, 1, 1)
+    notes.queue.append(announce(p1, 1))
+    real = drafts_mod.load_draft
+
+    def pruned_meanwhile(path, **kw):
+        if path == p1:  # the sidecar publishes v2 and prunes v1 while this thread reads v1
+            kit.publish(kit.make(target_config, seed=12), run, target_config, 2, 2)
+            shutil.rmtree(p1)
+        return real(path, **kw)
+
+    monkeypatch.setattr(drafts_mod, "load_draft", pruned_meanwhile)
+    assert w.poll() is False and w.failures == 0 and w.superseded == 1
+    assert w.poll() is True and w.current_version == 2 and w.failures == 0
+    # a folder that vanished with no newer version named by latest is still a failure
+    p3 = kit.publish(kit.make(target_config, seed=13), run, target_config, 3, 3)
+    (run / "latest").write_text("drafts/v0002\n")
+    notes.queue.append(announce(p3, 3))
+    shutil.rmtree(version_dir(run, 2))
+    (run / "latest").unlink()
+    monkeypatch.setattr(
+        drafts_mod, "load_draft", lambda path, **kw: (shutil.rmtree(path), real(path, **kw))[1]
+    )
+    assert w.poll() is False and w.failures == 1
+
+
 # --------------------------------------------------------------------------------------- off the job's thread
 def test_background_poll_never_waits_for_a_slow_hash(tmp_path, frozen_dir, kit, target_config, monkeypatch):
     """The verifier thread hashes and loads; ``poll`` on the job's thread only swaps in what is ready."""
