@@ -76,9 +76,9 @@ $(ADVISE_DRAFT): | fetch
 # the general chat draft (fp32: this CPU has no native bf16)
 $(DEMO_DRAFT): | fetch
 	$(PY) -m draft_align warmstart recipes/smollm2_demo.yaml target.dtype=float32
-# the in-domain draft for the `add` task (`make demo` builds the same one)
+# the in-domain draft for the `add` task (`make demo` builds a shorter one, checkpoints/smollm2-task-demo-draft)
 $(TASK_DRAFT): | fetch
-	$(PY) -m draft_align warmstart recipes/smollm2_task_warmstart.yaml
+	$(PY) -m draft_align warmstart recipes/smollm2_task_warmstart.yaml run=smollm2-task-draft data.gen_time_budget_s=150 train.time_budget_s=150 eval.prompts=8
 $(DRIFTED_POLICY):
 	$(MAKE) bench-drift
 $(ORACLE_RUN):

@@ -609,6 +609,9 @@ def main() -> int:
     ap.add_argument("--override", action="append", default=[], help="extra recipe key=value (repeatable)")
     ap.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "out" / "ray_vs_process.json")
     ap.add_argument("--no-results-md", action="store_true")
+    ap.add_argument(
+        "--keep", type=Path, default=None, help="keep the trials' run folders here (to inspect them)"
+    )
     a = ap.parse_args()
     if a.repeats < 1 or a.feed_s <= 0 or a.warm_s < 0 or a.step_s <= 0 or a.tokens_per_batch < 64:
         ap.error("--repeats ≥ 1, --feed-s > 0, --warm-s ≥ 0, --step-s > 0, --tokens-per-batch ≥ 64")
@@ -622,7 +625,7 @@ def main() -> int:
 
     torch.set_num_threads(1)
     t0 = time.time()
-    out = Path(tempfile.mkdtemp(prefix="draft-align-rvp-"))
+    out = Path(tempfile.mkdtemp(prefix="draft-align-rvp-")) if a.keep is None else a.keep
     trials: list[Trial] = []
     try:
         for rep in range(a.repeats):
@@ -634,7 +637,8 @@ def main() -> int:
                 trials.append(t)
                 print(f"ray_vs_process: {json.dumps(asdict(t))}", flush=True)
     finally:
-        shutil.rmtree(out, ignore_errors=True)
+        if a.keep is None:
+            shutil.rmtree(out, ignore_errors=True)
     result = {
         "command": "python benchmarks/ray_vs_process.py " + " ".join(sys.argv[1:]),
         "date": time.strftime("%Y-%m-%d"),

@@ -459,6 +459,10 @@ def test_console_keeps_only_warnings_of_the_per_refresh_loggers():
 
     assert not ours(rec("draft_align.rl.drafts", logging.INFO))
     assert not ours(rec("draft_align.engines.vllm.refresher", logging.INFO))
+    # the per-step lines: the live table has a row per step
+    assert not ours(rec("draft_align.rl.grpo", logging.INFO))
+    assert not ours(rec("draft_align.engines.vllm.vllm_rollouts", logging.INFO))
+    assert ours(rec("draft_align.rl.grpo", logging.WARNING))
     assert ours(rec("draft_align.rl.drafts", logging.WARNING))
     assert ours(rec("draft_align.cotrain", logging.INFO)) and ours(rec("vllm.engine", logging.ERROR))
     assert not ours(rec("vllm.engine", logging.WARNING))

@@ -24,9 +24,15 @@ OUR_LOGGERS = ("draft_align", "bench", "__main__")  # what the console shows wit
 RUN_LOG = "logs"  # <run_dir>/logs/<command>.log
 
 
-# draft_align loggers whose INFO lines are per-draft-refresh progress: the console shows their warnings only (the
-# live table's drf.v column says which draft serves); the run's log file keeps every line
-WARNINGS_ONLY_ON_CONSOLE = ("draft_align.rl.drafts", "draft_align.engines.vllm.refresher")
+# draft_align loggers whose INFO lines are per-step or per-draft-refresh progress: the console shows their
+# warnings only (the live table has a row per RL step and its drf.v column says which draft serves); the run's
+# log file keeps every line
+WARNINGS_ONLY_ON_CONSOLE = (
+    "draft_align.rl.drafts",
+    "draft_align.rl.grpo",
+    "draft_align.engines.vllm.refresher",
+    "draft_align.engines.vllm.vllm_rollouts",
+)
 
 
 def _under(name: str, prefixes: tuple[str, ...]) -> bool:
@@ -76,6 +82,8 @@ def setup_logging(verbose: bool) -> None:
         # torch's C++ warnings (e.g. vLLM-CPU's NUMA binding notice) are written to file descriptor 2, not
         # logged: without -v only its errors are shown (read when torch is first imported, which is later)
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+        # wandb's banner and offline run summary are printed, not logged (the run's wandb folder keeps them)
+        os.environ.setdefault("WANDB_SILENT", "true")
     logging.getLogger("vllm").setLevel(logging.INFO if verbose else logging.WARNING)
 
 

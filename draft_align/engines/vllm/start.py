@@ -152,7 +152,7 @@ def start_engine(
         raise EngineError(f"vLLM could not start {resolved} with draft {draft}: {e}") from e
     if fix_cpu_sampler and cpu_expand_kernel_broken():
         patched = collective_rpc(llm, rpc_patch_cpu_expand_kernel)
-        log.warning(
+        log.info(  # worked around, nothing for the user to do
             "vLLM's CPU expand_kernel loses float outputs (T > 0 rejection sampling would use garbage "
             "temperatures); patched in %d/%d workers",
             sum(bool(p) for p in patched),
