@@ -49,7 +49,8 @@ BENCH_TARGETS := bench-warmstart bench-learning-curve bench-draft-vocab bench-ob
 	bench-objectives-finetune bench-train-step-profile bench-selfdistill-speed bench-vllm-engine \
 	bench-verify-choice bench-advise bench-drift bench-drift-vllm bench-drift-vllm-kl bench-drift-vllm-oracle \
 	bench-adapt-playback bench-drift-trigger bench-verify-drift bench-draft-variants bench-tap-stats \
-	bench-trl-drift bench-trl-overhead bench-trl-kl bench-soak bench-task-probe bench-task-pays bench-draft-swap-cost
+	bench-trl-drift bench-trl-overhead bench-trl-kl bench-soak bench-task-probe bench-task-pays bench-draft-swap-cost \
+	bench-ray-vs-process
 .PHONY: bench bench-checkpoints $(BENCH_TARGETS)
 
 bench: $(BENCH_TARGETS)
@@ -142,8 +143,5 @@ bench-draft-swap-cost: fetch
 	$(PY) benchmarks/draft_swap_cost.py --swaps 3
 bench-task-pays: fetch $(TASK_DRAFT) $(DEMO_DRAFT)
 	$(PY) benchmarks/task_pays.py --speed-batches 1,16 --oracle-gen-s 60 --oracle-train-s 90
-# Not in BENCH_TARGETS until RESULTS.md records its run (tests/test_results_md.py: every listed target's command
-# is one RESULTS.md records); list it there with the run's section.
-.PHONY: bench-ray-vs-process
 bench-ray-vs-process: fetch $(DEMO_DRAFT)
-	$(PY) benchmarks/ray_vs_process.py --repeats 5 --draft checkpoints/smollm2-demo
+	$(PY) benchmarks/ray_vs_process.py --repeats 3 --tokens-per-batch 256 --feed-s 60 --draft checkpoints/smollm2-demo
