@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from draft_align.config import CotrainRecipe
 from draft_align.tap.hf import HFPolicyTap
 
 
@@ -178,3 +179,36 @@ class VerlTap:
         t0 = time.perf_counter()
         self.last_accepted = self.tap.end_step()
         self.seconds += time.perf_counter() - t0
+
+
+def worker_tap(engine: Any, recipe: CotrainRecipe, endpoints: list[str], rank: int) -> VerlTap:
+    """The Tap of one actor rank: an :class:`~draft_align.tap.hf.HFPolicyTap` on ``engine.module`` (the HF model;
+    under FSDP2 sharded in place) sending to the sidecar's ``endpoints`` with the run's wire key, tapping the
+    layers the starting draft reads and syncing the rows of its vocabulary."""
+    from draft_align.publish.tap_spec import read_tap_spec
+    from draft_align.sidecar.launch import starting_draft
+    from draft_align.wire import channel
+
+    spec = read_tap_spec(starting_draft(recipe))
+    key = channel.resolve_key(recipe.wire.key_file, recipe.run_dir, create=False)
+    sender = channel.TapSender(
+        endpoints,
+        key,
+        queue_messages=recipe.wire.queue_messages,
+        queue_bytes=recipe.wire.queue_mb << 20,
+        allow_remote=recipe.wire.allow_remote,
+        max_message_bytes=recipe.wire.max_message_mb << 20,
+    )
+    hf = HFPolicyTap(
+        engine.module,
+        spec.aux_layer_ids,
+        sender,
+        run_id=recipe.run,
+        tokens_per_step=recipe.tap.tokens_per_step,
+        max_tokens_per_message=recipe.tap.max_tokens_per_message,
+        send_final=recipe.tap.send_final,
+        topk=recipe.tap.topk,
+        rank=rank,
+        seed=recipe.seed,
+    )
+    return VerlTap(engine, hf, lambda version: hf.head_sync(version, spec.draft_to_target))

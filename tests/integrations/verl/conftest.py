@@ -13,6 +13,12 @@ import pytest
 if importlib.util.find_spec("verl") is None:  # the main venv: `make test` runs this folder in .venv-verl
     collect_ignore_glob = ["test_*.py"]
 else:
+    import os
+
+    from tests.integrations.ray.conftest import RAY_ENV
+
+    os.environ.update(RAY_ENV)  # before verl imports Ray: 127.0.0.1 only (tests/integrations/ray/conftest.py)
+
     import torch
     from verl.plugin.platform.platform_base import PlatformBase
 
