@@ -2,16 +2,17 @@
 resources, step reports over the wire, drafts picked up and pushed into the rollout servers, and draft_align's
 metrics in verl's own tracking.
 
-verl's ``fit()`` has no callbacks; :meth:`VerlDraftAlign.install` wraps two trainer methods, as a trainer
-subclass would:
+verl's ``fit()`` has no callbacks; :meth:`VerlDraftAlign.install` wraps trainer methods, as a trainer subclass
+would:
 
-- ``trainer._update_actor``: keeps a reference to the step's actor metrics dict (``meta_info["metrics"]``,
-  which ``fit()`` reduces into its ``metrics`` after the weight sync);
 - ``trainer.checkpoint_manager.update_weights(global_steps)``: the step boundary, after the policy is synced
   into the rollout servers (awake again).  There :meth:`VerlDraftAlign.step_end` sends the StepReport, picks up
   the newest verified draft (:class:`~draft_align.rl.drafts.DraftSource`, never waits), hands it to the
   :class:`~draft_align.engines.vllm.refresher.DraftRefresher` of the rollout servers when one is attached, and
-  puts its ``draft_align/…`` metrics into that dict, so verl's ``Tracking`` logs them with the step.
+  returns its ``draft_align/…`` metrics;
+- where those metrics join the step's own, so verl's ``Tracking`` logs them with the step: the ``metrics``
+  dict ``_compute_metrics`` fills (verl's TransferQueue trainer, ``trainer.use_v1``, verl 0.9's default), or
+  the actor metrics dict ``_update_actor`` returns (``RayPPOTrainer``), which ``fit()`` reduces after the sync.
 
 The sidecar is the Ray integration's :class:`~draft_align.integrations.ray.client.RaySidecar` (one actor with
 ``ray.num_cpus``/``num_gpus``/``resources``, or a Ray Train gang), started or re-attached by the run's name; the
@@ -79,6 +80,7 @@ class VerlDraftAlign:
         self.step_end_s = 0.0
         self.last_step = 0
         self._actor_metrics: dict[str, Any] | None = None
+        self._pending: dict[str, float] = {}
         self._installed: list[tuple[Any, str]] = []
 
     # ----------------------------------------------------------------- lifecycle
@@ -128,28 +130,45 @@ class VerlDraftAlign:
         self.refresher = DraftRefresher(engine, serving=self.drafts.frozen_version)
 
     def install(self, trainer: Any) -> None:
-        """Wrap ``trainer._update_actor`` and ``trainer.checkpoint_manager.update_weights`` (module docstring)."""
-        update_actor = trainer._update_actor
+        """Wrap the trainer's step boundary and metrics (module docstring); call it after the trainer built its
+        workers and checkpoint manager (``init_workers()``, or ``init()`` for verl's TransferQueue trainer)."""
         manager = trainer.checkpoint_manager
         update_weights = manager.update_weights
 
-        def _update_actor(batch: Any) -> Any:
-            out = update_actor(batch)
-            self._actor_metrics = out.meta_info.setdefault("metrics", {})
-            return out
-
         def _update_weights(global_steps: int | None = None, *args: Any, **kwargs: Any) -> Any:
             result = update_weights(global_steps, *args, **kwargs)
-            if global_steps:  # step 0: the sync before the first step
-                metrics = self.step_end(int(global_steps))
-                if self._actor_metrics is not None:
-                    self._actor_metrics.update(metrics)
-                    self._actor_metrics = None
+            if global_steps:  # 0: the sync before the first step; None: a sync that is no step boundary
+                self._pending = self.step_end(int(global_steps))
+                if (
+                    self._actor_metrics is not None
+                ):  # RayPPOTrainer: reduced into fit()'s metrics after the sync
+                    self._actor_metrics.update(self._pending)
+                    self._actor_metrics, self._pending = None, {}
             return result
 
-        trainer._update_actor = _update_actor
         manager.update_weights = _update_weights
-        self._installed = [(trainer, "_update_actor"), (manager, "update_weights")]
+        self._installed = [(manager, "update_weights")]
+        if hasattr(trainer, "_compute_metrics"):  # verl's TransferQueue trainer (trainer.use_v1)
+            compute_metrics = trainer._compute_metrics
+
+            def _compute_metrics(batch: Any, metrics: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+                out = compute_metrics(batch, metrics, *args, **kwargs)
+                metrics.update(self._pending)  # the step's boundary ran just before (on_step_end)
+                self._pending = {}
+                return out
+
+            trainer._compute_metrics = _compute_metrics
+            self._installed.append((trainer, "_compute_metrics"))
+        else:  # RayPPOTrainer
+            update_actor = trainer._update_actor
+
+            def _update_actor(batch: Any, *args: Any, **kwargs: Any) -> Any:
+                out = update_actor(batch, *args, **kwargs)
+                self._actor_metrics = out.meta_info.setdefault("metrics", {})
+                return out
+
+            trainer._update_actor = _update_actor
+            self._installed.append((trainer, "_update_actor"))
 
     def uninstall(self) -> None:
         for owner, name in self._installed:

@@ -9,8 +9,9 @@ duration of the tapped call).
 
 Each micro-batch verl's engine runs (``forward_step(micro_batch, …)``) is submitted right after its forward,
 from the micro-batch's own tensors: ``input_ids`` nested [B, j] (its offsets are the sequence boundaries),
-``attention_mask`` [B, P + R] and ``prompts`` [B, P] (each sequence's prompt and response lengths),
-``response_mask`` [B, R] (the loss mask of the response part), ``temperature`` (one, or one per sample).
+the prompt and response lengths and ``response_mask`` (the loss mask of the response part; padded from
+``RayPPOTrainer``, nested from verl's TransferQueue trainer: :func:`sequence_loss_masks`), ``temperature``
+(one, or one per sample).
 With ``use_remove_padding`` (verl's default) the model ran on one packed row [1, N] with position ids and no
 attention mask: :meth:`~draft_align.tap.hf.HFPolicyTap.submit_packed`; without it, on the right-padded [B, T]
 batch: :meth:`~draft_align.tap.hf.HFPolicyTap.submit`.  Logits are never taken from verl (its engine divides
@@ -54,29 +55,37 @@ def is_old_log_prob_pass(data: Any) -> bool:
 
 
 def sequence_loss_masks(micro_batch: Any) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """The micro-batch's sequence lengths [B] and each sequence's loss mask [L_b] (bool): its valid prompt
-    tokens 0, then ``response_mask`` over its valid response tokens."""
+    """The micro-batch's sequence lengths [B] and each sequence's loss mask [L_b] (bool): its prompt tokens 0,
+    then ``response_mask`` over its response tokens.  Both of verl's layouts (as ``no_padding_2_padding``
+    reads them): the trainer's padded ``prompts`` [B, P] with ``attention_mask`` [B, P + R] and ``response_mask``
+    [B, R]; or, from verl's TransferQueue trainer (``trainer.use_v1``), nested ``prompts``/``responses``/
+    ``response_mask`` of one unpadded row per sample."""
     input_ids = micro_batch["input_ids"]
     if not getattr(input_ids, "is_nested", False):
         raise VerlTapError(
-            "verl's micro-batch input_ids are not nested (verl's left_right_2_no_padding layout): "
-            "the Tap follows verl's engine workers (use_legacy_worker_impl=disable) only"
+            "verl's micro-batch input_ids are not nested (the no-padding layout verl's engine workers use): "
+            "the Tap follows verl's engine workers only"
         )
     lengths = input_ids.offsets().diff().to("cpu")
-    attention_mask = micro_batch["attention_mask"].to("cpu").bool()
-    prompt_width = int(micro_batch["prompts"].shape[1])
-    response_mask = micro_batch["response_mask"].to("cpu").bool()
-    prompt_lens = attention_mask[:, :prompt_width].sum(dim=1)
-    response_lens = attention_mask[:, prompt_width:].sum(dim=1)
+    prompts, response_mask = micro_batch["prompts"], micro_batch["response_mask"]
+    if getattr(prompts, "is_nested", False):
+        prompt_lens = prompts.offsets().diff().to("cpu")
+        response_lens = micro_batch["responses"].offsets().diff().to("cpu")
+        rows = [m.to("cpu").bool() for m in response_mask.unbind()]
+    else:
+        attention_mask = micro_batch["attention_mask"].to("cpu").bool()
+        prompt_lens = attention_mask[:, : int(prompts.shape[1])].sum(dim=1)
+        response_lens = attention_mask[:, int(prompts.shape[1]) :].sum(dim=1)
+        rows = list(response_mask.to("cpu").bool().unbind())
     if not torch.equal(prompt_lens + response_lens, lengths):
         raise VerlTapError(
-            "verl's attention_mask disagrees with the nested input_ids' lengths: the batch is not the one "
-            "left_right_2_no_padding built"
+            "verl's prompt and response lengths disagree with the nested input_ids' lengths: the batch is not "
+            "one verl's trainer built"
         )
     masks = []
     for b in range(int(lengths.numel())):
         p, r = int(prompt_lens[b]), int(response_lens[b])
-        masks.append(torch.cat([torch.zeros(p, dtype=torch.bool), response_mask[b, :r]]))
+        masks.append(torch.cat([torch.zeros(p, dtype=torch.bool), rows[b][:r]]))
     return lengths, masks
 
 

@@ -103,6 +103,39 @@ def old_log_prob_batch(use_remove_padding: bool, temperatures: list[float] | flo
     return td
 
 
+def v1_old_log_prob_batch(temperature: float):
+    """The same rollouts as verl's TransferQueue trainer (``trainer.use_v1``, verl 0.9's default) holds them: one
+    unpadded row per sample, as ``AgentLoopManagerTQ`` puts them, batched by ``list_of_dict_to_tensordict``."""
+    fields = []
+    for b, (p, r) in enumerate(zip(PROMPTS, RESPONSES, strict=True)):
+        ids = torch.tensor(p + r)
+        mask = torch.ones(len(r), dtype=torch.int64)
+        for bb, t in MASKED:
+            if bb == b:
+                mask[t] = 0
+        fields.append(
+            {
+                "prompts": torch.tensor(p),
+                "responses": torch.tensor(r),
+                "response_mask": mask,
+                "loss_mask": mask,
+                "input_ids": ids,
+                "attention_mask": torch.ones_like(ids),
+                "position_ids": torch.arange(len(ids)),
+            }
+        )
+    td = tu.list_of_dict_to_tensordict(fields)
+    tu.assign_non_tensor(td, calculate_entropy=True, compute_loss=False, temperature=temperature)
+    tu.assign_non_tensor(
+        td,
+        use_remove_padding=True,
+        use_dynamic_bsz=False,
+        micro_batch_size_per_gpu=2,
+        use_fused_kernels=False,
+    )
+    return td
+
+
 def shipped(sink) -> dict[tuple[int, ...], dict]:
     out = {}
     for msg in sink.messages:
@@ -152,15 +185,16 @@ def hf_reference(model, temperatures: list[float]) -> dict:
     return shipped(sink)
 
 
-@pytest.mark.parametrize("use_remove_padding", [True, False], ids=["packed", "padded"])
-def test_verl_old_log_prob_pass_ships_what_the_hf_tap_ships(gloo_world, model, use_remove_padding):
-    temps = [1.0, 0.6, 1.0, 0.6] if use_remove_padding else 0.8
+@pytest.mark.parametrize("layout", ["packed", "padded", "v1"])
+def test_verl_old_log_prob_pass_ships_what_the_hf_tap_ships(gloo_world, model, layout):
+    use_remove_padding = layout != "padded"
+    temps = [1.0, 0.6, 1.0, 0.6] if layout == "packed" else 0.8
     engine = engine_for(model, use_remove_padding)
     sink = ListSink()
     hf = HFPolicyTap(model, AUX, sink, run_id="r", tokens_per_step=10_000, topk=2)
     vtap = VerlTap(engine, hf, lambda v: hf.head_sync(v, D2T))
     vtap.set_version(3)  # update_weights(global_steps=3) reached the worker
-    td = old_log_prob_batch(use_remove_padding, temps)
+    td = v1_old_log_prob_batch(temps) if layout == "v1" else old_log_prob_batch(use_remove_padding, temps)
     with vtap.log_prob_call(td) as tapped:
         out = engine.forward_backward_batch(td, loss_function=None, forward_only=True)
     assert tapped and vtap.micro_batches == 2 and "forward_step" not in vars(engine)
