@@ -1,7 +1,13 @@
-"""verl's hybrid actor worker with the Tap: ``ActorRolloutRefWorker`` whose actor engine's ``infer_batch`` runs
-inside :meth:`~draft_align.integrations.verl.tap.VerlTap.log_prob_call` (only the old-log-prob pass is tapped;
-the reference pass through the actor is recognised and left alone) and whose ``update_weights(global_steps)``
-sets the policy version.  Use it in place of verl's class in the trainer's ``role_worker_mapping``.
+"""verl's hybrid actor worker with the Tap, and verl's trainer with draft_align beside it.
+
+- :class:`DraftAlignActorRolloutRefWorker`: ``ActorRolloutRefWorker`` whose actor engine's ``infer_batch`` runs
+  inside :meth:`~draft_align.integrations.verl.tap.VerlTap.log_prob_call` (only the old-log-prob pass is tapped;
+  the reference pass through the actor is recognised and left alone) and whose ``update_weights(global_steps)``
+  sets the policy version;
+- :func:`with_draft_align`: a verl trainer class (``PPOTrainerSync`` and the other TransferQueue trainers)
+  extended to check the config, start the sidecar before the workers, build the workers above and the rollout
+  servers of :mod:`~draft_align.integrations.verl.server`, install the driver's hooks and stop it all after
+  ``fit()``; :func:`register_trainer_mode` registers it as a ``trainer.v1.trainer_mode``.
 
 The recipe comes from ``actor_rollout_ref.draft_align.recipe`` in the worker's config, the sidecar's endpoints
 from the run's Ray registry (the driver started the sidecar before the workers: docs/verl.md).  No recipe, or
@@ -17,6 +23,7 @@ import torch
 from verl.single_controller.base.decorator import Dispatch, register
 from verl.workers.engine_workers import ActorRolloutRefWorker
 
+from draft_align.integrations.ray.runtime import import_ray
 from draft_align.integrations.verl.tap import VerlTap, worker_tap
 
 log = logging.getLogger(__name__)
@@ -78,3 +85,57 @@ class DraftAlignActorRolloutRefWorker(ActorRolloutRefWorker):
         stats.update({f"wire_{k}": float(v) for k, v in tap.tap.sink.stats().items()})
         stats["tap_s"] = tap.seconds
         return stats
+
+
+def with_draft_align(trainer_cls: type) -> type:
+    """``trainer_cls`` (a verl 0.9 TransferQueue trainer class) with draft_align beside it (module docstring)."""
+    from verl.trainer.ppo.utils import Role
+
+    from draft_align.integrations.verl.checks import speculative_config
+    from draft_align.integrations.verl.driver import VerlDraftAlign
+
+    actor_roles = {Role.Actor, Role.ActorRollout, Role.ActorRolloutRef}
+
+    class DraftAlignTrainer(trainer_cls):  # type: ignore[misc, valid-type]
+        draft_align: VerlDraftAlign | None = None
+
+        def _init_resource_pool_mgr(self) -> None:
+            super()._init_resource_pool_mgr()
+            for role in list(self.role_worker_mapping):
+                if role in actor_roles:
+                    self.role_worker_mapping[role] = import_ray().remote(DraftAlignActorRolloutRefWorker)
+
+        def init(self) -> None:
+            from draft_align.integrations.verl.server import ServersEngine, install_rollout
+
+            self.draft_align = VerlDraftAlign(
+                self.config
+            )  # refuses what cannot work, before any worker starts
+            self.draft_align.start()  # the actor workers find its endpoints in the run's registry
+            install_rollout()  # verl's "vllm" replicas: draft_align's servers (loader, level-1 sleep)
+            super().init()
+            self.draft_align.install(self)
+            spec = speculative_config(self.config) or {}
+            self.draft_align.attach_servers(ServersEngine.of_trainer(self, spec))
+
+        def fit(self, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return super().fit(*args, **kwargs)
+            finally:
+                if self.draft_align is not None:
+                    self.draft_align.stop()
+
+    DraftAlignTrainer.__name__ = DraftAlignTrainer.__qualname__ = f"DraftAlign{trainer_cls.__name__}"
+    return DraftAlignTrainer
+
+
+def register_trainer_mode(mode: str = "sync") -> str:
+    """Register ``with_draft_align(<verl's trainer of mode>)`` as ``draft_align_<mode>`` (call it in the
+    process that runs verl's TaskRunner); returns the name for ``trainer.v1.trainer_mode``."""
+    from verl.trainer.ppo.v1 import get_trainer_cls, register_trainer
+    from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY
+
+    name = f"draft_align_{mode}"
+    if name not in TRAINER_REGISTRY:
+        register_trainer(name)(with_draft_align(get_trainer_cls(mode)))
+    return name

@@ -93,3 +93,22 @@ def test_sleep_levels_follow_verls_rule():
     )
     merged_lora = ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora.merge=true"]
     assert sleep_level(config("actor_rollout_ref.draft_align.sleep_level=2", *merged_lora)) == 2
+
+
+def test_the_device_scripts_verl_config_composes_and_passes(tmp_path):
+    """benchmarks/device/verl_grpo_eagle3.py's overrides are valid for verl's own Hydra config (every key exists
+    or is added with +) and pass the checks: what a verl user adds, composed as verl composes it."""
+    import argparse
+    import importlib.util
+
+    script = Path(__file__).resolve().parents[3] / "benchmarks" / "device" / "verl_grpo_eagle3.py"
+    spec = importlib.util.spec_from_file_location("verl_grpo_eagle3", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    args = argparse.Namespace(model="/m", draft="/d", k=3, steps=2)
+    cfg = module.verl_config(
+        args, tmp_path, tmp_path / "t", tmp_path / "v", tmp_path / "r.yaml", tmp_path / "r.py"
+    )
+    check_verl_config(cfg)
+    assert sleep_level(cfg) == 1 and cfg.trainer.v1.trainer_mode == "draft_align_sync"
+    assert cfg.actor_rollout_ref.draft_align.recipe == str(tmp_path / "r.yaml")
