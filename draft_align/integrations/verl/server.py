@@ -15,8 +15,8 @@ shared-tensor checks, rollback) drives every server actor as it drives one in-pr
   ``reset_prefix_cache``, ``llm_engine.vllm_config.speculative_config``).
 
 The acceptance probe of :class:`~draft_align.engines.vllm.refresher.ProbeGuard` needs ``LLM.generate`` and is
-not offered here: the rollback on a collapse comes from :class:`~draft_align.rl.drafts.DraftSource`'s counter
-guard over the acceptance verl's rollouts report.  Imports vLLM and verl: used only in a verl job on a GPU.
+not offered here: a failed or refused load rolls back, an acceptance collapse does not yet.  Imports vLLM and
+verl: used only in a verl job on a GPU.
 """
 
 from __future__ import annotations
