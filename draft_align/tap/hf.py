@@ -50,6 +50,25 @@ def _norm_eps(norm: nn.Module) -> float:
     raise PolicyTapError(f"{type(norm).__name__}: final norm has no variance_epsilon/eps attribute")
 
 
+def _row_temperatures(
+    temperature: float | Sequence[float] | torch.Tensor, rows: int, policy_version: int, step: int
+) -> list[float]:
+    """One checked sampling temperature per row: ``temperature`` is one for all rows or [B] (one per row)."""
+    if isinstance(temperature, torch.Tensor) and temperature.dim() == 0:
+        temperature = float(temperature)
+    if isinstance(temperature, int | float):
+        temps = [float(temperature)] * rows
+    else:
+        temps = [float(t) for t in torch.as_tensor(temperature).detach().reshape(-1).tolist()]
+        if len(temps) != rows:
+            raise PolicyTapError(
+                f"temperature holds {len(temps)} values for {rows} rows: give one, or one per row"
+            )
+    for t in temps or [1.0]:
+        check_step_args(policy_version, step, t)
+    return temps
+
+
 class HFPolicyTap:
     """:class:`~draft_align.tap.protocol.PolicyTap` for HF transformers causal LMs (Llama/Qwen/Mistral
     layout, or the inner model of a peft ``PeftModel``: ``peft_model.base_model.model``).
@@ -132,7 +151,7 @@ class HFPolicyTap:
         logits: torch.Tensor | None,
         policy_version: int,
         step: int,
-        temperature: float,
+        temperature: float | Sequence[float] | torch.Tensor,
         next_logprob: torch.Tensor | None = None,
     ) -> None:
         """Offer the micro-batch whose forward just ran inside ``capturing()`` to this step's sample.
@@ -143,10 +162,130 @@ class HFPolicyTap:
         rows only from the captured final state × lm_head (see the class docstring).  next_logprob [B, T]
         (only with logits None and topk 0): the policy's log-prob at temperature 1 of token t+1 at position t,
         read from the position before each row's first response token to its last-but-one valid token.
+        temperature: the sampling temperature of every row, or one per row ([B]).
         """
         cap = self._capture.take()
-        check_step_args(policy_version, step, temperature)
         shape, valid, response = host_masks(input_ids, attention_mask, loss_mask)
+        temps = _row_temperatures(temperature, shape[0], policy_version, step)
+        self._check_outputs(shape, logits, next_logprob)
+        if tuple(cap.aux.shape[:2]) != shape:
+            raise PolicyTapError(
+                f"captured forward was on a [{cap.aux.shape[0]}, {cap.aux.shape[1]}] batch, submit got {shape}:"
+                " submit() must follow the forward pass of the same batch"
+            )
+        ids_host = host_ids(input_ids, valid, response, self.vocab_size, padding="block")
+
+        def row(x: torch.Tensor, b: int, sl: slice) -> torch.Tensor:
+            return x[b, sl]
+
+        self._admit(
+            cap,
+            input_ids,
+            ids_host,
+            valid,
+            response,
+            row_starts(valid),
+            logits,
+            next_logprob,
+            temps,
+            int(policy_version),
+            int(step),
+            row,
+        )
+
+    def submit_packed(
+        self,
+        *,
+        input_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor | Sequence[int],
+        loss_mask: torch.Tensor,
+        logits: torch.Tensor | None,
+        policy_version: int,
+        step: int,
+        temperature: float | Sequence[float] | torch.Tensor,
+        next_logprob: torch.Tensor | None = None,
+    ) -> None:
+        """:meth:`submit` for a packed forward: the model ran on one row of B sequences laid end to end
+        (padding-free; attention kept within each sequence by its position ids or cu_seqlens).
+
+        input_ids [1, N] (or [N]); cu_seqlens [B + 1] int, 0 = cu_seqlens[0] < … < cu_seqlens[B] = N: sequence b
+        is tokens cu_seqlens[b]:cu_seqlens[b+1]; loss_mask [1, N] (or [N]): response tokens; logits [1, N, V]
+        or None; next_logprob [1, N] (or [N]) as in :meth:`submit`.  The captured pass may be longer than N (a
+        packed row padded at its end, e.g. to a bucket length): the tail is ignored.
+        """
+        cap = self._capture.take()
+        ids = (
+            input_ids.reshape(1, -1)
+            if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 1
+            else input_ids
+        )
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or int(ids.shape[0]) != 1:
+            raise PolicyTapError(
+                f"packed input_ids must be [1, N] or [N], got {tuple(getattr(ids, 'shape', ()))}"
+            )
+        n = int(ids.shape[1])
+        cu = torch.as_tensor(cu_seqlens).detach().to("cpu", torch.int64).reshape(-1)
+        if cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != n or bool((cu[1:] <= cu[:-1]).any()):
+            raise PolicyTapError(
+                f"cu_seqlens must rise strictly from 0 to N = {n} (one boundary per sequence), got {cu.tolist()}"
+            )
+        lengths = cu.diff()
+        bsz, width = int(lengths.numel()), int(lengths.max())
+        lm = (
+            loss_mask.reshape(1, -1)
+            if isinstance(loss_mask, torch.Tensor) and loss_mask.dim() == 1
+            else loss_mask
+        )
+        _, _, flat_response = host_masks(ids, torch.ones_like(ids), lm)
+        # the packed row as right-padded [B, width] host masks (the sample and the checks see rows)
+        valid = torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)
+        response = torch.zeros(bsz, width, dtype=torch.bool)
+        response[valid] = flat_response[0]
+        flat_ids = ids.detach().to("cpu", torch.int64)[0]
+        ids_rows = torch.zeros(bsz, width, dtype=torch.int64)
+        ids_rows[valid] = flat_ids
+        temps = _row_temperatures(temperature, bsz, policy_version, step)
+        nl = (
+            next_logprob.reshape(1, -1)
+            if isinstance(next_logprob, torch.Tensor) and next_logprob.dim() == 1
+            else next_logprob
+        )
+        self._check_outputs((1, n), logits, nl)
+        if int(cap.aux.shape[0]) != 1 or int(cap.aux.shape[1]) < n:
+            raise PolicyTapError(
+                f"captured forward was on a [{cap.aux.shape[0]}, {cap.aux.shape[1]}] batch, submit_packed got "
+                f"[1, {n}]: submit_packed() must follow the packed forward pass of the same batch"
+            )
+        ids_host = host_ids(ids_rows, valid, response, self.vocab_size, padding="right")
+        offsets = cu.tolist()
+        device_ids = ids.to(cap.final.device if cap.final is not None else cap.aux.device)
+
+        def row(x: torch.Tensor, b: int, sl: slice) -> torch.Tensor:
+            o = offsets[b]
+            return x[0, o + sl.start : o + sl.stop]
+
+        self._admit(
+            cap,
+            device_ids,
+            ids_host,
+            valid,
+            response,
+            [0] * bsz,
+            logits,
+            nl,
+            temps,
+            int(policy_version),
+            int(step),
+            row,
+        )
+
+    def _check_outputs(
+        self,
+        shape: tuple[int, int],
+        logits: torch.Tensor | None,
+        next_logprob: torch.Tensor | None,
+    ) -> None:
+        """``logits`` [*shape, V] and ``next_logprob`` [*shape], each when given (shape: the forward's [B, T])."""
         if next_logprob is not None:
             if logits is not None or self.topk:
                 raise PolicyTapError(
@@ -165,14 +304,25 @@ class HFPolicyTap:
                 )
             if int(logits.shape[2]) != self.vocab_size:
                 raise PolicyTapError(f"logits vocab {logits.shape[2]} ≠ model vocab {self.vocab_size}")
-        if tuple(cap.aux.shape[:2]) != shape:
-            raise PolicyTapError(
-                f"captured forward was on a [{cap.aux.shape[0]}, {cap.aux.shape[1]}] batch, submit got {shape}:"
-                " submit() must follow the forward pass of the same batch"
-            )
-        ids_host = host_ids(input_ids, valid, response, self.vocab_size, padding="block")
-        starts = row_starts(valid)
 
+    def _admit(
+        self,
+        cap: Any,
+        input_ids: torch.Tensor,
+        ids_host: torch.Tensor,
+        valid: torch.Tensor,
+        response: torch.Tensor,
+        starts: list[int],
+        logits: torch.Tensor | None,
+        next_logprob: torch.Tensor | None,
+        temps: list[float],
+        policy_version: int,
+        step: int,
+        row: Any,
+    ) -> None:
+        """Draw this micro-batch's rows into the step's sample and copy the kept ones off the forward pass.
+        ``valid``/``response``/``ids_host`` [B, T'] on the host; ``row(x, b, sl)``: row b's positions ``sl``
+        of a device tensor laid out as the forward ran (padded [B, T, …] or packed [1, N, …])."""
         # on every rank, before the sample is drawn: the gather is collective, and ranks keep different rows
         head = self._gathered_head() if logits is None else None
         lengths, kept = self._sample.admit(valid, response)
@@ -182,20 +332,24 @@ class HFPolicyTap:
             rows = slice(s0, s0 + n)
             sf = stats_start(response[b, rows])
             scored = slice(s0 + sf, s0 + n)  # the rows whose statistics are computed (class docstring)
-            ids_scored = input_ids[b, scored]
+            ids_scored = row(input_ids, b, scored)
             if head is None:
-                stats = logit_stats(logits[b, scored].detach(), ids_scored, self.topk)
+                stats = logit_stats(row(logits, b, scored).detach(), ids_scored, self.topk)
             elif next_logprob is not None:
                 stats = logprob_stats(
-                    cap.final[b, scored], head[0], head[1], ids_scored, next_logprob[b, scored].detach()
+                    row(cap.final, b, scored),
+                    head[0],
+                    head[1],
+                    ids_scored,
+                    row(next_logprob, b, scored).detach(),
                 )
             else:
-                stats = head_logit_stats(cap.final[b, scored], head[0], head[1], ids_scored, self.topk)
-            final = cap.final[b, rows] if self.send_final else None
+                stats = head_logit_stats(row(cap.final, b, scored), head[0], head[1], ids_scored, self.topk)
+            final = row(cap.final, b, rows) if self.send_final else None
             tensors = host_tensors(
-                ids_host[b, rows], response[b, rows], cap.aux[b, rows], final, pad_stats(stats, sf)
+                ids_host[b, rows], response[b, rows], row(cap.aux, b, rows), final, pad_stats(stats, sf)
             )
-            seq = KeptSequence(int(step), int(policy_version), float(temperature), n, tensors, stats_from=sf)
+            seq = KeptSequence(step, policy_version, temps[b], n, tensors, stats_from=sf)
             if cap.aux.device.type == "cuda":
                 if ready is None:
                     ready = torch.cuda.Event()

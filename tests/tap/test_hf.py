@@ -637,3 +637,99 @@ def test_cuda_copies_match_cpu(tiny_lm):
     torch.testing.assert_close(gpu.next_logprob, cpu.next_logprob, atol=1e-3, rtol=0)
     torch.testing.assert_close(gpu.logit_lse, cpu.logit_lse, atol=1e-3, rtol=0)
     assert torch.equal(gpu.input_ids, cpu.input_ids) and torch.equal(gpu.loss_mask, cpu.loss_mask)
+
+
+def _messages_by_seq(sink) -> dict[tuple[int, ...], dict]:
+    """Every shipped sequence keyed by its token ids, with its message's temperature."""
+    out = {}
+    for msg in sink.messages:
+        for seq in unpack(msg):
+            seq["temperature"] = float(msg.temperature)
+            out[tuple(seq["input_ids"].tolist())] = seq
+    return out
+
+
+@pytest.mark.parametrize("logits", [True, False])
+def test_packed_forward_ships_what_the_padded_forward_ships(tiny_lm, logits):
+    """One packed row (position ids restart per sequence, no attention mask, no KV cache: transformers then
+    keeps attention within each sequence) gives the same kept sequences
+    as the right-padded batch of the same sequences, with per-row temperatures kept apart."""
+    seqs = [[3, 4, 5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15, 16, 17]]
+    prompts = [2, 1, 3]
+    temps = [1.0, 0.7, 1.0]
+    sinks = []
+    for packed in (False, True):
+        sink = ListSink()
+        tap = HFPolicyTap(tiny_lm, AUX, sink, run_id="r", tokens_per_step=10_000, topk=2)
+        with torch.no_grad(), tap.capturing():
+            if packed:
+                ids = torch.tensor([sum(seqs, [])])
+                pos = torch.tensor([sum((list(range(len(s))) for s in seqs), [])])
+                lm = torch.tensor(
+                    [sum(([0] * p + [1] * (len(s) - p) for s, p in zip(seqs, prompts, strict=True)), [])]
+                )
+                out = tiny_lm(input_ids=ids, position_ids=pos, use_cache=False)  # as verl calls it
+                cu = torch.tensor([0, 6, 10, 15])
+                tap.submit_packed(
+                    input_ids=ids,
+                    cu_seqlens=cu,
+                    loss_mask=lm,
+                    logits=out.logits if logits else None,
+                    policy_version=2,
+                    step=2,
+                    temperature=torch.tensor(temps),
+                )
+            else:
+                ids, am, lm = make_batch(seqs, prompts)
+                out = tiny_lm(input_ids=ids, attention_mask=am)
+                tap.submit(
+                    input_ids=ids,
+                    attention_mask=am,
+                    loss_mask=lm,
+                    logits=out.logits if logits else None,
+                    policy_version=2,
+                    step=2,
+                    temperature=temps,
+                )
+        tap.end_step()
+        assert sorted({m.temperature for m in sink.messages}) == pytest.approx(
+            [0.7, 1.0]
+        )  # one per temperature
+        sinks.append(_messages_by_seq(sink))
+    padded, packed = sinks
+    assert padded.keys() == packed.keys() == {tuple(s) for s in seqs}
+    for key, ref in padded.items():
+        got = packed[key]
+        assert got["temperature"] == ref["temperature"]
+        for name, t in ref.items():
+            if isinstance(t, torch.Tensor):
+                torch.testing.assert_close(got[name].float(), t.float(), atol=2e-2, rtol=2e-2, msg=name)
+
+
+def test_submit_packed_refuses_bad_boundaries(tiny_lm):
+    tap = HFPolicyTap(tiny_lm, AUX, ListSink(), run_id="r", tokens_per_step=1000)
+    ids = torch.tensor([[3, 4, 5, 6]])
+    with torch.no_grad(), tap.capturing():
+        tiny_lm(input_ids=ids)
+        with pytest.raises(PolicyTapError, match="cu_seqlens must rise strictly from 0 to N = 4"):
+            tap.submit_packed(
+                input_ids=ids,
+                cu_seqlens=[0, 3],
+                loss_mask=torch.ones_like(ids),
+                logits=None,
+                policy_version=0,
+                step=0,
+                temperature=1.0,
+            )
+    with torch.no_grad(), tap.capturing():
+        tiny_lm(input_ids=ids)
+        with pytest.raises(PolicyTapError, match="temperature holds 3 values for 2 rows"):
+            tap.submit_packed(
+                input_ids=ids,
+                cu_seqlens=[0, 2, 4],
+                loss_mask=torch.ones_like(ids),
+                logits=None,
+                policy_version=0,
+                step=0,
+                temperature=[1.0, 1.0, 1.0],
+            )
