@@ -90,10 +90,10 @@ def check_loss(loss: str, accept_mode: str | None, soft_ce_weight: float, surrog
 
 
 #: Draft head architectures (and so export formats): EAGLE-3 heads, the Llama-block multi-token-prediction (MTP)
-#: head and a model's own MTP layers (``native_mtp``: heads/native_mtp.py, not yet a recipe choice).
+#: head and a model's own MTP layers (``native_mtp``: heads/native_mtp.py, loaded from the target checkpoint).
 HeadKind = Literal["eagle3", "mtp", "native_mtp"]
 #: The head kinds a recipe's ``draft.head`` may name.
-RECIPE_HEAD_KINDS: tuple[str, ...] = ("eagle3", "mtp")
+RECIPE_HEAD_KINDS: tuple[str, ...] = get_args(HeadKind)
 #: The MTP tensor layouts draft_align imports and exports (docs/formats.md §3).
 MTPLayout = Literal["deepseek_v3", "qwen3_next"]
 

@@ -346,8 +346,8 @@ def test_choices_come_from_their_one_source():
     from draft_align.heads.mtp import Layout
 
     assert tuple(VerifyModeChoice) == VERIFY_MODES and tuple(DtypeChoice) == FLOAT_DTYPE_NAMES
-    # a recipe names the heads the warm-start and sidecar build; native_mtp is a HeadKind, not yet a choice
-    assert tuple(HeadChoice) == RECIPE_HEAD_KINDS and set(RECIPE_HEAD_KINDS) < set(typing.get_args(HeadKind))
+    # a recipe names every head the warm-start and sidecar build, native_mtp included
+    assert tuple(HeadChoice) == RECIPE_HEAD_KINDS == typing.get_args(HeadKind)
     assert tuple(MTPLayoutChoice) == typing.get_args(Layout)
     ev = next(
         a

@@ -27,7 +27,7 @@ from draft_align.config.choices import (
 from draft_align.conventions import LORA_TARGETS, HeadKind
 
 # default weight decay of draft step j's loss, w_j = decay^j: EAGLE/SpecForge 0.8, FastMTP-style β = 0.6
-STEP_DECAY: dict[HeadKind, float] = {"eagle3": 0.8, "mtp": 0.6}
+STEP_DECAY: dict[HeadKind, float] = {"eagle3": 0.8, "mtp": 0.6, "native_mtp": 0.6}
 
 
 def step_decay(configured: float | None, head: str) -> float:
@@ -83,7 +83,9 @@ class LoraAdaptConfig:
 
 @dataclass
 class DraftConfig:
-    head: HeadChoice = HeadChoice("eagle3")  # the draft head: EAGLE-3, or multi-token prediction
+    # the draft head: EAGLE-3, a Llama-block multi-token prediction head, or the target's own MTP layers
+    # (native_mtp: read from the target checkpoint's safetensors, trained and published under its own names)
+    head: HeadChoice = HeadChoice("eagle3")
     # mtp: depth (MTP modules), weight layout (deepseek_v3 | qwen3_next: also the chaining semantics) and the
     # block's init (last_layer: a copy of the target's last decoder layer | random)
     mtp_depth: int = 1

@@ -122,7 +122,7 @@ def served(request, tmp_path_factory, vllm_env):
         dtype=torch.float32,
     )
     draft_dir = root / "draft"
-    write_native_mtp(trained, draft_dir, req, shared=tensors)
+    write_native_mtp(trained, draft_dir, req)
     published = load_native_mtp(draft_dir)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
