@@ -7,8 +7,8 @@ The folder holds the target's own ``config.json`` (vLLM derives the drafter's co
 with the MTP tensors plus the two the drafter shares with the target (``model.embed_tokens.weight``, and
 ``lm_head.weight`` for a family without a per-depth head copy: vLLM's loader refuses a draft folder that leaves
 any drafter parameter unwritten), and ``manifest.json`` (format ``draft_align.native_mtp``, the family, sha256
-of both files).  The head carries the target's embedding (a frozen buffer) and head for this.  A refresh sends
-only the MTP tensors, never the shared ones.
+of both files).  The head carries the target's embedding (a frozen buffer) and head for this.  A hot
+refresh (``engines/vllm/worker_rpc.rpc_load_draft``) loads only the MTP tensors, never the shared ones.
 
 :func:`from_target_checkpoint` builds the head from a target checkpoint folder (its safetensors, where
 transformers leaves the MTP tensors it drops when it loads the trunk).
@@ -66,19 +66,6 @@ def engine_tensors(draft: NativeMTPDraft, dtype: torch.dtype) -> dict[str, torch
     for name in shared_names(draft):
         out[name] = shared[name]
     return {k: t.detach().to(dtype).contiguous() for k, t in out.items()}
-
-
-def refresh_tensors(draft: NativeMTPDraft, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """What a hot refresh sends: the MTP tensors only (:func:`engine_tensors` without the shared embedding and
-    head, which the engine's drafter shares with its target)."""
-    skip = set(shared_names(draft))
-    if draft.cfg.spec.head is not None:  # a per-depth copy of the lm_head: vLLM shares it with the target too
-        n = draft.cfg.target_num_layers
-        skip |= {
-            f"{draft.cfg.spec.prefix.format(d=d, n=n + d)}{draft.cfg.spec.head}.weight"
-            for d in range(draft.cfg.depth)
-        }
-    return {k: t for k, t in engine_tensors(draft, dtype).items() if k not in skip}
 
 
 def write_native_mtp(draft: NativeMTPDraft, out_dir: Path, req: ExportRequest) -> dict[str, Any]:
@@ -210,7 +197,6 @@ __all__ = [
     "family_of",
     "from_target_checkpoint",
     "load_native_mtp",
-    "refresh_tensors",
     "shared_names",
     "weights_data_bytes",
     "write_native_mtp",
