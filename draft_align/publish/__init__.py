@@ -47,7 +47,7 @@ def write_draft(draft: DraftHead, out_dir: Path, req: ExportRequest) -> dict[str
         draft = merged(draft)  # type: ignore[assignment]
     if draft.kind == "native_mtp":
         return native_mtp_format.write_native_mtp(draft, Path(out_dir), req)  # type: ignore[arg-type]
-    if draft.kind == "mtp":
+    if draft.kind == "llama_block_mtp":
         if req.dialect != "hf":
             raise ExportError(
                 f"dialect {req.dialect!r} is an EAGLE-3 dialect: an MTP head is written in its own layout"
@@ -143,7 +143,7 @@ def engine_tensors(draft: DraftHead, dtype: torch.dtype = torch.bfloat16) -> dic
         raise DraftConfigError("merge the adapters first (engine tensors are plain weights)")
     if draft.kind == "native_mtp":
         return native_mtp_format.engine_tensors(draft, dtype)  # type: ignore[arg-type]
-    if draft.kind == "mtp":
+    if draft.kind == "llama_block_mtp":
         return mtp_format.engine_tensors(draft, dtype)  # type: ignore[arg-type]
     return eagle3_format.engine_tensors(draft, dtype, "hf")  # type: ignore[arg-type]
 

@@ -45,7 +45,7 @@ def build_draft(
         return load_init_draft(target, recipe, aux)
     if recipe.draft.head == "native_mtp":
         return native_head(recipe, target.config)  # type: ignore[return-value]
-    if recipe.draft.head == "mtp":
+    if recipe.draft.head == "llama_block_mtp":
         from draft_align.heads.mtp import MTPDraft
 
         dc = recipe.draft

@@ -349,7 +349,7 @@ def prepare(recipe: WarmstartRecipe, aux_layer_ids: tuple[int, ...] | None = Non
     n_layers = int(target.config.num_hidden_layers)
     if recipe.draft.head == "native_mtp" and not recipe.draft.init_from:
         native_head(recipe, target.config)  # before any generation: the checkpoint's MTP layers load
-    if recipe.draft.head in ("mtp", "native_mtp"):
+    if recipe.draft.head in ("llama_block_mtp", "native_mtp"):
         aux = (n_layers,)  # MTP reads the final post-norm hidden state, HF hidden_states[L]
     else:
         aux = tuple(
