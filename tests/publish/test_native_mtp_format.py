@@ -9,12 +9,12 @@ import pytest
 import safetensors.torch
 import torch
 
+from benchmarks.common.mtp_checkpoints import family_config, mtp_names, save_checkpoint
 from draft_align.heads.eagle3 import DraftConfigError
 from draft_align.heads.native_mtp import NativeMTPConfig, from_checkpoint
 from draft_align.publish import load_draft, write_draft
 from draft_align.publish.folder import ExportError, ExportRequest
 from draft_align.publish.native_mtp_format import NATIVE_MTP_FORMAT, load_native_mtp, write_native_mtp
-from tests.mtp_models import family_config, mtp_names, save_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -1,4 +1,4 @@
-"""``draft.head: native_mtp`` end to end on a tiny MiMo checkpoint (tests/mtp_models.py, with the tiny chat
+"""``draft.head: native_mtp`` end to end on a tiny MiMo checkpoint (benchmarks/common/mtp_checkpoints.py, with the tiny chat
 tokenizer): the warm-start builds the head from the checkpoint's own MTP tensors, trains it and publishes it
 under MiMo's names; a sidecar starts from that folder, trains on the Tap's hidden states (full weights, or LoRA
 whose merged weights are published under the same names) and publishes a version that loads back.  Bad input
@@ -10,11 +10,11 @@ import pytest
 import safetensors.torch
 import torch
 
+from benchmarks.common.mtp_checkpoints import mtp_names, save_checkpoint
 from draft_align.config import CotrainRecipe, load_recipe
 from draft_align.heads.native_mtp import NativeMTPConfig, from_checkpoint, to_checkpoint
 from tests.conftest import TinyRun, make_chat_tokenizer, tiny_overrides
 from tests.helpers import run_warmstart
-from tests.mtp_models import mtp_names, save_checkpoint
 
 NATIVE = {
     "draft.head": "native_mtp",
@@ -151,14 +151,17 @@ def test_bad_targets_are_refused_at_start_in_one_line(tmp_path, tiny_world):
 def test_a_native_folder_for_another_target_is_refused(mimo_world, tmp_path):
     """A sidecar (or draft.init_from) checks a native folder against the target: architecture, hidden size,
     vocabulary, depth."""
+    from benchmarks.common.mtp_checkpoints import family_config
     from draft_align.publish import checked_manifest
     from draft_align.publish.compat import check_compatible
     from draft_align.publish.folder import ExportError
-    from tests.mtp_models import family_config
+    from draft_align.publish.tap_spec import read_tap_spec
 
     _, cfg, _, ws, _ = mimo_world
     manifest = checked_manifest(ws.run_dir / "drafts" / "v0001")
     check_compatible(manifest, cfg, None)
+    spec = read_tap_spec(ws.run_dir)  # what the RL job's Tap captures for it: the final hidden, every token
+    assert (spec.kind, spec.aux_layer_ids, spec.draft_to_target.numel()) == ("native_mtp", (2,), 256)
     with pytest.raises(ExportError, match="architecture mismatch: the MTP layers are MiMoForCausalLM's"):
         check_compatible(manifest, family_config("glm4_moe"), None)
     other = family_config("mimo")

