@@ -191,16 +191,21 @@ def _glue(family: str, d: int, n: int, g: torch.Generator, lm_head: torch.Tensor
 
 
 def save_checkpoint(
-    family: str, out: Path, depth: int = 1, seed: int = 0, logit_scale: float = 1.0
+    family: str,
+    out: Path,
+    depth: int = 1,
+    seed: int = 0,
+    logit_scale: float = 1.0,
+    n_layers: int = N_LAYERS,
 ) -> tuple[Any, dict[str, torch.Tensor]]:
-    """Save a tiny ``family`` checkpoint with ``depth`` MTP layers at ``out``; returns (config, tensors).
-
-    ``logit_scale`` multiplies the trunk's lm_head (peaky distributions: few near-ties at T = 0)."""
+    """Save a tiny ``family`` checkpoint with ``n_layers`` trunk and ``depth`` MTP layers at ``out``; returns
+    (config, tensors).  ``logit_scale`` multiplies the trunk's lm_head (peaky distributions: few near-ties at
+    T = 0)."""
     from transformers import AutoModelForCausalLM
 
     out = Path(out)
-    cfg = family_config(family, depth)
-    full = family_config(family, depth, n_layers=N_LAYERS + depth)
+    cfg = family_config(family, depth, n_layers=n_layers)
+    full = family_config(family, depth, n_layers=n_layers + depth)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(full).eval()
     with torch.no_grad():
@@ -215,13 +220,13 @@ def save_checkpoint(
     renamed: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
         for d in range(depth):
-            pre = f"model.layers.{N_LAYERS + d}."
+            pre = f"model.layers.{n_layers + d}."
             if name.startswith(pre):
-                name = mtp_prefix(family, d) + name[len(pre) :]
+                name = mtp_prefix(family, d, n_layers) + name[len(pre) :]
         renamed[name] = t
     g = torch.Generator().manual_seed(seed + 1)
     for d in range(depth):
-        renamed.update(_glue(family, d, N_LAYERS, g, renamed["lm_head.weight"]))
+        renamed.update(_glue(family, d, n_layers, g, renamed["lm_head.weight"]))
     renamed = {k: v.contiguous() for k, v in renamed.items()}
     safetensors.torch.save_file(renamed, str(out / "model.safetensors"), metadata={"format": "pt"})
     cfg.save_pretrained(out)
@@ -231,10 +236,12 @@ def save_checkpoint(
     return cfg, renamed
 
 
-def mtp_names(family: str, tensors: dict[str, torch.Tensor], depth: int = 1) -> set[str]:
+def mtp_names(
+    family: str, tensors: dict[str, torch.Tensor], depth: int = 1, n_layers: int = N_LAYERS
+) -> set[str]:
     """The names of the checkpoint's MTP tensors (the trunk's excluded)."""
     if family in ("qwen3_next", "qwen3_5"):
         return {k for k in tensors if k.startswith("mtp.")}
     if family == "ernie":
         return {k for k in tensors if k.startswith(("model.mtp_",))}
-    return {k for k in tensors if any(k.startswith(mtp_prefix(family, d)) for d in range(depth))}
+    return {k for k in tensors if any(k.startswith(mtp_prefix(family, d, n_layers)) for d in range(depth))}
