@@ -184,9 +184,7 @@ def train_for(trainer: Any, records: list, seconds: float, batch_tokens: int, st
     }
 
 
-def make_trainer(
-    draft: Any, embed: Any, rows: torch.Tensor, args: argparse.Namespace, lr: float, head: str
-) -> Any:
+def make_trainer(draft: Any, embed: Any, rows: torch.Tensor, args: argparse.Namespace, lr: float) -> Any:
     from draft_align.config import step_decay
     from draft_align.train.objective import LossSettings
     from draft_align.train.trainer import DraftTrainer, OptimSettings
@@ -197,7 +195,10 @@ def make_trainer(
         rows,
         OptimSettings(lr=lr, warmup_steps=5, total_steps=10**9, min_lr_ratio=1.0),
         LossSettings(
-            ttt_steps=args.ttt_steps, step_decay=step_decay(None, head), kind="soft", autocast_bf16=args.bf16
+            ttt_steps=args.ttt_steps,
+            step_decay=step_decay(None, draft.kind),
+            kind="soft",
+            autocast_bf16=args.bf16,
         ),
     )
 
@@ -321,7 +322,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 d.lm_head.weight.copy_(head_rows(policy, d.draft_to_target))
         else:
             d = MTPDraft.attach(policy, depth=1, layout="deepseek_v3")
-        tr = make_trainer(d, embed, head_rows(policy, d.draft_to_target), args, args.lr, head)
+        tr = make_trainer(d, embed, head_rows(policy, d.draft_to_target), args, args.lr)
         warm_stats[head] = train_for(
             tr, warm[head], args.warm_s, args.batch_tokens, args.ttt_steps, args.seed
         )
@@ -353,7 +354,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 apply_lora(
                     d, LoraSettings(rank=args.lora_rank, alpha=2.0 * args.lora_rank, target_modules=targets)
                 )
-            tr = make_trainer(d, embed_d, rows, args, args.lora_lr if adapt_kind == "lora" else args.lr, head)
+            tr = make_trainer(d, embed_d, rows, args, args.lora_lr if adapt_kind == "lora" else args.lr)
             stats = train_for(tr, adapt[head], args.adapt_s, args.batch_tokens, args.ttt_steps, args.seed + 7)
             d.eval()
             after = acceptance(d, embed_d, rows, held[head], args.k)

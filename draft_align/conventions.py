@@ -89,11 +89,14 @@ def check_loss(loss: str, accept_mode: str | None, soft_ce_weight: float, surrog
         raise ValueError(f"surrogate_tau must be > 0, got {surrogate_tau}")
 
 
-#: Draft head architectures (and so export formats): EAGLE-3 heads, the Llama-block multi-token-prediction (MTP)
-#: head and a model's own MTP layers (``native_mtp``: heads/native_mtp.py, not yet a recipe choice).
-HeadKind = Literal["eagle3", "mtp", "native_mtp"]
+#: Draft head architectures (and so export formats): EAGLE-3 heads, a Llama decoder block as a multi-token-
+#: prediction (MTP) head for a model that ships none (``llama_block_mtp``: heads/mtp.py; formerly ``mtp``) and a
+#: model's own MTP layers (``native_mtp``: heads/native_mtp.py, loaded from the target checkpoint).
+HeadKind = Literal["eagle3", "llama_block_mtp", "native_mtp"]
+#: Recipe values that were renamed: (field, old value) → the new value (a one-line error names it).
+RENAMED_VALUES: dict[tuple[str, str], str] = {("draft head", "mtp"): "llama_block_mtp"}
 #: The head kinds a recipe's ``draft.head`` may name.
-RECIPE_HEAD_KINDS: tuple[str, ...] = ("eagle3", "mtp")
+RECIPE_HEAD_KINDS: tuple[str, ...] = get_args(HeadKind)
 #: The MTP tensor layouts draft_align imports and exports (docs/formats.md §3).
 MTPLayout = Literal["deepseek_v3", "qwen3_next"]
 

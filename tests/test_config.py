@@ -147,8 +147,14 @@ def test_missing_file_is_an_error(tmp_path):
         ("draft.adapt=partial", "draft.adapt"),
         ("draft.adapt=lora", "set draft.init_from"),
         ("draft.adapt=lora draft.init_from=x draft.lora.rank=0", "draft.lora"),
-        ("draft.head=mtp draft.aux_layer_ids=[1,2,3]", "final hidden state only"),
-        ("draft.head=mtp draft.mtp_layout=mimo", "mtp_layout"),
+        ("draft.head=llama_block_mtp draft.aux_layer_ids=[1,2,3]", "final hidden state only"),
+        ("draft.head=native_mtp draft.aux_layer_ids=[1,2,3]", "final hidden state only"),
+        ("draft.head=llama_block_mtp draft.mtp_layout=mimo", "mtp_layout"),
+        # the old name of the Llama-block head: one line naming the new one
+        (
+            "draft.head=mtp",
+            r"^overrides .*draft\.head: draft head 'mtp' was renamed 'llama_block_mtp' \(it is a Llama",
+        ),
         ("train.loss=kl", "train.loss"),
         ("train.accept_mode=greedy", r"^train\.accept_mode=greedy is for the acceptance objectives"),
         ("train.loss=tv train.accept_mode=greedy_draft", r"^train\.accept_mode=greedy_draft: loss=tv is"),
@@ -178,7 +184,7 @@ def test_mtp_and_lora_keys():
     r = load_recipe(
         None,
         [
-            "draft.head=mtp",
+            "draft.head=llama_block_mtp",
             "draft.mtp_depth=2",
             "draft.mtp_layout=qwen3_next",
             "draft.adapt=lora",
@@ -186,10 +192,10 @@ def test_mtp_and_lora_keys():
             "draft.lora.target_modules=[q_proj,eh_proj]",
         ],
     )
-    assert (r.draft.head, r.draft.mtp_depth, r.draft.lora.rank) == ("mtp", 2, 4)
+    assert (r.draft.head, r.draft.mtp_depth, r.draft.lora.rank) == ("llama_block_mtp", 2, 4)
     assert r.draft.lora.target_modules == ["q_proj", "eh_proj"]
-    assert step_decay(r.train.step_decay, "mtp") == 0.6 and step_decay(None, "eagle3") == 0.8
-    assert step_decay(0.9, "mtp") == 0.9
+    assert step_decay(r.train.step_decay, "llama_block_mtp") == 0.6 and step_decay(None, "eagle3") == 0.8
+    assert step_decay(0.9, "llama_block_mtp") == 0.9 and step_decay(None, "native_mtp") == 0.6
     with pytest.raises(RecipeError, match="bogus"):
         load_recipe(None, ["draft.lora.bogus=1"])
     c = load_recipe(None, ["sidecar.train.adapt=lora", "sidecar.train.lora.lr=1e-3"], schema=CotrainRecipe)
@@ -346,8 +352,8 @@ def test_choices_come_from_their_one_source():
     from draft_align.heads.mtp import Layout
 
     assert tuple(VerifyModeChoice) == VERIFY_MODES and tuple(DtypeChoice) == FLOAT_DTYPE_NAMES
-    # a recipe names the heads the warm-start and sidecar build; native_mtp is a HeadKind, not yet a choice
-    assert tuple(HeadChoice) == RECIPE_HEAD_KINDS and set(RECIPE_HEAD_KINDS) < set(typing.get_args(HeadKind))
+    # a recipe names every head the warm-start and sidecar build, native_mtp included
+    assert tuple(HeadChoice) == RECIPE_HEAD_KINDS == typing.get_args(HeadKind)
     assert tuple(MTPLayoutChoice) == typing.get_args(Layout)
     ev = next(
         a
@@ -361,8 +367,9 @@ def test_choice_values_behave_as_strings():
     import json
 
     r = load_recipe(RECIPES[0].parent / "smollm2_mtp_demo.yaml")
-    assert r.draft.head == "mtp" and f"{r.draft.head}" == "mtp" and {"mtp": 1}[r.draft.head] == 1
-    assert json.dumps([r.draft.head, r.eval.modes[0]]) == json.dumps(["mtp", r.eval.modes[0].value])
+    h = "llama_block_mtp"
+    assert r.draft.head == h and f"{r.draft.head}" == h and {h: 1}[r.draft.head] == 1
+    assert json.dumps([r.draft.head, r.eval.modes[0]]) == json.dumps([h, r.eval.modes[0].value])
     d = recipe_to_dict(r)
     assert type(d["draft"]["head"]) is str and all(type(m) is str for m in d["eval"]["modes"])
 

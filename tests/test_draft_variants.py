@@ -1,4 +1,4 @@
-"""Warm-start and sidecar with an MTP head (draft.head=mtp) and with LoRA adapters (adapt=lora), on the
+"""Warm-start and sidecar with an MTP head (draft.head=llama_block_mtp) and with LoRA adapters (adapt=lora), on the
 tiny target: train a few steps, publish, reload; the sidecar ingests, trains, gates and publishes."""
 
 from __future__ import annotations
@@ -25,7 +25,9 @@ FAST = {"eval.enabled": "false", "train.max_steps": 4, "train.checkpoint_every":
 
 
 def test_warmstart_mtp_publishes_a_loadable_mtp_draft(tiny_world, tmp_path):
-    over = tiny_world.overrides("mtp", out=tmp_path, **FAST, **{"draft.head": "mtp", "draft.mtp_depth": 2})
+    over = tiny_world.overrides(
+        "mtp", out=tmp_path, **FAST, **{"draft.head": "llama_block_mtp", "draft.mtp_depth": 2}
+    )
     over = [o for o in over if not o.startswith(("draft.aux_layer_ids", "draft.draft_vocab_size"))]
     recipe = load_recipe(None, over)
     summary = warmstart.run(recipe)

@@ -60,6 +60,23 @@ def hub_reachable(timeout_s: float = 2.0) -> bool:
     return True
 
 
+def model_dir(name_or_path: str) -> Path:
+    """The local folder of a model (alias, directory, or a hub id already in the local cache), where its
+    safetensors are; AssetError when there is none."""
+    resolved = resolve_model(name_or_path)
+    if Path(resolved).is_dir():
+        return Path(resolved)
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(resolved, local_files_only=True))
+    except Exception as e:  # the hub client raises its own error types for a missing cache entry
+        raise AssetError(
+            f"model {name_or_path!r} (resolved to {resolved!r}) has no local folder ({e}): "
+            f"pre-fetch it with `hf download {name_or_path}` or give a local directory"
+        ) from e
+
+
 def load_target(
     name_or_path: str, dtype: torch.dtype, device: torch.device | str
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:

@@ -1,7 +1,7 @@
 """Typed recipe schemas.  Recipes are OmegaConf YAML merged onto these structured dataclasses, so a
 mistyped or unknown key is an error rather than a silently ignored setting, and a field with a fixed set of
 values is typed by a ``StrEnum`` that OmegaConf checks on load (``validate()`` adds the cross-field rules).
-Its members are strings: ``recipe.draft.head == "mtp"`` and ``f"{mode}"`` work as with plain strings.
+Its members are strings: ``recipe.draft.head == "eagle3"`` and ``f"{mode}"`` work as with plain strings.
 
 ``draft_align.config`` is the recipe API the loops, the CLI and the examples import (the two schemas, loading and
 saving, :class:`RecipeError`); its rooms: ``choices.py`` (the choice fields), ``sections.py`` (one dataclass per

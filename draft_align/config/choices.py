@@ -1,5 +1,5 @@
 """The recipe fields with a fixed set of values: each is typed by a ``StrEnum`` that OmegaConf checks on load.
-Its members are strings: ``recipe.draft.head == "mtp"`` and ``f"{mode}"`` work as with plain strings; the values
+Its members are strings: ``recipe.draft.head == "eagle3"`` and ``f"{mode}"`` work as with plain strings; the values
 come from their one source (``conventions.py``)."""
 
 from __future__ import annotations

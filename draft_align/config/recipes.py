@@ -68,7 +68,7 @@ class WarmstartRecipe(_RecipeHeader):
         """The cross-field rules (field types and choices are the schema's, checked again here for a
         recipe built in code)."""
         _check_header(self)
-        if self.draft.head == "mtp":
+        if self.draft.head in ("llama_block_mtp", "native_mtp"):
             if self.draft.aux_layer_ids is not None:
                 raise RecipeError(
                     "draft.aux_layer_ids: an MTP head reads the target's final hidden state only"

@@ -33,7 +33,13 @@ from draft_align.config.sections import (
     TrainConfig,
     WireConfig,
 )
-from draft_align.conventions import MAX_TEMPERATURE, MIN_TAP_SEQUENCE_TOKENS, MIN_TEMPERATURE, check_loss
+from draft_align.conventions import (
+    MAX_TEMPERATURE,
+    MIN_TAP_SEQUENCE_TOKENS,
+    MIN_TEMPERATURE,
+    RENAMED_VALUES,
+    check_loss,
+)
 
 
 class RecipeError(ValueError):
@@ -357,7 +363,13 @@ def check_choices(obj: Any, prefix: str) -> None:
 
 
 def choice_error(key: str, value: Any, choice: type[Enum]) -> RecipeError:
-    """One line naming the key, the bad value and the allowed ones."""
+    """One line naming the key, the bad value and the allowed ones (a renamed value: its new name)."""
+    new = RENAMED_VALUES.get((CHOICE_NAMES[choice], str(value)))
+    if new is not None:
+        return RecipeError(
+            f"{key}: {CHOICE_NAMES[choice]} {str(value)!r} was renamed {new!r} (it is a Llama decoder block, not a "
+            f"DeepSeek-V3 or Qwen3-Next layer; a model's own MTP layers: 'native_mtp')"
+        )
     return RecipeError(
         f"{key}: unknown {CHOICE_NAMES[choice]} {str(value)!r}; expected one of "
         f"{' | '.join(m.value for m in choice)}"

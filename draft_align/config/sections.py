@@ -27,7 +27,7 @@ from draft_align.config.choices import (
 from draft_align.conventions import LORA_TARGETS, HeadKind
 
 # default weight decay of draft step j's loss, w_j = decay^j: EAGLE/SpecForge 0.8, FastMTP-style β = 0.6
-STEP_DECAY: dict[HeadKind, float] = {"eagle3": 0.8, "mtp": 0.6}
+STEP_DECAY: dict[HeadKind, float] = {"eagle3": 0.8, "llama_block_mtp": 0.6, "native_mtp": 0.6}
 
 
 def step_decay(configured: float | None, head: str) -> float:
@@ -83,12 +83,16 @@ class LoraAdaptConfig:
 
 @dataclass
 class DraftConfig:
-    head: HeadChoice = HeadChoice("eagle3")  # the draft head: EAGLE-3, or multi-token prediction
-    # mtp: depth (MTP modules), weight layout (deepseek_v3 | qwen3_next: also the chaining semantics) and the
-    # block's init (last_layer: a copy of the target's last decoder layer | random)
+    # the draft head: EAGLE-3, llama_block_mtp (a Llama decoder block as a multi-token prediction head for a
+    # target that ships none), or native_mtp (the target's own MTP layers, read from its checkpoint's
+    # safetensors, trained and published under its own names)
+    head: HeadChoice = HeadChoice("eagle3")
+    # llama_block_mtp: depth (MTP modules), the tensor names it is written under (deepseek_v3 | qwen3_next: also
+    # the chaining semantics; the block stays a Llama block) and the block's init (last_layer: a copy of the
+    # target's last decoder layer | random)
     mtp_depth: int = 1
-    mtp_layout: MTPLayoutChoice = MTPLayoutChoice("deepseek_v3")  # mtp: weight layout and chaining
-    mtp_init: MTPInitChoice = MTPInitChoice("last_layer")  # mtp: how the block starts
+    mtp_layout: MTPLayoutChoice = MTPLayoutChoice("deepseek_v3")  # llama_block_mtp: tensor names and chaining
+    mtp_init: MTPInitChoice = MTPInitChoice("last_layer")  # llama_block_mtp: how the block starts
     adapt: AdaptChoice = AdaptChoice("full")  # lora over a warm-started draft (eagle3: needs init_from)
     lora: LoraAdaptConfig = field(default_factory=LoraAdaptConfig)
     aux_layer_ids: list[int] | None = None  # HF hidden_states indices; None = engines' (2, L//2, L-3)

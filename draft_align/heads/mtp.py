@@ -183,7 +183,7 @@ class MTPDraft(nn.Module):
     """The MTP head.  The embedding is the target's and is passed in; ``lm_head`` is a frozen copy of the
     target's (``shares_target_head``), set by :meth:`set_head` and never trained."""
 
-    kind: HeadKind = "mtp"
+    kind: HeadKind = "llama_block_mtp"
     shares_target_head = True
 
     def __init__(self, cfg: MTPConfig) -> None:

@@ -43,6 +43,7 @@ from draft_align.heads.eagle3 import DraftConfigError
 from draft_align.heads.layers import chain_tokens, next_tokens
 
 StepsRun = typing.Literal["first", "cycle"]
+EMBED = "model.embed_tokens.weight"  # the target's input embedding, under every family's checkpoint name
 
 
 @dataclass(frozen=True)
@@ -196,6 +197,11 @@ class NativeMTPConfig:
         return self.hidden_size
 
     @property
+    def fc_in_features(self) -> int:
+        """Width of the captured input per token: the one final hidden state."""
+        return self.hidden_size
+
+    @property
     def draft_vocab_size(self) -> int:
         return self.vocab_size
 
@@ -265,6 +271,9 @@ class NativeMTPDraft(nn.Module):
         self.rotary = getattr(importlib.import_module(fam.module), fam.rotary_class)(hf_cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.lm_head.weight.requires_grad_(False)
+        # the target's input embedding [V, H], frozen: never read by the head's math (the trainer passes the
+        # target's), kept so a publish can write it into the folder where vLLM's drafter loads it
+        self.register_buffer("embed_tokens", torch.zeros(cfg.vocab_size, cfg.hidden_size))
         self.register_buffer("d2t", torch.zeros(cfg.vocab_size, dtype=torch.long), persistent=False)
         self.register_buffer("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool), persistent=False)
 
@@ -285,7 +294,9 @@ class NativeMTPDraft(nn.Module):
 
     def engine_state_dict(self) -> dict[str, torch.Tensor]:
         """Internal names (``layers.{d}.*``, ``lm_head.weight``); :func:`to_checkpoint` maps them."""
-        return {k: v for k, v in self.state_dict().items() if not k.startswith("rotary.")}
+        return {
+            k: v for k, v in self.state_dict().items() if not k.startswith("rotary.") and k != "embed_tokens"
+        }
 
     # ------------------------------------------------------------------ math
     def _embed(self, embed: Any, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -427,6 +438,24 @@ class NativeMTPCache:
     context: list[tuple[torch.Tensor, torch.Tensor]] = dataclasses.field(default_factory=list)
     chain_step: int = 0
 
+    @property
+    def length(self) -> int:
+        """Committed context rows held."""
+        return sum(int(x.shape[1]) for x, _ in self.context)
+
+    def truncate(self, n: int) -> None:
+        """Keep the first ``n`` context rows (a rejected draft's rows go) and drop the chain."""
+        kept: list[tuple[torch.Tensor, torch.Tensor]] = []
+        left = n
+        for x, pos in self.context:
+            if left <= 0:
+                break
+            kept.append((x[:, :left], pos[:, :left]))
+            left -= int(x.shape[1])
+        self.context = kept
+        for rows in self.chain:
+            rows.clear()
+
 
 # ---------------------------------------------------------------------- checkpoint names
 def _fused_experts(block_sd: Mapping[str, torch.Tensor]) -> bool:
@@ -475,7 +504,8 @@ def from_checkpoint(
     cfg: NativeMTPConfig, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None
 ) -> NativeMTPDraft:
     """The head with the checkpoint's own MTP tensors (``tensors``: the target's whole state dict or its MTP
-    part plus ``lm_head.weight``).  One-line errors: no MTP tensors, a missing or mis-shaped tensor."""
+    part plus ``lm_head.weight`` and ``model.embed_tokens.weight``).  One-line errors: no MTP tensors, a
+    missing or mis-shaped tensor."""
     with torch.device("meta"):
         draft = NativeMTPDraft(cfg)
     fam, n = cfg.spec, cfg.target_num_layers
@@ -500,6 +530,10 @@ def from_checkpoint(
         missing.append(head_name)
     else:
         sd["lm_head.weight"] = tensors[head_name]
+    if EMBED not in tensors:
+        missing.append(EMBED)
+    else:
+        sd["embed_tokens"] = tensors[EMBED]
     for d, layer in enumerate(draft.layers):
         pre = fam.prefix.format(d=d, n=n + d)
         bsd = layer.block.state_dict()

@@ -1,7 +1,8 @@
 """Published drafts: one folder per version that vLLM / SGLang load, checksummed, written atomically.
 
 :func:`export_draft` and :func:`load_draft` are the one place that picks the format: by the head's
-``kind`` when writing (EAGLE-3 → ``eagle3_format``, MTP → ``mtp_format``), by the manifest's ``format``
+``kind`` when writing (EAGLE-3 → ``eagle3_format``, MTP → ``mtp_format``, a model's own MTP layers →
+``native_mtp_format``), by the manifest's ``format``
 when reading.  The folder mechanics are in ``folder``, run versions and ``latest`` in ``versions``,
 compatibility checks in ``compat``, adapter-only deltas in ``lora_delta`` (docs/formats.md).
 
@@ -27,7 +28,7 @@ import torch
 from draft_align.heads.draft_head import DraftHead
 from draft_align.heads.eagle3 import DraftConfigError
 from draft_align.heads.lora import is_lora, merged
-from draft_align.publish import eagle3_format, mtp_format
+from draft_align.publish import eagle3_format, mtp_format, native_mtp_format
 from draft_align.publish.folder import (
     MTP_FORMAT,
     Dialect,
@@ -45,11 +46,8 @@ def write_draft(draft: DraftHead, out_dir: Path, req: ExportRequest) -> dict[str
     if is_lora(draft):  # engines load plain weights
         draft = merged(draft)  # type: ignore[assignment]
     if draft.kind == "native_mtp":
-        raise ExportError(
-            "a model's own MTP layers are written by publish.native_mtp_format.write_native_mtp "
-            "(the folder also needs the target's shared embedding and head)"
-        )
-    if draft.kind == "mtp":
+        return native_mtp_format.write_native_mtp(draft, Path(out_dir), req)  # type: ignore[arg-type]
+    if draft.kind == "llama_block_mtp":
         if req.dialect != "hf":
             raise ExportError(
                 f"dialect {req.dialect!r} is an EAGLE-3 dialect: an MTP head is written in its own layout"
@@ -107,7 +105,9 @@ def checked_manifest(path: Path, *, verify: bool = True) -> dict[str, Any]:
     folder; with ``verify`` then every file's sha256.  CorruptCheckpointError / ExportError otherwise."""
     path = Path(path)
     manifest = read_manifest(path, verify=False)
-    fmt = mtp_format if manifest.get("format") == MTP_FORMAT else eagle3_format
+    fmt: Any = {MTP_FORMAT: mtp_format, native_mtp_format.NATIVE_MTP_FORMAT: native_mtp_format}.get(
+        manifest.get("format"), eagle3_format
+    )
     check_sizes(path, manifest, fmt.weights_data_bytes(path, manifest))
     if verify:
         verify_files(path, manifest)
@@ -132,6 +132,8 @@ def load_draft(
     manifest = checked_manifest(path, verify=verify)
     if manifest.get("format") == MTP_FORMAT:
         return mtp_format.load_mtp(path, manifest, device=device, dtype=dtype), manifest
+    if manifest.get("format") == native_mtp_format.NATIVE_MTP_FORMAT:
+        return native_mtp_format.load_native_mtp(path, manifest, device=device, dtype=dtype), manifest
     return eagle3_format.load_eagle3(path, manifest, device=device, dtype=dtype), manifest
 
 
@@ -140,8 +142,8 @@ def engine_tensors(draft: DraftHead, dtype: torch.dtype = torch.bfloat16) -> dic
     if is_lora(draft):
         raise DraftConfigError("merge the adapters first (engine tensors are plain weights)")
     if draft.kind == "native_mtp":
-        raise DraftConfigError("a model's own MTP layers: publish.native_mtp_format.engine_tensors")
-    if draft.kind == "mtp":
+        return native_mtp_format.engine_tensors(draft, dtype)  # type: ignore[arg-type]
+    if draft.kind == "llama_block_mtp":
         return mtp_format.engine_tensors(draft, dtype)  # type: ignore[arg-type]
     return eagle3_format.engine_tensors(draft, dtype, "hf")  # type: ignore[arg-type]
 

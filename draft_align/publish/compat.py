@@ -14,7 +14,7 @@ from typing import Any
 
 from draft_align.conventions import default_aux_layer_ids
 from draft_align.heads.layers import target_rope
-from draft_align.publish.folder import MTP_FORMAT, ExportError
+from draft_align.publish.folder import MTP_FORMAT, NATIVE_MTP_FORMAT, ExportError
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:
@@ -70,13 +70,16 @@ def check_compatible(
 ) -> None:
     """Raise ExportError unless the draft described by ``manifest`` fits ``target_config``.
 
-    EAGLE-3: hidden size, vocab size, max_position_embeddings, that the aux layers are capturable on this
-    target's depth (and, when config.json relies on the engines' default ids, that the default for this depth
-    is what the draft was trained on).  MTP: hidden size, vocab size, the target's depth, positions.  Both:
-    the tokenizer fingerprint when one is given.
+        EAGLE-3: hidden size, vocab size, max_position_embeddings, that the aux layers are capturable on this
+        target's depth (and, when config.json relies on the engines' default ids, that the default for this depth
+        is what the draft was trained on).  MTP: hidden size, vocab size, the target's depth, positions.  A model's
+    own MTP layers: its architecture, hidden size, vocab size and depth.  All:
+        the tokenizer fingerprint when one is given.
     """
     if manifest.get("format") == MTP_FORMAT:
         _check_mtp(manifest, target_config)
+    elif manifest.get("format") == NATIVE_MTP_FORMAT:
+        _check_native_mtp(manifest, target_config)
     else:
         _check_eagle3(manifest, target_config)
     _check_tokenizer(manifest, tokenizer_fingerprint)
@@ -128,3 +131,20 @@ def _check_mtp(manifest: Mapping[str, Any], target_config: Any) -> None:
             f"max_position_embeddings {cfg['max_position_embeddings']} is smaller than the target's "
             f"{target_config.max_position_embeddings}"
         )
+
+
+def _check_native_mtp(manifest: Mapping[str, Any], target_config: Any) -> None:
+    target = manifest["target"]
+    arch = (getattr(target_config, "architectures", None) or ["?"])[0]
+    if manifest.get("architecture") != arch:
+        raise ExportError(
+            f"architecture mismatch: the MTP layers are {manifest.get('architecture')}'s, the target is {arch}"
+        )
+    for what, key in (
+        ("hidden size", "hidden_size"),
+        ("vocab size", "vocab_size"),
+        ("num layers", "num_hidden_layers"),
+    ):
+        theirs = int(getattr(target_config, key))
+        if int(target[key]) != theirs:
+            raise ExportError(f"{what} mismatch: MTP layers built for {target[key]}, target has {theirs}")

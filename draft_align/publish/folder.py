@@ -29,7 +29,8 @@ from draft_align.storage import make_shared_dirs, save_tensors, share_tree
 
 EAGLE3_FORMAT = "draft_align.eagle3"  # written by publish/eagle3_format.py
 MTP_FORMAT = "draft_align.mtp"  # written by publish/mtp_format.py
-DRAFT_FORMATS = (EAGLE3_FORMAT, MTP_FORMAT)
+NATIVE_MTP_FORMAT = "draft_align.native_mtp"  # written by publish/native_mtp_format.py
+DRAFT_FORMATS = (EAGLE3_FORMAT, MTP_FORMAT, NATIVE_MTP_FORMAT)
 FORMAT_VERSION = 1
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"

@@ -7,12 +7,17 @@ The folder holds the target's own ``config.json`` (vLLM derives the drafter's co
 with the MTP tensors plus the two the drafter shares with the target (``model.embed_tokens.weight``, and
 ``lm_head.weight`` for a family without a per-depth head copy: vLLM's loader refuses a draft folder that leaves
 any drafter parameter unwritten), and ``manifest.json`` (format ``draft_align.native_mtp``, the family, sha256
-of both files).  A refresh sends only the MTP tensors, never the shared ones.
+of both files).  The head carries the target's embedding (a frozen buffer) and head for this.  A hot
+refresh (``engines/vllm/worker_rpc.rpc_load_draft``) loads only the MTP tensors, never the shared ones.
+
+:func:`from_target_checkpoint` builds the head from a target checkpoint folder (its safetensors, where
+transformers leaves the MTP tensors it drops when it loads the trunk).
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -20,10 +25,18 @@ from typing import Any
 import torch
 
 from draft_align.heads.eagle3 import DraftConfigError
-from draft_align.heads.native_mtp import NativeMTPConfig, NativeMTPDraft, from_checkpoint, to_checkpoint
+from draft_align.heads.native_mtp import (
+    EMBED,
+    NativeMTPConfig,
+    NativeMTPDraft,
+    family_of,
+    from_checkpoint,
+    to_checkpoint,
+)
 from draft_align.publish.folder import (
     CONFIG_FILE,
     MANIFEST_FILE,
+    NATIVE_MTP_FORMAT,
     RESERVED_KEYS,
     ExportError,
     ExportRequest,
@@ -31,12 +44,12 @@ from draft_align.publish.folder import (
     check_finite,
     draft_manifest,
     publish_folder,
+    read_head_config,
     read_weights,
+    stored_itemsize,
 )
 
-NATIVE_MTP_FORMAT = "draft_align.native_mtp"
 NATIVE_MTP_FORMAT_VERSION = 1
-EMBED = "model.embed_tokens.weight"
 LM_HEAD = "lm_head.weight"
 
 
@@ -45,26 +58,17 @@ def shared_names(draft: NativeMTPDraft) -> tuple[str, ...]:
     return (EMBED,) if draft.cfg.spec.head is not None else (EMBED, LM_HEAD)
 
 
-def engine_tensors(
-    draft: NativeMTPDraft, shared: Mapping[str, torch.Tensor], dtype: torch.dtype
-) -> dict[str, torch.Tensor]:
-    """The MTP tensors under the family's names plus the shared ones (``shared``: the target's state dict or
-    at least :func:`shared_names`), cast to ``dtype``."""
+def engine_tensors(draft: NativeMTPDraft, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The MTP tensors under the family's names plus the shared ones (the head's copies of the target's
+    embedding and lm_head), cast to ``dtype``: exactly what model.safetensors holds."""
     out = to_checkpoint(draft)
-    v, h = draft.cfg.vocab_size, draft.cfg.hidden_size
+    shared = {EMBED: draft.embed_tokens, LM_HEAD: draft.lm_head.weight}
     for name in shared_names(draft):
-        if name not in shared:
-            raise ExportError(f"the target's {name} is needed in the draft folder (vLLM loads it there)")
-        t = shared[name]
-        if tuple(t.shape) != (v, h):
-            raise ExportError(f"target {name} has shape {tuple(t.shape)}, the head expects {(v, h)}")
-        out[name] = t
+        out[name] = shared[name]
     return {k: t.detach().to(dtype).contiguous() for k, t in out.items()}
 
 
-def write_native_mtp(
-    draft: NativeMTPDraft, out_dir: Path, req: ExportRequest, shared: Mapping[str, torch.Tensor]
-) -> dict[str, Any]:
+def write_native_mtp(draft: NativeMTPDraft, out_dir: Path, req: ExportRequest) -> dict[str, Any]:
     """Write ``draft`` at ``out_dir`` (atomically) for vLLM's MTP drafter; returns the manifest.
 
     ``req.target_config`` must be the HF config the head was built from (same family, layers, hidden size,
@@ -81,7 +85,11 @@ def write_native_mtp(
             raise ExportError(
                 f"target config has {key}={getattr(ours, key)}, the MTP head was built for {getattr(cfg, key)}"
             )
-    tensors = engine_tensors(draft, shared, req.dtype)
+    if req.dialect != "hf":
+        raise ExportError(
+            f"dialect {req.dialect!r} is an EAGLE-3 dialect: a native MTP head is written under its model's names"
+        )
+    tensors = engine_tensors(draft, req.dtype)
     for name, t in tensors.items():
         check_finite(name, t, req.dtype)
     config = req.target_config.to_dict()
@@ -95,24 +103,101 @@ def write_native_mtp(
             "note": "MTP reads the final post-norm hidden (HF index L)",
         },
         draft_vocab_size=cfg.vocab_size,
-        head_config={"native_mtp_config": {"family": cfg.family, "depth": cfg.depth}},
+        head_config={
+            "native_mtp_config": {"family": cfg.family, "depth": cfg.depth, "steps_run": cfg.steps_run}
+        },
     )
     publish_folder(out_dir, tensors, manifest, config=config, overwrite=req.overwrite)
     return manifest
 
 
-def load_native_mtp(path: Path, dtype: torch.dtype = torch.float32) -> NativeMTPDraft:
-    """The head published at ``path`` (its config.json and MTP tensors)."""
+def _folder_config(path: Path, steps_run: str = "first") -> NativeMTPConfig:
     from transformers import AutoConfig
 
+    try:
+        target = AutoConfig.from_pretrained(path / CONFIG_FILE)
+        return NativeMTPConfig.from_target(target, steps_run=steps_run)  # type: ignore[arg-type]
+    except DraftConfigError as e:
+        raise ExportError(f"{path}: {e}") from e
+
+
+def weights_data_bytes(path: Path, manifest: Mapping[str, Any]) -> int:
+    """The tensor bytes model.safetensors holds for the folder's config.json (head built on the meta device)."""
+    with torch.device("meta"):
+        draft = NativeMTPDraft(_folder_config(Path(path)))
+    mtp = sum(math.prod(t.shape) for t in to_checkpoint(draft).values())
+    shared = len(shared_names(draft)) * draft.cfg.vocab_size * draft.cfg.hidden_size
+    return (mtp + shared) * stored_itemsize(path, manifest)
+
+
+def load_native_mtp(
+    path: Path,
+    manifest: Mapping[str, Any] | None = None,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> NativeMTPDraft:
+    """The head published at ``path`` (its config.json, MTP and shared tensors); ``manifest``: already read."""
     path = Path(path)
-    manifest = json.loads((path / MANIFEST_FILE).read_text())
+    if manifest is None:
+        manifest = json.loads((path / MANIFEST_FILE).read_text())
     if manifest.get("format") != NATIVE_MTP_FORMAT:
         raise ExportError(
             f"{path / MANIFEST_FILE}: format {manifest.get('format')!r} is not {NATIVE_MTP_FORMAT}"
         )
+    head = read_head_config(path, manifest, "native_mtp_config", dict)
+    cfg = _folder_config(path, str(head.get("steps_run", "first")))
+    if head.get("family") != cfg.family or head.get("depth") != cfg.depth:
+        raise ExportError(
+            f"{path / MANIFEST_FILE}: native_mtp_config {head} does not match config.json "
+            f"(family {cfg.family}, depth {cfg.depth})"
+        )
     try:
-        cfg = NativeMTPConfig.from_target(AutoConfig.from_pretrained(path / CONFIG_FILE))
-        return from_checkpoint(cfg, read_weights(path), dtype=dtype)
+        return from_checkpoint(cfg, read_weights(path), dtype=dtype).to(device)
     except DraftConfigError as e:
         raise ExportError(f"{path}: {e}") from e
+
+
+def from_target_checkpoint(
+    model_dir: Path, target_config: Any, dtype: torch.dtype = torch.float32, steps_run: str = "first"
+) -> NativeMTPDraft:
+    """The head with the MTP layers of the target checkpoint at ``model_dir`` (its ``*.safetensors``; only the
+    MTP tensors, the lm_head and the embedding are read).  One-line errors: a family not supported, a config
+    with no MTP layers, a folder without safetensors or without MTP tensors, a tensor the config does not
+    imply (hidden size, vocabulary)."""
+    from safetensors import safe_open
+
+    model_dir = Path(model_dir)
+    cfg = NativeMTPConfig.from_target(target_config, steps_run=steps_run)  # type: ignore[arg-type]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise DraftConfigError(
+            f"{model_dir}: no *.safetensors files: the native MTP head is read from the target checkpoint's "
+            f"safetensors (set target.model to a local checkpoint folder)"
+        )
+    fam, n = cfg.spec, cfg.target_num_layers
+    prefixes = tuple(fam.prefix.format(d=d, n=n + d) for d in range(cfg.depth))
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as fh:
+            for k in fh.keys():  # noqa: SIM118 (safe_open has keys(), no iteration)
+                if k.startswith(prefixes) or k in (EMBED, LM_HEAD):
+                    tensors[k] = fh.get_tensor(k)
+    if EMBED in tensors and LM_HEAD not in tensors and getattr(target_config, "tie_word_embeddings", False):
+        tensors[LM_HEAD] = tensors[EMBED]
+    try:
+        return from_checkpoint(cfg, tensors, dtype=dtype)
+    except DraftConfigError as e:
+        raise DraftConfigError(f"{model_dir}: {e}") from e
+
+
+__all__ = [
+    "NATIVE_MTP_FORMAT",
+    "engine_tensors",
+    "family_of",
+    "from_target_checkpoint",
+    "load_native_mtp",
+    "shared_names",
+    "weights_data_bytes",
+    "write_native_mtp",
+]

@@ -20,6 +20,7 @@ from draft_align.publish import checked_manifest
 from draft_align.publish.folder import (
     MANIFEST_FILE,
     MTP_FORMAT,
+    NATIVE_MTP_FORMAT,
     WEIGHTS_FILE,
     CorruptCheckpointError,
     ExportError,
@@ -35,7 +36,7 @@ class TapSpec:
     kind: HeadKind
     aux_layer_ids: tuple[int, ...]  # HF hidden_states indices the draft reads
     draft_to_target: torch.Tensor  # [draft_vocab] int64: target id of each draft id
-    format: str  # manifest format (draft_align.eagle3 / draft_align.mtp)
+    format: str  # manifest format (draft_align.eagle3 / draft_align.mtp / draft_align.native_mtp)
     draft_version: int
     policy_version: int
 
@@ -44,7 +45,8 @@ def read_tap_spec(draft_dir: Path) -> TapSpec:
     """The :class:`TapSpec` of the draft at ``draft_dir`` (a draft folder, or a run folder's ``latest``).
 
     EAGLE-3: ``draft_to_target = d2t + arange`` from model.safetensors, whose sha256 and size are verified
-    first (CorruptCheckpointError otherwise).  MTP: the full target vocabulary (arange), no weights read.
+    first (CorruptCheckpointError otherwise).  MTP (either kind): the full target vocabulary (arange) and the
+    final hidden state, no weights read.
     """
     path = resolve_draft_dir(Path(draft_dir))
     manifest = checked_manifest(path, verify=False)  # sizes against the head config, no links out
@@ -53,7 +55,13 @@ def read_tap_spec(draft_dir: Path) -> TapSpec:
     try:
         if fmt == MTP_FORMAT:
             mtp = MTPConfig.from_dict(dict(manifest["mtp_config"]))
-            return TapSpec("mtp", tuple(mtp.aux_layer_ids), torch.arange(mtp.vocab_size), fmt, *versions)
+            return TapSpec(
+                "llama_block_mtp", tuple(mtp.aux_layer_ids), torch.arange(mtp.vocab_size), fmt, *versions
+            )
+        if fmt == NATIVE_MTP_FORMAT:  # a model's own MTP layers read the final hidden state (HF index L)
+            target = dict(manifest["target"])
+            vocab, layers = int(target["vocab_size"]), int(target["num_hidden_layers"])
+            return TapSpec("native_mtp", (layers,), torch.arange(vocab), fmt, *versions)
         cfg = Eagle3Config.from_dict(dict(manifest["eagle3_config"]))
     except (KeyError, TypeError, DraftConfigError) as e:
         raise ExportError(f"{path / MANIFEST_FILE}: head config unusable: {e}") from e

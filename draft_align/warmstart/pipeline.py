@@ -30,7 +30,7 @@ from draft_align.train.checkpoint import checkpoint_exists
 from draft_align.train.objective import LossSettings
 from draft_align.train.records import collate, make_batches
 from draft_align.train.trainer import DraftTrainer, NonFiniteLossError, OptimSettings
-from draft_align.warmstart.preparation import Prepared, WarmstartError, heldout_prompts, prepare
+from draft_align.warmstart.preparation import Prepared, WarmstartError, heldout_prompts, native_head, prepare
 
 log = logging.getLogger(__name__)
 
@@ -39,10 +39,13 @@ def build_draft(
     target: nn.Module, recipe: WarmstartRecipe, aux: tuple[int, ...], prep: Prepared
 ) -> Eagle3Draft:
     """A fresh head shaped like the target's layers, with the data's vocab and the target's head rows;
-    or, with ``draft.init_from``, that published draft (checked against the target and the recipe)."""
+    ``native_mtp``: the target checkpoint's own MTP layers; or, with ``draft.init_from``, that published draft
+    (checked against the target and the recipe)."""
     if recipe.draft.init_from:
         return load_init_draft(target, recipe, aux)
-    if recipe.draft.head == "mtp":
+    if recipe.draft.head == "native_mtp":
+        return native_head(recipe, target.config)  # type: ignore[return-value]
+    if recipe.draft.head == "llama_block_mtp":
         from draft_align.heads.mtp import MTPDraft
 
         dc = recipe.draft
@@ -72,10 +75,9 @@ def load_init_draft(target: nn.Module, recipe: WarmstartRecipe, aux: tuple[int, 
             f"draft.init_from {src} reads aux layers {draft.cfg.aux_layer_ids}, the recipe {aux}"
         )
     is_mtp = draft.shares_target_head
-    if is_mtp != (recipe.draft.head == "mtp"):
+    if draft.kind != recipe.draft.head:
         raise WarmstartError(
-            f"draft.init_from {src} is {'an MTP' if is_mtp else 'an EAGLE-3'} draft, the recipe "
-            f"asks for draft.head={recipe.draft.head}"
+            f"draft.init_from {src} is a {draft.kind} draft, the recipe asks for draft.head={recipe.draft.head}"
         )
     if not is_mtp and draft.cfg.draft_vocab_size != recipe.draft.draft_vocab_size:
         raise WarmstartError(

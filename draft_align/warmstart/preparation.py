@@ -328,13 +328,28 @@ def _check_aux_layers(aux: tuple[int, ...], n_layers: int) -> None:
         raise WarmstartError(f"unusable aux layers {aux} for this {n_layers}-layer target: {e}") from e
 
 
+def native_head(recipe: WarmstartRecipe, target_config: Any) -> nn.Module:
+    """The target's own MTP layers read from its checkpoint folder (``target.model``: an alias, a folder or a
+    cached hub id); WarmstartError in one line when the checkpoint has none or the family is not supported."""
+    from draft_align.assets.resolve import model_dir
+    from draft_align.heads.eagle3 import DraftConfigError
+    from draft_align.publish.native_mtp_format import from_target_checkpoint
+
+    try:
+        return from_target_checkpoint(model_dir(recipe.target.model), target_config)
+    except DraftConfigError as e:
+        raise WarmstartError(f"draft.head=native_mtp: {e}") from e
+
+
 def prepare(recipe: WarmstartRecipe, aux_layer_ids: tuple[int, ...] | None = None) -> Prepared:
     """Load the target and data; self-distil; capture target states (cached)."""
     target, tokenizer = assets.load_target(
         recipe.target.model, float_dtype(recipe.target.dtype), recipe.device
     )
     n_layers = int(target.config.num_hidden_layers)
-    if recipe.draft.head == "mtp":
+    if recipe.draft.head == "native_mtp" and not recipe.draft.init_from:
+        native_head(recipe, target.config)  # before any generation: the checkpoint's MTP layers load
+    if recipe.draft.head in ("llama_block_mtp", "native_mtp"):
         aux = (n_layers,)  # MTP reads the final post-norm hidden state, HF hidden_states[L]
     else:
         aux = tuple(

@@ -65,7 +65,7 @@ def publish(d, path, target, dtype=torch.bfloat16, version=1):
 
 
 # ---------------------------------------------------------------- adapters
-@pytest.mark.parametrize("kind", ["eagle3", "mtp"])
+@pytest.mark.parametrize("kind", ["eagle3", "llama_block_mtp"])
 def test_apply_freezes_base_and_starts_as_identity(target, kind):
     d = random_draft(kind, target)
     args = inputs(target, d)
@@ -82,12 +82,12 @@ def test_bad_targets_are_refused(target):
     with pytest.raises(DraftConfigError, match="match no Linear"):
         apply_lora(random_draft("eagle3", target), LoraSettings(target_modules=("qkv_proj",)))
     with pytest.raises(DraftConfigError, match="shared, frozen"):
-        apply_lora(random_draft("mtp", target), LoraSettings(target_modules=("lm_head",)))
+        apply_lora(random_draft("llama_block_mtp", target), LoraSettings(target_modules=("lm_head",)))
     with pytest.raises(DraftConfigError, match="rank"):
         LoraSettings(rank=0)
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "mtp"])
+@pytest.mark.parametrize("kind", ["eagle3", "llama_block_mtp"])
 def test_merged_publish_equals_the_peft_model(target, tmp_path, kind):
     d = random_draft(kind, target)
     targets = ("q_proj", "k_proj", "o_proj", "up_proj") + (("fc",) if kind == "eagle3" else ("eh_proj",))
@@ -117,7 +117,7 @@ def without_adapters(d):
 
 
 # ---------------------------------------------------------------- training
-@pytest.mark.parametrize("kind", ["eagle3", "mtp"])
+@pytest.mark.parametrize("kind", ["eagle3", "llama_block_mtp"])
 def test_trainer_trains_only_adapters_and_resumes(target, tmp_path, kind):
     from draft_align.hf.capture import HFTap
     from draft_align.hf.parts import frozen_embedding, head_rows

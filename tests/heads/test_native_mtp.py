@@ -1,5 +1,5 @@
 """draft_align.heads.native_mtp: a model's own MTP layers (MiMo: dense Qwen2 block; GLM-4.5: mixture of experts)
-loaded from tiny checkpoints saved the way released ones are (tests/mtp_models.py): the round trip to the
+loaded from tiny checkpoints saved the way released ones are (benchmarks/common/mtp_checkpoints.py): the round trip to the
 checkpoint's names is bit-identical, the TTT unroll equals decoding step by step, the trunk stays detached, a
 few optimizer steps lower the loss, and bad input is refused in one line."""
 
@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from benchmarks.common.mtp_checkpoints import N_LAYERS, family_config, mtp_names, save_checkpoint
 from draft_align.heads.eagle3 import DraftConfigError
 from draft_align.heads.native_mtp import NativeMTPConfig, from_checkpoint, to_checkpoint
-from tests.mtp_models import N_LAYERS, family_config, mtp_names, save_checkpoint
 
 FAMILIES = ("mimo", "glm4_moe", "deepseek_v3")
 

@@ -40,7 +40,7 @@ def publish(d, path, target, dtype=torch.bfloat16, version=1):
 
 
 # ---------------------------------------------------------------- adapter-only deltas
-@pytest.fixture(params=["eagle3", "mtp"])
+@pytest.fixture(params=["eagle3", "llama_block_mtp"])
 def published_base(request, target, tmp_path):
     """A base draft published in bf16 and the LoRA draft trained over it (loaded back from the folder)."""
     d = random_draft(request.param, target)

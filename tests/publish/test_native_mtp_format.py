@@ -9,11 +9,12 @@ import pytest
 import safetensors.torch
 import torch
 
+from benchmarks.common.mtp_checkpoints import family_config, mtp_names, save_checkpoint
+from draft_align.heads.eagle3 import DraftConfigError
 from draft_align.heads.native_mtp import NativeMTPConfig, from_checkpoint
-from draft_align.publish import write_draft
+from draft_align.publish import load_draft, write_draft
 from draft_align.publish.folder import ExportError, ExportRequest
 from draft_align.publish.native_mtp_format import NATIVE_MTP_FORMAT, load_native_mtp, write_native_mtp
-from tests.mtp_models import family_config, mtp_names, save_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -43,7 +44,7 @@ def test_write_then_load_back(ckpt, tmp_path):
     draft = from_checkpoint(NativeMTPConfig.from_target(cfg), tensors)
     with torch.no_grad():
         draft.layers[0].proj.weight.add_(0.5)  # a trained head: not the checkpoint's values
-    manifest = write_native_mtp(draft, tmp_path / "d", request_for(cfg), shared=tensors)
+    manifest = write_native_mtp(draft, tmp_path / "d", request_for(cfg))
     assert manifest["format"] == NATIVE_MTP_FORMAT and manifest["family"] == family
     written = safetensors.torch.load_file(str(tmp_path / "d" / "model.safetensors"))
     shared = {"model.embed_tokens.weight"} | ({"lm_head.weight"} if family == "mimo" else set())
@@ -61,22 +62,27 @@ def test_refuses_another_target(ckpt, tmp_path):
     draft = from_checkpoint(NativeMTPConfig.from_target(cfg), tensors)
     other = family_config("glm4_moe" if family == "mimo" else "mimo")
     with pytest.raises(ExportError, match="target config has family="):
-        write_native_mtp(draft, tmp_path / "d", request_for(other), shared=tensors)
+        write_native_mtp(draft, tmp_path / "d", request_for(other))
     assert not (tmp_path / "d").exists()
 
 
-def test_refuses_a_missing_or_misshaped_shared_tensor(ckpt, tmp_path):
+def test_refuses_a_checkpoint_without_the_shared_embedding(ckpt):
     family, cfg, tensors = ckpt
-    draft = from_checkpoint(NativeMTPConfig.from_target(cfg), tensors)
-    with pytest.raises(ExportError, match="model.embed_tokens.weight is needed"):
-        write_native_mtp(draft, tmp_path / "d", request_for(cfg), shared={})
-    bad = {"model.embed_tokens.weight": torch.zeros(3, 3), "lm_head.weight": tensors["lm_head.weight"]}
-    with pytest.raises(ExportError, match="has shape"):
-        write_native_mtp(draft, tmp_path / "d", request_for(cfg), shared=bad)
+    partial = {k: v for k, v in tensors.items() if k != "model.embed_tokens.weight"}
+    with pytest.raises(DraftConfigError, match=r"lacks MTP tensors \['model.embed_tokens.weight'\]"):
+        from_checkpoint(NativeMTPConfig.from_target(cfg), partial)
 
 
-def test_the_generic_writer_refuses_a_native_head(ckpt, tmp_path):
+def test_the_generic_writer_and_reader_take_a_native_head(ckpt, tmp_path):
+    """publish.write_draft / load_draft (what the warm-start and the sidecar call) pick the native format by
+    the head's kind and the manifest's format; the sizes check passes and the head reads back bit for bit."""
     family, cfg, tensors = ckpt
     draft = from_checkpoint(NativeMTPConfig.from_target(cfg), tensors)
-    with pytest.raises(ExportError, match="write_native_mtp"):
-        write_draft(draft, tmp_path / "d", request_for(cfg))
+    manifest = write_draft(draft, tmp_path / "d", request_for(cfg))
+    assert manifest["format"] == NATIVE_MTP_FORMAT
+    back, man = load_draft(tmp_path / "d")
+    assert back.kind == "native_mtp" and man["native_mtp_config"]["steps_run"] == "first"
+    a, b = draft.state_dict(), back.state_dict()
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(ExportError, match="dialect 'speculators'"):
+        write_draft(draft, tmp_path / "e", request_for(cfg, dialect="speculators"))

@@ -30,6 +30,10 @@ from draft_align.publish.folder import WEIGHTS_FILE
 
 log = logging.getLogger(__name__)
 
+# EAGLE-3 heads, and a model's own MTP layers (publish/native_mtp_format.py; the drafter shares the embedding
+# and the lm_head with the target, so a refresh reloads the MTP layers only)
+REFRESHABLE_METHODS = ("eagle3", "mtp")
+
 
 @dataclass(frozen=True)
 class LoadedDraft:
@@ -95,9 +99,12 @@ class DraftRefresher:
         self.llm = llm
         self.guard = guard
         spec = llm.llm_engine.vllm_config.speculative_config
-        if spec is None or spec.method != "eagle3":
+        if spec is None or spec.method not in REFRESHABLE_METHODS:
             method = getattr(spec, "method", None)
-            raise EngineError(f"the engine does not run an EAGLE-3 draft (speculative method {method})")
+            raise EngineError(
+                f"the engine does not run an EAGLE-3 or MTP draft (speculative method {method}): nothing to "
+                f"refresh"
+            )
         self.k = int(spec.num_speculative_tokens)
         info = collective_rpc(llm, rpc_describe)[0]
         if not info.get("has_draft"):

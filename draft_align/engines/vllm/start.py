@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from draft_align.engines.vllm.cpu_patch import cpu_expand_kernel_broken, rpc_patch_cpu_expand_kernel
 from draft_align.publish import checked_manifest
 from draft_align.publish.compat import check_compatible
+from draft_align.publish.folder import NATIVE_MTP_FORMAT
 from draft_align.publish.versions import resolve_draft_dir
 
 if TYPE_CHECKING:
@@ -104,7 +105,8 @@ def start_engine(
     fix_cpu_sampler: bool = True,
     **llm_kwargs: Any,
 ) -> LLM:
-    """A ``vllm.LLM`` on ``target`` (alias, folder or hub id) drafting with the EAGLE-3 folder ``draft_dir``.
+    """A ``vllm.LLM`` on ``target`` (alias, folder or hub id) drafting with the EAGLE-3 folder ``draft_dir`` (a
+    native MTP folder: vLLM's ``mtp`` method).
 
     ``draft_dir``: a published version folder or a run folder (its ``latest``); its manifest is verified
     (sha256) and checked against the target's config before anything starts.  ``k``: draft tokens per round.
@@ -133,7 +135,9 @@ def start_engine(
     manifest = checked_manifest(draft, verify=True)
     resolved = resolve_model(target)
     check_compatible(manifest, AutoConfig.from_pretrained(resolved), None)
-    spec: dict[str, Any] = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": int(k)}
+    # a model's own MTP layers are served by vLLM's MTP drafter of the target's family (docs/mtp.md)
+    method = "mtp" if manifest.get("format") == NATIVE_MTP_FORMAT else "eagle3"
+    spec: dict[str, Any] = {"method": method, "model": str(draft), "num_speculative_tokens": int(k)}
     if draft_sample_method is not None:
         spec["draft_sample_method"] = draft_sample_method
     vllm = import_vllm()

