@@ -50,6 +50,7 @@ from draft_align.publish.folder import (
 )
 from draft_align.publish.versions import (
     check_folder_version,
+    folder_version,
     read_latest,
     resolve_draft_dir,
     run_version_dir,
@@ -233,7 +234,8 @@ class DraftSource:
         try:
             run_version_dir(self.run_dir, Path(msg.path), int(msg.draft_version))
         except ExportError as e:
-            return self._fail(f"notification of v{int(msg.draft_version):04d}", e, None)
+            gone = version_dir(self.run_dir, int(msg.draft_version))
+            return self._superseded_or_fail(gone, f"notification of v{int(msg.draft_version):04d}", e, None)
         return True
 
     def poll(self) -> bool:
@@ -253,7 +255,7 @@ class DraftSource:
                 return True
             return False
         try:
-            path = read_latest(self.run_dir)
+            path = self._read_latest()
         except (ExportError, OSError, ValueError) as e:
             return self._fail(f"{self.run_dir}/latest unreadable", e, None)
         current = self._newest()
@@ -269,20 +271,14 @@ class DraftSource:
         try:
             sig = _signature(path)
         except (OSError, ValueError) as e:
-            return self._fail(f"{path} incomplete", e, None)
+            return self._superseded_or_fail(path, f"{path} incomplete", e, None)
         if sig in self._skip:
             return False
         t0 = time.perf_counter()
         try:
             version, draft = self.verify(path, sha256, announced)
         except (ExportError, CorruptCheckpointError, OSError, KeyError, TypeError, ValueError) as e:
-            if self._pruned_since(path):
-                self.superseded += 1
-                log.info(
-                    "draft refresh: %s was pruned while it was verified (a newer version replaced it)", path
-                )
-                return False
-            return self._fail(f"{path} rejected", e, sig)
+            return self._superseded_or_fail(path, f"{path} rejected", e, sig)
         self.verify_s = time.perf_counter() - t0
         if version.version <= self.verified_version:
             log.info(
@@ -308,16 +304,34 @@ class DraftSource:
         )
         return True
 
+    def _read_latest(self) -> Path | None:
+        """``latest``'s folder; read twice when the first read names a folder pruned meanwhile (``latest``
+        moved on between reading it and checking its folder: the second read names the newer one)."""
+        try:
+            return read_latest(self.run_dir)
+        except ExportError:
+            return read_latest(self.run_dir)
+
+    def _superseded_or_fail(self, path: Path, what: str, err: Exception, sig: Signature | None) -> bool:
+        """Count ``path`` as superseded when the sidecar's retention removed it meanwhile, else as a failure."""
+        if self._pruned_since(path):
+            self.superseded += 1
+            log.info("draft refresh: %s was pruned while it was read (a newer version replaced it)", path)
+            return False
+        return self._fail(what, err, sig)
+
     def _pruned_since(self, path: Path) -> bool:
-        """Whether ``path`` is gone and ``latest`` names a newer version: the sidecar's retention removed it
+        """Whether ``path`` (a ``vNNNN`` folder) is gone and ``latest`` names a newer version: the sidecar's retention removed it
         while it was read, which is no failure (the newer one is taken next)."""
-        if path.exists():
+        gone = folder_version(path)
+        if path.exists() or gone is None:
             return False
         try:
             newest = read_latest(self.run_dir)
-            return newest is not None and newest.resolve() != path.resolve()
         except (ExportError, OSError, ValueError):
             return False
+        latest = folder_version(newest) if newest is not None else None
+        return latest is not None and latest > gone
 
     # ----------------------------------------------------------------- background verification
     def _verify_loop(self) -> None:

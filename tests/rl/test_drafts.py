@@ -292,6 +292,26 @@ def test_notifications_of_versions_pruned_since_cost_nothing_when_a_newer_one_is
     assert w.poll() is True and w.current_version == 3 and w.failures == 0 and w.notified == 1
 
 
+def test_announced_versions_all_pruned_before_the_poll_are_superseded_and_latest_is_taken(
+    tmp_path, frozen_dir, kit, target_config
+):
+    """The RL job polls late (seen once under load): every announced version was pruned, and the newest one
+    was published but not yet announced.  Nothing failed: the pruned ones are superseded, ``latest`` is taken;
+    an announced version that never existed, newer than ``latest``, is still a failure."""
+    import shutil
+
+    run = tmp_path / "run"
+    notes = ListNotifications()
+    w = DraftSource(run, frozen_dir, notifications=notes)
+    paths = [kit.publish(kit.make(target_config, seed=10 + v), run, target_config, v, v) for v in (1, 2, 3)]
+    notes.queue += [announce(p, v) for v, p in zip((1, 2), paths, strict=False)]
+    shutil.rmtree(paths[0])
+    shutil.rmtree(paths[1])
+    assert w.poll() is True and w.current_version == 3 and w.failures == 0 and w.superseded == 2
+    notes.queue.append(announce(paths[2], 9))  # forged: v0009 was never published
+    assert w.poll() is False and w.current_version == 3 and w.failures == 1
+
+
 def test_a_version_pruned_while_it_is_verified_is_superseded_not_failed(
     tmp_path, frozen_dir, kit, target_config, monkeypatch
 ):
