@@ -68,7 +68,7 @@ BENCH_TARGETS := bench-warmstart bench-learning-curve bench-draft-vocab bench-ob
 	bench-objectives-finetune bench-train-step-profile bench-selfdistill-speed bench-vllm-engine \
 	bench-verify-choice bench-advise bench-drift bench-drift-vllm bench-drift-vllm-kl bench-drift-vllm-oracle \
 	bench-adapt-playback bench-drift-trigger bench-verify-drift bench-draft-variants bench-tap-stats \
-	bench-trl-drift bench-trl-overhead bench-trl-kl bench-trl-task bench-soak bench-task-probe bench-task-pays bench-draft-swap-cost \
+	bench-trl-drift bench-trl-overhead bench-trl-kl bench-trl-task bench-mtp-native bench-soak bench-task-probe bench-task-pays bench-draft-swap-cost \
 	bench-ray-vs-process
 .PHONY: bench bench-checkpoints $(BENCH_TARGETS)
 
@@ -156,6 +156,8 @@ bench-trl-kl: fetch $(ADVISE_DRAFT)
 	$(PY) benchmarks/trl_drift.py --name kl --arms tap --learning-rate 5e-3 --draft checkpoints/advise-draft
 bench-trl-task: fetch $(TASK_DRAFT)
 	$(PY) benchmarks/trl_drift.py --name task --task task:add --arms tap --steps 24 --completion-tokens 48 --learning-rate 1e-3 --draft checkpoints/smollm2-task-draft
+bench-mtp-native: $(STAMP)
+	$(PY) benchmarks/mtp_native_vs_scratch.py
 bench-soak: fetch $(DEMO_DRAFT)
 	$(PY) benchmarks/soak.py --minutes 10 --draft checkpoints/smollm2-demo
 bench-task-probe: fetch

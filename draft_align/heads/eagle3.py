@@ -185,13 +185,21 @@ class Eagle3Shape(LayerWidths, Protocol):
     def vocab_size(self) -> int: ...
 
 
+def full_vocab(cfg: Eagle3Shape) -> bool:
+    """Whether the draft vocabulary is the target's whole vocabulary: the engine tensors then carry no d2t/t2d
+    (vLLM's EAGLE-3 model has no parameter for them and refuses them; speculators and SGLang take their absence
+    as the identity), and ``lm_head`` rows are in target-id order."""
+    return cfg.draft_vocab_size == cfg.vocab_size
+
+
 def expected_shapes(cfg: Eagle3Shape) -> dict[str, tuple[int, ...]]:
-    """Every engine tensor of the head, by its engine name (= this module's state-dict name), and its shape."""
+    """Every engine tensor of the head, by its engine name (= this module's state-dict name), and its shape
+    (no ``d2t``/``t2d`` for a :func:`full_vocab` draft)."""
     h, hd = cfg.hidden_size, cfg.head_dim
     q, kv, inter = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd, cfg.intermediate_size
     a = "midlayer.self_attn."
     m = "midlayer.mlp."
-    return {
+    shapes = {
         "fc.weight": (h, cfg.fc_in_features),
         a + "q_proj.weight": (q, 2 * h),  # q/k/v read cat(emb, hidden)
         a + "k_proj.weight": (kv, 2 * h),
@@ -205,9 +213,11 @@ def expected_shapes(cfg: Eagle3Shape) -> dict[str, tuple[int, ...]]:
         "midlayer.post_attention_layernorm.weight": (h,),
         "norm.weight": (h,),
         "lm_head.weight": (cfg.draft_vocab_size, h),
-        "d2t": (cfg.draft_vocab_size,),
-        "t2d": (cfg.vocab_size,),
     }
+    if not full_vocab(cfg):
+        shapes["d2t"] = (cfg.draft_vocab_size,)
+        shapes["t2d"] = (cfg.vocab_size,)
+    return shapes
 
 
 class MidLayer(nn.Module):
@@ -267,8 +277,24 @@ class Eagle3Draft(nn.Module):
         return self.d2t + torch.arange(self.d2t.numel(), device=self.d2t.device)
 
     def engine_state_dict(self) -> dict[str, torch.Tensor]:
-        """Exactly the tensors an engine loads (rotary caches excluded)."""
-        return {k: v for k, v in self.state_dict().items() if not k.startswith("rotary.")}
+        """Exactly the tensors an engine loads (rotary caches excluded).  A :func:`full_vocab` draft's
+        ``lm_head`` rows are put in target-id order and its d2t/t2d left out: the same draft, in the only
+        layout vLLM loads."""
+        sd = {k: v for k, v in self.state_dict().items() if not k.startswith("rotary.")}
+        if full_vocab(self.cfg):
+            order = torch.argsort(self.draft_to_target)  # row of target id t = the draft id mapped to t
+            sd["lm_head.weight"] = sd["lm_head.weight"][order.to(sd["lm_head.weight"].device)]
+            del sd["d2t"], sd["t2d"]
+        return sd
+
+    @staticmethod
+    def identity_vocab(cfg: Eagle3Shape) -> dict[str, torch.Tensor]:
+        """The d2t/t2d of a :func:`full_vocab` draft whose ``lm_head`` is in target-id order (what a loader
+        fills in when the engine tensors leave them out)."""
+        return {
+            "d2t": torch.zeros(cfg.draft_vocab_size, dtype=torch.long),
+            "t2d": torch.ones(cfg.vocab_size, dtype=torch.bool),
+        }
 
     # ----------------------------------------------------------------- training: TTT unroll
     def unroll(self, *args: Any, **kwargs: Any) -> list[torch.Tensor]:

@@ -32,6 +32,7 @@ from draft_align.heads.eagle3 import (
     Eagle3Draft,
     check_engine_aux_ids,
     expected_shapes,
+    full_vocab,
 )
 from draft_align.heads.layers import Rotary
 from draft_align.heads.vocab import check_d2t
@@ -118,6 +119,8 @@ def check_tensors(tensors: Mapping[str, torch.Tensor], cfg: Eagle3Config) -> Non
         raise ExportError(f"{name} has shape {list(got)}, expected {list(shape)}")
     for name, t in tensors.items():
         check_finite(name, t)
+    if "d2t" not in expected:  # a full-vocabulary draft: the identity, not stored
+        return
     try:
         check_d2t(tensors["d2t"].cpu(), tensors["t2d"].cpu())
     except ValueError as e:
@@ -157,6 +160,11 @@ def validate_draft(draft: Eagle3Draft, target_config: Any) -> None:
     check_rope(cfg.rope_parameters, target_config)
     if cfg.hidden_act != "silu":
         raise ExportError(f"hidden_act {cfg.hidden_act!r}: engines run silu")
+    if full_vocab(cfg):  # its mapping is folded into lm_head's row order on export: it must be a permutation
+        try:
+            check_d2t(draft.d2t.cpu(), draft.t2d.cpu())
+        except ValueError as e:
+            raise ExportError(f"d2t/t2d: {e}") from e
     check_tensors(draft.engine_state_dict(), cfg)
 
 
@@ -347,6 +355,8 @@ def load_eagle3(
         path, cfg, {"draft_vocab_size": cfg.draft_vocab_size, "target_hidden_size": cfg.target_hidden_size}
     )
     state = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in tensors.items()}
+    if full_vocab(cfg):
+        state.update(Eagle3Draft.identity_vocab(cfg))
     with torch.device("meta"):
         draft = Eagle3Draft(cfg)
     draft.load_state_dict(state, strict=True, assign=True)

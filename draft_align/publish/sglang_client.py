@@ -78,8 +78,12 @@ def sglang_load(folder: Path, device: str = "cuda") -> dict[str, Any]:
     out["unloaded"] = sorted(
         k for k, v in params.items() if "embed_tokens" not in k and bool((v.detach() == _SENTINEL).any())
     )
-    d2t = tensors["d2t"]
+    d2t = tensors.get("d2t")  # absent for a full-vocabulary draft: SGLang then has no hot ids either
     hot = model.get_hot_token_id()
-    out["hot_token_id_ok"] = hot is not None and torch.equal(hot.cpu(), d2t + torch.arange(d2t.numel()))
+    out["hot_token_id_ok"] = (
+        hot is None
+        if d2t is None
+        else hot is not None and torch.equal(hot.cpu(), d2t + torch.arange(d2t.numel()))
+    )
     out["aux_ids_sglang"] = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     return out

@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 
 from draft_align.heads.draft_head import HeadKind
-from draft_align.heads.eagle3 import DraftConfigError, Eagle3Config
+from draft_align.heads.eagle3 import DraftConfigError, Eagle3Config, full_vocab
 from draft_align.heads.mtp import MTPConfig
 from draft_align.publish import checked_manifest
 from draft_align.publish.folder import (
@@ -68,7 +68,10 @@ def read_tap_spec(draft_dir: Path) -> TapSpec:
     verify_file(path, WEIGHTS_FILE, manifest["files"][WEIGHTS_FILE])
     try:
         with safe_open(str(path / WEIGHTS_FILE), framework="pt") as f:
-            d2t = f.get_tensor("d2t").to(torch.long)
+            if full_vocab(cfg) and "d2t" not in f.keys():  # stored in target order, no map (heads/eagle3.py)
+                d2t = torch.zeros(cfg.draft_vocab_size, dtype=torch.long)
+            else:
+                d2t = f.get_tensor("d2t").to(torch.long)
     except Exception as e:  # safetensors raises its own error types
         raise CorruptCheckpointError(f"{WEIGHTS_FILE}: no readable d2t ({e})") from e
     if d2t.shape != (cfg.draft_vocab_size,):

@@ -51,7 +51,10 @@ class Eagle3Kit:
         return SimpleNamespace(**base)
 
     @classmethod
-    def make_draft(cls, aux: tuple[int, ...] = DEFAULT_IDS, seed: int = 0, **kw: Any) -> Eagle3Draft:
+    def make_draft(
+        cls, aux: tuple[int, ...] = DEFAULT_IDS, seed: int = 0, vocab: torch.Tensor | None = None, **kw: Any
+    ) -> Eagle3Draft:
+        """``vocab``: the selected target ids (default: 20 of the 50, odd ids 3..41)."""
         base = dict(
             hidden_size=32,
             intermediate_size=64,
@@ -71,7 +74,7 @@ class Eagle3Kit:
         d = Eagle3Draft(Eagle3Config(**base))
         for p in d.parameters():
             nn.init.normal_(p, std=0.3)
-        d.set_vocab(torch.arange(3, 43, 2))
+        d.set_vocab(torch.arange(3, 43, 2) if vocab is None else vocab)
         return d
 
     @classmethod

@@ -65,6 +65,45 @@ def test_weights_file_dtypes_and_names(e3, tmp_path):
     assert sd["fc.weight"].dtype == torch.float16
 
 
+@pytest.mark.parametrize("dialect", ["hf", "speculators"])
+def test_a_full_vocabulary_draft_is_stored_without_d2t_in_target_order(e3, tmp_path, dialect):
+    """Draft vocabulary = the target's: vLLM's EAGLE-3 model has no d2t parameter then and refuses one, so
+    the export leaves d2t/t2d out and stores lm_head's rows in target-id order (select_vocab orders by
+    count, not by id); loaded back, the draft proposes the same target ids with the same logits."""
+    perm = torch.randperm(50, generator=torch.Generator().manual_seed(3))  # draft id i -> target id perm[i]
+    d = e3.make_draft(vocab=perm, draft_vocab_size=50)
+    out = e3.export(d, tmp_path / "v0001", dialect=dialect)
+    sd = safetensors.torch.load_file(str(out / "model.safetensors"))
+    assert "d2t" not in sd and "t2d" not in sd
+    assert set(expected_shapes(d.cfg)) == e3.ENGINE_NAMES - {"d2t", "t2d"}
+    loaded, _ = load_draft(out)
+    assert torch.equal(loaded.draft_to_target, torch.arange(50)) and bool(loaded.t2d.all())
+    torch.manual_seed(1)
+    hidden, emb, pos = torch.randn(5, 72), torch.randn(5, 32), torch.arange(5)
+    got = loaded.step(loaded.new_cache(), hidden, emb, pos, from_target=True)[0]
+    want = d.step(d.new_cache(), hidden, emb, pos, from_target=True)[0]
+    on_target = torch.empty_like(want)
+    on_target[..., d.draft_to_target] = want  # the original's logits, indexed by target id
+    torch.testing.assert_close(got, on_target, rtol=2e-2, atol=2e-2)  # bf16 weights
+    assert torch.equal(got.argmax(-1), on_target.argmax(-1))
+    from draft_align.publish.tap_spec import read_tap_spec
+
+    assert torch.equal(read_tap_spec(out).draft_to_target, torch.arange(50))  # what the Tap ships for it
+    # exported again, the loaded draft writes the same tensors
+    again = safetensors.torch.load_file(
+        str(e3.export(loaded, tmp_path / "v0002", dialect=dialect) / "model.safetensors")
+    )
+    assert all(torch.equal(sd[k], again[k]) for k in sd)
+
+
+def test_a_full_vocabulary_draft_with_a_broken_map_is_refused(e3, tmp_path):
+    d = e3.make_draft(vocab=torch.arange(50), draft_vocab_size=50)
+    d.d2t[1] = -1  # draft ids 0 and 1 both map to target id 0
+    with pytest.raises(ExportError, match="d2t/t2d"):
+        e3.export(d, tmp_path / "v0001")
+    assert not (tmp_path / "v0001").exists()
+
+
 # ----------------------------------------------------------------------------- config.json
 def test_hf_config_fields_exact_default_ids(e3, tmp_path):
     out = e3.export(e3.make_draft(e3.DEFAULT_IDS), tmp_path / "v")
