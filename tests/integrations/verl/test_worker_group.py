@@ -1,6 +1,7 @@
 """draft_align inside real verl workers: verl's own ``RayWorkerGroup`` on CPU resources of a real local Ray
 cluster (127.0.0.1) hosts ``DraftAlignActorRolloutRefWorker`` (verl's ``ActorRolloutRefWorker``, role "actor",
-built by verl from verl's own generated trainer config on the tiny target: FSDP2 engine, gloo); each worker
+built by verl from verl's own generated trainer config on the tiny target: FSDP2 engine, gloo; through the CPU
+subclass of verl_cpu_worker.py, which only joins the gloo group verl cannot join on a CPU); each worker
 finds the Ray-hosted sidecar the driver started in the run's registry, taps verl's old-log-prob pass
 (``compute_log_prob`` through the worker group's dispatch) and sends to it; the sidecar trains and publishes,
 and the driver's step boundary picks up a draft version >= 1."""
