@@ -411,7 +411,7 @@ class HFPolicyTap:
             self.hidden_size,
             self.vocab_size,
             _norm_eps(norm),
-            norm.weight,
+            full_tensor(norm.weight.detach()),  # under FSDP2 a sharded DTensor too
             d2t,
             weight[d2t.to(weight.device)],  # the rows of the draft vocabulary: a copy (gather)
         )

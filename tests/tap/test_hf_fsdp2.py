@@ -67,14 +67,24 @@ def _micro_batches(rank: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Te
     return out
 
 
-def _run_tap(model, rank: int, fused: bool) -> tuple[list[dict[str, torch.Tensor]], dict[str, int], int]:
-    """The tap over this rank's micro-batches of one step: logits=None (fused) or the model's logits."""
+def _run_tap(
+    model, rank: int, fused: bool
+) -> tuple[list[dict[str, torch.Tensor]], dict[str, int], int, dict[str, torch.Tensor]]:
+    """The tap over this rank's micro-batches of one step: logits=None (fused) or the model's logits; and the
+    HeadSync's norm weight and lm_head rows before it."""
     from torch.distributed.tensor import DTensor
 
     sink = ListSink()
     tap = HFPolicyTap(
         model, AUX, sink, run_id="r", tokens_per_step=TOKENS_PER_STEP, topk=3, rank=rank, seed=0
     )
+    assert tap.head_sync(
+        1, torch.arange(0, V, 2)
+    )  # on every rank: under FSDP2 the head's gathers are collectives
+    (head_msg,) = sink.messages
+    head = {f: getattr(head_msg, f) for f in ("norm_weight", "rows")}
+    assert not any(isinstance(t, DTensor) for t in head.values())  # plain host tensors, valid on the wire
+    sink.messages.clear()
     with torch.no_grad(), tap.capturing():
         for ids, am, lm in _micro_batches(rank):
             out = model(input_ids=ids, attention_mask=am)
@@ -102,7 +112,7 @@ def _run_tap(model, rank: int, fused: bool) -> tuple[list[dict[str, torch.Tensor
         "final_hidden",
         "stats_from",
     )
-    return [{f: getattr(m, f) for f in fields} for m in sink.messages], tap.stats(), accepted
+    return [{f: getattr(m, f) for f in fields} for m in sink.messages], tap.stats(), accepted, head
 
 
 def _worker(rank: int, store: str, out: str) -> None:
@@ -157,12 +167,15 @@ def test_fused_head_under_fsdp2_with_ranks_keeping_different_rows(tmp_path, monk
 
     got = {r: torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)}
     # rank 1 kept nothing: every row had no response
-    msgs1, stats1, accepted1 = got[1]["fused"]
+    msgs1, stats1, accepted1, _ = got[1]["fused"]
     assert msgs1 == [] and accepted1 == 0
     assert stats1["no_response"] == MICRO_BATCHES * ROWS and stats1["sequences_kept"] == 0
     # rank 0 kept some of its rows under the budget: the same ones, with the same statistics, as the plain run
-    msgs0, stats0, accepted0 = got[0]["fused"]
-    want_msgs, want_stats, want_accepted = got[0]["plain"]
+    msgs0, stats0, accepted0, head0 = got[0]["fused"]
+    want_msgs, want_stats, want_accepted, want_head = got[0]["plain"]
+    for r in range(WORLD):  # the sharded model's HeadSync on every rank: the unsharded model's, whole
+        for name, want in want_head.items():
+            assert torch.equal(got[r]["fused"][3][name], want), (r, name)
     assert 2 <= stats0["sequences_kept"] < MICRO_BATCHES * ROWS
     assert stats0 == want_stats and accepted0 == want_accepted and 0 < accepted0 <= TOKENS_PER_STEP
     assert len(msgs0) == len(want_msgs) == 1

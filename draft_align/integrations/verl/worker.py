@@ -77,13 +77,20 @@ class DraftAlignActorRolloutRefWorker(ActorRolloutRefWorker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def draft_align_stats(self) -> dict[str, float]:
-        """This rank's Tap counters (empty without a Tap)."""
+        """This rank's Tap counters: the HF Tap's (``tap_*``), its sender's (``wire_*``), the calls tapped and
+        skipped, and the policy version it tags (empty without a Tap)."""
         tap = self.draft_align_tap
         if tap is None:
             return {}
         stats = {f"tap_{k}": float(v) for k, v in tap.tap.stats().items()}
         stats.update({f"wire_{k}": float(v) for k, v in tap.tap.sink.stats().items()})
         stats["tap_s"] = tap.seconds
+        stats.update(
+            tapped_calls=float(tap.tapped_calls),
+            skipped_calls=float(tap.skipped_calls),
+            micro_batches=float(tap.micro_batches),
+            policy_version=float(tap.version),
+        )
         return stats
 
 

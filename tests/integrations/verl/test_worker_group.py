@@ -1,0 +1,121 @@
+"""draft_align inside real verl workers: verl's own ``RayWorkerGroup`` on CPU resources of a real local Ray
+cluster (127.0.0.1) hosts ``DraftAlignActorRolloutRefWorker`` (verl's ``ActorRolloutRefWorker``, role "actor",
+built by verl from verl's own generated trainer config on the tiny target: FSDP2 engine, gloo; through the CPU
+subclass of verl_cpu_worker.py, which only joins the gloo group verl cannot join on a CPU); each worker
+finds the Ray-hosted sidecar the driver started in the run's registry, taps verl's old-log-prob pass
+(``compute_log_prob`` through the worker group's dispatch) and sends to it; the sidecar trains and publishes,
+and the driver's step boundary picks up a draft version >= 1."""
+
+from __future__ import annotations
+
+import pytest
+import verl
+from omegaconf import OmegaConf
+from verl.utils import tensordict_utils as tu
+
+from draft_align.config import RESOLVED_RECIPE
+from draft_align.integrations.verl.driver import VerlDraftAlign
+from tests.integrations.ray.conftest import local_cluster, worker_env
+from tests.integrations.verl.test_driver import rollout_batch
+
+pytestmark = [pytest.mark.usefixtures("tiny_env"), pytest.mark.ray]
+
+VERL_DEFAULTS = f"{verl.__path__[0]}/trainer/config/_generated_ppo_trainer.yaml"
+
+
+def actor_config(model: str, recipe: str):
+    """``actor_rollout_ref`` of verl's generated PPO trainer config for a one-rank FSDP2 actor on this CPU
+    (float32, no torch.compile, micro-batches of 2), with draft_align's recipe key."""
+    base = OmegaConf.load(VERL_DEFAULTS)
+    OmegaConf.set_struct(base, False)
+    merged = OmegaConf.merge(
+        base,
+        OmegaConf.from_dotlist(
+            [
+                f"actor_rollout_ref.model.path={model}",
+                "actor_rollout_ref.model.use_remove_padding=true",
+                "actor_rollout_ref.model.override_config.attn_implementation=sdpa",
+                "actor_rollout_ref.actor.strategy=fsdp2",
+                "actor_rollout_ref.actor.use_torch_compile=false",
+                "actor_rollout_ref.actor.fsdp_config.use_torch_compile=false",
+                "actor_rollout_ref.actor.fsdp_config.dtype=float32",
+                "actor_rollout_ref.actor.fsdp_config.model_dtype=fp32",
+                "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+                "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+                "actor_rollout_ref.rollout.name=vllm",
+                "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
+                f"actor_rollout_ref.draft_align.recipe={recipe}",
+            ]
+        ),
+    )
+    OmegaConf.resolve(merged)
+    return merged.actor_rollout_ref
+
+
+def test_verl_workers_tap_old_log_prob_passes_for_a_ray_sidecar_that_publishes(tiny_run, tmp_path, until):
+    from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+    from verl_cpu_platform import worker_env as cpu_worker_env
+    from verl_cpu_worker import CPUDraftAlignActorRolloutRefWorker
+
+    from draft_align.integrations.ray.runtime import import_ray
+
+    ray = import_ray()
+    with local_cluster(tiny_run.world.home) as namespace:
+        over = tiny_run.cotrain_overrides(
+            tmp_path, run="verlwg", **{"sidecar.host": "ray", "ray.namespace": namespace, "ray.num_cpus": 1}
+        )
+        da = VerlDraftAlign({}, None, over, check=False)
+        endpoints = da.start()  # before the workers: they find its endpoints in the run's registry
+        try:
+            assert endpoints is not None
+            config = actor_config(str(tiny_run.world.model), str(da.recipe.run_dir / RESOLVED_RECIPE))
+            pool = RayResourcePool(process_on_nodes=[1], use_gpu=False, max_colocate_count=1)
+            wg = RayWorkerGroup(
+                resource_pool=pool,
+                ray_cls_with_init=RayClassWithInitArgs(
+                    cls=ray.remote(CPUDraftAlignActorRolloutRefWorker), config=config, role="actor"
+                ),
+                device_name="cpu",
+                worker_env=cpu_worker_env(worker_env()["PYTHONPATH"]),
+            )
+            assert wg.world_size == 1
+            wg.init_model()
+            vocab = _vocab(tiny_run.world.model)
+            seen: list[dict[str, float]] = []
+            step = 0
+
+            def rl_step():
+                nonlocal step
+                step += 1
+                out = wg.compute_log_prob(rollout_batch(vocab, step))  # verl's dispatch to every actor rank
+                assert out is not None and "log_probs" in out.keys()
+                seen.append(da.step_end(step, {"reward_mean": 0.5}))
+
+            published = until(
+                lambda: seen and seen[-1]["draft_align/draft_version"] >= 1, 120, every=rl_step, poll_s=0.5
+            )
+            ref = rollout_batch(vocab, 0)
+            tu.assign_non_tensor(ref, calculate_entropy=False)  # the reference pass as verl sends it
+            assert "log_probs" in wg.compute_log_prob(ref).keys()
+            (stats,) = wg.draft_align_stats()  # one dict per rank, from inside the verl worker
+            assert published, (seen[-1:], stats, da.sidecar.status())
+            last = seen[-1]
+            assert last["draft_align/sidecar_alive"] == 1.0
+            assert last["draft_align/sidecar_published_version"] >= 1
+            assert last["draft_align/draft_failures"] == 0.0
+            assert (
+                stats["tapped_calls"] == step and stats["skipped_calls"] == 1
+            )  # the reference pass: untapped
+            assert stats["micro_batches"] >= 2 * step  # 4 rollouts, micro-batches of 2 (verl's config)
+            assert stats["tap_tokens_offered"] > 0 and stats["tap_head_syncs"] >= 1
+            # every message the worker's Tap offered is valid on the wire (the FSDP2 HeadSync once was not)
+            assert stats["wire_sent"] >= 2 and stats["wire_dropped_invalid"] == 0
+        finally:
+            final = da.stop(exit_timeout_s=60)
+        assert final is not None and final["error"] is None
+
+
+def _vocab(model_dir) -> int:
+    from transformers import AutoConfig
+
+    return int(AutoConfig.from_pretrained(model_dir).vocab_size)
