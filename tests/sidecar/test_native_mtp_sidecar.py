@@ -41,8 +41,14 @@ def mimo_world(tmp_path_factory, tiny_world):
     recipe = load_recipe(
         None, tiny_overrides(root / "mimo", tiny_world.data, root / "ckpt", run="native", **NATIVE)
     )
-    summary, _ = run_warmstart(recipe, tiny_world.home)
+    summary, _ = run_warmstart(recipe, _home(root / "mimo"))  # its own caches: never the shared tiny world's
     return root / "mimo", cfg, tensors, recipe, summary
+
+
+def _home(target):
+    """The draft_align home of a tiny MiMo's runs, beside its folder (the shared tiny world's home holds one
+    response cache, which tests/warmstart checks)."""
+    return target.parent / "home"
 
 
 def test_warmstart_trains_the_checkpoints_own_layer_and_publishes_it_under_mimos_names(mimo_world):
@@ -75,7 +81,7 @@ def test_sidecar_trains_and_publishes_the_native_head(
     from tests.sidecar.conftest import Feeder
 
     target, cfg, tensors, ws, _ = mimo_world
-    monkeypatch.setenv("DRAFT_ALIGN_HOME", str(tiny_world.home))
+    monkeypatch.setenv("DRAFT_ALIGN_HOME", str(_home(target)))
     start = ws.run_dir / "drafts" / "v0001"
     overrides = TinyRun(tiny_world, None, {}, ws.run_dir, 0.0).cotrain_overrides(
         tmp_path, **{"target.model": str(target), "sidecar.train.adapt": adapt, "sidecar.train.lora.rank": 4}
@@ -116,7 +122,7 @@ def _warmstart_error(tmp_path, tiny_world, target, match, **extra):
         None, tiny_overrides(target, tiny_world.data, tmp_path / "ckpt", run="bad", **{**NATIVE, **extra})
     )
     with pytest.raises(WarmstartError, match=match) as info:
-        run_warmstart(recipe, tiny_world.home)
+        run_warmstart(recipe, tmp_path / "home")
     assert "\n" not in str(info.value)
     assert not (recipe.run_dir / "drafts").exists()
 
