@@ -167,6 +167,8 @@ def cmd_export(args: argparse.Namespace) -> int:
         verifier = getattr(target.config, "_name_or_path", None) or None
         res = check_with_client(out, args.check, target.config, verifier=verifier)
         print(f"{res.client}: ran {res.ran}")
+        for line in res.report:
+            print(f"{res.client}: {line}")
         for p in res.problems:
             print(f"{res.client}: {p}")
         print(

@@ -95,7 +95,7 @@ def test_qwen3_next_layout_through_vllm_qwen3_next_mtp(tiny_llama, tmp_path):
     assert not rep.dropped and not rep.ok
 
 
-@pytest.fixture(scope="module", params=["mimo", "glm4_moe"])
+@pytest.fixture(scope="module", params=["mimo", "glm4_moe", "deepseek_v3"])
 def native(request, tmp_path_factory):
     """A tiny checkpoint's own MTP layer published in the native format (what ``warmstart`` writes)."""
     from benchmarks.common.mtp_checkpoints import save_checkpoint
@@ -123,7 +123,9 @@ def test_native_mtp_folder_through_the_familys_own_drafter(native):
     family, out = native
     rep = vllm_load_isolated(out)
     accounted(rep, out)
-    assert rep.vllm_class == {"mimo": "MiMoMTP", "glm4_moe": "Glm4MoeMTP"}[family]
+    assert (
+        rep.vllm_class == {"mimo": "MiMoMTP", "glm4_moe": "Glm4MoeMTP", "deepseek_v3": "DeepSeekMTP"}[family]
+    )
     assert rep.ok, rep.problems()
     assert not (rep.dropped or rep.refused or rep.unloaded)  # every tensor lands, every parameter written
     assert rep.landed["model.embed_tokens.weight"] == ["model.embed_tokens.weight"]
@@ -159,9 +161,8 @@ def _rewrite(src, dst, edit):
 
 def test_native_mtp_folder_with_a_renamed_or_missing_tensor_fails_naming_it(native, tmp_path):
     family, out = native
-    name = {"mimo": "model.mtp_layers.0.input_proj.weight", "glm4_moe": "model.layers.2.eh_proj.weight"}[
-        family
-    ]
+    mimo = family == "mimo"
+    name = "model.mtp_layers.0.input_proj.weight" if mimo else "model.layers.2.eh_proj.weight"
     renamed = name.replace("_proj.", "_projection.")
     bad = _rewrite(
         out, tmp_path / "renamed", lambda t: {renamed if k == name else k: v for k, v in t.items()}
@@ -175,6 +176,6 @@ def test_native_mtp_folder_with_a_renamed_or_missing_tensor_fails_naming_it(nati
     assert all("\n" not in p for p in problems)
     gone = _rewrite(out, tmp_path / "removed", lambda t: {k: v for k, v in t.items() if k != name})
     rep = vllm_load_isolated(gone)
-    vllm_param = {"mimo": "model.mtp_layers.2.input_proj.weight", "glm4_moe": name}[family]
+    vllm_param = "model.mtp_layers.2.input_proj.weight" if mimo else name
     assert rep.unloaded == [vllm_param]
     assert rep.problems() == [f"vLLM parameter {vllm_param} is never written (keeps its initial values)"]

@@ -30,6 +30,7 @@ from typing import Any
 import safetensors.torch
 import torch
 
+from draft_align.heads.native_mtp import EMBED
 from draft_align.publish.folder import CONFIG_FILE, MANIFEST_FILE, NATIVE_MTP_FORMAT, WEIGHTS_FILE
 
 # llama_eagle3.py load_weights: `if "t2d" in name: continue` (vLLM maps with d2t only)
@@ -248,23 +249,43 @@ def vllm_load(folder: Path) -> LoadReport:
         with torch.no_grad():
             for v in params.values():  # vLLM allocates with torch.empty: mark every element as unwritten
                 v.fill_(_SENTINEL)
-        written: set[str] = set()
+
+        def offer(batch: list[tuple[str, torch.Tensor]]) -> tuple[list[str], str | None]:
+            """The parameters ``load_weights(batch)`` changed, even if it then raised, and its error (a
+            batch's earlier tensors already landed with these values: re-writing them changes nothing)."""
+            snap = {k: v.detach().clone() for k, v in params.items()}
+            err = None
+            try:
+                model.load_weights(batch)
+            except Exception as e:  # noqa: BLE001 - any loader error is the finding
+                err = f"{type(e).__name__}: {e}"
+            return [k for k, v in params.items() if not torch.equal(v.detach(), snap[k])], err
+
+        def verdict(name: str, hit: list[str]) -> None:
+            if hit:
+                rep.landed[name] = hit
+            elif name in _SKIPPED_BY_DESIGN.get(layout, ()):
+                rep.skipped.append(name)
+            else:
+                rep.dropped.append(name)
+
+        partial: dict[str, list[str]] = {}  # what a refused tensor wrote before the loader raised
         with set_current_vllm_config(vc):
             for name, t in tensors.items():
-                snap = {k: v.detach().clone() for k, v in params.items()}
-                try:
-                    model.load_weights([(name, t)])
-                except Exception as e:  # noqa: BLE001 - any loader error is the finding
-                    rep.refused[name] = f"{type(e).__name__}: {e}"
-                    continue
-                hit = [k for k, v in params.items() if not torch.equal(v.detach(), snap[k])]
-                if hit:
-                    rep.landed[name] = hit
-                    written.update(hit)
-                elif name in _SKIPPED_BY_DESIGN.get(layout, ()):
-                    rep.skipped.append(name)
+                hit, err = offer([(name, t)])
+                if err is None:
+                    verdict(name, hit)
                 else:
-                    rep.dropped.append(name)
+                    rep.refused[name], partial[name] = err, hit
+            # DeepSeekMTP.load_weights raises unless one call holds an MTP layer's tensor ("MTP speculative
+            # decoding layer N weights missing"): a tensor it refused alone is offered again after one that
+            # landed, as a whole-folder load would see it
+            anchor = next((n for n in rep.landed if n not in (EMBED, "lm_head.weight")), None)
+            for name in list(rep.refused) if native and anchor else []:
+                hit, err = offer([(anchor, tensors[anchor]), (name, tensors[name])])
+                if err is None:  # refused in company too: the first error stands
+                    del rep.refused[name]
+                    verdict(name, sorted(set(partial[name]) | set(hit)))
         if mtp:
             rep.shared = sorted(k for k in params if any(s in k for s in _SHARED_WITH_TARGET))
         # a parameter with any element still at the sentinel was (partly) never written, e.g. the k/v
