@@ -174,7 +174,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         print(
             f"{res.client}: compatible"
             if not res.problems
-            else f"{res.client}: {len(res.problems)} problem(s)"
+            else f"{res.client}: {len(res.problems)} problem(s), the first: {res.problems[0]}"
         )
         return 1 if res.problems else 0
     return 0

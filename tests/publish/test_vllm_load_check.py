@@ -1,7 +1,8 @@
 """engines/vllm/load_check.py: our exports offered, tensor by tensor, to vLLM's own draft classes built on CPU
-(Eagle3LlamaForCausalLM for both EAGLE-3 dialects; DeepSeekMTP, Qwen3NextMTP).  Pins what vLLM 0.32 does
-with each tensor: every EAGLE-3 tensor lands; of the MTP exports only the MTP-specific tensors land, our
-Llama-shaped block does not fit either MTP class (docs/engines.md, "Which client read which format")."""
+(Eagle3LlamaForCausalLM for both EAGLE-3 dialects; DeepSeekMTP, Qwen3NextMTP; a native MTP folder's own
+MiMoMTP, Glm4MoeMTP, DeepSeekMTP).  Pins what vLLM 0.32 does with each tensor: every EAGLE-3 tensor lands; of
+the Llama-block MTP exports only the MTP-specific tensors land, our Llama-shaped block does not fit either MTP
+class; every tensor of a native folder lands (docs/engines.md, "Which client read which format")."""
 
 from __future__ import annotations
 
@@ -179,3 +180,17 @@ def test_native_mtp_folder_with_a_renamed_or_missing_tensor_fails_naming_it(nati
     vllm_param = "model.mtp_layers.2.input_proj.weight" if mimo else name
     assert rep.unloaded == [vllm_param]
     assert rep.problems() == [f"vLLM parameter {vllm_param} is never written (keeps its initial values)"]
+
+
+def test_native_mtp_check_with_client_reports_every_tensor(native):
+    """What ``draft-align export --check vllm`` prints for a native folder: each tensor's parameter, the
+    shared ones apart, no problem."""
+    from draft_align.engines.client_check import check_with_client
+
+    family, out = native
+    if family != "mimo":
+        pytest.skip("one family is enough for the client wrapper")
+    res = check_with_client(out, "vllm", None)
+    assert res.real and "MiMoMTP.load_weights" in res.ran and not res.problems
+    assert "model.mtp_layers.0.input_proj.weight → model.mtp_layers.2.input_proj.weight" in res.report
+    assert res.report[-1].startswith("shared with the target at engine load")
