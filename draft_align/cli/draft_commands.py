@@ -167,12 +167,14 @@ def cmd_export(args: argparse.Namespace) -> int:
         verifier = getattr(target.config, "_name_or_path", None) or None
         res = check_with_client(out, args.check, target.config, verifier=verifier)
         print(f"{res.client}: ran {res.ran}")
+        for line in res.report:
+            print(f"{res.client}: {line}")
         for p in res.problems:
             print(f"{res.client}: {p}")
         print(
             f"{res.client}: compatible"
             if not res.problems
-            else f"{res.client}: {len(res.problems)} problem(s)"
+            else f"{res.client}: {len(res.problems)} problem(s), the first: {res.problems[0]}"
         )
         return 1 if res.problems else 0
     return 0

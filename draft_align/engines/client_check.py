@@ -19,12 +19,14 @@ CLIENTS = ("vllm", "sglang", "speculators")
 
 @dataclass(frozen=True)
 class ClientCheck:
-    """One check of a folder: which client, what ran (``real`` loader or ``rule-based``), the problems."""
+    """One check of a folder: which client, what ran (``real`` loader or ``rule-based``), the problems, and
+    the loader's per-tensor report where it gives one (vLLM: where each tensor landed)."""
 
     client: str
     real: bool
     ran: str
     problems: list[str] = field(default_factory=list)
+    report: list[str] = field(default_factory=list)
 
 
 def _installed(pkg: str) -> str | None:
@@ -65,7 +67,13 @@ def check_vllm(folder: Path) -> ClientCheck:
             problems.append(
                 f"vLLM captures aux ids {rep.aux_ids or 'default'}, the draft was trained on {hf}"
             )
-    return ClientCheck("vllm", True, f"real loader: vLLM {version} {rep.vllm_class}.load_weights", problems)
+    return ClientCheck(
+        "vllm",
+        True,
+        f"real loader: vLLM {version} {rep.vllm_class}.load_weights",
+        problems,
+        report=[ln for ln in rep.lines() if ln not in problems],
+    )
 
 
 def check_sglang(folder: Path, target_config: Any) -> ClientCheck:

@@ -1,7 +1,8 @@
 """engines/vllm/load_check.py: our exports offered, tensor by tensor, to vLLM's own draft classes built on CPU
-(Eagle3LlamaForCausalLM for both EAGLE-3 dialects; DeepSeekMTP, Qwen3NextMTP).  Pins what vLLM 0.32 does
-with each tensor: every EAGLE-3 tensor lands; of the MTP exports only the MTP-specific tensors land, our
-Llama-shaped block does not fit either MTP class (docs/engines.md, "Which client read which format")."""
+(Eagle3LlamaForCausalLM for both EAGLE-3 dialects; DeepSeekMTP, Qwen3NextMTP; a native MTP folder's own
+MiMoMTP, Glm4MoeMTP, DeepSeekMTP).  Pins what vLLM 0.32 does with each tensor: every EAGLE-3 tensor lands; of
+the Llama-block MTP exports only the MTP-specific tensors land, our Llama-shaped block does not fit either MTP
+class; every tensor of a native folder lands (docs/engines.md, "Which client read which format")."""
 
 from __future__ import annotations
 
@@ -93,3 +94,103 @@ def test_qwen3_next_layout_through_vllm_qwen3_next_mtp(tiny_llama, tmp_path):
         rep.unloaded
     )
     assert not rep.dropped and not rep.ok
+
+
+@pytest.fixture(scope="module", params=["mimo", "glm4_moe", "deepseek_v3"])
+def native(request, tmp_path_factory):
+    """A tiny checkpoint's own MTP layer published in the native format (what ``warmstart`` writes)."""
+    from benchmarks.common.mtp_checkpoints import save_checkpoint
+    from draft_align.heads.native_mtp import NativeMTPConfig, from_checkpoint
+    from draft_align.publish.folder import ExportRequest
+    from draft_align.publish.native_mtp_format import write_native_mtp
+
+    cfg, tensors = save_checkpoint(request.param, tmp_path_factory.mktemp(request.param) / "ckpt")
+    draft = from_checkpoint(NativeMTPConfig.from_target(cfg), tensors)
+    req = ExportRequest(
+        target_config=cfg,
+        target_name="tiny",
+        metrics={},
+        draft_version=1,
+        policy_version=0,
+        tokenizer_fingerprint="fp",
+        dtype=torch.float32,
+    )
+    out = tmp_path_factory.mktemp(request.param) / "native"
+    write_native_mtp(draft, out, req)
+    return request.param, out
+
+
+def test_native_mtp_folder_through_the_familys_own_drafter(native):
+    family, out = native
+    rep = vllm_load_isolated(out)
+    accounted(rep, out)
+    assert (
+        rep.vllm_class == {"mimo": "MiMoMTP", "glm4_moe": "Glm4MoeMTP", "deepseek_v3": "DeepSeekMTP"}[family]
+    )
+    assert rep.ok, rep.problems()
+    assert not (rep.dropped or rep.refused or rep.unloaded)  # every tensor lands, every parameter written
+    assert rep.landed["model.embed_tokens.weight"] == ["model.embed_tokens.weight"]
+    # vLLM takes embedding and head from the target at engine load: reported apart, never a fault
+    assert "model.embed_tokens.weight" in rep.shared
+    assert any("shared with the target" in ln for ln in rep.lines())
+    if family == "mimo":  # the checkpoint's layer 0 is vLLM's layer N, q/k/v fused into qkv_proj
+        p = "model.mtp_layers."
+        assert rep.landed[p + "0.input_proj.weight"] == [p + "2.input_proj.weight"]
+        assert rep.landed[p + "0.self_attn.q_proj.weight"] == [p + "2.mtp_block.self_attn.qkv_proj.weight"]
+        assert rep.shared == ["lm_head.weight", "model.embed_tokens.weight"]
+    else:  # experts one by one into the fused w13 / w2; the per-depth head copy is shared
+        p = "model.layers.2."
+        assert rep.landed[p + "eh_proj.weight"] == [p + "eh_proj.weight"]
+        assert rep.landed[p + "mlp.experts.1.up_proj.weight"] == [
+            p + "mtp_block.mlp.experts.routed_experts.w13_weight"
+        ]
+        assert p + "shared_head.head.weight" in rep.shared
+
+
+def _rewrite(src, dst, edit):
+    """A copy of the folder with its tensors edited and the manifest's sha256 left alone (vllm_load reads
+    the files as they are; check_with_client verifies sha256 first)."""
+    import shutil
+
+    import safetensors.torch
+
+    shutil.copytree(src, dst)
+    tensors = safetensors.torch.load_file(str(dst / "model.safetensors"))
+    safetensors.torch.save_file(edit(tensors), str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def test_native_mtp_folder_with_a_renamed_or_missing_tensor_fails_naming_it(native, tmp_path):
+    family, out = native
+    mimo = family == "mimo"
+    name = "model.mtp_layers.0.input_proj.weight" if mimo else "model.layers.2.eh_proj.weight"
+    renamed = name.replace("_proj.", "_projection.")
+    bad = _rewrite(
+        out, tmp_path / "renamed", lambda t: {renamed if k == name else k: v for k, v in t.items()}
+    )
+    rep = vllm_load_isolated(bad)
+    accounted(rep, bad)
+    assert not rep.ok
+    assert renamed in rep.dropped or renamed in rep.refused
+    problems = rep.problems()
+    assert any(p.startswith(renamed + ": ") for p in problems), problems
+    assert all("\n" not in p for p in problems)
+    gone = _rewrite(out, tmp_path / "removed", lambda t: {k: v for k, v in t.items() if k != name})
+    rep = vllm_load_isolated(gone)
+    vllm_param = "model.mtp_layers.2.input_proj.weight" if mimo else name
+    assert rep.unloaded == [vllm_param]
+    assert rep.problems() == [f"vLLM parameter {vllm_param} is never written (keeps its initial values)"]
+
+
+def test_native_mtp_check_with_client_reports_every_tensor(native):
+    """What ``draft-align export --check vllm`` prints for a native folder: each tensor's parameter, the
+    shared ones apart, no problem."""
+    from draft_align.engines.client_check import check_with_client
+
+    family, out = native
+    if family != "mimo":
+        pytest.skip("one family is enough for the client wrapper")
+    res = check_with_client(out, "vllm", None)
+    assert res.real and "MiMoMTP.load_weights" in res.ran and not res.problems
+    assert "model.mtp_layers.0.input_proj.weight → model.mtp_layers.2.input_proj.weight" in res.report
+    assert res.report[-1].startswith("shared with the target at engine load")

@@ -1,13 +1,19 @@
 """Our folders through vLLM's own draft model classes, built on CPU without an engine, fed through their
 ``load_weights``: EAGLE-3 (either dialect) → ``llama_eagle3.Eagle3LlamaForCausalLM`` with the draft's
 config parsed by vLLM's own ``ModelConfig`` (the speculators dialect through vLLM's speculators reader);
-MTP → ``deepseek_mtp.DeepSeekMTP`` / ``qwen3_next_mtp.Qwen3NextMTP``.
+the Llama-block MTP layouts → ``deepseek_mtp.DeepSeekMTP`` / ``qwen3_next_mtp.Qwen3NextMTP``; a native MTP
+folder (format ``draft_align.native_mtp``) → the family's own drafter (``mimo_mtp.MiMoMTP``,
+``glm4_moe_mtp.Glm4MoeMTP``, ``deepseek_mtp.DeepSeekMTP``) built from the folder's own config.json.
 
 The class is built inside a one-process gloo group and ``set_current_vllm_config``; the target is a tiny
-config shaped like the draft's target (EAGLE-3: a Llama with the manifest's layers / vocab / hidden; MTP: the
-*real* architecture with our head's shapes, the smallest block vLLM builds).  Each tensor of ``model.safetensors`` is offered to
+config shaped like the draft's target (EAGLE-3: a Llama with the manifest's layers / vocab / hidden; Llama-block MTP: the
+*real* architecture with our head's shapes, the smallest block vLLM builds; native MTP: the target's config the
+folder carries).  Each tensor of ``model.safetensors`` is offered to
 ``load_weights`` on its own, so the report says, per tensor, whether it landed in a parameter, was
-dropped without a word, or was refused with an error; and which of vLLM's parameters nothing wrote.
+dropped without a word, or was refused with an error; and which of vLLM's parameters nothing wrote.  An MTP
+drafter's embedding and lm_head (``shared_head.head`` too) are listed apart as ``shared``: vLLM's proposer
+replaces them with the target's when the engine loads the draft (``_maybe_share_embeddings`` /
+``_maybe_share_lm_head``), so whatever the folder holds for them never serves, and one left unwritten is no fault.
 vLLM is imported lazily here only (docs/engines.md, "Which client read which format").
 """
 
@@ -24,23 +30,31 @@ from typing import Any
 import safetensors.torch
 import torch
 
-from draft_align.publish.folder import CONFIG_FILE, MANIFEST_FILE, WEIGHTS_FILE
+from draft_align.heads.native_mtp import EMBED
+from draft_align.publish.folder import CONFIG_FILE, MANIFEST_FILE, NATIVE_MTP_FORMAT, WEIGHTS_FILE
 
 # llama_eagle3.py load_weights: `if "t2d" in name: continue` (vLLM maps with d2t only)
 _SKIPPED_BY_DESIGN = {"eagle3": ("t2d",)}
 _SENTINEL = 7.75  # exactly representable; no random weight equals it
-VLLM_CLASSES = {
-    "eagle3": "Eagle3LlamaForCausalLM",
-    "deepseek_v3": "DeepSeekMTP",
-    "qwen3_next": "Qwen3NextMTP",
+# layout → (module under vllm.model_executor.models, class); "native_mtp/<family>": the family's own drafter
+_CLASSES = {
+    "eagle3": ("llama_eagle3", "Eagle3LlamaForCausalLM"),
+    "deepseek_v3": ("deepseek_mtp", "DeepSeekMTP"),
+    "qwen3_next": ("qwen3_next_mtp", "Qwen3NextMTP"),
+    "native_mtp/mimo": ("mimo_mtp", "MiMoMTP"),
+    "native_mtp/glm4_moe": ("glm4_moe_mtp", "Glm4MoeMTP"),
+    "native_mtp/deepseek_v3": ("deepseek_mtp", "DeepSeekMTP"),
 }
+VLLM_CLASSES = {layout: cls for layout, (_, cls) in _CLASSES.items()}
+# vLLM parameters an MTP drafter takes from the target at engine load (llm_base_proposer.py)
+_SHARED_WITH_TARGET = ("embed_tokens.", "lm_head.", "shared_head.head.")
 
 
 @dataclass
 class LoadReport:
     """What vLLM's ``load_weights`` did with each tensor of one folder."""
 
-    layout: str  # eagle3 / deepseek_v3 / qwen3_next
+    layout: str  # eagle3 / deepseek_v3 / qwen3_next / native_mtp/<family>
     vllm_class: str
     aux_ids: list[int] | None = None  # EAGLE-3: the HF indices vLLM will capture (None: its default)
     landed: dict[str, list[str]] = field(default_factory=dict)  # our tensor → vLLM parameter(s) it wrote
@@ -49,7 +63,8 @@ class LoadReport:
     refused: dict[str, str] = field(default_factory=dict)  # our tensor → the loader's error
     unloaded: list[str] = field(
         default_factory=list
-    )  # vLLM parameters no tensor wrote (embed_tokens excluded)
+    )  # vLLM parameters no tensor wrote (embed_tokens and the shared ones excluded)
+    shared: list[str] = field(default_factory=list)  # MTP: parameters vLLM takes from the target at load
 
     @property
     def ok(self) -> bool:
@@ -59,6 +74,17 @@ class LoadReport:
         out = [f"{n}: dropped silently by {self.vllm_class}.load_weights" for n in self.dropped]
         out += [f"{n}: refused by {self.vllm_class}.load_weights ({e})" for n, e in self.refused.items()]
         out += [f"vLLM parameter {p} is never written (keeps its initial values)" for p in self.unloaded]
+        return out
+
+    def lines(self) -> list[str]:
+        """The per-tensor report: where each tensor went, then the shared parameters."""
+        out = [f"{n} → {', '.join(ps)}" for n, ps in self.landed.items()]
+        out += [f"{n}: skipped by {self.vllm_class}.load_weights by design" for n in self.skipped]
+        out += self.problems()
+        if self.shared:
+            out.append(
+                f"shared with the target at engine load (the folder's copy never serves): {', '.join(self.shared)}"
+            )
         return out
 
 
@@ -123,6 +149,7 @@ def _target_config(layout: str, cfg: Mapping[str, Any]) -> Any:
 def _build(layout: str, hf_config: Any, workdir: Path, draft_dir: Path | None = None) -> Any:
     """vLLM's draft model on CPU, outside any engine (a one-process gloo group); ``hf_config`` is the
     target's, ``draft_dir`` the EAGLE-3 folder (MTP drafts are configured by the target's config)."""
+    import importlib
     import types
 
     from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
@@ -155,18 +182,11 @@ def _build(layout: str, hf_config: Any, workdir: Path, draft_dir: Path | None = 
         draft_parallel_config=vc.parallel_config,
         parallel_drafting=False,
     )
+    module, cls = _CLASSES[layout]
     with set_current_vllm_config(vc), torch.device("cpu"):
-        if layout == "eagle3":
-            from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
-
-            return Eagle3LlamaForCausalLM(vllm_config=vc), vc
-        if layout == "deepseek_v3":
-            from vllm.model_executor.models.deepseek_mtp import DeepSeekMTP
-
-            return DeepSeekMTP(vllm_config=vc), vc
-        from vllm.model_executor.models.qwen3_next_mtp import Qwen3NextMTP
-
-        return Qwen3NextMTP(vllm_config=vc), vc
+        return getattr(importlib.import_module(f"vllm.model_executor.models.{module}"), cls)(
+            vllm_config=vc
+        ), vc
 
 
 def _eagle3_target_config(folder: Path) -> Any:
@@ -196,12 +216,26 @@ def vllm_load(folder: Path) -> LoadReport:
 
     folder = Path(folder)
     cfg = json.loads((folder / CONFIG_FILE).read_text())
-    mtp = str(cfg.get("model_type", "")).endswith("_mtp")
-    layout = str(cfg["model_type"]).removesuffix("_mtp") if mtp else "eagle3"
+    manifest = json.loads((folder / MANIFEST_FILE).read_text())
+    native = manifest.get("format") == NATIVE_MTP_FORMAT
+    mtp = native or str(cfg.get("model_type", "")).endswith("_mtp")
+    if native:
+        layout = f"native_mtp/{manifest.get('family')}"
+        if layout not in _CLASSES:
+            known = ", ".join(k.removeprefix("native_mtp/") for k in _CLASSES if k.startswith("native_mtp/"))
+            raise ValueError(
+                f"no vLLM drafter known for native MTP family {manifest.get('family')!r}: {known}"
+            )
+    else:
+        layout = str(cfg["model_type"]).removesuffix("_mtp") if mtp else "eagle3"
     tensors = safetensors.torch.load_file(str(folder / WEIGHTS_FILE))
     with tempfile.TemporaryDirectory() as tmp:
         os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-        if mtp:
+        if native:
+            from transformers import AutoConfig
+
+            model, vc = _build(layout, AutoConfig.from_pretrained(folder), Path(tmp))
+        elif mtp:
             model, vc = _build(layout, _target_config(layout, cfg), Path(tmp))
         else:
             model, vc = _build(layout, _eagle3_target_config(folder), Path(tmp), draft_dir=folder)
@@ -215,23 +249,45 @@ def vllm_load(folder: Path) -> LoadReport:
         with torch.no_grad():
             for v in params.values():  # vLLM allocates with torch.empty: mark every element as unwritten
                 v.fill_(_SENTINEL)
-        written: set[str] = set()
+
+        def offer(batch: list[tuple[str, torch.Tensor]]) -> tuple[list[str], str | None]:
+            """The parameters ``load_weights(batch)`` changed, even if it then raised, and its error (a
+            batch's earlier tensors already landed with these values: re-writing them changes nothing)."""
+            snap = {k: v.detach().clone() for k, v in params.items()}
+            err = None
+            try:
+                model.load_weights(batch)
+            except Exception as e:  # noqa: BLE001 - any loader error is the finding
+                err = f"{type(e).__name__}: {e}"
+            return [k for k, v in params.items() if not torch.equal(v.detach(), snap[k])], err
+
+        def verdict(name: str, hit: list[str]) -> None:
+            if hit:
+                rep.landed[name] = hit
+            elif name in _SKIPPED_BY_DESIGN.get(layout, ()):
+                rep.skipped.append(name)
+            else:
+                rep.dropped.append(name)
+
+        partial: dict[str, list[str]] = {}  # what a refused tensor wrote before the loader raised
         with set_current_vllm_config(vc):
             for name, t in tensors.items():
-                snap = {k: v.detach().clone() for k, v in params.items()}
-                try:
-                    model.load_weights([(name, t)])
-                except Exception as e:  # noqa: BLE001 - any loader error is the finding
-                    rep.refused[name] = f"{type(e).__name__}: {e}"
-                    continue
-                hit = [k for k, v in params.items() if not torch.equal(v.detach(), snap[k])]
-                if hit:
-                    rep.landed[name] = hit
-                    written.update(hit)
-                elif name in _SKIPPED_BY_DESIGN.get(layout, ()):
-                    rep.skipped.append(name)
+                hit, err = offer([(name, t)])
+                if err is None:
+                    verdict(name, hit)
                 else:
-                    rep.dropped.append(name)
+                    rep.refused[name], partial[name] = err, hit
+            # DeepSeekMTP.load_weights raises unless one call holds an MTP layer's tensor ("MTP speculative
+            # decoding layer N weights missing"): a tensor it refused alone is offered again after one that
+            # landed, as a whole-folder load would see it
+            anchor = next((n for n in rep.landed if n not in (EMBED, "lm_head.weight")), None)
+            for name in list(rep.refused) if native and anchor else []:
+                hit, err = offer([(anchor, tensors[anchor]), (name, tensors[name])])
+                if err is None:  # refused in company too: the first error stands
+                    del rep.refused[name]
+                    verdict(name, sorted(set(partial[name]) | set(hit)))
+        if mtp:
+            rep.shared = sorted(k for k in params if any(s in k for s in _SHARED_WITH_TARGET))
         # a parameter with any element still at the sentinel was (partly) never written, e.g. the k/v
         # rows of a fused qkv_proj when only q_proj landed
         rep.unloaded = sorted(
@@ -239,6 +295,7 @@ def vllm_load(folder: Path) -> LoadReport:
             for k, v in params.items()
             if "embed_tokens" not in k
             and "draft_id_to_target_id" != k
+            and k not in rep.shared
             and bool((v.detach() == _SENTINEL).any())
         )
     return rep
