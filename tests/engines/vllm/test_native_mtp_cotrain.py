@@ -10,7 +10,7 @@ process over the wire) with a model's own MTP layer as the draft, end to end on 
   no draft failures;
 - vLLM's spec-decode counters are recorded for both arms (frozen and adapted) on every step.
 
-15–19 s on 2 busy cores (a few seconds of warm-start and engine start, 8 RL steps of ~0.25 s; the sidecar
+15–19 s on 2 busy cores (a few seconds of warm-start and engine start, 16 RL steps of ~0.25 s; the sidecar
 publishes every ~0.05–0.2 s, and its first version was served from step 2, 3 or 4 on in six runs).
 """
 
@@ -31,7 +31,7 @@ from tests.helpers import run_warmstart
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-STEPS = 8
+STEPS = 16  # ~0.25 s each here; 16 leave room for a slower machine to see the first publish served
 NATIVE = {
     "draft.head": "native_mtp",
     "draft.aux_layer_ids": "null",
