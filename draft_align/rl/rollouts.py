@@ -191,10 +191,12 @@ def start_rollout_engine(
     if frozen is not None and frozen.manifest.get("format") == MTP_FORMAT:
         if rl.engine == "vllm":
             raise ValueError(
-                "rl.engine=vllm: the vLLM adapter serves EAGLE-3 drafts; an MTP draft needs "
-                "rl.engine=reference (or auto)"
+                "rl.engine=vllm: the vLLM adapter serves EAGLE-3 and native MTP drafts; a Llama-block "
+                "MTP draft needs rl.engine=reference (or auto)"
             )
-        log.warning("rl.engine auto: the starting draft is an MTP head; rollouts use the reference decoder")
+        log.warning(
+            "rl.engine auto: the starting draft is a Llama-block MTP head; rollouts use the reference decoder"
+        )
         return None
     from draft_align.engines.vllm import vllm_rollouts
 
