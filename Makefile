@@ -68,7 +68,7 @@ BENCH_TARGETS := bench-warmstart bench-learning-curve bench-draft-vocab bench-ob
 	bench-objectives-finetune bench-train-step-profile bench-selfdistill-speed bench-vllm-engine \
 	bench-verify-choice bench-advise bench-drift bench-drift-vllm bench-drift-vllm-kl bench-drift-vllm-oracle \
 	bench-adapt-playback bench-drift-trigger bench-verify-drift bench-draft-variants bench-tap-stats \
-	bench-trl-drift bench-trl-overhead bench-trl-kl bench-trl-task bench-mtp-native bench-soak bench-task-probe bench-task-pays bench-draft-swap-cost \
+	bench-trl-drift bench-trl-overhead bench-trl-kl bench-trl-task bench-mtp-native bench-soak bench-task-probe bench-task-pays bench-task-pays-mtp bench-draft-swap-cost \
 	bench-ray-vs-process
 .PHONY: bench bench-checkpoints $(BENCH_TARGETS)
 
@@ -99,6 +99,13 @@ $(DEMO_DRAFT): | fetch
 # the in-domain draft for the `add` task (`make demo` builds a shorter one, checkpoints/smollm2-task-demo-draft)
 $(TASK_DRAFT): | fetch
 	$(PY) -m draft_align warmstart recipes/smollm2_task_warmstart.yaml run=smollm2-task-draft data.gen_time_budget_s=150 train.time_budget_s=150 eval.prompts=8
+# SmolLM2-135M-Instruct as MiMo (the same function) with one fresh MTP layer, and that layer warm-started in domain
+MIMO_TARGET := checkpoints/smollm2-mimo
+MIMO_TASK_DRAFT := checkpoints/smollm2-mimo-task-draft/latest
+$(MIMO_TARGET): | fetch
+	$(PY) -m benchmarks.common.mtp_checkpoints --llama-as-mimo smollm2-135m --out $(MIMO_TARGET)
+$(MIMO_TASK_DRAFT): $(MIMO_TARGET)
+	$(PY) -m draft_align warmstart recipes/smollm2_mimo_task_warmstart.yaml eval.prompts=8
 $(DRIFTED_POLICY):
 	$(MAKE) bench-drift
 $(ORACLE_RUN):
@@ -166,5 +173,7 @@ bench-draft-swap-cost: fetch
 	$(PY) benchmarks/draft_swap_cost.py --swaps 3
 bench-task-pays: fetch $(TASK_DRAFT) $(DEMO_DRAFT)
 	$(PY) benchmarks/task_pays.py --speed-batches 1,16 --oracle-gen-s 60 --oracle-train-s 90
+bench-task-pays-mtp: fetch $(MIMO_TASK_DRAFT)
+	$(PY) benchmarks/task_pays.py --name mtp --recipe recipes/smollm2_mimo_task_cotrain.yaml --draft checkpoints/smollm2-mimo-task-draft --general-draft "" --steps 24 --oracle-at "" --speed-at 0,24 --speed-batches 1,16
 bench-ray-vs-process: fetch $(DEMO_DRAFT)
 	$(PY) benchmarks/ray_vs_process.py --repeats 3 --tokens-per-batch 256 --feed-s 60 --draft checkpoints/smollm2-demo

@@ -245,3 +245,96 @@ def mtp_names(
     if family == "ernie":
         return {k for k in tensors if k.startswith(("model.mtp_",))}
     return {k for k in tensors if any(k.startswith(mtp_prefix(family, d, n_layers)) for d in range(depth))}
+
+
+def llama_as_mimo(src: Path, out: Path, seed: int = 0) -> Any:
+    """A released Llama-architecture checkpoint (SmolLM2) as a MiMo one with one fresh MTP layer, at ``out``.
+
+    MiMo's trunk is Qwen2's, which is Llama's with q/k/v biases: the Llama weights with zero biases compute the
+    same function (``tests/heads/test_llama_as_mimo.py`` checks the logits).  The lm_head is written out (MiMo's
+    MTP drafter in vLLM reads ``lm_head.weight``; SmolLM2 ties it to the embedding).  The MTP layer is new:
+    a Qwen2 decoder layer from transformers' own initialisation (``initializer_range``), norms at 1 and a random
+    2H → H projection; a native warm-start trains it.  Tokenizer files are copied.  Returns the config."""
+    import shutil
+
+    import transformers as T
+
+    src, out = Path(src), Path(out)
+    llama = T.AutoConfig.from_pretrained(src)
+    n = int(llama.num_hidden_layers)
+    keep = (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "max_position_embeddings",
+        "rms_norm_eps",
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+    )
+    kw = {k: getattr(llama, k) for k in keep}
+    kw["head_dim"] = int(getattr(llama, "head_dim", None) or llama.hidden_size // llama.num_attention_heads)
+    rope = dict(getattr(llama, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0})
+
+    def config(layers: int) -> Any:
+        c = T.Qwen2Config(**kw, num_hidden_layers=layers, tie_word_embeddings=False, rope_parameters=rope)
+        c.num_nextn_predict_layers = 1
+        c.architectures = [ARCHITECTURES["mimo"]]
+        return c
+
+    trunk = safetensors.torch.load_file(str(src / "model.safetensors"))
+    torch.manual_seed(seed)
+    layer = T.Qwen2ForCausalLM(config(1)).model.layers[0]  # the new MTP layer, as transformers initialises it
+    tensors = {k: v.float().contiguous() for k, v in trunk.items()}
+    tensors.setdefault("lm_head.weight", tensors["model.embed_tokens.weight"].clone())
+    h, hd = int(kw["hidden_size"]), kw["head_dim"]
+    sizes = {"q": int(llama.num_attention_heads) * hd, "k": int(llama.num_key_value_heads) * hd}
+    sizes["v"] = sizes["k"]
+    for i in range(n):  # Qwen2's q/k/v biases, zero: Llama's function
+        for p, size in sizes.items():
+            tensors[f"model.layers.{i}.self_attn.{p}_proj.bias"] = torch.zeros(size)
+    pre = mtp_prefix("mimo", 0, n)
+    tensors.update({pre + k: v.detach().float().clone() for k, v in layer.state_dict().items()})
+    g = torch.Generator().manual_seed(seed + 1)
+    tensors.update(
+        {
+            pre + "token_layernorm.weight": torch.ones(h),
+            pre + "hidden_layernorm.weight": torch.ones(h),
+            pre + "input_proj.weight": torch.randn(h, 2 * h, generator=g) * (2 * h) ** -0.5,
+            pre + "final_layernorm.weight": torch.ones(h),
+        }
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    safetensors.torch.save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    cfg = config(n)
+    cfg.save_pretrained(out)
+    cj = json.loads((out / "config.json").read_text())
+    cj["dtype"] = "float32"
+    (out / "config.json").write_text(json.dumps(cj, indent=2))
+    for f in src.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template", "generation_config")):
+            shutil.copy(f, out / f.name)
+    return cfg
+
+
+def main() -> None:
+    """``python -m benchmarks.common.mtp_checkpoints --llama-as-mimo smollm2-135m --out DIR``."""
+    import argparse
+
+    from draft_align.assets import resolve_model
+
+    ap = argparse.ArgumentParser(description=llama_as_mimo.__doc__)
+    ap.add_argument(
+        "--llama-as-mimo", required=True, help="a Llama checkpoint: alias (smollm2-135m) or folder"
+    )
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    llama_as_mimo(Path(resolve_model(args.llama_as_mimo)), Path(args.out), seed=args.seed)
+    print(f"{args.out}: {args.llama_as_mimo} as MiMoForCausalLM with one fresh MTP layer")
+
+
+if __name__ == "__main__":
+    main()

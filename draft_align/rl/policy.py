@@ -165,6 +165,57 @@ def _atomic_dir(out_dir: Path, overwrite: bool) -> Iterator[Path]:
         raise
 
 
+def _source_dir(model: nn.Module) -> Path | None:
+    """The local checkpoint folder ``model`` was loaded from (None: built from a config or a hub id)."""
+    src = str(getattr(getattr(model, "config", None), "_name_or_path", "") or "")
+    return Path(src) if src and Path(src).is_dir() else None
+
+
+def _carry_unloaded(src: Path | None, out: Path, held: set[str]) -> list[str]:
+    """Copy into the saved folder ``out`` the tensors of the source checkpoint ``src`` that the HF model does not
+    hold (``held``: its state-dict names), and keep the source's ``architectures``.
+
+    transformers drops a checkpoint's multi-token-prediction layers when it loads the trunk (MiMo's
+    ``model.mtp_layers.*``, GLM-4.5's and DeepSeek-V3's layers past ``num_hidden_layers``): without this a merged
+    policy would lose its own MTP layers and its architecture name (``MiMoForCausalLM`` saved as
+    ``Qwen2ForCausalLM``), and an engine could no longer serve it with its MTP drafter.  They are not trained by
+    the policy's LoRA, so the source's values are the merged policy's.  Returns the names carried."""
+    if src is None:
+        return []
+    import safetensors.torch
+    from safetensors import safe_open
+
+    extra: dict[str, torch.Tensor] = {}
+    for f in sorted(src.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as fh:
+            for k in fh.keys():  # noqa: SIM118 (safe_open has keys(), no iteration)
+                if k not in held and not k.endswith("rotary_emb.inv_freq"):
+                    extra[k] = fh.get_tensor(k)
+    if not extra:
+        return []
+    index = out / "model.safetensors.index.json"
+    if index.exists():
+        shard = "model-carried.safetensors"
+        safetensors.torch.save_file(extra, str(out / shard), metadata={"format": "pt"})
+        idx = json.loads(index.read_text(encoding="utf-8"))
+        idx.setdefault("weight_map", {}).update(dict.fromkeys(extra, shard))
+        index.write_text(json.dumps(idx, indent=2) + "\n", encoding="utf-8")
+    else:
+        single = out / "model.safetensors"
+        tensors = safetensors.torch.load_file(str(single))
+        tensors.update(extra)
+        safetensors.torch.save_file(tensors, str(single), metadata={"format": "pt"})
+    src_cfg, out_cfg = src / "config.json", out / "config.json"
+    if src_cfg.exists() and out_cfg.exists():
+        arch = json.loads(src_cfg.read_text(encoding="utf-8")).get("architectures")
+        cfg = json.loads(out_cfg.read_text(encoding="utf-8"))
+        if arch:
+            cfg["architectures"] = arch
+            out_cfg.write_text(json.dumps(cfg, indent=2) + "\n", encoding="utf-8")
+    log.info("merged policy: %d tensors the model does not hold carried from %s", len(extra), src)
+    return sorted(extra)
+
+
 # --------------------------------------------------------------------------------------- policy
 class Policy:
     """An HF causal LM plus a LoRA adapter (peft); see the module docstring.
@@ -328,6 +379,7 @@ class Policy:
         try:
             with _atomic_dir(Path(out_dir), overwrite) as tmp:
                 merged.save_pretrained(str(tmp), safe_serialization=True)
+                _carry_unloaded(_source_dir(merged), tmp, set(merged.state_dict()))
                 if tokenizer is not None:
                     tokenizer.save_pretrained(str(tmp))
                 (tmp / VERSION_FILE).write_text(

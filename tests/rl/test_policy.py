@@ -195,3 +195,36 @@ def test_merged_folder_reloads_with_same_logits(load, tiny_world, tmp_path, dtyp
     assert AutoTokenizer.from_pretrained(out).encode("hi") == AutoTokenizer.from_pretrained(
         tiny_world.model
     ).encode("hi")
+
+
+def test_merged_folder_keeps_the_checkpoints_own_mtp_layers(tiny_env, tmp_path):
+    """transformers drops a MiMo checkpoint's MTP layers when it loads the trunk; the merged policy carries them
+    over unchanged with the source's architecture, so vLLM can still serve it with its MTP drafter."""
+    import safetensors.torch
+
+    from benchmarks.common.mtp_checkpoints import mtp_names, save_checkpoint
+
+    src = tmp_path / "mimo"
+    _, tensors = save_checkpoint("mimo", src)
+    policy = new_policy(AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval())
+    train_step(policy, lr=3e-2)
+    out = policy.save_merged(tmp_path / "merged")
+    written = {}
+    for f in out.glob("*.safetensors"):
+        written.update(safetensors.torch.load_file(str(f)))
+    mtp = mtp_names("mimo", tensors)
+    assert mtp and mtp <= set(written)
+    assert all(torch.equal(written[k], tensors[k]) for k in mtp)
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(written[q], tensors[q])  # the trunk is the merged policy's
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["MiMoForCausalLM"]
+    reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert not any(k.startswith("model.mtp_layers.") for k in reloaded.state_dict())
+
+
+def test_merged_folder_of_a_model_without_extra_tensors_is_unchanged(load, tiny_world, tmp_path):
+    policy = new_policy(load())
+    out = policy.save_merged(tmp_path / "merged")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == json.loads((tiny_world.model / "config.json").read_text())["architectures"]
+    assert [f.name for f in out.glob("*.safetensors")] == ["model.safetensors"]
