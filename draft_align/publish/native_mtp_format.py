@@ -65,7 +65,15 @@ def engine_tensors(draft: NativeMTPDraft, dtype: torch.dtype) -> dict[str, torch
     shared = {EMBED: draft.embed_tokens, LM_HEAD: draft.lm_head.weight}
     for name in shared_names(draft):
         out[name] = shared[name]
-    return {k: t.detach().to(dtype).contiguous() for k, t in out.items()}
+    cast = {k: t.detach().to(dtype).contiguous() for k, t in out.items()}
+    # one tensor under several names (GLM/DeepSeek at depth ≥ 2: every shared_head.head is the lm_head) would be
+    # refused by safetensors when no cast copied it: each name gets its own storage
+    seen: set[int] = set()
+    for k, t in cast.items():
+        if t.data_ptr() in seen:
+            cast[k] = t.clone()
+        seen.add(t.data_ptr())
+    return cast
 
 
 def write_native_mtp(draft: NativeMTPDraft, out_dir: Path, req: ExportRequest) -> dict[str, Any]:

@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from benchmarks.common.mtp_checkpoints import N_LAYERS, mtp_names, save_checkpoint
+from benchmarks.common.mtp_checkpoints import N_LAYERS, mtp_names, mtp_prefix, save_checkpoint
 from draft_align.heads.eagle3 import DraftConfigError
 from draft_align.heads.native_mtp import NativeMTPConfig
 from draft_align.heads.native_mtp import from_checkpoint as native_from_checkpoint
@@ -130,6 +130,45 @@ def test_same_logits_as_the_transformers_head(ckpt, steps_run):
             for d, c, hh in zip((ours, ref), caches, h, strict=True)
         ]
         torch.testing.assert_close(nxt[0][0], nxt[1][0], atol=2e-4, rtol=1e-4)
+
+
+def test_publishes_the_transformers_heads_folder(ckpt, tmp_path):
+    """The warm-start's path (``draft.mtp_impl: megatron``): the target folder's MTP layers read into the
+    megatron-built head, and its publish writes the same model.safetensors, byte for byte, as the
+    transformers-built head's (the folder vLLM's MTP drafter loads); a trained block publishes its new values."""
+    import safetensors.torch
+
+    from draft_align.publish import load_draft, write_draft
+    from draft_align.publish.folder import ExportRequest
+    from draft_align.publish.native_mtp_format import from_target_checkpoint
+
+    family, depth, cfg, tensors, out = ckpt
+    ours = from_target_checkpoint(out, cfg, impl="megatron")
+    ref = from_target_checkpoint(out, cfg)
+    assert isinstance(ours, mm.MegatronMTPDraft) and not isinstance(ref, mm.MegatronMTPDraft)
+    req = ExportRequest(
+        target_config=cfg,
+        target_name="tiny",
+        metrics={},
+        draft_version=1,
+        policy_version=0,
+        tokenizer_fingerprint="none",
+        dtype=torch.float32,
+    )
+    write_draft(ours, tmp_path / "mg", req)
+    write_draft(ref, tmp_path / "hf", req)
+    assert (tmp_path / "mg" / "model.safetensors").read_bytes() == (
+        tmp_path / "hf" / "model.safetensors"
+    ).read_bytes()
+    with torch.no_grad():
+        ours.layers[0].mtp.eh_proj.weight.add_(0.25)  # a trained block
+    write_draft(ours, tmp_path / "mg2", req)
+    written = safetensors.torch.load_file(str(tmp_path / "mg2" / "model.safetensors"))
+    glue = "input_proj" if family == "mimo" else "eh_proj"
+    proj = f"{mtp_prefix(family, 0)}{glue}.weight"  # depth 0's projection
+    assert not torch.equal(written[proj], tensors[proj])
+    back, _ = load_draft(tmp_path / "mg2")  # the transformers-built head reads it back
+    assert torch.equal(back.checkpoint_tensors()[proj], written[proj])
 
 
 # --------------------------------------------------------------- a megatron GPTModel of the same target
