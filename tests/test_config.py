@@ -153,6 +153,7 @@ def test_missing_file_is_an_error(tmp_path):
         ("draft.mtp_impl=torch", "draft.mtp_impl"),
         ("draft.mtp_impl=megatron", "draft.mtp_impl=megatron builds the target checkpoint's own MTP layers"),
         ("draft.head=native_mtp draft.mtp_impl=megatron draft.init_from=x", "no draft.init_from"),
+        ("draft.head=native_mtp draft.mtp_impl=megatron", r"set train\.autocast_bf16=false"),
         (
             "draft.head=native_mtp draft.mtp_impl=megatron draft.adapt=lora draft.init_from=x",
             "draft.adapt=full",
@@ -321,7 +322,7 @@ def test_bad_choice_names_the_key_and_the_allowed_values(tmp_path, schema, key, 
     # every allowed value loads, as a string (with what the cross-field rules ask for besides)
     extra = {
         "draft.adapt": ["draft.init_from=x"],
-        "draft.mtp_impl": ["draft.head=native_mtp"],
+        "draft.mtp_impl": ["draft.head=native_mtp", "train.autocast_bf16=false"],
         "train.accept_mode": ["train.loss=expected_length"],
         "sidecar.train.accept_mode": ["sidecar.train.loss=expected_length"],
     }.get(key, [])

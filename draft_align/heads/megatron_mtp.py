@@ -201,6 +201,23 @@ class MegatronMTPDraft(NativeMTPDraft):
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         return to_checkpoint(self)
 
+    # megatron's local linear layers save an ``_extra_state`` of None (Transformer Engine's FP8 metadata slot):
+    # the head's state dict leaves them out so it holds tensors only (the trainer's checkpoints save it as is)
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        sd = super().state_dict(*args, **kwargs)
+        for k in [k for k, v in sd.items() if k.endswith("._extra_state") and v is None]:
+            del sd[k]
+        return sd
+
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any:
+        full = dict(state_dict)
+        for k, v in super().state_dict().items():
+            if k.endswith("._extra_state") and v is None:
+                full.setdefault(k, None)
+        return super().load_state_dict(full, strict=strict, assign=assign)
+
 
 # ---------------------------------------------------------------------- names: megatron ↔ the family's
 def megatron_state_dict(draft: MegatronMTPDraft) -> dict[str, torch.Tensor]:

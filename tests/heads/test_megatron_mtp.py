@@ -79,6 +79,12 @@ def test_round_trip_is_bit_identical(ckpt):
         assert t.dtype == tensors[name].dtype and torch.equal(t, tensors[name]), name
     assert torch.equal(draft.lm_head.weight, tensors["lm_head.weight"])
     assert not draft.lm_head.weight.requires_grad
+    # the head's own state dict (what the trainer's checkpoints save and resume) holds tensors only, strictly loadable
+    sd = draft.state_dict()
+    assert all(isinstance(v, torch.Tensor) for v in sd.values())
+    other = mm.MegatronMTPDraft(draft.cfg)
+    other.load_state_dict(sd, strict=True)
+    assert all(torch.equal(v, sd[k]) for k, v in other.state_dict().items())
     # and the pure conversion both ways
     ncfg = draft.cfg
     back = mm.megatron_to_hf(ncfg, mm.hf_to_megatron(ncfg, tensors))
