@@ -22,9 +22,10 @@ Weights: the head's state is megatron's parameter names (``mtp.layers.{d}.enorm.
 convert to and from the family's HF names, so :func:`from_checkpoint` / :func:`to_checkpoint` read and write
 exactly what the transformers-built head does (bit for bit).
 
-Scope: families whose MTP block is a dense GQA decoder layer (:data:`MEGATRON_FAMILIES`: GLM-4.5 with a dense MTP
-layer, MiMo); a mixture-of-experts or MLA layer is refused in one line.  megatron-core's model-parallel state must
-be initialised with tensor- and pipeline-parallel size 1 (``parallel_state.initialize_model_parallel(1, 1)``); on a
+Scope: families whose MTP block is a GQA decoder layer (:data:`MEGATRON_FAMILIES`: GLM-4.5, its MTP layer dense
+or a mixture of experts with GLM's sigmoid router and shared experts, megatron's ``SequentialMLP`` experts named
+``mlp.experts.local_experts.{e}``; MiMo); MLA (DeepSeek-V3) is refused in one line.  megatron-core's model-parallel state must
+be initialised with every parallel size 1 (``parallel_state.initialize_model_parallel(1, 1)``); on a
 CPU-only machine megatron-core also needs ``torch.cuda.current_device`` to answer "cpu" (the tests' setup).
 """
 
@@ -76,14 +77,33 @@ def _shape(cfg: NativeMTPConfig) -> dict[str, Any]:
     if fam not in MEGATRON_FAMILIES:
         raise DraftConfigError(
             f"draft.mtp_impl=megatron: family {fam!r} ({cfg.spec.architecture}) is not mapped onto megatron-core's "
-            f"MTP layer (MLA attention or experts); supported {', '.join(MEGATRON_FAMILIES)}, or use mtp_impl=transformers"
+            f"MTP layer here (MLA attention); supported {', '.join(MEGATRON_FAMILIES)}, or use mtp_impl=transformers"
         )
     n = cfg.target_num_layers
-    if fam == "glm4_moe" and n + cfg.depth - 1 >= int(t.get("first_k_dense_replace") or 0):
-        raise DraftConfigError(
-            f"draft.mtp_impl=megatron: the {cfg.spec.architecture} MTP layer {n} is a mixture of experts "
-            f"(first_k_dense_replace={t.get('first_k_dense_replace')}); the megatron path maps dense MTP layers only"
-        )
+    moe: dict[str, Any] | None = None
+    if fam == "glm4_moe":
+        first_dense = int(t.get("first_k_dense_replace") or 0)
+        kinds = {n + d >= first_dense for d in range(cfg.depth)}
+        if kinds == {True, False}:
+            raise DraftConfigError(
+                f"draft.mtp_impl=megatron: the {cfg.spec.architecture} MTP layers mix dense and expert layers "
+                f"(first_k_dense_replace={first_dense}); megatron builds them from one layer spec"
+            )
+        if kinds == {True}:
+            if not t.get("norm_topk_prob", True):
+                raise DraftConfigError(
+                    "draft.mtp_impl=megatron: norm_topk_prob=false is not mapped (megatron's sigmoid router "
+                    "normalises the top-k weights)"
+                )
+            moe = {
+                "experts": int(t["n_routed_experts"]),
+                "topk": int(t["num_experts_per_tok"]),
+                "ffn": int(t["moe_intermediate_size"]),
+                "shared_ffn": int(t.get("n_shared_experts") or 0) * int(t["moe_intermediate_size"]),
+                "scale": float(t.get("routed_scaling_factor") or 1.0),
+                "groups": int(t.get("n_group") or 1),
+                "group_topk": int(t.get("topk_group") or 1),
+            }
     if t.get("use_qk_norm"):
         raise DraftConfigError("draft.mtp_impl=megatron: use_qk_norm=true is not mapped (q/k norms)")
     rope = dict(t.get("rope_parameters") or {})
@@ -105,6 +125,7 @@ def _shape(cfg: NativeMTPConfig) -> dict[str, Any]:
         "qkv_bias": fam == "mimo" or bool(t.get("attention_bias")),  # Qwen2 (MiMo) always biases q, k, v
         "theta": float(rope.get("rope_theta", t.get("rope_theta", 10000.0))),
         "rotary_percent": float(rope.get("partial_rotary_factor", t.get("partial_rotary_factor", 1.0))),
+        "moe": moe,  # None: a dense MLP
     }
 
 
@@ -112,6 +133,25 @@ def megatron_config(cfg: NativeMTPConfig) -> Any:
     """megatron-core's ``TransformerConfig`` of the target (N decoder layers, D MTP layers), CPU-initialised,
     without fusions or dropout."""
     m, s = _megatron(), _shape(cfg)
+    moe = s["moe"]
+    experts = (
+        {}
+        if moe is None
+        else {  # GLM-4.5's router: sigmoid scores, a selection bias, group top-k, normalised and scaled weights
+            "num_moe_experts": moe["experts"],
+            "moe_ffn_hidden_size": moe["ffn"],
+            "moe_router_topk": moe["topk"],
+            "moe_shared_expert_intermediate_size": moe["shared_ffn"] or None,
+            "moe_router_score_function": "sigmoid",
+            "moe_router_enable_expert_bias": True,
+            "moe_router_topk_scaling_factor": moe["scale"],
+            "moe_router_num_groups": moe["groups"],
+            "moe_router_group_topk": moe["group_topk"],
+            "moe_router_load_balancing_type": "none",
+            "moe_aux_loss_coeff": 0.0,
+            "moe_token_dispatcher_type": "allgather",
+        }
+    )
     return m["TransformerConfig"](
         num_layers=cfg.target_num_layers,
         hidden_size=cfg.hidden_size,
@@ -134,6 +174,7 @@ def megatron_config(cfg: NativeMTPConfig) -> Any:
         gradient_accumulation_fusion=False,
         use_cpu_initialization=True,
         params_dtype=torch.float32,
+        **experts,
     )
 
 
@@ -166,14 +207,23 @@ class MegatronMTPDraft(NativeMTPDraft):
                 "draft.mtp_impl=megatron: megatron-core's model-parallel state is not initialised "
                 "(megatron.core.parallel_state.initialize_model_parallel(1, 1))"
             )
-        sizes = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size())
-        if sizes != (1, 1):
+        sizes = (
+            ps.get_tensor_model_parallel_world_size(),
+            ps.get_pipeline_model_parallel_world_size(),
+            ps.get_context_parallel_world_size(),
+            ps.get_expert_model_parallel_world_size(),
+        )
+        if sizes != (1, 1, 1, 1):
             raise DraftConfigError(
-                f"draft.mtp_impl=megatron: tensor/pipeline-parallel sizes {sizes}; the MTP head runs unsharded (1, 1)"
+                f"draft.mtp_impl=megatron: tensor/pipeline/context/expert-parallel sizes {sizes}; the MTP head runs "
+                "unsharded (all 1)"
             )
         mcfg = megatron_config(cfg)
         spec = m["get_mtp_layer_spec"](
-            m["get_gpt_layer_local_spec"](normalization="RMSNorm"), use_transformer_engine=False
+            m["get_gpt_layer_local_spec"](
+                num_experts=None if s["moe"] is None else s["moe"]["experts"], normalization="RMSNorm"
+            ),
+            use_transformer_engine=False,
         )
         groups = m["ProcessGroupCollection"].use_mpu_process_groups(required_pgs=["tp", "cp"])
         layers = nn.ModuleList(
@@ -282,7 +332,6 @@ _PLAIN = (  # the block's one-to-one names: (HF, megatron under transformer_laye
     ("input_layernorm.weight", "input_layernorm.weight"),
     ("self_attn.o_proj.weight", "self_attention.linear_proj.weight"),
     ("post_attention_layernorm.weight", "pre_mlp_layernorm.weight"),
-    ("mlp.down_proj.weight", "mlp.linear_fc2.weight"),
 )
 
 
@@ -317,9 +366,23 @@ def hf_to_megatron(cfg: NativeMTPConfig, tensors: Mapping[str, torch.Tensor]) ->
             q, k, v = (get(f"{pre}self_attn.{p}_proj.{kind}") for p in "qkv")
             if q is not None and k is not None and v is not None:
                 out[f"{tl}self_attention.linear_qkv.{kind}"] = fuse_qkv(q, k, v, dims)
-        gate, up = get(pre + "mlp.gate_proj.weight"), get(pre + "mlp.up_proj.weight")
-        if gate is not None and up is not None:
-            out[tl + "mlp.linear_fc1.weight"] = torch.cat((gate, up), dim=0)
+        moe = _shape(cfg)["moe"]
+        mlps = [("mlp.", "mlp.")] if moe is None else [("mlp.shared_experts.", "mlp.shared_experts.")]
+        if moe is not None:
+            mlps += [(f"mlp.experts.{e}.", f"mlp.experts.local_experts.{e}.") for e in range(moe["experts"])]
+            router = get(pre + "mlp.gate.weight")
+            if router is not None:
+                out[tl + "mlp.router.weight"] = router
+            # a checkpoint may leave the selection bias out: zeros, as transformers starts it
+            out[tl + "mlp.router.expert_bias"] = tensors.get(
+                pre + "mlp.gate.e_score_correction_bias", torch.zeros(moe["experts"], dtype=torch.float32)
+            )
+        for hf, mg in mlps:
+            gate, up, down = (get(f"{pre}{hf}{x}_proj.weight") for x in ("gate", "up", "down"))
+            if gate is not None and up is not None:
+                out[f"{tl}{mg}linear_fc1.weight"] = torch.cat((gate, up), dim=0)
+            if down is not None:
+                out[f"{tl}{mg}linear_fc2.weight"] = down
     if missing:
         more = f" (+{len(missing) - 3} more)" if len(missing) > 3 else ""
         raise DraftConfigError(f"checkpoint lacks MTP tensors {missing[:3]}{more}")
@@ -343,8 +406,16 @@ def megatron_to_hf(cfg: NativeMTPConfig, state: Mapping[str, torch.Tensor]) -> d
             if fused is not None:
                 for p, t in zip("qkv", split_qkv(fused, dims), strict=True):
                     out[f"{pre}self_attn.{p}_proj.{kind}"] = t
-        gate, up = state[tl + "mlp.linear_fc1.weight"].chunk(2, dim=0)
-        out[pre + "mlp.gate_proj.weight"], out[pre + "mlp.up_proj.weight"] = gate, up
+        moe = _shape(cfg)["moe"]
+        mlps = [("mlp.", "mlp.")] if moe is None else [("mlp.shared_experts.", "mlp.shared_experts.")]
+        if moe is not None:
+            mlps += [(f"mlp.experts.{e}.", f"mlp.experts.local_experts.{e}.") for e in range(moe["experts"])]
+            out[pre + "mlp.gate.weight"] = state[tl + "mlp.router.weight"]
+            out[pre + "mlp.gate.e_score_correction_bias"] = state[tl + "mlp.router.expert_bias"]
+        for hf, mg in mlps:
+            gate, up = state[f"{tl}{mg}linear_fc1.weight"].chunk(2, dim=0)
+            out[f"{pre}{hf}gate_proj.weight"], out[f"{pre}{hf}up_proj.weight"] = gate, up
+            out[f"{pre}{hf}down_proj.weight"] = state[f"{tl}{mg}linear_fc2.weight"]
     return out
 
 

@@ -32,14 +32,29 @@ def dense_glm(depth: int) -> dict[str, int]:
     return {"first_k_dense_replace": N_LAYERS + depth}
 
 
-CASES = [("glm4_moe", 1), ("glm4_moe", 2), ("mimo", 1)]
+# (family, depth, experts): GLM-4.5 as released has experts in its MTP layer; dense variants besides
+CASES = [("glm4_moe", 1, False), ("glm4_moe", 2, False), ("glm4_moe", 1, True), ("mimo", 1, False)]
 
 
-@pytest.fixture(scope="module", params=CASES, ids=lambda p: f"{p[0]}-d{p[1]}")
+@pytest.fixture(scope="module", autouse=True)
+def moe_router_on_cpu():
+    """megatron-core 0.16.1's MoE router reads ``te_general_gemm``, defined only when Transformer Engine imports
+    (moe/moe_utils.py: a NameError without it); None selects its torch path.  Tests only, as megatron_cpu_setup."""
+    from megatron.core.transformer.moe import moe_utils
+
+    had = hasattr(moe_utils, "te_general_gemm")
+    if not had:
+        moe_utils.te_general_gemm = None
+    yield
+    if not had:
+        del moe_utils.te_general_gemm
+
+
+@pytest.fixture(scope="module", params=CASES, ids=lambda p: f"{p[0]}{'-moe' if p[2] else ''}-d{p[1]}")
 def ckpt(request, tmp_path_factory):
-    family, depth = request.param
-    out = tmp_path_factory.mktemp(f"mg_{family}{depth}")
-    extra = dense_glm(depth) if family == "glm4_moe" else {}
+    family, depth, experts = request.param
+    out = tmp_path_factory.mktemp(f"mg_{family}{depth}{experts}")
+    extra = dense_glm(depth) if family == "glm4_moe" and not experts else {}
     cfg, tensors = save_checkpoint(family, out, depth=depth, logit_scale=15.0, **extra)
     return family, depth, cfg, tensors, out
 
@@ -56,6 +71,9 @@ def test_block_is_megatrons_own_layer(ckpt):
     draft = megatron_head(cfg, tensors)
     assert all(isinstance(layer.mtp, MultiTokenPredictionLayer) for layer in draft.layers)
     assert all(isinstance(layer.mtp.transformer_layer, TransformerLayer) for layer in draft.layers)
+    moe = family == "glm4_moe" and cfg.first_k_dense_replace <= N_LAYERS
+    mlp = type(draft.layers[0].mtp.transformer_layer.mlp).__name__
+    assert mlp == ("MoELayer" if moe else "MLP")
     names = set(mm.megatron_state_dict(draft))
     for d in range(depth):
         for k in (
@@ -64,7 +82,14 @@ def test_block_is_megatrons_own_layer(ckpt):
             "eh_proj.weight",
             "final_layernorm.weight",
             "transformer_layer.self_attention.linear_qkv.weight",
-            "transformer_layer.mlp.linear_fc1.weight",
+            *(
+                (
+                    "transformer_layer.mlp.router.expert_bias",
+                    "transformer_layer.mlp.experts.local_experts.3.linear_fc1.weight",
+                )
+                if moe
+                else ("transformer_layer.mlp.linear_fc1.weight",)
+            ),
         ):
             assert f"mtp.layers.{d}.{k}" in names
 
@@ -215,6 +240,7 @@ def gpt_model(cfg, tensors, with_mtp: bool):
         p, m = f"model.layers.{j}.", f"decoder.layers.{j}."
         for hf, mg in mm._PLAIN:
             sd[m + mg] = tensors[p + hf]
+        sd[m + "mlp.linear_fc2.weight"] = tensors[p + "mlp.down_proj.weight"]
         for kind in ("weight", "bias"):
             if p + f"self_attn.q_proj.{kind}" in tensors:
                 q, k, v = (tensors[f"{p}self_attn.{x}_proj.{kind}"] for x in "qkv")
@@ -239,6 +265,10 @@ def test_names_and_math_are_the_gptmodels_own_mtp_block(ckpt):
     family, depth, cfg, tensors, _ = ckpt
     if family != "glm4_moe":
         pytest.skip("megatron's block concatenates (embedding, hidden): the GLM-4.5/DeepSeek layout")
+    if cfg.first_k_dense_replace <= N_LAYERS:
+        pytest.skip(
+            "this test's GPTModel builds every trunk layer from one spec; GLM's trunk mixes dense and experts"
+        )
     gpt = gpt_model(cfg, tensors, with_mtp=True)
     state = {
         k: v for k, v in gpt.state_dict().items() if k.startswith("mtp.") and not k.endswith("_extra_state")
@@ -302,6 +332,10 @@ def test_trains_from_megatron_tap_batches(ckpt):
     family, depth, cfg, tensors, out = ckpt
     if depth != 1:
         pytest.skip("one depth is enough here")
+    if family == "glm4_moe" and cfg.first_k_dense_replace <= N_LAYERS:
+        pytest.skip(
+            "this test's GPTModel builds every trunk layer from one spec; GLM's trunk mixes dense and experts"
+        )
     hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     hf.generation_config.eos_token_id = None
     prompts = torch.randint(3, cfg.vocab_size, (6, 4), generator=torch.Generator().manual_seed(6))
@@ -366,6 +400,50 @@ def test_trains_from_megatron_tap_batches(ckpt):
     assert all(torch.equal(v, exported[k]) for k, v in ref.checkpoint_tensors().items())
 
 
+def test_expert_layer_trains(ckpt):
+    """GLM-4.5's MTP layer as released (megatron's MoELayer: router, shared and routed experts): DraftTrainer
+    trains it from the target's final hidden states (HF, as the Tap ships them); the loss falls and the router
+    and the experts move, the selection bias (a buffer) stays."""
+    from draft_align.train.objective import LossSettings
+    from draft_align.train.records import Record, collate
+    from draft_align.train.trainer import DraftTrainer, OptimSettings
+
+    family, depth, cfg, tensors, out = ckpt
+    if not (family == "glm4_moe" and cfg.first_k_dense_replace <= N_LAYERS):
+        pytest.skip("the mixture-of-experts MTP layer only (the dense ones train in the Megatron Tap test)")
+    draft = megatron_head(cfg, tensors)
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    prompts = torch.randint(3, cfg.vocab_size, (6, 4), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        ids = model.generate(prompts, max_new_tokens=24, do_sample=False, pad_token_id=0)
+        hidden = model(ids, output_hidden_states=True).hidden_states[-1]
+    mask = torch.zeros(ids.shape[1], dtype=torch.bool)
+    mask[4:] = True
+    batch = collate([Record(ids[i], mask, hidden[i], hidden[i]) for i in range(ids.shape[0])], steps=2)
+    trainer = DraftTrainer(
+        draft,
+        model.get_input_embeddings(),
+        model.lm_head.weight.detach(),
+        OptimSettings(lr=3e-3, warmup_steps=0, total_steps=30),
+        LossSettings(ttt_steps=2, step_decay=0.6, autocast_bf16=False),
+    )
+    before = {k: v.clone() for k, v in mm.megatron_state_dict(draft).items()}
+    first = trainer.train_step(batch)
+    for _ in range(29):
+        last = trainer.train_step(batch)
+    assert last["ce_0"] < 0.7 * first["ce_0"] and last["acc_0"] > first["acc_0"], (first, last)
+    after = mm.megatron_state_dict(draft)
+    tl = "mtp.layers.0.transformer_layer.mlp."
+    for k in (
+        "router.weight",
+        "shared_experts.linear_fc1.weight",
+        "experts.local_experts.0.linear_fc2.weight",
+    ):
+        assert not torch.equal(after[tl + k], before[tl + k]), k
+    assert torch.equal(after[tl + "router.expert_bias"], before[tl + "router.expert_bias"])
+
+
 # ---------------------------------------------------------------- bad input: one line each
 def test_megatron_core_missing(monkeypatch, ckpt):
     family, depth, cfg, tensors, _ = ckpt
@@ -382,9 +460,15 @@ def test_family_megatron_path_does_not_map(tmp_path):
     assert "\n" not in str(e.value)
 
 
-def test_mixture_of_experts_mtp_layer_refused(tmp_path):
-    cfg, tensors = save_checkpoint("glm4_moe", tmp_path)  # first_k_dense_replace=1: layer N has experts
-    with pytest.raises(DraftConfigError, match="is a mixture of experts"):
+def test_router_megatron_cannot_express_refused(tmp_path):
+    cfg, tensors = save_checkpoint("glm4_moe", tmp_path, norm_topk_prob=False)  # un-normalised top-k weights
+    with pytest.raises(DraftConfigError, match="norm_topk_prob=false is not mapped"):
+        megatron_head(cfg, tensors)
+
+
+def test_mixed_dense_and_expert_mtp_layers_refused(tmp_path):
+    cfg, tensors = save_checkpoint("glm4_moe", tmp_path, depth=2, first_k_dense_replace=N_LAYERS + 1)
+    with pytest.raises(DraftConfigError, match="mix dense and expert layers"):
         megatron_head(cfg, tensors)
 
 
