@@ -197,8 +197,6 @@ class MegatronMTPDraft(NativeMTPDraft):
     """:class:`NativeMTPDraft` whose depths are megatron-core's MTP layers (kind "native_mtp": published, served
     and trained as the transformers-built head)."""
 
-    impl = "megatron"
-
     def _build_blocks(self, cfg: NativeMTPConfig) -> tuple[nn.ModuleList, nn.Module]:
         m, s = _megatron(), _shape(cfg)
         ps = m["parallel_state"]
