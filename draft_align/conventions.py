@@ -99,6 +99,9 @@ RENAMED_VALUES: dict[tuple[str, str], str] = {("draft head", "mtp"): "llama_bloc
 RECIPE_HEAD_KINDS: tuple[str, ...] = get_args(HeadKind)
 #: The MTP tensor layouts draft_align imports and exports (docs/formats.md §3).
 MTPLayout = Literal["deepseek_v3", "qwen3_next"]
+#: Whose modules build a ``native_mtp`` head's layers: transformers' decoder layer (heads/native_mtp.py) or
+#: megatron-core's ``MultiTokenPredictionLayer`` (heads/megatron_mtp.py); the same math, names and export.
+MTPImpl = Literal["transformers", "megatron"]
 
 #: The shortest sequence a Tap ships: one token and the next one it predicts.
 MIN_TAP_SEQUENCE_TOKENS = 2

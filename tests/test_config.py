@@ -150,6 +150,14 @@ def test_missing_file_is_an_error(tmp_path):
         ("draft.head=llama_block_mtp draft.aux_layer_ids=[1,2,3]", "final hidden state only"),
         ("draft.head=native_mtp draft.aux_layer_ids=[1,2,3]", "final hidden state only"),
         ("draft.head=llama_block_mtp draft.mtp_layout=mimo", "mtp_layout"),
+        ("draft.mtp_impl=torch", "draft.mtp_impl"),
+        ("draft.mtp_impl=megatron", "draft.mtp_impl=megatron builds the target checkpoint's own MTP layers"),
+        ("draft.head=native_mtp draft.mtp_impl=megatron draft.init_from=x", "no draft.init_from"),
+        ("draft.head=native_mtp draft.mtp_impl=megatron", r"set train\.autocast_bf16=false"),
+        (
+            "draft.head=native_mtp draft.mtp_impl=megatron draft.adapt=lora draft.init_from=x",
+            "draft.adapt=full",
+        ),
         # the old name of the Llama-block head: one line naming the new one
         (
             "draft.head=mtp",
@@ -260,6 +268,7 @@ def test_every_enum_like_field_is_a_choice():
             "draft.head",
             "draft.mtp_layout",
             "draft.mtp_init",
+            "draft.mtp_impl",
             "draft.adapt",
             "train.loss",
             "train.accept_mode",
@@ -313,6 +322,7 @@ def test_bad_choice_names_the_key_and_the_allowed_values(tmp_path, schema, key, 
     # every allowed value loads, as a string (with what the cross-field rules ask for besides)
     extra = {
         "draft.adapt": ["draft.init_from=x"],
+        "draft.mtp_impl": ["draft.head=native_mtp", "train.autocast_bf16=false"],
         "train.accept_mode": ["train.loss=expected_length"],
         "sidecar.train.accept_mode": ["sidecar.train.loss=expected_length"],
     }.get(key, [])

@@ -67,8 +67,9 @@ ARCHITECTURES = {
 }
 
 
-def family_config(family: str, depth: int = 1, n_layers: int = N_LAYERS) -> Any:
-    """The family's HF config with ``n_layers`` trunk layers and ``depth`` MTP layers."""
+def family_config(family: str, depth: int = 1, n_layers: int = N_LAYERS, **overrides: Any) -> Any:
+    """The family's HF config with ``n_layers`` trunk layers and ``depth`` MTP layers; ``overrides`` set config
+    fields after (e.g. ``first_k_dense_replace`` for a GLM-4.5 whose MTP layer is dense)."""
     import transformers as T
 
     no_head_dim = {k: v for k, v in COMMON.items() if k != "head_dim"}
@@ -138,6 +139,8 @@ def family_config(family: str, depth: int = 1, n_layers: int = N_LAYERS) -> Any:
     else:
         c.num_nextn_predict_layers = depth
     c.architectures = [ARCHITECTURES[family]]
+    for k, v in overrides.items():
+        setattr(c, k, v)
     return c
 
 
@@ -197,15 +200,16 @@ def save_checkpoint(
     seed: int = 0,
     logit_scale: float = 1.0,
     n_layers: int = N_LAYERS,
+    **overrides: Any,
 ) -> tuple[Any, dict[str, torch.Tensor]]:
     """Save a tiny ``family`` checkpoint with ``n_layers`` trunk and ``depth`` MTP layers at ``out``; returns
     (config, tensors).  ``logit_scale`` multiplies the trunk's lm_head (peaky distributions: few near-ties at
-    T = 0)."""
+    T = 0); ``overrides`` go to :func:`family_config`."""
     from transformers import AutoModelForCausalLM
 
     out = Path(out)
-    cfg = family_config(family, depth, n_layers=n_layers)
-    full = family_config(family, depth, n_layers=n_layers + depth)
+    cfg = family_config(family, depth, n_layers=n_layers, **overrides)
+    full = family_config(family, depth, n_layers=n_layers + depth, **overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(full).eval()
     with torch.no_grad():

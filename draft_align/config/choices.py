@@ -16,6 +16,7 @@ from draft_align.conventions import (
     RECIPE_HEAD_KINDS,
     ROLLOUT_VERIFY_MODES,
     VERIFY_MODES,
+    MTPImpl,
     MTPLayout,
 )
 
@@ -33,6 +34,7 @@ def _choice(name: str, values: Sequence[str], what: str) -> type[StrEnum]:
 # the verify modes, dtypes, head kinds and MTP layouts from their one source
 HeadChoice = _choice("HeadChoice", RECIPE_HEAD_KINDS, "draft head")
 MTPLayoutChoice = _choice("MTPLayoutChoice", typing.get_args(MTPLayout), "MTP layout")
+MTPImplChoice = _choice("MTPImplChoice", typing.get_args(MTPImpl), "native MTP implementation")
 MTPInitChoice = _choice("MTPInitChoice", ("last_layer", "random"), "MTP init")
 AdaptChoice = _choice("AdaptChoice", ("full", "lora"), "adaptation")  # whole draft | LoRA over a frozen one
 LossChoice = _choice("LossChoice", LOSS_KINDS, "loss")  # training objectives (conventions.LossKind)

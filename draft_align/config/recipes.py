@@ -73,6 +73,18 @@ class WarmstartRecipe(_RecipeHeader):
                 raise RecipeError(
                     "draft.aux_layer_ids: an MTP head reads the target's final hidden state only"
                 )
+        if self.draft.mtp_impl == "megatron" and (
+            self.draft.head != "native_mtp" or self.draft.init_from or self.draft.adapt != "full"
+        ):
+            raise RecipeError(
+                "draft.mtp_impl=megatron builds the target checkpoint's own MTP layers in megatron-core: "
+                "draft.head=native_mtp, draft.adapt=full, no draft.init_from"
+            )
+        if self.draft.mtp_impl == "megatron" and self.train.autocast_bf16 is not False:
+            raise RecipeError(
+                "draft.mtp_impl=megatron: set train.autocast_bf16=false (megatron-core's linear layers run their "
+                "backward in the weights' dtype and refuse torch autocast's bf16 gradients)"
+            )
         check_lora("draft", self.draft.adapt, self.draft.lora)
         if self.draft.adapt == "lora" and self.draft.head == "eagle3" and not self.draft.init_from:
             raise RecipeError("draft.adapt=lora adapts a warm-started EAGLE-3 draft: set draft.init_from")

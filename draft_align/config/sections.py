@@ -14,6 +14,7 @@ from draft_align.config.choices import (
     GenEngineChoice,
     HeadChoice,
     LossChoice,
+    MTPImplChoice,
     MTPInitChoice,
     MTPLayoutChoice,
     ParallelChoice,
@@ -93,6 +94,10 @@ class DraftConfig:
     mtp_depth: int = 1
     mtp_layout: MTPLayoutChoice = MTPLayoutChoice("deepseek_v3")  # llama_block_mtp: tensor names and chaining
     mtp_init: MTPInitChoice = MTPInitChoice("last_layer")  # llama_block_mtp: how the block starts
+    # native_mtp: whose modules build the MTP layers (transformers' decoder layer | megatron-core's
+    # MultiTokenPredictionLayer: needs megatron-core and its model-parallel state initialised, every size 1;
+    # docs/mtp.md "The Megatron path"); the same math, tensor names and published folder
+    mtp_impl: MTPImplChoice = MTPImplChoice("transformers")
     adapt: AdaptChoice = AdaptChoice("full")  # lora over a warm-started draft (eagle3: needs init_from)
     lora: LoraAdaptConfig = field(default_factory=LoraAdaptConfig)
     aux_layer_ids: list[int] | None = None  # HF hidden_states indices; None = engines' (2, L//2, L-3)

@@ -6,6 +6,8 @@
 - ``mtp.py``: the multi-token-prediction head (DeepSeek-V3 and Qwen3-Next layouts);
 - ``native_mtp.py``: a model's own MTP layers (MiMo, GLM-4.5, DeepSeek-V3) built from its config with transformers' decoder
   layer, loaded from and written back to the checkpoint's MTP tensors (docs/mtp.md);
+- ``megatron_mtp.py``: the same native MTP head with megatron-core's own ``MultiTokenPredictionLayer`` as each
+  depth, its tensors mapped megatron ↔ the family's HF names (``draft.mtp_impl: megatron``; docs/mtp.md);
 - ``lora.py``: LoRA adapters over a frozen head, merging, the adapter tensors;
 - ``vocab.py``: the draft vocabulary (d2t/t2d) and its selection.
 """

@@ -264,11 +264,7 @@ class NativeMTPDraft(nn.Module):
     def __init__(self, cfg: NativeMTPConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        fam = cfg.spec
-        hf_cfg = cfg.hf_config()
-        n = cfg.target_num_layers
-        self.layers = nn.ModuleList(NativeMTPLayer(fam, hf_cfg, n + d) for d in range(cfg.depth))
-        self.rotary = getattr(importlib.import_module(fam.module), fam.rotary_class)(hf_cfg)
+        self.layers, self.rotary = self._build_blocks(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.lm_head.weight.requires_grad_(False)
         # the target's input embedding [V, H], frozen: never read by the head's math (the trainer passes the
@@ -276,6 +272,17 @@ class NativeMTPDraft(nn.Module):
         self.register_buffer("embed_tokens", torch.zeros(cfg.vocab_size, cfg.hidden_size))
         self.register_buffer("d2t", torch.zeros(cfg.vocab_size, dtype=torch.long), persistent=False)
         self.register_buffer("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool), persistent=False)
+
+    def _build_blocks(self, cfg: NativeMTPConfig) -> tuple[nn.ModuleList, nn.Module]:
+        """The per-depth layers (each with ``fuse``, ``out_norm`` and a block :meth:`_run` runs) and the RoPE
+        module: here the family's transformers layers (heads/megatron_mtp.py builds megatron-core's)."""
+        fam, hf_cfg, n = cfg.spec, cfg.hf_config(), cfg.target_num_layers
+        layers = nn.ModuleList(NativeMTPLayer(fam, hf_cfg, n + d) for d in range(cfg.depth))
+        return layers, getattr(importlib.import_module(fam.module), fam.rotary_class)(hf_cfg)
+
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """The MTP tensors under the family's released names (what a publish writes; :func:`to_checkpoint`)."""
+        return to_checkpoint(self)
 
     @property
     def draft_to_target(self) -> torch.Tensor:

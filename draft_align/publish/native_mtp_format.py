@@ -61,11 +61,19 @@ def shared_names(draft: NativeMTPDraft) -> tuple[str, ...]:
 def engine_tensors(draft: NativeMTPDraft, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The MTP tensors under the family's names plus the shared ones (the head's copies of the target's
     embedding and lm_head), cast to ``dtype``: exactly what model.safetensors holds."""
-    out = to_checkpoint(draft)
+    out = draft.checkpoint_tensors()  # the transformers- or megatron-core-built head alike
     shared = {EMBED: draft.embed_tokens, LM_HEAD: draft.lm_head.weight}
     for name in shared_names(draft):
         out[name] = shared[name]
-    return {k: t.detach().to(dtype).contiguous() for k, t in out.items()}
+    cast = {k: t.detach().to(dtype).contiguous() for k, t in out.items()}
+    # one tensor under several names (GLM/DeepSeek at depth ≥ 2: every shared_head.head is the lm_head) would be
+    # refused by safetensors when no cast copied it: each name gets its own storage
+    seen: set[int] = set()
+    for k, t in cast.items():
+        if t.data_ptr() in seen:
+            cast[k] = t.clone()
+        seen.add(t.data_ptr())
+    return cast
 
 
 def write_native_mtp(draft: NativeMTPDraft, out_dir: Path, req: ExportRequest) -> dict[str, Any]:
@@ -159,12 +167,17 @@ def load_native_mtp(
 
 
 def from_target_checkpoint(
-    model_dir: Path, target_config: Any, dtype: torch.dtype = torch.float32, steps_run: str = "first"
+    model_dir: Path,
+    target_config: Any,
+    dtype: torch.dtype = torch.float32,
+    steps_run: str = "first",
+    impl: str = "transformers",
 ) -> NativeMTPDraft:
     """The head with the MTP layers of the target checkpoint at ``model_dir`` (its ``*.safetensors``; only the
-    MTP tensors, the lm_head and the embedding are read).  One-line errors: a family not supported, a config
-    with no MTP layers, a folder without safetensors or without MTP tensors, a tensor the config does not
-    imply (hidden size, vocabulary)."""
+    MTP tensors, the lm_head and the embedding are read), built with transformers' layers or (``impl``
+    "megatron") megatron-core's MTP layers.  One-line errors: a family not supported, a config with no MTP
+    layers, a folder without safetensors or without MTP tensors, a tensor the config does not imply (hidden
+    size, vocabulary); for megatron, megatron-core missing or a layer it is not mapped for."""
     from safetensors import safe_open
 
     model_dir = Path(model_dir)
@@ -186,6 +199,10 @@ def from_target_checkpoint(
     if EMBED in tensors and LM_HEAD not in tensors and getattr(target_config, "tie_word_embeddings", False):
         tensors[LM_HEAD] = tensors[EMBED]
     try:
+        if impl == "megatron":
+            from draft_align.heads import megatron_mtp
+
+            return megatron_mtp.from_checkpoint(cfg, tensors, dtype=dtype)
         return from_checkpoint(cfg, tensors, dtype=dtype)
     except DraftConfigError as e:
         raise DraftConfigError(f"{model_dir}: {e}") from e

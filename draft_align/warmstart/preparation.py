@@ -336,7 +336,9 @@ def native_head(recipe: WarmstartRecipe, target_config: Any) -> nn.Module:
     from draft_align.publish.native_mtp_format import from_target_checkpoint
 
     try:
-        return from_target_checkpoint(model_dir(recipe.target.model), target_config)
+        return from_target_checkpoint(
+            model_dir(recipe.target.model), target_config, impl=str(recipe.draft.mtp_impl)
+        )
     except DraftConfigError as e:
         raise WarmstartError(f"draft.head=native_mtp: {e}") from e
 
