@@ -163,9 +163,8 @@ def test_verl_run_goes_on_when_its_ray_sidecar_is_killed(tiny_run, tmp_path, unt
             def rl_step():
                 nonlocal step
                 step += 1
-                out = wg.compute_log_prob(
-                    rollout_batch(vocab, step)
-                )  # verl's dispatch: raises on a worker error
+                # verl's dispatch to every actor rank (a worker's error raises here)
+                out = wg.compute_log_prob(rollout_batch(vocab, step))
                 assert out is not None and "log_probs" in out.keys()
                 seen.append(da.step_end(step, {"reward_mean": 0.5}))
 
@@ -207,22 +206,16 @@ def test_verl_run_goes_on_when_its_ray_sidecar_is_killed(tiny_run, tmp_path, unt
                     )
             after = seen[killed_at:]
             versions = [m["draft_align/draft_version"] for m in seen]
-            assert (
-                versions == sorted(versions)
-                and min(versions[killed_at:]) >= before["draft_align/draft_version"]
-            )
+            assert versions == sorted(versions)  # the draft served never goes back
+            assert min(versions[killed_at:]) >= before["draft_align/draft_version"]
             assert all(m["draft_align/draft_failures"] == 0.0 for m in seen)
 
-            def accounted() -> (
-                dict[str, float] | None
-            ):  # the worker's sender has sent or dropped all it was offered
+            def accounted() -> dict[str, float] | None:
+                """The worker rank's counters once its sender has sent or dropped all it was offered."""
                 (s,) = wg.draft_align_stats()
                 dropped = sum(v for k, v in s.items() if k.startswith("wire_dropped_"))
-                return (
-                    s
-                    if s["wire_queue_depth"] == 0 and s["wire_offered"] == s["wire_sent"] + dropped
-                    else None
-                )
+                done = s["wire_queue_depth"] == 0 and s["wire_offered"] == s["wire_sent"] + dropped
+                return s if done else None
 
             assert until(accounted, 10)
             tap_after = accounted()
@@ -238,9 +231,8 @@ def test_verl_run_goes_on_when_its_ray_sidecar_is_killed(tiny_run, tmp_path, unt
             ]
             if not restart:
                 assert all(m["draft_align/sidecar_alive"] == 0.0 for m in after)
-                assert (
-                    max(versions) == last_published
-                )  # nothing new: the sidecar is dead, the last draft serves
+                # nothing newer: the sidecar is dead, its last verified draft serves
+                assert max(versions) == last_published
                 assert tap_after["wire_dropped_peer"] > tap_before["wire_dropped_peer"], tap_after
                 assert seen[-1]["draft_align/wire_dropped_peer"] > before["draft_align/wire_dropped_peer"]
                 assert len(gone) == 1 and "is gone" in gone[0] and "keeps serving" in gone[0], gone
