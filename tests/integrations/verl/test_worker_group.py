@@ -122,6 +122,15 @@ def test_verl_workers_tap_old_log_prob_passes_for_a_ray_sidecar_that_publishes(t
         assert final is not None and final["error"] is None
 
 
+def _process_gone(pid: int) -> bool:
+    import psutil  # Ray's dependency
+
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
 def _vocab(model_dir) -> int:
     from transformers import AutoConfig
 
@@ -166,6 +175,9 @@ def test_verl_run_goes_on_when_its_ray_sidecar_is_killed(tiny_run, tmp_path, unt
                 # verl's dispatch to every actor rank (a worker's error raises here)
                 out = wg.compute_log_prob(rollout_batch(vocab, step))
                 assert out is not None and "log_probs" in out.keys()
+                # the step boundary: the policy version update_weights(global_steps) gives the Tap (its next
+                # pass sends that version's HeadSync, as each step of a verl run does)
+                wg.draft_align_set_version(step)
                 seen.append(da.step_end(step, {"reward_mean": 0.5}))
 
             def version() -> float:
@@ -181,6 +193,7 @@ def test_verl_run_goes_on_when_its_ray_sidecar_is_killed(tiny_run, tmp_path, unt
                 killed_at = step
                 if not restart:
                     assert until(lambda: da.sidecar.status() is None, 30)  # Ray says the actor died
+                    assert until(lambda: _process_gone(first_pid), 30)  # and its process has (it may lag)
                     newest = read_latest(run_dir)  # nothing is published after this
                     assert newest is not None
                     last_published = DraftVersion.read(newest).version
@@ -203,6 +216,8 @@ def test_verl_run_goes_on_when_its_ray_sidecar_is_killed(tiny_run, tmp_path, unt
                     assert until(lambda: version() > published_before, 120, every=rl_step, poll_s=0.2), (
                         seen[-1],
                         da.sidecar.status(),
+                        wg.draft_align_stats(),
+                        published_before,
                     )
             after = seen[killed_at:]
             versions = [m["draft_align/draft_version"] for m in seen]
