@@ -17,7 +17,8 @@ would:
 The sidecar is the Ray integration's :class:`~draft_align.integrations.ray.client.RaySidecar` (one actor with
 ``ray.num_cpus``/``num_gpus``/``resources``, or a Ray Train gang), started or re-attached by the run's name; the
 actor workers find its endpoints through the run's registry.  A sidecar that is slow or gone never stops verl:
-each Ray call is bounded, reports are dropped and counted, and the last verified draft keeps serving.
+each Ray call is bounded, reports are dropped and counted, and the last verified draft keeps serving; the step
+boundary logs one ERROR line when it first sees the sidecar gone (and a warning if it answers again).
 """
 
 from __future__ import annotations
