@@ -17,7 +17,8 @@ would:
 The sidecar is the Ray integration's :class:`~draft_align.integrations.ray.client.RaySidecar` (one actor with
 ``ray.num_cpus``/``num_gpus``/``resources``, or a Ray Train gang), started or re-attached by the run's name; the
 actor workers find its endpoints through the run's registry.  A sidecar that is slow or gone never stops verl:
-each Ray call is bounded, reports are dropped and counted, and the last verified draft keeps serving.
+each Ray call is bounded, reports are dropped and counted, and the last verified draft keeps serving; the step
+boundary logs one ERROR line when it first sees the sidecar gone (and a warning if it answers again).
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ class VerlDraftAlign:
         self.reports_refused = 0
         self.step_end_s = 0.0
         self.last_step = 0
+        self.sidecar_alive = False  # as the last step boundary saw it (a change is logged once)
         self._actor_metrics: dict[str, Any] | None = None
         self._pending: dict[str, float] = {}
         self._installed: list[tuple[Any, str]] = []
@@ -104,6 +106,7 @@ class VerlDraftAlign:
         if self.endpoints is None:
             log.warning("draft_align: the Ray sidecar is not ready: verl trains on without taps")
         else:
+            self.sidecar_alive = True
             self.sender = channel.TapSender(
                 self.endpoints,
                 key,
@@ -209,7 +212,11 @@ class VerlDraftAlign:
         metrics["reports_refused"] = float(self.reports_refused)
         if self.sidecar is not None:
             status = self.sidecar.status()  # bounded by ray.call_timeout_s; None when unreachable
-            metrics["sidecar_alive"] = float(status is not None and bool(status.get("running")))
+            alive = status is not None and bool(status.get("running"))
+            if alive != self.sidecar_alive:
+                self._log_sidecar(alive, status, metrics.get("draft_version", 0.0))
+            self.sidecar_alive = alive
+            metrics["sidecar_alive"] = float(alive)
             if status is not None:
                 for k in ("published_version", "train_steps", "ingested_messages"):
                     if isinstance(status.get(k), int | float):
@@ -217,6 +224,24 @@ class VerlDraftAlign:
         self.step_end_s = time.perf_counter() - t0
         metrics["step_end_s"] = self.step_end_s
         return {METRIC_PREFIX + k: v for k, v in metrics.items() if not math.isnan(v)}
+
+    def _log_sidecar(self, alive: bool, status: dict[str, Any] | None, serving: float) -> None:
+        """One line when the sidecar is seen gone (or back, e.g. restarted by Ray)."""
+        if alive:
+            log.warning("draft_align: the Ray sidecar of run %s answers again", self.recipe.run)
+            return
+        if status is None:
+            why = "unreachable"
+        else:
+            why = f"its loop failed: {status['error']}" if status.get("error") else "its loop ended"
+        log.error(
+            "draft_align: the Ray sidecar of run %s is gone (%s) at step %d: verl trains on, taps and reports "
+            "are dropped and counted (draft_align/wire_*), draft v%d keeps serving",
+            self.recipe.run,
+            why,
+            self.last_step,
+            int(serving),
+        )
 
     def stop(self, exit_timeout_s: float = 120.0) -> dict[str, Any] | None:
         """A final report, close the wire and the draft source, let the sidecar publish once more and end; the
