@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draft_align.heads.eagle3 import DraftConfigError
-from draft_align.heads.native_mtp import EMBED, NativeMTPConfig, NativeMTPDraft
+from draft_align.heads.native_mtp import EMBED, NativeMTPConfig, NativeMTPDraft, require_mtp_tensors
 
 #: families whose MTP block megatron-core's local GPT layer spec expresses and whose names are mapped here
 MEGATRON_FAMILIES = ("glm4_moe", "mimo")
@@ -439,13 +439,8 @@ def from_checkpoint(
     tensors, a missing or mis-shaped tensor."""
     _megatron()  # refuse a missing megatron-core, then what it cannot express, before anything is built
     _shape(cfg)
-    fam, n = cfg.spec, cfg.target_num_layers
-    first = fam.prefix.format(d=0, n=n)
-    if not any(k.startswith(first) for k in tensors):
-        raise DraftConfigError(
-            f"checkpoint has no MTP tensors ({first}*): this {fam.architecture} checkpoint ships no MTP layers "
-            f"(or they were dropped when it was saved)"
-        )
+    fam = cfg.spec
+    first = require_mtp_tensors(cfg, tensors)
     state = hf_to_megatron(cfg, tensors)
     head_name = "lm_head.weight" if fam.head is None else f"{first}{fam.head}.weight"
     lost = [x for x in (head_name, EMBED) if x not in tensors]

@@ -507,6 +507,18 @@ def to_checkpoint(draft: NativeMTPDraft) -> dict[str, torch.Tensor]:
     return {k: v.detach().contiguous() for k, v in out.items()}
 
 
+def require_mtp_tensors(cfg: NativeMTPConfig, tensors: Mapping[str, torch.Tensor]) -> str:
+    """The checkpoint prefix of depth 0; a one-line error when ``tensors`` hold no MTP tensor under it."""
+    fam = cfg.spec
+    first = fam.prefix.format(d=0, n=cfg.target_num_layers)
+    if not any(k.startswith(first) for k in tensors):
+        raise DraftConfigError(
+            f"checkpoint has no MTP tensors ({first}*): this {fam.architecture} checkpoint ships no MTP layers "
+            f"(or they were dropped when it was saved)"
+        )
+    return first
+
+
 def from_checkpoint(
     cfg: NativeMTPConfig, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None
 ) -> NativeMTPDraft:
@@ -516,12 +528,7 @@ def from_checkpoint(
     with torch.device("meta"):
         draft = NativeMTPDraft(cfg)
     fam, n = cfg.spec, cfg.target_num_layers
-    first = fam.prefix.format(d=0, n=n)
-    if not any(k.startswith(first) for k in tensors):
-        raise DraftConfigError(
-            f"checkpoint has no MTP tensors ({first}*): this {fam.architecture} checkpoint ships no MTP layers "
-            f"(or they were dropped when it was saved)"
-        )
+    first = require_mtp_tensors(cfg, tensors)
     want = checkpoint_names(draft)
     sd: dict[str, torch.Tensor] = {}
     missing: list[str] = []
