@@ -50,6 +50,11 @@ def cpu_expand_kernel_broken() -> bool:
 
 def rpc_patch_cpu_expand_kernel(worker: Any) -> bool:
     """(runs in each worker) Route vLLM's ``expand_kernel`` to :func:`expand_to_tokens`; True when patched."""
+    return patch_cpu_expand_kernel()
+
+
+def patch_cpu_expand_kernel() -> bool:
+    """Route this process's vLLM ``expand_kernel`` to :func:`expand_to_tokens`; True when patched."""
     from vllm.triton_utils.dispatcher import _registry, register_kernels
 
     if EXPAND_KERNEL not in _registry:  # real Triton kernels, or no override: nothing to fix

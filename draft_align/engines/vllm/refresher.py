@@ -2,13 +2,20 @@
 
 :meth:`DraftRefresher.apply` takes a :class:`~draft_align.engines.rollout_types.DraftVersion` whose files the
 caller verified once and which fits the serving draft (the RL side's
-:class:`~draft_align.rl.drafts.DraftSource` checks both).  Inside the engine (``LLM.collective_rpc`` with
-:func:`~draft_align.engines.vllm.worker_rpc.rpc_load_draft`) the worker hashes the bytes it reads again
-(the files may change between the check and the load), refuses another vocab map, and loads only the
-draft-private tensors.  On any failure the previous version keeps serving (re-applied if the engine was
-touched).  A :class:`ProbeGuard` rolls back a version whose acceptance collapses.
+:class:`~draft_align.rl.drafts.DraftSource` checks both).  The load goes through vLLM's own RL weight-update
+API on ``LLM`` — ``start_draft_weight_update`` → ``update_weights`` → ``finish_weight_update`` — to the
+``draft_align`` weight-transfer backend (:mod:`~draft_align.engines.vllm.transfer`), which an engine started
+by :func:`~draft_align.engines.vllm.start.start_engine` has: the update is the run's signed ``DraftPublished``
+for the version, and inside each worker the backend reads the files once, re-hashes them, checks the vocab map
+and the shared tensors, and loads only the draft-private tensors; on any failure the previous version keeps
+serving (restored in place by the backend).  No callable crosses the engine boundary.  A :class:`ProbeGuard`
+rolls back a version whose acceptance collapses (the previous version, which the backend holds in memory).
 
-Pausing: ``collective_rpc`` runs in the engine core between two scheduler steps, so a refresh never overlaps a
+An engine without the backend (a vLLM older than the RL API, or one started elsewhere without
+``weight_transfer_config``) is refreshed the old way: :func:`~draft_align.engines.vllm.worker_rpc.rpc_load_draft`
+through ``collective_rpc`` (by name with draft_align's worker extension, as a callable in-process otherwise).
+
+Pausing: each call runs in the engine core between two scheduler steps, so a refresh never overlaps a
 forward pass.  Requests in flight finish with the new draft; only acceptance can change, never the output
 distribution, because verification is lossless (docs/acceptance.md).
 """
@@ -24,9 +31,13 @@ from typing import Any
 
 from draft_align.engines.rollout_types import DraftVersion
 from draft_align.engines.vllm.counters import SpecCounters
+from draft_align.engines.vllm.draft_update import BACKEND, UpdateSigner, weight_version
 from draft_align.engines.vllm.start import EngineError, collective_rpc, import_vllm
 from draft_align.engines.vllm.worker_rpc import RefreshError, rpc_describe, rpc_load_draft
 from draft_align.publish.folder import WEIGHTS_FILE
+from draft_align.publish.versions import folder_version
+from draft_align.wire.keys import resolve_key
+from draft_align.wire.messages import DraftPublished
 
 log = logging.getLogger(__name__)
 
@@ -87,17 +98,28 @@ class DraftRefresher:
     """Hot draft refresh for a running ``vllm.LLM`` (see the module docstring).
 
     ``guard``: an optional :class:`ProbeGuard`.  ``serving``: the verified version the engine was started
-    with (None: its manifest is read and verified here).  :meth:`apply` returns True when the version serves;
+    with (None: its manifest is read and verified here).  ``run_dir``: the run whose ``drafts/vNNNN`` it loads
+    (None: the run of the first version applied); ``key_file``: that run's wire key when it is not
+    ``$DRAFT_ALIGN_WIRE_KEY`` or ``<run>/wire.key`` (created there when absent: the sidecar uses the same).  :meth:`apply` returns True when the version serves;
     False when it was refused or rolled back, the reason logged and kept in ``history``.  Call it from the
     thread that drives the LLM (``vllm.LLM`` is not thread-safe): between ``generate`` calls or between
     ``llm.llm_engine.step()`` calls.
     """
 
     def __init__(
-        self, llm: Any, *, guard: ProbeGuard | None = None, serving: DraftVersion | None = None
+        self,
+        llm: Any,
+        *,
+        guard: ProbeGuard | None = None,
+        serving: DraftVersion | None = None,
+        run_dir: str | Path | None = None,
+        key_file: str | None = None,
     ) -> None:
         self.llm = llm
         self.guard = guard
+        self.key_file = key_file
+        self.run_dir: Path | None = None
+        self._signer: UpdateSigner | None = None
         spec = llm.llm_engine.vllm_config.speculative_config
         if spec is None or spec.method not in REFRESHABLE_METHODS:
             method = getattr(spec, "method", None)
@@ -124,15 +146,28 @@ class DraftRefresher:
             self._current_weights = serving.weights if serving is not None else None
             start = serving if serving is not None else DraftVersion.read(spec.model)
             self.current = LoadedDraft(start.version, start.policy_version, str(start.path), start.sha256)
+        self.api = uses_transfer_backend(llm)  # else the old path (rpc_load_draft)
+        if self.api and run_dir is not None:
+            self._bind(Path(run_dir))
         log.info(
-            "draft refresher: engine serves v%04d (%s); shared with the target, never written: %s",
+            "draft refresher: engine serves v%04d (%s) via %s; shared with the target, never written: %s",
             self.current.version,
             self.current.path,
+            "vLLM's weight-update API" if self.api else "collective_rpc",
             info.get("shared"),
         )
 
     # ----------------------------------------------------------------- engine side
+    def _bind(self, run_dir: Path) -> None:
+        """Bind the engine's backend to ``run_dir`` and sign with that run's key from now on."""
+        key = resolve_key(self.key_file, run_dir, create=True)
+        init = {"run_dir": str(run_dir.resolve()), "key_file": self.key_file}
+        self.llm.init_weight_transfer_engine({"init_info": init})
+        self.run_dir, self._signer = run_dir, UpdateSigner(key)
+
     def _load(self, target: LoadedDraft, tensors: Any = None) -> dict[str, Any]:
+        if self.api:
+            return self._load_by_api(target)
         weights = str(Path(target.path) / WEIGHTS_FILE)
         record = {
             "version": target.version,
@@ -144,11 +179,46 @@ class DraftRefresher:
         self.llm.reset_prefix_cache()  # cached prompt blocks hold the old draft's K/V
         return results[0]
 
+    def _load_by_api(self, target: LoadedDraft) -> dict[str, Any]:
+        """One update through vLLM's RL API; RefreshError (previous version serving) when the backend refuses."""
+        path = Path(target.path)
+        if self._signer is None:
+            if folder_version(path) is None:
+                raise RefreshError(f"{path} is not a run's drafts/vNNNN folder: no run to bind the engine to")
+            try:
+                self._bind(path.parent.parent)
+            except Exception as e:  # no key, a run folder the backend refuses: the engine was not touched
+                raise RefreshError(f"binding the engine to run {path.parent.parent}: {e}") from e
+        assert self._signer is not None and self.run_dir is not None
+        msg = DraftPublished(
+            run_id=self.run_dir.resolve().name,
+            draft_version=target.version,
+            policy_version=target.policy_version,
+            path=str(path),
+            sha256=target.sha256,
+        )
+        start = time.perf_counter()
+        self.llm.start_draft_weight_update()
+        try:
+            self.llm.update_weights({"update_info": self._signer.update_info(msg)})
+        except (
+            Exception
+        ) as e:  # the worker ended the session; the backend kept (or restored) the previous draft
+            reason = str(e)
+            if "restart" in reason:
+                raise EngineError(f"draft refresh: {reason}") from e
+            raise RefreshError(reason) from e
+        self.llm.finish_weight_update(weight_version(target.version, target.sha256))
+        self.llm.reset_prefix_cache()  # cached prompt blocks hold the old draft's K/V
+        return {"tensors": -1, "seconds": time.perf_counter() - start}
+
     def _rollback(self, why: str) -> None:
         """Re-apply the serving version after a failed or collapsed load; EngineError if even that fails."""
         self.rollbacks += 1
         try:
             self._load(self.current, self._current_weights)
+        except EngineError:
+            raise
         except Exception as e:
             raise EngineError(
                 f"draft refresh: rollback to v{self.current.version:04d} failed after '{why}': {e}; the engine's "
@@ -223,17 +293,16 @@ class DraftRefresher:
         self.last_apply_s = time.perf_counter() - start
         self.history.append(RefreshRecord(version, str(path), True, "applied", self.last_apply_s, probe_l))
         log.info(
-            "draft refresh: serving v%04d (policy version %d) after %.2f s (%d tensors, %.2f s in the engine)",
+            "draft refresh: serving v%04d (policy version %d) after %.2f s (%.2f s in the engine)",
             version,
             new.policy_version,
             self.last_apply_s,
-            info["tensors"],
             info["seconds"],
         )
         return True
 
     def engine_loaded(self) -> list[dict[str, Any] | None]:
-        """What each worker's draft module records as last loaded by ``rpc_load_draft`` (None: start-up)."""
+        """What each worker's draft module records as last loaded (None: the start-up draft)."""
         return [info.get("loaded") for info in collective_rpc(self.llm, rpc_describe)]
 
     def metrics(self) -> dict[str, float]:
@@ -246,3 +315,10 @@ class DraftRefresher:
             "engine_alarms": float(self.alarms),
             "engine_apply_s": float(self.last_apply_s) if self.last_apply_s is not None else math.nan,
         }
+
+
+def uses_transfer_backend(llm: Any) -> bool:
+    """Whether ``llm`` has vLLM's RL weight-update API and was started with the ``draft_align`` backend."""
+    config = getattr(getattr(llm, "llm_engine", None), "vllm_config", None)
+    transfer = getattr(config, "weight_transfer_config", None)
+    return getattr(transfer, "backend", None) == BACKEND and hasattr(llm, "start_draft_weight_update")

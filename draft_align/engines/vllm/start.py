@@ -13,9 +13,13 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from draft_align.engines.vllm.cpu_patch import cpu_expand_kernel_broken, rpc_patch_cpu_expand_kernel
+from draft_align.engines.vllm.draft_update import BACKEND
+from draft_align.engines.vllm.engine_error import EngineError
+from draft_align.engines.vllm.worker_ext import EXTENSION, RPC_NAMES
+from draft_align.engines.vllm.worker_rpc import DRAFT_SAMPLE_METHODS, DraftSampleMethod
 from draft_align.publish import checked_manifest
 from draft_align.publish.compat import check_compatible
 from draft_align.publish.folder import NATIVE_MTP_FORMAT
@@ -26,8 +30,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-DraftSampleMethod = Literal["greedy", "probabilistic"]
-DRAFT_SAMPLE_METHODS: tuple[str, ...] = ("greedy", "probabilistic")
 SEED_BITS = 62  # width of the per-request seeds vLLM's sampler takes
 
 # vLLM on a CPU: the in-process engine (it starts faster, and collective_rpc needs no pickling), a small KV
@@ -37,10 +39,6 @@ CPU_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
 }
-
-
-class EngineError(RuntimeError):
-    """vLLM is missing, refused to start, or an engine is left in a state that cannot serve."""
 
 
 def vllm_available() -> bool:
@@ -64,16 +62,28 @@ def import_vllm() -> Any:
     return vllm
 
 
+def has_extension(llm: Any) -> bool:
+    """Whether the engine's workers have draft_align's worker extension (or a subclass named in its place)."""
+    config = getattr(getattr(llm, "llm_engine", None), "vllm_config", None)
+    ext = getattr(getattr(config, "parallel_config", None), "worker_extension_cls", "") or ""
+    return bool(ext) and (ext == EXTENSION or "draft_align" in ext)
+
+
 def collective_rpc(llm: Any, fn: Any, *args: Any) -> list[Any]:
-    """``llm.collective_rpc(fn, args=args)``; a clear EngineError when the engine cannot receive a function."""
+    """Run the worker function ``fn`` in every worker: by its method name (:data:`RPC_NAMES`) when the engine
+    has draft_align's worker extension (nothing is pickled), else as a callable (an in-process engine started
+    elsewhere); a clear EngineError when a multiprocess engine cannot receive a function."""
+    name = RPC_NAMES.get(fn)
+    if name is not None and has_extension(llm):
+        return llm.collective_rpc(name, args=args)
     try:
         return llm.collective_rpc(fn, args=args)
     except TypeError as e:
         if "serializ" not in str(e):
             raise
         raise EngineError(
-            f"vLLM cannot send {fn.__name__} to its workers ({e}): a multiprocess engine needs "
-            f"VLLM_ALLOW_INSECURE_SERIALIZATION=1 in the environment (or VLLM_ENABLE_V1_MULTIPROCESSING=0)"
+            f"vLLM cannot send {fn.__name__} to its workers ({e}): start the engine with "
+            f"worker_extension_cls={EXTENSION!r} (start_engine does), or in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0)"
         ) from e
 
 
@@ -142,6 +152,8 @@ def start_engine(
         spec["draft_sample_method"] = draft_sample_method
     vllm = import_vllm()
     start = time.perf_counter()
+    llm_kwargs.setdefault("worker_extension_cls", EXTENSION)  # worker calls by name: nothing pickled
+    llm_kwargs.setdefault("weight_transfer_config", {"backend": BACKEND})  # drafts through vLLM's RL API
     try:
         llm = vllm.LLM(
             model=resolved,

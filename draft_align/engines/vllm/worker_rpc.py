@@ -14,14 +14,16 @@ import hashlib
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
-from draft_align.engines.vllm.start import DRAFT_SAMPLE_METHODS, EngineError
+from draft_align.engines.vllm.engine_error import EngineError
 from draft_align.hf.lora_layers import decoder_layer_of
 from draft_align.publish.folder import ExportError
 
+DraftSampleMethod = Literal["greedy", "probabilistic"]
+DRAFT_SAMPLE_METHODS: tuple[str, ...] = ("greedy", "probabilistic")
 LOADED_ATTR = "draft_align_loaded"  # set on the engine's draft module: what rpc_load_draft last loaded
 
 
@@ -168,47 +170,57 @@ def rpc_load_draft(
     record: dict[str, Any],
     tensors: Mapping[str, torch.Tensor] | None = None,
 ) -> dict[str, Any]:
-    """(runs in each worker) Load the draft-private tensors of ``weights_path`` into the serving draft.
+    """(runs in each worker; the path for a vLLM without the RL weight-update API) Load the draft-private
+    tensors of ``weights_path`` into the serving draft: :func:`load_draft_tensors`.
 
     ``tensors``: the file's tensors as the caller parsed them from the very bytes it hashed to ``sha256``
     (:class:`~draft_align.engines.rollout_types.DraftVersion` ``weights``); then the file is neither read nor
-    hashed again here.  Checks before touching the model (RefreshError, engine unchanged): the bytes read hash to ``sha256``; the
-    vocab map equals the engine's; a tensor the draft shares with the target is either absent or identical.
-    Then, inside ``set_current_vllm_config``: ``initialize_layerwise_reload`` on every module of the
-    draft-private subtrees that holds weights (:func:`_reloadable`),
-    ``draft.load_weights``, ``finalize_layerwise_reload`` (repacking for the CPU kernels happens there).
-    Afterwards the tensors vLLM keeps unpacked (norms, lm_head) are compared with the file.  ``record`` is
-    stored on the draft module as ``draft_align_loaded``.
-
-    An MTP drafter (``method: mtp``, a model's own MTP layers) shares the embedding and the lm_head with the
-    target by design: those tensors of the folder are skipped, never compared (the policy's own serve), and
-    only the MTP layers are reloaded.
+    hashed again here.  Else the bytes read must hash to ``sha256`` (RefreshError, engine unchanged).
     """
     import safetensors.torch
-    from vllm.config import set_current_vllm_config
-    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
-    start = time.perf_counter()
     if tensors is None:
         data = Path(weights_path).read_bytes()
         if hashlib.sha256(data).hexdigest() != sha256:
             raise RefreshError(f"{weights_path}: sha256 of the bytes read differs from the manifest's")
         tensors = safetensors.torch.load(data)
-    else:
-        tensors = dict(tensors)  # the caller's mapping is kept as it is (d2t/t2d are popped below)
     runner = worker.model_runner
     draft = runner.get_draft_model()
     if draft is None:
         raise RefreshError("the engine serves no draft model")
-    target = runner.get_model()
+    info = load_draft_tensors(draft, runner.get_model(), worker.vllm_config, tensors)
+    setattr(draft, LOADED_ATTR, dict(record))
+    return info
 
+
+def load_draft_tensors(
+    draft: torch.nn.Module, target: torch.nn.Module, vllm_config: Any, tensors: Mapping[str, torch.Tensor]
+) -> dict[str, Any]:
+    """Load the draft-private tensors of a draft file's ``tensors`` into the serving ``draft`` module.
+
+    Checks before touching the model (RefreshError, engine unchanged): the vocab map equals the engine's; a
+    tensor the draft shares with ``target`` is either absent or identical.  Then, inside
+    ``set_current_vllm_config``: ``initialize_layerwise_reload`` on every module of the draft-private subtrees
+    that holds weights (:func:`_reloadable`), ``draft.load_weights``, ``finalize_layerwise_reload`` (repacking
+    for the CPU kernels happens there).  Afterwards the tensors vLLM keeps unpacked (norms, lm_head) are
+    compared with the file (RuntimeError: the model was touched).
+
+    An MTP drafter (``method: mtp``, a model's own MTP layers) shares the embedding and the lm_head with the
+    target by design: those tensors of the folder are skipped, never compared (the policy's own serve), and
+    only the MTP layers are reloaded.
+    """
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+    start = time.perf_counter()
+    tensors = dict(tensors)  # the caller's mapping is kept as it is (d2t/t2d are popped below)
     new_map = tensors.pop("d2t", None)
     tensors.pop("t2d", None)  # engines ignore it
     engine_map = getattr(draft, "draft_id_to_target_id", None)
     if engine_map is not None and (new_map is None or _digest_tensor(new_map) != _digest_tensor(engine_map)):
         raise RefreshError("vocab map (d2t) differs from the serving draft's: it is fixed for a run")
 
-    native_mtp = worker.vllm_config.speculative_config.method == "mtp"
+    native_mtp = vllm_config.speculative_config.method == "mtp"
     shared = _shared_modules(draft, target)
     params = dict(draft.named_parameters(remove_duplicate=False))
     weights: list[tuple[str, torch.Tensor]] = []
@@ -235,11 +247,11 @@ def rpc_load_draft(
             )
         skipped.append(name)  # identical to the target's: nothing to do
     if not weights:
-        raise RefreshError(f"{weights_path}: no draft-private tensors to load")
+        raise RefreshError("no draft-private tensors to load")
 
     modules = _reloadable(_private_subtrees(draft, shared))
-    model_config = worker.vllm_config.speculative_config.draft_model_config
-    with set_current_vllm_config(worker.vllm_config):
+    model_config = vllm_config.speculative_config.draft_model_config
+    with set_current_vllm_config(vllm_config):
         for module in modules:
             initialize_layerwise_reload(module)
         try:
@@ -261,7 +273,6 @@ def rpc_load_draft(
         checked += 1
     if checked == 0:
         raise RuntimeError("no loaded tensor could be read back from the engine: the reload is unverified")
-    setattr(draft, LOADED_ATTR, dict(record))
     return {
         "tensors": len(weights),
         "skipped_shared": skipped,
