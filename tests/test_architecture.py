@@ -57,6 +57,7 @@ ALLOWED: dict[str, set[str]] = {
         "storage",
         "engines",
     },
+    "push": {"conventions", "config", "wire", "publish", "monitor", "engines"},
     "integrations": {
         "conventions",
         "config",

@@ -6,12 +6,14 @@ import argparse
 
 from draft_align.cli.advise_command import cmd_advise
 from draft_align.cli.draft_commands import cmd_eval, cmd_export
+from draft_align.cli.push import cmd_push
 from draft_align.cli.ray import cmd_ray
 from draft_align.cli.runs import cmd_cotrain, cmd_fetch, cmd_monitor, cmd_report, cmd_sidecar, cmd_warmstart
 
 # the parser's description (``draft-align --help``)
 DESCRIPTION = (
-    "``draft-align`` command line: fetch | warmstart | sidecar | ray | cotrain | monitor | report | advise | eval | export.\n"
+    "``draft-align`` command line: fetch | warmstart | sidecar | ray | cotrain | push | monitor | report | advise | eval | "
+    "export.\n"
     "\n"
     "Logging is configured here and nowhere else.\n"
 )
@@ -80,6 +82,22 @@ def build_parser() -> argparse.ArgumentParser:
     ct.add_argument("overrides", nargs="*")
     ct.add_argument("--draft", default=None)
     ct.set_defaults(fn=cmd_cotrain)
+
+    pu = sub.add_parser(
+        "push", help="keep a fleet of vLLM servers on a run's newest draft (vLLM's RL API; docs/servers.md)"
+    )
+    pu.add_argument("recipe", help="co-training recipe YAML, or a run folder (its resolved recipe)")
+    pu.add_argument("overrides", nargs="*", help="key=value overrides (push.*, wire.*)")
+    pu.add_argument("--server", action="append", help="a server's http://host:port (repeatable)")
+    pu.add_argument(
+        "--servers-file", default=None, help="a file of server URLs, one per line, re-read as it changes"
+    )
+    pu.add_argument(
+        "--pause", choices=("none", "keep"), default=None, help="requests in flight during a load"
+    )
+    pu.add_argument("--no-notifications", action="store_true", help="follow the run's `latest` only")
+    pu.add_argument("--max-seconds", type=float, default=None)
+    pu.set_defaults(fn=cmd_push)
 
     mo = sub.add_parser("monitor", help="follow a co-training run: one table row per RL step")
     mo.add_argument("run_dir")

@@ -53,6 +53,8 @@ ParallelChoice = _choice("ParallelChoice", ("ddp", "fsdp2"), "parallelism")  # d
 SidecarHostChoice = _choice("SidecarHostChoice", ("process", "ray"), "sidecar host")
 # a Ray-hosted sidecar's lifetime: dies with the driver that started it, or outlives it (re-attach by name)
 RayLifetimeChoice = _choice("RayLifetimeChoice", ("job", "detached"), "Ray lifetime")
+# how `draft-align push` treats a server's requests in flight while it loads a version (docs/servers.md)
+PushPauseChoice = _choice("PushPauseChoice", ("none", "keep"), "push pause mode")
 WandbModeChoice = _choice("WandbModeChoice", ("offline", "online", "disabled"), "wandb mode")
 DtypeChoice = _choice("DtypeChoice", FLOAT_DTYPE_NAMES, "dtype")
 

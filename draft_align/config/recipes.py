@@ -14,6 +14,7 @@ from draft_align.config.rules import (
     check_choices,
     check_lora,
     check_loss_section,
+    check_push,
     check_ranges,
     check_run_name,
 )
@@ -22,6 +23,7 @@ from draft_align.config.sections import (
     DraftConfig,
     EvalConfig,
     LoggingConfig,
+    PushConfig,
     RayConfig,
     RLConfig,
     SidecarConfig,
@@ -112,12 +114,14 @@ class CotrainRecipe(_RecipeHeader):
     sidecar: SidecarConfig = field(default_factory=SidecarConfig)
     rl: RLConfig = field(default_factory=RLConfig)
     ray: RayConfig = field(default_factory=RayConfig)
+    push: PushConfig = field(default_factory=PushConfig)  # draft-align push beside vLLM servers
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def validate(self) -> None:
         """The cross-field rules (field types and choices are the schema's, checked again here for a
         recipe built in code)."""
         _check_header(self)
+        check_push(self.push)
         check_lora("sidecar.train", self.sidecar.train.adapt, self.sidecar.train.lora)
         check_loss_section("sidecar.train", self.sidecar.train)
         if not self.tap.send_final:

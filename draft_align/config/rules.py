@@ -19,6 +19,7 @@ from draft_align.config.sections import (
     EvalConfig,
     LoggingConfig,
     LoraAdaptConfig,
+    PushConfig,
     RayConfig,
     RLConfig,
     SidecarBufferConfig,
@@ -257,6 +258,14 @@ RANGES: dict[type, dict[str, Range]] = {
             0, 1, open_low=True, note="to turn the guard off: rl.draft_guard=none"
         ),
     },
+    PushConfig: {
+        "poll_interval_s": Range(0.01, 3600),
+        "retry_min_s": Range(0.01, 3600),
+        "retry_max_s": Range(0.01, 86400),
+        "timeout_s": Range(0.1, 3600),
+        "prometheus_port": Range(0, 65535, note="0: any free port"),
+        "row_every_s": Range(0.1, 86400),
+    },
     RayConfig: {
         "num_cpus": AT_LEAST_0,
         "num_gpus": AT_LEAST_0,
@@ -374,3 +383,12 @@ def choice_error(key: str, value: Any, choice: type[Enum]) -> RecipeError:
         f"{key}: unknown {CHOICE_NAMES[choice]} {str(value)!r}; expected one of "
         f"{' | '.join(m.value for m in choice)}"
     )
+
+
+def check_push(push: Any) -> None:
+    """``push``'s cross-field rules: each server an http(s) URL, backoff bounds in order."""
+    for url in push.servers:
+        if not str(url).startswith(("http://", "https://")):
+            raise RecipeError(f"push.servers: {url!r} is not an http://host:port (or https://) URL")
+    if push.retry_min_s > push.retry_max_s:
+        raise RecipeError(f"push.retry_min_s {push.retry_min_s} > push.retry_max_s {push.retry_max_s}")

@@ -18,6 +18,7 @@ from draft_align.config.choices import (
     MTPInitChoice,
     MTPLayoutChoice,
     ParallelChoice,
+    PushPauseChoice,
     RayLifetimeChoice,
     RolloutVerifyChoice,
     SidecarHostChoice,
@@ -382,6 +383,28 @@ class RayConfig:
     )  # detached: outlives the driver (draft-align ray stop)
     ready_timeout_s: float = 300.0  # the driver waits this long for the sidecar's endpoints, then runs on
     call_timeout_s: float = 2.0  # any other Ray call from the RL side: after this it is counted and skipped
+
+
+@dataclass
+class PushConfig:
+    """``draft-align push``: keeps a fleet of vLLM servers on the run's newest draft (docs/servers.md)."""
+
+    servers: list[str] = field(default_factory=list)  # http://host:port of each server (repeatable --server)
+    servers_file: str | None = None  # a file of server URLs, one per line (# comments), re-read as it changes
+    pause: PushPauseChoice = PushPauseChoice(
+        "none"
+    )  # none: load between scheduler steps; keep: freeze requests
+    poll_interval_s: float = 0.5  # a round over the fleet (new versions, restarts, wakes) this often
+    retry_min_s: float = 0.5  # first backoff after a server did not answer (doubling)
+    retry_max_s: float = 30.0  # longest backoff
+    timeout_s: float = 60.0  # one HTTP call to a server
+    api_key_env: str = "VLLM_API_KEY"  # the environment variable holding the servers' --api-key (sent if set)
+    prometheus_port: int | None = (
+        None  # serve the fleet's state on 127.0.0.1:<port>/metrics (0: any free port)
+    )
+    row_every_s: float = (
+        60.0  # a state row in <run>/push/push.jsonl at least this often (and on every change)
+    )
 
 
 @dataclass

@@ -7,7 +7,8 @@
   from ``tiny_overrides``: self-distillation, capture, 120 TTT steps; ≈7 s on 2 busy cores).  Under vLLM at
   k = 3, T = 0 it reaches L = 2.53 on the tests' 4 prompts × 32 tokens (after one training step: ≈1.5).
 - The refresh run: v0001 good, v0002 the same draft with its lm_head zeroed (the "wiped drafter": it proposes
-  one fixed token, acceptance ≈ 0), v0003 good again; plus a truncated copy and versions that cannot replace
+  one fixed token, acceptance ≈ 0), v0003 good again, v0004 wiped again (versions only rise in an engine's
+  session, so a collapse after a good version needs a newer number); plus a truncated copy and versions that cannot replace
   the serving draft (another draft vocab size, another hidden size, another vocab map).
 - One eager vLLM engine (fp32, k = 3) per test module, shut down after it (vLLM keeps its counters in a
   process-wide registry: one serving engine at a time).  It runs on one torch thread: with OpenMP threads on
@@ -81,7 +82,7 @@ class VllmWorld:
     root: Path
     target: Path  # HF folder vLLM serves
     warm: Path  # the warm-start run folder (drafts/v0001 = the trained draft)
-    run: Path  # drafts/v0001 good, v0002 wiped lm_head, v0003 good again; `latest` → v0001
+    run: Path  # drafts/v0001 good, v0002 wiped lm_head, v0003 good again, v0004 wiped; `latest` → v0001
     corrupt: Path  # v0003 with model.safetensors truncated
     mis_vocab: Path  # draft vocab 24 instead of 48
     mis_hidden: Path  # draft hidden 192 (3 heads of 64) instead of 128
@@ -159,6 +160,7 @@ def vllm_world(request, tmp_path_factory) -> VllmWorld:
         wiped.lm_head.weight.zero_()  # every draft logit equal: always proposes draft id 0
     _export(wiped, version_dir(run, 2), tc, 2, fingerprint)
     _export(good, version_dir(run, 3), tc, 3, fingerprint)
+    _export(wiped, version_dir(run, 4), tc, 4, fingerprint)  # a collapse after a good version (versions rise)
     write_latest(run, version_dir(run, 1))
 
     corrupt = root / "corrupt"

@@ -8,8 +8,9 @@ accepted (docs/acceptance.md).
 from __future__ import annotations
 
 import math
+import re
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +22,7 @@ NUM_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
 NUM_ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
 ACCEPTED_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
 ITERATION_TOKENS = "vllm:iteration_tokens_total"  # a histogram with one observation per engine step
+_POSITION = re.compile(r'position="(\d+)"')
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,28 @@ class SpecCounters:
                     for i in range(width)
                 ]
         return cls(totals[NUM_DRAFTS], totals[NUM_DRAFT_TOKENS], totals[NUM_ACCEPTED], tuple(per_pos), steps)
+
+    @classmethod
+    def from_samples(cls, samples: Mapping[str, float]) -> SpecCounters:
+        """From a server's ``/metrics`` page parsed by :func:`~draft_align.monitor.live.parse_metrics` (counter
+        samples ``<name>_total{labels}``, summed over engines; per position by the ``position`` label)."""
+        totals = {NUM_DRAFTS: 0, NUM_DRAFT_TOKENS: 0, NUM_ACCEPTED: 0}
+        per_pos: dict[int, int] = {}
+        steps = 0
+        for key, value in samples.items():
+            name, _, labels = key.partition("{")
+            base = name.removesuffix("_total")
+            if base in totals and name.endswith("_total"):
+                totals[base] += int(value)
+            elif base == ACCEPTED_PER_POS and name.endswith("_total"):
+                match = _POSITION.search(labels)
+                if match:
+                    pos = int(match.group(1))
+                    per_pos[pos] = per_pos.get(pos, 0) + int(value)
+            elif name == ITERATION_TOKENS + "_count":
+                steps += int(value)
+        positions = tuple(per_pos.get(i, 0) for i in range(max(per_pos) + 1)) if per_pos else ()
+        return cls(totals[NUM_DRAFTS], totals[NUM_DRAFT_TOKENS], totals[NUM_ACCEPTED], positions, steps)
 
     @classmethod
     def snapshot(cls, llm: Any) -> SpecCounters:

@@ -146,6 +146,10 @@ class DraftRefresher:
             self._current_weights = serving.weights if serving is not None else None
             start = serving if serving is not None else DraftVersion.read(spec.model)
             self.current = LoadedDraft(start.version, start.policy_version, str(start.path), start.sha256)
+        startup = (info.get("backend") or {}).get("startup")  # the draft the engine started with, held
+        self.startup_sha256 = (
+            startup["sha256"] if startup else (None if info.get("loaded") else self.current.sha256)
+        )
         self.api = uses_transfer_backend(llm)  # else the old path (rpc_load_draft)
         if self.api and run_dir is not None:
             self._bind(Path(run_dir))
@@ -182,13 +186,16 @@ class DraftRefresher:
     def _load_by_api(self, target: LoadedDraft) -> dict[str, Any]:
         """One update through vLLM's RL API; RefreshError (previous version serving) when the backend refuses."""
         path = Path(target.path)
-        if self._signer is None:
-            if folder_version(path) is None:
+        run = path.parent.parent if folder_version(path) is not None else None
+        startup = target.sha256 == self.startup_sha256  # held by the backend whatever the run
+        bound = self.run_dir.resolve() if self.run_dir is not None else None
+        if self._signer is None or (not startup and run is not None and run.resolve() != bound):
+            if run is None:
                 raise RefreshError(f"{path} is not a run's drafts/vNNNN folder: no run to bind the engine to")
             try:
-                self._bind(path.parent.parent)
+                self._bind(run)
             except Exception as e:  # no key, a run folder the backend refuses: the engine was not touched
-                raise RefreshError(f"binding the engine to run {path.parent.parent}: {e}") from e
+                raise RefreshError(f"binding the engine to run {run}: {e}") from e
         assert self._signer is not None and self.run_dir is not None
         msg = DraftPublished(
             run_id=self.run_dir.resolve().name,

@@ -191,13 +191,12 @@ class DraftAlignTransferEngine(WeightTransferEngine[DraftTransferInit, DraftTran
 
     # ----------------------------------------------------------------- vLLM's lifecycle
     def init_transfer_engine(self, init_info: DraftTransferInit) -> None:
-        """Bind this worker to ``init_info.run_dir``.  The same run again: nothing changes.  Another run: refused
-        when ``$DRAFT_ALIGN_SERVE_RUN_DIR`` pinned one at start; else the worker serves that run from now on
-        (its versions counted from scratch, the earlier run's no longer held)."""
+        """Bind this worker to ``init_info.run_dir`` and begin a session: versions must rise within a session
+        (a replayed update is refused in any session: the sequence guard outlives them).  Another run is refused
+        when ``$DRAFT_ALIGN_SERVE_RUN_DIR`` pinned one at start; else the worker serves that run from now on (the
+        earlier run's versions no longer held)."""
         wanted = Path(init_info.run_dir).resolve()
-        if self.binding is not None and self.binding.run_dir == wanted:
-            return
-        if self.pinned and self.binding is not None:
+        if self.pinned and self.binding is not None and self.binding.run_dir != wanted:
             raise self._refuse(
                 f"this server serves run {self.binding.run_dir} (${RUN_DIR_ENV}); refused {wanted}"
             )
@@ -205,9 +204,10 @@ class DraftAlignTransferEngine(WeightTransferEngine[DraftTransferInit, DraftTran
             binding = _bind(wanted, init_info.key_file)
         except UpdateRefused as e:
             raise self._refuse(str(e)) from None
-        self.binding, self.newest = binding, 0
-        self.held.clear()
-        log.info("draft_align: serving drafts of run %s", binding.run_dir)
+        if self.binding is None or self.binding.run_dir != binding.run_dir:
+            self.held.clear()  # another run's versions are never served again
+            log.info("draft_align: serving drafts of run %s", binding.run_dir)
+        self.binding, self.newest = binding, 0  # a new session: its caller's versions count from here
 
     def start_weight_update(self) -> None:
         """Nothing to prepare: the whole load runs inside ``update_weights`` (one call, all or nothing)."""
@@ -341,6 +341,7 @@ class DraftAlignTransferEngine(WeightTransferEngine[DraftTransferInit, DraftTran
         """What this worker serves and holds (for a worker extension's by-name call and the tests)."""
         return {
             "bound_run": str(self.binding.run_dir) if self.binding is not None else None,
+            "startup": self.startup.record() if self.startup is not None else None,
             "serving": self.serving.record() if self.serving is not None else None,
             "held": [h.version for h in self.held.values()],
             "newest": self.newest,

@@ -132,8 +132,12 @@ def served(request, tmp_path_factory, vllm_env):
             tokenizer_fingerprint="none",
             dtype=torch.float32,
         )
-        write_draft(draft, root / f"v{version:04d}", req)
-        return root / f"v{version:04d}"
+        folder = (
+            root / "drafts" / f"v{version:04d}"
+        )  # a run's version folder: the only kind the backend loads
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        write_draft(draft, folder, req)
+        return folder
 
     v1, v2 = publish(untrained, 1), publish(trained, 2)
     published = load_draft(v2)[0]

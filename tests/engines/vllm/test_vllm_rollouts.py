@@ -127,7 +127,7 @@ def test_offer_use_and_guard(rollouts, vllm_world):
     assert not rollouts.offer(version(1))  # the frozen draft it already serves: nothing to do
     assert rollouts.offer(version(3))  # good: passes the probe
     assert (rollouts.serving, rollouts.adapted.version) == ("adapted", 3)
-    assert not rollouts.offer(version(2))  # wiped lm_head: probe collapses, rolled back
+    assert not rollouts.offer(version(4))  # wiped lm_head: probe collapses, rolled back
     assert rollouts.adapted.version == 3 and rollouts.refresher.alarms == 1
     with pytest.raises(
         CorruptCheckpointError

@@ -52,13 +52,14 @@ def test_worker_refuses_before_touching_the_model(engine, vllm_world, tmp_path):
     with pytest.raises(RefreshError, match="sha256"):
         engine.collective_rpc(rpc_load_draft, args=(str(Path(before.path) / WEIGHTS), "0" * 64, {}))
     # a folder rewritten after it was verified (same size, other bytes): refused in the worker
-    moved = shutil.copytree(version_dir(vllm_world.run, 3), tmp_path / "v0003")
+    moved = shutil.copytree(version_dir(vllm_world.run, 3), version_dir(tmp_path / "run", 3))
     verified = DraftVersion.read(moved)
     (moved / WEIGHTS).write_bytes((version_dir(vllm_world.run, 2) / WEIGHTS).read_bytes())
     assert ref.apply(verified, probe=False) is False
-    assert "sha256 of the bytes read differs" in ref.history[-1].reason
+    assert "sha256 mismatch" in ref.history[-1].reason
     # another vocab map (a version that did not go through the RL side's fit check): refused in the worker
-    assert ref.apply(DraftVersion.read(vllm_world.mis_map), probe=False) is False
+    remapped = shutil.copytree(vllm_world.mis_map, version_dir(tmp_path / "run", 6))  # mis_map is v6
+    assert ref.apply(DraftVersion.read(remapped), probe=False) is False
     assert "vocab map" in ref.history[-1].reason
     assert ref.failures == 2 and ref.rollbacks == 0 and ref.current == before
     assert ref.engine_loaded() == loaded and greedy() == ids  # the engine was never touched
