@@ -301,9 +301,11 @@ class DraftAlignTransferEngine(WeightTransferEngine[DraftTransferInit, DraftTran
     def _serve(self, new: HeldDraft, tensors: dict[str, torch.Tensor]) -> None:
         """Load ``tensors`` into the draft; on failure put the serving version's back (or say it cannot)."""
         previous = self.serving
-        restore = (
-            self._tensors_of(previous) if previous is not None else None
-        )  # read before touching the model
+        restore = self._tensors_of(previous) if previous is not None else None  # read before any change
+        if restore is not None:
+            mismatch = _layout_mismatch(tensors, restore)
+            if mismatch:
+                raise self._refuse(f"v{new.version}: {mismatch} (the serving draft's layout is fixed for a run)")
         try:
             info = load_draft_tensors(self.model, self._default_model, self.vllm_config, tensors)
         except RefreshError as e:  # raised before the model was touched
@@ -348,3 +350,14 @@ class DraftAlignTransferEngine(WeightTransferEngine[DraftTransferInit, DraftTran
             "applied": self.applied,
             "refused": self.refused,
         }
+
+
+def _layout_mismatch(new: dict[str, torch.Tensor], serving: dict[str, torch.Tensor]) -> str | None:
+    """How ``new``'s tensors differ from the serving draft's in names or shapes (None: the same layout)."""
+    if set(new) != set(serving):
+        extra, missing = sorted(set(new) - set(serving)), sorted(set(serving) - set(new))
+        return f"tensors {extra[:3]} not in the serving draft, {missing[:3]} missing"
+    for name, t in new.items():
+        if tuple(t.shape) != tuple(serving[name].shape):
+            return f"{name}: shape {tuple(t.shape)}, the serving draft's is {tuple(serving[name].shape)}"
+    return None
