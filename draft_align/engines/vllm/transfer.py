@@ -245,9 +245,6 @@ class DraftAlignTransferEngine(WeightTransferEngine[DraftTransferInit, DraftTran
             raise self._refuse(f"replayed or stale update ({e.reason}): {e}") from None
         msg = signed.published
         version, sha = int(msg.draft_version), str(msg.sha256)
-        if self.serving is not None and (self.serving.version, self.serving.sha256) == (version, sha):
-            log.info("draft_align: v%04d already serving", version)
-            return
         held = self._held(version, sha)
         if held is not None:
             self._serve(held, self._tensors_of(held))
@@ -305,7 +302,9 @@ class DraftAlignTransferEngine(WeightTransferEngine[DraftTransferInit, DraftTran
         if restore is not None:
             mismatch = _layout_mismatch(tensors, restore)
             if mismatch:
-                raise self._refuse(f"v{new.version}: {mismatch} (the serving draft's layout is fixed for a run)")
+                raise self._refuse(
+                    f"v{new.version}: {mismatch} (the serving draft's layout is fixed for a run)"
+                )
         try:
             info = load_draft_tensors(self.model, self._default_model, self.vllm_config, tensors)
         except RefreshError as e:  # raised before the model was touched
