@@ -103,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     mo.add_argument("run_dir")
     mo.add_argument("--once", action="store_true", help="print what exists and exit")
     mo.add_argument("--interval", type=float, default=1.0)
+    mo.add_argument(
+        "--servers", action="store_true", help="the vLLM servers `draft-align push` keeps on the run's drafts"
+    )
     mo.set_defaults(fn=cmd_monitor)
 
     rp = sub.add_parser("report", help="plot acceptance vs RL step (frozen vs adapted) and summarise a run")

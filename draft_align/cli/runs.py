@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from pathlib import Path
 
 from draft_align.cli.logs import route_library_logs, say_rank
@@ -121,10 +122,32 @@ def cmd_monitor(args: argparse.Namespace) -> int:
     from draft_align.monitor.live import follow
 
     try:
+        if args.servers:
+            return _monitor_servers(Path(args.run_dir), once=args.once, interval_s=args.interval)
         follow(Path(args.run_dir), once=args.once, interval_s=args.interval)
     except KeyboardInterrupt:
         pass
     return 0
+
+
+def _monitor_servers(run_dir: Path, *, once: bool, interval_s: float) -> int:
+    """``draft-align monitor --servers``: the push process's table of the fleet, again whenever it changes."""
+    from draft_align.monitor.fleet_view import PUSH_DIR, format_servers, read_push_state
+
+    shown = None
+    while True:
+        state = read_push_state(run_dir)
+        if state is None and once:
+            print(f"no push state in {run_dir / PUSH_DIR} (is `draft-align push` running for this run?)")
+            return 1
+        table = format_servers(state) if state is not None else None
+        if table is not None and table != shown:
+            print(time.strftime("%H:%M:%S"), f"run {run_dir}", flush=True)
+            print(table, flush=True)
+            shown = table
+        if once:
+            return 0
+        time.sleep(interval_s)
 
 
 def cmd_report(args: argparse.Namespace) -> int:

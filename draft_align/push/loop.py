@@ -22,15 +22,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from draft_align.monitor.fleet_view import PUSH_DIR, PUSH_PORT_FILE, PUSH_ROWS_FILE, PUSH_STATE_FILE
 from draft_align.push.fleet import Fleet, ServerState, Version
 from draft_align.push.follow import VersionFollower
 
 log = logging.getLogger(__name__)
 
-PUSH_DIR = "push"  # <run>/push/
-STATE_FILE = "state.json"
-ROWS_FILE = "push.jsonl"
-PORT_FILE = "prometheus.port"
+__all__ = ["PUSH_DIR", "PushLoop", "ServerList", "read_servers_file"]
 
 
 def read_servers_file(path: Path) -> list[str]:
@@ -151,7 +149,7 @@ class PushLoop:
         self._last_key: Any = None
         self.prom = PromGauges(prometheus_port) if prometheus_port is not None else None
         if self.prom is not None:
-            (self.out_dir / PORT_FILE).write_text(f"{self.prom.port}\n")
+            (self.out_dir / PUSH_PORT_FILE).write_text(f"{self.prom.port}\n")
 
     def tick(self) -> dict[str, Any]:
         """One round; returns the state it wrote."""
@@ -184,12 +182,12 @@ class PushLoop:
         )
         changed = key != self._last_key
         if changed:
-            tmp = self.out_dir / f".{STATE_FILE}.tmp"
+            tmp = self.out_dir / f".{PUSH_STATE_FILE}.tmp"
             tmp.write_text(json.dumps(state, sort_keys=True))
-            os.replace(tmp, self.out_dir / STATE_FILE)
+            os.replace(tmp, self.out_dir / PUSH_STATE_FILE)
         now = self.clock()
         if changed or now - self._last_row_at >= self.row_every_s:
-            with (self.out_dir / ROWS_FILE).open("a", encoding="utf-8") as f:
+            with (self.out_dir / PUSH_ROWS_FILE).open("a", encoding="utf-8") as f:
                 f.write(json.dumps(state, sort_keys=True) + "\n")
             self._last_row_at = now
         self._last_key = key

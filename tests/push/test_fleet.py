@@ -274,3 +274,31 @@ def test_a_server_that_woke_is_pushed_its_version_again(fleet):
     post("/wake_up")
     state = _until(loop, lambda s: s["servers"][server.url]["repushes"] == 1)
     assert _serving(state) == [17, 17] and state["servers"][server.url]["pushes"] == 0
+
+
+def test_the_push_and_monitor_commands(fleet, tmp_path):
+    """`draft-align push` (a recipe of the run, two --server flags) keeps the servers on a newly published
+    version; `draft-align monitor --servers --once` prints the fleet's table."""
+    import subprocess
+    import sys
+
+    from draft_align.config import CotrainRecipe, save_recipe
+
+    recipe = save_recipe(CotrainRecipe(run="run", output_dir=str(fleet.run.parent)), tmp_path / "recipe.yaml")
+    publish(fleet.run, fleet.good, 18)
+    argv = [sys.executable, "-m", "draft_align", "push", str(recipe), "push.poll_interval_s=0.2"]
+    argv += [a for s in fleet.servers for a in ("--server", s.url)] + ["--max-seconds", "8"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = [line for line in done.stdout.splitlines() if "newest v0018" in line]
+    assert lines and all(f"{s.url.split('://')[1]} v0018" in lines[-1] for s in fleet.servers), done.stdout
+    shown = subprocess.run(
+        [sys.executable, "-m", "draft_align", "monitor", str(fleet.run), "--servers", "--once"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    table = shown.stdout.splitlines()
+    assert table[1].split()[:4] == ["server", "up", "serving", "newest"]
+    assert sum(1 for line in table if line.split()[1:4] == ["yes", "v0018", "v0018"]) == 2, shown.stdout
