@@ -60,6 +60,7 @@ class ServerState:
     last_error: str = ""
     lag_s: float = 0.0  # seconds the newest version has been published without this server serving it
     last_push_s: float = math.nan  # the last push's seconds (start → finish, as the caller saw it)
+    last_push_at: float = math.nan  # when the last push began (seconds since epoch)
     last_latency_s: float = math.nan  # publish → serving of the last version pushed
     acceptance_length: float = math.nan  # measured by the server between the last two reads of /metrics
     acceptance_since_push: float = math.nan  # measured by the server since its current version was pushed
@@ -138,6 +139,8 @@ class Fleet:
                 self._visit(self._clients[url], state, newest)
             except ServerUnreachable as e:
                 self._unreachable(state, str(e))
+            except ServerRefused as e:  # it answers but will not be bound (pinned to another run, no key...)
+                self._unreachable(state, str(e))
             self._update_lag(state, newest)
 
     def _visit(self, client: VLLMServer, state: ServerState, newest: Version | None) -> None:
@@ -176,7 +179,7 @@ class Fleet:
             path=version.path,
             sha256=version.sha256,
         )
-        start = self.clock()
+        start, started_at = self.clock(), self.wall()
         try:
             client.push(
                 self.signer.update_info(msg),
@@ -197,7 +200,7 @@ class Fleet:
                 _name(state.serving),
             )
             return False
-        state.last_push_s = self.clock() - start
+        state.last_push_s, state.last_push_at = self.clock() - start, started_at
         state.serving, state.serving_sha = version.version, version.sha256
         if again:
             state.repushes += 1

@@ -26,6 +26,13 @@ from draft_align.monitor.live import parse_metrics
 
 PAUSE_MODES = ("none", "keep")  # how requests in flight are handled during a push (docs/servers.md)
 MAX_BODY_BYTES = 8 << 20  # the most a response body is read
+RL_ROUTES = (
+    "/weight_info",
+    "/init_weight_transfer_engine",
+    "/start_draft_weight_update",
+    "/update_weights",
+    "/finish_weight_update",
+)
 
 
 class ServerError(RuntimeError):
@@ -83,6 +90,11 @@ class VLLMServer:
             with urllib.request.urlopen(req, timeout=timeout_s or self.timeout_s) as resp:
                 return resp.read(MAX_BODY_BYTES)
         except urllib.error.HTTPError as e:
+            if e.code == 404 and path in RL_ROUTES:
+                raise ServerRefused(
+                    f"{method} {path}: HTTP 404: the server has no vLLM RL routes (start it with "
+                    f"VLLM_SERVER_DEV_MODE=1; drafts need vLLM ≥ 0.32's start_draft_weight_update)"
+                ) from None
             raise ServerRefused(
                 f"{method} {path}: HTTP {e.code}: {_error_text(e.read(MAX_BODY_BYTES))}"
             ) from None

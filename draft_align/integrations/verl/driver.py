@@ -130,7 +130,12 @@ class VerlDraftAlign:
         :class:`~draft_align.integrations.verl.server.ServersEngine`), by the vLLM draft refresher."""
         from draft_align.engines.vllm.refresher import DraftRefresher
 
-        self.refresher = DraftRefresher(engine, serving=self.drafts.frozen_version)
+        self.refresher = DraftRefresher(
+            engine,
+            serving=self.drafts.frozen_version,
+            run_dir=self.recipe.run_dir,
+            key_file=self.recipe.wire.key_file,
+        )
 
     def install(self, trainer: Any) -> None:
         """Wrap the trainer's step boundary and metrics (module docstring); call it after the trainer built its
