@@ -168,6 +168,40 @@ def build_job(
     )
 
 
+class Pusher:
+    """``draft-align push`` run by the launcher in a thread (``rl.engine: server``): the job's server plus
+    ``push.servers``, the sidecar's notifications (``latest`` as the fallback)."""
+
+    def __init__(self, loop: Any, notify: Any) -> None:
+        import threading
+
+        self.loop, self.notify = loop, notify
+        self.stop = threading.Event()
+        self.thread = threading.Thread(
+            target=loop.run, args=(self.stop,), name="draft-align-push", daemon=True
+        )
+        self.thread.start()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(timeout=60.0)
+        self.loop.close()
+        self.notify.close()
+
+
+def start_pusher(recipe: CotrainRecipe, key: bytes, servers: list[str]) -> Pusher:
+    from draft_align.push.loop import build_push_loop
+    from draft_align.sidecar.layout import NOTIFY_SOCKET
+    from draft_align.wire import channel
+
+    endpoint = recipe.wire.notify_endpoint or channel.default_endpoint(recipe.run_dir, NOTIFY_SOCKET)
+    notify = channel.Subscriber(endpoint, key, allow_remote=recipe.wire.allow_remote)
+    loop = build_push_loop(
+        recipe.run_dir, recipe.push, key, key_file=recipe.wire.key_file, notifications=notify, servers=servers
+    )
+    return Pusher(loop, notify)
+
+
 def set_process_env(recipe: CotrainRecipe) -> None:
     """The RL process's vLLM-CPU environment (only where vLLM may start: ``rl.engine`` is not reference)."""
     from draft_align.engines.vllm.start import set_cpu_env, vllm_available
@@ -237,8 +271,11 @@ def run_cotrain(
     rc = None
     table = None
     job = None
+    pusher = None
     try:
         job = build_job(recipe, start_path, sender, sender, notifications=notify)
+        if recipe.rl.engine == "server":  # draft-align push beside the rollout server, in a thread of its own
+            pusher = start_pusher(recipe, key, [job.engine.server.url])
         if proc is not None:
             wait_ready(proc, run_dir, sidecar_ready_timeout_s)
         job.wait_for_first_draft()
@@ -259,6 +296,10 @@ def run_cotrain(
         )
         time.sleep(0.5)  # let the background thread hand the last messages to ZeroMQ
     finally:
+        if pusher is not None:
+            pusher.close()
+        if job is not None and recipe.rl.engine == "server":
+            job.engine.shutdown()  # stops the server the job started, also after a failure (idempotent)
         sender.close(timeout_s=5.0)
         if job is not None:
             job.drafts.close()  # its verifier thread reads the subscriber: stopped before the socket closes

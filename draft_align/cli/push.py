@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
 import sys
 import threading
@@ -58,10 +57,7 @@ def state_line(state: dict[str, Any], acceptance: bool = True) -> str:
 
 
 def cmd_push(args: argparse.Namespace) -> int:
-    from draft_align.engines.vllm.draft_update import UpdateSigner
-    from draft_align.push.fleet import Fleet
-    from draft_align.push.follow import VersionFollower
-    from draft_align.push.loop import PUSH_DIR, PushLoop, ServerList
+    from draft_align.push.loop import PUSH_DIR, build_push_loop
     from draft_align.sidecar.layout import NOTIFY_SOCKET
     from draft_align.wire import channel
 
@@ -69,11 +65,6 @@ def cmd_push(args: argparse.Namespace) -> int:
     cfg = recipe.push
     run_dir = recipe.run_dir
     route_library_logs(run_dir, "push", args.verbose)
-    servers = ServerList(list(cfg.servers) + list(args.server or []), args.servers_file or cfg.servers_file)
-    if not servers.urls() and servers.file is None:
-        raise SystemExit(
-            "draft-align push: no server: give --server URL (repeatable), --servers-file or push.servers"
-        )
     try:
         key = channel.resolve_key(recipe.wire.key_file, run_dir, create=False)
     except (OSError, ValueError) as e:
@@ -84,39 +75,34 @@ def cmd_push(args: argparse.Namespace) -> int:
     if not args.no_notifications:
         endpoint = recipe.wire.notify_endpoint or channel.default_endpoint(run_dir, NOTIFY_SOCKET)
         notify = channel.Subscriber(endpoint, key, allow_remote=recipe.wire.allow_remote)
-    fleet = Fleet(
-        str(run_dir.resolve()),
-        UpdateSigner(key),
+    loop = build_push_loop(
+        run_dir,
+        cfg,
+        key,
         key_file=recipe.wire.key_file,
-        api_key=os.environ.get(cfg.api_key_env) or None,
-        pause=str(args.pause or cfg.pause),
-        timeout_s=cfg.timeout_s,
-        retry_min_s=cfg.retry_min_s,
-        retry_max_s=cfg.retry_max_s,
+        notifications=notify,
+        servers=list(args.server or []),
+        servers_file=args.servers_file,
+        pause=args.pause,
     )
-    loop = PushLoop(
-        VersionFollower(run_dir, notify),
-        fleet,
-        servers,
-        run_dir / PUSH_DIR,
-        poll_interval_s=cfg.poll_interval_s,
-        row_every_s=cfg.row_every_s,
-        prometheus_port=cfg.prometheus_port,
-    )
+    if not loop.servers.urls() and loop.servers.file is None:
+        raise SystemExit(
+            "draft-align push: no server: give --server URL (repeatable), --servers-file or push.servers"
+        )
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     print(
-        f"draft-align push: run {run_dir}, pause mode {fleet.pause}; state in {run_dir / PUSH_DIR}",
+        f"draft-align push: run {run_dir}, pause mode {loop.fleet.pause}; state in {run_dir / PUSH_DIR}",
         flush=True,
     )
     shown: list[str] = []
 
     def show(state: dict[str, Any]) -> None:  # one line whenever a server's version or health changes
-        key = state_line(state, acceptance=False).split(" | ", 1)[-1]
-        if not shown or key != shown[-1]:
+        health = state_line(state, acceptance=False).split(" | ", 1)[-1]
+        if not shown or health != shown[-1]:
             print(state_line(state), flush=True)
-            shown[:] = [key]
+            shown[:] = [health]
 
     try:
         loop.run(stop, max_seconds=args.max_seconds, on_state=show)

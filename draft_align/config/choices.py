@@ -40,7 +40,7 @@ AdaptChoice = _choice("AdaptChoice", ("full", "lora"), "adaptation")  # whole dr
 LossChoice = _choice("LossChoice", LOSS_KINDS, "loss")  # training objectives (conventions.LossKind)
 VerifyModeChoice = _choice("VerifyModeChoice", VERIFY_MODES, "verify mode")
 RolloutVerifyChoice = _choice("RolloutVerifyChoice", ROLLOUT_VERIFY_MODES, "rollout verify mode")  # + auto
-EngineChoice = _choice("EngineChoice", ("auto", "vllm", "reference"), "rollout engine")
+EngineChoice = _choice("EngineChoice", ("auto", "vllm", "reference", "server"), "rollout engine")
 # the RL job's silent-zero guard: its own rollout counters (off its critical path), a synchronous probe decode
 # in the engine after each new draft, or none
 DraftGuardChoice = _choice("DraftGuardChoice", ("counters", "probe", "none"), "draft guard")

@@ -147,6 +147,8 @@ class CotrainRecipe(_RecipeHeader):
                 "rl.verify_mode=auto chooses the draft sampling by measuring both on vLLM's probe prompts: it "
                 "needs rl.engine=vllm and rl.engine_probe_prompts > 0 (or choose greedy_draft | probabilistic)"
             )
+        if self.rl.engine == "server":
+            _check_server(self.rl)
         if self.rl.draft_guard == "probe" and self.rl.engine_probe_prompts == 0:
             raise RecipeError(
                 "rl.draft_guard=probe decodes rl.engine_probe_prompts after each new draft: set it > 0, or use "
@@ -167,6 +169,23 @@ class CotrainRecipe(_RecipeHeader):
             raise RecipeError(
                 "sidecar.trigger.when=drift runs in a single-process sidecar only (sidecar.ranks=1)"
             )
+
+
+def _check_server(rl: RLConfig) -> None:
+    """``rl.engine: server``: one server serves one draft (the push process's), so nothing decodes the frozen
+    draft beside it and the engine probes nothing."""
+    if rl.frozen_fraction != 0:
+        raise RecipeError(
+            "rl.engine=server: one server serves one draft (the one draft-align push keeps current), so "
+            "there are no frozen-draft rollouts: set rl.frozen_fraction=0"
+        )
+    if rl.draft_guard == "probe" or rl.verify_mode == AUTO_VERIFY_MODE or rl.verify_mode == "probabilistic":
+        raise RecipeError(
+            "rl.engine=server: the server's draft sampling and guard are its own: use rl.draft_guard=counters "
+            "or none and rl.verify_mode=greedy_draft"
+        )
+    if rl.server_url is not None and not rl.server_url.startswith(("http://", "https://")):
+        raise RecipeError(f"rl.server_url: {rl.server_url!r} is not an http://host:port URL")
 
 
 Recipe = WarmstartRecipe | CotrainRecipe

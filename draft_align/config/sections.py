@@ -439,7 +439,12 @@ class RLConfig:
     wait_for_draft_s: float = 0.0  # at start, wait this long for the sidecar's first publish (never per step)
     # rollout engine: vllm (the policy synced into it every step), reference (our lossless decoder, batch 1),
     # auto = vllm when it is installed and serves the target, else reference (with a warning)
+    # server = a vLLM server over HTTP (rl.server_url, or one the job starts), drafts pushed by draft-align push
     engine: EngineChoice = EngineChoice("auto")
+    server_url: str | None = None  # rl.engine=server: the server's http://host:port; null: the job starts one
+    server_async: bool = (
+        True  # rl.engine=server: decode step n+1 while step n trains (one policy version behind)
+    )
     engine_kv_cache_gb: float = 1.0  # vLLM's KV cache, GiB
     engine_max_model_len: int = 1024  # vLLM's longest sequence
     # silent-zero guard: counters = a new draft is judged on the first step it served, from that step's

@@ -20,15 +20,18 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from draft_align.monitor.fleet_view import PUSH_DIR, PUSH_PORT_FILE, PUSH_ROWS_FILE, PUSH_STATE_FILE
 from draft_align.push.fleet import Fleet, ServerState, Version
 from draft_align.push.follow import VersionFollower
 
+if TYPE_CHECKING:
+    from draft_align.config.sections import PushConfig
+
 log = logging.getLogger(__name__)
 
-__all__ = ["PUSH_DIR", "PushLoop", "ServerList", "read_servers_file"]
+__all__ = ["PUSH_DIR", "PushLoop", "ServerList", "build_push_loop", "read_servers_file"]
 
 
 def read_servers_file(path: Path) -> list[str]:
@@ -216,3 +219,41 @@ class PushLoop:
     def close(self) -> None:
         if self.prom is not None:
             self.prom.close()
+
+
+def build_push_loop(
+    run_dir: Path,
+    cfg: PushConfig,
+    key: bytes,
+    *,
+    key_file: str | None = None,
+    notifications: Any = None,
+    servers: list[str] | None = None,
+    servers_file: str | None = None,
+    pause: str | None = None,
+) -> PushLoop:
+    """The push process of run ``run_dir`` with the recipe's ``push`` section ``cfg`` (``servers`` and
+    ``servers_file`` add to its own; ``pause`` overrides it): what ``draft-align push`` and the co-training
+    launcher (``rl.engine: server``) run."""
+    from draft_align.engines.vllm.draft_update import UpdateSigner
+
+    fleet = Fleet(
+        str(Path(run_dir).resolve()),
+        UpdateSigner(key),
+        key_file=key_file,
+        api_key=os.environ.get(cfg.api_key_env) or None,
+        pause=str(pause or cfg.pause),
+        timeout_s=cfg.timeout_s,
+        retry_min_s=cfg.retry_min_s,
+        retry_max_s=cfg.retry_max_s,
+    )
+    urls = ServerList(list(cfg.servers) + list(servers or []), servers_file or cfg.servers_file)
+    return PushLoop(
+        VersionFollower(Path(run_dir), notifications),
+        fleet,
+        urls,
+        Path(run_dir) / PUSH_DIR,
+        poll_interval_s=cfg.poll_interval_s,
+        row_every_s=cfg.row_every_s,
+        prometheus_port=cfg.prometheus_port,
+    )

@@ -328,6 +328,16 @@ class GRPOJob:
         )
         decoding = Decoding(rl.temperature, rl.max_new_tokens, self.eos_ids)
         rollouts, tallies = self.engine.rollouts(plan, self.prompts, decoding)
+        if step + 1 < rl.steps:  # an asynchronous engine decodes the next step while this one trains
+            nxt = plan_rollouts(
+                self.recipe.seed,
+                step + 1,
+                len(self.prompts),
+                rl.prompts_per_step,
+                rl.group_size,
+                rl.frozen_fraction,
+            )
+            self.engine.prefetch(nxt, self.prompts, decoding)
         t0 = time.perf_counter()
         correct = 0
         for i, r in enumerate(rollouts):

@@ -62,6 +62,11 @@ class RolloutEngine(Protocol):
         measured acceptance."""
         ...
 
+    def prefetch(self, plan: RolloutPlan, prompts: Sequence[torch.Tensor], decoding: Decoding) -> None:
+        """After a step's rollouts: the next step's plan, which an asynchronous engine starts decoding while the
+        job trains (a synchronous one ignores it)."""
+        ...
+
     def step_metrics(self, rollouts: Sequence[Rollout], old_logprobs: torch.Tensor) -> dict[str, float]:
         """Engine metrics of a step, given its rollouts and the job's recomputed log-probs [N response tokens]."""
         ...
@@ -147,6 +152,9 @@ class ReferenceRollouts:
             tallies[p.draft].merge(tally)
         return out, tallies
 
+    def prefetch(self, plan: RolloutPlan, prompts: Sequence[torch.Tensor], decoding: Decoding) -> None:
+        return None  # synchronous: it decodes the policy's live model at the step
+
     def step_metrics(self, rollouts: Sequence[Rollout], old_logprobs: torch.Tensor) -> dict[str, float]:
         return {}
 
@@ -182,6 +190,8 @@ def start_rollout_engine(
     from draft_align.engines.vllm import start as vllm_start
 
     rl = recipe.rl
+    if rl.engine == "server":
+        return start_server_rollouts(recipe, frozen)
     if rl.engine == "reference" or (rl.engine == "auto" and not vllm_start.vllm_available()):
         if rl.engine == "auto":
             log.warning("rl.engine auto: vLLM is not installed; rollouts use the reference decoder (batch 1)")
@@ -225,3 +235,64 @@ def start_rollout_engine(
             e,
         )
         return None
+
+
+def start_server_rollouts(recipe: CotrainRecipe, frozen: DraftVersion | None) -> Any:
+    """``rl.engine: server``: :class:`~draft_align.engines.vllm.server_rollouts.ServerRollouts` on
+    ``rl.server_url``, or on a vLLM server started here on 127.0.0.1 with the frozen draft (stopped with the
+    engine).  Drafts reach it through ``draft-align push`` (the co-training launcher runs one beside it)."""
+    import os
+
+    from draft_align.assets import resolve_model
+    from draft_align.conventions import float_dtype
+    from draft_align.engines.vllm.serve import ServerProcess, free_port, server_command
+    from draft_align.engines.vllm.server_client import VLLMServer
+    from draft_align.engines.vllm.server_rollouts import ServerRollouts
+    from draft_align.wire.keys import resolve_key
+
+    rl = recipe.rl
+    api_key = os.environ.get(recipe.push.api_key_env) or None
+    process = None
+    model = resolve_model(recipe.target.model)
+    if rl.server_url is None:
+        if frozen is None:
+            raise ValueError("rl.engine=server starts its server on the starting draft: there is none")
+        port = free_port()
+        argv = server_command(
+            model,
+            frozen.path,
+            port=port,
+            k=rl.spec_k,
+            dtype=recipe.target.dtype,
+            max_model_len=rl.engine_max_model_len,
+            extra=[
+                "--enforce-eager",
+                "--logprobs-mode",
+                "processed_logprobs",
+                "--disable-uvicorn-access-log",
+            ],
+        )
+        log_file = recipe.run_dir / "logs" / "vllm_server.log"
+        process = ServerProcess(argv, port=port, log=log_file, env={"OMP_NUM_THREADS": "1"}).start()
+        try:
+            process.wait_ready()
+        except Exception:
+            process.stop()
+            raise
+        url = process.url
+    else:
+        url = rl.server_url
+    server = VLLMServer(url, api_key=api_key, timeout_s=recipe.push.timeout_s)
+    if process is None:  # the user's server: the name it serves the model under
+        model = (server.served_models() or [model])[0]
+    key = resolve_key(recipe.wire.key_file, recipe.run_dir, create=True)
+    return ServerRollouts(
+        server,
+        model,
+        recipe.run_dir,
+        key,
+        k=rl.spec_k,
+        dtype=float_dtype(recipe.target.dtype),
+        asynchronous=rl.server_async,
+        process=process,
+    )

@@ -289,6 +289,9 @@ class RefusingEngine:
         finally:
             drafts.adapted = kept
 
+    def prefetch(self, plan, prompts, decoding):
+        pass
+
     def step_metrics(self, rollouts, old_logprobs):
         return {"engine_old_logprob_tokens": float(old_logprobs.numel())}
 

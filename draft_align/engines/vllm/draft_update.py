@@ -31,6 +31,10 @@ from draft_align.wire.schema import WireError
 from draft_align.wire.sequence_guard import Envelope
 
 BACKEND = "draft_align"  # the name the backend is registered under (--weight-transfer-config)
+# a policy sync for a server (rl.engine: server): <run>/engine_policy/vNNNN/{model.safetensors, manifest.json},
+# announced by the same signed DraftPublished (its draft_version is the policy version)
+POLICY_DIR = "engine_policy"
+POLICY_KIND = "draft_align.policy_layers"
 UPDATE_FIELD = "published"
 MAX_UPDATE_BYTES = 64 << 10  # a DraftPublished is a header and a MAC: far below this
 _WEIGHT_VERSION_RE = re.compile(r"draft_align:v(\d{1,19}):([0-9a-f]{64})")

@@ -28,6 +28,7 @@ PAUSE_MODES = ("none", "keep")  # how requests in flight are handled during a pu
 MAX_BODY_BYTES = 8 << 20  # the most a response body is read
 RL_ROUTES = (
     "/weight_info",
+    "/start_weight_update",
     "/init_weight_transfer_engine",
     "/start_draft_weight_update",
     "/update_weights",
@@ -165,3 +166,23 @@ class VLLMServer:
         finally:
             if pause == "keep":
                 self._call("POST", "/resume")
+
+    def push_policy(self, update_info: Mapping[str, Any]) -> None:
+        """A policy sync (``rl.engine: server``): start → update → finish of a target session; vLLM's
+        ``weight_version`` stays the draft's (the push process reads it)."""
+        self._call("POST", "/start_weight_update")
+        self._call("POST", "/update_weights", {"update_info": dict(update_info)})
+        self._call("POST", "/finish_weight_update", {})
+
+    # ----------------------------------------------------------------- generation
+    def complete(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        """``POST /v1/completions`` with ``body``; the response object."""
+        out = self._json("POST", "/v1/completions", body)
+        if not isinstance(out, dict) or not out.get("choices"):
+            raise ServerRefused(f"POST /v1/completions: no choices in the answer ({str(out)[:200]})")
+        return out
+
+    def served_models(self) -> list[str]:
+        """The model names the server serves (``GET /v1/models``)."""
+        data = self._json("GET", "/v1/models").get("data") or []
+        return [str(m.get("id")) for m in data if isinstance(m, dict)]

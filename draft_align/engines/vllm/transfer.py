@@ -23,6 +23,10 @@ steps, so a failure leaves the previous version serving (restored in place if th
    the bytes that were hashed;
 4. vLLM's layerwise reload of the draft-private modules, then a read-back of what vLLM keeps unpacked.
 
+A target session (``start_weight_update``) is a policy sync for a server that serves an RL job's rollouts
+(``rl.engine: server``): the signed ``DraftPublished`` names ``<run>/engine_policy/v<policy version>``, whose
+decoder-layer tensors are checked the same way and reloaded in place.
+
 ``finish_weight_update`` closes the session (the caller sets vLLM's ``weight_version`` to
 :func:`~draft_align.engines.vllm.draft_update.weight_version` there).  A refused update raises
 :class:`~draft_align.engines.vllm.draft_update.UpdateRefused` with one line; vLLM returns it to the caller
@@ -50,9 +54,16 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from draft_align.engines.vllm.cpu_patch import cpu_expand_kernel_broken, patch_cpu_expand_kernel
-from draft_align.engines.vllm.draft_update import UpdateRefused, read_update
-from draft_align.engines.vllm.worker_rpc import LOADED_ATTR, RefreshError, load_draft_tensors
+from draft_align.engines.vllm.draft_update import POLICY_DIR, POLICY_KIND, UpdateRefused, read_update
+from draft_align.engines.vllm.engine_error import EngineError
+from draft_align.engines.vllm.worker_rpc import (
+    LOADED_ATTR,
+    RefreshError,
+    load_draft_tensors,
+    load_policy_layers,
+)
 from draft_align.publish.folder import (
+    MANIFEST_FILE,
     WEIGHTS_FILE,
     CorruptCheckpointError,
     ExportError,
@@ -153,6 +164,33 @@ def _read_version(
     return manifest, tensors
 
 
+def _read_policy(path: Path, sha256: str, version: int) -> dict[str, torch.Tensor]:
+    """A policy-sync folder's tensors, parsed from one read of bytes that hash to ``sha256``."""
+    import json
+
+    try:
+        plain_file(path, WEIGHTS_FILE)
+        if plain_file(path, MANIFEST_FILE).st_size > 1 << 20:
+            raise CorruptCheckpointError("manifest larger than 1 MiB")
+        manifest = json.loads((path / MANIFEST_FILE).read_text(encoding="utf-8"))
+        if not isinstance(manifest, dict) or manifest.get("kind") != POLICY_KIND:
+            raise CorruptCheckpointError("not a policy-sync folder")
+        if manifest.get("policy_version") != version:
+            raise CorruptCheckpointError(
+                f"manifest says policy v{manifest.get('policy_version')}, signed v{version}"
+            )
+        if str(manifest["files"][WEIGHTS_FILE]["sha256"]) != sha256:
+            raise CorruptCheckpointError("the manifest's sha256 differs from the signed one")
+        tensors = read_verified_weights(path, manifest)
+        for name, t in tensors.items():
+            check_finite(name, t)
+    except FileNotFoundError as e:
+        raise UpdateRefused(f"{path}: missing ({e.filename or e})") from e
+    except (ExportError, OSError, KeyError, TypeError, ValueError) as e:
+        raise UpdateRefused(f"{path}: {e}") from e
+    return tensors
+
+
 class DraftAlignTransferEngine(WeightTransferEngine[DraftTransferInit, DraftTransferUpdate]):
     """The backend in one vLLM worker (module docstring)."""
 
@@ -170,6 +208,7 @@ class DraftAlignTransferEngine(WeightTransferEngine[DraftTransferInit, DraftTran
         self.startup: HeldDraft | None = None
         self.serving: HeldDraft | None = None
         self.newest = 0  # the newest version accepted from the bound run
+        self.policy_newest = 0  # the newest policy sync (rl.engine: server)
         self.applied = 0
         self.refused = 0
         spec = vllm_config.speculative_config
@@ -207,7 +246,7 @@ class DraftAlignTransferEngine(WeightTransferEngine[DraftTransferInit, DraftTran
         if self.binding is None or self.binding.run_dir != binding.run_dir:
             self.held.clear()  # another run's versions are never served again
             log.info("draft_align: serving drafts of run %s", binding.run_dir)
-        self.binding, self.newest = binding, 0  # a new session: its caller's versions count from here
+        self.binding, self.newest, self.policy_newest = binding, 0, 0  # a new session: versions count anew
 
     def start_weight_update(self) -> None:
         """Nothing to prepare: the whole load runs inside ``update_weights`` (one call, all or nothing)."""
@@ -232,10 +271,6 @@ class DraftAlignTransferEngine(WeightTransferEngine[DraftTransferInit, DraftTran
                 f"not bound to a run: call init_weight_transfer_engine with {{'run_dir': …}} or start the server "
                 f"with ${RUN_DIR_ENV}"
             )
-        if self.model is self._default_model:
-            raise self._refuse(
-                "the draft_align backend loads drafts only: begin with start_draft_weight_update"
-            )
         try:
             signed = read_update(raw, binding.key)
             self.guard.check(signed.origin)
@@ -244,6 +279,9 @@ class DraftAlignTransferEngine(WeightTransferEngine[DraftTransferInit, DraftTran
         except WireError as e:
             raise self._refuse(f"replayed or stale update ({e.reason}): {e}") from None
         msg = signed.published
+        if self.model is self._default_model:  # start_weight_update: a policy sync of the target's layers
+            self._receive_policy(binding, msg)
+            return
         version, sha = int(msg.draft_version), str(msg.sha256)
         held = self._held(version, sha)
         if held is not None:
@@ -267,6 +305,36 @@ class DraftAlignTransferEngine(WeightTransferEngine[DraftTransferInit, DraftTran
         )
         self._serve(new, tensors)
         self.newest = max(self.newest, version)
+
+    def _receive_policy(self, binding: Binding, msg: Any) -> None:
+        """A policy sync: the target's decoder layers from ``<run>/engine_policy/vNNNN`` (rl.engine: server).
+        Checked as a draft is (run, rising version, the run's own folder, the signed sha256 of the bytes read
+        once, finite values, every tensor of a decoder layer the target has); a load that fails midway leaves
+        the target unknown: RuntimeError, restart the server."""
+        version = int(msg.draft_version)
+        if msg.run_id != binding.run_id:
+            raise self._refuse(
+                f"policy v{version} is of run {msg.run_id!r}; this server serves {binding.run_id!r}"
+            )
+        if version <= self.policy_newest:
+            raise self._refuse(f"policy v{version} is not newer than v{self.policy_newest}")
+        path = binding.run_dir / POLICY_DIR / f"v{version:04d}"
+        if Path(msg.path).resolve() != path.resolve() or not path.resolve().is_relative_to(binding.run_dir):
+            raise self._refuse(f"policy v{version}: {msg.path} is not {path}")
+        tensors = self._checked(lambda: _read_policy(path, str(msg.sha256), version))
+        try:
+            info = load_policy_layers(self._default_model, self.vllm_config, tensors)
+        except EngineError as e:  # raised before the model was touched
+            raise self._refuse(f"policy v{version}: {e}") from None
+        except Exception as e:
+            self.refused += 1
+            raise RuntimeError(
+                f"policy v{version}: load failed midway ({type(e).__name__}: {e}): restart"
+            ) from e
+        self.policy_newest = version
+        log.info(
+            "draft_align: policy v%d loaded (%d layers in %.2f s)", version, info["layers"], info["seconds"]
+        )
 
     # ----------------------------------------------------------------- helpers
     def _refuse(self, why: str) -> UpdateRefused:

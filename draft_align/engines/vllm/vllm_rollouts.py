@@ -381,6 +381,10 @@ class VLLMRollouts:
         self.last_timings = timings
         return out, tallies
 
+    def prefetch(self, plan: RolloutPlan, prompts: Sequence[torch.Tensor], decoding: Decoding) -> None:
+        """Synchronous: the rollouts are decoded at the step, with the policy synced right before."""
+        return None
+
     def step_metrics(self, rollouts: Sequence[Rollout], old_logprobs: torch.Tensor) -> dict[str, float]:
         """The engine's log-probs vs the job's recomputed ones (``engine_logprob_gap_*``), the rollouts' timings
         (:attr:`last_timings`), then the gauges."""

@@ -284,18 +284,28 @@ def load_draft_tensors(
 
 # --------------------------------------------------------------------------------------- the policy
 def rpc_load_policy_layers(worker: Any, weights: Mapping[str, torch.Tensor], version: int) -> dict[str, Any]:
-    """(runs in each worker) Reload the target's decoder layers named by ``weights`` in place.
+    """(runs in each worker) Reload the target's decoder layers named by ``weights`` in place
+    (:func:`load_policy_layers`) and record ``version`` as the policy the engine serves."""
+    info = load_policy_layers(worker.model_runner.get_model(), worker.vllm_config, weights)
+    worker.model_runner.draft_align_policy_version = int(version)
+    return info
+
+
+def load_policy_layers(
+    model: torch.nn.Module, vllm_config: Any, weights: Mapping[str, torch.Tensor]
+) -> dict[str, Any]:
+    """Reload the decoder layers of the target ``model`` named by ``weights`` (HF names) in place.
 
     Inside ``set_current_vllm_config``: ``initialize_layerwise_reload`` on each module of these layers that
     holds weights (:func:`_reloadable`), ``model.load_weights`` with the HF-named tensors (vLLM fuses q/k/v
-    and gate/up itself), ``finalize_layerwise_reload`` (repacks for the CPU kernels).  Unfused tensors (the layer norms) are read back and compared.  Nothing outside
-    these layers is touched.
+    and gate/up itself), ``finalize_layerwise_reload`` (repacks for the CPU kernels).  Unfused tensors (the
+    layer norms) are read back and compared.  Nothing outside these layers is touched.  EngineError when a
+    tensor is not of a decoder layer or the model has no such layer (the model untouched).
     """
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
     start = time.perf_counter()
-    model = worker.model_runner.get_model()
     layer_names = sorted({decoder_layer_of(n) for n in weights} - {None})
     if not layer_names or any(decoder_layer_of(n) is None for n in weights):
         raise EngineError("policy sync: every tensor must belong to a decoder layer (model.layers.N.…)")
@@ -304,8 +314,8 @@ def rpc_load_policy_layers(worker: Any, weights: Mapping[str, torch.Tensor], ver
     except AttributeError as e:
         raise EngineError(f"policy sync: the engine's model has no {e}") from e
     modules = _reloadable(layers)
-    model_config = worker.vllm_config.model_config
-    with set_current_vllm_config(worker.vllm_config):
+    model_config = vllm_config.model_config
+    with set_current_vllm_config(vllm_config):
         for module in modules:
             initialize_layerwise_reload(module)
         try:
@@ -323,7 +333,6 @@ def rpc_load_policy_layers(worker: Any, weights: Mapping[str, torch.Tensor], ver
         if not torch.equal(p.detach().cpu().reshape(t.shape), t.to(p.dtype)):
             raise EngineError(f"policy sync: {name} holds other values than were sent after the reload")
         checked += 1
-    worker.model_runner.draft_align_policy_version = int(version)
     return {
         "layers": len(layers),
         "tensors": len(weights),

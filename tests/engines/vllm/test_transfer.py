@@ -169,9 +169,9 @@ def test_refusals_leave_the_engine_serving_what_it_served(engine, vllm_world, ch
     # older than the session's newest and not held: refused (v2 was never loaded here)
     reason = _update(engine, signer.update_info(msg(2, sha=DraftVersion.read(version_dir(root, 2)).sha256)))
     assert reason is not None and "not newer than v3" in reason
-    # a target update is not this backend's
+    # a target update (a policy sync) must name the run's engine_policy folder, not a draft's
     engine.start_weight_update()
-    with pytest.raises(Exception, match="loads drafts only"):
+    with pytest.raises(Exception, match="engine_policy"):
         engine.update_weights({"update_info": signer.update_info(msg(3))})
     # back to the start-up draft (held): exactly the outputs and counters from before
     start = DraftVersion.read(version_dir(vllm_world.run, 1))
