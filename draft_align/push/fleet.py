@@ -11,8 +11,9 @@ Rules (docs/servers.md, "What the push process guarantees"):
   reason, and that version is never offered to it again; a newer one is;
 - a server that does not answer is retried with exponential backoff (``retry_min_s`` doubling to
   ``retry_max_s``); its state says since when it is failing;
-- each server's spec-decode counters are read from its ``/metrics``: the acceptance length measured by the
-  server since the previous read, and since the version it serves was pushed.
+- each server's spec-decode counters are read from its ``/metrics`` (after any push of the round, at most
+  every ``counters_every_s``): the acceptance length measured by the server since the previous read, and
+  since the version it serves was pushed.
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ class ServerState:
     acceptance_length: float = math.nan  # measured by the server between the last two reads of /metrics
     acceptance_since_push: float = math.nan  # measured by the server since its current version was pushed
     next_try: float = 0.0  # monotonic time before which it is not called again
+    counters_due: float = 0.0  # monotonic time of the next /metrics read
     backoff_s: float = 0.0
     _counters: SpecCounters | None = None
     _counters_at_push: SpecCounters | None = None
@@ -76,7 +78,7 @@ class ServerState:
         """The JSON-safe fields (NaN as None)."""
         out: dict[str, Any] = {}
         for k, v in self.__dict__.items():
-            if k.startswith("_") or k in ("next_try", "backoff_s"):
+            if k.startswith("_") or k in ("next_try", "backoff_s", "counters_due"):
                 continue
             out[k] = None if isinstance(v, float) and not math.isfinite(v) else v
         out["refusals"] = {str(k): v for k, v in self.refusals.items()}
@@ -99,6 +101,7 @@ class Fleet:
         timeout_s: float = 60.0,
         retry_min_s: float = 0.5,
         retry_max_s: float = 30.0,
+        counters_every_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
     ) -> None:
@@ -111,6 +114,7 @@ class Fleet:
         self.timeout_s = float(timeout_s)
         self.retry_min_s = float(retry_min_s)
         self.retry_max_s = float(retry_max_s)
+        self.counters_every_s = float(counters_every_s)
         self.clock, self.wall = clock, wall
         self.servers: dict[str, ServerState] = {}
         self._clients: dict[str, VLLMServer] = {}
@@ -178,21 +182,21 @@ class Fleet:
         state.up, state.failing_since, state.backoff_s = True, None, 0.0
         state.sleeping = client.is_sleeping()
         state.serving, state.serving_sha = (said[0], said[1]) if said else (None, None)
-        self._read_counters(client, state)
-        if state.sleeping:
-            return  # a sleeping server is pushed when it wakes
-        if was_sleeping and said is not None:  # woke up: its draft may be the start-up one again
-            held = self._held.get(said) or Version(
-                said[0], 0, f"{self.run_dir}/drafts/v{said[0]:04d}", said[1], self.wall()
-            )
-            if self._push(client, state, held, again=True):
-                log.info("push: %s woke up; v%04d loaded again", state.url, said[0])
         if restarted:
             log.warning("push: %s restarted (serves its start-up draft again)", state.url)
-        if newest is None or newest.version in state.refusals:
-            return
-        if state.serving is None or newest.version > state.serving:
-            self._push(client, state, newest, again=False)
+        if not state.sleeping:  # a sleeping server is pushed when it wakes
+            if was_sleeping and said is not None:  # woke up: its draft may be the start-up one again
+                held = self._held.get(said) or Version(
+                    said[0], 0, f"{self.run_dir}/drafts/v{said[0]:04d}", said[1], self.wall()
+                )
+                if self._push(client, state, held, again=True):
+                    log.info("push: %s woke up; v%04d loaded again", state.url, said[0])
+            behind = newest is not None and (state.serving is None or newest.version > state.serving)
+            if behind and newest is not None and newest.version not in state.refusals:
+                self._push(client, state, newest, again=False)
+        if self.clock() >= state.counters_due:  # after the push: reading /metrics delays no version
+            state.counters_due = self.clock() + self.counters_every_s
+            self._read_counters(client, state)
 
     def _push(self, client: VLLMServer, state: ServerState, version: Version, *, again: bool) -> bool:
         msg = DraftPublished(

@@ -224,6 +224,8 @@ def start_rollout_engine(
             enforce_eager=True,
             verify_recheck_every=rl.verify_recheck_every,
             guard_on_load=rl.draft_guard == "probe",
+            run_dir=recipe.run_dir,
+            key_file=recipe.wire.key_file,
             use_tqdm_on_load=False,  # no progress bars between the table's rows
         )
     except (vllm_start.EngineError, ValueError) as e:

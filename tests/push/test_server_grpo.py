@@ -165,3 +165,47 @@ def test_asynchronous_steps_decode_the_next_step_while_this_one_trains(server, v
     )  # pushed, not offered by the job
     assert all(m["accept_measured_adapted"] > 1.2 for m in steps)
     shutil.rmtree(run / "push", ignore_errors=True)
+
+
+def test_cotrain_with_rollouts_from_a_server_and_push_beside_it(tiny_world, vllm_world, vllm_env, tmp_path):
+    """``draft-align cotrain`` with ``rl.engine: server``: the job starts its vLLM server on the starting draft,
+    the launcher runs the push process beside it, the sidecar's versions reach the server, and the server
+    process is stopped by PID at the end."""
+    import io
+    import json
+
+    from draft_align.config import CotrainRecipe, load_recipe
+    from draft_align.cotrain import run_cotrain
+    from tests.conftest import TinyRun
+
+    overrides = TinyRun(tiny_world, None, {}, vllm_world.warm, 0.0).cotrain_overrides(
+        tmp_path,
+        run="server",
+        **{
+            "target.model": str(vllm_world.target),
+            "data.source": str(vllm_world.root / "chats.jsonl"),
+            "rl.engine": "server",
+            "rl.frozen_fraction": 0.0,
+            "rl.spec_k": K,
+            "rl.steps": 8,
+            "rl.max_new_tokens": 16,
+            "rl.engine_max_model_len": 256,
+            "rl.lr": 1e-4,
+            "sidecar.gate.k": K,
+            "push.poll_interval_s": 0.1,
+        },
+    )
+    recipe = load_recipe(None, overrides, CotrainRecipe)
+    summary = run_cotrain(recipe, out=io.StringIO(), sidecar_exit_timeout_s=120)
+    assert summary["sidecar_rc"] == 0
+    run = recipe.run_dir
+    steps = [json.loads(x) for x in (run / "rl" / "steps.jsonl").read_text().splitlines()]
+    assert [int(r["step"]) for r in steps] == list(range(8))
+    assert all(r["engine_server"] == 1.0 and r["accept_rounds_adapted"] > 0 for r in steps)
+    assert all(r["tap_tokens_accepted"] > 0 for r in steps)
+    assert max(r["engine_draft_version"] for r in steps) >= 1  # a sidecar version served by the server
+    state = json.loads((run / "push" / "state.json").read_text())
+    (server,) = state["servers"].values()
+    assert server["serving"] >= 1 and not server["refusals"] and server["pushes"] >= 1
+    log = (run / "logs" / "vllm_server.log").read_text()
+    assert "draft_align: update refused" not in log

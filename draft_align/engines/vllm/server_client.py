@@ -15,6 +15,7 @@ Errors: :class:`ServerUnreachable` (no answer: connection refused, timeout; retr
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Mapping
@@ -66,14 +67,18 @@ def _error_text(body: bytes) -> str:
 
 
 class VLLMServer:
-    """A vLLM server at ``url`` (``http://host:port``); ``api_key``: sent as a bearer token when given."""
+    """A vLLM server at ``url`` (``http://host:port``); ``api_key``: sent as a bearer token when given;
+    ``busy_timeout_s``: how long a weight update waits for another caller's session to close."""
 
-    def __init__(self, url: str, *, api_key: str | None = None, timeout_s: float = 60.0) -> None:
+    def __init__(
+        self, url: str, *, api_key: str | None = None, timeout_s: float = 60.0, busy_timeout_s: float = 30.0
+    ) -> None:
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"server URL {url!r}: expected http://host:port or https://host:port")
         self.url = url.rstrip("/")
         self.api_key = api_key
         self.timeout_s = float(timeout_s)
+        self.busy_timeout_s = float(busy_timeout_s)
 
     def __repr__(self) -> str:
         return f"VLLMServer({self.url!r})"
@@ -154,13 +159,7 @@ class VLLMServer:
         if pause == "keep":
             self._call("POST", "/pause?mode=keep")
         try:
-            try:
-                self._call("POST", "/start_draft_weight_update")
-            except ServerRefused as e:
-                if "already active" not in str(e):
-                    raise
-                self._call("POST", "/finish_weight_update", {})  # a session a killed caller left open
-                self._call("POST", "/start_draft_weight_update")
+            self._begin("/start_draft_weight_update")
             self._call("POST", "/update_weights", {"update_info": dict(update_info)})
             self._call("POST", "/finish_weight_update", {"weight_version": weight_version})
         finally:
@@ -170,9 +169,29 @@ class VLLMServer:
     def push_policy(self, update_info: Mapping[str, Any]) -> None:
         """A policy sync (``rl.engine: server``): start → update → finish of a target session; vLLM's
         ``weight_version`` stays the draft's (the push process reads it)."""
-        self._call("POST", "/start_weight_update")
+        self._begin("/start_weight_update")
         self._call("POST", "/update_weights", {"update_info": dict(update_info)})
         self._call("POST", "/finish_weight_update", {})
+
+    def _begin(self, route: str) -> None:
+        """Open a weight-update session.  vLLM has one at a time per server: while another caller's is open (the
+        RL job's policy sync beside the push process's draft), wait for it, up to ``busy_timeout_s``; a session
+        still open after that was left by a caller that died mid-update: close it, then open ours."""
+        deadline = time.monotonic() + self.busy_timeout_s
+        wait = 0.02
+        while True:
+            try:
+                self._call("POST", route)
+                return
+            except ServerRefused as e:
+                if "already active" not in str(e):
+                    raise
+            if time.monotonic() >= deadline:
+                self._call("POST", "/finish_weight_update", {})  # a session a killed caller left open
+                self._call("POST", route)
+                return
+            time.sleep(wait)
+            wait = min(0.5, 2 * wait)
 
     # ----------------------------------------------------------------- generation
     def complete(self, body: Mapping[str, Any]) -> dict[str, Any]:

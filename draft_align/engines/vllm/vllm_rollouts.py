@@ -77,7 +77,8 @@ class VLLMRollouts:
     :func:`~draft_align.engines.vllm.verify_choice.choose_verify_mode`) before the first T > 0 rollouts, and again
     after every ``verify_recheck_every`` newly served adapted drafts (0: never again; one measurement costs
     two probe passes); vLLM has no "argmax everywhere" mode at T > 0.  ``llm``: an engine already running with ``frozen`` as its
-    EAGLE-3 draft (else one is started); ``policy_sync``: see :data:`PolicySync`.  ``guard_on_load``: the
+    EAGLE-3 draft (else one is started); ``policy_sync``: see :data:`PolicySync`.  ``run_dir`` / ``key_file``: the run whose drafts the refresher
+    loads and its wire key (docs/servers.md, "The in-process path").  ``guard_on_load``: the
     refresher probes every newly offered draft with ``guard`` before it serves (synchronous, seconds per
     draft); False leaves the silent-zero check to the RL job's counters
     (:meth:`~draft_align.rl.drafts.DraftSource.judge`) and uses ``guard``'s prompts for ``auto`` only.
@@ -98,6 +99,8 @@ class VLLMRollouts:
         policy_sync: PolicySync = "layers",
         verify_recheck_every: int = 0,
         guard_on_load: bool = True,
+        run_dir: str | Path | None = None,
+        key_file: str | None = None,
         **llm_kwargs: Any,
     ) -> None:
         self.auto_verify = verify_mode == AUTO_VERIFY_MODE
@@ -149,7 +152,13 @@ class VLLMRollouts:
         self.start_s = time.perf_counter() - t0
         self.dtype = float_dtype(dtype)
         self.probes = guard  # the prompts verify mode auto measures on
-        self.refresher = DraftRefresher(self.llm, guard=guard if guard_on_load else None, serving=frozen)
+        self.refresher = DraftRefresher(
+            self.llm,
+            guard=guard if guard_on_load else None,
+            serving=frozen,
+            run_dir=run_dir,
+            key_file=key_file,
+        )
         self._adapted: DraftVersion | None = None
         self.serving: DraftKind = "frozen"
         self.policy_version = 0  # the policy version the engine's target holds

@@ -22,7 +22,9 @@ from typing import Any
 from draft_align.config import CotrainRecipe
 from draft_align.conventions import AUTO_VERIFY_MODE
 from draft_align.engines.rollout_types import DraftVersion
+from draft_align.engines.vllm.draft_update import BACKEND
 from draft_align.engines.vllm.vllm_rollouts import VERIFY_TO_SAMPLE_METHOD, VLLMRollouts
+from draft_align.engines.vllm.worker_ext import EXTENSION
 
 
 @contextlib.contextmanager
@@ -41,6 +43,8 @@ def speculative_colocate(draft: DraftVersion, *, k: int, verify_mode: str = "gre
     def build(*args: Any, **kwargs: Any) -> Any:
         kwargs["speculative_config"] = spec
         kwargs["disable_log_stats"] = False
+        kwargs.setdefault("weight_transfer_config", {"backend": BACKEND})  # drafts through vLLM's RL API
+        kwargs.setdefault("worker_extension_cls", EXTENSION)  # draft_align's worker calls by name
         return original(*args, **kwargs)
 
     vg.LLM = build
@@ -73,4 +77,6 @@ def colocate_rollouts(trainer: Any, frozen: DraftVersion, recipe: CotrainRecipe)
         dtype=recipe.target.dtype,
         llm=trainer.vllm_generation.llm,
         policy_sync="external",
+        run_dir=recipe.run_dir,
+        key_file=recipe.wire.key_file,
     )
