@@ -37,10 +37,32 @@ def test_answers_are_computed_from_the_question():
         ("The answer is 42", None),
         ("Answer: forty", None),
         ("", None),
+        ("Answer: 1,9", None),  # a comma between digits is a thousands separator or not a number
+        ("Answer: 1,9000", None),
+        ("Answer: 1,234,567", 1234567),
+        ("Answer: \u0664\u0662", None),  # non-ASCII digits are no answer
+        ("Answer:  *  5", 5),
     ],
 )
 def test_parse_answer(text, value):
     assert parse_answer(text) == value
+
+
+def test_the_answer_patterns_take_linear_time_on_long_whitespace():
+    """16,384 spaces after "Answer:" took 3 s with the former pattern (quadratic backtracking), 100,000 over
+    60 s: a 512-token completion of 64-space tokens stalled the RL step.  Both patterns are now linear."""
+    import time
+
+    from draft_align.data.tasks import last_integer
+
+    for text in (
+        "Answer:" + " " * 100_000 + "x",
+        "Answer: **" + " " * 100_000 + "x",
+        "1" + ",000" * 30_000 + ",9",
+    ):
+        t0 = time.perf_counter()
+        parse_answer(text), last_integer(text), score(1, text, True)
+        assert time.perf_counter() - t0 < 0.5, text[:20]
 
 
 @pytest.mark.parametrize(
@@ -52,6 +74,8 @@ def test_parse_answer(text, value):
         ("it is 18", True, Score(False, False)),
         ("81 or 80\nAnswer: 80", True, Score(True, False)),  # the answer line wins over the last integer
         ("Answer: 81", False, Score(False, False)),  # cut at max_new_tokens: no format, no credit
+        ("Answer: 8,1", True, Score(False, False)),  # "8,1" is no number: not 81
+        ("Answer: \u0668\u0661", True, Score(False, False)),  # Arabic-Indic 81 is not ASCII 81
     ],
 )
 def test_score(text, finished, expected):

@@ -200,7 +200,7 @@ RANGES: dict[type, dict[str, Range]] = {
         "grad_clip": ABOVE_0,
         "lr_ramp_tokens": Range(0, note="0: off"),
         "anchor_decay": Range(0, note="0: off"),
-        "max_seq_tokens": Range(3),
+        "max_seq_tokens": Range(3, 1_048_576, note="at most the wire's tokens per message"),
         "max_consecutive_nonfinite": AT_LEAST_1,
         "checkpoint_every_s": SECONDS,
     },
@@ -222,6 +222,7 @@ RANGES: dict[type, dict[str, Range]] = {
     SidecarMonitorConfig: {
         "log_every": AT_LEAST_1,
         "prometheus_port": Range(0, 65535, note="0: any free port; null: off"),
+        "max_log_mb": Range(1, 1 << 20),
     },
     SidecarRecordingConfig: {
         "max_mb": AT_LEAST_1,

@@ -287,6 +287,8 @@ class SidecarMonitorConfig:
     log_every: int = 10  # train steps between training-metric lines in <run>/sidecar/metrics.jsonl
     # 0 = any free port (written to <run_dir>/sidecar/prometheus.port); null = off
     prometheus_port: int | None = 0
+    # monitor.jsonl past this moves to monitor.jsonl.1 and starts anew: bounded whatever reports arrive
+    max_log_mb: int = 256
 
 
 @dataclass

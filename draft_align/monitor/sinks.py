@@ -54,17 +54,41 @@ class PromError(RuntimeError):
 
 class JsonlSink:
     """Appends JSON objects to ``path`` (created with its folder), one per line.  The file is opened per
-    write, so a reader tailing it sees whole lines and a killed process loses nothing it wrote."""
+    write, so a reader tailing it sees whole lines and a killed process loses nothing it wrote.
 
-    def __init__(self, path: Path) -> None:
+    ``max_bytes``: a line that would take the file past it first moves the file to ``<path>.1`` (replacing an
+    older one) and starts it anew, so the two take at most about 2 · ``max_bytes`` whatever arrives (a flood of
+    signed step reports grew ``monitor.jsonl`` by 3.46 MB per 200); ``rotations`` counts it, logged once."""
+
+    def __init__(self, path: Path, max_bytes: int | None = None) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
+        self.max_bytes = max_bytes
+        self.rotations = 0
         self.failed = 0  # lines lost to a write error (a full disk): logging must never stop training
 
-    def write(self, obj: Mapping[str, Any]) -> None:
+    def _rotate(self, incoming: int) -> None:
         try:
+            size = self.path.stat().st_size
+        except FileNotFoundError:
+            return
+        if self.max_bytes is not None and size + incoming > self.max_bytes and size > 0:
+            os.replace(self.path, self.path.with_name(self.path.name + ".1"))
+            self.rotations += 1
+            (log.warning if self.rotations == 1 else log.debug)(
+                "%s reached %d bytes: moved to %s.1 (the newest rows stay in %s)",
+                self.path,
+                size,
+                self.path.name,
+                self.path.name,
+            )
+
+    def write(self, obj: Mapping[str, Any]) -> None:
+        line = json.dumps(obj) + "\n"
+        try:
+            self._rotate(len(line.encode()))
             with open(self.path, "a", encoding="utf-8") as f:
-                f.write(json.dumps(obj) + "\n")
+                f.write(line)
         except OSError as e:
             self.failed += 1
             if self.failed in (1, 10) or self.failed % 1000 == 0:
@@ -288,6 +312,7 @@ def open_sinks(
     config: dict[str, Any],
     *,
     monitor: Path | None = None,
+    monitor_max_bytes: int | None = None,
     prom: PromSink | None = None,
 ) -> Sinks:
     """``<run_dir>/metrics.jsonl``, wandb when ``logging.wandb`` is on and its mode is not ``disabled``
@@ -298,7 +323,7 @@ def open_sinks(
     return Sinks(
         JsonlSink(run_dir / METRICS_FILE),
         wandb=wandb,
-        monitor=JsonlSink(monitor) if monitor is not None else None,
+        monitor=JsonlSink(monitor, monitor_max_bytes) if monitor is not None else None,
         prom=prom,
     )
 

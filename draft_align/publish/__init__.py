@@ -31,11 +31,15 @@ from draft_align.heads.lora import is_lora, merged
 from draft_align.publish import eagle3_format, mtp_format, native_mtp_format
 from draft_align.publish.folder import (
     MTP_FORMAT,
+    WEIGHTS_FILE,
     Dialect,
     ExportError,
     ExportRequest,
     check_sizes,
     read_manifest,
+    read_verified_weights,
+    read_weights,
+    verify_file,
     verify_files,
 )
 
@@ -121,20 +125,43 @@ def load_draft(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
 ) -> tuple[Any, dict[str, Any]]:
-    """Rebuild the draft saved at ``path`` (either format, either dialect); returns (module, manifest).
+    """Rebuild the draft saved at ``path`` (either format, either dialect); returns (module, manifest):
+    :func:`load_verified_draft` without the tensors."""
+    draft, manifest, _ = load_verified_draft(path, verify=verify, device=device, dtype=dtype)
+    return draft, manifest
 
-    File sizes are checked against the head config first (:func:`checked_manifest`); with ``verify`` every
-    file the manifest lists is then re-hashed.  The module is built on the ``meta``
-    device and the checkpoint tensors are assigned to it (float tensors cast to ``dtype``), then moved to
-    ``device``.
+
+def load_verified_draft(
+    path: Path,
+    *,
+    verify: bool = True,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> tuple[Any, dict[str, Any], dict[str, torch.Tensor]]:
+    """(module, manifest, model.safetensors' tensors) of the draft saved at ``path``.
+
+    File sizes are checked against the head config first (:func:`checked_manifest`).  With ``verify``, the
+    weights file is read once, its bytes hashed against the manifest and parsed from that very buffer, and the
+    module is built from those tensors (verify-then-use: a file swapped after the check is never what loads);
+    every other file the manifest lists is hashed too.  The module is built on the ``meta`` device and the
+    tensors are assigned to it (float tensors cast to ``dtype``), then moved to ``device``.
     """
     path = Path(path)
-    manifest = checked_manifest(path, verify=verify)
+    manifest = checked_manifest(path, verify=False)
+    if verify:
+        weights = read_verified_weights(path, manifest)
+        for name, info in manifest["files"].items():
+            if name != WEIGHTS_FILE:
+                verify_file(path, name, info)
+    else:
+        weights = read_weights(path)
     if manifest.get("format") == MTP_FORMAT:
-        return mtp_format.load_mtp(path, manifest, device=device, dtype=dtype), manifest
-    if manifest.get("format") == native_mtp_format.NATIVE_MTP_FORMAT:
-        return native_mtp_format.load_native_mtp(path, manifest, device=device, dtype=dtype), manifest
-    return eagle3_format.load_eagle3(path, manifest, device=device, dtype=dtype), manifest
+        draft: Any = mtp_format.load_mtp(path, manifest, device=device, dtype=dtype, weights=weights)
+    elif manifest.get("format") == native_mtp_format.NATIVE_MTP_FORMAT:
+        draft = native_mtp_format.load_native_mtp(path, manifest, device=device, dtype=dtype, weights=weights)
+    else:
+        draft = eagle3_format.load_eagle3(path, manifest, device=device, dtype=dtype, weights=weights)
+    return draft, manifest, weights
 
 
 def engine_tensors(draft: DraftHead, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
@@ -154,4 +181,12 @@ def engine_sha256(draft: DraftHead, dtype: torch.dtype = torch.bfloat16) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-__all__ = ["checked_manifest", "engine_sha256", "engine_tensors", "export_draft", "load_draft", "write_draft"]
+__all__ = [
+    "checked_manifest",
+    "engine_sha256",
+    "engine_tensors",
+    "export_draft",
+    "load_draft",
+    "load_verified_draft",
+    "write_draft",
+]

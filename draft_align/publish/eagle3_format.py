@@ -341,15 +341,17 @@ def load_eagle3(
     *,
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
+    weights: Mapping[str, torch.Tensor] | None = None,
 ) -> Eagle3Draft:
-    """Rebuild the EAGLE-3 draft saved at ``path`` (either dialect) from its (already read) ``manifest``.
+    """Rebuild the EAGLE-3 draft saved at ``path`` (either dialect) from its (already read) ``manifest``
+    (``weights``: model.safetensors' tensors as the caller parsed them from the bytes it verified; None: read).
 
     The module is built on the ``meta`` device and the checkpoint tensors are assigned to it (float
     tensors cast to ``dtype``; d2t int64, t2d bool), then moved to ``device``.
     """
     path = Path(path)
     cfg = read_head_config(path, manifest, "eagle3_config", Eagle3Config.from_dict)
-    tensors = {engine_name(k): v for k, v in read_weights(path).items()}
+    tensors = {engine_name(k): v for k, v in (read_weights(path) if weights is None else weights).items()}
     check_tensors(tensors, cfg)
     check_config_json(
         path, cfg, {"draft_vocab_size": cfg.draft_vocab_size, "target_hidden_size": cfg.target_hidden_size}

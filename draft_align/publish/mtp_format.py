@@ -435,16 +435,19 @@ def load_mtp(
     *,
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
+    weights: Mapping[str, torch.Tensor] | None = None,
 ) -> MTPDraft:
     """Rebuild the MTP head published at ``path`` from its (already read) ``manifest``; names, depth and
-    shapes are checked against the manifest's ``mtp_config``."""
+    shapes are checked against the manifest's ``mtp_config`` (``weights``: the verified tensors, else read)."""
     path = Path(path)
     cfg = read_head_config(path, manifest, "mtp_config", MTPConfig.from_dict)
     if manifest.get("layout") != cfg.layout:
         raise ExportError(
             f"{path / MANIFEST_FILE}: layout {manifest.get('layout')!r} ≠ mtp_config.layout {cfg.layout!r}"
         )
-    draft = import_mtp(read_weights(path), cfg, device=device, dtype=dtype)
+    draft = import_mtp(
+        read_weights(path) if weights is None else dict(weights), cfg, device=device, dtype=dtype
+    )
     extra = {"num_hidden_layers": cfg.target_num_layers, "num_nextn_predict_layers": cfg.depth}
     check_config_json(path, cfg, extra)
     return draft

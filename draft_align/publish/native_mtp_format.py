@@ -38,11 +38,13 @@ from draft_align.publish.folder import (
     MANIFEST_FILE,
     NATIVE_MTP_FORMAT,
     RESERVED_KEYS,
+    CorruptCheckpointError,
     ExportError,
     ExportRequest,
     check_destination,
     check_finite,
     draft_manifest,
+    plain_file,
     publish_folder,
     read_head_config,
     read_weights,
@@ -144,8 +146,10 @@ def load_native_mtp(
     *,
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
+    weights: Mapping[str, torch.Tensor] | None = None,
 ) -> NativeMTPDraft:
-    """The head published at ``path`` (its config.json, MTP and shared tensors); ``manifest``: already read."""
+    """The head published at ``path`` (its config.json, MTP and shared tensors); ``manifest``: already read;
+    ``weights``: model.safetensors' verified tensors (None: read)."""
     path = Path(path)
     if manifest is None:
         manifest = json.loads((path / MANIFEST_FILE).read_text())
@@ -161,7 +165,8 @@ def load_native_mtp(
             f"(family {cfg.family}, depth {cfg.depth})"
         )
     try:
-        return from_checkpoint(cfg, read_weights(path), dtype=dtype).to(device)
+        tensors = read_weights(path) if weights is None else dict(weights)
+        return from_checkpoint(cfg, tensors, dtype=dtype).to(device)
     except DraftConfigError as e:
         raise ExportError(f"{path}: {e}") from e
 
@@ -191,11 +196,28 @@ def from_target_checkpoint(
     fam, n = cfg.spec, cfg.target_num_layers
     prefixes = tuple(fam.prefix.format(d=d, n=n + d) for d in range(cfg.depth))
     tensors: dict[str, torch.Tensor] = {}
+    found_in: dict[str, str] = {}
     for f in files:
-        with safe_open(str(f), framework="pt") as fh:
-            for k in fh.keys():  # noqa: SIM118 (safe_open has keys(), no iteration)
-                if k.startswith(prefixes) or k in (EMBED, LM_HEAD):
-                    tensors[k] = fh.get_tensor(k)
+        try:
+            plain_file(model_dir, f.name)  # a regular file (a FIFO would block the read), no link out
+        except (CorruptCheckpointError, OSError) as e:
+            raise DraftConfigError(f"{f}: {e}") from None
+        try:
+            with safe_open(str(f), framework="pt") as fh:
+                for k in fh.keys():  # noqa: SIM118 (safe_open has keys(), no iteration)
+                    if k.startswith(prefixes) or k in (EMBED, LM_HEAD):
+                        if k in found_in:  # a later shard must not silently replace a tensor
+                            raise DraftConfigError(
+                                f"{k} is in both {found_in[k]} and {f.name}: which one is meant?"
+                            )
+                        found_in[k] = f.name
+                        tensors[k] = fh.get_tensor(k)
+                        if tensors[k].is_floating_point() and not bool(torch.isfinite(tensors[k]).all()):
+                            raise DraftConfigError(f"{f.name}: {k} holds NaN or Inf")
+        except DraftConfigError:
+            raise
+        except Exception as e:  # safetensors' own errors: bad header, offsets out of the file...
+            raise DraftConfigError(f"{f}: unreadable safetensors ({type(e).__name__}: {e})") from None
     if EMBED in tensors and LM_HEAD not in tensors and getattr(target_config, "tie_word_embeddings", False):
         tensors[LM_HEAD] = tensors[EMBED]
     try:

@@ -3,7 +3,8 @@
 Rules (docs/servers.md, "What the push process guarantees"):
 
 - a server is pushed a version only when it is newer than the one the server says it serves
-  (``GET /weight_info``, read on every tick): no server ever goes back to an older version;
+  (``GET /weight_info``, read at most every ``state_every_s`` and after every failure): no server ever goes
+  back to an older version;
 - a server that restarted (its ``weight_info`` is vLLM's ``"default"`` again) or joined late is pushed the
   current version; a server that wakes from sleep (``/is_sleeping`` true → false) is pushed again the version it
   served before (its backend holds it in memory; vLLM's level-2 sleep discards the draft's weights);
@@ -69,6 +70,7 @@ class ServerState:
     acceptance_length: float = math.nan  # measured by the server between the last two reads of /metrics
     acceptance_since_push: float = math.nan  # measured by the server since its current version was pushed
     next_try: float = 0.0  # monotonic time before which it is not called again
+    state_due: float = 0.0  # monotonic time of the next /weight_info and /is_sleeping read
     counters_due: float = 0.0  # monotonic time of the next /metrics read
     backoff_s: float = 0.0
     _counters: SpecCounters | None = None
@@ -78,7 +80,7 @@ class ServerState:
         """The JSON-safe fields (NaN as None)."""
         out: dict[str, Any] = {}
         for k, v in self.__dict__.items():
-            if k.startswith("_") or k in ("next_try", "backoff_s", "counters_due"):
+            if k.startswith("_") or k in ("next_try", "backoff_s", "counters_due", "state_due"):
                 continue
             out[k] = None if isinstance(v, float) and not math.isfinite(v) else v
         out["refusals"] = {str(k): v for k, v in self.refusals.items()}
@@ -102,6 +104,7 @@ class Fleet:
         retry_min_s: float = 0.5,
         retry_max_s: float = 30.0,
         counters_every_s: float = 1.0,
+        state_every_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
     ) -> None:
@@ -115,6 +118,7 @@ class Fleet:
         self.retry_min_s = float(retry_min_s)
         self.retry_max_s = float(retry_max_s)
         self.counters_every_s = float(counters_every_s)
+        self.state_every_s = float(state_every_s)
         self.clock, self.wall = clock, wall
         self.servers: dict[str, ServerState] = {}
         self._clients: dict[str, VLLMServer] = {}
@@ -171,6 +175,23 @@ class Fleet:
             self._executor = None
 
     def _visit(self, client: VLLMServer, state: ServerState, newest: Version | None) -> None:
+        """Read the server's state (at most every ``state_every_s``: a new version is pushed on what the last
+        read said, so publish → serving costs no extra round trips), push what it lacks, read its counters."""
+        now = self.clock()
+        if not state.up or now >= state.state_due:
+            self._read_state(client, state)
+            state.state_due = now + self.state_every_s
+        if not state.sleeping:  # a sleeping server is pushed when it wakes
+            behind = newest is not None and (state.serving is None or newest.version > state.serving)
+            if behind and newest is not None and newest.version not in state.refusals:
+                self._push(client, state, newest, again=False)
+        if self.clock() >= state.counters_due:  # after the push: reading /metrics delays no version
+            state.counters_due = self.clock() + self.counters_every_s
+            self._read_counters(client, state)
+
+    def _read_state(self, client: VLLMServer, state: ServerState) -> None:
+        """What the server serves and whether it sleeps; bind it after a (re)start; load its version again
+        after a wake."""
         was_up, was_sleeping = state.up, state.sleeping
         said = client.serving()  # ServerUnreachable propagates
         restarted = was_up and said is None and state.serving is not None
@@ -184,19 +205,14 @@ class Fleet:
         state.serving, state.serving_sha = (said[0], said[1]) if said else (None, None)
         if restarted:
             log.warning("push: %s restarted (serves its start-up draft again)", state.url)
-        if not state.sleeping:  # a sleeping server is pushed when it wakes
-            if was_sleeping and said is not None:  # woke up: its draft may be the start-up one again
-                held = self._held.get(said) or Version(
-                    said[0], 0, f"{self.run_dir}/drafts/v{said[0]:04d}", said[1], self.wall()
-                )
-                if self._push(client, state, held, again=True):
-                    log.info("push: %s woke up; v%04d loaded again", state.url, said[0])
-            behind = newest is not None and (state.serving is None or newest.version > state.serving)
-            if behind and newest is not None and newest.version not in state.refusals:
-                self._push(client, state, newest, again=False)
-        if self.clock() >= state.counters_due:  # after the push: reading /metrics delays no version
-            state.counters_due = self.clock() + self.counters_every_s
-            self._read_counters(client, state)
+        if (
+            was_sleeping and not state.sleeping and said is not None
+        ):  # woke: its draft may be the start-up one
+            held = self._held.get(said) or Version(
+                said[0], 0, f"{self.run_dir}/drafts/v{said[0]:04d}", said[1], self.wall()
+            )
+            if self._push(client, state, held, again=True):
+                log.info("push: %s woke up; v%04d loaded again", state.url, said[0])
 
     def _push(self, client: VLLMServer, state: ServerState, version: Version, *, again: bool) -> bool:
         msg = DraftPublished(
@@ -216,6 +232,9 @@ class Fleet:
         except ServerRefused as e:
             if "not bound" in str(e):  # a server restarted between two reads: bind, then the next tick pushes
                 state.up = False
+                return False
+            if "already active" in str(e):  # another caller's session outlasted the wait: try next round
+                state.last_error = str(e)
                 return False
             state.refusals[version.version] = str(e)
             state.last_error = str(e)

@@ -40,13 +40,12 @@ import torch
 from draft_align.engines.rollout_types import DraftVersion
 from draft_align.heads.draft_head import DraftHead
 from draft_align.monitor.acceptance import AcceptanceTally
-from draft_align.publish import load_draft
+from draft_align.publish import load_verified_draft
 from draft_align.publish.folder import (
     MANIFEST_FILE,
     WEIGHTS_FILE,
     CorruptCheckpointError,
     ExportError,
-    read_verified_weights,
 )
 from draft_align.publish.versions import (
     check_folder_version,
@@ -80,6 +79,8 @@ _FIXED_FIELDS = (
 )
 
 Signature = tuple[str, int, int, int]
+MAX_NOTIFICATIONS = 1024  # notifications drained per poll (a flood waits for later polls)
+MAX_EXAMINED = 8  # newer versions of this run examined per poll, newest first
 
 
 class Notifications(Protocol):
@@ -123,9 +124,9 @@ class DraftSource:
         self.dtype = dtype
         self.notifications = notifications
         path = resolve_draft_dir(frozen_path)
-        frozen, manifest = load_draft(path, verify=True, device=device, dtype=dtype)
+        frozen, manifest, weights = load_verified_draft(path, verify=True, device=device, dtype=dtype)
         self.frozen: DraftHead = frozen.requires_grad_(False).eval()
-        self.frozen_version = DraftVersion.of(path, manifest, read_verified_weights(path, manifest))
+        self.frozen_version = DraftVersion.of(path, manifest, weights)
         self.adapted: DraftHead = self.frozen
         self.adapted_version: DraftVersion | None = None
         self.failures = 0
@@ -201,9 +202,11 @@ class DraftSource:
         """Load the version at ``path`` with its files verified and check that it fits; ``sha256``/``announced``:
         the weights digest and version a notification announced, which must be the folder's; the manifest's
         ``draft_version`` must be the folder name's.  Raises ExportError / OSError."""
-        draft, manifest = load_draft(path, verify=True, device=self.device, dtype=self.dtype)
+        draft, manifest, weights = load_verified_draft(
+            path, verify=True, device=self.device, dtype=self.dtype
+        )
         check_folder_version(path, manifest)
-        version = DraftVersion.of(path, manifest, read_verified_weights(path, manifest))
+        version = DraftVersion.of(path, manifest, weights)  # the module and the tensors: one read, verified
         if sha256 is not None and version.sha256 != sha256:
             raise CorruptCheckpointError(
                 "the notification's sha256 differs from the folder's (rewritten since?)"
@@ -215,14 +218,32 @@ class DraftSource:
 
     # ----------------------------------------------------------------- refresh
     def _newest_notification(self) -> DraftPublished | None:
+        """The newest of at most :data:`MAX_NOTIFICATIONS` waiting notifications that names a newer version of
+        this run (a flood is coalesced: the rest wait for the next poll; notifications for another run are
+        counted as failures and logged in one line per poll, not one line each)."""
         if self.notifications is None:
             return None
-        newer = []
-        while (msg := self.notifications.poll(0)) is not None:
-            if int(msg.draft_version) > self.current_version:
+        newer: list[DraftPublished] = []
+        foreign: dict[str, int] = {}
+        for _ in range(MAX_NOTIFICATIONS):
+            msg = self.notifications.poll(0)
+            if msg is None:
+                break
+            if msg.run_id != self.run_id:
+                foreign[msg.run_id] = foreign.get(msg.run_id, 0) + 1
+            elif int(msg.draft_version) > self.current_version:
                 newer.append(msg)
+        if foreign:
+            self.failures += sum(foreign.values())
+            shown = ", ".join(f"{run!r} ×{n}" for run, n in sorted(foreign.items())[:3])
+            log.warning(
+                "draft refresh: %d notifications for other runs ignored (%s); keeping draft v%04d",
+                sum(foreign.values()),
+                shown,
+                self.current_version,
+            )
         # newest first: older ones (perhaps pruned since) are examined only when a newer one is refused
-        for msg in sorted(newer, key=lambda m: -int(m.draft_version)):
+        for msg in sorted(newer, key=lambda m: -int(m.draft_version))[:MAX_EXAMINED]:
             if self._in_run(msg):
                 return msg
         return None

@@ -12,8 +12,9 @@ tokens skipped), ``finished`` says whether it ended with an eos token (not cut a
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
-from typing import Protocol
+from typing import Any, Protocol
 
 from draft_align.data.tasks import Score, score
 
@@ -80,11 +81,38 @@ def reward_fn(name: str) -> RewardFn:
     raise ValueError(f"unknown reward {name!r}; expected one of {list(REWARD_NAMES)}")
 
 
-def safe_reward(fn: RewardFn, text: str, finished: bool, answer: int | None) -> tuple[float, str | None]:
-    """``fn``'s reward, or (0.0, a one-line reason) when it raises or returns a non-finite value: one bad
-    completion must not end the step."""
+REWARD_BUDGET_S = 2.0  # the most one reward call may take before the step goes on without it
+
+
+class _Worker:
+    """The thread reward calls run in, so that one that runs past its budget does not hold the step: the
+    step takes 0 for it and goes on, and the stuck call is left to finish in a thread of its own (a fresh
+    worker takes the next calls)."""
+
+    def __init__(self) -> None:
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward")
+
+    def call(self, fn: RewardFn, text: str, finished: bool, answer: int | None, budget_s: float) -> Any:
+        future = self.pool.submit(fn, text, finished, answer)
+        try:
+            return future.result(timeout=budget_s)
+        except concurrent.futures.TimeoutError:
+            self.pool.shutdown(wait=False)  # abandon the stuck call; its thread exits when it returns
+            self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward")
+            raise TimeoutError(f"took more than {budget_s:g} s (the step went on without it)") from None
+
+
+_WORKER = _Worker()
+
+
+def safe_reward(
+    fn: RewardFn, text: str, finished: bool, answer: int | None, budget_s: float = REWARD_BUDGET_S
+) -> tuple[float, str | None]:
+    """``fn``'s reward, or (0.0, a one-line reason) when it raises, returns a non-finite value or runs past
+    ``budget_s``: one bad completion must not end the step, nor stall it (no reward call blocks without a
+    bound)."""
     try:
-        value = float(fn(text, finished, answer))
+        value = float(_WORKER.call(fn, text, finished, answer, budget_s))
     except Exception as e:  # a user's reward function may raise anything
         return 0.0, f"{type(e).__name__}: {e}"
     if not math.isfinite(value):

@@ -247,5 +247,6 @@ def open_sidecar_sinks(recipe: CotrainRecipe, sidecar_dir: Path, *, rank: int | 
         f"{recipe.run}-sidecar",
         recipe_to_dict(recipe),
         monitor=sidecar_dir / MONITOR_FILE,
+        monitor_max_bytes=recipe.sidecar.monitor.max_log_mb << 20,
         prom=prom,
     )

@@ -39,6 +39,9 @@ from draft_align.wire.packing import drop_nonfinite
 
 log = logging.getLogger(__name__)
 
+MAX_VERSION_JUMP = 1 << 20  # a HeadSync may move the policy version this far ahead of the head in use
+MAX_FIRST_VERSION = 1 << 40  # the first HeadSync's version (a job resumed late is still far below)
+
 #: the largest |value| accepted in a HeadSync's rows and norm weight (real lm_head rows and RMSNorm weights
 #: are O(1); 3e38 rows make every logit non-finite)
 HEAD_MAX_ABS = 1e4
@@ -127,6 +130,21 @@ class Ingest:
         restart = version < self.state.head_policy_version
         if (self.state.head_policy_version + 1 if restart else version) > MAX_VERSION:
             self._out_of_range("HeadSync", msg.policy_version)
+            return False
+        jump = (
+            MAX_FIRST_VERSION
+            if not self.has_head
+            else max(self.state.head_policy_version, 0) + MAX_VERSION_JUMP
+        )
+        if not restart and version > jump:  # one bogus version must not pin every later one out
+            self.state.version_overflows += 1
+            log.warning(
+                "HeadSync policy version %d jumps past v%d (the head in use v%d + 2^20; a first head ≤ 2^40): "
+                "refused (counted in version_overflows)",
+                msg.policy_version,
+                jump,
+                self.state.head_policy_version,
+            )
             return False
         if restart:
             offset = self.state.head_policy_version + 1 - int(msg.policy_version)

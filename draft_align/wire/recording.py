@@ -117,7 +117,10 @@ def _next_whole(fd: int, end: int, start: int, max_bytes: int) -> int | None:
     found), or None."""
     pos = start
     while pos < end:
-        chunk = _read_at(fd, pos, min(_SCAN_CHUNK, end - pos))
+        want = min(_SCAN_CHUNK, end - pos)
+        chunk = _read_at(fd, pos, want)
+        if len(chunk) < want:  # a short read: the file shrank while it is read; its end is here now
+            end = pos + len(chunk)
         if not chunk:
             return None
         i = chunk.find(_ENTRY)
@@ -130,7 +133,7 @@ def _next_whole(fd: int, end: int, start: int, max_bytes: int) -> int | None:
             i = chunk.find(_ENTRY, i + 1)
         if pos + len(chunk) >= end:
             return None
-        pos += len(chunk) - (len(_ENTRY) - 1)  # a marker may straddle two chunks
+        pos += max(1, len(chunk) - (len(_ENTRY) - 1))  # a marker may straddle two chunks; always forward
     return None
 
 

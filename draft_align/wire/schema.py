@@ -38,7 +38,7 @@ REASONS: tuple[str, ...] = (
     # messages a sender numbered and sent that never arrived (a gap in its sequence; channel.py): dropped in
     # transit, e.g. by libzmq for a frame over the receiver's MAXMSGSIZE, or with a connection that broke
     "lost",
-    "senders",  # a new sender while the receiver's sender table is full of recently heard ones (sequence_guard.py)
+    "senders",  # (no longer raised: the sequence guard evicts into its dormant table; the name stays for counters)
 )
 
 _DTYPES = DTYPES

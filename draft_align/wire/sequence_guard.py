@@ -2,10 +2,12 @@
 id and that sender's strictly increasing sequence number; a receiver keeps the newest number of each sender it
 has heard from and drops the rest.  Pure bookkeeping and one small file, no sockets.
 
-- :class:`SequenceGuard` (receiving side): bounded and aged without reopening replays; its state can be saved
-  and restored (:func:`save_guard`, :func:`load_guard`) so a restarted receiver still refuses what it accepted.
+- :class:`SequenceGuard` (receiving side): bounded, evicting the least recently heard sender into a dormant
+  table that keeps its newest number, so it never locks a sender out nor reopens a replay; its state can be
+  saved and restored (:func:`save_guard`, :func:`load_guard`) so a restarted receiver still refuses what it
+  accepted.
 - :class:`Envelope` (sending side): the (sender, seq) stamps, with a fresh id after a long silence or at the
-  end of the seq range, so that no receiver rule ever locks a live sender out.
+  end of the seq range.
 """
 
 from __future__ import annotations
@@ -27,12 +29,13 @@ from draft_align.wire.schema import _MAX_INT, WireError
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_SENDERS = 4096  # senders remembered with their newest seq
-DEFAULT_MAX_RETIRED = 16384  # ids of senders forgotten after a long silence, refused from then on
+DEFAULT_MAX_SENDERS = 4096  # senders remembered as active (most recently heard)
+DEFAULT_MAX_DORMANT = 65536  # senders evicted from the active table, remembered with their newest seq
 MAX_SEQ_STEP = 1 << 32  # the most a sender's seq may advance in one message (its dropped sends included)
-RETIRE_IDLE_S = 3600.0  # a sender silent this long may be retired when the table is full
+RETIRE_IDLE_S = 3600.0  # the silence after which a sender's id counts as abandoned (it renews it before)
 RENEW_IDLE_S = RETIRE_IDLE_S / 2  # a sender silent this long draws a new id before its next message
-STATE_FORMAT = "draft_align.sequence_guard/1"
+STATE_FORMAT = "draft_align.sequence_guard/2"
+_OLD_FORMATS = ("draft_align.sequence_guard/1",)  # retired ids: read as dormant at the end of the range
 
 
 class SequenceGuard:
@@ -41,15 +44,17 @@ class SequenceGuard:
 
     Raises ``WireError("sequence")`` for a duplicate (``seq`` equal to the newest), a stale message (below it), a
     jump past the step bound (so one message at seq 2^63 − 1 cannot lock its sender out: it is refused and
-    the sender's newest stays), a retired sender, and (``require_sender``) a message without a sender id.
+    the sender's newest stays), and (``require_sender``) a message without a sender id.  A refused message
+    never changes the state.
 
-    Bounds: ``max_senders`` senders are remembered.  When a new sender arrives at a full table, the least
-    recently heard one is retired if it has been silent for ``retire_idle_s``: its id moves to a bounded set
-    of retired ids whose messages are refused for good (an evicted sender's captured messages must not become
-    acceptable again); a live sender never does this, since senders draw a new id after
-    ``retire_idle_s / 2`` of silence (:class:`Envelope`).  When nobody can be retired (all heard recently,
-    or ``max_retired`` ids retired already) the new sender is refused, ``WireError("senders")``, counted by
-    the receiver; the remembered ones keep working.  A refused message never changes the state.
+    Bounds, and no sender ever locked out: ``max_senders`` senders are active.  A new sender at a full table
+    evicts the least recently heard one into the dormant table, which keeps its newest seq: its replays stay
+    refused, and its next genuine message (a higher seq) brings it back.  The dormant table keeps
+    ``max_dormant`` senders; past that the longest-dormant one is forgotten.  Only a key holder can mint new
+    sender ids (every message is signed), so a flood that pushes a sender out of both tables comes from one
+    who could forge its messages anyway.  (An earlier version refused new senders while the table was full of
+    recently heard ones: 4,096 fresh ids from a key holder locked a restarted RL job out for an hour, across
+    restarts.)
     """
 
     def __init__(
@@ -57,35 +62,31 @@ class SequenceGuard:
         *,
         max_senders: int = DEFAULT_MAX_SENDERS,
         require_sender: bool = True,
-        max_retired: int = DEFAULT_MAX_RETIRED,
-        retire_idle_s: float = RETIRE_IDLE_S,
+        max_dormant: int = DEFAULT_MAX_DORMANT,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if max_senders < 1 or max_retired < 0:
-            raise ValueError(f"max_senders must be ≥ 1 and max_retired ≥ 0, got {max_senders}, {max_retired}")
+        if max_senders < 1 or max_dormant < 0:
+            raise ValueError(f"max_senders must be ≥ 1 and max_dormant ≥ 0, got {max_senders}, {max_dormant}")
         self._newest: OrderedDict[str, tuple[int, float]] = OrderedDict()  # sender → (seq, heard at)
-        self._retired: OrderedDict[str, None] = OrderedDict()
+        self._dormant: OrderedDict[str, int] = OrderedDict()  # evicted sender → its newest seq
         self._max = max_senders
-        self._max_retired = max_retired
-        self._idle_s = retire_idle_s
+        self._max_dormant = max_dormant
         self._require = require_sender
         self._clock = clock
         self.changes = 0  # accepted messages since the state was created or loaded (persisting: any news)
+        self.evicted = 0  # senders moved to the dormant table
+        self.forgotten = 0  # dormant senders dropped past max_dormant
 
     def check(self, origin: Origin) -> None:
-        """Record ``origin`` or raise ``WireError`` (``sequence`` or ``senders``; the state is unchanged then)."""
+        """Record ``origin`` or raise ``WireError("sequence")`` (the state is unchanged then)."""
         sender, seq = origin.sender, origin.seq
         if not sender:
             if self._require:
                 raise WireError("sequence", "message carries no sender id (cannot tell a replay)")
             return
-        if sender in self._retired:
-            raise WireError(
-                "sequence", f"sender {sender} was retired after a long silence (its messages are refused)"
-            )
         known = self._newest.get(sender)
-        last = known[0] if known is not None else -1
-        if known is not None and seq <= last:
+        last = known[0] if known is not None else self._dormant.get(sender, -1)
+        if (known is not None or sender in self._dormant) and seq <= last:
             what = "duplicate" if seq == last else "stale"
             raise WireError("sequence", f"{what} message {seq} of sender {sender} (newest {last})")
         if seq - last > MAX_SEQ_STEP:
@@ -94,22 +95,22 @@ class SequenceGuard:
                 f"message {seq} of sender {sender} jumps {seq - last} past its newest {last} (at most 2^32)",
             )
         now = self._clock()
-        if known is None and len(self._newest) >= self._max:
-            self._make_room(sender, now)
+        if known is None:
+            self._dormant.pop(sender, None)
+            if len(self._newest) >= self._max:
+                self._evict()
         self._newest[sender] = (seq, now)
         self._newest.move_to_end(sender)
         self.changes += 1
 
-    def _make_room(self, sender: str, now: float) -> None:
-        oldest, (_, heard) = next(iter(self._newest.items()))
-        if now - heard < self._idle_s or len(self._retired) >= self._max_retired:
-            raise WireError(
-                "senders",
-                f"new sender {sender} refused: {len(self._newest)} senders are remembered, the least recently "
-                f"heard {now - heard:.0f} s ago, and {len(self._retired)} retired",
-            )
-        del self._newest[oldest]
-        self._retired[oldest] = None
+    def _evict(self) -> None:
+        """The least recently heard active sender goes dormant (its newest seq kept)."""
+        oldest, (seq, _) = self._newest.popitem(last=False)
+        self._dormant[oldest] = seq
+        self.evicted += 1
+        while len(self._dormant) > self._max_dormant:
+            self._dormant.popitem(last=False)
+            self.forgotten += 1
 
     def missed(self, origin: Origin) -> int:
         """How many sequence numbers of a remembered sender lie between its newest and ``origin.seq`` (0 for a
@@ -123,28 +124,34 @@ class SequenceGuard:
         return len(self._newest)
 
     @property
-    def retired(self) -> int:
-        return len(self._retired)
+    def dormant(self) -> int:
+        return len(self._dormant)
 
     def to_dict(self) -> dict[str, Any]:
-        """The state as JSON-ready data: per sender its newest seq and seconds since it was heard; the
-        retired ids (oldest first)."""
+        """The state as JSON-ready data: per active sender its newest seq and seconds since it was heard; the
+        dormant senders with their newest seq (longest dormant first)."""
         now = self._clock()
         return {
             "format": STATE_FORMAT,
             "senders": [[s, seq, round(max(0.0, now - t), 3)] for s, (seq, t) in self._newest.items()],
-            "retired": list(self._retired),
+            "dormant": [[s, seq] for s, seq in self._dormant.items()],
         }
 
     def restore(self, data: dict[str, Any]) -> None:
         """Take over a state :meth:`to_dict` wrote (ValueError when it is not one)."""
-        if not isinstance(data, dict) or data.get("format") != STATE_FORMAT:
-            raise ValueError(
-                f"not a sequence guard state (format {data.get('format') if isinstance(data, dict) else None!r})"
-            )
-        senders, retired = data.get("senders"), data.get("retired")
-        if not isinstance(senders, list) or not isinstance(retired, list):
-            raise ValueError("senders and retired must be lists")
+        fmt = data.get("format") if isinstance(data, dict) else None
+        if fmt != STATE_FORMAT and fmt not in _OLD_FORMATS:
+            raise ValueError(f"not a sequence guard state (format {fmt!r})")
+        senders = data.get("senders")
+        if fmt in _OLD_FORMATS:  # retired ids were refused for good: dormant at the end of the range
+            retired = data.get("retired")
+            if not isinstance(retired, list) or not all(isinstance(r, str) for r in retired):
+                raise ValueError("retired ids must be strings")
+            dormant_entries: Any = [[r, _MAX_INT] for r in retired]
+        else:
+            dormant_entries = data.get("dormant")
+        if not isinstance(senders, list) or not isinstance(dormant_entries, list):
+            raise ValueError("senders and dormant must be lists")
         now = self._clock()
         newest: OrderedDict[str, tuple[int, float]] = OrderedDict()
         for entry in senders:
@@ -159,15 +166,24 @@ class SequenceGuard:
             ):
                 raise ValueError(f"bad sender entry {str(entry)[:80]}")
             newest[entry[0]] = (entry[1], now - float(entry[2]))
-        if not all(isinstance(r, str) for r in retired):
-            raise ValueError("retired ids must be strings")
-        # over the bounds (a file of another configuration): the least recently heard are retired, the
-        # oldest retired ids dropped
-        self._newest, self._retired = newest, OrderedDict.fromkeys(retired)
+        dormant: OrderedDict[str, int] = OrderedDict()
+        for entry in dormant_entries:
+            if (
+                not isinstance(entry, list)
+                or len(entry) != 2
+                or not isinstance(entry[0], str)
+                or type(entry[1]) is not int
+                or not 0 <= entry[1] <= _MAX_INT
+            ):
+                raise ValueError(f"bad dormant entry {str(entry)[:80]}")
+            dormant[entry[0]] = entry[1]
+        # over the bounds (a file of another configuration): the least recently heard go dormant, the longest
+        # dormant are forgotten
+        self._newest, self._dormant = newest, dormant
         while len(self._newest) > self._max:
-            self._retired[self._newest.popitem(last=False)[0]] = None
-        while len(self._retired) > self._max_retired:
-            self._retired.popitem(last=False)
+            self._evict()
+        while len(self._dormant) > self._max_dormant:
+            self._dormant.popitem(last=False)
         self.changes = 0
 
 

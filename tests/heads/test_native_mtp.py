@@ -246,3 +246,60 @@ def test_the_projects_trainer_trains_it(ckpt):
         last = trainer.train_step(batch)
     assert last["ce_0"] < 0.7 * first["ce_0"] and last["acc_0"] > first["acc_0"]
     assert not draft.lm_head.weight.requires_grad  # the shared head never trains
+
+
+def test_a_checkpoint_folder_with_hostile_shards_is_one_line_each(ckpt, tmp_path):
+    """From a checkpoint folder (``from_target_checkpoint``): NaN tensors were loaded, a FIFO named
+    ``*.safetensors`` hung the load, a later shard silently replaced an MTP tensor, bad offsets raised a raw
+    SafetensorError.  Each is now one DraftConfigError naming the file."""
+    import os
+    import shutil
+    import threading
+
+    import safetensors.torch
+
+    from draft_align.publish.native_mtp_format import from_target_checkpoint
+
+    family, depth, cfg, tensors, folder = ckpt
+    name = sorted(mtp_names(family, tensors, depth))[0]
+
+    def case(edit):
+        d = tmp_path / f"case{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(folder, d)
+        edit(d)
+        return d
+
+    def shard(d):
+        return next(d.glob("*.safetensors"))
+
+    nan = case(
+        lambda d: safetensors.torch.save_file(
+            {k: (torch.full_like(v, float("nan")) if k == name else v) for k, v in tensors.items()},
+            str(shard(d)),
+        )
+    )
+    twice = case(
+        lambda d: safetensors.torch.save_file({name: tensors[name]}, str(d / "zz-extra.safetensors"))
+    )
+    cut = case(lambda d: shard(d).write_bytes(shard(d).read_bytes()[:-64]))
+    fifo = case(lambda d: os.mkfifo(d / "a-pipe.safetensors"))
+    for folder_, why in (
+        (nan, "NaN or Inf"),
+        (twice, "is in both"),
+        (cut, "unreadable safetensors"),
+        (fifo, "not a regular file"),
+    ):
+        got = {}
+
+        def load(folder_=folder_, got=got):
+            try:
+                from_target_checkpoint(folder_, cfg)
+            except DraftConfigError as e:
+                got["error"] = str(e)
+
+        t = threading.Thread(target=load, daemon=True)
+        t.start()
+        t.join(30.0)
+        assert not t.is_alive(), f"{why}: the load hangs"
+        assert why in got.get("error", ""), (why, got)
+        assert "\n" not in got["error"]

@@ -259,3 +259,18 @@ def test_jsonl_write_errors_are_counted_not_raised(tmp_path, monkeypatch, caplog
     assert sink.failed == 2 and "No space left" in caplog.text
     sink.write({"a": 3})
     assert [json.loads(x)["a"] for x in sink.path.read_text().splitlines()] == [1, 3]
+
+
+def test_a_jsonl_file_with_a_cap_is_bounded_whatever_arrives(tmp_path):
+    """A flood of signed step reports grew monitor.jsonl without bound (+3.46 MB per 200); with a cap it moves
+    to <name>.1 and starts anew: the two files stay under about twice the cap, the newest rows kept."""
+    from draft_align.monitor.sinks import JsonlSink
+
+    path = tmp_path / "monitor.jsonl"
+    sink = JsonlSink(path, max_bytes=20_000)
+    for i in range(2_000):
+        sink.write({"step": i, "pad": "x" * 180})
+    assert path.stat().st_size <= 20_000 and (tmp_path / "monitor.jsonl.1").stat().st_size <= 20_000
+    assert sink.rotations >= 15 and sink.failed == 0
+    last = path.read_text().splitlines()[-1]
+    assert '"step": 1999' in last

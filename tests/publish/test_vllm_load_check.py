@@ -182,6 +182,20 @@ def test_native_mtp_folder_with_a_renamed_or_missing_tensor_fails_naming_it(nati
     assert rep.problems() == [f"vLLM parameter {vllm_param} is never written (keeps its initial values)"]
 
 
+def test_an_all_nan_folder_is_not_compatible(native, tmp_path):
+    """``vllm_load`` (``--check vllm`` called as a function) reported an all-NaN MTP folder compatible: vLLM
+    loads NaN without a word, and the draft then proposes garbage."""
+    _, out = native
+    bad = _rewrite(
+        out,
+        tmp_path / "nan",
+        lambda t: {k: torch.full_like(v, float("nan")) if v.is_floating_point() else v for k, v in t.items()},
+    )
+    rep = vllm_load_isolated(bad)
+    assert not rep.ok and rep.nonfinite
+    assert all(p.endswith("holds NaN or Inf values") for p in rep.problems()[: len(rep.nonfinite)])
+
+
 def test_native_mtp_check_with_client_reports_every_tensor(native):
     """What ``draft-align export --check vllm`` prints for a native folder: each tensor's parameter, the
     shared ones apart, no problem."""

@@ -491,3 +491,66 @@ def test_collapse_with_no_good_version_goes_back_to_the_frozen_draft(
     )  # not the one on probation
     assert w.judge(served, {"adapted": tally(100, [0, 0, 0]), "frozen": tally(100, [40, 10, 0])}) is True
     assert w.adapted is w.frozen and w.adapted_version is None and w.current_version == 0
+
+
+def test_a_notification_flood_is_coalesced_and_logged_in_one_line(
+    tmp_path, frozen_dir, kit, target_config, caplog
+):
+    """100,000 notifications for other runs and of stale versions cost one poll 14.3 s and ~80k warning lines;
+    a poll now drains at most MAX_NOTIFICATIONS, logs them in one line, and `latest` still brings the new one."""
+    from draft_align.rl.drafts import MAX_NOTIFICATIONS
+
+    run = tmp_path / "run"
+    notes = ListNotifications()
+    w = DraftSource(run, frozen_dir, notifications=notes)
+    d2 = kit.make(target_config, seed=12)
+    kit.publish(d2, run, target_config, draft_version=2, policy_version=2)
+    bogus = DraftPublished(
+        run_id="other", draft_version=9, policy_version=0, path="/x/drafts/v0009", sha256="0" * 64
+    )
+    notes.queue = [bogus] * 100_000
+    with caplog.at_level(logging.WARNING, logger="draft_align.rl.drafts"):
+        t0 = time.perf_counter()
+        assert w.poll() is True and w.adapted_version.version == 2  # from `latest`
+        assert time.perf_counter() - t0 < 2.0
+    assert len(notes.queue) == 100_000 - MAX_NOTIFICATIONS  # the rest waits for later polls
+    assert w.failures == MAX_NOTIFICATIONS
+    assert len([r for r in caplog.records if "other runs" in r.getMessage()]) == 1
+
+
+def test_the_module_served_is_built_from_exactly_the_bytes_verified(
+    tmp_path, frozen_dir, kit, target_config, monkeypatch
+):
+    """The weights were hashed, then read a second time to build the module: a file swapped in between made
+    the served module differ from the recorded sha256 (9 of 10 trials).  Now the module is built from the
+    tensors parsed out of the hashed buffer."""
+    import shutil
+
+    import draft_align.publish as publish
+    from draft_align.publish import folder
+
+    run = tmp_path / "run"
+    d1, d2 = kit.make(target_config, seed=21), kit.make(target_config, seed=22)
+    kit.publish(d1, run, target_config, draft_version=1, policy_version=1)
+    kit.publish(d2, tmp_path / "other", target_config, draft_version=1, policy_version=1)
+    weights = version_dir(run, 1) / "model.safetensors"
+    swapped = version_dir(tmp_path / "other", 1) / "model.safetensors"
+    recorded = read_manifest(version_dir(run, 1), verify=False)["files"]["model.safetensors"]["sha256"]
+    w = DraftSource(run / "rl", frozen_dir)
+
+    def swap_after(fn):
+        def wrapper(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            shutil.copyfile(swapped, weights)  # the file is swapped right after each check
+            return out
+
+        return wrapper
+
+    for name in ("read_verified_weights", "verify_file", "verify_files"):
+        real = getattr(folder, name)
+        monkeypatch.setattr(folder, name, swap_after(real))
+        if hasattr(publish, name):
+            monkeypatch.setattr(publish, name, swap_after(real))
+    version, draft = w.verify(version_dir(run, 1))
+    assert version.sha256 == recorded
+    assert same_weights(draft, d1) and not same_weights(draft, d2)  # what was verified, not what is there now

@@ -81,3 +81,25 @@ def test_safe_reward_counts_a_raising_or_non_finite_reward_as_an_error():
     assert value == 0.0 and why == "non-finite reward nan"
     assert safe_reward(lambda t, f, a=None: -math.inf, "a", True, None)[1] == "non-finite reward -inf"
     assert safe_reward(task, "Answer: 2", True, 2) == (1.0, None)
+
+
+def test_a_reward_past_its_budget_does_not_stall_the_step():
+    """No reward call may block without a bound: one that runs past its budget gets 0 and a one-line reason,
+    and the next call runs on a fresh worker at once."""
+    import threading
+    import time
+
+    from draft_align.rl.rewards import safe_reward
+
+    release = threading.Event()
+
+    def stuck(text, finished, answer):
+        release.wait(30)
+        return 1.0
+
+    t0 = time.perf_counter()
+    value, error = safe_reward(stuck, "x", True, None, budget_s=0.2)
+    assert value == 0.0 and error.startswith("TimeoutError") and "\n" not in error
+    assert time.perf_counter() - t0 < 2.0
+    assert safe_reward(lambda t, f, a: 0.5, "x", True, None, budget_s=0.2) == (0.5, None)
+    release.set()

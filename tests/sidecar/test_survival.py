@@ -208,24 +208,39 @@ def test_a_restarted_sidecar_refuses_what_it_accepted_before(sidecar_world, unti
 TOP = 2**63 - 1
 
 
-def test_a_restart_after_a_head_at_the_top_of_the_range_is_refused_counted():
-    """The restart offset after a head at 2^63 − 1 made every later version 2^63 + v: the publish of such a
-    version wrote its folder and then died in the wire's encoder, and the offset was checkpointed."""
+def test_a_head_at_the_top_of_the_range_pins_nothing():
+    """A HeadSync at 2^63 − 1 was accepted, and the real v1 after it was refused until a restart (its restart
+    offset would pass the top).  A first head above 2^40, or a later one more than 2^20 ahead of the head in
+    use, is now refused and counted; the real versions go on."""
+    from draft_align.sidecar.ingest import MAX_VERSION_JUMP
+
     ing = _ingest()
-    assert ing.accept_head(HeadSync.make_dummy(hidden_size=H, vocab_size=V, policy_version=TOP))
-    assert not ing.accept_head(HeadSync.make_dummy(hidden_size=H, vocab_size=V, policy_version=0))
-    assert ing.state.version_overflows == 1 and ing.state.rl_restarts == 0 and ing.state.policy_offset == 0
-    ing.on_batch(_batch([_seq(6, 2)], version=3))  # kept under its own version (older than the head)
-    assert ing.state.newest_policy_version == 3 and ing.state.old_version_batches == 1
-    # a genuine restart below the top still shifts, and a batch that the shift would carry past it is refused
-    ing2 = _ingest()
-    assert ing2.accept_head(HeadSync.make_dummy(hidden_size=H, vocab_size=V, policy_version=TOP - 10))
-    assert ing2.accept_head(HeadSync.make_dummy(hidden_size=H, vocab_size=V, policy_version=0))
-    assert ing2.state.head_policy_version == TOP - 9 and ing2.state.policy_offset == TOP - 9
-    ing2.on_batch(_batch([_seq(6, 2)], version=10))
-    assert ing2.state.version_overflows == 1 and ing2.buffer.stats()["records"] == 0
-    ing2.on_batch(_batch([_seq(6, 2)], version=9, batch_id=1))
-    assert ing2.state.newest_policy_version == TOP
+    assert not ing.accept_head(HeadSync.make_dummy(hidden_size=H, vocab_size=V, policy_version=TOP))
+    assert ing.state.version_overflows == 1 and not ing.has_head
+    assert ing.accept_head(HeadSync.make_dummy(hidden_size=H, vocab_size=V, policy_version=1))
+    assert ing.state.head_policy_version == 1 and ing.state.rl_restarts == 0
+    far = 1 + MAX_VERSION_JUMP + 1
+    assert not ing.accept_head(HeadSync.make_dummy(hidden_size=H, vocab_size=V, policy_version=far))
+    assert ing.state.version_overflows == 2 and ing.state.head_policy_version == 1
+    assert ing.accept_head(HeadSync.make_dummy(hidden_size=H, vocab_size=V, policy_version=far - 1))
+    assert ing.accept_head(
+        HeadSync.make_dummy(hidden_size=H, vocab_size=V, policy_version=0)
+    )  # an RL restart
+    assert ing.state.rl_restarts == 1 and ing.state.head_policy_version == far
+
+
+def test_a_restart_near_the_top_of_the_range_is_refused_counted():
+    """The restart offset after a head near 2^63 − 1 (a state reached by legitimate steps) made later versions
+    pass the top: a batch the shift would carry past it is refused and counted."""
+    ing = _ingest()
+    assert ing.accept_head(HeadSync.make_dummy(hidden_size=H, vocab_size=V, policy_version=5))
+    ing.state.head_policy_version = TOP - 10  # as after a long run of versions
+    assert ing.accept_head(HeadSync.make_dummy(hidden_size=H, vocab_size=V, policy_version=0))
+    assert ing.state.head_policy_version == TOP - 9 and ing.state.policy_offset == TOP - 9
+    ing.on_batch(_batch([_seq(6, 2)], version=10))
+    assert ing.state.version_overflows == 1 and ing.buffer.stats()["records"] == 0
+    ing.on_batch(_batch([_seq(6, 2)], version=9, batch_id=1))
+    assert ing.state.newest_policy_version == TOP
 
 
 def test_version_folders_past_the_range_are_not_versions_and_never_written(tmp_path):

@@ -302,3 +302,40 @@ def test_no_failure_of_a_recorder_reaches_its_caller(tmp_path, monkeypatch):
             rec = WireRecorder(tmp_path / f"{part}.rec")
             rec.record(StepReport.make_dummy())  # must not raise
         assert rec.failed is not None and "bug" in rec.failed and rec.messages == 0
+
+
+def test_a_file_shrinking_while_damage_is_scanned_ends_the_read(tmp_path, monkeypatch):
+    """The scan for the next whole entry after damage read the file in chunks and stepped back a marker's
+    length each time: a file cut to one byte past the scan position looped forever."""
+    import threading
+
+    from draft_align.wire import recording
+
+    path = tmp_path / "wire.rec"
+    _write(path, _many(6))
+    starts = _entry_starts(path)
+    data = bytearray(path.read_bytes())
+    data[starts[1] : starts[1] + 4] = b"XXXX"  # damage: the scan for the next whole entry starts after it
+    path.write_bytes(bytes(data))
+    real, calls = recording._read_at, []
+
+    def shrinking(fd, pos, n):
+        calls.append(pos)
+        if len(calls) == 3:  # mid-scan: the file is cut one byte past the scan position
+            import os
+
+            os.truncate(path, pos + 1)
+        return real(fd, pos, n)
+
+    monkeypatch.setattr(recording, "_read_at", shrinking)
+    result = {}
+
+    def read():
+        r = Recording(path, skip_damaged=True)
+        result["n"] = len(list(r))
+
+    t = threading.Thread(target=read, daemon=True)
+    t.start()
+    t.join(10.0)
+    assert not t.is_alive(), "the reader loops on a shrinking file"
+    assert result["n"] >= 1

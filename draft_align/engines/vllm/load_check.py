@@ -65,13 +65,17 @@ class LoadReport:
         default_factory=list
     )  # vLLM parameters no tensor wrote (embed_tokens and the shared ones excluded)
     shared: list[str] = field(default_factory=list)  # MTP: parameters vLLM takes from the target at load
+    nonfinite: list[str] = field(
+        default_factory=list
+    )  # our tensors holding NaN or Inf (load, but never serve)
 
     @property
     def ok(self) -> bool:
-        return not (self.dropped or self.refused or self.unloaded)
+        return not (self.dropped or self.refused or self.unloaded or self.nonfinite)
 
     def problems(self) -> list[str]:
-        out = [f"{n}: dropped silently by {self.vllm_class}.load_weights" for n in self.dropped]
+        out = [f"{n}: holds NaN or Inf values" for n in self.nonfinite]
+        out += [f"{n}: dropped silently by {self.vllm_class}.load_weights" for n in self.dropped]
         out += [f"{n}: refused by {self.vllm_class}.load_weights ({e})" for n, e in self.refused.items()]
         out += [f"vLLM parameter {p} is never written (keeps its initial values)" for p in self.unloaded]
         return out
@@ -240,6 +244,9 @@ def vllm_load(folder: Path) -> LoadReport:
         else:
             model, vc = _build(layout, _eagle3_target_config(folder), Path(tmp), draft_dir=folder)
         rep = LoadReport(layout=layout, vllm_class=VLLM_CLASSES[layout])
+        rep.nonfinite = sorted(
+            n for n, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())
+        )
         if not mtp:
             from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import get_eagle3_aux_layers_from_config
 
