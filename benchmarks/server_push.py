@@ -120,7 +120,6 @@ class Client(threading.Thread):
 def publish(run: Path, source: Path, version: int, publisher: Any) -> float:
     """The draft as ``run/drafts/v<version>`` the way the sidecar publishes (renamed into place, ``latest``, a
     signed DraftPublished on the notification socket); the time the manifest was written."""
-    from draft_align.engines.rollout_types import DraftVersion
     from draft_align.publish.versions import version_dir, write_latest
     from draft_align.wire.messages import DraftPublished
 
@@ -133,11 +132,9 @@ def publish(run: Path, source: Path, version: int, publisher: Any) -> float:
     at = time.time()
     os.replace(tmp, final)
     write_latest(run, final)
-    d = DraftVersion.read(final)
+    sha = manifest["files"]["model.safetensors"]["sha256"]  # announced as the sidecar does: no re-hash first
     publisher.publish(
-        DraftPublished(
-            run_id=run.name, draft_version=version, policy_version=0, path=str(final), sha256=d.sha256
-        )
+        DraftPublished(run_id=run.name, draft_version=version, policy_version=0, path=str(final), sha256=sha)
     )
     return at
 
@@ -198,6 +195,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from draft_align.assets import resolve_model
+    from draft_align.config.sections import PushConfig
     from draft_align.data import load_conversations, split_heldout
     from draft_align.engines.vllm.draft_update import UpdateSigner
     from draft_align.engines.vllm.serve import ServerProcess, free_port, server_command
@@ -245,7 +243,7 @@ def main() -> None:
         fleet,
         ServerList([s.url for s in servers], None),
         run / "push",
-        poll_interval_s=0.05,
+        poll_interval_s=PushConfig().poll_interval_s,  # the default: a round waits on the notifications
     )
     loop.tick()  # bound, start-up version (v0001) pushed from memory
     stop_loop = threading.Event()

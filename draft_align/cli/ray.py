@@ -17,7 +17,7 @@ def _print(obj: object) -> None:
 def cmd_ray(args: argparse.Namespace) -> int:
     from draft_align.config import RESOLVED_RECIPE, save_recipe
     from draft_align.integrations.ray.client import RaySidecar
-    from draft_align.integrations.ray.runtime import registry_name, sidecar_name
+    from draft_align.integrations.ray.runtime import identity_of, registry_name, sidecar_name
     from draft_align.wire import channel
 
     recipe = _cotrain_recipe(args)
@@ -30,29 +30,36 @@ def cmd_ray(args: argparse.Namespace) -> int:
         recipe.run_dir.mkdir(parents=True, exist_ok=True)
         channel.resolve_key(recipe.wire.key_file, recipe.run_dir, create=True)  # a file on shared storage
         resolved = save_recipe(recipe, recipe.run_dir / RESOLVED_RECIPE)
+        identity = identity_of(recipe)
         sidecar = RaySidecar.start(recipe, start, resolved)
         endpoints = sidecar.ready()
         if endpoints is None:
             raise RuntimeError(
-                f"the sidecar {sidecar_name(recipe.run)} did not become ready within {rc.ready_timeout_s:.0f} s: "
+                f"the sidecar {sidecar_name(identity)} did not become ready within {rc.ready_timeout_s:.0f} s: "
                 f"see its log (ray logs, or the Ray dashboard) and stop it with draft-align ray stop {args.recipe}"
             )
-        _print({"sidecar": sidecar_name(recipe.run), "namespace": rc.namespace, "endpoints": endpoints})
+        _print({"sidecar": sidecar_name(identity), "namespace": rc.namespace, "endpoints": endpoints})
         return 0
+    try:
+        identity = identity_of(recipe)
+    except (OSError, ValueError) as e:
+        raise RuntimeError(
+            f"no wire key for run {recipe.run_dir} ({e}): this folder started no sidecar"
+        ) from e
     sidecar = RaySidecar.attach(recipe)
     if sidecar is None:
         raise RuntimeError(
-            f"no sidecar {sidecar_name(recipe.run)} in Ray namespace {rc.namespace!r} (start one: draft-align ray "
-            f"start {args.recipe})"
+            f"no sidecar {sidecar_name(identity)} of run folder {recipe.run_dir} in Ray namespace "
+            f"{rc.namespace!r} (start one: draft-align ray start {args.recipe})"
         )
     if args.action == "status":
         status = sidecar.status()
         if status is None:
             raise RuntimeError(
-                f"the sidecar {sidecar_name(recipe.run)} did not answer within {rc.call_timeout_s} s"
+                f"the sidecar {sidecar_name(identity)} did not answer within {rc.call_timeout_s} s"
             )
-        _print({"status": status, "endpoints": sidecar.endpoints(), "registry": registry_name(recipe.run)})
+        _print({"status": status, "endpoints": sidecar.endpoints(), "registry": registry_name(identity)})
         return 0
     final = sidecar.stop(args.timeout, kill=True)
-    _print({"stopped": sidecar_name(recipe.run), "final_status": final})
+    _print({"stopped": sidecar_name(identity), "final_status": final})
     return 0

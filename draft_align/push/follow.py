@@ -10,6 +10,7 @@ files change; a version pruned while it was read is skipped (a newer one is next
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -56,9 +57,11 @@ class VersionFollower:
         self.coalesced = 0
         self._bad: set[tuple[str, int]] = set()  # (folder, manifest mtime) that failed verification
 
-    def poll(self) -> Followed | None:
-        """The newest verified version (newer ones verified now); None before any publish."""
-        for path, sha in self._candidates():
+    def poll(self, wait_s: float = 0.0) -> Followed | None:
+        """The newest verified version (newer ones verified now); None before any publish.  ``wait_s``: how
+        long to wait for a notification when none is there (the push loop waits here between rounds, so a new
+        version is pushed the moment it is announced)."""
+        for path, sha in self._candidates(wait_s):
             if self.newest is not None and (folder_version(path) or 0) <= self.newest.version:
                 continue
             found = self._verify(path, sha)
@@ -67,12 +70,14 @@ class VersionFollower:
                 break
         return self.newest
 
-    def _candidates(self) -> list[tuple[Path, str | None]]:
+    def _candidates(self, wait_s: float = 0.0) -> list[tuple[Path, str | None]]:
         out: list[tuple[Path, str | None]] = []
+        if self.notifications is None and wait_s > 0:
+            time.sleep(wait_s)
         if self.notifications is not None:
             best: DraftPublished | None = None
-            for _ in range(self.max_notifications):
-                msg = self.notifications.poll(0)
+            for i in range(self.max_notifications):
+                msg = self.notifications.poll(int(wait_s * 1000) if i == 0 else 0)
                 if msg is None:
                     break
                 if best is not None:

@@ -1,7 +1,8 @@
 """The push process's loop: follow the run, keep the fleet on its newest version, report.
 
-Every ``poll_interval_s``: the servers file is re-read when it changed, the newest verified version is taken
-(:class:`~draft_align.push.follow.VersionFollower`), and the fleet makes one round
+At every notification of the sidecar, and at least every ``poll_interval_s``: the newest verified version is
+taken (:class:`~draft_align.push.follow.VersionFollower`), the servers file is re-read when it changed, and
+the fleet makes one round
 (:class:`~draft_align.push.fleet.Fleet`).  What it reports:
 
 - ``<run>/push/state.json`` (replaced atomically on every change): the newest version and each server's state;
@@ -154,10 +155,11 @@ class PushLoop:
         if self.prom is not None:
             (self.out_dir / PUSH_PORT_FILE).write_text(f"{self.prom.port}\n")
 
-    def tick(self) -> dict[str, Any]:
-        """One round; returns the state it wrote."""
+    def tick(self, wait_s: float = 0.0) -> dict[str, Any]:
+        """One round, after waiting up to ``wait_s`` for the sidecar's next notification; returns the state it
+        wrote."""
+        followed = self.follower.poll(wait_s)
         self.fleet.set_servers(self.servers.urls())
-        followed = self.follower.poll()
         newest = None
         if followed is not None:
             d = followed.draft
@@ -207,14 +209,13 @@ class PushLoop:
         """Rounds until ``stop`` is set (or ``max_seconds`` passed); ``on_state`` sees each round's state."""
         end = None if max_seconds is None else self.clock() + max_seconds
         while not stop.is_set() and (end is None or self.clock() < end):
-            t0 = self.clock()
-            try:
-                state = self.tick()
+            try:  # waits for a notification up to poll_interval_s: a new version is pushed the moment it comes
+                state = self.tick(wait_s=self.poll_interval_s)
                 if on_state is not None:
                     on_state(state)
             except Exception:  # a bug in one round must not stop the fleet's updates
                 log.exception("push: a round failed; the next one runs as usual")
-            stop.wait(max(0.0, self.poll_interval_s - (self.clock() - t0)))
+                stop.wait(self.poll_interval_s)
 
     def close(self) -> None:
         self.fleet.close()

@@ -5,6 +5,7 @@ never fails because of its sidecar."""
 
 from __future__ import annotations
 
+import hmac
 import logging
 import time
 from pathlib import Path
@@ -16,10 +17,13 @@ from draft_align.integrations.ray.runtime import (
     call,
     connect,
     get_actor,
+    identity_of,
     import_ray,
     registry_name,
     sidecar_name,
+    sign_endpoint,
 )
+from draft_align.wire.keys import resolve_key
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +31,7 @@ log = logging.getLogger(__name__)
 def _actor_options(recipe: CotrainRecipe) -> dict[str, Any]:
     rc = recipe.ray
     return {
-        "name": sidecar_name(recipe.run),
+        "name": sidecar_name(identity_of(recipe)),
         "namespace": rc.namespace,
         "lifetime": "detached" if rc.lifetime == "detached" else None,
         "get_if_exists": True,  # a second start (a restarted RL job) re-attaches
@@ -46,6 +50,9 @@ class RaySidecar:
         self.actor = actor
         self.registry = registry
         self.timeout_s = float(recipe.ray.call_timeout_s)
+        self.key = resolve_key(recipe.wire.key_file, recipe.run_dir, create=False)
+        self.identity = identity_of(recipe)
+        self.refused_endpoints = 0  # registry entries whose signature did not verify
 
     @property
     def ranks(self) -> int:
@@ -57,8 +64,13 @@ class RaySidecar:
         ``recipe_file``: the resolved recipe, on storage every node can read (the run folder)."""
         rc = recipe.ray
         ray = connect(rc.address, rc.namespace)
+        resolve_key(recipe.wire.key_file, recipe.run_dir, create=True)  # the run's identity derives from it
         registry = registry_actor(
-            recipe.run_dir, recipe.run, rc.namespace, detached=rc.lifetime == "detached"
+            recipe.run_dir,
+            recipe.run,
+            rc.namespace,
+            identity=identity_of(recipe),
+            detached=rc.lifetime == "detached",
         )
         opts = _actor_options(recipe)
         if recipe.sidecar.ranks > 1:
@@ -91,10 +103,13 @@ class RaySidecar:
         """The run's running sidecar (by name, in ``ray.namespace``), or None when there is none."""
         rc = recipe.ray
         connect(rc.address, rc.namespace)
-        actor = get_actor(sidecar_name(recipe.run), rc.namespace)
+        identity = identity_of(
+            recipe
+        )  # this run folder's: another folder's run of the same name is not found
+        actor = get_actor(sidecar_name(identity), rc.namespace)
         if actor is None:
             return None
-        return cls(recipe, actor, get_actor(registry_name(recipe.run), rc.namespace))
+        return cls(recipe, actor, get_actor(registry_name(identity), rc.namespace))
 
     # ----------------------------------------------------------------- what the RL side asks
     def ready(self, timeout_s: float | None = None) -> list[str] | None:
@@ -120,14 +135,27 @@ class RaySidecar:
         return None
 
     def endpoints(self) -> list[str] | None:
-        """The registry's current tap endpoints in rank order (None: unknown, or some rank not registered
-        since the gang's last start)."""
+        """The registry's current tap endpoints in rank order, each checked against the signature its rank
+        announced it with (None: unknown, some rank not registered since the gang's last start, or an entry
+        that does not verify: counted in ``refused_endpoints``, logged)."""
         if self.registry is None:
             return None
-        eps = call(self.registry.endpoints.remote(), self.timeout_s, "registry endpoints()")
-        if not eps or sorted(eps) != list(range(len(eps))):
+        signed = call(self.registry.signed_endpoints.remote(), self.timeout_s, "registry signed_endpoints()")
+        if not signed or sorted(signed) != list(range(len(signed))):
             return None
-        return [eps[r] for r in range(len(eps))]
+        out = []
+        for rank in range(len(signed)):
+            endpoint, mac = signed[rank]
+            if not hmac.compare_digest(str(mac), sign_endpoint(self.key, self.identity, rank, str(endpoint))):
+                self.refused_endpoints += 1
+                log.warning(
+                    "draft registry: rank %d's endpoint %s is not signed by this run's key: refused",
+                    rank,
+                    endpoint,
+                )
+                return None
+            out.append(str(endpoint))
+        return out
 
     def status(self) -> dict[str, Any] | None:
         """The sidecar's status (None when it cannot be reached within ``ray.call_timeout_s``)."""
@@ -139,7 +167,7 @@ class RaySidecar:
 
     def notifications(self) -> RayNotifications:
         """The RL side's DraftPublished source on the registry (``rl/drafts.py``'s Notifications)."""
-        return RayNotifications(self.recipe.run, self.recipe.ray.namespace, timeout_s=self.timeout_s)
+        return RayNotifications(self.identity, self.recipe.ray.namespace, timeout_s=self.timeout_s)
 
     def wait(self, timeout_s: float) -> dict[str, Any] | None:
         """Wait up to ``timeout_s`` for the loop to end on its own (after the RL job's final report: it

@@ -25,6 +25,7 @@ from draft_align.integrations.ray.host import attach_registry, bind_on_node, wei
 from draft_align.integrations.ray.runtime import (
     call,
     get_actor,
+    identity_of,
     import_ray_train,
     import_ray_train_torch,
     registry_name,
@@ -63,7 +64,7 @@ def rank_main(config: dict[str, Any]) -> None:
     torch.manual_seed(recipe.seed)
     bind_on_node(recipe, rank, world)
     namespace = config["namespace"]
-    registry = get_actor(registry_name(recipe.run), namespace)
+    registry = get_actor(registry_name(identity_of(recipe)), namespace)
     stop = threading.Event()
     if registry is not None:
         threading.Thread(target=_watch_stop, args=(registry, stop), daemon=True).start()
@@ -71,7 +72,7 @@ def rank_main(config: dict[str, Any]) -> None:
 
     def on_ready(sidecar: Any) -> None:
         built.append(sidecar)
-        attach_registry(sidecar, recipe.run, namespace, rank)
+        attach_registry(sidecar, recipe, namespace, rank)
 
     try:
         state = run_sidecar(
@@ -101,7 +102,7 @@ class SidecarGang:
         recipe = load_recipe(recipe_file, [], CotrainRecipe)
         rc, sc = recipe.ray, recipe.sidecar
         self.recipe = recipe
-        self.registry = get_actor(registry_name(recipe.run), namespace)
+        self.registry = get_actor(registry_name(identity_of(recipe)), namespace)
         if self.registry is not None:
             call(self.registry.begin.remote(), 30.0, "registry begin()")
         per_worker = {

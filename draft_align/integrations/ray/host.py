@@ -21,7 +21,15 @@ from typing import Any
 
 from draft_align.config import CotrainRecipe, load_recipe
 from draft_align.integrations.ray.registry import read_endpoints
-from draft_align.integrations.ray.runtime import get_actor, import_ray, node_ip, registry_name, tcp_endpoint
+from draft_align.integrations.ray.runtime import (
+    get_actor,
+    identity_of,
+    import_ray,
+    node_ip,
+    registry_name,
+    sign_endpoint,
+    tcp_endpoint,
+)
 from draft_align.wire.messages import DraftPublished
 
 log = logging.getLogger(__name__)
@@ -93,10 +101,15 @@ class RegistryPublisher:
             self.inner.close()
 
 
-def attach_registry(sidecar: Any, run: str, namespace: str, rank: int) -> Any:
-    """Register ``sidecar``'s bound tap endpoint under ``rank`` and, on the lead rank, report its publishes;
-    returns the registry handle (None when there is none: the sidecar serves anyway)."""
-    registry = get_actor(registry_name(run), namespace)
+def attach_registry(sidecar: Any, recipe: Any, namespace: str, rank: int) -> Any:
+    """Register ``sidecar``'s bound tap endpoint under ``rank``, signed with the run's key, and, on the lead
+    rank, report its publishes; returns the registry handle (None when there is none: the sidecar serves
+    anyway)."""
+    from draft_align.wire.keys import resolve_key
+
+    run = recipe.run
+    identity = identity_of(recipe)
+    registry = get_actor(registry_name(identity), namespace)
     if registry is None:
         log.warning(
             "no draft registry for run %s in namespace %s: endpoints and publishes not reported",
@@ -109,7 +122,9 @@ def attach_registry(sidecar: Any, run: str, namespace: str, rank: int) -> Any:
         "resumed": bool(sidecar.resumed),
         "train_steps": int(sidecar.state.train_steps),
     }
-    registry.register.remote(rank, sidecar.receiver.endpoint, info)
+    key = resolve_key(recipe.wire.key_file, recipe.run_dir, create=False)
+    endpoint = sidecar.receiver.endpoint
+    registry.register.remote(rank, endpoint, info, sign_endpoint(key, identity, rank, endpoint))
     if sidecar.is_lead:
         sidecar.gate.publisher = RegistryPublisher(sidecar.gate.publisher, registry)
     return registry
@@ -149,7 +164,7 @@ class SidecarHost:
         self.stop_event = threading.Event()
         start = starting_draft(recipe, start_draft)
         self.sidecar = Sidecar(recipe, start, exit_when_done=True, stop=self.stop_event).setup()
-        self.registry = attach_registry(self.sidecar, recipe.run, namespace, 0)
+        self.registry = attach_registry(self.sidecar, recipe, namespace, 0)
         self.error: str | None = None
         self.started = time.time()
         if self.reconstructed:

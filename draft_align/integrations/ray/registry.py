@@ -20,11 +20,14 @@ from typing import Any
 
 from draft_align.integrations.ray.runtime import brief, get_actor, import_ray
 from draft_align.publish.folder import read_manifest, weights_sha256
-from draft_align.publish.versions import check_folder_version, read_latest
+from draft_align.publish.versions import check_folder_version, read_latest, run_version_dir
 from draft_align.sidecar.layout import RAY_ENDPOINTS_FILE, SIDECAR_DIR
 from draft_align.wire.messages import DraftPublished
 
 log = logging.getLogger(__name__)
+
+MAX_JUMP = 1 << 20  # a publish report may move the newest version at most this far
+MAX_FIRST = 1 << 40  # the first report's version
 
 
 def read_endpoints(run_dir: Path) -> dict[int, str]:
@@ -79,6 +82,10 @@ class DraftRegistry:
     def __init__(self, run_dir: str, run_id: str) -> None:
         self.run_dir = Path(run_dir)
         self.run_id = run_id
+        self.refused = (
+            0  # publish reports refused (another run, a version out of bounds, a folder that is not it)
+        )
+        self._macs: dict[int, str] = {}  # rank → the signature it announced its endpoint with
         self._endpoints = read_endpoints(self.run_dir)
         self._newest = latest_published(self.run_dir, run_id)
         self._stop = False
@@ -91,11 +98,13 @@ class DraftRegistry:
         """A (re)started gang: forget the endpoints and reports of the ranks' previous start."""
         self._endpoints, self._ranks, self._stop = {}, {}, False
 
-    def register(self, rank: int, endpoint: str, info: dict[str, Any] | None = None) -> None:
-        """Rank ``rank`` bound ``endpoint`` (after every start or restart); ``info``: its pid, whether it
-        resumed, …"""
+    def register(self, rank: int, endpoint: str, info: dict[str, Any] | None = None, mac: str = "") -> None:
+        """Rank ``rank`` bound ``endpoint`` (after every start or restart), announced with ``mac`` (its
+        signature under the run's key, which the RL side checks: :meth:`signed_endpoints`); ``info``: its pid,
+        whether it resumed, …"""
         rank = int(rank)
         self._endpoints[rank] = str(endpoint)
+        self._macs[rank] = str(mac)
         self._starts[rank] = self._starts.get(rank, 0) + 1
         self._ranks[rank] = {**(info or {}), "starts": self._starts[rank], "running": True}
         write_endpoints(self.run_dir, self._endpoints)
@@ -110,11 +119,37 @@ class DraftRegistry:
     def endpoints(self) -> dict[int, str]:
         return dict(self._endpoints)
 
+    def signed_endpoints(self) -> dict[int, tuple[str, str]]:
+        """{rank: (endpoint, signature)}: the RL side uses an endpoint only when its signature verifies."""
+        return {r: (ep, self._macs.get(r, "")) for r, ep in self._endpoints.items()}
+
     def published(self, msg: DraftPublished) -> None:
-        """The lead rank published ``msg`` (kept when newer than what the registry holds)."""
+        """The lead rank published ``msg``: kept when it is this run's, newer than what the registry holds by at
+        most 2^20 (a first one: at most 2^40), and names the run's own folder of that version with that
+        sha256 in its manifest; anything else is refused and counted (a job on the cluster can call the
+        registry: one report at 2^63 − 1 used to pin it, so genuine publishes were never forwarded)."""
         self._published += 1
-        if self._newest is None or int(msg.draft_version) > int(self._newest.draft_version):
-            self._newest = msg
+        version = int(msg.draft_version)
+        newest = int(self._newest.draft_version) if self._newest is not None else 0
+        why = None
+        if msg.run_id != self.run_id:
+            why = f"of run {msg.run_id!r}"
+        elif version <= newest:
+            why = f"v{version} is not newer than v{newest}"
+        elif version > newest + (MAX_JUMP if self._newest is not None else MAX_FIRST):
+            why = f"v{version} jumps too far past v{newest}"
+        else:
+            try:
+                path = run_version_dir(self.run_dir, Path(msg.path), version)
+                if weights_sha256(read_manifest(path, verify=False)) != msg.sha256:
+                    why = "its sha256 is not the folder's"
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                why = str(e)
+        if why is not None:
+            self.refused += 1
+            log.warning("draft registry: publish report refused: %s", why)
+            return
+        self._newest = msg
 
     def newest(self) -> DraftPublished | None:
         return self._newest
@@ -132,20 +167,22 @@ class DraftRegistry:
             "endpoints": dict(self._endpoints),
             "newest_version": int(newest.draft_version) if newest is not None else 0,
             "published_reports": self._published,
+            "refused_reports": self.refused,
             "stop_requested": self._stop,
             "up_s": time.time() - self._started,
         }
 
 
-def registry_actor(run_dir: Path, run_id: str, namespace: str, *, detached: bool) -> Any:
-    """Create the run's registry actor, or get the one that exists (restarted by Ray without limit: it holds no
-    state the run folder lacks).  No CPU is reserved for it."""
+def registry_actor(run_dir: Path, run_id: str, namespace: str, *, identity: str, detached: bool) -> Any:
+    """Create the run's registry actor (named by the run's ``identity``, runtime.run_identity), or get the one
+    that exists (restarted by Ray without limit: it holds no state the run folder lacks).  No CPU is reserved
+    for it."""
     from draft_align.integrations.ray.runtime import registry_name
 
     ray = import_ray()
     cls = ray.remote(DraftRegistry)
     return cls.options(
-        name=registry_name(run_id),
+        name=registry_name(identity),
         namespace=namespace,
         lifetime="detached" if detached else None,
         get_if_exists=True,
@@ -163,8 +200,10 @@ class RayNotifications:
     None (``fallbacks``): the DraftSource then reads ``latest`` itself.  The registry is looked up again at
     most every ``retry_s``."""
 
-    def __init__(self, run_id: str, namespace: str, *, timeout_s: float = 2.0, retry_s: float = 5.0) -> None:
-        self.run_id = run_id
+    def __init__(
+        self, identity: str, namespace: str, *, timeout_s: float = 2.0, retry_s: float = 5.0
+    ) -> None:
+        self.identity = identity  # the run's actor names (runtime.run_identity)
         self.namespace = namespace
         self.timeout_s = float(timeout_s)
         self.retry_s = float(retry_s)
@@ -194,7 +233,7 @@ class RayNotifications:
                 return
             self._next_lookup = time.monotonic() + self.retry_s
             try:
-                self._handle = get_actor(registry_name(self.run_id), self.namespace)
+                self._handle = get_actor(registry_name(self.identity), self.namespace)
             except Exception as e:  # a cluster that went away: counted, latest still serves
                 self.failures += 1
                 log.warning("draft registry lookup failed: %s", e)

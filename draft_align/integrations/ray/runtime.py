@@ -3,10 +3,13 @@ running cluster (never starting one), the per-run actor names and bounded calls.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import ipaddress
 import logging
 import os
 import socket
+from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -66,14 +69,29 @@ def connect(address: str | None, namespace: str) -> Any:
         raise RayConnectError(
             f"no Ray cluster reachable at {where!r} ({refused}): start one (ray start --head) or set ray.address"
         )
+    auth_error = getattr(getattr(ray, "exceptions", None), "AuthenticationError", ())
     try:
         ray.init(address=where, namespace=namespace, log_to_driver=False)
-    except (ConnectionError, RuntimeError, ValueError) as e:
+    except Exception as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if (auth_error and isinstance(e, auth_error)) or _looks_like_auth(first):
+            raise RayConnectError(
+                f"the Ray cluster at {where!r} is reachable but refused this client's authentication ({first[:200]}): "
+                f"set RAY_AUTH_MODE=token and the cluster's token (RAY_AUTH_TOKEN, or the file RAY_AUTH_TOKEN_PATH "
+                f"names) as the cluster was started with"
+            ) from e
+        if not isinstance(e, ConnectionError | RuntimeError | ValueError):
+            raise
         raise RayConnectError(
             f"no Ray cluster reachable at {where!r} ({first}): start one (ray start --head) or set ray.address"
         ) from e
     return ray
+
+
+def _looks_like_auth(text: str) -> bool:
+    """An error of Ray's token authentication, by its words (versions differ in the type they raise)."""
+    low = text.lower()
+    return "auth" in low and ("token" in low or "unauthenticated" in low or "authentication" in low)
 
 
 def _unreachable(address: str, timeout_s: float = 5.0) -> str | None:
@@ -90,14 +108,39 @@ def _unreachable(address: str, timeout_s: float = 5.0) -> str | None:
     return None
 
 
-def sidecar_name(run: str) -> str:
+def run_identity(run: str, run_dir: Path, key: bytes) -> str:
+    """What a run's actors are named by: ``<run>.<16 hex>``, the run's name and an HMAC of its resolved run
+    folder under the run's wire key.  Two jobs of one recipe in two output folders, or a job that only knows
+    the run's name, never reach each other's sidecar (``draft-align ray stop`` from another folder used to
+    stop another job's sidecar and registry)."""
+    tag = hmac.new(key, str(Path(run_dir).resolve()).encode(), hashlib.sha256).hexdigest()[:16]
+    return f"{run}.{tag}"
+
+
+def identity_of(recipe: Any) -> str:
+    """:func:`run_identity` of a co-training recipe (its run folder's key: ``wire.key_file``,
+    ``$DRAFT_ALIGN_WIRE_KEY`` or ``<run>/wire.key``, which must exist)."""
+    from draft_align.wire.keys import resolve_key
+
+    return run_identity(
+        recipe.run, recipe.run_dir, resolve_key(recipe.wire.key_file, recipe.run_dir, create=False)
+    )
+
+
+def sign_endpoint(key: bytes, identity: str, rank: int, endpoint: str) -> str:
+    """The registry entry's MAC: a rank's endpoint announced under the run's key (a job on the cluster can
+    call the registry, but cannot sign an endpoint to redirect the Tap's data to)."""
+    return hmac.new(key, f"{identity}|{int(rank)}|{endpoint}".encode(), hashlib.sha256).hexdigest()
+
+
+def sidecar_name(identity: str) -> str:
     """The sidecar actor's name (a single rank's actor, or the gang's supervisor) in the run's namespace."""
-    return f"draft_align.sidecar.{run}"
+    return f"draft_align.sidecar.{identity}"
 
 
-def registry_name(run: str) -> str:
+def registry_name(identity: str) -> str:
     """The registry actor's name in the run's namespace."""
-    return f"draft_align.registry.{run}"
+    return f"draft_align.registry.{identity}"
 
 
 def node_ip() -> str:

@@ -200,14 +200,16 @@ def test_dead_registry_falls_back_to_latest_counted(ray_cluster, tiny_run, tmp_p
     """The registry killed for good: RayNotifications never blocks, counts the failure, and the DraftSource
     reads ``latest`` instead — a version published after the registry died is still picked up."""
     from draft_align.integrations.ray.registry import RayNotifications, registry_actor
+    from draft_align.integrations.ray.runtime import identity_of
     from draft_align.publish.versions import DRAFTS_DIR, read_latest, write_latest
     from draft_align.rl.drafts import DraftSource
     from draft_align.sidecar.launch import starting_draft
 
     recipe, _ = _recipe(tiny_run, tmp_path, ray_cluster, "r_dead")
-    registry = registry_actor(recipe.run_dir, recipe.run, ray_cluster, detached=False)
+    identity = identity_of(recipe)
+    registry = registry_actor(recipe.run_dir, recipe.run, ray_cluster, identity=identity, detached=False)
     start = starting_draft(recipe)
-    notes = RayNotifications(recipe.run, ray_cluster, timeout_s=1.0, retry_s=0.0)
+    notes = RayNotifications(identity, ray_cluster, timeout_s=1.0, retry_s=0.0)
     drafts = DraftSource(recipe.run_dir, start, notifications=notes)
     assert ray.get(registry.info.remote(), timeout=30)["newest_version"] == 0
     ray.kill(registry, no_restart=True)
@@ -354,3 +356,37 @@ def test_cotrain_places_its_sidecar_on_ray(ray_cluster, tiny_run, tmp_path):
     while RaySidecar.attach(recipe) is not None and time.monotonic() < deadline:
         time.sleep(0.5)
     assert RaySidecar.attach(recipe) is None
+
+
+def test_a_forged_registry_entry_is_refused_and_another_folders_run_is_not_found(
+    ray_cluster, tiny_run, tmp_path
+):
+    """On Ray the run's name was its only identity: ``draft-align ray stop`` from another output folder with the
+    same ``run`` stopped another job's sidecar, and a job on the cluster could redirect the endpoints the
+    workers tap into.  Actor names now carry an HMAC of the run folder under the run's key, and an endpoint is
+    used only with its rank's signature."""
+    from draft_align.integrations.ray.client import RaySidecar
+    from draft_align.integrations.ray.registry import registry_actor
+    from draft_align.integrations.ray.runtime import identity_of, sign_endpoint
+    from draft_align.wire.keys import resolve_key
+
+    recipe, _ = _recipe(tiny_run, tmp_path / "a", ray_cluster, "same")
+    other, _ = _recipe(tiny_run, tmp_path / "b", ray_cluster, "same")
+    assert recipe.run == other.run and identity_of(recipe) != identity_of(other)
+    registry = registry_actor(
+        recipe.run_dir, recipe.run, ray_cluster, identity=identity_of(recipe), detached=False
+    )
+    try:
+        assert RaySidecar.attach(other) is None  # the other folder's `ray stop` finds nothing of this run
+        handle = RaySidecar(recipe, None, registry)
+        key = resolve_key(recipe.wire.key_file, recipe.run_dir, create=False)
+        ray.get(registry.register.remote(0, "tcp://10.9.9.9:5555", {}, "f" * 64), timeout=30)  # forged
+        assert handle.endpoints() is None and handle.refused_endpoints == 1
+        good = "tcp://127.0.0.1:6000"
+        ray.get(
+            registry.register.remote(0, good, {}, sign_endpoint(key, identity_of(recipe), 0, good)),
+            timeout=30,
+        )
+        assert handle.endpoints() == [good]
+    finally:
+        ray.kill(registry, no_restart=True)

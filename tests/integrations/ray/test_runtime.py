@@ -52,3 +52,45 @@ def test_importing_the_ray_modules_starts_no_cluster():
     import draft_align.integrations.ray.host  # noqa: F401
 
     assert not ray.is_initialized()
+
+
+def test_the_registry_refuses_publish_reports_that_are_not_the_runs(tmp_path, tiny_run):
+    """A job on the cluster could pin the registry's newest version at 2^63 − 1, so that genuine publishes were
+    never forwarded.  A report is kept only when it is the run's, newer by at most 2^20, and names the run's own
+    folder of that version with that sha256."""
+    import json
+    import shutil
+
+    from draft_align.integrations.ray.registry import DraftRegistry
+    from draft_align.publish.folder import read_manifest
+    from draft_align.publish.versions import resolve_draft_dir, version_dir
+    from draft_align.wire.messages import DraftPublished
+
+    run = tmp_path / "run"
+    start = resolve_draft_dir(tiny_run.run_dir)
+    for v in (1, 2):
+        shutil.copytree(start, version_dir(run, v))
+        m = json.loads((version_dir(run, v) / "manifest.json").read_text())
+        m["draft_version"] = v
+        (version_dir(run, v) / "manifest.json").write_text(json.dumps(m))
+    reg = DraftRegistry(str(run), "run")  # no `latest`: it holds nothing yet
+
+    def report(v, *, run_id="run", sha=None, path=None):
+        folder = version_dir(run, v)
+        sha = sha or read_manifest(folder, verify=False)["files"]["model.safetensors"]["sha256"]
+        return DraftPublished(
+            run_id=run_id, draft_version=v, policy_version=v, path=str(path or folder), sha256=sha
+        )
+
+    pin = DraftPublished(run_id="run", draft_version=2**63 - 1, policy_version=0, path="/x", sha256="0" * 64)
+    for bogus in (
+        pin,
+        report(1, run_id="other"),
+        report(1, sha="1" * 64),
+        report(1, path=version_dir(run, 2)),
+    ):
+        reg.published(bogus)
+    assert reg.newest() is None and reg.refused == 4
+    reg.published(report(1))
+    reg.published(report(2))
+    assert reg.newest().draft_version == 2 and reg.info()["refused_reports"] == 4
