@@ -258,7 +258,8 @@ class DraftAlignTransferEngine(WeightTransferEngine[DraftTransferInit, DraftTran
         """No connection to release (updates name files on this host)."""
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
-        self.receive_weights(update_info)  # type: ignore[arg-type]  (the raw dict: read_update checks it)
+        # the raw dict, not the parsed dataclass: read_update checks it field by field
+        self.receive_weights(update_info)  # type: ignore[arg-type]
         if torch.accelerator.is_available():
             torch.accelerator.synchronize()
 
