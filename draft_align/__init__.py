@@ -15,7 +15,8 @@ Data flows one way (docs/architecture.md): policy process (``tap/``) → ``wire/
 - ``train/``: TTT losses, the trainer, the replay buffer, checkpoints, multi-rank training;
 - ``publish/``: versioned draft folders the engines load;
 - ``monitor/``: acceptance math, estimates, monitoring rows and sinks, reports and advice;
-- ``engines/``: rollout engines that serve published drafts (vLLM);
+- ``engines/``: rollout engines that serve published drafts (vLLM, in process or servers over HTTP);
+- ``push/``: ``draft-align push``, keeping a fleet of vLLM servers on the newest draft;
 - ``sidecar/``: the co-training sidecar;
 - ``warmstart/``: offline warm-start of a draft from chat data;
 - ``rl/``: a small GRPO job that drives policy drift;

@@ -27,7 +27,7 @@ ALLOWED: dict[str, set[str]] = {
     "train": {"conventions", "heads", "hf", "storage"},
     "publish": {"conventions", "heads", "hf", "storage"},
     "monitor": {"conventions", "config", "heads", "hf", "train", "wire"},
-    "engines": {"conventions", "heads", "hf", "publish", "monitor", "wire", "assets"},
+    "engines": {"conventions", "heads", "hf", "publish", "monitor", "wire", "assets", "storage"},
     "rl": {
         "conventions",
         "storage",

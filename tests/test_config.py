@@ -291,6 +291,7 @@ def test_every_enum_like_field_is_a_choice():
             "rl.verify_mode",
             "rl.engine",
             "rl.draft_guard",
+            "push.pause",
             "logging.wandb_mode",
         )
     }
@@ -328,6 +329,8 @@ def test_bad_choice_names_the_key_and_the_allowed_values(tmp_path, schema, key, 
     }.get(key, [])
     for v in allowed:
         needs = ["rl.engine=vllm"] if (key, v) == ("rl.verify_mode", "auto") else []  # measured on vLLM
+        if (key, v) == ("rl.engine", "server"):
+            needs = ["rl.frozen_fraction=0"]  # one server serves one draft
         r = load_recipe(None, [f"{key}=[{v}]" if is_list else f"{key}={v}", *extra, *needs], schema)
         got = r
         for name in key.split("."):
@@ -342,7 +345,7 @@ def test_a_recipe_built_in_code_is_checked_too():
     with pytest.raises(
         RecipeError,
         match=r"^rl\.engine: unknown rollout engine 'sglang'; expected one of "
-        r"auto \| vllm \| reference$",
+        r"auto \| vllm \| reference \| server$",
     ):
         CotrainRecipe(rl=RLConfig(engine="sglang")).validate()
     with pytest.raises(RecipeError, match=r"^eval\.modes\[1\]: unknown verify mode 'typical'"):
@@ -437,7 +440,11 @@ def test_load_recipe_returns_the_schemas_type():
         ("sidecar.train.grad_clip=0", "sidecar.train.grad_clip must be > 0"),
         ("sidecar.train.checkpoint_every_s=0", "sidecar.train.checkpoint_every_s must be in \\(0, 604800\\]"),
         ("sidecar.publish.keep_versions=1", "sidecar.publish.keep_versions must be in \\[2, 10000\\]"),
-        ("sidecar.train.max_seq_tokens=2", "sidecar.train.max_seq_tokens must be ≥ 3"),
+        ("sidecar.train.max_seq_tokens=2", "sidecar.train.max_seq_tokens must be in \\[3, 1048576\\]"),
+        (
+            "sidecar.train.max_seq_tokens=1000000000",
+            "sidecar.train.max_seq_tokens must be in \\[3, 1048576\\]",
+        ),
         ("sidecar.train.max_consecutive_nonfinite=0", "max_consecutive_nonfinite must be ≥ 1"),
         ("sidecar.recording.max_mb=0", "sidecar.recording.max_mb must be ≥ 1, got 0"),
         ("sidecar.recording.reserve_mb=-1", "sidecar.recording.reserve_mb must be ≥ 0, got -1"),

@@ -1,6 +1,7 @@
 """``draft-align`` command line: the parser (``parser.py``), logging (``logs.py``, configured here and nowhere
 else), the commands of a run (``runs.py``: fetch, warmstart, sidecar, cotrain, monitor, report), of a published
-draft (``draft_commands.py``: eval, export), ``advise`` (``advise_command.py``) and ``ray`` (``ray.py``: a sidecar on a Ray cluster); :func:`main` runs one and turns the errors a
+draft (``draft_commands.py``: eval, export), ``advise`` (``advise_command.py``), ``ray`` (``ray.py``: a sidecar on a Ray cluster) and ``push``
+(``push.py``: a fleet of vLLM servers kept on the newest draft); :func:`main` runs one and turns the errors a
 user can cause into one line and exit status 2.
 """
 

@@ -40,13 +40,11 @@ def cmd_ray(args: argparse.Namespace) -> int:
             )
         _print({"sidecar": sidecar_name(identity), "namespace": rc.namespace, "endpoints": endpoints})
         return 0
+    sidecar = RaySidecar.attach(recipe)  # joins the cluster first: Ray missing, no cluster: one line each
     try:
         identity = identity_of(recipe)
-    except (OSError, ValueError) as e:
-        raise RuntimeError(
-            f"no wire key for run {recipe.run_dir} ({e}): this folder started no sidecar"
-        ) from e
-    sidecar = RaySidecar.attach(recipe)
+    except (OSError, ValueError):
+        identity = f"{recipe.run}.<no wire key in {recipe.run_dir}>"
     if sidecar is None:
         raise RuntimeError(
             f"no sidecar {sidecar_name(identity)} of run folder {recipe.run_dir} in Ray namespace "

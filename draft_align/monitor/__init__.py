@@ -10,6 +10,7 @@
 - ``logprob_gap.py``: an engine's log-probs of its samples minus the RL job's recomputed ones;
 - ``rows.py``: the monitoring row of one RL step; ``sinks.py``: where rows go (JSONL, wandb, Prometheus);
 - ``live.py``: following a run as a table; ``report.py``: the end-of-run plot and summary;
+- ``fleet_view.py``: the fleet ``draft-align push`` keeps, as ``draft-align monitor --servers`` shows it;
 - ``round_cost.py``: measured engine-step times; ``projection.py``: projected speed-up from them;
 - ``advise.py``: ``draft-align advise``; ``advise_text.py``: its markdown and report section.
 """

@@ -245,7 +245,7 @@ def test_a_notification_naming_a_folder_outside_the_run_is_refused_and_pins_noth
     v2 = kit.publish(kit.make(target_config, seed=12), run, target_config, 2, 2)
     (run / "latest").unlink()
     notes.queue.append(DraftPublished(**{**vars(announce(v2, 2)), "run_id": "another-run"}))
-    assert w.poll() is False and w.failures == 2 and "for run 'another-run'" in caplog.text
+    assert w.poll() is False and w.failures == 2 and "other runs ignored ('another-run'" in caplog.text
     # announced in this run's folder under a path with a link in it: the same folder, taken
     (tmp_path / "alias").symlink_to(run)
     notes.queue.append(announce(tmp_path / "alias" / "drafts" / "v0002", 2))
@@ -326,7 +326,7 @@ def test_a_version_pruned_while_it_is_verified_is_superseded_not_failed(
     w = DraftSource(run, frozen_dir, notifications=notes)
     p1 = kit.publish(kit.make(target_config, seed=11), run, target_config, 1, 1)
     notes.queue.append(announce(p1, 1))
-    real = drafts_mod.load_draft
+    real = drafts_mod.load_verified_draft
 
     def pruned_meanwhile(path, **kw):
         if path == p1:  # the sidecar publishes v2 and prunes v1 while this thread reads v1
@@ -334,7 +334,7 @@ def test_a_version_pruned_while_it_is_verified_is_superseded_not_failed(
             shutil.rmtree(p1)
         return real(path, **kw)
 
-    monkeypatch.setattr(drafts_mod, "load_draft", pruned_meanwhile)
+    monkeypatch.setattr(drafts_mod, "load_verified_draft", pruned_meanwhile)
     assert w.poll() is False and w.failures == 0 and w.superseded == 1
     assert w.poll() is True and w.current_version == 2 and w.failures == 0
     # a folder that vanished with no newer version named by latest is still a failure
@@ -344,7 +344,7 @@ def test_a_version_pruned_while_it_is_verified_is_superseded_not_failed(
     shutil.rmtree(version_dir(run, 2))
     (run / "latest").unlink()
     monkeypatch.setattr(
-        drafts_mod, "load_draft", lambda path, **kw: (shutil.rmtree(path), real(path, **kw))[1]
+        drafts_mod, "load_verified_draft", lambda path, **kw: (shutil.rmtree(path), real(path, **kw))[1]
     )
     assert w.poll() is False and w.failures == 1
 
@@ -357,15 +357,15 @@ def test_background_poll_never_waits_for_a_slow_hash(tmp_path, frozen_dir, kit, 
     run = tmp_path / "run"
     w = DraftSource(run, frozen_dir, background=True, poll_interval_s=0.02)
     try:
-        slow = drafts_mod.read_verified_weights
+        slow = drafts_mod.load_verified_draft
         hashing = []
 
-        def slow_hash(path, manifest):
+        def slow_hash(path, **kw):
             hashing.append(path)
             time.sleep(1.5)
-            return slow(path, manifest)
+            return slow(path, **kw)
 
-        monkeypatch.setattr(drafts_mod, "read_verified_weights", slow_hash)
+        monkeypatch.setattr(drafts_mod, "load_verified_draft", slow_hash)
         d1 = kit.make(target_config, seed=11)
         kit.publish(d1, run, target_config, 1, 1)
         deadline = time.monotonic() + 5

@@ -57,8 +57,10 @@ def test_both_engines_have_the_protocol_members():
         for n, v in vars(RolloutEngine).items()
         if not n.startswith("_") and (callable(v) or isinstance(v, property))
     ]
-    assert set(members) == {"adapted", "prepare", "rollouts", "step_metrics", "shutdown"}
-    for impl in (ReferenceRollouts, VLLMRollouts):
+    assert set(members) == {"adapted", "prepare", "rollouts", "prefetch", "step_metrics", "shutdown"}
+    from draft_align.engines.vllm.server_rollouts import ServerRollouts
+
+    for impl in (ReferenceRollouts, VLLMRollouts, ServerRollouts):
         for name in members:
             want, got = getattr(RolloutEngine, name), getattr(impl, name)
             assert isinstance(got, property) == isinstance(want, property), (impl, name)

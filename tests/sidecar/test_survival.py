@@ -299,13 +299,15 @@ def test_a_state_that_cannot_be_continued_is_refused_at_start(sidecar_world):
     )
 
 
-def test_a_head_at_the_top_of_the_range_then_a_restart_publishes_without_dying(sidecar_world, until):
+def test_a_head_at_the_top_of_the_range_is_refused_and_the_run_trains_and_publishes(sidecar_world, until):
     recipe, sc, feeder = sidecar_world
-    sc.handle(_head(recipe, sc, TOP))
+    sc.handle(_head(recipe, sc, TOP))  # refused and counted: it pins nothing
     for s in range(2):
-        feeder.step(s, s)  # the RL job's own HeadSync v0, v1: refused, counted; its batches kept as old
+        feeder.step(s, s)  # the RL job's own HeadSync v0, v1: taken
     assert until(lambda: sc.state.monitor_rows >= 2, 30, every=lambda: sc.drain(0.1, 100))
-    assert sc.state.version_overflows == 2 and sc.state.policy_offset == 0
+    assert (
+        sc.state.version_overflows == 1 and sc.state.policy_offset == 0 and sc.state.head_policy_version == 1
+    )
     for _ in range(3):
         assert sc.train_one()
     assert sc.maybe_publish(force=True)

@@ -103,9 +103,10 @@ class RaySidecar:
         """The run's running sidecar (by name, in ``ray.namespace``), or None when there is none."""
         rc = recipe.ray
         connect(rc.address, rc.namespace)
-        identity = identity_of(
-            recipe
-        )  # this run folder's: another folder's run of the same name is not found
+        try:  # this run folder's identity: another folder's run of the same name is not found
+            identity = identity_of(recipe)
+        except (OSError, ValueError):  # no key in this folder: it started no sidecar
+            return None
         actor = get_actor(sidecar_name(identity), rc.namespace)
         if actor is None:
             return None

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from draft_align.config import RESOLVED_RECIPE, CotrainRecipe, load_recipe, save_recipe
+from draft_align.wire.keys import resolve_key
 
 ray = pytest.importorskip("ray")
 
@@ -31,6 +32,7 @@ def _recipe(tiny_run, tmp_path: Path, namespace: str, run: str, **extra) -> tupl
     )
     recipe = load_recipe(None, over, CotrainRecipe)
     recipe.run_dir.mkdir(parents=True, exist_ok=True)
+    resolve_key(recipe.wire.key_file, recipe.run_dir, create=True)  # as the launchers do before Ray starts
     return recipe, save_recipe(recipe, recipe.run_dir / RESOLVED_RECIPE)
 
 
