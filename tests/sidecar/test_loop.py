@@ -121,7 +121,7 @@ def _check_visible_versions(run_dir: Path) -> list[int]:
     for d in sorted((run_dir / "drafts").glob("v*")):
         try:
             versions.append(read_manifest(d, verify=True)["draft_version"])  # raises if half-written
-        except CorruptCheckpointError:
+        except (CorruptCheckpointError, FileNotFoundError):  # a file gone mid-hash: pruned while being read
             if d.exists():
                 raise
             # deleted by retention while being read (never the one `latest` names)
