@@ -26,6 +26,15 @@ Three processes besides the sidecar (``draft-align sidecar``, started exactly as
   incarnation, training and publishing must go on, and the recording must read back whole (a torn last entry
   at most).
 
+Round three (issue 38) adds four cases: (a) at ``--sender-flood-at`` of the run the hostile side signs
+``--sender-flood`` messages from as many fresh sender ids (another run's: the sidecar ingests none of them, but
+its sequence guard sees each), and shortly after the legit RL side restarts its sender (a new id, as a restarted
+RL job has): it must go on being accepted; (b) every 20 s the task reward scores completions with tens of
+thousands of spaces after ``Answer:`` (what SmolLM2's 64-space token can produce): each call must stay bounded;
+(c) an RL-side ``DraftSource`` follows the run's published versions all along and at a quarter of the run is
+handed 100,000 bogus notifications: no poll may stall, its log stays a few lines, and it keeps following
+``latest``; (d) at the end the wire recording is read back while it is cut shorter and shorter: every read ends.
+
     python benchmarks/soak.py --minutes 10 --draft checkpoints/smollm2-demo
 
 Run it alone on the machine (it uses both cores).  Drops of legit batches are split into those while the
@@ -137,12 +146,18 @@ def role_legit(a: argparse.Namespace) -> None:
     )
     stop_file = Path(a.work) / "legit.stop"
     stats_file = Path(a.work) / "legit.json"
+    restart_file = Path(a.work) / "legit.restart-sender"  # the orchestrator asks for a restarted sender
+    restarted_at_step: int | None = None
     drops: list[dict[str, Any]] = []  # every drop with its wall-clock time (the orchestrator attributes them)
+    dropped_before: dict[str, int] = {}  # the first sender's drop counters, carried over a restart
 
     def watch_drops() -> None:
         last = sender.stats()
+        watched = sender
         while not stop_file.exists():
             time.sleep(0.01)
+            if watched is not sender:  # restarted: a new sender counts from 0
+                watched, last = sender, sender.stats()
             cur = sender.stats()
             for k, v in cur.items():
                 if k.startswith("dropped") and v > last.get(k, 0):
@@ -155,7 +170,26 @@ def role_legit(a: argparse.Namespace) -> None:
     t0 = time.monotonic()
     while not stop_file.exists():
         t_step = time.monotonic()
-        if step % 5 == 0:
+        if restarted_at_step is None and restart_file.exists():  # as a restarted RL job: a new sender id
+            for k, v in sender.stats().items():
+                if k.startswith("dropped"):
+                    dropped_before[k] = dropped_before.get(k, 0) + v
+            sender.close()
+            sender = channel.TapSender(
+                channel.default_endpoint(recipe.run_dir, "tap"),
+                key,
+                max_message_bytes=recipe.wire.max_message_mb << 20,
+                send_timeout_s=LEGIT_SEND_TIMEOUT_S,
+            )
+            tap = HFPolicyTap(
+                model,
+                tuple(draft.cfg.aux_layer_ids),
+                sender,
+                run_id=recipe.run,
+                tokens_per_step=recipe.tap.tokens_per_step,
+            )
+            restarted_at_step = step
+        if step % 5 == 0 or step == restarted_at_step:
             version = step // 5
             tap.head_sync(version, draft.draft_to_target)
         batch = [pairs[(step * 4 + i) % len(pairs)] for i in range(4)]
@@ -192,9 +226,10 @@ def role_legit(a: argparse.Namespace) -> None:
             {
                 "time": time.time(),
                 "steps": offered_steps,
-                "sender": sender.stats(),
+                "sender": _summed(sender.stats(), dropped_before),
                 "tap": tap.stats(),
                 "drops": list(drops),
+                "restarted_at_step": restarted_at_step,
             },
         )
         time.sleep(max(0.0, a.step_s - (time.monotonic() - t_step)))
@@ -205,13 +240,19 @@ def role_legit(a: argparse.Namespace) -> None:
         {
             "time": time.time(),
             "steps": offered_steps,
-            "sender": sender.stats(),
+            "sender": _summed(sender.stats(), dropped_before),
+            "restarted_at_step": restarted_at_step,
             "seconds": time.monotonic() - t0,
             "final_sent": True,
             "drops": list(drops),
             "send_timeout_s": LEGIT_SEND_TIMEOUT_S,
         },
     )
+
+
+def _summed(stats: dict[str, Any], before: dict[str, int]) -> dict[str, Any]:
+    """The sender's counters plus the drops of the sender it replaced."""
+    return {k: v + before.get(k, 0) if k in before else v for k, v in stats.items()}
 
 
 # --------------------------------------------------------------------------------------------- hostile side
@@ -379,6 +420,15 @@ class _Hostile:
             )
             self._send("insider_poisoned_head", self.keyed, self._signed(hs))
 
+    def sender_flood(self, n: int) -> None:
+        """``n`` signed messages from as many fresh sender ids (another run's StepReports: the sidecar ingests
+        none, its sequence guard sees each): 4,096 of them used to lock a new legit sender out for an hour."""
+        from dataclasses import replace
+
+        msg = replace(self._report(4), run_id="someone-else")
+        for i in range(n):
+            self._send("sender_flood", self.keyed, self._signed(msg, sender=f"flood-{i}", seq=0))
+
     def huge_version(self) -> None:
         """A HeadSync with a huge policy version (once): the RL side's lower versions become a restart."""
         import torch
@@ -417,6 +467,7 @@ def role_hostile(a: argparse.Namespace) -> None:
     t0 = time.monotonic()
     n = 0
     huge_sent = False
+    flooded = False
     last_write = 0.0
     while not stop_file.exists():
         now = time.monotonic() - t0
@@ -427,6 +478,10 @@ def role_hostile(a: argparse.Namespace) -> None:
         if not huge_sent and now > a.huge_version_at_s:
             h.huge_version()
             huge_sent = True
+        if not flooded and now > a.sender_flood_at_s:
+            h.sender_flood(a.sender_flood)
+            flooded = True
+            (Path(a.work) / "sender_flood.done").write_text(str(time.time()))
         if now - last_write > 1.0:
             _write_json(stats_file, {"seconds": now, "sent": h.sent, "blocked": h.blocked})
             last_write = now
@@ -716,6 +771,174 @@ class _Prober:
         }
 
 
+class _Queue:
+    """DraftPublished notifications handed to the RL side's DraftSource (the Subscriber's interface)."""
+
+    def __init__(self) -> None:
+        self.items: list[Any] = []
+        self.pos = 0
+
+    def poll(self, timeout_ms: int | None = 0) -> Any:
+        if self.pos >= len(self.items):
+            return None
+        self.pos += 1
+        return self.items[self.pos - 1]
+
+
+class _RoundThree:
+    """Issue 38's cases beside the sidecar (see the module docstring): the reward on long whitespace, an RL-side
+    DraftSource under a notification flood, the legit sender restarted after the sender flood, a shrinking
+    recording read back."""
+
+    FLOOD = 100_000
+
+    def __init__(self, recipe: Any, start: Path, work: Path) -> None:
+        import logging
+
+        from draft_align.rl.drafts import DraftSource
+
+        self.recipe, self.work = recipe, work
+        self.queue = _Queue()
+        self.drafts = DraftSource(recipe.run_dir, start, notifications=self.queue)
+        self.log_lines = 0
+        outer = self
+
+        class Count(logging.Handler):
+            def emit(self, record: logging.LogRecord) -> None:
+                outer.log_lines += 1
+
+        logging.getLogger("draft_align.rl.drafts").addHandler(Count(level=logging.WARNING))
+        self.polls = 0
+        self.poll_max_s = 0.0
+        self.flooded_at: float | None = None
+        self.reward_calls = 0
+        self.reward_max_s = 0.0
+        self.reward_errors: list[str] = []
+        self.next_reward = 0.0
+        self.sender_restarted_at: float | None = None
+
+    def tick(self, t: float, run_s: float) -> None:
+        from draft_align.wire.messages import DraftPublished
+
+        if self.flooded_at is None and t > 0.25 * run_s:
+            bogus = DraftPublished(
+                run_id="someone-else",
+                draft_version=9,
+                policy_version=0,
+                path="/x/drafts/v0009",
+                sha256="0" * 64,
+            )
+            self.queue.items += [bogus] * self.FLOOD
+            self.flooded_at = t
+        t0 = time.perf_counter()
+        self.drafts.poll()
+        self.poll_max_s = max(self.poll_max_s, time.perf_counter() - t0)
+        self.polls += 1
+        if t >= self.next_reward:
+            self.next_reward = t + 20.0
+            self.rewards()
+        done = self.work / "sender_flood.done"
+        if self.sender_restarted_at is None and done.exists() and time.time() - float(done.read_text()) > 3.0:
+            (self.work / "legit.restart-sender").touch()
+            self.sender_restarted_at = round(t, 1)
+
+    def rewards(self) -> None:
+        from draft_align.rl.rewards import safe_reward, task
+
+        texts = [
+            "Answer:" + " " * 32_768 + "x",
+            "Answer: **" + " \t" * 20_000 + "7",
+            "so 3 + 4 = 7\n" + "1" + ",000" * 20_000 + ",9\nAnswer:" + " " * 50_000,
+        ]
+        for text in texts:
+            t0 = time.perf_counter()
+            _, error = safe_reward(task, text, True, 7)
+            self.reward_max_s = max(self.reward_max_s, time.perf_counter() - t0)
+            self.reward_calls += 1
+            if error is not None:
+                self.reward_errors.append(error)
+
+    def shrinking_recording(self) -> dict[str, Any]:
+        """The wire recording read back while a copy of it is cut shorter and shorter, five times."""
+        import threading
+
+        from draft_align.sidecar.layout import SIDECAR_DIR, WIRE_RECORDING
+        from draft_align.wire.recording import Recording
+
+        src = self.recipe.run_dir / SIDECAR_DIR / WIRE_RECORDING
+        if not src.is_file() or src.stat().st_size < 1024:
+            return {"skipped": f"no recording at {src}"}
+        copy = self.work / "shrinking.rec"
+        out = {"reads": 0, "ended": 0, "entries": []}
+        for trial in range(5):
+            shutil.copyfile(src, copy)
+            size = copy.stat().st_size
+            got: dict[str, Any] = {}
+
+            def read(got: dict[str, Any] = got) -> None:
+                try:
+                    got["n"] = sum(1 for _ in Recording(copy, skip_damaged=True))
+                except Exception as e:  # one clear error is an ending too
+                    got["error"] = type(e).__name__
+                    got["n"] = 0
+
+            th = threading.Thread(target=read, daemon=True)
+            th.start()
+            for k in range(1, 11):  # cut while it is read
+                os.truncate(copy, max(8, size * (10 - k) // (10 + trial)))
+                time.sleep(0.01)
+            th.join(20.0)
+            out["reads"] += 1
+            out["ended"] += 0 if th.is_alive() else 1
+            out["entries"].append(got.get("n"))
+        copy.unlink(missing_ok=True)
+        return out
+
+    def result(
+        self, run_dir: Path, restarted_at_step: int | None, rejected: dict[str, float]
+    ) -> dict[str, Any]:
+        from draft_align.monitor.live import iter_jsonl
+        from draft_align.publish.versions import folder_version, read_latest
+        from draft_align.sidecar.layout import MONITOR_FILE, SIDECAR_DIR
+
+        monitor = run_dir / SIDECAR_DIR / MONITOR_FILE
+        rows = (
+            list(iter_jsonl(monitor)) if monitor.exists() else []  # a line torn by a kill -9 is skipped
+        )
+        latest = read_latest(run_dir)
+        after = [r for r in rows if restarted_at_step is not None and r.get("step", -1) >= restarted_at_step]
+        return {
+            "reward": {
+                "calls": self.reward_calls,
+                "max_s": round(self.reward_max_s, 4),
+                "errors": self.reward_errors[:3],
+            },
+            "notification_flood": {
+                "notifications": self.FLOOD,
+                "at_s": None if self.flooded_at is None else round(self.flooded_at, 1),
+                "polls": self.polls,
+                "poll_max_s": round(self.poll_max_s, 3),
+                "log_lines": self.log_lines,
+                "left_unread": len(self.queue.items) - self.queue.pos,
+                "following": self.drafts.current_version,
+                "latest": folder_version(latest) if latest is not None else None,
+            },
+            "sender_restart": {
+                "restarted_at_s": self.sender_restarted_at,
+                "restarted_at_step": restarted_at_step,
+                "rows_after_restart": len(after),
+                "rejected_senders": int(rejected.get("senders", 0)),
+                "rejected_sequence": int(rejected.get("sequence", 0)),
+            },
+            "log_bytes": {
+                "sidecar_log": (self.work / "sidecar.log").stat().st_size
+                if (self.work / "sidecar.log").exists()
+                else None,
+                "monitor_jsonl": monitor.stat().st_size if monitor.exists() else None,
+            },
+        }
+
+
 def orchestrate(a: argparse.Namespace) -> dict[str, Any]:
     from draft_align.cotrain import spawn_sidecar, write_resolved
     from draft_align.sidecar.launch import starting_draft
@@ -735,6 +958,7 @@ def orchestrate(a: argparse.Namespace) -> dict[str, Any]:
 
     key = channel.resolve_key(None, recipe.run_dir, create=True)
     prober = _Prober(recipe, key, a.replay_probes)
+    round3 = _RoundThree(recipe, start, work)
     replay_pending = False
     second: subprocess.Popen | None = None
     second_info: dict[str, Any] = {"started": False}
@@ -771,6 +995,10 @@ def orchestrate(a: argparse.Namespace) -> dict[str, Any]:
             str(a.hostile_rate),
             "--huge-version-at-s",
             str(a.minutes * 60 * 0.6),
+            "--sender-flood-at-s",
+            str(a.minutes * 60 * a.sender_flood_at),
+            "--sender-flood",
+            str(a.sender_flood),
             *common,
         ],
         stdout=open(work / "hostile.log", "wb"),
@@ -838,6 +1066,7 @@ def orchestrate(a: argparse.Namespace) -> dict[str, Any]:
             down_intervals[-1][1] = (recipe.run_dir / SIDECAR_DIR / READY_FILE).stat().st_mtime
         legit_windows.append((up, legit_stats()))
         up_s += 1.0 if up else 0.0
+        round3.tick(now - t0, a.minutes * 60)
         if up and replay_pending:  # the restarted sidecar is serving: every captured probe again
             prober.replay()
             replay_pending = False
@@ -924,6 +1153,7 @@ def orchestrate(a: argparse.Namespace) -> dict[str, Any]:
         second.wait()
         second_info.setdefault("rc", "still running at the end (not refused)")
     replay_after_restart = prober.result(recipe.run_dir / SIDECAR_DIR / "monitor.jsonl")
+    shrinking = round3.shrinking_recording()
     record_small_disk: dict[str, Any] = {"enabled": False}
     if small is not None:
         small.watch(time.monotonic() - t0)
@@ -1048,6 +1278,10 @@ def orchestrate(a: argparse.Namespace) -> dict[str, Any]:
         },
         "disk_full": disk_full,
         "sidecar_exit": rc,
+        "round_three": {
+            **round3.result(recipe.run_dir, final_legit.get("restarted_at_step"), rejected),
+            "shrinking_recording": shrinking,
+        },
     }
     if mounted:
         subprocess.run(["umount", "-l", str(disk)], capture_output=True)
@@ -1102,6 +1336,43 @@ def _recording(d: dict[str, Any]) -> str:
     )
 
 
+def _round_three(r3: dict[str, Any] | None) -> list[str]:
+    """The round-three cases' table (issue 38)."""
+    if not r3:
+        return []
+    rw, nf, sr, lb, shr = (
+        r3["reward"],
+        r3["notification_flood"],
+        r3["sender_restart"],
+        r3["log_bytes"],
+        r3["shrinking_recording"],
+    )
+    shrink = (
+        shr["skipped"]
+        if "skipped" in shr
+        else f"{shr['ended']} of {shr['reads']} reads ended (entries read: {shr['entries']})"
+    )
+    return [
+        "Round three (issue 38):",
+        "",
+        "| case | goal | measured |",
+        "|---|---|---|",
+        f"| the task reward on 32k–50k spaces after `Answer:` ({rw['calls']} calls) | bounded, no timeout | "
+        f"max {rw['max_s']:.4f} s; errors {len(rw['errors'])} |",
+        f"| sender flood ({'then' if sr['restarted_at_s'] is not None else 'no'} the legit sender restarted at "
+        f"{sr['restarted_at_s'] if sr['restarted_at_s'] is not None else '-'} s, RL step {sr['restarted_at_step']}) | "
+        f"the new sender accepted, no `senders` refusal | rows of its steps {sr['rows_after_restart']}; `senders` "
+        f"refusals {sr['rejected_senders']} |",
+        f"| {nf['notifications']:,} bogus notifications to the RL side's DraftSource at {nf['at_s']} s | no poll "
+        f"stalls, a log line a minute, `latest` followed | {nf['polls']} polls, max {nf['poll_max_s']} s; "
+        f"{nf['log_lines']} log lines; {nf['left_unread']:,} still queued at the end; following v{nf['following']} "
+        f"(latest v{nf['latest']}) |",
+        f"| the wire recording read while cut shorter | every read ends | {shrink} |",
+        f"| log size at the end | bounded | sidecar.log {lb['sidecar_log']:,} B; monitor.jsonl {lb['monitor_jsonl']:,} B |",
+        "",
+    ]
+
+
 def _markdown(r: dict[str, Any]) -> str:
     sent = r["hostile_sent_by_category"]
     rej = r["sidecar_rejected_by_reason"]
@@ -1146,6 +1417,7 @@ def _markdown(r: dict[str, Any]) -> str:
         "| `record_wire` on a small disk (goal: one stop line per incarnation at most, training and publishing "
         f"go on, the recording reads back) | {_recording(r.get('record_wire_small_disk', {}))} |",
         "",
+        *_round_three(r.get("round_three")),
         "Hostile messages by category (`delivered`: taken by the sidecar's socket; the others waited in the attacker's "
         "own queue, bounded by its high-water mark, or failed the handshake):",
         "",
@@ -1197,6 +1469,13 @@ def main() -> None:
     ap.add_argument("--start", help=argparse.SUPPRESS)
     ap.add_argument("--work", help=argparse.SUPPRESS)
     ap.add_argument("--huge-version-at-s", type=float, default=1e9, help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--sender-flood", type=int, default=6000, help="fresh sender ids the hostile side signs with"
+    )
+    ap.add_argument(
+        "--sender-flood-at", type=float, default=0.35, help="fraction of the run of the sender flood"
+    )
+    ap.add_argument("--sender-flood-at-s", type=float, default=1e9, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.role == "legit":
         return role_legit(a)

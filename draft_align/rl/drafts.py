@@ -81,6 +81,7 @@ _FIXED_FIELDS = (
 Signature = tuple[str, int, int, int]
 MAX_NOTIFICATIONS = 1024  # notifications drained per poll (a flood waits for later polls)
 MAX_EXAMINED = 8  # newer versions of this run examined per poll, newest first
+FOREIGN_LOG_EVERY_S = 60.0  # notifications for other runs: one log line at most this often
 
 
 class Notifications(Protocol):
@@ -130,6 +131,8 @@ class DraftSource:
         self.adapted: DraftHead = self.frozen
         self.adapted_version: DraftVersion | None = None
         self.failures = 0
+        self._foreign = 0  # notifications for other runs since the last line that said so
+        self._foreign_logged_at = -float("inf")
         self.superseded = 0  # versions pruned by the sidecar's retention while they were verified
         self.refreshes = 0
         self.notified = 0  # versions taken from a notification (the rest came from `latest`)
@@ -220,7 +223,7 @@ class DraftSource:
     def _newest_notification(self) -> DraftPublished | None:
         """The newest of at most :data:`MAX_NOTIFICATIONS` waiting notifications that names a newer version of
         this run (a flood is coalesced: the rest wait for the next poll; notifications for another run are
-        counted as failures and logged in one line per poll, not one line each)."""
+        counted as failures and logged in one line a minute at most, not one line each)."""
         if self.notifications is None:
             return None
         newer: list[DraftPublished] = []
@@ -235,13 +238,18 @@ class DraftSource:
                 newer.append(msg)
         if foreign:
             self.failures += sum(foreign.values())
-            shown = ", ".join(f"{run!r} ×{n}" for run, n in sorted(foreign.items())[:3])
-            log.warning(
-                "draft refresh: %d notifications for other runs ignored (%s); keeping draft v%04d",
-                sum(foreign.values()),
-                shown,
-                self.current_version,
-            )
+            self._foreign += sum(foreign.values())
+            now = time.monotonic()
+            if now >= self._foreign_logged_at + FOREIGN_LOG_EVERY_S:  # a flood is one line a minute
+                shown = ", ".join(f"{run!r} ×{n}" for run, n in sorted(foreign.items())[:3])
+                log.warning(
+                    "draft refresh: %d notifications for other runs ignored since the last such line (%s); "
+                    "keeping draft v%04d",
+                    self._foreign,
+                    shown,
+                    self.current_version,
+                )
+                self._foreign, self._foreign_logged_at = 0, now
         # newest first: older ones (perhaps pruned since) are examined only when a newer one is refused
         for msg in sorted(newer, key=lambda m: -int(m.draft_version))[:MAX_EXAMINED]:
             if self._in_run(msg):
