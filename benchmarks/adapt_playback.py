@@ -14,6 +14,13 @@ s are scored (the row's ``accept_est_adapted*``) by the draft published when the
 < s: the run's staleness of 1.
 
 What differs between arms is only their settings: same records, same order, same compute budget, same seeds.
+
+Update cadence (``--arms every1,every5,drift,never``): ``every1`` trains and publishes after every RL step (the
+run's settings), ``every5`` only after every fifth step (steps 4, 9, …; the same per-update budget, so about a fifth
+of the training: verl-SpeCo's default interval), ``drift*`` lets ``sidecar.trigger.when: drift`` decide (idle while
+the published draft's estimate holds), ``never`` never trains (the frozen draft; its CPU is ingest and estimates
+alone).  Each arm's process CPU seconds are measured (``time.process_time``, all of the arm's threads): in
+total and in training (``next_batch``, ``train_on``, publishes).
 Acceptance is the sidecar's estimate on each step's fresh taps (greedy draft and probabilistic at the run's
 temperature, k = ``sidecar.gate.k``), not vLLM's counters; the drift benchmark validates that estimate
 against them.  Differences are paired by step against the first arm.
@@ -65,7 +72,32 @@ ARMS: dict[str, tuple[list[str], str]] = {
         ["sidecar.train.adapt=lora", "sidecar.train.lr_ramp_tokens=0"],
         "LoRA adapters (r 8, lr 2e-3) on the starting draft instead of full weights, no lr ramp",
     ),
+    # update cadence (the RL step interval between training rounds is TRAIN_EVERY's; 0 = never)
+    "every1": ([], "train and publish after every RL step"),
+    "every5": (
+        [],
+        "train and publish after every fifth RL step (verl-SpeCo's interval), the same budget per update",
+    ),
+    "never": ([], "never train: the frozen starting draft"),
+    "drift": (["sidecar.trigger.when=drift"], "the drift trigger at its defaults"),
+    "drift_t05": (
+        ["sidecar.trigger.when=drift", "sidecar.trigger.drift_tolerance=0.05"],
+        "the drift trigger, tolerance 0.05",
+    ),
+    "drift_t20": (
+        ["sidecar.trigger.when=drift", "sidecar.trigger.drift_tolerance=0.2"],
+        "the drift trigger, tolerance 0.2",
+    ),
+    "drift_h10": (
+        ["sidecar.trigger.when=drift", "sidecar.trigger.drift_head_threshold=0.10"],
+        "the drift trigger, head threshold 0.10",
+    ),
+    "drift_h02": (
+        ["sidecar.trigger.when=drift", "sidecar.trigger.drift_head_threshold=0.02"],
+        "the drift trigger, head threshold 0.02",
+    ),
 }
+TRAIN_EVERY = {"every5": 5, "never": 0}  # arms not named here train after every step
 KEYS = {"greedy_draft": "accept_est_adapted", "probabilistic": "accept_est_adapted_prob"}
 
 
@@ -94,13 +126,27 @@ def playback_arm(
     sc = Sidecar(recipe, starting_draft(recipe)).setup()
     waits: Counter[str] = Counter()
     per_step: list[dict[str, Any]] = []
-    t0 = time.perf_counter()
+    every = TRAIN_EVERY.get(arm, 1)
+    t0, cpu0 = time.perf_counter(), time.process_time()
+    train_cpu = 0.0
     try:
         for msg in messages:
             sc.handle(msg)
             if not isinstance(msg, StepReport) or msg.metrics.get("final"):
                 continue
             trained = steps = 0
+            c0 = time.process_time()
+            if every == 0 or (int(msg.step) + 1) % every:
+                per_step.append(
+                    {
+                        "step": int(msg.step),
+                        "trained_tokens": 0,
+                        "optimizer_steps": 0,
+                        "stopped_by": "cadence",
+                        "published_version": sc.state.published_version,
+                    }
+                )
+                continue
             while trained < budget:
                 batch = sc.next_batch()
                 if batch is None:
@@ -111,6 +157,7 @@ def playback_arm(
                 steps += 1
                 sc.maybe_publish()
             sc.maybe_publish(force=True)
+            train_cpu += time.process_time() - c0
             per_step.append(
                 {
                     "step": int(msg.step),
@@ -142,6 +189,8 @@ def playback_arm(
         "trained_tokens": sc.state.trained_tokens,
         "buffered_tokens": sc.state.buffered_tokens,
         "seconds": time.perf_counter() - t0,
+        "cpu_s": time.process_time() - cpu0,
+        "train_cpu_s": train_cpu,
     }
 
 
@@ -187,6 +236,59 @@ def _pm(p: dict[str, float] | None) -> str:
     return "–" if p is None else f"{p['mean']:+.3f} ± {_f(p['se'])} ({p['positive']}/{p['n']} > 0)"
 
 
+def cadence_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per arm, against ``every1``: the last-half gain over the frozen draft (greedy-draft estimate, paired by
+    step), its share of every1's gain, and the training CPU seconds and their share of every1's."""
+    arms = {a["arm"]: a for a in result["arms"]}
+    ref = arms.get("every1")
+    if ref is None:
+        return []
+    ref_gain = (ref["summary"]["greedy_draft"]["over_frozen_last_half"] or {}).get("mean")
+    rows = []
+    for a in result["arms"]:
+        g = a["summary"]["greedy_draft"]
+        over = g["over_frozen_last_half"] or {}
+        gain = 0.0 if a["arm"] == "never" else over.get("mean")
+        rows.append(
+            {
+                "arm": a["arm"],
+                "mean_last_half": g["mean_last_half"],
+                "gain_last_half": gain,
+                "gain_se": over.get("se"),
+                "gain_share": gain / ref_gain if gain is not None and ref_gain else None,
+                "train_cpu_s": a["train_cpu_s"],
+                "cpu_s": a["cpu_s"],
+                "cpu_share": a["train_cpu_s"] / ref["train_cpu_s"] if ref["train_cpu_s"] else None,
+                "trained_tokens": a["trained_tokens"],
+                "published": a["published"],
+            }
+        )
+    return rows
+
+
+def cadence_lines(result: dict[str, Any]) -> list[str]:
+    rows = cadence_rows(result)
+    if not rows:
+        return []
+    out = [
+        "",
+        "Update cadence (greedy-draft estimate on each step's fresh taps; gain = adapted − frozen, paired by step, "
+        "last half; CPU: the arm's process CPU seconds in training, and in all, ingest and estimates included):",
+        "",
+        "| cadence | settings | tokens trained | publishes | acceptance, last half | gain over frozen | share of "
+        "every-step gain | training CPU s | share of every-step CPU | all CPU s |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        se = f" ± {_f(r['gain_se'])}" if r["gain_se"] is not None and r["arm"] != "never" else ""
+        out.append(
+            f"| {r['arm']} | {ARMS[r['arm']][1]} | {r['trained_tokens']} | {r['published']} | "
+            f"{_f(r['mean_last_half'])} | {_f(r['gain_last_half'])}{se} | {_f(r['gain_share'], 2)} | "
+            f"{_f(r['train_cpu_s'], 0)} | {_f(r['cpu_share'], 2)} | {_f(r['cpu_s'], 0)} |"
+        )
+    return out
+
+
 def section_title(name: str | None) -> str:
     return "## Sidecar settings on the same taps (benchmarks/adapt_playback.py" + (
         f" --name {name})" if name else ")"
@@ -220,6 +322,7 @@ def render(result: dict[str, Any]) -> str:
             f"{_pm(g['vs_first_arm_first_10'])} | {_pm(g['vs_first_arm_last_half'])} | {_f(p['mean_all'])} | "
             f"{_pm(p['vs_first_arm_all'])} | {_pm(g['over_frozen_last_half'])} |"
         )
+    lines += cadence_lines(result)
     lines += [
         "",
         "Per step, greedy-draft estimate of the adapted draft (the frozen draft's beside it):",
@@ -298,6 +401,26 @@ def main() -> int:
     (out / f"adapt_playback{'_' + args.name if args.name else ''}.json").write_text(
         json.dumps(result, indent=1, default=str)
     )
+    rows = cadence_rows(result)
+    if rows:  # the run's measured cadence table, which `draft-align advise RUN` reads
+        from draft_align.monitor.cadence import CadenceArm, save_table
+
+        save_table(
+            run,
+            [
+                CadenceArm(
+                    r["arm"],
+                    ARMS[r["arm"]][1],
+                    r["gain_last_half"],
+                    r["gain_se"],
+                    r["train_cpu_s"],
+                    r["cpu_s"],
+                    r["published"],
+                )
+                for r in rows
+                if r["gain_last_half"] is not None
+            ],
+        )
     if not args.no_results_md:
         replace_section(ROOT / "benchmarks" / "RESULTS.md", section_title(args.name), render(result))
     print(render(result))

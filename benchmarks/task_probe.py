@@ -8,6 +8,9 @@ reward spread, and the mean response length.  Sampling is the KV-cached HF loop 
 samples; it stays usable on a shared CPU).
 
     python benchmarks/task_probe.py --prompts 16 --group 8 --max-new-tokens 64 --threads 1
+    python benchmarks/task_probe.py --model checkpoints/smollm2-total-sft --tasks total --max-new-tokens 256 --name total-sft
+
+``--model``: any policy folder (an SFT'd policy, a run's merged policy); ``--name`` writes ``task_probe_NAME.json``.
 """
 
 from __future__ import annotations
@@ -81,15 +84,19 @@ def main() -> None:
     ap.add_argument("--tasks", default=",".join(TASK_NAMES))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--model", default="smollm2-135m", help="the policy: the embedded default or a folder")
+    ap.add_argument("--name", default="", help="write task_probe_NAME.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    model, tok = assets.load_target("smollm2-135m", float_dtype("float32"), "cpu")
+    model, tok = assets.load_target(args.model, float_dtype("float32"), "cpu")
     rows = [
         probe(model, tok, t, args.prompts, args.group, args.max_new_tokens, args.seed)
         for t in args.tasks.split(",")
     ]
     OUT.mkdir(exist_ok=True)
-    (OUT / "task_probe.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+    (OUT / f"task_probe{'_' + args.name if args.name else ''}.json").write_text(
+        json.dumps({"args": vars(args), "rows": rows}, indent=1)
+    )
     print("| task | reward | format | correct | groups with spread | tokens | generate s |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:

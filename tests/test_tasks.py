@@ -25,6 +25,13 @@ def test_answers_are_computed_from_the_question():
     for q in make_problems("arith", 50):
         nums = [int(t) for t in q.question.rstrip("?").split() if t.isdigit()]
         assert q.answer == nums[0] + nums[1] - nums[2]
+    for p in make_problems("total", 50):  # the long-response task: one worked line per addition
+        nums = [int(t) for t in p.question.split(":")[1].rstrip(".").split(",")]
+        lines = p.solution.splitlines()
+        assert 6 <= len(nums) <= 10 and p.answer == sum(nums) and len(lines) == len(nums)
+        assert lines[-2].endswith(f"= {sum(nums)}") and lines[0].startswith(
+            f"Step 1: {nums[0]} + {nums[1]} ="
+        )
 
 
 @pytest.mark.parametrize(

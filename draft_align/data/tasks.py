@@ -16,7 +16,9 @@ Tasks (``TASK_NAMES``; ``benchmarks/task_probe.py`` measures how SmolLM2-135M-In
 
 - ``add``       ``a + b`` with a in 1..19, b in 1..9, in four phrasings, worked in one line;
 - ``arith``     ``a + b - c`` (2-digit), worked step by step;
-- ``convert``   a unit conversion (km→m, h→min, kg→g, ...), worked in one sentence.
+- ``convert``   a unit conversion (km→m, h→min, kg→g, ...), worked in one sentence;
+- ``total``     a running total of 6–10 two-digit numbers, worked one addition per line (``Step i: t + x = t'``):
+                reference solutions of 95–163 SmolLM2 tokens, the long-response workload (docs/tasks.md).
 """
 
 from __future__ import annotations
@@ -107,9 +109,31 @@ def _convert(rng: random.Random) -> Problem:
     return Problem(q, x * factor, s, _CONVERT_SYSTEM)
 
 
-_TASKS: dict[str, Callable[[random.Random], Problem]] = {"add": _add, "arith": _arith, "convert": _convert}
+_TOTAL_SYSTEM = _system(
+    "Add these numbers in order, keeping a running total: 12, 7, 25.",
+    "Step 1: 12 + 7 = 19\nStep 2: 19 + 25 = 44\nAnswer: 44",
+)
+TOTAL_COUNT = (6, 10)  # numbers per ``total`` problem: 5–9 worked lines
+
+
+def _total(rng: random.Random) -> Problem:
+    xs = [rng.randint(10, 99) for _ in range(rng.randint(*TOTAL_COUNT))]
+    q = f"Add these numbers in order, keeping a running total: {', '.join(map(str, xs))}."
+    lines, t = [], xs[0]
+    for i, x in enumerate(xs[1:], 1):
+        lines.append(f"Step {i}: {t} + {x} = {t + x}")
+        t += x
+    return Problem(q, t, "\n".join([*lines, f"Answer: {t}"]), _TOTAL_SYSTEM)
+
+
+_TASKS: dict[str, Callable[[random.Random], Problem]] = {
+    "add": _add,
+    "arith": _arith,
+    "convert": _convert,
+    "total": _total,
+}
 # problems in one task source: distinct, and inside each task's space (add 684, convert 882 questions)
-POOL_SIZES = {"add": 640, "arith": 4096, "convert": 640}
+POOL_SIZES = {"add": 640, "arith": 4096, "convert": 640, "total": 4096}
 TASK_NAMES: tuple[str, ...] = tuple(_TASKS)
 
 

@@ -12,5 +12,6 @@
 - ``live.py``: following a run as a table; ``report.py``: the end-of-run plot and summary;
 - ``fleet_view.py``: the fleet ``draft-align push`` keeps, as ``draft-align monitor --servers`` shows it;
 - ``round_cost.py``: measured engine-step times; ``projection.py``: projected speed-up from them;
-- ``advise.py``: ``draft-align advise``; ``advise_text.py``: its markdown and report section.
+- ``advise.py``: ``draft-align advise``; ``advise_text.py``: its markdown and report section;
+- ``cadence.py``: how often to train and publish, chosen from a run's measured cadence table.
 """

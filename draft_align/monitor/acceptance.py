@@ -13,6 +13,10 @@ is the greedy one.  With k drafts per round the mean acceptance length (bonus to
 - *all starts*: the product per chain start, averaged over every start (overstates an engine);
 - *round walk*: rounds start at the last prompt token and jump ahead by accepted + 1 tokens, as an
   engine does; across sequences it is a ratio of sums (Σ accepted / Σ rounds), like engine counters.
+
+By position in the response (:data:`RESPONSE_POSITION_EDGES`): the all-starts length of the chains whose first
+drafted token lies in each bucket of response positions (row s of a table drafts response token s + 1 first),
+so a long response shows where acceptance holds and where it falls.
 """
 
 from __future__ import annotations
@@ -25,6 +29,15 @@ from typing import Any
 import torch
 
 from draft_align.conventions import VERIFY_MODES, VerifyMode
+
+#: buckets of response positions (0-based token index in the response) the estimate is split by: [0, 32),
+#: [32, 64), [64, 128), [128, ∞)
+RESPONSE_POSITION_EDGES: tuple[int, ...] = (0, 32, 64, 128)
+
+
+def _buckets(edges: Sequence[int]) -> list[tuple[int, int | None]]:
+    """[(lo, hi)] of consecutive edges, the last open-ended (hi None)."""
+    return [(lo, edges[i + 1] if i + 1 < len(edges) else None) for i, lo in enumerate(edges)]
 
 
 def check_mode(mode: str) -> None:
@@ -249,15 +262,23 @@ class EstimatePool:
         self.observed = AcceptanceTally.empty(k)
         self.sums = torch.zeros(k, dtype=torch.float64)
         self.n_starts = 0
+        edges = RESPONSE_POSITION_EDGES
+        self.by_position = [(lo, hi, 0, torch.zeros(k, dtype=torch.float64)) for lo, hi in _buckets(edges)]
 
     def add(self, alpha: torch.Tensor, observed: torch.Tensor, valid: torch.Tensor) -> AcceptanceTally:
-        """Pool one sequence; returns its own round-walk tally."""
+        """Pool one sequence (row s: the chain start whose first draft is response token s + 1); returns its own
+        round-walk tally."""
         one = round_walk_tally(alpha, valid)
         self.tally.merge(one)
         self.observed.merge(round_walk_tally(observed, valid))
         n, s = all_starts_sums(alpha, valid)
         self.n_starts += n
         self.sums += s
+        for i, (lo, hi, count, sums) in enumerate(self.by_position):
+            first, last = max(lo - 1, 0), (hi - 1 if hi is not None else alpha.shape[0])
+            if first < alpha.shape[0]:
+                bn, bs = all_starts_sums(alpha[first:last], valid[first:last])
+                self.by_position[i] = (lo, hi, count + bn, sums + bs)
         return one
 
     def result(self, mode: VerifyMode, temperature: float) -> dict[str, Any]:
@@ -271,6 +292,10 @@ class EstimatePool:
             "per_position_est": self.tally.per_position(),
             "per_position_all_starts": per_all,
             "per_position_observed": self.observed.per_position() if argmax_draft else None,
+            "by_response_position": [
+                {"from": lo, "to": hi, "starts": n, "length": 1.0 + float(s.sum()) / n if n else None}
+                for lo, hi, n, s in self.by_position
+            ],
             "rounds_est": self.tally.rounds,
             "num_starts": self.n_starts,
             "k": k,

@@ -13,7 +13,9 @@ Read from the run folder (``sidecar/monitor.jsonl``, else ``rl/steps.jsonl``; ``
 - the **round cost** c(k) of a speculative engine step relative to a plain one at the run's batch size (the
   rollouts of one draft kind per ``generate`` call), measured by a calibration (:mod:`.round_cost`);
 - the **projection** (:mod:`.projection`): tokens per round, rollout speed-up and the best k for k = 1..7 per
-  verify mode, and the whole step's speed-up by Amdahl over the stage profile.
+  verify mode, and the whole step's speed-up by Amdahl over the stage profile;
+- the **update cadence** (:mod:`.cadence`), when the run has a cadence table (``cadence.json``, measured by
+  replaying its recorded taps): how often the sidecar should train and publish.
 
 Every number printed carries its label: *measured* or *projected*.  The advice lines follow fixed rules:
 an acceptance rate (accepted / proposed draft tokens) below :data:`LOW_ACCEPTANCE` asks for a larger or
@@ -32,6 +34,7 @@ from typing import Any
 
 from draft_align.config import RESOLVED_RECIPE
 from draft_align.conventions import AUTO_VERIFY_MODE, DRAFT_KINDS
+from draft_align.monitor.cadence import CadenceError, Recommendation, load_table, recommend
 from draft_align.monitor.live import number
 from draft_align.monitor.projection import (
     K_MAX,
@@ -231,6 +234,7 @@ class Advice:
     projections: tuple[Projection, ...]
     other_batches: Mapping[int, KRow | None]  # best k of the serving draft at other calibrated batch sizes
     lines: tuple[str, ...]
+    cadence: Recommendation | None = None  # from the run's measured cadence table, when it has one
 
     @property
     def serving(self) -> AcceptanceSeries:
@@ -428,6 +432,8 @@ def advise_run(run_dir: str | os.PathLike[str]) -> Advice:
     ]
     acceptance = (serving, *(c for c in counters.values() if c is not serving), *taps)
     lines = advice_lines(settings, projections[0], costs, profile, other, str(run))
+    cadence, cadence_line = cadence_advice(run)
+    lines.append(cadence_line)
     return Advice(
         run.resolve().name,
         source,
@@ -441,4 +447,21 @@ def advise_run(run_dir: str | os.PathLike[str]) -> Advice:
         tuple(projections),
         other,
         tuple(lines),
+        cadence,
     )
+
+
+def cadence_advice(run: Path) -> tuple[Recommendation | None, str]:
+    """The cadence line of the advice: the recommendation from ``<run>/cadence.json``, or how to measure one."""
+    try:
+        table = load_table(run)
+    except CadenceError as e:
+        return None, f"update cadence: {e}"
+    if table is None:
+        return None, (
+            "update cadence not measured for this run: with `sidecar.recording.enabled=true`, "
+            "`python benchmarks/adapt_playback.py --run RUN --arms every1,every5,never,drift` replays its taps "
+            "under each cadence and writes the table advise reads"
+        )
+    rec = recommend(table)
+    return rec, f"update cadence {rec.arm.name} (measured on this run's replayed taps): {rec.reason}"

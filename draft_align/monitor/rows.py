@@ -36,7 +36,16 @@ def row_estimates(
             est = estimate(draft, mode)
             out[estimate_key(name, mode)] = est["acceptance_length_est"]
             out.update({f"accept_est_r{i}_{name}{suffix}": r for i, r in enumerate(est["per_position_est"])})
+            for b in est.get("by_response_position") or ():  # all-starts length by position in the response
+                if b["length"] is not None:
+                    out[position_key(name, mode, b["from"])] = b["length"]
     return out
+
+
+def position_key(name: str, mode: str, start: int) -> str:
+    """The row key of draft ``name``'s estimated acceptance length on chains whose first draft lies in the
+    response-position bucket starting at ``start`` (``monitor.acceptance.RESPONSE_POSITION_EDGES``)."""
+    return f"accept_est_pos{start}_{name}{dict(ROW_MODES)[mode]}"
 
 
 @dataclass(frozen=True)

@@ -196,3 +196,36 @@ def test_length_stderr_is_the_standard_error_over_rounds():
     assert length_stderr(every.rounds, every.per_position()) == 0.0  # no spread: no noise
     assert math.isnan(length_stderr(1, [1.0, 0.0]))  # one round: no estimate
     assert math.isnan(length_stderr(10, [math.nan]))
+
+
+def test_estimate_pool_splits_by_position_in_the_response():
+    """Row s drafts response token s + 1 first: a draft that is right for the first 40 response tokens and wrong
+    after them measures k + 1 in [0, 32), a mix in [32, 64), 1 (nothing accepted) in [64, 128) and [128, ∞)."""
+    from draft_align.monitor.acceptance import RESPONSE_POSITION_EDGES, EstimatePool
+
+    k, rows = 3, 200
+    alpha = torch.zeros(rows, k)
+    for s in range(rows):
+        for j in range(k):
+            alpha[s, j] = 1.0 if s + 1 + j < 40 else 0.0  # draft j of row s is response token s + 1 + j
+    valid = torch.ones(rows, k, dtype=torch.bool)
+    valid[-k:] = torch.tril(torch.ones(k, k, dtype=torch.bool)).flip(0)  # the last rows run off the end
+    pool = EstimatePool(k)
+    pool.add(alpha, alpha, valid)
+    res = pool.result("greedy", 0.0)["by_response_position"]
+    assert [b["from"] for b in res] == list(RESPONSE_POSITION_EDGES) and res[-1]["to"] is None
+    first, mid, late, tail = res
+    assert first["starts"] == 31 and first["length"] == pytest.approx(k + 1)  # rows 0..30
+    assert late["length"] == pytest.approx(1.0) and tail["length"] == pytest.approx(1.0)
+    assert late["starts"] == 64 and tail["starts"] == rows - 127
+    # [32, 64): rows 31..62; row s accepts min(k, max(0, 39 − s − 1 + 1)) drafts
+    expect = [1 + min(k, max(0, 39 - s)) for s in range(31, 63)]
+    assert mid["starts"] == 32 and mid["length"] == pytest.approx(sum(expect) / len(expect))
+    # a short sequence leaves the later buckets empty: no length, not a zero
+    short = EstimatePool(k)
+    short.add(alpha[:20], alpha[:20], torch.ones(20, k, dtype=torch.bool))
+    assert [b["length"] for b in short.result("greedy", 0.0)["by_response_position"]][1:] == [
+        None,
+        None,
+        None,
+    ]

@@ -322,3 +322,26 @@ def test_low_acceptance_advice_gives_the_in_domain_command_and_its_recipe_exists
         path = save_prompts(Path(d), [conv])
         (loaded,) = load_conversations(str(path))
         assert [m.role for m in loaded.messages] == ["system", "user"]
+
+
+def test_advise_recommends_the_measured_cadence(tmp_path):
+    """With a cadence table in the run folder the advice names the cadence it chose and why; without one it says
+    how to measure it; a broken table is one line, not a crash."""
+    from draft_align.monitor.cadence import CADENCE_FILE, CadenceArm, save_table
+
+    dst = tmp_path / "run"
+    shutil.copytree(FIXTURE, dst)
+    assert any("update cadence not measured" in line for line in advise_run(dst).lines)
+    save_table(
+        dst,
+        [
+            CadenceArm("every1", "every step", 0.5, 0.02, 400.0, 420.0, 30),
+            CadenceArm("drift", "on drift", 0.47, 0.03, 100.0, 120.0, 8),
+            CadenceArm("never", "never", 0.0, None, 0.0, 20.0, 0),
+        ],
+    )
+    a = advise_run(dst)
+    assert a.cadence is not None and a.cadence.arm.name == "drift"
+    assert any(line.startswith("update cadence drift (measured") for line in a.lines)
+    (dst / CADENCE_FILE).write_text("[]")
+    assert any("no 'every1' arm" in line for line in advise_run(dst).lines)
