@@ -97,7 +97,11 @@ def load_recipe(
         if overrides:
             where = f"overrides {list(overrides)}"
             _refuse_moved([o.split("=", 1)[0].strip() for o in overrides], where)
-            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)))
+            try:
+                dotlist = OmegaConf.from_dotlist(list(overrides))
+            except yaml.YAMLError as e:  # e.g. a list past OmegaConf's node limit
+                raise RecipeError(f"{where[:200]}: not valid YAML values: {' '.join(str(e).split())[:300]}") from e
+            merged = OmegaConf.merge(merged, dotlist)
         recipe: Recipe = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except OmegaConfBaseException as e:
         raise _recipe_error(schema, e, where) from e

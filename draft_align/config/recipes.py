@@ -17,6 +17,7 @@ from draft_align.config.rules import (
     check_push,
     check_ranges,
     check_run_name,
+    check_strings,
 )
 from draft_align.config.sections import (
     DataConfig,
@@ -205,4 +206,5 @@ def _check_header(recipe: Recipe) -> None:
         )
     check_choices(recipe, "")
     check_run_name(recipe.run)
+    check_strings(recipe)  # no control characters, no path longer than MAX_STRING
     check_ranges(recipe)  # every numeric field in its declared range (config/rules.py RANGES)

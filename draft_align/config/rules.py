@@ -107,6 +107,13 @@ SECONDS = Range(0, 7 * 86400, open_low=True)  # timeouts and periods: more than 
 # conventions.temperature_ok, the wire's rule too
 TEMPERATURE = Range(MIN_TEMPERATURE, MAX_TEMPERATURE, also=(0.0,), note="0: greedy")
 TOKENS = Range(1)  # token counts
+# learning rates and loss weights: positive, and no larger than any run has a use for (1e300 loads as a float
+# and trains NaN; a bound keeps such a typo or a hostile override out of the recipe)
+LR = Range(0, 10, open_low=True)
+WEIGHT_DECAY = Range(0, 100)
+GRAD_CLIP = Range(0, 1e6, open_low=True)
+COEF = Range(0, 1e6)  # loss and penalty coefficients
+MAX_STRING = 4096  # characters of any string field (a path, a URL, a name)
 
 #: Every numeric field's range, by section (a list field: each item's).  A new numeric field without an entry
 #: fails tests/test_config.py; ``None`` values of an optional field are always allowed.
@@ -126,10 +133,10 @@ RANGES: dict[type, dict[str, Range]] = {
     },
     LoraAdaptConfig: {
         "rank": AT_LEAST_1,
-        "alpha": ABOVE_0,
+        "alpha": Range(0, 1e6, open_low=True),
         "dropout": DROPOUT,
-        "lr": ABOVE_0,
-        "weight_decay": AT_LEAST_0,
+        "lr": LR,
+        "weight_decay": WEIGHT_DECAY,
         "warmup_steps": AT_LEAST_0,
     },
     DraftConfig: {
@@ -140,13 +147,13 @@ RANGES: dict[type, dict[str, Range]] = {
     TrainConfig: {
         "ttt_steps": Range(1, 64),
         "step_decay": Range(0, open_low=True, note="null: the head's default"),
-        "soft_ce_weight": AT_LEAST_0,
-        "surrogate_tau": ABOVE_0,
-        "lr": ABOVE_0,
+        "soft_ce_weight": COEF,
+        "surrogate_tau": Range(0, 1e3, open_low=True),
+        "lr": LR,
         "min_lr_ratio": FRACTION,
-        "weight_decay": AT_LEAST_0,
+        "weight_decay": WEIGHT_DECAY,
         "warmup_steps": AT_LEAST_0,
-        "grad_clip": ABOVE_0,
+        "grad_clip": GRAD_CLIP,
         "batch_tokens": TOKENS,
         "epochs": AT_LEAST_1,
         "max_steps": Range(1, note="null: the epochs decide"),
@@ -185,32 +192,32 @@ RANGES: dict[type, dict[str, Range]] = {
         "recency_half_life": Range(0, open_low=True, inf_ok=True, note="inf: uniform sampling"),
         "holdout_records": AT_LEAST_1,
         "holdout_every": AT_LEAST_1,
-        "max_replay_ratio": ABOVE_0,
+        "max_replay_ratio": Range(0, 1e6, open_low=True),
     },
     SidecarTrainConfig: {
         "batch_tokens": TOKENS,
         "ttt_steps": Range(1, 64),
         "step_decay": Range(0, open_low=True, note="null: the head's default"),
-        "soft_ce_weight": AT_LEAST_0,
-        "surrogate_tau": ABOVE_0,
-        "lr": ABOVE_0,
+        "soft_ce_weight": COEF,
+        "surrogate_tau": Range(0, 1e3, open_low=True),
+        "lr": LR,
         "min_lr_ratio": FRACTION,
         "warmup_steps": AT_LEAST_0,
-        "weight_decay": AT_LEAST_0,
-        "grad_clip": ABOVE_0,
+        "weight_decay": WEIGHT_DECAY,
+        "grad_clip": GRAD_CLIP,
         "lr_ramp_tokens": Range(0, note="0: off"),
-        "anchor_decay": Range(0, note="0: off"),
+        "anchor_decay": Range(0, 1e6, note="0: off"),
         "max_seq_tokens": Range(3, 1_048_576, note="at most the wire's tokens per message"),
         "max_consecutive_nonfinite": AT_LEAST_1,
         "checkpoint_every_s": SECONDS,
     },
     SidecarTriggerConfig: {
         "drift_tolerance": Range(0, 1, open_low=True, open_high=True),
-        "drift_head_threshold": ABOVE_0,
+        "drift_head_threshold": Range(0, 1e3, open_low=True),
         "drift_window": AT_LEAST_1,
     },
     SidecarGateConfig: {
-        "tolerance": Range(0, note="sidecar.gate.k or more publishes every candidate"),
+        "tolerance": Range(0, 64, note="sidecar.gate.k or more publishes every candidate"),
         "k": Range(1, 64),
         "temperature": TEMPERATURE,
     },
@@ -237,13 +244,13 @@ RANGES: dict[type, dict[str, Range]] = {
         "spec_k": Range(1, 64),
         "verify_recheck_every": Range(0, note="0: measure the verify mode once"),
         "frozen_fraction": FRACTION,
-        "lr": ABOVE_0,
+        "lr": LR,
         "lora_r": AT_LEAST_1,
         "lora_alpha": AT_LEAST_1,
         "lora_dropout": DROPOUT,
-        "clip_eps": ABOVE_0,
-        "kl_coef": AT_LEAST_0,
-        "grad_clip": ABOVE_0,
+        "clip_eps": Range(0, 100, open_low=True),
+        "kl_coef": COEF,
+        "grad_clip": GRAD_CLIP,
         "micro_batch": AT_LEAST_1,
         "kl_prompts": AT_LEAST_1,
         "save_merged_at": AT_LEAST_1,  # RL steps
@@ -268,8 +275,8 @@ RANGES: dict[type, dict[str, Range]] = {
         "row_every_s": Range(0.1, 86400),
     },
     RayConfig: {
-        "num_cpus": AT_LEAST_0,
-        "num_gpus": AT_LEAST_0,
+        "num_cpus": Range(0, 1e6),
+        "num_gpus": Range(0, 1e6),
         "max_restarts": Range(0, 10_000),
         "max_failures": Range(0, 10_000),
         "ready_timeout_s": SECONDS,
@@ -323,8 +330,30 @@ def check_ranges(recipe: Any) -> None:
                 raise RecipeError(f"{k} must be {rng.text()}, got {v}")
 
 
+def check_strings(obj: Any, prefix: str = "") -> None:
+    """RecipeError unless every string of the dataclass ``obj`` (and of its sections and lists) is at most
+    :data:`MAX_STRING` characters with no control character: a path, URL or name with a newline or NUL in it is
+    a mistake or an attack, and it would reach a file name, a log line or a socket address as it is."""
+    for f in dataclasses.fields(obj):
+        value, key = getattr(obj, f.name), f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            check_strings(value, f"{key}.")
+            continue
+        items = [(f"{key}[{i}]", v) for i, v in enumerate(value)] if isinstance(value, list) else [(key, value)]
+        for k, v in items:
+            if not isinstance(v, str) or isinstance(v, Enum):
+                continue
+            if len(v) > MAX_STRING:
+                raise RecipeError(f"{k} is {len(v)} characters long; at most {MAX_STRING}")
+            bad = next((c for c in v if ord(c) < 32 or ord(c) == 127), None)
+            if bad is not None:
+                raise RecipeError(f"{k} {v[:60]!r} holds the control character {bad!r}")
+
+
 def check_run_name(run: str) -> None:
     """RecipeError unless ``run`` is one plain folder name: everything a run writes stays under output_dir."""
+    if len(run.encode()) > 200:  # a file name holds 255 bytes; the run's own suffixes need the rest
+        raise RecipeError(f"run is {len(run.encode())} bytes long; a run name holds at most 200")
     if not run or run in (".", "..") or "/" in run or "\\" in run or "\x00" in run or run.strip() != run:
         raise RecipeError(
             f"run {run!r} must be one plain folder name (no '/', '..', absolute path or surrounding spaces): "
