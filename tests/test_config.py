@@ -173,7 +173,10 @@ def test_missing_file_is_an_error(tmp_path):
         ),
         ("train.loss=tv train.soft_ce_weight=-1", r"^train\.soft_ce_weight must be in \[0, 1000000\]"),
         ("train.loss=tv train.soft_ce_weight=nan", r"^train\.soft_ce_weight must be in \[0, 1000000\]"),
-        ("train.loss=greedy_surrogate train.surrogate_tau=0", r"^train\.surrogate_tau must be in \(0, 1000\]"),
+        (
+            "train.loss=greedy_surrogate train.surrogate_tau=0",
+            r"^train\.surrogate_tau must be in \(0, 1000\]",
+        ),
         ("eval.modes=[greedy,typical]", "unknown verify mode 'typical'"),
         ("train.ttt_steps=0", "ttt_steps"),
         ("eval.k=0", "eval.k"),
@@ -448,7 +451,10 @@ def test_load_recipe_returns_the_schemas_type():
         ("sidecar.train.max_consecutive_nonfinite=0", "max_consecutive_nonfinite must be ≥ 1"),
         ("sidecar.recording.max_mb=0", "sidecar.recording.max_mb must be ≥ 1, got 0"),
         ("sidecar.recording.reserve_mb=-1", "sidecar.recording.reserve_mb must be ≥ 0, got -1"),
-        ("sidecar.train.anchor_decay=-1", r"sidecar.train.anchor_decay must be in \[0, 1000000\] \(0: off\), got -1"),
+        (
+            "sidecar.train.anchor_decay=-1",
+            r"sidecar.train.anchor_decay must be in \[0, 1000000\] \(0: off\), got -1",
+        ),
         ("sidecar.monitor.prometheus_port=70000", "prometheus_port must be in \\[0, 65535\\]"),
         ("sidecar.monitor.prometheus_port=-1", "prometheus_port"),
         ("wire.max_message_mb=0", "wire.max_message_mb must be in \\[1, 65536\\]"),

@@ -100,7 +100,9 @@ def load_recipe(
             try:
                 dotlist = OmegaConf.from_dotlist(list(overrides))
             except yaml.YAMLError as e:  # e.g. a list past OmegaConf's node limit
-                raise RecipeError(f"{where[:200]}: not valid YAML values: {' '.join(str(e).split())[:300]}") from e
+                raise RecipeError(
+                    f"{where[:200]}: not valid YAML values: {' '.join(str(e).split())[:300]}"
+                ) from e
             merged = OmegaConf.merge(merged, dotlist)
         recipe: Recipe = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except OmegaConfBaseException as e:

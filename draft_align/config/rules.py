@@ -339,7 +339,9 @@ def check_strings(obj: Any, prefix: str = "") -> None:
         if dataclasses.is_dataclass(value):
             check_strings(value, f"{key}.")
             continue
-        items = [(f"{key}[{i}]", v) for i, v in enumerate(value)] if isinstance(value, list) else [(key, value)]
+        items = (
+            [(f"{key}[{i}]", v) for i, v in enumerate(value)] if isinstance(value, list) else [(key, value)]
+        )
         for k, v in items:
             if not isinstance(v, str) or isinstance(v, Enum):
                 continue
