@@ -217,7 +217,7 @@ RANGES: dict[type, dict[str, Range]] = {
         "drift_window": AT_LEAST_1,
     },
     SidecarGateConfig: {
-        "tolerance": Range(0, 64, note="sidecar.gate.k or more publishes every candidate"),
+        "tolerance": Range(0, 1000, note="sidecar.gate.k or more publishes every candidate"),
         "k": Range(1, 64),
         "temperature": TEMPERATURE,
     },

@@ -46,6 +46,33 @@ def test_no_cluster_reachable_is_one_line(caplog):
     print(f"connect refused in {time.monotonic() - t0:.1f} s")
 
 
+def test_a_cluster_refusing_authentication_is_not_called_unreachable(monkeypatch):
+    """Issue 38 row 8: a token-auth cluster that refuses this client is reachable; the one line says so and what
+    to set, instead of "no Ray cluster reachable"."""
+    import types
+
+    from draft_align.integrations.ray import runtime
+
+    class FakeRay(types.SimpleNamespace):
+        exceptions = types.SimpleNamespace()  # a Ray without an AuthenticationError type: judged by the words
+
+        def is_initialized(self) -> bool:
+            return False
+
+        def init(self, **kw):
+            raise RuntimeError("Failed to connect to GCS: UNAUTHENTICATED: Authentication token is missing\nmore")
+
+    with socket.socket() as s:  # a port that listens: the cluster is reachable
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        monkeypatch.setattr(runtime, "import_ray", lambda: FakeRay())
+        with pytest.raises(runtime.RayConnectError) as e:
+            runtime.connect(f"127.0.0.1:{s.getsockname()[1]}", "draft_align")
+    msg = str(e.value)
+    assert "\n" not in msg and "reachable but refused this client's authentication" in msg
+    assert "RAY_AUTH_MODE=token" in msg and "no Ray cluster reachable" not in msg
+
+
 def test_importing_the_ray_modules_starts_no_cluster():
     import draft_align.integrations.ray.client  # noqa: F401
     import draft_align.integrations.ray.gang  # noqa: F401
