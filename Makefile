@@ -69,7 +69,7 @@ BENCH_TARGETS := bench-warmstart bench-learning-curve bench-draft-vocab bench-ob
 	bench-verify-choice bench-advise bench-drift bench-drift-vllm bench-drift-vllm-kl bench-drift-vllm-oracle \
 	bench-adapt-playback bench-drift-trigger bench-verify-drift bench-draft-variants bench-tap-stats \
 	bench-trl-drift bench-trl-overhead bench-trl-kl bench-trl-task bench-mtp-native bench-soak bench-task-probe bench-task-pays bench-task-pays-mtp bench-task-pays-long \
-	bench-draft-swap-cost \
+	bench-cadence-long bench-draft-swap-cost \
 	bench-ray-vs-process bench-server-push
 .PHONY: bench bench-checkpoints $(BENCH_TARGETS)
 
@@ -193,7 +193,7 @@ bench-task-pays-mtp: fetch $(MIMO_TASK_DRAFT)
 	$(PY) benchmarks/task_pays.py --name mtp --recipe recipes/smollm2_mimo_task_cotrain.yaml --draft checkpoints/smollm2-mimo-task-draft --general-draft "" --steps 24 --oracle-at "" --speed-at 0,24 --speed-batches 1,16
 bench-task-pays-long: fetch $(TOTAL_DRAFT)
 	$(PY) benchmarks/task_probe.py --model checkpoints/smollm2-total-sft --tasks total --prompts 8 --group 4 --max-new-tokens 256 --name total-sft
-	$(PY) benchmarks/task_pays.py --name long --recipe recipes/smollm2_total_cotrain.yaml --draft checkpoints/smollm2-total-draft --general-draft "" --steps 16 --oracle-at "" --speed-at 0,16 --speed-batches 1 --speed-prompts 3 sidecar.recording.enabled=true
+	$(PY) benchmarks/task_pays.py --name long --recipe recipes/smollm2_total_cotrain.yaml --draft checkpoints/smollm2-total-draft --general-draft "" --steps 30 --oracle-at "" --speed-at 0,30 --speed-batches 1,8 --speed-prompts 4 sidecar.recording.enabled=true
 bench-cadence-long: $(TOTAL_RUN)
 	$(PY) benchmarks/adapt_playback.py --run checkpoints/smollm2-task-pays-long --name cadence-long --arms every1,every5,never,drift,drift_t05,drift_t20 --train-tokens-per-step 8192
 bench-ray-vs-process: fetch $(DEMO_DRAFT)
