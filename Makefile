@@ -195,6 +195,6 @@ bench-task-pays-long: fetch $(TOTAL_DRAFT)
 	$(PY) benchmarks/task_probe.py --model checkpoints/smollm2-total-sft --tasks total --prompts 8 --group 4 --max-new-tokens 256 --name total-sft
 	$(PY) benchmarks/task_pays.py --name long --recipe recipes/smollm2_total_cotrain.yaml --draft checkpoints/smollm2-total-draft --general-draft "" --steps 30 --oracle-at "" --speed-at 0,30 --speed-batches 1,8 --speed-prompts 4 sidecar.recording.enabled=true
 bench-cadence-long: $(TOTAL_RUN)
-	$(PY) benchmarks/adapt_playback.py --run checkpoints/smollm2-task-pays-long --name cadence-long --arms every1,every5,never,drift,drift_t05,drift_t20 --train-tokens-per-step 8192
+	$(PY) benchmarks/adapt_playback.py --run checkpoints/smollm2-task-pays-long --name cadence-long --arms every1,every5,never,drift,drift_g10,drift_g20,drift_min3 --train-tokens-per-step 8192
 bench-ray-vs-process: fetch $(DEMO_DRAFT)
 	$(PY) benchmarks/ray_vs_process.py --repeats 3 --tokens-per-batch 256 --feed-s 60 --draft checkpoints/smollm2-demo

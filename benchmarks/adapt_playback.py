@@ -79,7 +79,19 @@ ARMS: dict[str, tuple[list[str], str]] = {
         "train and publish after every fifth RL step (verl-SpeCo's interval), the same budget per update",
     ),
     "never": ([], "never train: the frozen starting draft"),
-    "drift": (["sidecar.trigger.when=drift"], "the drift trigger at its defaults"),
+    "drift": (["sidecar.trigger.when=drift"], "the drift trigger at its defaults (a burst ends once its publishes gain < 0.03)"),
+    "drift_g10": (
+        ["sidecar.trigger.when=drift", "sidecar.trigger.drift_min_gain=0.1"],
+        "the drift trigger, a burst ends once its publishes gain < 0.1",
+    ),
+    "drift_g20": (
+        ["sidecar.trigger.when=drift", "sidecar.trigger.drift_min_gain=0.2"],
+        "the drift trigger, a burst ends once its publishes gain < 0.2",
+    ),
+    "drift_min3": (
+        ["sidecar.trigger.when=drift", "sidecar.trigger.drift_min_gain=1000"],
+        "the drift trigger, every burst its minimum of 3 publishes (min gain 1000)",
+    ),
     "drift_t05": (
         ["sidecar.trigger.when=drift", "sidecar.trigger.drift_tolerance=0.05"],
         "the drift trigger, tolerance 0.05",
@@ -315,7 +327,8 @@ def render(result: dict[str, Any]) -> str:
     ]
     for a in result["arms"]:
         g, p = a["summary"]["greedy_draft"], a["summary"]["probabilistic"]
-        stops = Counter(s["stopped_by"] for s in a["per_step"] if s["stopped_by"])
+        # the trigger's reasons carry figures ("idle: the draft holds 2.111 (…)"): counted by their kind
+        stops = Counter(s["stopped_by"].split(":")[0] for s in a["per_step"] if s["stopped_by"])
         lines.append(
             f"| {a['arm']} | {ARMS[a['arm']][1]} | {a['trained_tokens']} | {a['published']} ({a['gate_refused']}) | "
             f"{', '.join(f'{k} ×{v}' for k, v in stops.items()) or '–'} | {_f(g['mean_all'])} | "

@@ -215,6 +215,7 @@ RANGES: dict[type, dict[str, Range]] = {
         "drift_tolerance": Range(0, 1, open_low=True, open_high=True),
         "drift_head_threshold": Range(0, 1e3, open_low=True),
         "drift_window": AT_LEAST_1,
+        "drift_min_gain": Range(0, 1e3),
     },
     SidecarGateConfig: {
         "tolerance": Range(0, 1000, note="sidecar.gate.k or more publishes every candidate"),

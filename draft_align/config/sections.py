@@ -246,7 +246,8 @@ class SidecarTriggerConfig:
     """When to train (sidecar/trigger.py): always (whenever data allows), or drift: idle after each publish while
     the published draft's estimated acceptance on fresh taps holds (its gain over plain decoding within
     ``drift_tolerance``, relative, of its level over the ``drift_window`` steps after publication) and the head
-    rows moved less than ``drift_head_threshold`` (relative) since; single-process sidecars only."""
+    rows moved less than ``drift_head_threshold`` (relative) since, and the last publish gained less than
+    ``drift_min_gain``; single-process sidecars only."""
 
     when: TrainTriggerChoice = TrainTriggerChoice("always")  # always | drift
     # drift trigger: relative fall of the published draft's gain that restarts training
@@ -254,6 +255,9 @@ class SidecarTriggerConfig:
     # drift trigger: relative head-row change that restarts training
     drift_head_threshold: float = 0.05
     drift_window: int = 3  # drift trigger: steps after a publish that set the reference level
+    # drift trigger: a publish that beat the draft it replaced by at least this much (acceptance length, paired on
+    # the gate's hold-out) keeps the sidecar training; idle only once training stops paying
+    drift_min_gain: float = 0.03
 
 
 @dataclass

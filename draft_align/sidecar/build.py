@@ -138,6 +138,7 @@ def build_trigger(recipe: CotrainRecipe) -> DriftTrigger:
         tolerance=sc.drift_tolerance,
         head_threshold=sc.drift_head_threshold,
         window=sc.drift_window,
+        min_gain=sc.drift_min_gain,
     )
 
 

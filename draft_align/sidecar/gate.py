@@ -113,6 +113,7 @@ class Gate:
         self.last_publish = time.monotonic()
         self.steps_since_publish = 0
         self.tried_version = -1  # the trained policy version of the last attempt (publish.on_new_version)
+        self.last_gain: float | None = None  # the last published candidate − the draft it replaced (paired)
 
     def due(self, force: bool = False) -> bool:
         """Enough train steps since the last publish, and the interval passed (or ``force``, or with
@@ -166,6 +167,7 @@ class Gate:
             self.state.gate_rejections += 1
             log.error("candidate not published: %s", e)
             return False
+        self.last_gain = diff
         return True
 
     def _prune(self, keep: int) -> None:

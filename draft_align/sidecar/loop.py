@@ -463,7 +463,7 @@ class Sidecar:
         except OSError as e:
             self._storage_failed("publish", e)
             return False
-        self.trigger.on_publish(self.trainer.rows)
+        self.trigger.on_publish(self.trainer.rows, gain=self.gate.last_gain)
         self.sinks.observe_stats(self.stats())
         self.checkpoint()  # the published version and the trainer state move together
         return True

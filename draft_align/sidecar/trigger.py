@@ -2,8 +2,12 @@
 
 ``always``: the sidecar trains whenever it has a head and data (bounded by ``max_replay_ratio``).
 
-``drift``: after each publish the sidecar stops training and watches the published draft:
+``drift``: the sidecar trains while training pays, then stops and watches the published draft:
 
+- **still improving**: while the publishes of this training burst beat the drafts they replaced by at least
+  ``drift_min_gain`` on average (acceptance length, paired on the gate's hold-out, over the last
+  ``drift_window`` publishes; a burst makes at least that many), the sidecar keeps training: a draft still
+  catching up with the policy (an under-trained warm-start, a policy that moved a lot) is not "holding";
 - **settling**: the first ``drift_window`` per-step estimates of the published draft's acceptance length on
   fresh taps (the estimates every StepReport already gets, in the gate's verify mode) give its level at
   publication, ``baseline``;
@@ -56,12 +60,17 @@ def head_change(sketch: torch.Tensor, ref: torch.Tensor) -> float:
 class DriftTrigger:
     """The state machine of the module docstring.  ``mode`` ``always`` never leaves TRAINING."""
 
-    def __init__(self, mode: str, *, tolerance: float, head_threshold: float, window: int) -> None:
+    def __init__(
+        self, mode: str, *, tolerance: float, head_threshold: float, window: int, min_gain: float = 0.03
+    ) -> None:
         if mode not in ("always", "drift"):
             raise ValueError(f"trigger {mode!r}: must be always or drift")
-        if not 0.0 < tolerance < 1.0 or head_threshold <= 0.0 or window < 1:
-            raise ValueError("drift_tolerance must be in (0, 1), drift_head_threshold > 0, drift_window ≥ 1")
+        if not 0.0 < tolerance < 1.0 or head_threshold <= 0.0 or window < 1 or not min_gain >= 0.0:
+            raise ValueError(
+                "drift_tolerance must be in (0, 1), drift_head_threshold > 0, drift_window ≥ 1, drift_min_gain ≥ 0"
+            )
         self.mode = mode
+        self.min_gain = float(min_gain)
         self.tolerance = float(tolerance)
         self.head_threshold = float(head_threshold)
         self.window = int(window)
@@ -70,6 +79,7 @@ class DriftTrigger:
         self.baseline: float | None = None
         self.recent: deque[float] = deque(maxlen=self.window)
         self._head_ref: torch.Tensor | None = None
+        self.gains: deque[float] = deque(maxlen=self.window)  # this burst's publish gains
         self.triggers = 0  # idle → training transitions
 
     def wants_training(self) -> bool:
@@ -79,15 +89,27 @@ class DriftTrigger:
         """The acceptance length below which training resumes (None before the baseline is known)."""
         return None if self.baseline is None else 1.0 + (1.0 - self.tolerance) * (self.baseline - 1.0)
 
-    def on_publish(self, rows: torch.Tensor | None) -> None:
-        """A new version was published (trained on head ``rows``): settle and measure it."""
+    def on_publish(self, rows: torch.Tensor | None, gain: float | None = None) -> None:
+        """A new version was published (trained on head ``rows``; ``gain``: how much it beat the draft it replaced,
+        paired on the gate's hold-out): keep training while that is ≥ ``min_gain``, else settle and measure it."""
         if self.mode == "always":
             return
-        self.state = TriggerState.SETTLING
-        self.reason = "settling: measuring the new draft on fresh taps"
+        self._head_ref = head_sketch(rows) if rows is not None else None
         self.baseline = None
         self.recent.clear()
-        self._head_ref = head_sketch(rows) if rows is not None else None
+        if gain is not None:
+            self.gains.append(float(gain))
+            paying = statistics.fmean(self.gains)
+            if len(self.gains) < self.window or paying >= self.min_gain:
+                self.state = TriggerState.TRAINING
+                self.reason = (
+                    f"still improving: publishes gain +{paying:.3f} on average "
+                    f"(idle once {self.window} average < {self.min_gain:g})"
+                )
+                return
+        self.gains.clear()
+        self.state = TriggerState.SETTLING
+        self.reason = "settling: measuring the new draft on fresh taps"
 
     def on_estimate(self, accept_len: float | None) -> None:
         """The published draft's estimated acceptance length on one RL step's fresh taps (None: none)."""
@@ -118,6 +140,7 @@ class DriftTrigger:
 
     def _train(self, why: str) -> None:
         self.state = TriggerState.TRAINING
+        self.gains.clear()
         self.reason = why
         self.triggers += 1
         log.info("drift trigger: training (%s)", why)

@@ -72,6 +72,7 @@ def test_bad_settings():
         ["sidecar.trigger.drift_tolerance=0"],
         ["sidecar.trigger.drift_window=0"],
         ["sidecar.trigger.drift_head_threshold=-1"],
+        ["sidecar.trigger.drift_min_gain=-0.1"],
         ["sidecar.trigger.when=drift", "sidecar.ranks=2"],
     ):
         with pytest.raises(RecipeError):
@@ -94,6 +95,7 @@ def test_the_loop_idles_after_a_publish_and_says_why(tiny_run, tiny_env, tmp_pat
                 "sidecar.trigger.when": "drift",
                 "sidecar.trigger.drift_window": 1,
                 "sidecar.trigger.drift_head_threshold": 0.01,
+                "sidecar.trigger.drift_min_gain": 100.0,  # idle right after each publish: what this test watches
             },
         ),
         CotrainRecipe,
@@ -129,3 +131,40 @@ def test_the_loop_idles_after_a_publish_and_says_why(tiny_run, tiny_env, tmp_pat
     finally:
         feeder.close()
         sc.close()
+
+
+def test_publishes_that_still_pay_keep_it_training_and_idle_once_they_stop():
+    """Issue 37: on the long workload the drift trigger idled after its first, barely trained publish (+0.00)
+    and never trained again while every-step training gained +0.11; a burst now runs while its publishes pay."""
+    t = _trigger(window=3, min_gain=0.05)
+    rows = torch.randn(40, 16)
+    t.on_publish(rows, gain=0.001)  # an early candidate barely moved: too soon to judge (1 of 3)
+    assert t.wants_training() and "still improving" in t.reason
+    t.on_publish(rows, gain=0.40)
+    t.on_publish(rows, gain=0.20)  # mean 0.20 ≥ 0.05
+    assert t.wants_training()
+    t.on_publish(rows, gain=0.02)  # last three: 0.40, 0.20, 0.02 → 0.207
+    t.on_publish(rows, gain=0.01)  # 0.20, 0.02, 0.01 → 0.077
+    assert t.wants_training()
+    t.on_publish(rows, gain=-0.01)  # 0.02, 0.01, −0.01 → 0.007 < 0.05: training stopped paying
+    assert t.state is TriggerState.SETTLING and not t.wants_training()
+    for x in (1.5, 1.5, 1.5):
+        t.on_estimate(x)
+    assert t.state is TriggerState.IDLE
+    t.on_estimate(1.2)
+    t.on_estimate(1.2)
+    t.on_estimate(1.2)
+    assert t.wants_training() and "acceptance fell" in t.reason
+    t.on_publish(rows, gain=0.0)  # a new burst: judged on its own publishes, not the last burst's
+    assert t.wants_training()
+    t.on_publish(rows, gain=0.0)
+    t.on_publish(rows, gain=0.0)
+    assert t.state is TriggerState.SETTLING
+
+
+def test_without_a_gain_a_publish_settles_as_before():
+    t = _trigger(min_gain=0.05)
+    t.on_publish(torch.randn(8, 4))
+    assert t.state is TriggerState.SETTLING
+    with pytest.raises(ValueError, match="drift_min_gain"):
+        _trigger(min_gain=-1)
