@@ -82,6 +82,15 @@ def connect(address: str | None, namespace: str) -> Any:
             ) from e
         if not isinstance(e, ConnectionError | RuntimeError | ValueError):
             raise
+        target = _resolved(where)
+        if _is_host_port(target) and _unreachable(target) is None:
+            # Ray 2.60 raises a bare "Failed to connect" for a token-auth cluster that refused this client (the
+            # reason is only in its C++ log): something answers on the port, so "unreachable" would be wrong
+            raise RayConnectError(
+                f"the Ray cluster at {target!r} answers on its port but this client could not join ({first[:200]}): "
+                f"if it was started with token authentication, set RAY_AUTH_MODE=token and its token "
+                f"(RAY_AUTH_TOKEN, or the file RAY_AUTH_TOKEN_PATH names)"
+            ) from e
         raise RayConnectError(
             f"no Ray cluster reachable at {where!r} ({first}): start one (ray start --head) or set ray.address"
         ) from e
@@ -92,6 +101,24 @@ def _looks_like_auth(text: str) -> bool:
     """An error of Ray's token authentication, by its words (versions differ in the type they raise)."""
     low = text.lower()
     return "auth" in low and ("token" in low or "unauthenticated" in low or "authentication" in low)
+
+
+def _resolved(address: str) -> str:
+    """``auto`` as Ray resolves it (``$RAY_ADDRESS``, else the cluster ``ray start`` left on this node), for the
+    error message only; the address itself when Ray cannot say."""
+    if address != "auto":
+        return address
+    try:
+        from ray._private.services import canonicalize_bootstrap_address  # a private helper: best effort
+
+        return canonicalize_bootstrap_address("auto") or address
+    except Exception:  # noqa: BLE001 - any failure: keep "auto"
+        return address
+
+
+def _is_host_port(address: str) -> bool:
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    return bool(host) and port.isdigit()
 
 
 def _unreachable(address: str, timeout_s: float = 5.0) -> str | None:

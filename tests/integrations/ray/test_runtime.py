@@ -73,6 +73,35 @@ def test_a_cluster_refusing_authentication_is_not_called_unreachable(monkeypatch
     assert "RAY_AUTH_MODE=token" in msg and "no Ray cluster reachable" not in msg
 
 
+def test_a_bare_connect_failure_on_a_port_that_answers_names_token_auth(monkeypatch):
+    """What Ray 2.60 really raises for a token-auth cluster and a client without the token (checked against one):
+    a ConnectionError "Failed to connect to Ray cluster at …", the reason only in its C++ log. The port answers,
+    so the line must not say "no Ray cluster reachable"."""
+    import types
+
+    from draft_align.integrations.ray import runtime
+
+    class FakeRay(types.SimpleNamespace):
+        exceptions = types.SimpleNamespace()
+
+        def is_initialized(self) -> bool:
+            return False
+
+        def init(self, **kw):
+            raise ConnectionError(f"Failed to connect to Ray cluster at {kw['address']}.")
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+        monkeypatch.setattr(runtime, "import_ray", lambda: FakeRay())
+        with pytest.raises(runtime.RayConnectError) as e:
+            runtime.connect(address, "draft_align")
+    msg = str(e.value)
+    assert "\n" not in msg and "answers on its port but this client could not join" in msg
+    assert "RAY_AUTH_MODE=token" in msg and "no Ray cluster reachable" not in msg
+
+
 def test_importing_the_ray_modules_starts_no_cluster():
     import draft_align.integrations.ray.client  # noqa: F401
     import draft_align.integrations.ray.gang  # noqa: F401
