@@ -79,7 +79,10 @@ ARMS: dict[str, tuple[list[str], str]] = {
         "train and publish after every fifth RL step (verl-SpeCo's interval), the same budget per update",
     ),
     "never": ([], "never train: the frozen starting draft"),
-    "drift": (["sidecar.trigger.when=drift"], "the drift trigger at its defaults (a burst ends once its publishes gain < 0.03)"),
+    "drift": (
+        ["sidecar.trigger.when=drift"],
+        "the drift trigger at its defaults (a burst ends once its publishes gain < 0.03)",
+    ),
     "drift_g10": (
         ["sidecar.trigger.when=drift", "sidecar.trigger.drift_min_gain=0.1"],
         "the drift trigger, a burst ends once its publishes gain < 0.1",

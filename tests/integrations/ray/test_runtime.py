@@ -60,7 +60,9 @@ def test_a_cluster_refusing_authentication_is_not_called_unreachable(monkeypatch
             return False
 
         def init(self, **kw):
-            raise RuntimeError("Failed to connect to GCS: UNAUTHENTICATED: Authentication token is missing\nmore")
+            raise RuntimeError(
+                "Failed to connect to GCS: UNAUTHENTICATED: Authentication token is missing\nmore"
+            )
 
     with socket.socket() as s:  # a port that listens: the cluster is reachable
         s.bind(("127.0.0.1", 0))
