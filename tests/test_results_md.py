@@ -92,3 +92,12 @@ def test_make_bench_runs_the_commands_results_md_records() -> None:
         for cmd in cmds:
             recorded = norm(cmd.removeprefix("$(PY) "))
             assert recorded in flat, f"{target}: {recorded!r} is not a command RESULTS.md records"
+
+
+def test_every_bench_target_is_in_the_index_make_help_reads() -> None:
+    """`make help` lists the benchmarks by the topics of RESULTS.md's index: each of BENCH_TARGETS must be there."""
+    results, makefile = _results_and_makefile()
+    preamble = results.partition("\n## ")[0]
+    indexed = set(re.findall(r"`make (bench-[a-z0-9-]+)`", preamble))
+    missing = sorted(set(_bench_recipes(makefile)) - indexed)
+    assert not missing, f"BENCH_TARGETS not in RESULTS.md's index (so not in `make help`): {missing}"
