@@ -81,7 +81,7 @@ ARMS: dict[str, tuple[list[str], str]] = {
     "never": ([], "never train: the frozen starting draft"),
     "drift": (
         ["sidecar.trigger.when=drift"],
-        "the drift trigger at its defaults (a burst ends once its publishes gain < 0.03)",
+        "the drift trigger at its defaults (sidecar.trigger)",
     ),
     "drift_g10": (
         ["sidecar.trigger.when=drift", "sidecar.trigger.drift_min_gain=0.1"],

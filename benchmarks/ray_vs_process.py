@@ -317,7 +317,7 @@ def _recipe(out: Path, draft: str, extra: list[str]):
         "sidecar.publish.min_train_steps=1",
         "sidecar.buffer.min_tokens=1024",
         "sidecar.train.batch_tokens=512",
-        "sidecar.gate.tolerance=100.0",
+        "sidecar.gate.tolerance=64",
         "sidecar.monitor.prometheus_port=0",
         "ray.num_cpus=1",
         "ray.max_restarts=3",

@@ -91,7 +91,7 @@ def _recipe(disk: Path, draft: str, extra: list[str]):
         "sidecar.publish.min_train_steps=1",
         "sidecar.buffer.min_tokens=1024",
         "sidecar.train.batch_tokens=512",
-        "sidecar.gate.tolerance=100.0",
+        "sidecar.gate.tolerance=64",
         "sidecar.monitor.prometheus_port=0",
         "wire.max_message_mb=16",
         "tap.tokens_per_step=1024",

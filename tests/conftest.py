@@ -183,7 +183,7 @@ class TinyRun:
             "sidecar.buffer.holdout_records": 6,
             "sidecar.publish.min_train_steps": 1,
             "sidecar.publish.every_s": 0.0,
-            "sidecar.gate.tolerance": 100.0,
+            "sidecar.gate.tolerance": 64.0,  # ≥ gate.k: every candidate publishes (the range's top)
             "sidecar.train.ttt_steps": 2,
             "sidecar.gate.k": 2,
             "sidecar.train.checkpoint_every_s": 0.2,

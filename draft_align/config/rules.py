@@ -218,7 +218,7 @@ RANGES: dict[type, dict[str, Range]] = {
         "drift_min_gain": Range(0, 1e3),
     },
     SidecarGateConfig: {
-        "tolerance": Range(0, 1000, note="sidecar.gate.k or more publishes every candidate"),
+        "tolerance": Range(0, 64, note="sidecar.gate.k or more publishes every candidate"),
         "k": Range(1, 64),
         "temperature": TEMPERATURE,
     },

@@ -243,11 +243,11 @@ class SidecarTrainConfig:
 
 @dataclass
 class SidecarTriggerConfig:
-    """When to train (sidecar/trigger.py): always (whenever data allows), or drift: idle after each publish while
-    the published draft's estimated acceptance on fresh taps holds (its gain over plain decoding within
+    """When to train (sidecar/trigger.py): always (whenever data allows), or drift: in bursts that go on while their
+    publishes still pay (the last ``drift_window`` publish gains average ≥ ``drift_min_gain``), then idle while the
+    published draft's estimated acceptance on fresh taps holds (its gain over plain decoding within
     ``drift_tolerance``, relative, of its level over the ``drift_window`` steps after publication) and the head
-    rows moved less than ``drift_head_threshold`` (relative) since, and the last publish gained less than
-    ``drift_min_gain``; single-process sidecars only."""
+    rows moved less than ``drift_head_threshold`` (relative) since; single-process sidecars only."""
 
     when: TrainTriggerChoice = TrainTriggerChoice("always")  # always | drift
     # drift trigger: relative fall of the published draft's gain that restarts training
@@ -255,8 +255,8 @@ class SidecarTriggerConfig:
     # drift trigger: relative head-row change that restarts training
     drift_head_threshold: float = 0.05
     drift_window: int = 3  # drift trigger: steps after a publish that set the reference level
-    # drift trigger: a publish that beat the draft it replaced by at least this much (acceptance length, paired on
-    # the gate's hold-out) keeps the sidecar training; idle only once training stops paying
+    # drift trigger: a burst trains on while its last drift_window publishes beat the drafts they replaced by at
+    # least this much on average (acceptance length, paired on the gate's hold-out)
     drift_min_gain: float = 0.03
 
 

@@ -61,7 +61,7 @@ class DriftTrigger:
     """The state machine of the module docstring.  ``mode`` ``always`` never leaves TRAINING."""
 
     def __init__(
-        self, mode: str, *, tolerance: float, head_threshold: float, window: int, min_gain: float = 0.03
+        self, mode: str, *, tolerance: float, head_threshold: float, window: int, min_gain: float
     ) -> None:
         if mode not in ("always", "drift"):
             raise ValueError(f"trigger {mode!r}: must be always or drift")
@@ -91,7 +91,8 @@ class DriftTrigger:
 
     def on_publish(self, rows: torch.Tensor | None, gain: float | None = None) -> None:
         """A new version was published (trained on head ``rows``; ``gain``: how much it beat the draft it replaced,
-        paired on the gate's hold-out): keep training while that is ≥ ``min_gain``, else settle and measure it."""
+        paired on the gate's hold-out): keep training while this burst's last ``window`` gains average ≥ ``min_gain``
+        (or it has made fewer publishes than that), else settle and measure it; no ``gain``: settle."""
         if self.mode == "always":
             return
         self._head_ref = head_sketch(rows) if rows is not None else None

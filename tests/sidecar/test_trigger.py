@@ -10,7 +10,9 @@ from draft_align.sidecar.trigger import DriftTrigger, TriggerState, head_change,
 
 
 def _trigger(**kw) -> DriftTrigger:
-    return DriftTrigger("drift", **{"tolerance": 0.2, "head_threshold": 0.05, "window": 2, **kw})
+    return DriftTrigger(
+        "drift", **{"tolerance": 0.2, "head_threshold": 0.05, "window": 2, "min_gain": 0.03, **kw}
+    )
 
 
 def test_idle_train_publish_idle():
@@ -56,7 +58,7 @@ def test_head_change_is_relative_and_sketch_tracks_it():
 
 
 def test_always_never_idles():
-    t = DriftTrigger("always", tolerance=0.1, head_threshold=0.05, window=3)
+    t = DriftTrigger("always", tolerance=0.1, head_threshold=0.05, window=3, min_gain=0.03)
     t.on_publish(torch.randn(4, 4))
     for v in (2.0, 2.0, 2.0, 1.0):
         t.on_estimate(v)
@@ -65,9 +67,9 @@ def test_always_never_idles():
 
 def test_bad_settings():
     with pytest.raises(ValueError, match="always or drift"):
-        DriftTrigger("sometimes", tolerance=0.1, head_threshold=0.1, window=1)
+        DriftTrigger("sometimes", tolerance=0.1, head_threshold=0.1, window=1, min_gain=0.0)
     with pytest.raises(ValueError, match="drift_tolerance"):
-        DriftTrigger("drift", tolerance=1.5, head_threshold=0.1, window=1)
+        DriftTrigger("drift", tolerance=1.5, head_threshold=0.1, window=1, min_gain=0.0)
     for bad in (
         ["sidecar.trigger.drift_tolerance=0"],
         ["sidecar.trigger.drift_window=0"],

@@ -83,7 +83,7 @@ def connect(address: str | None, namespace: str) -> Any:
         if not isinstance(e, ConnectionError | RuntimeError | ValueError):
             raise
         target = _resolved(where)
-        if _is_host_port(target) and _unreachable(target) is None:
+        if _host_port(target) is not None and _unreachable(target) is None:
             # Ray 2.60 raises a bare "Failed to connect" for a token-auth cluster that refused this client (the
             # reason is only in its C++ log): something answers on the port, so "unreachable" would be wrong
             raise RayConnectError(
@@ -116,20 +116,20 @@ def _resolved(address: str) -> str:
         return address
 
 
-def _is_host_port(address: str) -> bool:
+def _host_port(address: str) -> tuple[str, int] | None:
+    """(host, port) of a ``host:port`` or ``ray://host:port`` address; None for any other form (``auto``)."""
     host, _, port = address.removeprefix("ray://").rpartition(":")
-    return bool(host) and port.isdigit()
+    return (host.strip("[]"), int(port)) if host and port.isdigit() else None
 
 
 def _unreachable(address: str, timeout_s: float = 5.0) -> str | None:
     """Why a ``host:port`` (or ``ray://host:port``) address cannot be reached by tcp within ``timeout_s``; None
     when it can or when the address is not of that form (``auto``: Ray finds the local cluster itself)."""
-    target = address.removeprefix("ray://")
-    host, _, port = target.rpartition(":")
-    if not host or not port.isdigit():
+    hp = _host_port(address)
+    if hp is None:
         return None
     try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+        socket.create_connection(hp, timeout=timeout_s).close()
     except OSError as e:
         return f"tcp connect: {e.strerror or e}"
     return None

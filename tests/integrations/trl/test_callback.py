@@ -47,7 +47,9 @@ def test_trl_run_taps_reports_and_logs_acceptance(tiny_run, tiny_env, tmp_path, 
     assert [r["step"] for r in mon[:3]] == [0, 1, 2]
     assert all(r["est_records"] > 0 for r in mon[:3])
     assert mon[0]["reward_mean"] == pytest.approx(logs[0]["reward"])
-    assert (da.run_dir / "latest").exists()  # the sidecar published a draft (gate tolerance 100 here)
+    assert (
+        da.run_dir / "latest"
+    ).exists()  # the sidecar published a draft (gate tolerance 64 here: every candidate)
 
     # the stage profile of each TRL step: timed apart, never past the step, other = the rest; in the monitor
     # rows, report.md and advise

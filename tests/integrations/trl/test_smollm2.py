@@ -77,7 +77,7 @@ def test_trl_grpo_example_on_smollm2_with_vllm(tmp_path, monkeypatch):
                 "sidecar.buffer.min_tokens=0",
                 "sidecar.publish.min_train_steps=1",
                 "sidecar.publish.every_s=0",
-                "sidecar.gate.tolerance=100",
+                "sidecar.gate.tolerance=64",
                 "sidecar.train.ttt_steps=2",
                 "sidecar.train.checkpoint_every_s=5",
                 # the plumbing is under test (a published draft reaches the engine), not the drafts' quality: a draft
