@@ -4,8 +4,7 @@ of its forward pass to the sidecar (the contract: :mod:`draft_align.tap.protocol
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -13,7 +12,7 @@ from torch import nn
 
 from draft_align.hf.capture import HFTap
 from draft_align.hf.parts import decoder_parts
-from draft_align.tap.budget import generator_for
+from draft_align.tap.base import TapBase
 from draft_align.tap.logit_stats import (
     full_tensor,
     head_logit_stats,
@@ -24,12 +23,9 @@ from draft_align.tap.logit_stats import (
 )
 from draft_align.tap.protocol import PolicyTapError, TapSink
 from draft_align.tap.shipping import (
-    CaptureSession,
     KeptSequence,
-    StepSample,
     check_head_sync_args,
     check_step_args,
-    check_tap_args,
     check_topk,
     head_sync_message,
     host_ids,
@@ -69,7 +65,7 @@ def _row_temperatures(
     return temps
 
 
-class HFPolicyTap:
+class HFPolicyTap(TapBase):
     """:class:`~draft_align.tap.protocol.PolicyTap` for HF transformers causal LMs (Llama/Qwen/Mistral
     layout, or the inner model of a peft ``PeftModel``: ``peft_model.base_model.model``).
 
@@ -113,16 +109,18 @@ class HFPolicyTap:
         rank: int = 0,
         seed: int = 0,
     ) -> None:
-        check_tap_args(run_id, sink, tokens_per_step, max_tokens_per_message)
+        super().__init__(
+            sink,
+            run_id=run_id,
+            tokens_per_step=tokens_per_step,
+            max_tokens_per_message=max_tokens_per_message,
+            send_final=send_final,
+        )
         if int(rank) < 0:
             raise PolicyTapError(f"rank must be ≥ 0, got {rank}")
         _, _, norm, lm_head = decoder_parts(model)
         self.model = model
-        self.sink = sink
-        self.run_id = run_id
-        self.send_final = bool(send_final)
         self.rank = int(rank)
-        self.max_tokens_per_message = int(max_tokens_per_message)
         self._tap = HFTap(
             model, tuple(aux_layer_ids), capture_final=True
         )  # a reference; copied only when kept
@@ -130,17 +128,9 @@ class HFPolicyTap:
         self.hidden_size = int(norm.weight.shape[0])
         self.vocab_size = int(lm_head.weight.shape[0])
         self.topk = check_topk(topk, self.vocab_size)
-        self._capture = CaptureSession(self._tap)
-        self._sample = StepSample(tokens_per_step, generator_for(seed, rank), self.max_tokens_per_message)
-        self._batch_id = 0
+        self._start(self._tap, seed, self.rank)
 
-    # -- capture ---------------------------------------------------------------------------------------
-
-    @contextlib.contextmanager
-    def capturing(self) -> Iterator[HFPolicyTap]:
-        """Attach the hooks for the forward passes run inside; they are removed on exit."""
-        with self._capture.capturing():
-            yield self
+    # -- capture (capturing(): TapBase's) --------------------------------------------------------------
 
     def submit(
         self,
@@ -164,8 +154,7 @@ class HFPolicyTap:
         read from the position before each row's first response token to its last-but-one valid token.
         temperature: the sampling temperature of every row, or one per row ([B]).
         """
-        cap = self._capture.take()
-        shape, valid, response = host_masks(input_ids, attention_mask, loss_mask)
+        cap, shape, valid, response = self._take(input_ids, attention_mask, loss_mask)
         temps = _row_temperatures(temperature, shape[0], policy_version, step)
         self._check_outputs(shape, logits, next_logprob)
         if tuple(cap.aux.shape[:2]) != shape:
@@ -377,23 +366,8 @@ class HFPolicyTap:
     def _tap_batch(self, seqs: list[KeptSequence]) -> Any:
         """One TapBatch of ``seqs`` (same policy version, step and temperature), validated as the wire
         encoder would; raises WireError (e.g. NaN logits gave NaN log-probs)."""
-        head = seqs[0]
-        batch_id = self._batch_id
-        self._batch_id += 1  # also for a message that is refused or invalid: gaps in batch_id show losses
-        return pack_sequences(
-            [s.tensors for s in seqs],
-            run_id=self.run_id,
-            policy_version=head.policy_version,
-            source_rank=self.rank,
-            batch_id=batch_id,
-            step=head.step,
-            aux_layer_ids=self.aux_layer_ids,
-            hidden_size=self.hidden_size,
-            vocab_size=self.vocab_size,
-            final_norm="post" if self.send_final else None,
-            temperature=head.temperature,
-            stats_from=[s.stats_from for s in seqs],
-        )
+        header = self._header(seqs[0], self.rank, "post" if self.send_final else None)
+        return pack_sequences([s.tensors for s in seqs], header, stats_from=[s.stats_from for s in seqs])
 
     def head_sync(self, policy_version: int, draft_to_target: torch.Tensor) -> bool:
         """Offer HeadSync for ``policy_version``: final norm weight [H] (float32), its eps, and the
@@ -416,7 +390,3 @@ class HFPolicyTap:
             weight[d2t.to(weight.device)],  # the rows of the draft vocabulary: a copy (gather)
         )
         return offer_head_sync(self.sink, message, self._sample.counters, "tap")
-
-    def stats(self) -> dict[str, int]:
-        """Counters since construction (too_long from the budget sketch)."""
-        return self._sample.stats()

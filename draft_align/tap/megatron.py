@@ -25,35 +25,30 @@ recomputed layer fires its hook again (counted as ``capture_broken``).
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from draft_align.tap.budget import generator_for
+from draft_align.tap.base import TapBase
 from draft_align.tap.logit_stats import logit_stats, stat_buffers
 from draft_align.tap.megatron_hooks import MegatronTap, gpt_parts
 from draft_align.tap.protocol import PolicyTapError, TapSink
 from draft_align.tap.shipping import (
-    CaptureSession,
     KeptSequence,
-    StepSample,
     check_head_sync_args,
     check_step_args,
-    check_tap_args,
     check_topk,
     head_sync_message,
     host_ids,
-    host_masks,
     host_tensors,
     offer_head_sync,
     ship,
 )
 from draft_align.wire.codec import validate
-from draft_align.wire.messages import TapPart
+from draft_align.wire.messages import BatchHeader, TapPart
 from draft_align.wire.packing import pack_sequences
 
 
@@ -121,7 +116,7 @@ def vocab_parallel_logit_stats(
     return nxt, lse, k_ids, k_lp
 
 
-class MegatronPolicyTap:
+class MegatronPolicyTap(TapBase):
     """:class:`~draft_align.tap.protocol.PolicyTap` for megatron-core GPTModel policies.
 
     Arguments beyond :class:`~draft_align.tap.hf.HFPolicyTap`'s: ``tp_group`` (None when
@@ -156,15 +151,19 @@ class MegatronPolicyTap:
         vocab_size: int | None = None,
         vocab_parallel_logits: bool = False,
     ) -> None:
-        check_tap_args(run_id, sink, tokens_per_step, max_tokens_per_message)
+        super().__init__(
+            sink,
+            run_id=run_id,
+            tokens_per_step=tokens_per_step,
+            max_tokens_per_message=max_tokens_per_message,
+            send_final=send_final,
+        )
         if not 0 <= int(pp_rank) < int(pp_size) or int(dp_rank) < 0:
             raise PolicyTapError(
                 f"need 0 ≤ pp_rank < pp_size and dp_rank ≥ 0, got {pp_rank}, {pp_size}, {dp_rank}"
             )
         parts = gpt_parts(model)
         self.model = model
-        self.sink = sink
-        self.run_id = run_id
         self.pp_rank, self.pp_size, self.dp_rank = int(pp_rank), int(pp_size), int(dp_rank)
         self.is_last = self.pp_rank == self.pp_size - 1
         if self.is_last and parts.final_norm is None:
@@ -181,9 +180,7 @@ class MegatronPolicyTap:
             else sequence_parallel
         )
         self.sequence_parallel = bool(sp) and self.tp_size > 1
-        self.send_final = bool(send_final)
         self.vocab_parallel_logits = bool(vocab_parallel_logits) and self.tp_size > 1
-        self.max_tokens_per_message = int(max_tokens_per_message)
         self._tap = MegatronTap(model, aux_layer_ids, capture_final=self.send_final and self.is_last)
         self.aux_layer_ids = self._tap.aux_layer_ids
         self.layer_ids = self._tap.owned
@@ -197,11 +194,7 @@ class MegatronPolicyTap:
             raise PolicyTapError(f"vocab_size {self.vocab_size} outside 1..{model_vocab} (the model's vocab)")
         self.topk = check_topk(topk, self.vocab_size)
         # one generator per pipeline: every TP rank and stage of it keeps the same sequences
-        self._capture = CaptureSession(self._tap)
-        self._sample = StepSample(
-            tokens_per_step, generator_for(seed, self.dp_rank), self.max_tokens_per_message
-        )
-        self._batch_id = 0
+        self._start(self._tap, seed, self.dp_rank)
 
     @classmethod
     def from_parallel_state(
@@ -222,13 +215,7 @@ class MegatronPolicyTap:
             **kwargs,
         )
 
-    # -- capture ---------------------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def capturing(self) -> Iterator[MegatronPolicyTap]:
-        """Attach the hooks for the forward passes run inside; they are removed on exit."""
-        with self._capture.capturing():
-            yield self
-
+    # -- capture (capturing(): TapBase's) --------------------------------------------------------------
     def submit(
         self,
         *,
@@ -243,9 +230,8 @@ class MegatronPolicyTap:
         """Offer the oldest captured micro-batch to this step's sample (collective over the TP group under
         sequence parallelism).  input_ids, attention_mask, loss_mask [B, T] right-padded; logits [B, T, V]
         on the last stage's TP rank 0 (ignored elsewhere)."""
-        aux, final = self._capture.take()
+        (aux, final), shape, valid, response = self._take(input_ids, attention_mask, loss_mask)
         check_step_args(policy_version, step, temperature)
-        shape, valid, response = host_masks(input_ids, attention_mask, loss_mask)
         # vocab-parallel logits: every TP rank of the last stage holds a shard and takes part in the statistics
         need_logits = self.is_last and (self.sends or self.vocab_parallel_logits)
         width = self.vocab_size if not self.vocab_parallel_logits else -(-self.vocab_size // self.tp_size)
@@ -340,44 +326,21 @@ class MegatronPolicyTap:
 
     def _message(self, seqs: list[KeptSequence]) -> Any:
         """A TapBatch (no pipeline parallelism) or this stage's TapPart of ``seqs``; raises WireError."""
-        head = seqs[0]
-        batch_id = self._batch_id
-        self._batch_id += 1  # also for a message that is refused or invalid: gaps in batch_id show losses
-        final_norm = "post" if "final_hidden" in head.tensors else None
+        final_norm = "post" if "final_hidden" in seqs[0].tensors else None
+        header = self._header(seqs[0], self.dp_rank, final_norm)
         if self.pp_size > 1:
-            return self._part(seqs, batch_id, final_norm)
-        return pack_sequences(
-            [s.tensors for s in seqs],
-            run_id=self.run_id,
-            policy_version=head.policy_version,
-            source_rank=self.dp_rank,
-            batch_id=batch_id,
-            step=head.step,
-            aux_layer_ids=self.aux_layer_ids,
-            hidden_size=self.hidden_size,
-            vocab_size=self.vocab_size,
-            final_norm=final_norm,
-            temperature=head.temperature,
-        )
+            return self._part(seqs, header)
+        return pack_sequences([s.tensors for s in seqs], header)
 
-    def _part(self, seqs: list[KeptSequence], batch_id: int, final_norm: str | None) -> TapPart:
+    def _part(self, seqs: list[KeptSequence], header: BatchHeader) -> TapPart:
         cu = torch.zeros(len(seqs) + 1, dtype=torch.int64)
         cu[1:] = torch.tensor([s.n_tokens for s in seqs], dtype=torch.int64).cumsum(0)
         cat = {name: torch.cat([s.tensors[name] for s in seqs]) for name in seqs[0].tensors}
         part = TapPart(
-            run_id=self.run_id,
-            policy_version=seqs[0].policy_version,
-            source_rank=self.dp_rank,
-            batch_id=batch_id,
-            step=seqs[0].step,
+            **header.fields(),
             stage=self.pp_rank,
             num_stages=self.pp_size,
             layer_ids=self.layer_ids,
-            aux_layer_ids=self.aux_layer_ids,
-            hidden_size=self.hidden_size,
-            vocab_size=self.vocab_size,
-            final_norm=final_norm,
-            temperature=seqs[0].temperature,
             cu_seqlens=cu,
             **cat,
         )
@@ -426,4 +389,4 @@ class MegatronPolicyTap:
 
     def stats(self) -> dict[str, int]:
         """Counters since construction (as HFPolicyTap's, plus ``capture_broken``)."""
-        return {**self._sample.stats(), "capture_broken": self._tap.broken}
+        return {**super().stats(), "capture_broken": self._tap.broken}

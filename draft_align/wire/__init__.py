@@ -12,6 +12,7 @@
 
 from draft_align.wire.codec import Origin, encode, validate
 from draft_align.wire.messages import (
+    BatchHeader,
     DraftPublished,
     HeadSync,
     Message,
@@ -26,6 +27,7 @@ from draft_align.wire.schema import REASONS, WireError
 
 __all__ = [
     "REASONS",
+    "BatchHeader",
     "DraftPublished",
     "HeadSync",
     "Message",

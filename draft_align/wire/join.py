@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from draft_align.wire.codec import validate
-from draft_align.wire.messages import TapBatch, TapPart
+from draft_align.wire.messages import BatchHeader, TapBatch, TapPart
 from draft_align.wire.schema import ReasonError
 
 logger = logging.getLogger(__name__)
@@ -262,16 +262,7 @@ class StageJoiner:
             j = p.layer_ids.index(lid)
             columns.append(p.aux_hidden[:, j * h : (j + 1) * h])
         batch = TapBatch(
-            run_id=ref.run_id,
-            policy_version=ref.policy_version,
-            source_rank=ref.source_rank,
-            batch_id=ref.batch_id,
-            step=ref.step,
-            aux_layer_ids=ref.aux_layer_ids,
-            hidden_size=h,
-            vocab_size=ref.vocab_size,
-            final_norm=final_norm,
-            temperature=ref.temperature,
+            **BatchHeader.of(ref, final_norm=final_norm).fields(),
             cu_seqlens=ref.cu_seqlens,
             input_ids=ref.input_ids,
             loss_mask=ref.loss_mask,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from dataclasses import fields as dataclass_fields
 from typing import Any, ClassVar, Self
 
 import torch
@@ -42,6 +43,36 @@ class _WireMessage:
         if type(msg) is not cls:
             raise WireError("kind", f"expected {cls.KIND}, got {type(msg).KIND}")
         return msg
+
+
+@dataclass(frozen=True)
+class BatchHeader:
+    """The ten fields a TapBatch and each of its TapParts carry besides their tensors (and, for a part, its
+    stage): which run, policy version, pipeline and batch the sequences are, and what their tensors mean.  Built
+    in one place, :meth:`of` (from a message) or by a Tap, and spread into a message with :meth:`fields`."""
+
+    run_id: str
+    policy_version: int
+    source_rank: int
+    batch_id: int
+    step: int
+    aux_layer_ids: tuple[int, ...]
+    hidden_size: int
+    vocab_size: int
+    final_norm: str | None
+    temperature: float
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "aux_layer_ids", tuple(self.aux_layer_ids))
+
+    @classmethod
+    def of(cls, message: TapBatch | TapPart, **changes: Any) -> BatchHeader:
+        """The header ``message`` carries, with ``changes`` (field → value) applied."""
+        return cls(**{**{f.name: getattr(message, f.name) for f in dataclass_fields(cls)}, **changes})
+
+    def fields(self) -> dict[str, Any]:
+        """The header as a message's keyword arguments."""
+        return {f.name: getattr(self, f.name) for f in dataclass_fields(self)}
 
 
 @dataclass(frozen=True, eq=False)
@@ -237,19 +268,10 @@ class TapPart(_WireMessage):
             extra = {n: t for n, t in batch.tensors().items() if n in _STAGE_LAST_TENSORS} if last else {}
             parts.append(
                 cls(
-                    run_id=batch.run_id,
-                    policy_version=batch.policy_version,
-                    source_rank=batch.source_rank,
-                    batch_id=batch.batch_id,
-                    step=batch.step,
+                    **BatchHeader.of(batch, final_norm=batch.final_norm if last else None).fields(),
                     stage=stage,
                     num_stages=n_stages,
                     layer_ids=tuple(ids),
-                    aux_layer_ids=batch.aux_layer_ids,
-                    hidden_size=h,
-                    vocab_size=batch.vocab_size,
-                    final_norm=batch.final_norm if last else None,
-                    temperature=batch.temperature,
                     cu_seqlens=batch.cu_seqlens.clone(),
                     input_ids=batch.input_ids.clone(),
                     loss_mask=batch.loss_mask.clone(),

@@ -8,28 +8,19 @@ from collections.abc import Sequence
 import torch
 
 from draft_align.wire.codec import validate
-from draft_align.wire.messages import TapBatch
-from draft_align.wire.schema import _FIELD_SPECS, _TENSOR_SPECS
+from draft_align.wire.messages import BatchHeader, TapBatch
+from draft_align.wire.schema import _TENSOR_SPECS
 
 
 def pack_sequences(
     seqs: Sequence[dict[str, torch.Tensor]],
+    header: BatchHeader,
     *,
-    run_id: str,
-    policy_version: int,
-    source_rank: int,
-    batch_id: int,
-    step: int,
-    aux_layer_ids: Sequence[int],
-    hidden_size: int,
-    vocab_size: int,
-    final_norm: str | None,
-    temperature: float,
     stats_from: Sequence[int] | None = None,
 ) -> TapBatch:
     """Pack per-sequence tensors (``input_ids`` [T], ``loss_mask`` [T], ``aux_hidden`` [T, n_aux·H] and
     optionally ``final_hidden`` [T, H], ``next_logprob`` [T], ``logit_lse`` [T], ``topk_ids`` [T, K],
-    ``topk_logprobs`` [T, K]) into one CPU TapBatch with wire dtypes; ``stats_from``: per sequence, the first
+    ``topk_logprobs`` [T, K]) into one CPU TapBatch of ``header`` with wire dtypes; ``stats_from``: per sequence, the first
     position whose statistics are defined (they are 0 before; None: every position).  The result is
     validated as :func:`encode` would (raises :class:`WireError`).  The packed tensors are new memory."""
     if not seqs:
@@ -50,20 +41,7 @@ def pack_sequences(
         if len(stats_from) != len(seqs):
             raise ValueError(f"stats_from has {len(stats_from)} entries for {len(seqs)} sequences")
         packed["stats_from"] = torch.tensor([int(x) for x in stats_from], dtype=torch.int32)
-    batch = TapBatch(
-        run_id=run_id,
-        policy_version=policy_version,
-        source_rank=source_rank,
-        batch_id=batch_id,
-        step=step,
-        aux_layer_ids=tuple(aux_layer_ids),
-        hidden_size=hidden_size,
-        vocab_size=vocab_size,
-        final_norm=final_norm,
-        temperature=temperature,
-        cu_seqlens=cu,
-        **packed,
-    )
+    batch = TapBatch(**header.fields(), cu_seqlens=cu, **packed)
     validate(batch)
     return batch
 
@@ -90,5 +68,4 @@ def drop_nonfinite(batch: TapBatch) -> tuple[TapBatch | None, int]:
     kept = {n: t[keep_tok] for n, t in batch.tensors().items() if n not in ("cu_seqlens", "stats_from")}
     if batch.stats_from is not None:
         kept["stats_from"] = batch.stats_from[~bad_seq]
-    scalars = {n: getattr(batch, n) for n in _FIELD_SPECS["TapBatch"]}
-    return TapBatch(**scalars, cu_seqlens=new_cu, **kept), dropped
+    return TapBatch(**BatchHeader.of(batch).fields(), cu_seqlens=new_cu, **kept), dropped

@@ -9,7 +9,7 @@ from draft_align.heads.layers import rms_norm
 from draft_align.sidecar.ingest import Ingest, split_records
 from draft_align.sidecar.state import Rates, SidecarState
 from draft_align.train.replay import ReplayBuffer
-from draft_align.wire.messages import HeadSync, TapBatch, TapPart
+from draft_align.wire.messages import BatchHeader, HeadSync, TapBatch, TapPart
 from draft_align.wire.packing import pack_sequences
 
 H, V, AUX = 8, 50, (1, 2, 3)
@@ -44,16 +44,18 @@ def _batch(
 ) -> TapBatch:
     return pack_sequences(
         seqs,
-        run_id="dummy",
-        policy_version=version,
-        source_rank=0,
-        batch_id=batch_id,
-        step=step,
-        aux_layer_ids=aux,
-        hidden_size=H,
-        vocab_size=V,
-        final_norm=final_norm,
-        temperature=0.7,
+        BatchHeader(
+            run_id="dummy",
+            policy_version=version,
+            source_rank=0,
+            batch_id=batch_id,
+            step=step,
+            aux_layer_ids=aux,
+            hidden_size=H,
+            vocab_size=V,
+            final_norm=final_norm,
+            temperature=0.7,
+        ),
     )
 
 
@@ -77,16 +79,18 @@ def test_stats_from_reaches_the_records_through_the_wire():
         s["logit_lse"][:start] = 0
     sent = pack_sequences(
         seqs,
-        run_id="dummy",
-        policy_version=0,
-        source_rank=0,
-        batch_id=0,
-        step=0,
-        aux_layer_ids=AUX,
-        hidden_size=H,
-        vocab_size=V,
-        final_norm="post",
-        temperature=1.0,
+        BatchHeader(
+            run_id="dummy",
+            policy_version=0,
+            source_rank=0,
+            batch_id=0,
+            step=0,
+            aux_layer_ids=AUX,
+            hidden_size=H,
+            vocab_size=V,
+            final_norm="post",
+            temperature=1.0,
+        ),
         stats_from=[2, 0],
     )
     ing = _ingest()
@@ -244,16 +248,18 @@ def test_garbage_forged_and_nonfinite_input_is_counted_and_survived(sidecar_worl
     bad["aux_hidden"][2, 5] = float("nan")
     batch = pack_sequences(
         [good, bad, good],
-        run_id=recipe.run,
-        policy_version=0,
-        source_rank=0,
-        batch_id=0,
-        step=0,
-        aux_layer_ids=sc.aux_ids,
-        hidden_size=h,
-        vocab_size=sc.vocab,
-        final_norm="post",
-        temperature=1.0,
+        BatchHeader(
+            run_id=recipe.run,
+            policy_version=0,
+            source_rank=0,
+            batch_id=0,
+            step=0,
+            aux_layer_ids=sc.aux_ids,
+            hidden_size=h,
+            vocab_size=sc.vocab,
+            final_norm="post",
+            temperature=1.0,
+        ),
     )
     raw.send_multipart(encode(batch, b"k" * 32))  # forged: signed with another key
     raw.send_multipart(encode(batch, feeder.key, sender="t", seq=0))
@@ -265,16 +271,18 @@ def test_garbage_forged_and_nonfinite_input_is_counted_and_survived(sidecar_worl
     # a batch for another draft (wrong aux layers) is refused as mismatched, not trained on
     other = pack_sequences(
         [good],
-        run_id=recipe.run,
-        policy_version=0,
-        source_rank=0,
-        batch_id=1,
-        step=0,
-        aux_layer_ids=(1, 2, 5),
-        hidden_size=h,
-        vocab_size=sc.vocab,
-        final_norm="post",
-        temperature=1.0,
+        BatchHeader(
+            run_id=recipe.run,
+            policy_version=0,
+            source_rank=0,
+            batch_id=1,
+            step=0,
+            aux_layer_ids=(1, 2, 5),
+            hidden_size=h,
+            vocab_size=sc.vocab,
+            final_norm="post",
+            temperature=1.0,
+        ),
     )
     raw.send_multipart(encode(other, feeder.key, sender="t", seq=1))
     assert until(lambda: sc.state.mismatched_messages == 1, 10, every=lambda: sc.drain(0.1, 100))

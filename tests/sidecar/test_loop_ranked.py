@@ -78,20 +78,23 @@ def _tap_batch(
     version: int,
     batch_id: int,
 ):
+    from draft_align.wire.messages import BatchHeader
     from draft_align.wire.packing import pack_sequences
 
     return pack_sequences(
         seqs,
-        run_id=run,
-        policy_version=version,
-        source_rank=0,
-        batch_id=batch_id,
-        step=step,
-        aux_layer_ids=aux,
-        hidden_size=hidden,
-        vocab_size=vocab,
-        final_norm="post",
-        temperature=1.0,
+        BatchHeader(
+            run_id=run,
+            policy_version=version,
+            source_rank=0,
+            batch_id=batch_id,
+            step=step,
+            aux_layer_ids=aux,
+            hidden_size=hidden,
+            vocab_size=vocab,
+            final_norm="post",
+            temperature=1.0,
+        ),
     )
 
 

@@ -15,7 +15,7 @@ import torch
 from draft_align.sidecar.ingest import Ingest
 from draft_align.sidecar.state import Rates, SidecarState
 from draft_align.train.replay import ReplayBuffer
-from draft_align.wire.messages import HeadSync, StepReport
+from draft_align.wire.messages import BatchHeader, HeadSync, StepReport
 from draft_align.wire.packing import pack_sequences
 
 H, V, AUX = 8, 50, (1, 2, 3)
@@ -48,16 +48,18 @@ def _seq(t: int, prompt: int, seed: int = 0) -> dict[str, torch.Tensor]:
 def _batch(seqs, *, version: int = 0, step: int = 0, batch_id: int = 0):
     return pack_sequences(
         seqs,
-        run_id="dummy",
-        policy_version=version,
-        source_rank=0,
-        batch_id=batch_id,
-        step=step,
-        aux_layer_ids=AUX,
-        hidden_size=H,
-        vocab_size=V,
-        final_norm="post",
-        temperature=1.0,
+        BatchHeader(
+            run_id="dummy",
+            policy_version=version,
+            source_rank=0,
+            batch_id=batch_id,
+            step=step,
+            aux_layer_ids=AUX,
+            hidden_size=H,
+            vocab_size=V,
+            final_norm="post",
+            temperature=1.0,
+        ),
     )
 
 

@@ -249,7 +249,7 @@ def test_sidecar_trains_only_joined_batches(tiny_run, tiny_env, tmp_path):
     from draft_align.sidecar.launch import starting_draft
     from draft_align.sidecar.loop import Sidecar
     from draft_align.wire import channel
-    from draft_align.wire.messages import StepReport
+    from draft_align.wire.messages import BatchHeader, StepReport
     from draft_align.wire.packing import pack_sequences
 
     recipe = load_recipe(None, tiny_run.cotrain_overrides(tmp_path), CotrainRecipe)
@@ -273,16 +273,18 @@ def test_sidecar_trains_only_joined_batches(tiny_run, tiny_env, tmp_path):
         def whole(batch_id: int) -> TapBatch:
             return pack_sequences(
                 [seq, seq],
-                run_id=recipe.run,
-                policy_version=0,
-                source_rank=0,
-                batch_id=batch_id,
-                step=0,
-                aux_layer_ids=aux,
-                hidden_size=h,
-                vocab_size=sc.vocab,
-                final_norm="post",
-                temperature=1.0,
+                BatchHeader(
+                    run_id=recipe.run,
+                    policy_version=0,
+                    source_rank=0,
+                    batch_id=batch_id,
+                    step=0,
+                    aux_layer_ids=aux,
+                    hidden_size=h,
+                    vocab_size=sc.vocab,
+                    final_norm="post",
+                    temperature=1.0,
+                ),
             )
 
         split = [aux[:1], aux[1:]]

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from draft_align.wire.codec import encode, validate
-from draft_align.wire.messages import DraftPublished, HeadSync, StepReport, TapBatch, decode
+from draft_align.wire.messages import BatchHeader, DraftPublished, HeadSync, StepReport, TapBatch, decode
 from draft_align.wire.packing import drop_nonfinite, pack_sequences
 from draft_align.wire.schema import REASONS, WireError
 
@@ -237,16 +237,18 @@ def test_pack_sequences_casts_and_concatenates():
     ]
     b = pack_sequences(
         seqs,
-        run_id="r",
-        policy_version=1,
-        source_rank=0,
-        batch_id=7,
-        step=2,
-        aux_layer_ids=[1, 2],
-        hidden_size=2,
-        vocab_size=6,
-        final_norm=None,
-        temperature=0.7,
+        BatchHeader(
+            run_id="r",
+            policy_version=1,
+            source_rank=0,
+            batch_id=7,
+            step=2,
+            aux_layer_ids=[1, 2],
+            hidden_size=2,
+            vocab_size=6,
+            final_norm=None,
+            temperature=0.7,
+        ),
     )
     assert b.cu_seqlens.tolist() == [0, 3, 5] and b.input_ids.tolist() == [1, 2, 3, 4, 5]
     assert b.input_ids.dtype == torch.int64 and b.aux_hidden.dtype == torch.bfloat16
@@ -267,16 +269,18 @@ def test_pack_sequences_casts_and_concatenates():
         temperature=0.7,
     )
     with pytest.raises(ValueError, match="at least one"):
-        pack_sequences([], **kw)
+        pack_sequences([], BatchHeader(**kw))
     with pytest.raises(ValueError, match="has tensors"):
-        pack_sequences([seqs[0], {k: v for k, v in seqs[1].items() if k != "next_logprob"}], **kw)
+        pack_sequences(
+            [seqs[0], {k: v for k, v in seqs[1].items() if k != "next_logprob"}], BatchHeader(**kw)
+        )
     with pytest.raises(ValueError, match="unknown"):
-        pack_sequences([{**seqs[0], "logits": torch.zeros(3)}], **kw)
+        pack_sequences([{**seqs[0], "logits": torch.zeros(3)}], BatchHeader(**kw))
     with pytest.raises(WireError) as ei:  # a 1-token sequence
-        pack_sequences([{k: v[:1] for k, v in seqs[0].items()}], **kw)
+        pack_sequences([{k: v[:1] for k, v in seqs[0].items()}], BatchHeader(**kw))
     assert ei.value.reason == "range"
     with pytest.raises(WireError) as ei:  # id 5 ≥ vocab 5
-        pack_sequences(seqs, **{**kw, "vocab_size": 5})
+        pack_sequences(seqs, BatchHeader(**{**kw, "vocab_size": 5}))
     assert ei.value.reason == "range"
 
 
@@ -909,10 +913,10 @@ def test_pack_sequences_and_drop_nonfinite_keep_stats_from():
         final_norm="post",
         temperature=1.0,
     )
-    packed = pack_sequences(seqs, stats_from=b.stats_from.tolist(), **kw)
+    packed = pack_sequences(seqs, BatchHeader(**kw), stats_from=b.stats_from.tolist())
     assert_same(packed, b)
     with pytest.raises(ValueError, match="3 entries for 4 sequences"):
-        pack_sequences(seqs, stats_from=[0, 0, 0], **kw)
+        pack_sequences(seqs, BatchHeader(**kw), stats_from=[0, 0, 0])
     aux = b.aux_hidden.clone()
     aux[int(b.cu_seqlens[1])] = math.nan  # sequence 1
     kept, dropped = drop_nonfinite(dataclasses.replace(b, aux_hidden=aux))
