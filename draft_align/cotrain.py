@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from draft_align.config import RESOLVED_RECIPE, CotrainRecipe
-from draft_align.rl.rollouts import start_rollout_engine
+from draft_align.rl.build import draft_source, policy_tap, set_engine_env, start_rollout_engine, tap_sender
 from draft_align.sidecar.process import spawn_sidecar, stop_sidecar, wait_ready
 
 if TYPE_CHECKING:
@@ -93,40 +93,17 @@ def build_job(
     from draft_align.conventions import float_dtype
     from draft_align.data import tasks
     from draft_align.monitor.evaluate import eos_ids
-    from draft_align.publish.tap_spec import read_tap_spec
-    from draft_align.rl.draft_guard import counter_guard
-    from draft_align.rl.drafts import DraftSource
     from draft_align.rl.grpo import GRPOJob
     from draft_align.rl.policy import Policy
     from draft_align.rl.prompts import build_prompts, make_kl_sequences, select_prompts
-    from draft_align.tap.hf import HFPolicyTap
 
     rl = recipe.rl
     target, tok = assets.load_target(recipe.target.model, float_dtype(recipe.target.dtype), recipe.device)
     policy = Policy.from_config(target, rl, seed=recipe.seed)
-    drafts = DraftSource(
-        recipe.run_dir,
-        start,
-        device=recipe.device,
-        notifications=notifications,
-        background=True,  # new versions are hashed, loaded and checked off the job's thread
-        guard=counter_guard(rl),
-        run_id=recipe.run,
-    )
+    drafts = draft_source(recipe, start, device=recipe.device, notifications=notifications)
     tap = None
     if recipe.tap.enabled:
-        tap = HFPolicyTap(
-            policy.hf_model,
-            read_tap_spec(start).aux_layer_ids,
-            tap_sink,
-            run_id=recipe.run,
-            tokens_per_step=recipe.tap.tokens_per_step,
-            max_tokens_per_message=recipe.tap.max_tokens_per_message,
-            send_final=recipe.tap.send_final,
-            topk=recipe.tap.topk,
-            rank=0,
-            seed=recipe.seed,
-        )
+        tap = policy_tap(recipe, policy.hf_model, start, tap_sink, rank=0)
     convs = data.load_conversations(recipe.data.source)
     train_convs, held = data.split_heldout(convs, recipe.data.heldout, recipe.data.split_seed)
     n_prompts = max(rl.prompts_per_step * rl.steps * 4, 64)  # a pool the steps sample from
@@ -202,14 +179,6 @@ def start_pusher(recipe: CotrainRecipe, key: bytes, servers: list[str]) -> Pushe
     return Pusher(loop, notify)
 
 
-def set_process_env(recipe: CotrainRecipe) -> None:
-    """The RL process's vLLM-CPU environment (only where vLLM may start: ``rl.engine`` is not reference)."""
-    from draft_align.engines.vllm.start import set_cpu_env, vllm_available
-
-    if recipe.rl.engine != "reference" and vllm_available():
-        set_cpu_env(recipe.rl.engine_kv_cache_gb)
-
-
 def run_cotrain(
     recipe: CotrainRecipe,
     start: str | None = None,
@@ -253,21 +222,14 @@ def run_cotrain(
         # the configured endpoints; a Ray sidecar that did not come up: its run folder's socket, which nothing
         # binds, so every tap is dropped and counted while the job runs on
         endpoints = channel.tap_endpoints(endpoint, recipe.sidecar.ranks if on_ray is None else 1)
-    sender = channel.TapSender(
-        endpoints,
-        key,
-        queue_messages=recipe.wire.queue_messages,
-        queue_bytes=recipe.wire.queue_mb << 20,
-        allow_remote=recipe.wire.allow_remote,
-        max_message_bytes=recipe.wire.max_message_mb << 20,
-    )
+    sender = tap_sender(recipe.wire, endpoints, key)
     notify: Any = None
     if on_ray is not None:  # notifications through the run's registry (never blocking; `latest` as fallback)
         notify = on_ray.notifications()
     elif sidecar:  # the sidecar's DraftPublished notifications; the job falls back to `latest` without them
         notify_ep = recipe.wire.notify_endpoint or channel.default_endpoint(run_dir, NOTIFY_SOCKET)
         notify = channel.Subscriber(notify_ep, key, allow_remote=recipe.wire.allow_remote)
-    set_process_env(recipe)
+    set_engine_env(recipe.rl)  # the RL process's vLLM-CPU environment, before any engine starts
     rc = None
     table = None
     job = None

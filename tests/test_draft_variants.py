@@ -195,9 +195,9 @@ def test_sidecar_trains_and_publishes(tiny_run, tmp_path, variant):
 
 
 def test_cotrain_serves_an_mtp_draft_with_the_reference_decoder(tiny_run, tmp_path):
-    from draft_align.cotrain import start_rollout_engine
     from draft_align.engines.rollout_types import DraftVersion
     from draft_align.engines.vllm.start import vllm_available
+    from draft_align.rl.build import start_rollout_engine
 
     start = DraftVersion.read(_publish_mtp_start(tiny_run.world, tmp_path / "mtp_start"))
     if not vllm_available():

@@ -6,15 +6,15 @@ of them uses the frozen warm-start draft, the rest the adapted draft (:func:`pla
 decoding is lossless, so the RL data has the policy's distribution either way, and both drafts' acceptance
 is measured on real rollouts of the same step.  The engine that decoded a step is also the one source of
 which adapted draft served it (:attr:`RolloutEngine.adapted`).  Implementations: :class:`ReferenceRollouts`
-and :class:`draft_align.engines.vllm.vllm_rollouts.VLLMRollouts`.
+and :class:`draft_align.engines.vllm.vllm_rollouts.VLLMRollouts` (started from a recipe by
+:func:`draft_align.rl.build.start_rollout_engine`).
 """
 
 from __future__ import annotations
 
-import logging
 import random
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -30,12 +30,6 @@ from draft_align.engines.rollout_types import (
 from draft_align.monitor.acceptance import AcceptanceTally
 from draft_align.monitor.specdec import SpecDecoder
 from draft_align.rl.drafts import DraftSource
-
-if TYPE_CHECKING:
-    from draft_align.config import CotrainRecipe, RLConfig
-    from draft_align.engines.vllm.refresher import ProbeGuard
-
-log = logging.getLogger(__name__)
 
 SEED_BITS = 63  # torch.Generator seeds of the reference decoder
 
@@ -160,141 +154,3 @@ class ReferenceRollouts:
 
     def shutdown(self) -> None:
         return None
-
-
-def probe_guard(rl: RLConfig, probe_prompts: list[torch.Tensor]) -> ProbeGuard | None:
-    """The probe set on the first ``rl.engine_probe_prompts`` of ``probe_prompts`` (the engine's load-time guard
-    under ``rl.draft_guard: probe``, and what ``rl.verify_mode: auto`` measures on), or None when
-    ``rl.engine_probe_prompts`` is 0."""
-    from draft_align.engines.vllm.refresher import ProbeGuard
-
-    if rl.engine_probe_prompts == 0:
-        return None
-    if not probe_prompts:
-        raise ValueError("rl.engine_probe_prompts > 0 but there are no probe prompts")
-    probes = tuple({"prompt_token_ids": p.tolist()} for p in probe_prompts[: rl.engine_probe_prompts])
-    return ProbeGuard(probes, max_tokens=rl.engine_probe_tokens, min_ratio=rl.engine_probe_min_ratio)
-
-
-def start_rollout_engine(
-    recipe: CotrainRecipe, frozen: DraftVersion | None, probe_prompts: list[torch.Tensor]
-) -> Any:
-    """The vLLM rollout engine ``rl.engine`` asks for, or None for the reference decoder.
-
-    ``frozen``: the verified starting draft.  ``auto``: vLLM when it is importable and starts on the target; a
-    start failure is logged as an error and the job continues on the reference decoder.  ``vllm``: a failure
-    raises.  With ``rl.draft_guard: probe`` the probe guard (:func:`probe_guard`) decodes the first
-    ``rl.engine_probe_prompts`` held-out prompts at T = 0 before and after each newly offered draft; otherwise
-    its prompts serve ``rl.verify_mode: auto`` only.  The launcher sets the vLLM-CPU environment first (``set_cpu_env``).
-    """
-    from draft_align.engines.vllm import start as vllm_start
-
-    rl = recipe.rl
-    if rl.engine == "server":
-        return start_server_rollouts(recipe, frozen)
-    if rl.engine == "reference" or (rl.engine == "auto" and not vllm_start.vllm_available()):
-        if rl.engine == "auto":
-            log.warning("rl.engine auto: vLLM is not installed; rollouts use the reference decoder (batch 1)")
-        return None
-    from draft_align.publish.folder import MTP_FORMAT
-
-    if frozen is not None and frozen.manifest.get("format") == MTP_FORMAT:
-        if rl.engine == "vllm":
-            raise ValueError(
-                "rl.engine=vllm: the vLLM adapter serves EAGLE-3 and native MTP drafts; a Llama-block "
-                "MTP draft needs rl.engine=reference (or auto)"
-            )
-        log.warning(
-            "rl.engine auto: the starting draft is a Llama-block MTP head; rollouts use the reference decoder"
-        )
-        return None
-    from draft_align.engines.vllm import vllm_rollouts
-
-    try:
-        guard = probe_guard(rl, probe_prompts)
-        return vllm_rollouts.VLLMRollouts(
-            recipe.target.model,
-            frozen,
-            k=rl.spec_k,
-            verify_mode=rl.verify_mode,
-            dtype=recipe.target.dtype,
-            max_model_len=rl.engine_max_model_len,
-            seed=recipe.seed,
-            guard=guard,
-            enforce_eager=True,
-            verify_recheck_every=rl.verify_recheck_every,
-            guard_on_load=rl.draft_guard == "probe",
-            run_dir=recipe.run_dir,
-            key_file=recipe.wire.key_file,
-            use_tqdm_on_load=False,  # no progress bars between the table's rows
-        )
-    except (vllm_start.EngineError, ValueError) as e:
-        if rl.engine == "vllm":
-            raise
-        log.error(
-            "rl.engine auto: vLLM could not serve %s (%s); rollouts use the reference decoder",
-            recipe.target.model,
-            e,
-        )
-        return None
-
-
-def start_server_rollouts(recipe: CotrainRecipe, frozen: DraftVersion | None) -> Any:
-    """``rl.engine: server``: :class:`~draft_align.engines.vllm.server_rollouts.ServerRollouts` on
-    ``rl.server_url``, or on a vLLM server started here on 127.0.0.1 with the frozen draft (stopped with the
-    engine).  Drafts reach it through ``draft-align push`` (the co-training launcher runs one beside it)."""
-    import os
-
-    from draft_align.assets import resolve_model
-    from draft_align.conventions import float_dtype
-    from draft_align.engines.vllm.serve import ServerProcess, free_port, server_command
-    from draft_align.engines.vllm.server_client import VLLMServer
-    from draft_align.engines.vllm.server_rollouts import ServerRollouts
-    from draft_align.wire.keys import resolve_key
-
-    rl = recipe.rl
-    api_key = os.environ.get(recipe.push.api_key_env) or None
-    process = None
-    model = resolve_model(recipe.target.model)
-    if rl.server_url is None:
-        if frozen is None:
-            raise ValueError("rl.engine=server starts its server on the starting draft: there is none")
-        port = free_port()
-        argv = server_command(
-            model,
-            frozen.path,
-            port=port,
-            k=rl.spec_k,
-            dtype=recipe.target.dtype,
-            max_model_len=rl.engine_max_model_len,
-            extra=[
-                "--enforce-eager",
-                "--logprobs-mode",
-                "processed_logprobs",
-                "--disable-uvicorn-access-log",
-            ],
-        )
-        log_file = recipe.run_dir / "logs" / "vllm_server.log"
-        process = ServerProcess(argv, port=port, log=log_file, env={"OMP_NUM_THREADS": "1"}).start()
-        try:
-            process.wait_ready()
-        except Exception:
-            process.stop()
-            raise
-        url = process.url
-    else:
-        url = rl.server_url
-    server = VLLMServer(url, api_key=api_key, timeout_s=recipe.push.timeout_s)
-    if process is None:  # the user's server: the name it serves the model under
-        model = (server.served_models() or [model])[0]
-    key = resolve_key(recipe.wire.key_file, recipe.run_dir, create=True)
-    return ServerRollouts(
-        server,
-        model,
-        recipe.run_dir,
-        key,
-        k=rl.spec_k,
-        dtype=float_dtype(recipe.target.dtype),
-        asynchronous=rl.server_async,
-        process=process,
-    )

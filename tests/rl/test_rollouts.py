@@ -120,7 +120,7 @@ def test_reference_engine_serves_what_the_source_holds(reference, kit, target_co
 
 def test_probe_guard_follows_the_recipe_and_zero_prompts_turn_it_off():
     from draft_align.config import RLConfig
-    from draft_align.rl.rollouts import probe_guard
+    from draft_align.rl.build import probe_guard
 
     prompts = [torch.tensor([1, 2, 3]), torch.tensor([4, 5]), torch.tensor([6])]
     guard = probe_guard(

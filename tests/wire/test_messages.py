@@ -235,28 +235,7 @@ def test_pack_sequences_casts_and_concatenates():
             "next_logprob": torch.tensor([-0.5, 0.0]),
         },
     ]
-    b = pack_sequences(
-        seqs,
-        BatchHeader(
-            run_id="r",
-            policy_version=1,
-            source_rank=0,
-            batch_id=7,
-            step=2,
-            aux_layer_ids=[1, 2],
-            hidden_size=2,
-            vocab_size=6,
-            final_norm=None,
-            temperature=0.7,
-        ),
-    )
-    assert b.cu_seqlens.tolist() == [0, 3, 5] and b.input_ids.tolist() == [1, 2, 3, 4, 5]
-    assert b.input_ids.dtype == torch.int64 and b.aux_hidden.dtype == torch.bfloat16
-    assert b.loss_mask.tolist() == [False, True, True, False, True]
-    assert b.next_logprob.tolist() == [-1.0, -2.0, 0.0, -0.5, 0.0] and b.next_logprob.dtype == torch.float32
-    assert b.aux_layer_ids == (1, 2) and b.final_hidden is None
-    assert torch.equal(b.sequence(1)["aux_hidden"], torch.full((2, 4), 2.0, dtype=torch.bfloat16))
-    kw = dict(
+    header = BatchHeader(
         run_id="r",
         policy_version=1,
         source_rank=0,
@@ -268,19 +247,24 @@ def test_pack_sequences_casts_and_concatenates():
         final_norm=None,
         temperature=0.7,
     )
+    b = pack_sequences(seqs, header)
+    assert b.cu_seqlens.tolist() == [0, 3, 5] and b.input_ids.tolist() == [1, 2, 3, 4, 5]
+    assert b.input_ids.dtype == torch.int64 and b.aux_hidden.dtype == torch.bfloat16
+    assert b.loss_mask.tolist() == [False, True, True, False, True]
+    assert b.next_logprob.tolist() == [-1.0, -2.0, 0.0, -0.5, 0.0] and b.next_logprob.dtype == torch.float32
+    assert b.aux_layer_ids == (1, 2) and b.final_hidden is None
+    assert torch.equal(b.sequence(1)["aux_hidden"], torch.full((2, 4), 2.0, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="at least one"):
-        pack_sequences([], BatchHeader(**kw))
+        pack_sequences([], header)
     with pytest.raises(ValueError, match="has tensors"):
-        pack_sequences(
-            [seqs[0], {k: v for k, v in seqs[1].items() if k != "next_logprob"}], BatchHeader(**kw)
-        )
+        pack_sequences([seqs[0], {k: v for k, v in seqs[1].items() if k != "next_logprob"}], header)
     with pytest.raises(ValueError, match="unknown"):
-        pack_sequences([{**seqs[0], "logits": torch.zeros(3)}], BatchHeader(**kw))
+        pack_sequences([{**seqs[0], "logits": torch.zeros(3)}], header)
     with pytest.raises(WireError) as ei:  # a 1-token sequence
-        pack_sequences([{k: v[:1] for k, v in seqs[0].items()}], BatchHeader(**kw))
+        pack_sequences([{k: v[:1] for k, v in seqs[0].items()}], header)
     assert ei.value.reason == "range"
     with pytest.raises(WireError) as ei:  # id 5 ≥ vocab 5
-        pack_sequences(seqs, BatchHeader(**{**kw, "vocab_size": 5}))
+        pack_sequences(seqs, dataclasses.replace(header, vocab_size=5))
     assert ei.value.reason == "range"
 
 

@@ -30,9 +30,9 @@ from draft_align.integrations.trl.callback import DraftAlignCallback
 from draft_align.integrations.trl.checks import TRLConfigError, check_trainer
 from draft_align.integrations.trl.profile import StageTimer
 from draft_align.integrations.trl.tap import TRLTap, policy_model
-from draft_align.rl.draft_guard import counter_guard
+from draft_align.rl.build import draft_source, policy_tap, set_engine_env, start_rollout_engine, tap_sender
 from draft_align.rl.drafts import DraftSource
-from draft_align.rl.rollouts import RolloutEngine, plan_given, start_rollout_engine
+from draft_align.rl.rollouts import RolloutEngine, plan_given
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +107,6 @@ class DraftAlign:
         sidecar that is up)."""
         from draft_align.sidecar.layout import NOTIFY_SOCKET, SIDECAR_DIR, TAP_SOCKET
         from draft_align.sidecar.process import kill_at_exit, spawn_sidecar, wait_ready
-        from draft_align.tap.hf import HFPolicyTap
         from draft_align.wire import channel
 
         recipe = self.recipe
@@ -128,41 +127,16 @@ class DraftAlign:
             self._start_on_ray(key)
         elif self.sidecar_mode != "off":
             endpoint = recipe.wire.endpoint or channel.default_endpoint(run_dir, TAP_SOCKET)
-            self.sender = channel.TapSender(
-                channel.tap_endpoints(endpoint, recipe.sidecar.ranks),
-                key,
-                queue_messages=recipe.wire.queue_messages,
-                queue_bytes=recipe.wire.queue_mb << 20,
-                allow_remote=recipe.wire.allow_remote,
-                max_message_bytes=recipe.wire.max_message_mb << 20,
-            )
+            self.sender = tap_sender(recipe.wire, channel.tap_endpoints(endpoint, recipe.sidecar.ranks), key)
             notify_ep = recipe.wire.notify_endpoint or channel.default_endpoint(run_dir, NOTIFY_SOCKET)
             self.notify = channel.Subscriber(notify_ep, key, allow_remote=recipe.wire.allow_remote)
-        device = trainer.accelerator.device
-        self.drafts = DraftSource(
-            run_dir,
-            self.start_draft,
-            device=device,
-            notifications=self.notify,
-            background=True,  # new versions are hashed, loaded and checked off TRL's thread
-            guard=counter_guard(recipe.rl),
-            run_id=recipe.run,
+        # new versions are hashed, loaded and checked off TRL's thread
+        self.drafts = draft_source(
+            recipe, self.start_draft, device=trainer.accelerator.device, notifications=self.notify
         )
         if recipe.tap.enabled and self.sender is not None:
-            from draft_align.publish.tap_spec import read_tap_spec
-
-            hf_tap = HFPolicyTap(
-                policy_model(trainer),
-                read_tap_spec(self.start_draft).aux_layer_ids,
-                self.sender,
-                run_id=recipe.run,
-                tokens_per_step=recipe.tap.tokens_per_step,
-                max_tokens_per_message=recipe.tap.max_tokens_per_message,
-                send_final=recipe.tap.send_final,
-                topk=recipe.tap.topk,
-                rank=int(trainer.accelerator.process_index),
-                seed=recipe.seed,
-            )
+            rank = int(trainer.accelerator.process_index)
+            hf_tap = policy_tap(recipe, policy_model(trainer), self.start_draft, self.sender, rank=rank)
             drafts = self.drafts
             self.tap = TRLTap(
                 trainer, hf_tap, lambda version: hf_tap.head_sync(version, drafts.draft_to_target)
@@ -178,7 +152,6 @@ class DraftAlign:
         first creates it), then connect the Tap to the endpoints its ranks report.  A sidecar that is not ready
         within ``ray.ready_timeout_s`` means no Tap (logged); drafts still come from the registry or ``latest``."""
         from draft_align.integrations.ray.client import RaySidecar
-        from draft_align.wire import channel
 
         recipe = self.recipe
         resolved = save_recipe(recipe, recipe.run_dir / RESOLVED_RECIPE)
@@ -188,19 +161,11 @@ class DraftAlign:
         if endpoints is None:
             log.warning("draft_align: the Ray sidecar is not ready: this run trains without taps")
             return
-        self.sender = channel.TapSender(
-            endpoints,
-            key,
-            queue_messages=recipe.wire.queue_messages,
-            queue_bytes=recipe.wire.queue_mb << 20,
-            allow_remote=recipe.wire.allow_remote,
-            max_message_bytes=recipe.wire.max_message_mb << 20,
-        )
+        self.sender = tap_sender(recipe.wire, endpoints, key)
 
     def _start_engine(self, trainer: Any) -> RolloutEngine:
         """The engine the rollout_func decodes with: draft_align's vLLM engine (``rl.engine``), or the reference
         decoder on the live policy."""
-        from draft_align.engines.vllm.start import set_cpu_env, vllm_available
         from draft_align.rl.rollouts import ReferenceRollouts
 
         rl = self.recipe.rl
@@ -208,8 +173,7 @@ class DraftAlign:
             from draft_align.integrations.trl.colocate import colocate_rollouts
 
             return colocate_rollouts(trainer, self.drafts.frozen_version, self.recipe)
-        if rl.engine != "reference" and vllm_available():
-            set_cpu_env(rl.engine_kv_cache_gb)  # this session is the launcher of the TRL run's engine
+        set_engine_env(rl)  # this session is the launcher of the TRL run's engine
         probes = self._probe_prompts(trainer)
         engine = start_rollout_engine(self.recipe, self.drafts.frozen_version, probes)
         if engine is None:

@@ -91,8 +91,7 @@ class VerlDraftAlign:
         returns the sidecar's tap endpoints (None: not ready within ``ray.ready_timeout_s``, logged; verl runs
         on without taps)."""
         from draft_align.integrations.ray.client import RaySidecar
-        from draft_align.rl.draft_guard import counter_guard
-        from draft_align.rl.drafts import DraftSource
+        from draft_align.rl.build import draft_source, tap_sender
         from draft_align.wire import channel
 
         recipe = self.recipe
@@ -107,22 +106,9 @@ class VerlDraftAlign:
             log.warning("draft_align: the Ray sidecar is not ready: verl trains on without taps")
         else:
             self.sidecar_alive = True
-            self.sender = channel.TapSender(
-                self.endpoints,
-                key,
-                queue_messages=recipe.wire.queue_messages,
-                queue_bytes=recipe.wire.queue_mb << 20,
-                allow_remote=recipe.wire.allow_remote,
-                max_message_bytes=recipe.wire.max_message_mb << 20,
-            )
-        self.drafts = DraftSource(
-            run_dir,
-            self.start_draft,
-            notifications=self.notify,
-            background=True,  # new versions are hashed, loaded and checked off verl's driver thread
-            guard=counter_guard(recipe.rl),
-            run_id=recipe.run,
-        )
+            self.sender = tap_sender(recipe.wire, self.endpoints, key)
+        # new versions are hashed, loaded and checked off verl's driver thread
+        self.drafts = draft_source(recipe, self.start_draft, notifications=self.notify)
         return self.endpoints
 
     def attach_servers(self, engine: Any) -> None:

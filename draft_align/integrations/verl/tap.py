@@ -195,29 +195,12 @@ def worker_tap(engine: Any, recipe: CotrainRecipe, endpoints: list[str], rank: i
     under FSDP2 sharded in place) sending to the sidecar's ``endpoints`` with the run's wire key, tapping the
     layers the starting draft reads and syncing the rows of its vocabulary."""
     from draft_align.publish.tap_spec import read_tap_spec
+    from draft_align.rl.build import policy_tap, tap_sender
     from draft_align.sidecar.launch import starting_draft
     from draft_align.wire import channel
 
-    spec = read_tap_spec(starting_draft(recipe))
+    start = starting_draft(recipe)
+    spec = read_tap_spec(start)
     key = channel.resolve_key(recipe.wire.key_file, recipe.run_dir, create=False)
-    sender = channel.TapSender(
-        endpoints,
-        key,
-        queue_messages=recipe.wire.queue_messages,
-        queue_bytes=recipe.wire.queue_mb << 20,
-        allow_remote=recipe.wire.allow_remote,
-        max_message_bytes=recipe.wire.max_message_mb << 20,
-    )
-    hf = HFPolicyTap(
-        engine.module,
-        spec.aux_layer_ids,
-        sender,
-        run_id=recipe.run,
-        tokens_per_step=recipe.tap.tokens_per_step,
-        max_tokens_per_message=recipe.tap.max_tokens_per_message,
-        send_final=recipe.tap.send_final,
-        topk=recipe.tap.topk,
-        rank=rank,
-        seed=recipe.seed,
-    )
+    hf = policy_tap(recipe, engine.module, start, tap_sender(recipe.wire, endpoints, key), rank=rank)
     return VerlTap(engine, hf, lambda version: hf.head_sync(version, spec.draft_to_target))

@@ -218,10 +218,10 @@ def test_grpo_steps_on_vllm_rollouts(rollouts, vllm_world, tmp_path):
 
 
 def test_engine_choice_in_recipe_and_launcher(monkeypatch, caplog):
-    from draft_align import cotrain
     from draft_align.config import CotrainRecipe, RecipeError, RLConfig
     from draft_align.engines.vllm import start as vllm_start
     from draft_align.engines.vllm import vllm_rollouts as rollouts_mod
+    from draft_align.rl.build import start_rollout_engine
 
     with pytest.raises(RecipeError, match="rl.engine"):
         CotrainRecipe(rl=RLConfig(engine="sglang")).validate()
@@ -230,9 +230,9 @@ def test_engine_choice_in_recipe_and_launcher(monkeypatch, caplog):
     CotrainRecipe(rl=RLConfig(engine="vllm", verify_mode="greedy", temperature=0.0)).validate()
 
     prompts = [torch.tensor([5, 6, 7])]
-    assert cotrain.start_rollout_engine(CotrainRecipe(rl=RLConfig(engine="reference")), None, prompts) is None
+    assert start_rollout_engine(CotrainRecipe(rl=RLConfig(engine="reference")), None, prompts) is None
     monkeypatch.setattr(vllm_start, "vllm_available", lambda: False)
-    assert cotrain.start_rollout_engine(CotrainRecipe(rl=RLConfig(engine="auto")), None, prompts) is None
+    assert start_rollout_engine(CotrainRecipe(rl=RLConfig(engine="auto")), None, prompts) is None
     assert "not installed" in caplog.text
 
     monkeypatch.setattr(vllm_start, "vllm_available", lambda: True)
@@ -244,14 +244,11 @@ def test_engine_choice_in_recipe_and_launcher(monkeypatch, caplog):
 
     monkeypatch.setattr(rollouts_mod, "VLLMRollouts", refuse)
     caplog.clear()
-    assert (
-        cotrain.start_rollout_engine(CotrainRecipe(rl=RLConfig(engine="auto", spec_k=2)), None, prompts)
-        is None
-    )
+    assert start_rollout_engine(CotrainRecipe(rl=RLConfig(engine="auto", spec_k=2)), None, prompts) is None
     assert "could not serve" in caplog.text and "head_dim 16" in caplog.text
     assert seen["k"] == 2 and seen["guard"].prompts == ({"prompt_token_ids": [5, 6, 7]},)
     with pytest.raises(EngineError, match="head_dim 16"):
-        cotrain.start_rollout_engine(CotrainRecipe(rl=RLConfig(engine="vllm")), None, prompts)
+        start_rollout_engine(CotrainRecipe(rl=RLConfig(engine="vllm")), None, prompts)
 
 
 @needs_vllm
