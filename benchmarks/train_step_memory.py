@@ -57,7 +57,10 @@ def child(
     device: str,
     autocast: bool,
     loss: str,
+    shape: dict | None = None,
 ) -> dict:
+    """One step of a random-weight EAGLE-3 draft of ``shape`` (default :data:`SMOLLM2`; benchmarks/scale.py passes
+    the Qwen3-8B draft's) on one record of ``tokens`` tokens, in this process."""
     import torch
     from torch import nn
 
@@ -69,11 +72,11 @@ def child(
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     dev = torch.device(device)
-    cfg = Eagle3Config(**SMOLLM2)
+    cfg = Eagle3Config(**(SMOLLM2 if shape is None else shape))
     draft = Eagle3Draft(cfg)
     for p in draft.parameters():
         nn.init.normal_(p, std=0.02)
-    draft.set_vocab(torch.arange(cfg.draft_vocab_size) * 3)
+    draft.set_vocab(torch.arange(cfg.draft_vocab_size) * (cfg.vocab_size // cfg.draft_vocab_size))
     draft.to(dev)
     embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size).to(dev)
     rows = (torch.randn(cfg.draft_vocab_size, cfg.target_hidden_size) * 0.05).to(dev)

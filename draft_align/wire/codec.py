@@ -11,7 +11,11 @@ the MAC, the envelope: ``sender`` (an id a sending process draws at random when 
 raw little-endian C-contiguous bytes described by the header.  Decoding checks the frame count, the size
 and the MAC before it parses anything, then validates the header, every field, every tensor's dtype,
 shape and values; any failure raises :class:`~draft_align.wire.schema.WireError` with one of
-:data:`~draft_align.wire.schema.REASONS`.  Decoded tensors own their memory (copied out of the frames).
+:data:`~draft_align.wire.schema.REASONS`.  No tensor is copied that need not be: :func:`encode_views` hands
+out views of the message's own tensor memory (a sender that sends them must not modify the tensors until they
+are sent), and a decoded tensor of at least :data:`SHARE_MIN_BYTES` lies in the received ZeroMQ frame itself
+(which nothing reuses, and which the tensor keeps alive); other frames (bytes from a recording or a test) are
+copied, so a decoded tensor never aliases a caller's bytes.
 The codec knows kinds by name (``schema.py``); ``messages.py`` turns decoded parts into dataclasses.
 """
 
@@ -23,6 +27,7 @@ import json
 import math
 import re
 import sys
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, is_dataclass
 from typing import Any
@@ -53,6 +58,12 @@ from draft_align.wire.schema import (
 MAX_FRAMES = 2 + max(len(spec) for spec in _TENSOR_SPECS.values())
 _SENDER_RE = re.compile(r"[0-9A-Za-z_.-]{0,64}")
 _HEADER_KEYS = {"schema", "version", "kind", "sender", "seq", "fields", "tensors"}
+#: a received frame at least this large is decoded in place (smaller ones are copied: no gain, and ZeroMQ may
+#: keep small messages inside a shared receive buffer)
+SHARE_MIN_BYTES = 64 * 1024
+
+#: a frame as :func:`encode_views` gives it: the header and MAC as bytes, a tensor as a view of its memory
+Frame = bytes | memoryview
 
 
 @dataclass(frozen=True)
@@ -107,8 +118,9 @@ def _json_fields(msg: Any) -> dict[str, Any]:
     return out
 
 
-def _tensor_bytes(t: torch.Tensor) -> bytes:
-    return t.reshape(-1).view(torch.uint8).numpy().tobytes()
+def _tensor_view(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, not copied (the view keeps the tensor alive)."""
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
 def _prepare(msg: Any, max_tokens: int | None) -> tuple[str, dict[str, Any], dict[str, torch.Tensor]]:
@@ -146,7 +158,14 @@ def validate(msg: Any, *, max_tokens: int | None = None) -> None:
 def encode(msg: Any, key: bytes | None, *, sender: str = "", seq: int = 0) -> list[bytes]:
     """Frames of ``msg`` (a message of ``messages.py``): [header, tensor bytes (wire order), mac], with
     the envelope ``sender``/``seq`` in the header.  Validates the message exactly as :func:`decode_frames`
-    would (so a sender never ships what a receiver rejects); raises :class:`WireError`."""
+    would (so a sender never ships what a receiver rejects); raises :class:`WireError`.  Every frame is bytes
+    of its own (:func:`encode_views` for views of the tensors instead)."""
+    return [bytes(f) for f in encode_views(msg, key, sender=sender, seq=seq)]
+
+
+def encode_views(msg: Any, key: bytes | None, *, sender: str = "", seq: int = 0) -> list[Frame]:
+    """:func:`encode`, with each tensor frame a view of the message's own tensor memory (no copy: the caller
+    must not modify the tensors until the frames are sent; ZeroMQ sends a view with ``copy=False``)."""
     if sys.byteorder != "little":
         raise RuntimeError("the wire format is little-endian; big-endian hosts are not supported")
     kind, canonical, tensors = _prepare(msg, None)
@@ -164,7 +183,7 @@ def encode(msg: Any, key: bytes | None, *, sender: str = "", seq: int = 0) -> li
     head = json.dumps(header, separators=(",", ":"), allow_nan=False).encode()
     if len(head) > HEADER_MAX_BYTES:
         raise WireError("size", f"header of {len(head)} bytes > {HEADER_MAX_BYTES}")
-    frames = [head] + [_tensor_bytes(t) for t in tensors.values()]
+    frames: list[Frame] = [head, *(_tensor_view(t) for t in tensors.values())]
     frames.append(_frame_mac(key, frames) if key is not None else b"")
     return frames
 
@@ -235,7 +254,15 @@ def _parse_tensor_entry(kind: str, e: Any) -> tuple[str, torch.dtype, tuple[int,
     return name, dtype, tuple(shape)
 
 
-def _copy_tensor(buf: memoryview, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+def _frame_tensor(buf: memoryview, dtype: torch.dtype, shape: tuple[int, ...], share: bool) -> torch.Tensor:
+    """The tensor a frame holds: in the frame's own memory when ``share`` (a received ZeroMQ frame) and it is
+    large and aligned, else copied into memory of its own."""
+    if share and buf.nbytes >= SHARE_MIN_BYTES:
+        with warnings.catch_warnings():  # a received frame's buffer is exported read-only; nothing reuses it
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            raw = torch.frombuffer(buf, dtype=torch.uint8)
+        if raw.data_ptr() % dtype.itemsize == 0:  # each element at its natural alignment
+            return raw.view(dtype).view(shape)
     raw = torch.empty(buf.nbytes, dtype=torch.uint8)  # own, aligned memory
     if buf.nbytes:
         raw.numpy()[:] = np.frombuffer(buf, dtype=np.uint8)
@@ -251,10 +278,13 @@ def decode_frames(
 ) -> Decoded:
     """Validate and decode one message's frames (bytes, memoryviews or zmq.Frame).  Order: frame count,
     total size, MAC (constant-time, before the header is parsed), header, envelope, fields, tensors.
-    Raises :class:`WireError` on any violation, never anything else; the tensors own their memory."""
+    Raises :class:`WireError` on any violation, never anything else.  A tensor lies in its frame when the frame
+    is a received ``zmq.Frame`` of at least :data:`SHARE_MIN_BYTES` (it keeps the frame alive), else in memory
+    of its own."""
     if not isinstance(frames, list | tuple) or not 2 <= len(frames) <= MAX_FRAMES:
         raise WireError("frames", f"a message has a header, at most {MAX_FRAMES - 2} tensors and a MAC frame")
     bufs = [_as_buffer(fr, i) for i, fr in enumerate(frames)]
+    share = all(hasattr(fr, "buffer") for fr in frames)  # zmq.Frame: received, never reused
     total = sum(b.nbytes for b in bufs)
     if total > max_bytes:
         raise WireError("size", f"message of {total} bytes > max_bytes {max_bytes}")
@@ -265,7 +295,7 @@ def decode_frames(
     elif mac.nbytes:
         raise WireError("mac", "message carries a MAC but no key is configured")
     try:
-        return _decode_checked(bufs, max_tokens)
+        return _decode_checked(bufs, max_tokens, share)
     except WireError:
         raise
     except (ArithmeticError, ValueError, TypeError, LookupError, RecursionError, RuntimeError) as e:
@@ -273,10 +303,10 @@ def decode_frames(
         raise WireError("fields", f"undecodable value: {type(e).__name__}: {e}") from e
 
 
-def _decode_checked(bufs: list[memoryview], max_tokens: int) -> Decoded:
+def _decode_checked(bufs: list[memoryview], max_tokens: int, share: bool) -> Decoded:
     header = _parse_header(bufs[0])
     try:
-        return _decode_body(bufs, header, max_tokens)
+        return _decode_body(bufs, header, max_tokens, share)
     except WireError as e:
         # the envelope was read (under the MAC when keyed): a receiver tells this numbered message from one
         # that never arrived (channel.py counts those as lost)
@@ -284,7 +314,7 @@ def _decode_checked(bufs: list[memoryview], max_tokens: int) -> Decoded:
         raise
 
 
-def _decode_body(bufs: list[memoryview], header: dict[str, Any], max_tokens: int) -> Decoded:
+def _decode_body(bufs: list[memoryview], header: dict[str, Any], max_tokens: int, share: bool) -> Decoded:
     kind = header["kind"]
     entries = header["tensors"]
     if len(bufs) != len(entries) + 2:
@@ -300,7 +330,7 @@ def _decode_body(bufs: list[memoryview], header: dict[str, Any], max_tokens: int
         expect = math.prod(shape) * dtype.itemsize
         if buf.nbytes != expect:
             raise WireError("frames", f"{name}: {buf.nbytes} bytes, shape {list(shape)} needs {expect}")
-        t = _copy_tensor(buf, torch.uint8 if dtype == torch.bool else dtype, shape)
+        t = _frame_tensor(buf, torch.uint8 if dtype == torch.bool else dtype, shape, share)
         if dtype == torch.bool:
             mask_bytes, t = t, t.view(torch.bool)  # bytes other than 0/1 are rejected before any bool use
         tensors[name] = t

@@ -11,7 +11,7 @@ import threading
 import time
 from typing import Any
 
-from draft_align.wire.codec import encode
+from draft_align.wire.codec import encode_views
 from draft_align.wire.endpoints import check_endpoint
 from draft_align.wire.messages import DraftPublished, HeadSync, Message, StepReport, TapBatch, TapPart
 from draft_align.wire.schema import DEFAULT_MAX_BYTES
@@ -167,7 +167,7 @@ class TapSender(Closing):
 
         sender, seq = self._envelope.stamp()
         try:
-            frames = encode(msg, self._key, sender=sender, seq=seq)
+            frames = encode_views(msg, self._key, sender=sender, seq=seq)
         except Exception as e:  # an invalid message must not kill the sending thread
             logger.warning("tap: dropping an invalid %s: %s", type(msg).__name__, e)
             with self._cv:

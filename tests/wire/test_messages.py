@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import hashlib
 import hmac
 import json
@@ -14,7 +15,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from draft_align.wire.codec import encode, validate
+from draft_align.wire.codec import SHARE_MIN_BYTES, encode, encode_views, validate
 from draft_align.wire.messages import BatchHeader, DraftPublished, HeadSync, StepReport, TapBatch, decode
 from draft_align.wire.packing import drop_nonfinite, pack_sequences
 from draft_align.wire.schema import REASONS, WireError
@@ -172,6 +173,42 @@ def test_decoded_tensors_own_their_memory():
     assert_same(got, b)
     got.aux_hidden.add_(1)  # writable
     assert got.aux_hidden.data_ptr() % 16 == 0
+
+
+def test_encode_views_are_the_tensors_memory_and_encode_the_same_bytes():
+    b = TapBatch.make_dummy(num_sequences=4, min_len=400, max_len=600, hidden_size=64)
+    views = encode_views(b, KEY, sender="s", seq=3)
+    assert [bytes(v) for v in views] == encode(b, KEY, sender="s", seq=3)  # the MAC too
+    aux = views[[n for n in b.tensors()].index("aux_hidden") + 1]
+    assert isinstance(aux, memoryview)
+    b.aux_hidden.view(-1)[0] = 7.0  # the contract: the caller must not modify the tensors until sent
+    assert bytes(aux[:2]) == b.aux_hidden.view(-1)[:1].view(torch.uint8).numpy().tobytes()
+
+
+def test_a_received_frame_is_decoded_in_place_and_kept_alive():
+    zmq = pytest.importorskip("zmq")
+    b = TapBatch.make_dummy(num_sequences=4, min_len=400, max_len=600, hidden_size=64)
+    assert b.aux_hidden.numel() * 2 >= SHARE_MIN_BYTES
+    ctx = zmq.Context()
+    push, pull = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    push.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        push.send_multipart(encode_views(b, KEY), copy=False)
+        frames = pull.recv_multipart(copy=False)
+        aux_frame = frames[[n for n in b.tensors()].index("aux_hidden") + 1]
+        got = decode(frames, KEY)
+        start = np.frombuffer(aux_frame.buffer, dtype=np.uint8).ctypes.data
+        assert got.aux_hidden.data_ptr() == start  # no copy of the large frame
+        small = got.cu_seqlens  # below SHARE_MIN_BYTES: copied
+        assert not start <= small.data_ptr() < start + len(aux_frame)
+        del frames, aux_frame
+        gc.collect()
+        assert_same(got, b)  # the tensor keeps its frame alive
+    finally:
+        push.close(0)
+        pull.close(0)
+        ctx.term()
 
 
 @pytest.mark.parametrize("key", [None, KEY])
