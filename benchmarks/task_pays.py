@@ -483,12 +483,14 @@ def main() -> int:
     rl = recipe.rl
     batches = args.speed_batches or [1, rl.prompts_per_step * rl.group_size]
     from draft_align.config import recipe_to_dict
-    from draft_align.cotrain import ensure_start_draft, run_cotrain
+    from draft_align import warmstart
+    from draft_align.cotrain import run_cotrain
+    from draft_align.sidecar.launch import starting_draft
     from draft_align.publish.folder import read_manifest
     from draft_align.publish.versions import read_latest, resolve_draft_dir, version_dir
     from draft_align.rl.build import set_engine_env
 
-    start = ensure_start_draft(recipe, args.draft)
+    start = starting_draft(recipe, args.draft, warm_start=warmstart.run_in_process)
     general = resolve_draft_dir(Path(args.general_draft)) if args.general_draft else None
     set_engine_env(recipe.rl)
     jpath = out / f"task_pays{'_' + args.name if args.name else ''}.json"

@@ -355,6 +355,7 @@ def main() -> int:
                 *(["--task", a.task] if a.task else []),
                 f"output_dir={work / name}",
                 f"draft={a.draft}",
+                "logging.trl_metrics=full",  # the tables below read the Tap's, the wire's and the stages' keys
                 *ARMS[name],
                 *a.overrides,
             ]

@@ -1,9 +1,9 @@
 """Co-training launcher: the RL job in this process, the sidecar as a separate process.
 
-``run_cotrain`` resolves the starting draft (running the warm-start recipe when it has not been published
-yet), writes the resolved recipe into the run folder, starts ``draft-align sidecar`` on it as a child
-process (``sidecar.host: ray``: as an actor or gang on a Ray cluster, docs/ray.md), then runs the GRPO job
-with its Tap sending over ZeroMQ.  The RL job never waits for the sidecar: sends are non-blocking and drafts
+``run_cotrain`` resolves the starting draft (running the warm-start recipe here when it has not been published
+yet: ``sidecar/launch.py``'s ``starting_draft`` with ``warmstart.run_in_process``), writes the resolved recipe
+into the run folder, starts ``draft-align sidecar`` on it as a child process (``sidecar.host: ray``: as an actor
+or gang on a Ray cluster, docs/ray.md), then runs the GRPO job with its Tap sending over ZeroMQ.  The RL job never waits for the sidecar: sends are non-blocking and drafts
 are picked up between steps from the sidecar's ``DraftPublished`` notifications (``latest`` as the fallback).
 At the end the job sends a final step report, gives the sidecar ``sidecar_exit_timeout_s`` to publish and exit,
 and writes the report.  Process-level settings (torch threads, the vLLM-CPU environment) are made here, not in
@@ -24,36 +24,13 @@ import torch
 
 from draft_align.config import RESOLVED_RECIPE, CotrainRecipe
 from draft_align.rl.build import draft_source, policy_tap, set_engine_env, start_rollout_engine, tap_sender
+from draft_align.sidecar.launch import starting_draft
 from draft_align.sidecar.process import spawn_sidecar, stop_sidecar, wait_ready
 
 if TYPE_CHECKING:
     from draft_align.rl.drafts import Notifications
 
 log = logging.getLogger(__name__)
-
-
-def ensure_start_draft(recipe: CotrainRecipe, start: str | None) -> Path:
-    """The starting draft's folder; runs the warm-start recipe first when nothing is published."""
-    from draft_align.sidecar.launch import SidecarError, starting_draft
-
-    try:
-        return starting_draft(recipe, start)
-    except SidecarError:
-        if start is not None or recipe.draft is not None:
-            raise
-    from draft_align import warmstart
-    from draft_align.config import load_recipe
-
-    log.info("no warm-started draft yet: running %s", recipe.warmstart_recipe)
-    ws = load_recipe(recipe.warmstart_recipe)
-    n_threads = torch.get_num_threads()
-    if ws.train.num_threads:
-        torch.set_num_threads(ws.train.num_threads)  # a process-level choice: the launcher makes it
-    try:
-        warmstart.run(ws)
-    finally:
-        torch.set_num_threads(n_threads)
-    return starting_draft(recipe, None)
 
 
 def write_resolved(recipe: CotrainRecipe) -> Path:
@@ -189,6 +166,7 @@ def run_cotrain(
     out: Any = None,
 ) -> dict[str, Any]:
     """Run the co-training job; returns {"report": summary, "sidecar_rc": …}."""
+    from draft_align import warmstart
     from draft_align.monitor.advise_text import add_to_report
     from draft_align.monitor.live import MONITOR_LOG, LiveTable
     from draft_align.monitor.report import write_report
@@ -204,7 +182,7 @@ def run_cotrain(
         aside = run_dir.with_name(f"{run_dir.name}.{time.strftime('%Y%m%d-%H%M%S')}")
         os.replace(run_dir, aside)
         log.info("a previous run of %s was moved to %s", run_dir, aside)
-    start_path = ensure_start_draft(recipe, start)
+    start_path = starting_draft(recipe, start, warm_start=warmstart.run_in_process)
     resolved = write_resolved(recipe)
     key = channel.resolve_key(recipe.wire.key_file, run_dir, create=True)
     endpoint = recipe.wire.endpoint or channel.default_endpoint(run_dir, TAP_SOCKET)

@@ -71,6 +71,7 @@ ALLOWED: dict[str, set[str]] = {
         "engines",
         "rl",
         "sidecar",
+        "warmstart",  # TRL's session runs the warm-start when no starting draft is published, as cotrain does
     },
 }
 FACE = {"cli", "cotrain", "__main__", "__init__"}

@@ -296,6 +296,7 @@ def test_every_enum_like_field_is_a_choice():
             "rl.draft_guard",
             "push.pause",
             "logging.wandb_mode",
+            "logging.trl_metrics",
         )
     }
 

@@ -131,8 +131,8 @@ def test_rl_steps_continue_when_the_sidecar_is_killed(tiny_run, tiny_env, tmp_pa
     stays in use, and the tap's sends are counted as dropped instead of blocking."""
     from draft_align.cotrain import (
         build_job,
-        ensure_start_draft,
         spawn_sidecar,
+        starting_draft,
         stop_sidecar,
         wait_ready,
         write_resolved,
@@ -151,7 +151,7 @@ def test_rl_steps_continue_when_the_sidecar_is_killed(tiny_run, tiny_env, tmp_pa
         ),
         CotrainRecipe,
     )
-    start = ensure_start_draft(recipe, None)
+    start = starting_draft(recipe)
     proc = spawn_sidecar(write_resolved(recipe), start, recipe.run_dir / "sidecar.log")
     key = channel.resolve_key(None, recipe.run_dir, create=True)
     sender = channel.TapSender(channel.default_endpoint(recipe.run_dir, "tap"), key)

@@ -23,10 +23,11 @@ def cmd_ray(args: argparse.Namespace) -> int:
     recipe = _cotrain_recipe(args)
     rc = recipe.ray
     if args.action == "start":
-        from draft_align.cotrain import ensure_start_draft
+        from draft_align import warmstart
+        from draft_align.sidecar.launch import starting_draft
 
         recipe.ray.lifetime = type(rc.lifetime)("detached")  # it must outlive this command
-        start = ensure_start_draft(recipe, args.draft)
+        start = starting_draft(recipe, args.draft, warm_start=warmstart.run_in_process)
         recipe.run_dir.mkdir(parents=True, exist_ok=True)
         channel.resolve_key(recipe.wire.key_file, recipe.run_dir, create=True)  # a file on shared storage
         resolved = save_recipe(recipe, recipe.run_dir / RESOLVED_RECIPE)

@@ -56,6 +56,8 @@ RayLifetimeChoice = _choice("RayLifetimeChoice", ("job", "detached"), "Ray lifet
 # how `draft-align push` treats a server's requests in flight while it loads a version (docs/servers.md)
 PushPauseChoice = _choice("PushPauseChoice", ("none", "keep"), "push pause mode")
 WandbModeChoice = _choice("WandbModeChoice", ("offline", "online", "disabled"), "wandb mode")
+# the draft_align/* keys TRL's log carries: a handful (integrations/trl/session.py BRIEF_METRICS), or every one
+TRLMetricsChoice = _choice("TRLMetricsChoice", ("brief", "full"), "TRL metrics")
 DtypeChoice = _choice("DtypeChoice", FLOAT_DTYPE_NAMES, "dtype")
 
 

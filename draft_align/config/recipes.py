@@ -20,6 +20,7 @@ from draft_align.config.rules import (
     check_strings,
 )
 from draft_align.config.sections import (
+    CotrainLoggingConfig,
     DataConfig,
     DraftConfig,
     EvalConfig,
@@ -116,7 +117,7 @@ class CotrainRecipe(_RecipeHeader):
     rl: RLConfig = field(default_factory=RLConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     push: PushConfig = field(default_factory=PushConfig)  # draft-align push beside vLLM servers
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    logging: CotrainLoggingConfig = field(default_factory=CotrainLoggingConfig)
 
     def validate(self) -> None:
         """The cross-field rules (field types and choices are the schema's, checked again here for a

@@ -23,6 +23,7 @@ from draft_align.config.choices import (
     RolloutVerifyChoice,
     SidecarHostChoice,
     TrainTriggerChoice,
+    TRLMetricsChoice,
     VerifyModeChoice,
     WandbModeChoice,
 )
@@ -162,6 +163,14 @@ class LoggingConfig:
     wandb_project: str = "draft_align"  # wandb project name
     log_every: int = 5  # steps between metric lines
     progress_bar: bool = True  # show a progress bar while training
+
+
+@dataclass
+class CotrainLoggingConfig(LoggingConfig):
+    # the draft_align/* keys TRL's log carries each step: brief (measured acceptance adapted and frozen, draft
+    # version, staleness, sidecar alive, wire drops) or full (every draft_align metric: the Tap's and the wire's
+    # counters, the step's stage profile, the sidecar's estimates, …); the StepReport the sidecar gets is whole
+    trl_metrics: TRLMetricsChoice = TRLMetricsChoice("brief")
 
 
 # ----------------------------------------------------------------------------- co-training (RL + sidecar)

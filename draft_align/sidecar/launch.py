@@ -7,6 +7,7 @@ set a stop event) and calls :func:`run_sidecar`; tests and other programs build 
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -22,25 +23,40 @@ from draft_align.sidecar.state import SidecarState
 from draft_align.train.checkpoint import checkpoint_exists
 from draft_align.train.parallel import join_ranks, rank_info_from_env
 
+log = logging.getLogger(__name__)
+
 
 class SidecarError(RuntimeError):
     """The sidecar cannot start (no starting draft, …)."""
 
 
-def starting_draft(recipe: CotrainRecipe, path: str | None = None) -> Path:
+def starting_draft(
+    recipe: CotrainRecipe,
+    path: str | None = None,
+    *,
+    warm_start: Callable[[WarmstartRecipe], object] | None = None,
+) -> Path:
     """The folder of the draft co-training starts from: ``path``, ``recipe.draft`` (a draft folder or a run
-    folder with ``latest``), else the warm-start recipe's published draft (which must exist)."""
+    folder with ``latest``), else the warm-start recipe's published draft.  When neither is named and the
+    warm-start has published nothing yet, a launcher's ``warm_start`` (``warmstart.run_in_process``) runs the
+    warm-start recipe first; without one, or when a named draft is missing, a :class:`SidecarError` says what to
+    run."""
     given = path or recipe.draft
+    ws: WarmstartRecipe | None = None
     if given is None:
-        ws: WarmstartRecipe = load_recipe(recipe.warmstart_recipe)
+        ws = load_recipe(recipe.warmstart_recipe)
         given = str(ws.run_dir)
     try:
         return resolve_draft_dir(Path(given))
     except ExportError as e:
-        raise SidecarError(
-            f"no starting draft at {given} ({e}): run the warm-start first (draft-align warmstart "
-            f"{recipe.warmstart_recipe}) or set `draft:` to a published draft folder"
-        ) from e
+        if ws is None or warm_start is None:
+            raise SidecarError(
+                f"no starting draft at {given} ({e}): run the warm-start first (draft-align warmstart "
+                f"{recipe.warmstart_recipe}) or set `draft:` to a published draft folder"
+            ) from e
+    log.info("no warm-started draft yet: running %s", recipe.warmstart_recipe)
+    warm_start(ws)
+    return starting_draft(recipe)
 
 
 def world_config(recipe: CotrainRecipe, start_draft: Path, local: tuple[str, ...] = ()) -> dict[str, Any]:

@@ -1,11 +1,13 @@
 """Offline warm-start of a draft from chat data: :mod:`.preparation` (data, self-distillation, capture) and
-:mod:`.pipeline` (build, train, publish, evaluate); ``run(recipe)`` is the whole warm-start."""
+:mod:`.pipeline` (build, train, publish, evaluate); ``run(recipe)`` is the whole warm-start (``run_in_process``: with
+the recipe's thread count, for a launcher that needs the draft first)."""
 
 from draft_align.warmstart.pipeline import (
     build_draft,
     evaluate_draft,
     load_init_draft,
     run,
+    run_in_process,
     train,
     vocab_report,
 )
@@ -21,6 +23,7 @@ __all__ = [
     "load_init_draft",
     "prepare",
     "run",
+    "run_in_process",
     "train",
     "vocab_report",
 ]

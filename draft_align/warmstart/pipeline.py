@@ -304,6 +304,19 @@ def run(recipe: WarmstartRecipe) -> dict[str, Any]:
         return _run(recipe)
 
 
+def run_in_process(recipe: WarmstartRecipe) -> dict[str, Any]:
+    """:func:`run` for a launcher that needs the draft before its own job goes on (``draft-align cotrain``,
+    ``draft-align ray start``, TRL's session: ``sidecar/launch.py``'s ``starting_draft(..., warm_start=...)``): the
+    recipe's ``train.num_threads`` torch threads for the warm-start, the launcher's own count restored after."""
+    n_threads = torch.get_num_threads()
+    if recipe.train.num_threads:
+        torch.set_num_threads(recipe.train.num_threads)
+    try:
+        return run(recipe)
+    finally:
+        torch.set_num_threads(n_threads)
+
+
 def _run(recipe: WarmstartRecipe) -> dict[str, Any]:
     from draft_align.publish.compat import tokenizer_fingerprint
     from draft_align.publish.versions import publish_version, resolve_draft_dir

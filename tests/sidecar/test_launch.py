@@ -22,6 +22,14 @@ def test_starting_draft_from_the_warmstart_a_folder_or_an_error(tiny_run, tiny_e
     with pytest.raises(SidecarError, match="no starting draft"):
         starting_draft(recipe, str(tmp_path / "nowhere"))
 
+    def never(ws):
+        raise AssertionError("a named draft is never warm-started")
+
+    # a launcher's warm_start runs only for the warm-start recipe's own draft: not for a named one, not when published
+    with pytest.raises(SidecarError, match="no starting draft"):
+        starting_draft(recipe, str(tmp_path / "nowhere"), warm_start=never)
+    assert starting_draft(recipe, warm_start=never) == starting_draft(recipe)
+
 
 def test_world_config_flattens_the_recipe_and_the_start(tiny_run, tmp_path):
     recipe = load_recipe(None, tiny_run.cotrain_overrides(tmp_path), CotrainRecipe)

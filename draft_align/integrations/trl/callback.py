@@ -5,9 +5,10 @@ sidecar, the wire, the drafts, the Tap and the engine; ``on_step_begin`` picks u
 (between steps, before generation) and starts the step's stage profile
 (:mod:`~draft_align.integrations.trl.profile`), which ``on_pre_optimizer_step``/``on_optimizer_step`` also
 feed; ``on_step_end`` ships the step's taps and sends the StepReport;
-``on_train_end`` stops cleanly.  draft_align's metrics go into TRL's own metric store under ``draft_align/…``,
-so ``trainer.log`` averages them with TRL's and every ``report_to`` backend gets them.  Nothing here blocks
-on the sidecar: a dead sidecar means dropped (counted) taps and the last draft staying in use.
+``on_train_end`` stops cleanly.  draft_align's metrics go into TRL's own metric store under ``draft_align/…``
+(a handful by default, every one with ``logging.trl_metrics: full``), so ``trainer.log`` averages them with TRL's
+and every ``report_to`` backend gets them.  Nothing here blocks on the sidecar: a dead sidecar means dropped
+(counted) taps and the last draft staying in use.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ class Session(Protocol):
     def optimizer_step(self, begin: bool) -> None: ...
 
     def end_step(self, trainer: Any) -> dict[str, float | None]: ...
+
+    def logged(self, metrics: dict[str, float | None]) -> dict[str, float | None]: ...
 
     def stop(self) -> int | None: ...
 
@@ -81,7 +84,7 @@ class DraftAlignCallback(TrainerCallback):
         metrics = self.session.end_step(self.trainer)
         self.callback_s += time.perf_counter() - t0
         metrics["callback_s"] = self.callback_s
-        self._log(metrics)
+        self._log(self.session.logged(metrics))
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.sidecar_rc = self.session.stop()

@@ -15,6 +15,7 @@ started or re-attached by name; its endpoints and drafts come through the run's 
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import time
 from collections.abc import Sequence
@@ -38,11 +39,35 @@ log = logging.getLogger(__name__)
 
 SidecarMode = Literal["spawn", "connect", "ray", "off"]
 SIDECAR_MODES: tuple[str, ...] = ("spawn", "connect", "ray", "off")
+#: the draft_align/* keys TRL's log carries under ``logging.trl_metrics: brief`` (the default; ``full``: every one)
+BRIEF_METRICS = frozenset(
+    {
+        "accept_measured_adapted",
+        "accept_measured_frozen",
+        "draft_version",
+        "staleness",
+        "sidecar_alive",
+        "wire_dropped",
+    }
+)
+
+
+def start_draft(recipe: CotrainRecipe, draft: str | None) -> Path:
+    """The starting draft (:func:`~draft_align.sidecar.launch.starting_draft`).  When none is named and the
+    warm-start recipe has published none yet, a single-process run warm-starts here first, as ``draft-align
+    cotrain`` does; the processes of a multi-process run (``WORLD_SIZE`` > 1) would each run it, so they stop with
+    the SidecarError that says to run it first."""
+    from draft_align import warmstart
+    from draft_align.sidecar.launch import starting_draft
+
+    alone = int(os.environ.get("WORLD_SIZE", "1")) <= 1
+    return starting_draft(recipe, draft, warm_start=warmstart.run_in_process if alone else None)
 
 
 class DraftAlign:
     """See the module docstring.  ``recipe``: a CotrainRecipe or a recipe file (``overrides``: key=value);
-    ``draft``: the starting draft (default: the recipe's ``draft`` or its warm-start's published draft)."""
+    ``draft``: the starting draft (default: the recipe's ``draft`` or its warm-start's published draft, warm-started
+    here first when there is none: :func:`start_draft`)."""
 
     def __init__(
         self,
@@ -67,9 +92,7 @@ class DraftAlign:
         else:
             self.recipe = load_recipe(recipe, list(overrides), CotrainRecipe)
         self.recipe.validate()
-        from draft_align.sidecar.launch import starting_draft
-
-        self.start_draft = starting_draft(self.recipe, draft)  # a clear SidecarError when there is none
+        self.start_draft = start_draft(self.recipe, draft)
         self.sidecar_mode: SidecarMode = sidecar
         self.ready_timeout_s = float(ready_timeout_s)
         self.exit_timeout_s = float(exit_timeout_s)
@@ -223,7 +246,10 @@ class DraftAlign:
             metrics["step_s"] = profile.step_s
             metrics.update(profile.to_metrics())
         if self.sender is not None:
-            metrics.update({f"wire_{k}": float(v) for k, v in self.sender.stats().items()})
+            wire = self.sender.stats()
+            metrics.update({f"wire_{k}": float(v) for k, v in wire.items()})
+            # every message the sender did not deliver, whatever the reason (as draft-align cotrain reports it)
+            metrics["wire_dropped"] = float(sum(v for k, v in wire.items() if k.startswith("dropped_")))
         metrics["draft_failures"] = float(self.drafts.failures)
         metrics["draft_refreshes"] = float(self.drafts.refreshes)
         metrics["draft_rollbacks"] = float(self.drafts.rollbacks)
@@ -242,6 +268,13 @@ class DraftAlign:
                 self.reports_refused += 1
         metrics.update(self._estimates())
         return metrics
+
+    def logged(self, metrics: dict[str, float | None]) -> dict[str, float | None]:
+        """The step's metrics TRL's log carries: :data:`BRIEF_METRICS`, or every one under
+        ``logging.trl_metrics: full``."""
+        if self.recipe.logging.trl_metrics == "full":
+            return metrics
+        return {k: v for k, v in metrics.items() if k in BRIEF_METRICS}
 
     def _sidecar_alive(self, step: int) -> bool:
         """Whether the spawned sidecar still runs; its death is logged once (ERROR, with its exit code and

@@ -1,11 +1,13 @@
 """DraftAlign beside a real TRL GRPOTrainer on the tiny target (reference rollouts, sidecar as a child
-process): taps reach the sidecar, acceptance lands in TRL's logs, a killed sidecar does not stop TRL, and
-configurations that cannot work fail at start."""
+process): taps reach the sidecar, acceptance lands in TRL's logs (a handful of keys by default, every one with
+``logging.trl_metrics: full``), a killed sidecar does not stop TRL, configurations that cannot work fail at
+start, and a missing starting draft is warm-started first."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import time
 
@@ -14,6 +16,7 @@ from transformers import TrainerCallback
 
 from draft_align.config import CotrainRecipe, load_recipe
 from draft_align.integrations.trl import DraftAlign, TRLConfigError
+from draft_align.integrations.trl.session import BRIEF_METRICS
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -28,7 +31,7 @@ def _rows(path):
 
 
 def test_trl_run_taps_reports_and_logs_acceptance(tiny_run, tiny_env, tmp_path, make_trainer):
-    da = _session(tiny_run, tmp_path, "trl")
+    da = _session(tiny_run, tmp_path, "trl", **{"logging.trl_metrics": "full"})
     trainer = make_trainer(rollout_func=da.rollout_func, max_steps=3)
     cb = da.callback(trainer)
     trainer.add_callback(cb)
@@ -97,6 +100,8 @@ def test_trl_continues_when_the_sidecar_is_killed(tiny_run, tiny_env, tmp_path, 
         trainer.train()  # no error: TRL's steps 3 and 4 ran without the sidecar
     logs = [h for h in trainer.state.log_history if "loss" in h]
     assert len(logs) == 4
+    for h in logs:  # logging.trl_metrics: brief (the default): the handful of keys, no more
+        assert {k for k in h if k.startswith("draft_align/")} == {f"draft_align/{k}" for k in BRIEF_METRICS}
     # the death is noticed: TRL's logs say so from the step it happened, and one ERROR line names the exit code
     assert [h["draft_align/sidecar_alive"] for h in logs] == [
         1.0,
@@ -109,7 +114,40 @@ def test_trl_continues_when_the_sidecar_is_killed(tiny_run, tiny_env, tmp_path, 
     assert da.sidecar_exit == -signal.SIGKILL
     assert da.drafts.current_version >= Kill.in_use and da.drafts.failures == 0
     assert logs[-1]["draft_align/draft_version"] == da.drafts.current_version  # the last draft stays in use
-    assert logs[-1]["draft_align/wire_dropped_peer"] > logs[1].get("draft_align/wire_dropped_peer", 0)
+    assert logs[-1]["draft_align/wire_dropped"] > logs[1]["draft_align/wire_dropped"]
+    # the StepReports the sidecar got before it died were whole (the brief set is only TRL's log)
+    mon = _rows(da.run_dir / "sidecar" / "monitor.jsonl")
+    assert any("tap_tokens_accepted" in r and "wire_sent" in r for r in mon)
+
+
+def test_a_missing_starting_draft_is_warm_started_first(tiny_run, tmp_path, monkeypatch):
+    """No draft named and the warm-start recipe's draft not published: a single process runs the warm-start
+    (``warmstart.run_in_process``, here a stand-in that publishes the tiny run's draft) and starts from its draft,
+    as ``draft-align cotrain`` does; once published it is reused; a multi-process run stops with what to run."""
+    from draft_align import warmstart
+    from draft_align.config import save_recipe
+    from draft_align.publish.versions import resolve_draft_dir
+    from draft_align.sidecar.launch import SidecarError
+
+    ws = load_recipe(None, tiny_run.world.overrides(run="ws", out=tmp_path))
+    ws_file = save_recipe(ws, tmp_path / "ws.yaml")
+    ran = []
+
+    def warm_start(ws):
+        ran.append(ws.run_dir)
+        shutil.copytree(tiny_run.run_dir, ws.run_dir)
+
+    monkeypatch.setattr(warmstart, "run_in_process", warm_start)
+    over = {"draft": "null", "warmstart_recipe": str(ws_file)}
+    recipe = load_recipe(None, tiny_run.cotrain_overrides(tmp_path, run="trl-ws", **over), CotrainRecipe)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SidecarError, match="run the warm-start first"):
+        DraftAlign(recipe)
+    assert ran == []
+    monkeypatch.delenv("WORLD_SIZE")
+    da = DraftAlign(recipe)
+    assert ran == [tmp_path / "ws"] and da.start_draft == resolve_draft_dir(tmp_path / "ws")
+    assert DraftAlign(recipe).start_draft == da.start_draft and len(ran) == 1  # published: reused
 
 
 @pytest.mark.parametrize("case", ["lora_lm_head", "sleep_mode", "temperature", "top_p", "layout"])

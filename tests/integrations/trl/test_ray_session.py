@@ -31,7 +31,9 @@ def test_trl_run_with_the_sidecar_on_ray(ray_namespace, tiny_run, tiny_env, tmp_
     from draft_align.integrations.ray.client import RaySidecar
     from draft_align.integrations.trl import DraftAlign
 
-    over = tiny_run.cotrain_overrides(tmp_path, run="trlray", **{"ray.namespace": ray_namespace})
+    over = tiny_run.cotrain_overrides(
+        tmp_path, run="trlray", **{"ray.namespace": ray_namespace, "logging.trl_metrics": "full"}
+    )
     recipe = load_recipe(None, over, CotrainRecipe)
     da = DraftAlign(recipe, sidecar="ray", exit_timeout_s=60)
     trainer = make_trainer(rollout_func=da.rollout_func, max_steps=3)

@@ -74,6 +74,7 @@ def test_trl_grpo_example_on_smollm2_with_vllm(tmp_path, monkeypatch):
                 f"target.model={model}",
                 f"draft={start}",
                 "rl.engine=vllm",
+                "logging.trl_metrics=full",  # every draft_align key in TRL's log (the default is a handful)
                 "sidecar.buffer.min_tokens=0",
                 "sidecar.publish.min_train_steps=1",
                 "sidecar.publish.every_s=0",
