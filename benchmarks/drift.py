@@ -572,8 +572,8 @@ def main() -> int:
         ov.append(f"run={recipe.run}-{args.name}")
         recipe = load_recipe(args.recipe, ov, CotrainRecipe)
     command = "  ".join(["python benchmarks/drift.py", *sys.argv[1:]])
-    from draft_align.config import recipe_to_dict
     from draft_align import warmstart
+    from draft_align.config import recipe_to_dict
     from draft_align.cotrain import run_cotrain
     from draft_align.sidecar.launch import starting_draft
     from draft_align.rl.build import set_engine_env

@@ -482,8 +482,8 @@ def main() -> int:
     recipe = load_recipe(args.recipe, ov, CotrainRecipe)
     rl = recipe.rl
     batches = args.speed_batches or [1, rl.prompts_per_step * rl.group_size]
-    from draft_align.config import recipe_to_dict
     from draft_align import warmstart
+    from draft_align.config import recipe_to_dict
     from draft_align.cotrain import run_cotrain
     from draft_align.sidecar.launch import starting_draft
     from draft_align.publish.folder import read_manifest
