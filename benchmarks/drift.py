@@ -575,8 +575,8 @@ def main() -> int:
     from draft_align import warmstart
     from draft_align.config import recipe_to_dict
     from draft_align.cotrain import run_cotrain
-    from draft_align.sidecar.launch import starting_draft
     from draft_align.rl.build import set_engine_env
+    from draft_align.sidecar.launch import starting_draft
 
     start = starting_draft(recipe, args.draft, warm_start=warmstart.run_in_process)
     set_engine_env(recipe.rl)  # the vLLM-CPU environment, before any engine starts (tap_overhead builds one)

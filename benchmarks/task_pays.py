@@ -485,10 +485,10 @@ def main() -> int:
     from draft_align import warmstart
     from draft_align.config import recipe_to_dict
     from draft_align.cotrain import run_cotrain
-    from draft_align.sidecar.launch import starting_draft
     from draft_align.publish.folder import read_manifest
     from draft_align.publish.versions import read_latest, resolve_draft_dir, version_dir
     from draft_align.rl.build import set_engine_env
+    from draft_align.sidecar.launch import starting_draft
 
     start = starting_draft(recipe, args.draft, warm_start=warmstart.run_in_process)
     general = resolve_draft_dir(Path(args.general_draft)) if args.general_draft else None
