@@ -34,13 +34,7 @@ class TapBase:
     vocab_size: int
 
     def __init__(
-        self,
-        sink: TapSink,
-        *,
-        run_id: str,
-        tokens_per_step: int,
-        max_tokens_per_message: int,
-        send_final: bool,
+        self, sink: TapSink, run_id: str, tokens_per_step: int, max_tokens_per_message: int, send_final: bool
     ) -> None:
         check_tap_args(run_id, sink, tokens_per_step, max_tokens_per_message)
         self.sink = sink

@@ -109,13 +109,7 @@ class HFPolicyTap(TapBase):
         rank: int = 0,
         seed: int = 0,
     ) -> None:
-        super().__init__(
-            sink,
-            run_id=run_id,
-            tokens_per_step=tokens_per_step,
-            max_tokens_per_message=max_tokens_per_message,
-            send_final=send_final,
-        )
+        super().__init__(sink, run_id, tokens_per_step, max_tokens_per_message, send_final)
         if int(rank) < 0:
             raise PolicyTapError(f"rank must be ≥ 0, got {rank}")
         _, _, norm, lm_head = decoder_parts(model)

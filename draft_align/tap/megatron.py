@@ -151,13 +151,7 @@ class MegatronPolicyTap(TapBase):
         vocab_size: int | None = None,
         vocab_parallel_logits: bool = False,
     ) -> None:
-        super().__init__(
-            sink,
-            run_id=run_id,
-            tokens_per_step=tokens_per_step,
-            max_tokens_per_message=max_tokens_per_message,
-            send_final=send_final,
-        )
+        super().__init__(sink, run_id, tokens_per_step, max_tokens_per_message, send_final)
         if not 0 <= int(pp_rank) < int(pp_size) or int(dp_rank) < 0:
             raise PolicyTapError(
                 f"need 0 ≤ pp_rank < pp_size and dp_rank ≥ 0, got {pp_rank}, {pp_size}, {dp_rank}"
