@@ -49,19 +49,64 @@ def policy_tap(
     tap spec), offering to ``sink``: the recipe's ``tap`` budgets, its run and seed, this data-parallel ``rank``."""
     from draft_align.publish.tap_spec import read_tap_spec
 
-    tap = recipe.tap
+    tap, aux = recipe.tap, read_tap_spec(start).aux_layer_ids
     return HFPolicyTap(
         model,
-        read_tap_spec(start).aux_layer_ids,
+        aux,
         sink,
         run_id=recipe.run,
         tokens_per_step=tap.tokens_per_step,
-        max_tokens_per_message=tap.max_tokens_per_message,
+        max_tokens_per_message=message_tokens(recipe, int(model.config.hidden_size), len(aux)),
         send_final=tap.send_final,
         topk=tap.topk,
         rank=rank,
         seed=recipe.seed,
     )
+
+
+def message_tokens(recipe: CotrainRecipe, hidden: int, n_aux: int) -> int:
+    """``tap.max_tokens_per_message``, lowered to what fits the receiver's ``wire.max_message_mb`` at this
+    policy's width (at H = 4,096 the default 16,384 tokens would be 537 MB: every message refused); logs a
+    warning when one step's budget does not fit the send queue (``wire.queue_mb``, ``wire.queue_messages``): the
+    tap offers a step's sample at once, and what the queue cannot hold is dropped."""
+    from draft_align.wire.packing import tapped_token_bytes, tokens_that_fit
+
+    tap, wire = recipe.tap, recipe.wire
+    per_token = tapped_token_bytes(hidden, n_aux, final=tap.send_final, topk=tap.topk)
+    fit = tokens_that_fit(wire.max_message_mb << 20, per_token)
+    if fit < tap.max_tokens_per_message:
+        log.info(
+            "tap: messages of at most %d tokens (%d B per token; tap.max_tokens_per_message %d would pass "
+            "wire.max_message_mb %d)",
+            fit,
+            per_token,
+            tap.max_tokens_per_message,
+            wire.max_message_mb,
+        )
+    step_mb = tap.tokens_per_step * per_token / 2**20
+    if step_mb > wire.queue_mb:
+        log.warning(
+            "tap.tokens_per_step %d is %.0f MiB a step at %d B per token, more than wire.queue_mb %d: the rest "
+            "of each step's sample is dropped at the send queue; raise wire.queue_mb to %d",
+            tap.tokens_per_step,
+            step_mb,
+            per_token,
+            wire.queue_mb,
+            int(step_mb * 1.1) + 1,
+        )
+    per_message = min(tap.max_tokens_per_message, fit)
+    messages = -(-tap.tokens_per_step // per_message)
+    if messages > wire.queue_messages:
+        log.warning(
+            "tap.tokens_per_step %d is %d messages of at most %d tokens, more than wire.queue_messages %d: the "
+            "rest of each step's sample is dropped at the send queue; raise wire.queue_messages to %d",
+            tap.tokens_per_step,
+            messages,
+            per_message,
+            wire.queue_messages,
+            messages,
+        )
+    return per_message
 
 
 def draft_source(

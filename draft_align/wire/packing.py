@@ -9,7 +9,21 @@ import torch
 
 from draft_align.wire.codec import validate
 from draft_align.wire.messages import BatchHeader, TapBatch
-from draft_align.wire.schema import _TENSOR_SPECS
+from draft_align.wire.schema import _TENSOR_SPECS, HEADER_MAX_BYTES, MAC_BYTES
+
+
+def tapped_token_bytes(hidden: int, n_aux: int, *, final: bool, topk: int) -> int:
+    """The bytes one tapped token takes in a TapBatch (docs/sizing.md §1): its aux (and final) hidden states in
+    bf16, its id (int64), loss mask (1 B), next log-prob and logit lse (f32 each), and ``topk`` ids (int64)
+    with their log-probs (f32); the per-sequence tensors come on top (:func:`tokens_that_fit`)."""
+    return 2 * hidden * (n_aux + int(final)) + 8 + 1 + 4 + 4 + 12 * topk
+
+
+def tokens_that_fit(max_bytes: int, token_bytes: int) -> int:
+    """The most tokens a TapBatch of ``token_bytes`` per token can hold within ``max_bytes`` (the receiver's
+    ``wire.max_message_mb``): the largest header and the MAC taken off, and every sequence as short as a
+    sequence may be (2 tokens: its cu_seqlens entry and stats_from, ≤ 6 B per token)."""
+    return max(2, (max_bytes - HEADER_MAX_BYTES - MAC_BYTES - 8) // (token_bytes + 6))
 
 
 def pack_sequences(

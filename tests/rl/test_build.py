@@ -1,0 +1,56 @@
+"""rl/build.py: the tap's message size fitted to the receiver's limit, and the send-queue warning."""
+
+from __future__ import annotations
+
+import logging
+
+from draft_align.config import CotrainRecipe, load_recipe
+from draft_align.rl.build import message_tokens
+from draft_align.wire.codec import encode
+from draft_align.wire.messages import TapBatch
+from draft_align.wire.packing import tapped_token_bytes, tokens_that_fit
+
+
+def _recipe(*overrides: str) -> CotrainRecipe:
+    return load_recipe("recipes/smollm2_cotrain.yaml", list(overrides), CotrainRecipe)
+
+
+def test_token_bytes_are_docs_sizing_figures():
+    assert tapped_token_bytes(4096, 3, final=True, topk=1) == 32_797  # docs/sizing.md §1, Qwen3-8B, K=1
+    assert tapped_token_bytes(576, 3, final=True, topk=20) == 4_865  # SmolLM2-135M, K=20
+
+
+def test_the_densest_batch_that_fits_is_under_the_limit():
+    limit = 1 << 20
+    per = tapped_token_bytes(64, 3, final=True, topk=1)
+    n = tokens_that_fit(limit, per)
+    b = TapBatch.make_dummy(n // 2, min_len=2, max_len=2, hidden_size=64, topk=1, stats_from=True)
+    assert b.num_tokens == n - n % 2
+    assert sum(len(f) for f in encode(b, b"k" * 32, sender="s" * 64, seq=2**62)) <= limit
+
+
+def test_messages_shrink_to_the_limit_at_8b_width_and_not_at_smollm2_width():
+    r = _recipe()
+    assert message_tokens(r, 576, 3) == r.tap.max_tokens_per_message  # 16,384 × 4.6 KB fits 256 MiB
+    n = message_tokens(r, 4096, 3)
+    assert n < r.tap.max_tokens_per_message
+    assert n * tapped_token_bytes(4096, 3, final=True, topk=1) <= r.wire.max_message_mb << 20
+
+
+def test_a_step_larger_than_the_send_queue_is_one_warning(caplog):
+    with caplog.at_level(logging.WARNING, logger="draft_align.rl.build"):
+        message_tokens(_recipe("tap.tokens_per_step=37500"), 4096, 3)
+    (rec,) = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert "wire.queue_mb 512" in rec.getMessage() and "raise wire.queue_mb to 1291" in rec.getMessage()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="draft_align.rl.build"):
+        message_tokens(_recipe("tap.tokens_per_step=37500", "wire.queue_mb=1536"), 4096, 3)
+    assert not [r for r in caplog.records if r.levelno == logging.WARNING]
+
+
+def test_a_step_of_more_messages_than_the_queue_holds_is_one_warning(caplog):
+    with caplog.at_level(logging.WARNING, logger="draft_align.rl.build"):
+        n = message_tokens(_recipe("tap.tokens_per_step=40000", "tap.max_tokens_per_message=4096"), 576, 3)
+    assert n == 4096
+    (rec,) = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert "10 messages" in rec.getMessage() and "raise wire.queue_messages to 10" in rec.getMessage()
