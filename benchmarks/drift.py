@@ -173,7 +173,8 @@ def measure_point(
     draft with ``policy`` as the target."""
     from draft_align import assets, data
     from draft_align.conventions import float_dtype
-    from draft_align.monitor.evaluate import eos_ids, evaluate
+    from draft_align.engines.reference.reference_eval import evaluate
+    from draft_align.monitor.evaluate import eos_ids
     from draft_align.publish import load_draft
     from draft_align.publish.versions import resolve_draft_dir
 

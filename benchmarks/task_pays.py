@@ -218,7 +218,7 @@ def paired(steps: list[dict[str, Any]], first: int, last: int) -> dict[str, Any]
     return {"n": len(d), "mean": m, "se": se, "ci95": [m - 1.96 * se, m + 1.96 * se]}
 
 
-POSITION_STARTS = (0, 32, 64, 128)  # monitor.acceptance.RESPONSE_POSITION_EDGES
+POSITION_STARTS = (0, 32, 64, 128)  # draft_align.acceptance.RESPONSE_POSITION_EDGES
 POSITION_LABELS = {0: "0–31", 32: "32–63", 64: "64–127", 128: "128+"}
 
 

@@ -31,9 +31,10 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.common.results_md import replace_section  # noqa: E402
 from draft_align.config import load_recipe  # noqa: E402
+from draft_align.engines.reference.reference_eval import evaluate  # noqa: E402
 from draft_align.hf.generate import generate_responses  # noqa: E402
 from draft_align.monitor.estimator import estimate  # noqa: E402
-from draft_align.monitor.evaluate import eos_ids, evaluate, format_table  # noqa: E402
+from draft_align.monitor.evaluate import eos_ids, format_table  # noqa: E402
 from draft_align.warmstart import build_draft, heldout_prompts, prepare, train, vocab_report  # noqa: E402
 
 log = logging.getLogger("bench")

@@ -14,6 +14,9 @@ from typing import Any
 import pytest
 import torch
 
+# the tiny target and drafts of tests/monitor and tests/engines/reference, registered once for the session
+pytest_plugins = ["tests.tiny_drafts"]
+
 CHATML = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"

@@ -16,6 +16,7 @@ PKG = Path(__file__).resolve().parents[1] / "draft_align"
 # part → the parts it may import (besides itself).  "face" modules (CLI, launcher) may import anything.
 ALLOWED: dict[str, set[str]] = {
     "conventions": set(),
+    "acceptance": {"conventions"},
     "storage": set(),
     "assets": set(),
     "data": {"assets"},
@@ -26,10 +27,21 @@ ALLOWED: dict[str, set[str]] = {
     "tap": {"conventions", "hf", "wire"},
     "train": {"conventions", "heads", "hf", "storage"},
     "publish": {"conventions", "heads", "hf", "storage"},
-    "monitor": {"conventions", "config", "heads", "hf", "train", "wire"},
-    "engines": {"conventions", "heads", "hf", "publish", "monitor", "wire", "assets", "storage"},
+    "monitor": {"conventions", "acceptance", "config", "heads", "hf", "train", "wire"},
+    "engines": {
+        "conventions",
+        "acceptance",
+        "heads",
+        "hf",
+        "publish",
+        "monitor",
+        "wire",
+        "assets",
+        "storage",
+    },
     "rl": {
         "conventions",
+        "acceptance",
         "storage",
         "config",
         "assets",
@@ -42,9 +54,21 @@ ALLOWED: dict[str, set[str]] = {
         "monitor",
         "engines",
     },
-    "sidecar": {"conventions", "config", "assets", "heads", "hf", "wire", "train", "publish", "monitor"},
+    "sidecar": {
+        "conventions",
+        "acceptance",
+        "config",
+        "assets",
+        "heads",
+        "hf",
+        "wire",
+        "train",
+        "publish",
+        "monitor",
+    },
     "warmstart": {
         "conventions",
+        "acceptance",
         "config",
         "assets",
         "data",
@@ -57,9 +81,10 @@ ALLOWED: dict[str, set[str]] = {
         "storage",
         "engines",
     },
-    "push": {"conventions", "config", "wire", "publish", "monitor", "engines"},
+    "push": {"conventions", "acceptance", "config", "wire", "publish", "monitor", "engines"},
     "integrations": {
         "conventions",
+        "acceptance",
         "config",
         "data",
         "heads",
@@ -178,7 +203,9 @@ def test_no_import_cycle() -> None:
     assert not cycles, "import cycles:\n" + "\n".join(" → ".join(c) for c in cycles)
 
 
-@pytest.mark.parametrize("name", ["tap", "hf", "heads", "wire", "train", "publish", "monitor"])
+@pytest.mark.parametrize(
+    "name", ["acceptance", "tap", "hf", "heads", "wire", "train", "publish", "monitor", "engines"]
+)
 def test_lower_parts_import_no_loop_or_face(name: str) -> None:
     """The lower parts never reach up into a loop or the CLI (the rule a convenience import usually breaks)."""
     for module, deps in _graph().items():

@@ -80,7 +80,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     import torch
 
     from draft_align import data
-    from draft_align.monitor.evaluate import eos_ids, evaluate, format_table
+    from draft_align.engines.reference.reference_eval import evaluate
+    from draft_align.monitor.evaluate import eos_ids, format_table
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
+from draft_align.acceptance import AcceptanceTally
 from draft_align.conventions import DraftKind
-from draft_align.monitor.acceptance import AcceptanceTally
 from draft_align.publish import checked_manifest
 from draft_align.publish.folder import WEIGHTS_FILE
 from draft_align.publish.versions import resolve_draft_dir

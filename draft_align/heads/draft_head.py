@@ -1,14 +1,32 @@
 """The interface every draft head implements (EAGLE-3, MTP), so loops, trainers, estimators and exporters
-take a :class:`DraftHead` instead of a concrete class and never probe a head with ``getattr``."""
+take a :class:`DraftHead` instead of a concrete class and never probe a head with ``getattr``; and what every
+head's configuration raises and reads with (:class:`DraftConfigError`, :func:`config_from_dict`)."""
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+import dataclasses
+from collections.abc import Iterator, Mapping
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
 from torch import nn
 
 from draft_align.conventions import HeadKind
+
+C = TypeVar("C")
+
+
+class DraftConfigError(ValueError):
+    """A draft configuration that no engine would load, or that does not fit its target."""
+
+
+def config_from_dict(cls: type[C], d: dict[str, Any]) -> C:
+    """``cls(**d)`` for a config dataclass ``cls``, refusing keys that are not its fields."""
+    known = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    unknown = set(d) - known
+    if unknown:
+        raise DraftConfigError(f"unknown {cls.__name__} keys: {sorted(unknown)}")
+    return cls(**d)
 
 
 @runtime_checkable
@@ -22,8 +40,24 @@ class DraftHead(Protocol):
 
     kind: HeadKind
     shares_target_head: bool
-    cfg: Any  # Eagle3Config | MTPConfig: aux_layer_ids, hidden_size, draft_vocab_size, ...
+    # Eagle3Config | MTPConfig | NativeMTPConfig: aux_layer_ids, fc_in_features, vocab_size, draft_vocab_size, ...
+    cfg: Any
     lm_head: nn.Linear
+    training: (
+        bool  # a head is an nn.Module: trainers and estimators use the members below as torch defines them
+    )
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]: ...
+
+    def train(self, mode: bool = True) -> Any: ...
+
+    def eval(self) -> Any: ...
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]: ...
+
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any: ...
 
     @property
     def draft_to_target(self) -> torch.Tensor:  # [draft_vocab] target id of each draft id

@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from draft_align.conventions import default_aux_layer_ids
-from draft_align.heads.draft_head import HeadKind
+from draft_align.heads.draft_head import DraftConfigError, HeadKind, config_from_dict
 from draft_align.heads.layers import (
     MLP,
     Attention,
@@ -43,20 +43,6 @@ from draft_align.heads.layers import (
 )
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
-C = TypeVar("C")
-
-
-class DraftConfigError(ValueError):
-    """A draft configuration that no engine would load, or that does not fit its target."""
-
-
-def config_from_dict(cls: type[C], d: dict[str, Any]) -> C:
-    """``cls(**d)`` for a config dataclass ``cls``, refusing keys that are not its fields."""
-    known = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    unknown = set(d) - known
-    if unknown:
-        raise DraftConfigError(f"unknown {cls.__name__} keys: {sorted(unknown)}")
-    return cls(**d)
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from draft_align.conventions import LORA_TARGETS
-from draft_align.heads.eagle3 import DraftConfigError
+from draft_align.heads.draft_head import DraftConfigError
 
 DEFAULT_TARGETS = LORA_TARGETS
 

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draft_align.heads.eagle3 import DraftConfigError
+from draft_align.heads.draft_head import DraftConfigError
 from draft_align.heads.native_mtp import EMBED, NativeMTPConfig, NativeMTPDraft, require_mtp_tensors
 
 #: families whose MTP block megatron-core's local GPT layer spec expresses and whose names are mapped here

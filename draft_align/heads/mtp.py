@@ -35,8 +35,7 @@ import torch
 from torch import nn
 
 from draft_align.conventions import MTPLayout
-from draft_align.heads.draft_head import HeadKind
-from draft_align.heads.eagle3 import DraftConfigError, config_from_dict
+from draft_align.heads.draft_head import DraftConfigError, HeadKind, config_from_dict
 from draft_align.heads.layers import (
     MLP,
     Attention,

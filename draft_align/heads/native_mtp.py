@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from draft_align.conventions import HeadKind
-from draft_align.heads.eagle3 import DraftConfigError
+from draft_align.heads.draft_head import DraftConfigError
 from draft_align.heads.layers import chain_tokens, next_tokens
 
 StepsRun = typing.Literal["first", "cycle"]

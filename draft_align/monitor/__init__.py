@@ -1,11 +1,12 @@
 """Acceptance monitoring: reads what the other parts produce and never writes back (docs/acceptance.md).
 
-- ``acceptance.py``: the acceptance math of chain speculative decoding, pure tensor functions;
+The acceptance math it averages with is ``draft_align.acceptance``; the decoders it scores are the engines'
+(``draft_align.engines.reference``, ``draft_align.engines.vllm``): nothing here decodes.
+
 - ``step_profile.py``: :class:`StepProfile`, where an RL step's time goes (NeMo RL's stages), apart from its sinks;
-- ``specdec.py``: a lossless reference chain speculative decoder (batch size 1);
 - ``estimator.py``: acceptance predicted from teacher-forced unrolls, without decoding;
 - ``tapped_estimate.py``: acceptance estimated on tapped records (no target forward);
-- ``evaluate.py``: measured vs estimated acceptance of a draft;
+- ``evaluate.py``: measured vs estimated acceptance of a draft: an engine's counters beside the estimate on its outputs;
 - ``calibrate.py``: an engine's measured acceptance vs the estimate on its own outputs;
 - ``logprob_gap.py``: an engine's log-probs of its samples minus the RL job's recomputed ones;
 - ``rows.py``: the monitoring row of one RL step; ``sinks.py``: where rows go (JSONL, wandb, Prometheus);

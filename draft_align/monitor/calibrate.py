@@ -3,7 +3,7 @@ on the engine's own outputs (docs/acceptance.md).
 
 The engine side decodes and counts (for vLLM:
 :func:`draft_align.engines.vllm.counters.measured_generate`, its counters read as an
-:class:`~draft_align.monitor.acceptance.AcceptanceTally`); this side re-scores the outputs with the HF target
+:class:`~draft_align.acceptance.AcceptanceTally`); this side re-scores the outputs with the HF target
 and the draft the engine serves, and reports both and their relative gap.
 """
 
@@ -15,15 +15,15 @@ from typing import Any
 
 import torch
 
+from draft_align.acceptance import AcceptanceTally
 from draft_align.conventions import VerifyMode
-from draft_align.heads.eagle3 import Eagle3Draft
-from draft_align.monitor.acceptance import AcceptanceTally
+from draft_align.heads.draft_head import DraftHead
 from draft_align.monitor.estimator import estimate
 
 
 def calibrate(
     target: torch.nn.Module,
-    draft: Eagle3Draft,
+    draft: DraftHead,
     prompts: Sequence[Sequence[int]],
     outputs: Sequence[Sequence[int]],
     measured: AcceptanceTally,

@@ -20,21 +20,21 @@ from typing import Any
 import torch
 from torch import nn
 
-from draft_align.heads.eagle3 import Eagle3Draft
-from draft_align.hf.capture import HFTap
-from draft_align.hf.parts import decoder_parts
-from draft_align.monitor.acceptance import (
+from draft_align.acceptance import (
     EstimatePool,
     VerifyMode,
     acceptance_prob,
     check_mode,
 )
+from draft_align.heads.draft_head import DraftHead
+from draft_align.hf.capture import HFTap
+from draft_align.hf.parts import decoder_parts
 
 
 @torch.no_grad()
 def _unroll_scores(
     target: nn.Module,
-    draft: Eagle3Draft,
+    draft: DraftHead,
     input_ids: torch.Tensor,  # [T]
     prompt_len: int,
     k: int,
@@ -101,7 +101,7 @@ def _observed(
 
 def alpha_table(
     target: nn.Module,
-    draft: Eagle3Draft,
+    draft: DraftHead,
     input_ids: torch.Tensor,  # [T] prompt followed by response
     prompt_len: int,
     k: int,
@@ -123,7 +123,7 @@ def alpha_table(
 
 def observed_alpha_table(
     target: nn.Module,
-    draft: Eagle3Draft,
+    draft: DraftHead,
     input_ids: torch.Tensor,  # [T] prompt followed by response
     prompt_len: int,
     k: int,
@@ -143,7 +143,7 @@ def observed_alpha_table(
 
 def estimate(
     target: nn.Module,
-    draft: Eagle3Draft,
+    draft: DraftHead,
     sequences: list[tuple[torch.Tensor, torch.Tensor]],  # (prompt [P], response [R]) pairs
     k: int,
     mode: VerifyMode,

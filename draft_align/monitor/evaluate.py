@@ -1,13 +1,8 @@
-"""Measured vs estimated acceptance of a draft: decode with :class:`SpecDecoder`, then re-score its output.
+"""Measured vs estimated acceptance of a draft: an engine's counters beside the estimator on its outputs.
 
-The decoder is lossless, so its outputs are target samples and the estimator's round walk on them predicts
-the measured counters: in expectation at T > 0, exactly at T = 0.  ``acceptance_length_observed`` (argmax
-drafts) reconstructs the counters from the outputs themselves and equals the measured value at any T.
-Both exact statements hold up to each prompt's last round, whose drafts accepted past max_new_tokens or
-eos the decoder counts (as engines do) and the output cannot show: at most k per prompt.
-
-:func:`scored` is the scoring half alone: ``engines/vllm/vllm_eval.py`` decodes with vLLM (batched, the
-engine's own counters as the measurement) and scores its outputs the same way.
+:func:`scored` is the scoring half of ``draft-align eval``; an engine does the decoding and counts the
+measurement: ``engines/reference/reference_eval.py`` with the lossless reference decoder (batch 1),
+``engines/vllm/vllm_eval.py`` with vLLM (batched, the engine's own counters).  Nothing here decodes.
 """
 
 from __future__ import annotations
@@ -18,10 +13,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from draft_align.heads.eagle3 import Eagle3Draft
-from draft_align.monitor.acceptance import AcceptanceTally, VerifyMode
+from draft_align.acceptance import AcceptanceTally, VerifyMode
+from draft_align.heads.draft_head import DraftHead
 from draft_align.monitor.estimator import estimate
-from draft_align.monitor.specdec import SpecDecoder
 
 REQUIRED_KEYS = frozenset(
     {
@@ -52,52 +46,9 @@ def eos_ids(target: nn.Module, tokenizer: Any | None) -> set[int]:
     return ids
 
 
-def evaluate(
-    target: nn.Module,
-    tokenizer: Any | None,
-    draft: Eagle3Draft,
-    prompts: list[torch.Tensor],  # each [P] token ids
-    *,
-    k: int = 3,
-    mode: VerifyMode = "greedy_draft",
-    temperature: float = 0.0,
-    max_new_tokens: int = 128,
-    seed: int = 0,
-) -> dict[str, Any]:
-    """Decode every prompt with the reference decoder (measured acceptance, batch 1) and estimate acceptance
-    on the decoded sequences.
-
-    ``tokenizer`` only supplies the eos id (None: the target's generation config alone).  One generator
-    seeded with ``seed`` drives all prompts in order.  Returns a JSON-able dict (:func:`scored`).
-    """
-    start = time.perf_counter()
-    dev = next(target.parameters()).device
-    gen = torch.Generator(device=dev).manual_seed(seed)
-    decoder = SpecDecoder(target, draft, k, mode, temperature)
-    eos = eos_ids(target, tokenizer)
-    measured = AcceptanceTally.empty(k)
-    sequences: list[tuple[torch.Tensor, torch.Tensor]] = []
-    for prompt in prompts:
-        out, tally = decoder.generate(prompt, max_new_tokens, eos, gen)
-        measured.merge(tally)
-        sequences.append((prompt.flatten(), out))
-    decode_s = time.perf_counter() - start
-    return scored(
-        target,
-        draft,
-        sequences,
-        measured,
-        mode=mode,
-        temperature=temperature,
-        engine="reference",
-        seconds_decode=decode_s,
-        started=start,
-    )
-
-
 def scored(
     target: nn.Module,
-    draft: Eagle3Draft,
+    draft: DraftHead,
     sequences: list[tuple[torch.Tensor, torch.Tensor]],  # (prompt [P], decoded new tokens [R]) per prompt
     measured: AcceptanceTally,
     *,

@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from draft_align.monitor.acceptance import length_stderr
+from draft_align.acceptance import length_stderr
 from draft_align.monitor.live import COLUMNS, DROP_KEYS, MONITOR_LOG, RL_LOG, iter_jsonl, number
 from draft_align.monitor.step_profile import LABELS, OTHER, STAGES, StepProfile
 

@@ -44,7 +44,7 @@ def row_estimates(
 
 def position_key(name: str, mode: str, start: int) -> str:
     """The row key of draft ``name``'s estimated acceptance length on chains whose first draft lies in the
-    response-position bucket starting at ``start`` (``monitor.acceptance.RESPONSE_POSITION_EDGES``)."""
+    response-position bucket starting at ``start`` (``draft_align.acceptance.RESPONSE_POSITION_EDGES``)."""
     return f"accept_est_pos{start}_{name}{dict(ROW_MODES)[mode]}"
 
 

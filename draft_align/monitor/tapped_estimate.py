@@ -35,14 +35,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from draft_align.heads.eagle3 import Eagle3Draft
-from draft_align.heads.vocab import draft_logits
-from draft_align.monitor.acceptance import (
+from draft_align.acceptance import (
     EstimatePool,
     VerifyMode,
     check_mode,
     verifies_by_argmax,
 )
+from draft_align.heads.draft_head import DraftHead
+from draft_align.heads.vocab import draft_logits
 from draft_align.train.records import TappedRecord
 
 
@@ -61,7 +61,7 @@ def _eval_mode(draft: nn.Module) -> Iterator[None]:
         draft.train(was)
 
 
-def _check(draft: Eagle3Draft, rows: torch.Tensor, rec: TappedRecord, k: int) -> None:
+def _check(draft: DraftHead, rows: torch.Tensor, rec: TappedRecord, k: int) -> None:
     cfg = draft.cfg
     if k < 1:
         raise RecordEstimateError(f"k must be ≥ 1, got {k}")
@@ -93,7 +93,7 @@ def _policy_logprobs(
 
 
 def _unroll_tables(
-    draft: Eagle3Draft,
+    draft: DraftHead,
     embed: nn.Module,
     rows: torch.Tensor,
     rec: TappedRecord,
@@ -157,7 +157,7 @@ def _unroll_tables(
 
 
 def record_alpha(
-    draft: Eagle3Draft,
+    draft: DraftHead,
     embed: nn.Module,
     rows: torch.Tensor,  # [Vd, H] HeadSync rows of the record's policy version
     rec: TappedRecord,
@@ -177,7 +177,7 @@ def record_alpha(
 
 
 def estimate_records(
-    draft: Eagle3Draft,
+    draft: DraftHead,
     embed: nn.Module,
     rows: torch.Tensor,  # [Vd, H]
     records: list[TappedRecord],

@@ -25,9 +25,9 @@ from typing import Any
 import torch
 
 from draft_align.conventions import default_aux_layer_ids
+from draft_align.heads.draft_head import DraftConfigError
 from draft_align.heads.eagle3 import (
     ARCHITECTURE,
-    DraftConfigError,
     Eagle3Config,
     Eagle3Draft,
     check_engine_aux_ids,

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from draft_align.conventions import float_dtype
-from draft_align.heads.eagle3 import DraftConfigError
+from draft_align.heads.draft_head import DraftConfigError
 from draft_align.heads.lora import (
     AdapterMismatchError,
     LoraSettings,

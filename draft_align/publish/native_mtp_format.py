@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from draft_align.heads.eagle3 import DraftConfigError
+from draft_align.heads.draft_head import DraftConfigError
 from draft_align.heads.native_mtp import (
     EMBED,
     NativeMTPConfig,

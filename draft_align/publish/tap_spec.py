@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from draft_align.heads.draft_head import HeadKind
-from draft_align.heads.eagle3 import DraftConfigError, Eagle3Config, full_vocab
+from draft_align.heads.draft_head import DraftConfigError, HeadKind
+from draft_align.heads.eagle3 import Eagle3Config, full_vocab
 from draft_align.heads.mtp import MTPConfig
 from draft_align.publish import checked_manifest
 from draft_align.publish.folder import (

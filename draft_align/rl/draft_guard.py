@@ -10,7 +10,7 @@ draft has collapsed when both hold:
     L_ref − L_new > z · sqrt(se_new² + se_ref²)          (beyond the noise of the step's rounds)
 
 with se the standard error of a measured mean length from its own tally
-(:func:`~draft_align.monitor.acceptance.length_stderr`).  The reference is the frozen draft's tally of the same
+(:func:`~draft_align.acceptance.length_stderr`).  The reference is the frozen draft's tally of the same
 step (same policy, same prompts' distribution); when that step had too few frozen rounds, the tally of the
 previous good adapted draft on the step before.  No verdict while either side has fewer than ``min_rounds``
 rounds or the reference gains nothing (L_ref ≤ 1: a collapse cannot be told from it).
@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-from draft_align.monitor.acceptance import AcceptanceTally, length_stderr
+from draft_align.acceptance import AcceptanceTally, length_stderr
 
 if TYPE_CHECKING:
     from draft_align.config import RLConfig

@@ -37,9 +37,9 @@ from typing import Protocol
 
 import torch
 
+from draft_align.acceptance import AcceptanceTally
 from draft_align.engines.rollout_types import DraftVersion
 from draft_align.heads.draft_head import DraftHead
-from draft_align.monitor.acceptance import AcceptanceTally
 from draft_align.publish import load_verified_draft
 from draft_align.publish.folder import (
     MANIFEST_FILE,

@@ -36,10 +36,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from draft_align.acceptance import AcceptanceTally
 from draft_align.conventions import DRAFT_KINDS, DraftKind
 from draft_align.data.tasks import score
 from draft_align.engines.rollout_types import Decoding, Rollout
-from draft_align.monitor.acceptance import AcceptanceTally
 from draft_align.monitor.step_profile import StepProfile
 from draft_align.rl.drafts import DraftSource
 from draft_align.rl.loss import GRPOError, clipped_surrogate, group_advantages, k3_kl, token_logprobs

@@ -19,7 +19,9 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from draft_align.acceptance import AcceptanceTally
 from draft_align.conventions import DRAFT_KINDS, DraftKind, VerifyMode
+from draft_align.engines.reference.specdec import SpecDecoder
 from draft_align.engines.rollout_types import (
     Decoding,
     DraftVersion,
@@ -27,8 +29,6 @@ from draft_align.engines.rollout_types import (
     Rollout,
     RolloutPlan,
 )
-from draft_align.monitor.acceptance import AcceptanceTally
-from draft_align.monitor.specdec import SpecDecoder
 from draft_align.rl.drafts import DraftSource
 
 SEED_BITS = 63  # torch.Generator seeds of the reference decoder
@@ -102,7 +102,7 @@ def plan_given(seed: int, step: int, num_rollouts: int, frozen_fraction: float) 
 
 
 class ReferenceRollouts:
-    """Rollouts by :class:`~draft_align.monitor.specdec.SpecDecoder` (batch 1, target = the policy, ``k``
+    """Rollouts by :class:`~draft_align.engines.reference.specdec.SpecDecoder` (batch 1, target = the policy, ``k``
     drafts per round, ``verify_mode``) with the drafts of ``drafts``; acceptance from its per-rollout tallies.
 
     The decoder reads the policy's live model, so :meth:`prepare` has nothing to sync, and it serves whatever

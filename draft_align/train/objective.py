@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from draft_align.conventions import LossKind, VerifyMode, check_loss, objective_mode
-from draft_align.heads.eagle3 import Eagle3Draft
+from draft_align.heads.draft_head import DraftHead
 from draft_align.train.losses import (
     StepStats,
     acceptance_head,
@@ -83,7 +83,7 @@ class LossSettings:
 
 
 def ttt_loss(
-    draft: Eagle3Draft,
+    draft: DraftHead,
     embed: nn.Module,
     rows: torch.Tensor,
     batch: Batch,

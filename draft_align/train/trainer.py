@@ -17,7 +17,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from draft_align.heads.eagle3 import Eagle3Draft
+from draft_align.heads.draft_head import DraftHead
 from draft_align.train.checkpoint import Progress, read_checkpoint, save_checkpoint
 from draft_align.train.losses import MAX_SEQ_TOKENS, StepStats, truncate_batch
 from draft_align.train.objective import LossSettings, ttt_loss
@@ -75,7 +75,7 @@ class DraftTrainer:
 
     def __init__(
         self,
-        draft: Eagle3Draft,
+        draft: DraftHead,
         embed: nn.Module,
         rows: torch.Tensor,
         optim: OptimSettings,

@@ -227,7 +227,7 @@ def train(
 
 def evaluate_draft(recipe: WarmstartRecipe, prep: Prepared, draft: Eagle3Draft) -> list[dict[str, Any]]:
     """Acceptance on held-out prompts for every (mode, temperature) of the recipe; T=0 once."""
-    from draft_align.monitor.evaluate import evaluate
+    from draft_align.engines.reference.reference_eval import evaluate
 
     ec = recipe.eval
     prompts = heldout_prompts(prep, ec.prompts, recipe.data.max_prompt_tokens)

@@ -18,7 +18,8 @@ from draft_align import assets, data
 from draft_align.config import WarmstartRecipe
 from draft_align.config.recipes import VLLM_MAX_TEMPERATURE
 from draft_align.conventions import float_dtype
-from draft_align.heads.eagle3 import DraftConfigError, Eagle3Config, check_engine_aux_ids
+from draft_align.heads.draft_head import DraftConfigError
+from draft_align.heads.eagle3 import Eagle3Config, check_engine_aux_ids
 from draft_align.hf.capture import HFTap
 from draft_align.hf.generate import generate_responses
 from draft_align.hf.parts import decoder_parts
@@ -332,7 +333,7 @@ def native_head(recipe: WarmstartRecipe, target_config: Any) -> nn.Module:
     """The target's own MTP layers read from its checkpoint folder (``target.model``: an alias, a folder or a
     cached hub id); WarmstartError in one line when the checkpoint has none or the family is not supported."""
     from draft_align.assets.resolve import model_dir
-    from draft_align.heads.eagle3 import DraftConfigError
+    from draft_align.heads.draft_head import DraftConfigError
     from draft_align.publish.native_mtp_format import from_target_checkpoint
 
     try:

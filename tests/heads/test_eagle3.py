@@ -2,7 +2,8 @@ import pytest
 import torch
 from torch import nn
 
-from draft_align.heads.eagle3 import DraftConfigError, Eagle3Config, Eagle3Draft
+from draft_align.heads.draft_head import DraftConfigError
+from draft_align.heads.eagle3 import Eagle3Config, Eagle3Draft
 from draft_align.heads.vocab import check_d2t, d2t_t2d, select_vocab
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from draft_align.heads.eagle3 import DraftConfigError
+from draft_align.heads.draft_head import DraftConfigError
 from draft_align.heads.lora import (
     LoraSettings,
     apply_lora,

@@ -15,7 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from benchmarks.common.mtp_checkpoints import N_LAYERS, mtp_names, mtp_prefix, save_checkpoint
-from draft_align.heads.eagle3 import DraftConfigError
+from draft_align.heads.draft_head import DraftConfigError
 from draft_align.heads.native_mtp import NativeMTPConfig
 from draft_align.heads.native_mtp import from_checkpoint as native_from_checkpoint
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from draft_align.heads.eagle3 import DraftConfigError
+from draft_align.heads.draft_head import DraftConfigError
 from draft_align.heads.mtp import MTPDraft
 from draft_align.hf.capture import HFTap
 from draft_align.hf.parts import decoder_parts
@@ -239,8 +239,8 @@ def test_records_estimate_equals_alpha_table(target, good_head):
 
 @pytest.mark.parametrize(("layout", "depth"), [("deepseek_v3", 1), ("qwen3_next", 2)])
 def test_reference_decoder_is_lossless_at_t0(target, good_head, layout, depth):
+    from draft_align.engines.reference.specdec import SpecDecoder
     from draft_align.monitor.estimator import estimate
-    from draft_align.monitor.specdec import SpecDecoder
 
     d = good_head if (layout, depth) == ("deepseek_v3", 1) else make_mtp_head(target, layout, depth)
     prompts = [[3, 17, 5], [40, 2, 9, 11, 30], [7]]
@@ -267,9 +267,9 @@ def test_reference_decoder_is_lossless_at_t0(target, good_head, layout, depth):
 
 
 def test_estimator_matches_the_decoder_at_t0(target, good_head):
-    """monitor.evaluate with an MTP head: the round-walk estimate equals the decoder's counters at T=0,
+    """The reference eval with an MTP head: the round-walk estimate equals the decoder's counters at T=0,
     up to each prompt's last round (drafts accepted past the limit: ≤ k per prompt)."""
-    from draft_align.monitor.evaluate import evaluate
+    from draft_align.engines.reference.reference_eval import evaluate
 
     prompts = [torch.tensor([5, 17, 33]), torch.tensor([1, 9, 40, 22, 7]), torch.tensor([12, 0, 31, 31])]
     r = evaluate(
@@ -286,7 +286,7 @@ def test_estimator_matches_the_decoder_at_t0(target, good_head):
 def test_smollm2_attach_decode_and_round_trip(tmp_path):
     """A fresh MTP head on the real SmolLM2-135M: the lossless decoder, and both layouts round-trip."""
     from draft_align import assets
-    from draft_align.monitor.specdec import SpecDecoder
+    from draft_align.engines.reference.specdec import SpecDecoder
 
     target, _ = assets.load_target(str(assets.fetch_smollm2()), torch.float32, "cpu")
     d = MTPDraft.attach(target).eval()

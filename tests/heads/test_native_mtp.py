@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from benchmarks.common.mtp_checkpoints import N_LAYERS, family_config, mtp_names, save_checkpoint
-from draft_align.heads.eagle3 import DraftConfigError
+from draft_align.heads.draft_head import DraftConfigError
 from draft_align.heads.native_mtp import NativeMTPConfig, from_checkpoint, to_checkpoint
 
 FAMILIES = ("mimo", "glm4_moe", "deepseek_v3")

@@ -6,10 +6,10 @@ import math
 import pytest
 import torch
 
-from draft_align.monitor.acceptance import AcceptanceTally
+from draft_align.acceptance import AcceptanceTally
+from draft_align.engines.reference.specdec import SpecDecoder
 from draft_align.monitor.calibrate import calibrate
 from draft_align.monitor.estimator import estimate
-from draft_align.monitor.specdec import SpecDecoder
 
 K = 3
 

@@ -3,11 +3,11 @@ import math
 import pytest
 import torch
 
+from draft_align.acceptance import acceptance_prob, round_walk_tally
+from draft_align.engines.reference.specdec import SpecDecoder
 from draft_align.hf.capture import HFTap
 from draft_align.hf.parts import decoder_parts
-from draft_align.monitor.acceptance import acceptance_prob, round_walk_tally
 from draft_align.monitor.estimator import alpha_table, estimate, observed_alpha_table
-from draft_align.monitor.specdec import SpecDecoder
 
 PROMPTS = [[5, 17, 33], [1, 9, 40, 22, 7, 63], [12, 0, 31, 31, 8, 50, 2, 19, 44]]
 

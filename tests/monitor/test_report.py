@@ -163,7 +163,7 @@ def test_summarize_with_no_acceptance_and_single_step():
 
 def with_rounds(rec: dict, kind: str, counts: list[int], k: int = 3) -> dict:
     """``rec`` plus the step's measured tally for ``kind`` as the RL job logs it (rounds, r_i, mean length)."""
-    from draft_align.monitor.acceptance import AcceptanceTally
+    from draft_align.acceptance import AcceptanceTally
 
     t = AcceptanceTally.empty(k)
     for n in counts:

@@ -10,7 +10,7 @@ import safetensors.torch
 import torch
 
 from benchmarks.common.mtp_checkpoints import family_config, mtp_names, save_checkpoint
-from draft_align.heads.eagle3 import DraftConfigError
+from draft_align.heads.draft_head import DraftConfigError
 from draft_align.heads.native_mtp import NativeMTPConfig, from_checkpoint
 from draft_align.publish import load_draft, write_draft
 from draft_align.publish.folder import ExportError, ExportRequest

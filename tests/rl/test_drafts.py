@@ -411,7 +411,7 @@ def test_background_failed_verification_is_never_served(tmp_path, frozen_dir, ki
 
 # --------------------------------------------------------------------------------------- silent-zero guard
 def tally(rounds, per_pos):
-    from draft_align.monitor.acceptance import AcceptanceTally
+    from draft_align.acceptance import AcceptanceTally
 
     return AcceptanceTally(float(rounds), [float(x) for x in per_pos])
 

@@ -9,8 +9,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from draft_align import data
+from draft_align.acceptance import AcceptanceTally
 from draft_align.config import CotrainRecipe, RLConfig
-from draft_align.monitor.acceptance import AcceptanceTally
 from draft_align.rl.drafts import DraftSource
 from draft_align.rl.grpo import GRPOJob
 from draft_align.rl.loss import GRPOError

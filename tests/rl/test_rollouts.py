@@ -7,9 +7,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from draft_align.acceptance import AcceptanceTally
 from draft_align.conventions import DRAFT_KINDS
 from draft_align.engines.rollout_types import Decoding
-from draft_align.monitor.acceptance import AcceptanceTally
 from draft_align.rl.drafts import DraftSource
 from draft_align.rl.rollouts import SEED_BITS, ReferenceRollouts, RolloutEngine, plan_given, plan_rollouts
 
@@ -99,7 +99,7 @@ def test_reference_rollouts_follow_the_plan(reference, kit, target_config):
                 want.merge(r.tally)
         assert tallies[kind] == want and want.rounds > 0
     # each rollout is the decoder's output for its own seed
-    from draft_align.monitor.specdec import SpecDecoder
+    from draft_align.engines.reference.specdec import SpecDecoder
 
     p = plan.rollouts[1]
     dec = SpecDecoder(

@@ -468,7 +468,7 @@ def test_acceptance_step_by_hand():
 
 def test_acceptance_rows_match_the_monitors_formulas():
     """α = 1 − TV and α̃ → p(argmax q) as the monitor's acceptance_prob computes them (its own code)."""
-    from draft_align.monitor.acceptance import acceptance_prob
+    from draft_align.acceptance import acceptance_prob
 
     g = torch.Generator().manual_seed(3)
     z, tl = torch.randn(6, 7, generator=g) * 2, torch.randn(6, 7, generator=g) * 2
@@ -607,7 +607,7 @@ def test_acceptance_objectives_report_the_soft_ce_stats(head):
 def test_tv_objective_is_one_minus_the_monitors_alpha_by_hand():
     """loss=tv over one step (K = 1) is the mean of 1 − Σ min(p, q) over the response targets, computed here
     from the draft's logits with the monitor's acceptance_prob."""
-    from draft_align.monitor.acceptance import acceptance_prob
+    from draft_align.acceptance import acceptance_prob
 
     draft, embed, rows, batch = ttt_parts("eagle3", [17, 12])
     with torch.no_grad():

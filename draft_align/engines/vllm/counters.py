@@ -14,8 +14,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from draft_align.acceptance import AcceptanceTally
 from draft_align.engines.vllm.start import import_vllm
-from draft_align.monitor.acceptance import AcceptanceTally
 
 NUM_DRAFTS = "vllm:spec_decode_num_drafts"
 NUM_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
@@ -131,7 +131,7 @@ class SpecCounters:
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else math.nan
 
     def as_tally(self, k: int) -> AcceptanceTally:
-        """The same counts as an :class:`~draft_align.monitor.acceptance.AcceptanceTally` of ``k`` positions
+        """The same counts as an :class:`~draft_align.acceptance.AcceptanceTally` of ``k`` positions
         (all zero while vLLM has reported no per-position vector yet)."""
         if self.accepted_per_pos and len(self.accepted_per_pos) != k:
             raise ValueError(f"counters of k={len(self.accepted_per_pos)} positions read as k={k}")

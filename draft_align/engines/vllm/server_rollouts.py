@@ -34,13 +34,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from draft_align.acceptance import AcceptanceTally
 from draft_align.conventions import DRAFT_KINDS, DraftKind
 from draft_align.engines.rollout_types import Decoding, DraftVersion, Rollout, RolloutPlan
 from draft_align.engines.vllm.draft_update import POLICY_DIR, POLICY_KIND, UpdateSigner
 from draft_align.engines.vllm.engine_error import EngineError
 from draft_align.engines.vllm.server_client import ServerError, VLLMServer
 from draft_align.hf.lora_layers import policy_layer_weights
-from draft_align.monitor.acceptance import AcceptanceTally
 from draft_align.monitor.logprob_gap import logprob_gap
 from draft_align.publish.folder import MANIFEST_FILE, WEIGHTS_FILE, digest
 from draft_align.publish.versions import version_dir

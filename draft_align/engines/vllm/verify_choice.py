@@ -23,7 +23,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from draft_align.monitor.acceptance import AcceptanceTally
+from draft_align.acceptance import AcceptanceTally
 
 log = logging.getLogger(__name__)
 

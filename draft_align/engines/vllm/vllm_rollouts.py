@@ -34,6 +34,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from draft_align.acceptance import AcceptanceTally
 from draft_align.conventions import AUTO_VERIFY_MODE, DRAFT_KINDS, DraftKind, float_dtype
 from draft_align.engines.rollout_types import (
     Decoding,
@@ -47,7 +48,6 @@ from draft_align.engines.vllm.start import SEED_BITS, EngineError, collective_rp
 from draft_align.engines.vllm.verify_choice import CANDIDATES, VerifyChoice, choose_verify_mode
 from draft_align.engines.vllm.worker_rpc import rpc_load_policy_layers, rpc_set_draft_sample_method
 from draft_align.hf.lora_layers import policy_layer_weights
-from draft_align.monitor.acceptance import AcceptanceTally
 from draft_align.monitor.logprob_gap import logprob_gap
 
 log = logging.getLogger(__name__)

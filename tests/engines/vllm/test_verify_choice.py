@@ -7,10 +7,10 @@ import math
 
 import pytest
 
+from draft_align.acceptance import AcceptanceTally
 from draft_align.config import CotrainRecipe, RecipeError
 from draft_align.config.sections import RLConfig
 from draft_align.engines.vllm.verify_choice import choose_verify_mode, length_se
-from draft_align.monitor.acceptance import AcceptanceTally
 
 
 def test_length_se_by_hand():

@@ -1,4 +1,4 @@
-"""Reference chain speculative decoder (batch size 1): an HF causal LM target and an EAGLE-3 draft.
+"""Reference chain speculative decoder (batch size 1): an HF causal LM target and a draft head (EAGLE-3 or MTP).
 
 Follows vLLM's EAGLE path.  The target prefills the prompt (aux states captured by an :class:`HFTap`)
 and samples x_P.  The draft's KV cache holds one *target-derived* row per committed position t: the aux
@@ -32,16 +32,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from draft_align.heads.eagle3 import Eagle3Draft
-from draft_align.hf.capture import HFTap
-from draft_align.hf.parts import decoder_parts
-from draft_align.monitor.acceptance import (
+from draft_align.acceptance import (
     AcceptanceTally,
     VerifyMode,
     check_mode,
     draft_probs_on_target,
     verifies_by_argmax,
 )
+from draft_align.heads.draft_head import DraftHead
+from draft_align.hf.capture import HFTap
+from draft_align.hf.parts import decoder_parts
 
 
 def _sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
@@ -101,7 +101,7 @@ class SpecDecoder:
     def __init__(
         self,
         target: nn.Module,
-        draft: Eagle3Draft,
+        draft: DraftHead,
         k: int,
         mode: VerifyMode,
         temperature: float,

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from draft_align.monitor.acceptance import (
+from draft_align.acceptance import (
     AcceptanceTally,
     acceptance_length_all_starts,
     acceptance_length_round_walk,
@@ -201,7 +201,7 @@ def test_length_stderr_is_the_standard_error_over_rounds():
 def test_estimate_pool_splits_by_position_in_the_response():
     """Row s drafts response token s + 1 first: a draft that is right for the first 40 response tokens and wrong
     after them measures k + 1 in [0, 32), a mix in [32, 64), 1 (nothing accepted) in [64, 128) and [128, ∞)."""
-    from draft_align.monitor.acceptance import RESPONSE_POSITION_EDGES, EstimatePool
+    from draft_align.acceptance import RESPONSE_POSITION_EDGES, EstimatePool
 
     k, rows = 3, 200
     alpha = torch.zeros(rows, k)

@@ -1,5 +1,8 @@
 """Acceptance math of chain speculative decoding (docs/acceptance.md): pure tensor functions.
 
+One neutral home, low in the house (it imports only ``conventions``): the engines' counters, the reference
+decoder, the RL job's draft guard and monitoring's estimators all count and average acceptance with it.
+
 Per-position acceptance probability α of one draft token, by how the engine verifies (temperature T):
 
 - ``greedy``        α = 1[d2t(argmax q) == argmax p]          (argmax verification; T is ignored)
@@ -250,7 +253,7 @@ def acceptance_length_round_walk(alpha: torch.Tensor, valid: torch.Tensor) -> tu
 
 
 class EstimatePool:
-    """Per-sequence α tables pooled into the estimators' report (see :func:`estimator.estimate`).
+    """Per-sequence α tables pooled into the estimators' report (see :func:`draft_align.monitor.estimator.estimate`).
 
     ``add`` takes one sequence's α [S, k], the observed-acceptance table [S, k] and validity [S, k]; its engine
     round walk is pooled as Σ accepted / Σ rounds, the all-starts average over every valid chain start.

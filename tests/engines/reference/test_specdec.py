@@ -3,9 +3,9 @@ import math
 import pytest
 import torch
 
-from draft_align.monitor import specdec
+from draft_align.engines.reference import specdec
+from draft_align.engines.reference.specdec import SpecDecoder, verify_chain
 from draft_align.monitor.evaluate import eos_ids
-from draft_align.monitor.specdec import SpecDecoder, verify_chain
 from tests.helpers import chi2_test, distribution_stats, exact_three
 
 PROMPTS = [[5, 17, 33], [1, 9, 40, 22, 7, 63], [12, 0, 31, 31, 8, 50, 2, 19, 44]]
