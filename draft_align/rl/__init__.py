@@ -7,5 +7,7 @@
 - ``rewards.py``: rule-based style rewards and the verifiable task reward;
 - ``rollouts.py``: :class:`RolloutEngine`, the step's plan, and the reference engine;
 - ``drafts.py``: :class:`DraftSource`, the frozen draft and the newest published one;
-- ``draft_guard.py``: :class:`CounterGuard`, the silent-zero guard on a step's own rollout counters.
+- ``draft_guard.py``: :class:`CounterGuard`, the silent-zero guard on a step's own rollout counters;
+- ``build.py``: the RL side built from a recipe, each piece in one place (the Tap and its sender, the draft
+  source, the rollout engine), as ``sidecar/build.py`` builds the sidecar.
 """
