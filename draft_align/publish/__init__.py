@@ -1,13 +1,15 @@
 """Published drafts: one folder per version that vLLM / SGLang load, checksummed, written atomically.
 
-:func:`export_draft` and :func:`load_draft` are the one place that picks the format: by the head's
-``kind`` when writing (EAGLE-3 → ``eagle3_format``, MTP → ``mtp_format``, a model's own MTP layers →
-``native_mtp_format``), by the manifest's ``format``
-when reading.  The folder mechanics are in ``folder``, run versions and ``latest`` in ``versions``,
-compatibility checks in ``compat``, adapter-only deltas in ``lora_delta`` (docs/formats.md).
+:func:`export_draft` and :func:`load_draft` look the format up in ``registry``: by the head's ``kind`` when
+writing (EAGLE-3 → ``eagle3_format``, MTP → ``mtp_format``, a model's own MTP layers → ``native_mtp_format``),
+by the manifest's ``format`` when reading.  The folder mechanics are in ``folder``, run versions and ``latest``
+in ``versions``, compatibility checks in ``compat``, adapter-only deltas in ``lora_delta`` (docs/formats.md).
 
 - ``folder.py``: atomic folders, the manifest, verification; ``versions.py``: ``drafts/vNNNN``, ``latest``;
-- ``eagle3_format.py``, ``mtp_format.py``: the engine formats; ``config_json.py``: the config.json fields both write;
+- ``formats.py``: what a format is (``DraftFormat``, ``HeadFormat``); ``registry.py``: the formats by head kind
+  and by manifest format;
+- ``eagle3_format.py`` (with its ``hf`` and ``speculators`` config dialects), ``mtp_format.py``: the engine
+  formats; ``config_json.py``: the config.json fields both write;
 - ``compat.py``: whether a draft fits a target; ``tap_spec.py``: what a Tap needs to know of a published draft;
 - ``lora_delta.py``: adapter-only deltas;
 - ``native_mtp_format.py``: a model's own MTP layers under its own tensor names, the folder vLLM's MTP drafter
@@ -26,14 +28,9 @@ import safetensors.torch
 import torch
 
 from draft_align.heads.draft_head import DraftHead
-from draft_align.heads.eagle3 import DraftConfigError
-from draft_align.heads.lora import is_lora, merged
-from draft_align.publish import eagle3_format, mtp_format, native_mtp_format
 from draft_align.publish.folder import (
-    MTP_FORMAT,
     WEIGHTS_FILE,
     Dialect,
-    ExportError,
     ExportRequest,
     check_sizes,
     read_manifest,
@@ -42,22 +39,13 @@ from draft_align.publish.folder import (
     verify_file,
     verify_files,
 )
+from draft_align.publish.registry import format_for, format_of
 
 
 def write_draft(draft: DraftHead, out_dir: Path, req: ExportRequest) -> dict[str, Any]:
     """:func:`export_draft` with its provenance and dialect in one :class:`ExportRequest`; returns the manifest
-    as written (``files`` holds each file's sha256 and size)."""
-    if is_lora(draft):  # engines load plain weights
-        draft = merged(draft)  # type: ignore[assignment]
-    if draft.kind == "native_mtp":
-        return native_mtp_format.write_native_mtp(draft, Path(out_dir), req)  # type: ignore[arg-type]
-    if draft.kind == "llama_block_mtp":
-        if req.dialect != "hf":
-            raise ExportError(
-                f"dialect {req.dialect!r} is an EAGLE-3 dialect: an MTP head is written in its own layout"
-            )
-        return mtp_format.write_mtp(draft, Path(out_dir), req)  # type: ignore[arg-type]
-    return eagle3_format.write_eagle3(draft, Path(out_dir), req)  # type: ignore[arg-type]
+    as written (``files`` holds each file's sha256 and size).  LoRA adapters are merged first."""
+    return format_for(draft).write(draft, Path(out_dir), req)
 
 
 def export_draft(
@@ -109,10 +97,7 @@ def checked_manifest(path: Path, *, verify: bool = True) -> dict[str, Any]:
     folder; with ``verify`` then every file's sha256.  CorruptCheckpointError / ExportError otherwise."""
     path = Path(path)
     manifest = read_manifest(path, verify=False)
-    fmt: Any = {MTP_FORMAT: mtp_format, native_mtp_format.NATIVE_MTP_FORMAT: native_mtp_format}.get(
-        manifest.get("format"), eagle3_format
-    )
-    check_sizes(path, manifest, fmt.weights_data_bytes(path, manifest))
+    check_sizes(path, manifest, format_of(manifest).weights_data_bytes(path, manifest))
     if verify:
         verify_files(path, manifest)
     return manifest
@@ -155,24 +140,14 @@ def load_verified_draft(
                 verify_file(path, name, info)
     else:
         weights = read_weights(path)
-    if manifest.get("format") == MTP_FORMAT:
-        draft: Any = mtp_format.load_mtp(path, manifest, device=device, dtype=dtype, weights=weights)
-    elif manifest.get("format") == native_mtp_format.NATIVE_MTP_FORMAT:
-        draft = native_mtp_format.load_native_mtp(path, manifest, device=device, dtype=dtype, weights=weights)
-    else:
-        draft = eagle3_format.load_eagle3(path, manifest, device=device, dtype=dtype, weights=weights)
+    draft = format_of(manifest).load(path, manifest, device=device, dtype=dtype, weights=weights)
     return draft, manifest, weights
 
 
 def engine_tensors(draft: DraftHead, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
-    """Exactly the tensors a publish of this (plain) draft writes to model.safetensors (HF dialect)."""
-    if is_lora(draft):
-        raise DraftConfigError("merge the adapters first (engine tensors are plain weights)")
-    if draft.kind == "native_mtp":
-        return native_mtp_format.engine_tensors(draft, dtype)  # type: ignore[arg-type]
-    if draft.kind == "llama_block_mtp":
-        return mtp_format.engine_tensors(draft, dtype)  # type: ignore[arg-type]
-    return eagle3_format.engine_tensors(draft, dtype, "hf")  # type: ignore[arg-type]
+    """Exactly the tensors a publish of this (plain) draft writes to model.safetensors (HF dialect);
+    DraftConfigError for a draft that still carries LoRA adapters."""
+    return format_for(draft).engine_tensors(draft, dtype)
 
 
 def engine_sha256(draft: DraftHead, dtype: torch.dtype = torch.bfloat16) -> str:

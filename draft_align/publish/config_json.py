@@ -1,12 +1,15 @@
-"""config.json fields both draft formats write for their Llama decoder block, in HF's names."""
+"""config.json fields both draft formats write for their Llama decoder block, in HF's names; the RoPE the block
+must share with its target (:func:`check_rope`, run on export)."""
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from draft_align.heads.layers import target_rope
 from draft_align.publish.folder import CONFIG_FILE, CorruptCheckpointError, ExportError
 
 
@@ -19,6 +22,31 @@ def rope_fields(rope: Mapping[str, Any]) -> dict[str, Any]:
         out["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
     out["rope_parameters"] = dict(rope)
     return out
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a == b
+    if isinstance(a, int | float) and isinstance(b, int | float):
+        return math.isclose(float(a), float(b), rel_tol=1e-9, abs_tol=0.0)
+    return a == b
+
+
+def rope_mismatch(draft_rope: Mapping[str, Any], target_config: Any) -> list[str]:
+    """The RoPE keys whose values differ between a draft's ``rope_parameters`` and the target's (None
+    values count as absent; numbers compare to 1e-9 relative)."""
+    d = {k: v for k, v in draft_rope.items() if v is not None}
+    t = {k: v for k, v in target_rope(target_config).items() if v is not None}
+    return sorted(k for k in set(d) | set(t) if k not in d or k not in t or not _same_value(d[k], t[k]))
+
+
+def check_rope(draft_rope: Mapping[str, Any], target_config: Any) -> None:
+    """Raise ExportError naming the differing keys unless the draft's RoPE equals the target's."""
+    diff = rope_mismatch(draft_rope, target_config)
+    if diff:
+        raise ExportError(
+            f"rope mismatch in {diff}: draft {dict(draft_rope)} vs target {target_rope(target_config)}"
+        )
 
 
 def block_config_fields(cfg: Any) -> dict[str, Any]:

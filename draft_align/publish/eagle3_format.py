@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,10 +37,13 @@ from draft_align.heads.eagle3 import (
 )
 from draft_align.heads.layers import Rotary
 from draft_align.heads.vocab import check_d2t
-from draft_align.publish.compat import check_rope
-from draft_align.publish.config_json import block_config_fields, check_config_json, special_token_ids
+from draft_align.publish.config_json import (
+    block_config_fields,
+    check_config_json,
+    check_rope,
+    special_token_ids,
+)
 from draft_align.publish.folder import (
-    DIALECTS,
     EAGLE3_FORMAT,
     FORMAT_VERSION,
     RESERVED_KEYS,
@@ -55,6 +59,7 @@ from draft_align.publish.folder import (
     read_weights,
     stored_itemsize,
 )
+from draft_align.publish.formats import HeadFormat, check_built_for, check_positions
 
 SPECULATORS_ARCHITECTURE = "Eagle3Speculator"  # speculators' Eagle3SpeculatorConfig.architectures default
 # Both engines build fc as Linear(3·target_hidden_size, H): vLLM llama_eagle3.py `target_hidden_size * 3`,
@@ -151,12 +156,7 @@ def validate_draft(draft: Eagle3Draft, target_config: Any) -> None:
             f"num layers mismatch: draft was built for a {cfg.target_num_layers}-layer target, this target has "
             f"{n_layers}"
         )
-    target_max = int(target_config.max_position_embeddings)
-    if cfg.max_position_embeddings < target_max:
-        raise ExportError(
-            f"max_position_embeddings {cfg.max_position_embeddings} is smaller than the target's {target_max}: "
-            f"acceptance collapses past it"
-        )
+    check_positions(cfg.max_position_embeddings, target_config, ": acceptance collapses past it")
     check_rope(cfg.rope_parameters, target_config)
     if cfg.hidden_act != "silu":
         raise ExportError(f"hidden_act {cfg.hidden_act!r}: engines run silu")
@@ -184,7 +184,7 @@ def llama_fields(cfg: Eagle3Config, target_config: Any, dtype_name: str) -> dict
     return fields
 
 
-def hf_config(cfg: Eagle3Config, target_config: Any, dtype_name: str) -> dict[str, Any]:
+def hf_config(cfg: Eagle3Config, req: ExportRequest, dtype_name: str) -> dict[str, Any]:
     """config.json in the HF dialect that vLLM and SGLang load as ``LlamaForCausalLMEagle3``.
 
     Non-default aux ids are written twice, each where and how its engine reads them (checked in source):
@@ -199,7 +199,7 @@ def hf_config(cfg: Eagle3Config, target_config: Any, dtype_name: str) -> dict[st
     aux = aux_id_conventions(cfg.aux_layer_ids, cfg.target_num_layers)
     out: dict[str, Any] = {
         "architectures": [ARCHITECTURE],
-        **llama_fields(cfg, target_config, dtype_name),
+        **llama_fields(cfg, req.target_config, dtype_name),
         "draft_vocab_size": cfg.draft_vocab_size,
         "target_hidden_size": cfg.target_hidden_size,
         "norm_before_residual": False,
@@ -210,14 +210,9 @@ def hf_config(cfg: Eagle3Config, target_config: Any, dtype_name: str) -> dict[st
     return out
 
 
-def speculators_config(
-    cfg: Eagle3Config,
-    target_config: Any,
-    dtype_name: str,
-    target_name: str,
-    speculative_tokens: int,
-) -> dict[str, Any]:
-    """config.json in the speculators dialect (vLLM loads it natively).
+def speculators_config(cfg: Eagle3Config, req: ExportRequest, dtype_name: str) -> dict[str, Any]:
+    """config.json in the speculators dialect (vLLM loads it natively), verifier ``req.target_name``, default
+    proposal length ``req.speculative_tokens``.
 
     Field names checked against vLLM ``transformers_utils/configs/speculators/base.py`` (requires
     ``speculators_model_type``, ``transformer_layer_config`` dict, ``speculators_config.proposal_methods[0]
@@ -233,21 +228,21 @@ def speculators_config(
     out: dict[str, Any] = {
         "architectures": [SPECULATORS_ARCHITECTURE],
         "speculators_model_type": "eagle3",
-        "transformer_layer_config": llama_fields(cfg, target_config, dtype_name),
+        "transformer_layer_config": llama_fields(cfg, req.target_config, dtype_name),
         "speculators_config": {
             "algorithm": "eagle3",
             "proposal_methods": [
                 {
                     "proposal_type": "greedy",
-                    "speculative_tokens": int(speculative_tokens),
+                    "speculative_tokens": int(req.speculative_tokens),
                     "verifier_accept_k": 1,
                     "accept_tolerance": 0.0,
                 }
             ],
             "default_proposal_method": "greedy",
             "verifier": {
-                "name_or_path": target_name,
-                "architectures": list(getattr(target_config, "architectures", None) or []),
+                "name_or_path": req.target_name,
+                "architectures": list(getattr(req.target_config, "architectures", None) or []),
             },
         },
         "draft_vocab_size": cfg.draft_vocab_size,
@@ -260,12 +255,29 @@ def speculators_config(
     return out
 
 
+# --------------------------------------------------------------------------------------- dialects
+@dataclass(frozen=True)
+class ConfigDialect:
+    """One EAGLE-3 dialect: the config.json it writes and the prefix of the decoder layer's tensor names."""
+
+    config: Callable[[Eagle3Config, ExportRequest, str], dict[str, Any]]
+    layer_prefix: str
+
+
+#: what each dialect writes: ``hf`` for vLLM and SGLang, ``speculators`` for vLLM and the speculators library
+DIALECTS: dict[str, ConfigDialect] = {
+    "hf": ConfigDialect(hf_config, "midlayer."),
+    "speculators": ConfigDialect(speculators_config, "layers.0."),
+}
+
+
 # --------------------------------------------------------------------------------------- tensors
 def engine_tensors(
     draft: Eagle3Draft, dtype: torch.dtype, dialect: Dialect = "hf"
 ) -> dict[str, torch.Tensor]:
     """The tensors model.safetensors holds: floats cast to ``dtype`` (and checked finite), d2t int64, t2d bool;
-    under ``speculators`` the layer is named ``layers.0.*`` instead of ``midlayer.*``."""
+    the decoder layer's names under the dialect's prefix (``midlayer.*``, speculators' ``layers.0.*``)."""
+    prefix = DIALECTS[dialect].layer_prefix
     out = {}
     for name, t in draft.engine_state_dict().items():
         t = t.detach().to("cpu")
@@ -276,8 +288,8 @@ def engine_tensors(
         else:
             t = t.to(dtype)
             check_finite(name, t, dtype)
-        if dialect == "speculators" and name.startswith("midlayer."):
-            name = "layers.0." + name[len("midlayer.") :]
+        if name.startswith("midlayer."):
+            name = prefix + name[len("midlayer.") :]
         out[name] = t.contiguous()
     return out
 
@@ -298,24 +310,19 @@ def write_eagle3(draft: Eagle3Draft, out_dir: Path, req: ExportRequest) -> dict[
     """Write the plain (LoRA-merged) EAGLE-3 ``draft`` at ``out_dir`` in ``req.dialect``; returns the manifest
     as written.  Everything is validated before anything is written; the folder appears atomically (temp +
     rename)."""
-    out_dir, dialect = Path(out_dir), req.dialect
-    if dialect not in DIALECTS:
-        raise ExportError(f"unknown dialect {dialect!r}: expected 'hf' or 'speculators'")
+    out_dir, dialect = Path(out_dir), DIALECTS.get(req.dialect)
+    if dialect is None:
+        raise ExportError(f"unknown dialect {req.dialect!r}: expected {' or '.join(map(repr, DIALECTS))}")
     dtype_name = float_dtype_name(req.dtype)
     check_destination(out_dir, req.overwrite, req.extra_manifest, RESERVED_KEYS)
     validate_draft(draft, req.target_config)
 
     cfg = dataclasses.replace(draft.cfg, torch_dtype=dtype_name)
-    if dialect == "hf":
-        config = hf_config(cfg, req.target_config, dtype_name)
-    else:
-        config = speculators_config(
-            cfg, req.target_config, dtype_name, req.target_name, req.speculative_tokens
-        )
-    tensors = engine_tensors(draft, req.dtype, dialect)
+    config = dialect.config(cfg, req, dtype_name)
+    tensors = engine_tensors(draft, req.dtype, req.dialect)
     aux = aux_id_conventions(cfg.aux_layer_ids, cfg.target_num_layers)
     manifest = draft_manifest(
-        {"format": EAGLE3_FORMAT, "format_version": FORMAT_VERSION, "dialect": dialect},
+        {"format": EAGLE3_FORMAT, "format_version": FORMAT_VERSION, "dialect": req.dialect},
         req,
         architecture=config["architectures"][0],
         aux_layer_ids={**aux, "note": _AUX_NOTE},
@@ -365,3 +372,46 @@ def load_eagle3(
     draft.rotary = Rotary(cfg)  # non-persistent RoPE buffers were built on meta; recompute them for real
     draft.to(device)
     return draft
+
+
+# --------------------------------------------------------------------------------------- against a target
+def check_target(manifest: Mapping[str, Any], target_config: Any) -> None:
+    """ExportError unless the EAGLE-3 draft ``manifest`` describes fits ``target_config``: hidden size, vocab
+    size, max_position_embeddings, aux layers capturable on this target's depth (and, when config.json relies on
+    the engines' default ids, that the default for this depth is what the draft was trained on)."""
+    target = manifest["target"]
+    check_built_for(
+        "draft trained for",
+        (
+            ("hidden size", target["hidden_size"], int(target_config.hidden_size)),
+            ("vocab size", target["vocab_size"], int(target_config.vocab_size)),
+        ),
+    )
+    check_positions(manifest["eagle3_config"]["max_position_embeddings"], target_config)
+    n_layers = int(target_config.num_hidden_layers)
+    aux = manifest["aux_layer_ids"]
+    ids = [int(i) for i in aux["hf"]]
+    bad = [i for i in ids if not 1 <= i <= n_layers - 1]
+    if bad:
+        raise ExportError(
+            f"num layers mismatch: aux_layer_ids {ids} out of range for a {n_layers}-layer target "
+            f"(capturable: 1..{n_layers - 1})"
+        )
+    default = list(default_aux_layer_ids(n_layers))
+    if not aux["in_config"] and default != ids:
+        raise ExportError(
+            f"num layers mismatch: config.json relies on the engines' default aux layers, which for a "
+            f"{n_layers}-layer target are {default}, but the draft was trained on {ids}"
+        )
+
+
+FORMAT = HeadFormat(
+    name=EAGLE3_FORMAT,
+    kind="eagle3",
+    head=Eagle3Draft,
+    write_head=write_eagle3,
+    head_tensors=engine_tensors,
+    load=load_eagle3,
+    weights_data_bytes=weights_data_bytes,
+    check_target=check_target,
+)

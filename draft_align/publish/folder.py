@@ -15,7 +15,7 @@ import shutil
 import stat
 import tempfile
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -69,8 +69,7 @@ class CorruptCheckpointError(ExportError):
     """A checkpoint folder whose files do not match its manifest (or that has no readable manifest)."""
 
 
-Dialect = Literal["hf", "speculators"]  # the EAGLE-3 config.json dialects (eagle3_format)
-DIALECTS: tuple[str, ...] = ("hf", "speculators")
+Dialect = Literal["hf", "speculators"]  # the EAGLE-3 config.json dialects (eagle3_format.DIALECTS)
 
 
 @dataclass(frozen=True)
@@ -270,6 +269,11 @@ def draft_manifest(
         **head_config,
         **(req.extra_manifest or {}),
     }
+
+
+def final_hidden_aux(aux_layer_ids: Sequence[int]) -> dict[str, Any]:
+    """The manifest's ``aux_layer_ids`` of an MTP head (either kind): the final post-norm hidden state."""
+    return {"hf": list(aux_layer_ids), "note": "MTP reads the final post-norm hidden (HF index L)"}
 
 
 # --------------------------------------------------------------------------------------- reading back

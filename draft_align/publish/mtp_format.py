@@ -30,8 +30,12 @@ import torch
 
 from draft_align.heads.layers import Rotary
 from draft_align.heads.mtp import LAYOUTS, MTPConfig, MTPDraft
-from draft_align.publish.compat import check_rope
-from draft_align.publish.config_json import block_config_fields, check_config_json, special_token_ids
+from draft_align.publish.config_json import (
+    block_config_fields,
+    check_config_json,
+    check_rope,
+    special_token_ids,
+)
 from draft_align.publish.folder import (
     MANIFEST_FILE,
     MTP_FORMAT,
@@ -41,12 +45,14 @@ from draft_align.publish.folder import (
     check_destination,
     check_finite,
     draft_manifest,
+    final_hidden_aux,
     float_dtype_name,
     publish_folder,
     read_head_config,
     read_weights,
     stored_itemsize,
 )
+from draft_align.publish.formats import HeadFormat, check_built_for, check_positions, refuse_dialect
 
 MTP_FORMAT_VERSION = 1
 ARCHITECTURES = {"deepseek_v3": "DeepSeekMTPModel", "qwen3_next": "Qwen3NextMTP"}
@@ -346,19 +352,8 @@ def validate_mtp(draft: MTPDraft, target_config: Any) -> None:
     """Raise ExportError unless ``draft`` fits ``target_config`` (hidden, vocab, layers, RoPE, positions)
     and its weights are finite."""
     cfg = draft.cfg
-    checks = (
-        ("hidden size", cfg.hidden_size, int(target_config.hidden_size)),
-        ("vocab size", cfg.vocab_size, int(target_config.vocab_size)),
-        ("num layers", cfg.target_num_layers, int(target_config.num_hidden_layers)),
-    )
-    for what, mine, theirs in checks:
-        if mine != theirs:
-            raise ExportError(f"{what} mismatch: MTP head built for {mine}, target has {theirs}")
-    target_max = int(target_config.max_position_embeddings)
-    if cfg.max_position_embeddings < target_max:
-        raise ExportError(
-            f"max_position_embeddings {cfg.max_position_embeddings} is smaller than the target's {target_max}"
-        )
+    check_built_for("MTP head built for", _sizes(cfg.to_dict(), target_config))
+    check_positions(cfg.max_position_embeddings, target_config)
     check_rope(cfg.rope_parameters, target_config)
     for name, t in draft.engine_state_dict().items():
         check_finite(name, t)
@@ -391,8 +386,9 @@ def write_mtp(draft: MTPDraft, out_dir: Path, req: ExportRequest) -> dict[str, A
     """Write the plain (LoRA-merged) MTP ``draft`` at ``out_dir`` in its own layout; returns the manifest.
 
     Same guarantees as the EAGLE-3 format: validated first, floats stored in ``req.dtype``, the folder
-    appears atomically (temp + rename).
+    appears atomically (temp + rename).  ``req.dialect`` must stay ``hf``.
     """
+    refuse_dialect(req, "an MTP head is written in its own layout")
     out_dir = Path(out_dir)
     dtype_name = float_dtype_name(req.dtype)
     check_destination(out_dir, req.overwrite, req.extra_manifest, RESERVED_KEYS | {"layout", "mtp_config"})
@@ -407,10 +403,7 @@ def write_mtp(draft: MTPDraft, out_dir: Path, req: ExportRequest) -> dict[str, A
         {"format": MTP_FORMAT, "format_version": MTP_FORMAT_VERSION, "layout": layout},
         req,
         architecture=config["architectures"][0],
-        aux_layer_ids={
-            "hf": list(cfg.aux_layer_ids),
-            "note": "MTP reads the final post-norm hidden (HF index L)",
-        },
+        aux_layer_ids=final_hidden_aux(cfg.aux_layer_ids),
         draft_vocab_size=cfg.vocab_size,
         head_config={"mtp_config": cfg.to_dict()},
     )
@@ -451,3 +444,33 @@ def load_mtp(
     extra = {"num_hidden_layers": cfg.target_num_layers, "num_nextn_predict_layers": cfg.depth}
     check_config_json(path, cfg, extra)
     return draft
+
+
+# --------------------------------------------------------------------------------------- against a target
+def _sizes(cfg: Mapping[str, Any], target_config: Any) -> tuple[tuple[str, Any, int], ...]:
+    """(what, the head's, the target's) for the sizes an MTP head must share with its target."""
+    return (
+        ("hidden size", cfg["hidden_size"], int(target_config.hidden_size)),
+        ("vocab size", cfg["vocab_size"], int(target_config.vocab_size)),
+        ("num layers", cfg["target_num_layers"], int(target_config.num_hidden_layers)),
+    )
+
+
+def check_target(manifest: Mapping[str, Any], target_config: Any) -> None:
+    """ExportError unless the MTP draft ``manifest`` describes fits ``target_config``: hidden size, vocab size,
+    the target's depth, positions."""
+    cfg = manifest["mtp_config"]
+    check_built_for("MTP draft built for", _sizes(cfg, target_config))
+    check_positions(cfg["max_position_embeddings"], target_config)
+
+
+FORMAT = HeadFormat(
+    name=MTP_FORMAT,
+    kind="llama_block_mtp",
+    head=MTPDraft,
+    write_head=write_mtp,
+    head_tensors=engine_tensors,
+    load=load_mtp,
+    weights_data_bytes=weights_data_bytes,
+    check_target=check_target,
+)

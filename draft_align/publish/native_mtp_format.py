@@ -29,6 +29,7 @@ from draft_align.heads.native_mtp import (
     EMBED,
     NativeMTPConfig,
     NativeMTPDraft,
+    StepsRun,
     family_of,
     from_checkpoint,
     to_checkpoint,
@@ -44,12 +45,14 @@ from draft_align.publish.folder import (
     check_destination,
     check_finite,
     draft_manifest,
+    final_hidden_aux,
     plain_file,
     publish_folder,
     read_head_config,
     read_weights,
     stored_itemsize,
 )
+from draft_align.publish.formats import HeadFormat, check_built_for, refuse_dialect
 
 NATIVE_MTP_FORMAT_VERSION = 1
 LM_HEAD = "lm_head.weight"
@@ -95,10 +98,7 @@ def write_native_mtp(draft: NativeMTPDraft, out_dir: Path, req: ExportRequest) -
             raise ExportError(
                 f"target config has {key}={getattr(ours, key)}, the MTP head was built for {getattr(cfg, key)}"
             )
-    if req.dialect != "hf":
-        raise ExportError(
-            f"dialect {req.dialect!r} is an EAGLE-3 dialect: a native MTP head is written under its model's names"
-        )
+    refuse_dialect(req, "a native MTP head is written under its model's names")
     tensors = engine_tensors(draft, req.dtype)
     for name, t in tensors.items():
         check_finite(name, t, req.dtype)
@@ -108,10 +108,7 @@ def write_native_mtp(draft: NativeMTPDraft, out_dir: Path, req: ExportRequest) -
         {"format": NATIVE_MTP_FORMAT, "format_version": NATIVE_MTP_FORMAT_VERSION, "family": cfg.family},
         req,
         architecture=cfg.spec.architecture,
-        aux_layer_ids={
-            "hf": list(cfg.aux_layer_ids),
-            "note": "MTP reads the final post-norm hidden (HF index L)",
-        },
+        aux_layer_ids=final_hidden_aux(cfg.aux_layer_ids),
         draft_vocab_size=cfg.vocab_size,
         head_config={
             "native_mtp_config": {"family": cfg.family, "depth": cfg.depth, "steps_run": cfg.steps_run}
@@ -121,12 +118,12 @@ def write_native_mtp(draft: NativeMTPDraft, out_dir: Path, req: ExportRequest) -
     return manifest
 
 
-def _folder_config(path: Path, steps_run: str = "first") -> NativeMTPConfig:
+def _folder_config(path: Path, steps_run: StepsRun = "first") -> NativeMTPConfig:
     from transformers import AutoConfig
 
     try:
         target = AutoConfig.from_pretrained(path / CONFIG_FILE)
-        return NativeMTPConfig.from_target(target, steps_run=steps_run)  # type: ignore[arg-type]
+        return NativeMTPConfig.from_target(target, steps_run=steps_run)
     except DraftConfigError as e:
         raise ExportError(f"{path}: {e}") from e
 
@@ -158,7 +155,7 @@ def load_native_mtp(
             f"{path / MANIFEST_FILE}: format {manifest.get('format')!r} is not {NATIVE_MTP_FORMAT}"
         )
     head = read_head_config(path, manifest, "native_mtp_config", dict)
-    cfg = _folder_config(path, str(head.get("steps_run", "first")))
+    cfg = _folder_config(path, head.get("steps_run", "first"))
     if head.get("family") != cfg.family or head.get("depth") != cfg.depth:
         raise ExportError(
             f"{path / MANIFEST_FILE}: native_mtp_config {head} does not match config.json "
@@ -171,11 +168,33 @@ def load_native_mtp(
         raise ExportError(f"{path}: {e}") from e
 
 
+def check_target(manifest: Mapping[str, Any], target_config: Any) -> None:
+    """ExportError unless the MTP layers ``manifest`` describes are this target's: its architecture, hidden
+    size, vocab size and depth."""
+    target = manifest["target"]
+    arch = (getattr(target_config, "architectures", None) or ["?"])[0]
+    if manifest.get("architecture") != arch:
+        raise ExportError(
+            f"architecture mismatch: the MTP layers are {manifest.get('architecture')}'s, the target is {arch}"
+        )
+    check_built_for(
+        "MTP layers built for",
+        tuple(
+            (what, target[key], int(getattr(target_config, key)))
+            for what, key in (
+                ("hidden size", "hidden_size"),
+                ("vocab size", "vocab_size"),
+                ("num layers", "num_hidden_layers"),
+            )
+        ),
+    )
+
+
 def from_target_checkpoint(
     model_dir: Path,
     target_config: Any,
     dtype: torch.dtype = torch.float32,
-    steps_run: str = "first",
+    steps_run: StepsRun = "first",
     impl: str = "transformers",
 ) -> NativeMTPDraft:
     """The head with the MTP layers of the target checkpoint at ``model_dir`` (its ``*.safetensors``; only the
@@ -186,7 +205,7 @@ def from_target_checkpoint(
     from safetensors import safe_open
 
     model_dir = Path(model_dir)
-    cfg = NativeMTPConfig.from_target(target_config, steps_run=steps_run)  # type: ignore[arg-type]
+    cfg = NativeMTPConfig.from_target(target_config, steps_run=steps_run)
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise DraftConfigError(
@@ -230,8 +249,22 @@ def from_target_checkpoint(
         raise DraftConfigError(f"{model_dir}: {e}") from e
 
 
+FORMAT = HeadFormat(
+    name=NATIVE_MTP_FORMAT,
+    kind="native_mtp",
+    head=NativeMTPDraft,
+    write_head=write_native_mtp,
+    head_tensors=engine_tensors,
+    load=load_native_mtp,
+    weights_data_bytes=weights_data_bytes,
+    check_target=check_target,
+)
+
+
 __all__ = [
+    "FORMAT",
     "NATIVE_MTP_FORMAT",
+    "check_target",
     "engine_tensors",
     "family_of",
     "from_target_checkpoint",
