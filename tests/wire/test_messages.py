@@ -760,6 +760,29 @@ def test_drop_nonfinite_none_and_all():
     assert got.aux_hidden[0, 0].isinf() and got.aux_hidden[-1, -1].isnan()
 
 
+
+def test_drop_nonfinite_keeps_finite_states_whose_sum_overflows():
+    b = TapBatch.make_dummy(num_sequences=3, seed=5)
+    aux = b.aux_hidden.clone()
+    aux[:, :] = 3e38  # finite in bf16; their sum is not
+    assert not torch.isfinite(aux.sum())
+    big = dataclasses.replace(b, aux_hidden=aux)
+    assert drop_nonfinite(big) == (big, 0)
+    aux[1, 0] = math.inf  # +Inf among huge positives: the sum is +Inf as well, the exact test finds it
+    kept, dropped = drop_nonfinite(dataclasses.replace(b, aux_hidden=aux))
+    assert dropped == 1 and kept.num_sequences == 2
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_drop_nonfinite_finds_one_bad_value_among_cancelling_ones(bad):
+    b = TapBatch.make_dummy(num_sequences=3, seed=6)
+    final = b.final_hidden.clone()
+    final[0, 0], final[0, 1] = math.inf, -math.inf  # a sum of NaN, not a cancellation to a finite value
+    final[-1, -1] = bad
+    kept, dropped = drop_nonfinite(dataclasses.replace(b, final_hidden=final))
+    assert dropped == 2 and kept.num_sequences == 1  # sequences 0 and 2 (the last)
+    assert torch.equal(kept.final_hidden, b.sequence(1)["final_hidden"])
+
 # ------------------------------------------------------------------ huge numbers in JSON fields
 HUGE = 10**400  # 401 digits: float() of it raises OverflowError
 
