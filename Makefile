@@ -81,7 +81,7 @@ BENCH_TARGETS := bench-warmstart bench-learning-curve bench-draft-vocab bench-ob
 	bench-adapt-playback bench-drift-trigger bench-verify-drift bench-draft-variants bench-tap-stats \
 	bench-trl-drift bench-trl-overhead bench-trl-kl bench-trl-task bench-mtp-native bench-soak bench-task-probe bench-task-pays bench-task-pays-mtp bench-task-pays-long \
 	bench-cadence-long bench-draft-swap-cost \
-	bench-ray-vs-process bench-server-push
+	bench-ray-vs-process bench-server-push bench-scale
 .PHONY: bench bench-checkpoints $(BENCH_TARGETS)
 
 bench: $(BENCH_TARGETS)  ## every benchmark below (10 hours or more on a 2-core CPU)
@@ -153,6 +153,8 @@ bench-objectives: fetch
 	$(PY) benchmarks/objectives.py --budget-s 300 train.warmup_steps=10 data.gen_time_budget_s=0 data.extra_original_conversations=300
 bench-objectives-finetune: fetch $(SOFT_300S)
 	$(PY) benchmarks/objectives.py --budget-s 180 --arms soft,tv,expected_length,tv+ce0.1 --out /tmp/obj_ft --no-results-md run=smollm2-bench-ft draft.init_from=checkpoints/obj-soft-300s train.lr=5e-4 train.warmup_steps=5 data.gen_time_budget_s=0 data.extra_original_conversations=300
+bench-scale: fetch
+	$(PY) benchmarks/scale.py --parts wire headsync train project peer
 bench-train-step-profile: fetch
 	$(PY) benchmarks/train_step_profile.py --reps 6
 bench-selfdistill-speed: fetch

@@ -301,6 +301,7 @@ def role_sender(a: argparse.Namespace) -> None:
         queue_messages=w.queue_messages,
         queue_bytes=w.queue_mb << 20,
         max_message_bytes=w.max_message_mb << 20,
+        send_timeout_s=w.send_timeout_s,
     )
     offers: list[tuple[int, float, bool]] = []
     _wait_until(a.start_at)
@@ -770,12 +771,14 @@ def part_wire(a: argparse.Namespace, work: Path, res: dict[str, Any]) -> None:
                 rows.append(wr.phase_result(n, "saturate", sent, t0, a.phase_s))
                 print(json.dumps(rows[-1]), flush=True)
             secs = a.budget_steps * step_s
-            for queue_mb in (None, a.budget_queue_mb):  # the default send queue, then one that holds a step
-                qx = (
-                    []
-                    if queue_mb is None
-                    else [f"wire.queue_mb={queue_mb}", f"wire.queue_messages={2 * msgs_per_step}"]
-                )
+            queue = [f"wire.queue_mb={a.budget_queue_mb}", f"wire.queue_messages={2 * msgs_per_step}"]
+            timeout = f"wire.send_timeout_s={step_s:.0f}"  # the sender may wait a step for the sidecar
+            settings = {  # the defaults, then a queue that holds a step's share, then also the sender's patience
+                "defaults": [],
+                f"queue_mb {a.budget_queue_mb}": queue,
+                f"queue_mb {a.budget_queue_mb}, send_timeout_s {step_s:.0f}": [*queue, timeout],
+            }
+            for label, qx in settings.items():
                 sent, t0 = wr.senders(
                     a.budget_ranks,
                     "budget",
@@ -785,9 +788,7 @@ def part_wire(a: argparse.Namespace, work: Path, res: dict[str, Any]) -> None:
                     close_s=60.0,
                     sender_extra=qx,
                 )
-                rows.append(
-                    {**wr.phase_result(a.budget_ranks, "budget", sent, t0, secs), "queue_mb": queue_mb or 512}
-                )
+                rows.append({**wr.phase_result(a.budget_ranks, "budget", sent, t0, secs), "settings": label})
                 print(json.dumps(rows[-1]), flush=True)
             if "headsync" in a.parts and transport == a.transports[-1]:
                 wr.rss_before_head = wr.sampler.proc.memory_info().rss
@@ -901,9 +902,14 @@ def render(res: dict[str, Any]) -> str:
     lines = [
         HEAD,
         "",
-        f"Command: `{res['command']}` (one run; {res['date']}; this 2-core CPU, run alone).",
+        "Commands (this 2-core CPU, run alone), with the parts whose figures each last produced:",
         "",
     ]
+    by_cmd: dict[tuple[str, str], list[str]] = {}
+    for part, (cmd, when) in res.get("commands", {}).items():
+        by_cmd.setdefault((cmd, when), []).append(part)
+    lines += [f"- `{cmd}` ({when} UTC): {', '.join(parts)}" for (cmd, when), parts in by_cmd.items()]
+    lines.append("")
     if res.get("phases"):
         b = res["budget"]
         lines += [
@@ -917,7 +923,7 @@ def render(res: dict[str, Any]) -> str:
             f"{res['memcpy_gb_per_s']['1']:.1f} GB/s (1 thread), {res['memcpy_gb_per_s']['2']:.1f} GB/s (2).",
             "",
             "| transport | mode | senders | raw ZeroMQ GB/s | ingest tokens/s | ingest GB/s | of raw | buffered / "
-            "offered msgs | sender drops | lost in transit | sidecar rejects | send → buffer p50 / p99 ms | "
+            "offered msgs | sender drops | cut at close | sidecar rejects | send → buffer p50 / p99 ms | "
             "sidecar cores | tokens per sidecar CPU-s | sidecar RSS max MiB |",
             "|---|---|---:|---:|---:|---:|---:|---:|---|---:|---|---:|---:|---:|---:|",
         ]
@@ -930,7 +936,7 @@ def render(res: dict[str, Any]) -> str:
             )
             rej = ", ".join(f"{k} {v}" for k, v in r["sidecar_rejected"].items()) or "0"
             tpc = r["sidecar_tokens_per_cpu_s"]
-            mode = r["mode"] if r["mode"] == "saturate" else f"budget, queue_mb {r['queue_mb']}"
+            mode = r["mode"] if r["mode"] == "saturate" else f"budget, {r['settings']}"
             lines.append(
                 f"| {r['transport']} | {mode} | {r['senders']} | {rz:.2f} | {r['tokens_per_s']:,.0f} | "
                 f"{r['gb_per_s']:.2f} | {frac} | {r['buffered_messages']} / {r['offered_messages']} | {drops} | "
@@ -947,7 +953,13 @@ def render(res: dict[str, Any]) -> str:
             + ", ".join(f"{k} {v:.0f} s" for k, v in res.get("sidecar_setup_s", {}).items())
             + " at RSS "
             + ", ".join(f"{k} {_mib(v)} MiB" for k, v in res.get("sidecar_rss_ready", {}).items())
-            + ".",
+            + ". Sender drops: `peer`, the sidecar did not take the message within the sender's "
+            "`wire.send_timeout_s`; `queue_full`, the send queue (`wire.queue_mb`, `queue_messages`) could not hold "
+            "the step's share. *Cut at close*: sent into ZeroMQ but not in the buffer when the phase's senders "
+            "closed (their sockets close with linger 0 and drop what is still queued toward a sidecar that is "
+            "behind; a running RL job does not close). The saturated rows put N encoding senders on the 2 cores "
+            "beside the sidecar, so past one sender they measure this box; *tokens per sidecar CPU-s* is the "
+            "sidecar's own cost.",
             "",
         ]
     hs = res.get("headsync")
@@ -1081,11 +1093,10 @@ def main() -> int:
         roles[a.role](a)
         return 0
     res: dict[str, Any] = json.loads(OUT_JSON.read_text()) if OUT_JSON.exists() else {}
-    res.update(
-        command=" ".join(["python benchmarks/scale.py", *sys.argv[1:]]),
-        date=time.strftime("%Y-%m-%d"),
-        threads=a.threads,
-    )
+    command = " ".join(["python benchmarks/scale.py", *sys.argv[1:]])
+    res.update(command=command, date=time.strftime("%Y-%m-%d"), threads=a.threads)
+    for part in a.parts:  # a part re-run alone replaces its figures; each part says which command made them
+        res.setdefault("commands", {})[part] = [command, time.strftime("%Y-%m-%d %H:%M")]
     work = Path(tempfile.mkdtemp(prefix="scale-"))
     try:
         if "wire" in a.parts or "headsync" in a.parts:

@@ -175,6 +175,7 @@ RANGES: dict[type, dict[str, Range]] = {
         "max_tokens": TOKENS,
         "queue_messages": AT_LEAST_1,
         "queue_mb": Range(1, 65536),
+        "send_timeout_s": Range(0, 3600, open_low=True),
     },
     TapConfig: {
         "tokens_per_step": Range(MIN_TAP_SEQUENCE_TOKENS),  # conventions.check_tap_budgets

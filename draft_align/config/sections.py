@@ -184,6 +184,9 @@ class WireConfig:
     max_tokens: int = 1_048_576  # per TapBatch
     queue_messages: int = 8  # the tap's send queue (messages); a full queue drops, never blocks
     queue_mb: int = 512  # the tap's send queue (bytes)
+    # the tap's sender drops a message the sidecar has not taken within this; a step's sample is offered at
+    # once, so a burst larger than the sidecar drains in this time is dropped (docs/sizing.md, "Send queue")
+    send_timeout_s: float = 0.05
 
 
 @dataclass

@@ -39,6 +39,7 @@ def tap_sender(wire: WireConfig, endpoints: str | list[str], key: bytes) -> TapS
         queue_bytes=wire.queue_mb << 20,
         allow_remote=wire.allow_remote,
         max_message_bytes=wire.max_message_mb << 20,
+        send_timeout_s=wire.send_timeout_s,
     )
 
 

@@ -54,3 +54,13 @@ def test_a_step_of_more_messages_than_the_queue_holds_is_one_warning(caplog):
     assert n == 4096
     (rec,) = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert "10 messages" in rec.getMessage() and "raise wire.queue_messages to 10" in rec.getMessage()
+
+
+def test_the_senders_patience_comes_from_the_recipe():
+    from draft_align.rl.build import tap_sender
+
+    tx = tap_sender(_recipe("wire.send_timeout_s=12.5").wire, "tcp://127.0.0.1:9", b"k" * 32)
+    try:
+        assert tx._send_timeout_s == 12.5
+    finally:
+        tx.close(timeout_s=0.5)
