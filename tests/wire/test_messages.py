@@ -760,7 +760,6 @@ def test_drop_nonfinite_none_and_all():
     assert got.aux_hidden[0, 0].isinf() and got.aux_hidden[-1, -1].isnan()
 
 
-
 def test_drop_nonfinite_keeps_finite_states_whose_sum_overflows():
     b = TapBatch.make_dummy(num_sequences=3, seed=5)
     aux = b.aux_hidden.clone()
@@ -782,6 +781,7 @@ def test_drop_nonfinite_finds_one_bad_value_among_cancelling_ones(bad):
     kept, dropped = drop_nonfinite(dataclasses.replace(b, final_hidden=final))
     assert dropped == 2 and kept.num_sequences == 1  # sequences 0 and 2 (the last)
     assert torch.equal(kept.final_hidden, b.sequence(1)["final_hidden"])
+
 
 # ------------------------------------------------------------------ huge numbers in JSON fields
 HUGE = 10**400  # 401 digits: float() of it raises OverflowError
