@@ -168,17 +168,17 @@ bench-advise: fetch $(ADVISE_DRAFT)
 bench-drift: fetch $(BENCH_DRAFT)
 	$(PY) benchmarks/drift.py
 bench-drift-vllm: fetch $(ADVISE_DRAFT)
-	$(PY) benchmarks/drift.py --name vllm --draft checkpoints/advise-draft --vocab 8192 --steps 20 --oracle-at 2,5,12,20 --oracle-gen-s 120 --oracle-train-s 180 --eval-prompts 32 --overhead-reps 0 rl.engine=vllm target.dtype=float32 rl.lr=6e-4
+	$(PY) benchmarks/drift.py --name vllm --draft checkpoints/advise-draft --vocab 8192 --steps 20 --oracle-at 2,5,12,20 --oracle-gen-s 120 --oracle-train-s 180 --eval-prompts 32 --overhead-reps 0 rl.engine.kind=vllm target.dtype=float32 rl.policy.lr=6e-4
 bench-drift-vllm-kl: fetch $(BENCH_DRAFT)
-	$(PY) benchmarks/drift.py --name vllm_kl --draft checkpoints/smollm2-bench-ttt --vocab 16384 --steps 20 --oracle-at "" --overhead-reps 0 --no-results-md rl.engine=vllm target.dtype=float32 rl.lr=8e-4
+	$(PY) benchmarks/drift.py --name vllm_kl --draft checkpoints/smollm2-bench-ttt --vocab 16384 --steps 20 --oracle-at "" --overhead-reps 0 --no-results-md rl.engine.kind=vllm target.dtype=float32 rl.policy.lr=8e-4
 bench-drift-vllm-oracle: fetch $(BENCH_DRAFT)
-	$(PY) benchmarks/drift.py --name vllm_oracle --draft checkpoints/smollm2-bench-ttt --vocab 16384 --steps 20 --oracle-at 2,5,12,20 --oracle-gen-s 120 --oracle-train-s 180 --eval-prompts 32 --overhead-reps 0 rl.engine=vllm target.dtype=float32 rl.lr=8e-4 sidecar.recording.enabled=true
+	$(PY) benchmarks/drift.py --name vllm_oracle --draft checkpoints/smollm2-bench-ttt --vocab 16384 --steps 20 --oracle-at 2,5,12,20 --oracle-gen-s 120 --oracle-train-s 180 --eval-prompts 32 --overhead-reps 0 rl.engine.kind=vllm target.dtype=float32 rl.policy.lr=8e-4 sidecar.recording.enabled=true
 bench-adapt-playback: fetch $(ORACLE_RUN)
 	$(PY) benchmarks/adapt_playback.py --run checkpoints/smollm2-drift-vllm_oracle --arms base,cap16,old,noramp,anchor,lora --train-tokens-per-step 9216 --threads 2
 bench-drift-trigger: fetch $(ADVISE_DRAFT)
-	$(PY) benchmarks/drift_trigger.py --steps 12 rl.engine=vllm target.dtype=float32 rl.lr=5e-4 sidecar.buffer.min_tokens=2048
+	$(PY) benchmarks/drift_trigger.py --steps 12 rl.engine.kind=vllm target.dtype=float32 rl.policy.lr=5e-4 sidecar.buffer.min_tokens=2048
 bench-verify-drift: fetch $(ADVISE_DRAFT) bench-drift-trigger
-	$(PY) benchmarks/drift.py --name verify_auto --draft checkpoints/advise-draft --steps 12 --oracle-at "" --overhead-reps 0 --no-results-md rl.engine=vllm target.dtype=float32 rl.lr=5e-4 sidecar.buffer.min_tokens=2048 rl.verify_mode=auto
+	$(PY) benchmarks/drift.py --name verify_auto --draft checkpoints/advise-draft --steps 12 --oracle-at "" --overhead-reps 0 --no-results-md rl.engine.kind=vllm target.dtype=float32 rl.policy.lr=5e-4 sidecar.buffer.min_tokens=2048 rl.engine.verify_mode=auto
 	$(PY) benchmarks/verify_drift.py
 bench-draft-variants: fetch $(BENCH_DRAFT) $(DRIFTED_POLICY)
 	$(PY) benchmarks/draft_variants.py --eagle-draft checkpoints/smollm2-bench-ttt --drifted checkpoints/smollm2-drift/policy_merged/v0020 --warm-s 600 --adapt-s 180

@@ -403,7 +403,7 @@ def main() -> int:
         "train_tokens_per_step": args.train_tokens_per_step,
         "threads": args.threads,
         "eval_k": recipe.sidecar.gate.k,
-        "temperature": recipe.rl.temperature,
+        "temperature": recipe.rl.task.temperature,
         "name": args.name,
         "arms": [],
     }

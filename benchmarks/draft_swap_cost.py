@@ -9,7 +9,7 @@ drafts are random-weight EAGLE-3 heads of the real shape (``--vocab`` draft voca
 default), exported like the sidecar's publishes, alternating two so every swap changes the weights.  Each
 swap: publish (export + ``latest``), then on the job's thread ``drafts.poll()`` + ``engine.prepare()``
 (+ for the new path ``drafts.judge()`` on a step's counters).  Old path: ``DraftSource(background=False)``,
-``rl.draft_guard: probe`` (4 prompts × 32 tokens before and after, the RL default) and the engine reading and
+``rl.guard.kind: probe`` (4 prompts × 32 tokens before and after, the RL default) and the engine reading and
 hashing the file itself, as before this change.  New path: ``DraftSource(background=True)`` with the counter
 guard; the version is verified while "the step runs" (the script waits for the verifier, and reports its
 seconds: moved off the job's thread, not removed).
@@ -173,7 +173,7 @@ def main() -> None:
                 }
             )
         # ---- new path: verified off the thread, the load alone, the guard on the step's counters
-        engine.refresher.guard = None  # rl.draft_guard: counters
+        engine.refresher.guard = None  # rl.guard.kind: counters
         new_src = DraftSource(
             root / "new", frozen, background=True, guard=CounterGuard(), poll_interval_s=0.05
         )

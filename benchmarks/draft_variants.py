@@ -17,7 +17,7 @@
    run folder), else one warm-started here for ``--warm-s``; an MTP head (depth 1, DeepSeek-V3 layout)
    attached to the policy (block = its last layer) and warm-started for ``--warm-s``.
 3. Drift.  ``--drifted``: an HF folder of the drifted policy (e.g. a merged GRPO policy saved by
-   benchmarks/drift.py with ``rl.save_merged_at``); without it a synthetic drift: Gaussian noise of relative
+   benchmarks/drift.py with ``rl.policy.save_merged_at``); without it a synthetic drift: Gaussian noise of relative
    size ``--drift-noise`` on the upper half of the decoder layers (stated in the output).
 4. For each head × {full, lora}: the base draft adapted on drifted-policy records for ``--adapt-s`` with the
    sidecar's trainer (soft targets from the drifted policy's head; LoRA rank ``--lora-rank`` over the frozen

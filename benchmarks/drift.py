@@ -16,7 +16,7 @@ EAGLE-3 draft aligned, against the frozen warm-start draft and an oracle.
    ``--oracle-train-s`` of training), then frozen / adapted (the version the RL job used at step v) / oracle
    measured on held-out prompts with policy v as the target (T=1, greedy draft, k=3: the RL job's setting) and
    estimated (engine replay).  Measured by vLLM's counters when the run's rollouts are vLLM's
-   (``rl.engine=vllm``), else by the reference decoder.
+   (``rl.engine.kind=vllm``), else by the reference decoder.
 
 Writes ``<out>/drift.json`` and the section in ``benchmarks/RESULTS.md``.
 """
@@ -81,12 +81,14 @@ def tap_overhead(recipe: CotrainRecipe, start: Path, reps: int) -> dict[str, Any
         # the same rollouts whatever rl.engine says: the reference decoder's
         job.engine.shutdown()
         job.engine = ReferenceRollouts(
-            job.policy.hf_model, job.drafts, recipe.rl.spec_k, recipe.rl.verify_mode
+            job.policy.hf_model, job.drafts, recipe.rl.engine.spec_k, recipe.rl.engine.verify_mode
         )
         rollouts, _ = job.rollouts(0)
 
         rewards = torch.tensor([r.reward for r in rollouts], dtype=torch.float64)
-        adv = group_advantages(rewards.view(recipe.rl.prompts_per_step, recipe.rl.group_size)).flatten()
+        adv = group_advantages(
+            rewards.view(recipe.rl.task.prompts_per_step, recipe.rl.task.group_size)
+        ).flatten()
         seqs = Sequences.pack([(r.prompt, r.response) for r in rollouts], job.pad_id)
         times: dict[str, list[float]] = {"with": [], "without": []}
         tap_inside: list[float] = []
@@ -140,12 +142,12 @@ def oracle_point(
         f"data.heldout={recipe.data.heldout}",
         f"data.split_seed={recipe.data.split_seed}",
         f"data.max_conversations={args.oracle_prompts}",
-        f"data.max_prompt_tokens={recipe.rl.max_prompt_tokens}",
+        f"data.max_prompt_tokens={recipe.rl.task.max_prompt_tokens}",
         "data.regenerate=true",
-        f"data.gen_temperature={recipe.rl.temperature}",
-        f"data.gen_max_new_tokens={recipe.rl.max_new_tokens}",
+        f"data.gen_temperature={recipe.rl.task.temperature}",
+        f"data.gen_max_new_tokens={recipe.rl.task.max_new_tokens}",
         f"target.dtype={recipe.target.dtype}",
-        f"data.gen_engine={'vllm' if recipe.rl.engine == 'vllm' else 'hf'}",
+        f"data.gen_engine={'vllm' if recipe.rl.engine.kind == 'vllm' else 'hf'}",
         f"data.gen_time_budget_s={args.oracle_gen_s}",
         "data.extra_original_conversations=0",
         f"draft.init_from={start}",
@@ -182,10 +184,12 @@ def measure_point(
     target, tok = assets.load_target(str(policy), dtype, "cpu")
     convs = data.load_conversations(recipe.data.source)
     _, held = data.split_heldout(convs, recipe.data.heldout, recipe.data.split_seed)
-    prompts = [p for p in (data.encode_prompt(tok, c) for c in held) if len(p) <= recipe.rl.max_prompt_tokens]
+    prompts = [
+        p for p in (data.encode_prompt(tok, c) for c in held) if len(p) <= recipe.rl.task.max_prompt_tokens
+    ]
     prompts = prompts[:prompts_n]
-    engine = "vllm" if recipe.rl.engine == "vllm" else "reference"
-    mode = recipe.rl.verify_mode if recipe.rl.verify_mode != "auto" else "greedy_draft"
+    engine = "vllm" if recipe.rl.engine.kind == "vllm" else "reference"
+    mode = recipe.rl.engine.verify_mode if recipe.rl.engine.verify_mode != "auto" else "greedy_draft"
     out: dict[str, Any] = {"prompts": len(prompts), "engine": engine, "verify_mode": mode}
     for name, path in drafts.items():
         draft, man = load_draft(path)
@@ -199,10 +203,10 @@ def measure_point(
                 draft.eval(),
                 prompts,
                 eos_ids(target, tok),
-                k=recipe.rl.spec_k,
+                k=recipe.rl.engine.spec_k,
                 mode=mode,
-                temperature=recipe.rl.temperature,
-                max_new_tokens=recipe.rl.max_new_tokens,
+                temperature=recipe.rl.task.temperature,
+                max_new_tokens=recipe.rl.task.max_new_tokens,
                 seed=seed,
                 dtype=str(recipe.target.dtype),
             )
@@ -212,10 +216,10 @@ def measure_point(
                 tok,
                 draft.eval(),
                 prompts,
-                k=recipe.rl.spec_k,
+                k=recipe.rl.engine.spec_k,
                 mode=mode,
-                temperature=recipe.rl.temperature,
-                max_new_tokens=recipe.rl.max_new_tokens,
+                temperature=recipe.rl.task.temperature,
+                max_new_tokens=recipe.rl.task.max_new_tokens,
                 seed=seed,
             )
         out[name] = {
@@ -399,7 +403,16 @@ def _waits(row: dict[str, Any]) -> str:
     return ", ".join(f"{k.replace('_', ' ')} {v:.2f}" for k, v in w) or "–"
 
 
+def rl_values(rl: dict[str, Any]) -> dict[str, Any]:
+    """A saved recipe's ``rl`` values by the plain names RESULTS.md shows (``lora_r``, ``lr``, ``reward``, ``spec_k``,
+    ...), whether it was saved before ``rl`` was split by concern (issue 40) or after."""
+    if "task" not in rl:
+        return rl
+    return {**rl["task"], **rl["policy"], **rl["engine"], "lora_r": rl["policy"]["lora"]["rank"]}
+
+
 def render(result: dict[str, Any]) -> str:
+    rl = rl_values(result["recipe"]["rl"])
     s = result["summary"]
     o = result.get("overhead")
     vllm = any(r.get("engine_vllm") for r in result["steps"])
@@ -414,12 +427,12 @@ def render(result: dict[str, Any]) -> str:
         "",
         f"Command: `{result['command']}` (one run; {result['date']}).",
         "",
-        f"Setup: SmolLM2-135M-Instruct policy with LoRA (r={result['recipe']['rl']['lora_r']}, "
-        f"lr={result['recipe']['rl']['lr']}), reward `{result['recipe']['rl']['reward']}`, "
-        f"{result['recipe']['rl']['prompts_per_step']}×{result['recipe']['rl']['group_size']} rollouts of ≤ "
-        f"{result['recipe']['rl']['max_new_tokens']} tokens per step at T={result['recipe']['rl']['temperature']}, "
-        f"{decoder} (k={result['recipe']['rl']['spec_k']}, "
-        f"{result['recipe']['rl']['verify_mode']}); half the rollouts of every step with the frozen draft, half "
+        f"Setup: SmolLM2-135M-Instruct policy with LoRA (r={rl['lora_r']}, "
+        f"lr={rl['lr']}), reward `{rl['reward']}`, "
+        f"{rl['prompts_per_step']}×{rl['group_size']} rollouts of ≤ "
+        f"{rl['max_new_tokens']} tokens per step at T={rl['temperature']}, "
+        f"{decoder} (k={rl['spec_k']}, "
+        f"{rl['verify_mode']}); half the rollouts of every step with the frozen draft, half "
         f"with the latest published one. Starting draft: `{result['start_draft']}`. RL job and sidecar: one "
         "core each.",
         "",
@@ -564,7 +577,7 @@ def main() -> int:
     # every published version kept: the oracle points measure the version served at their step
     ov = [
         f"rl.steps={args.steps}",
-        f"rl.save_merged_at=[{','.join(map(str, merged_at))}]",
+        f"rl.policy.save_merged_at=[{','.join(map(str, merged_at))}]",
         f"sidecar.publish.keep_versions={max(5, 10 * args.steps)}",
         *args.overrides,
     ]
@@ -580,7 +593,8 @@ def main() -> int:
     from draft_align.sidecar.launch import starting_draft
 
     start = starting_draft(recipe, args.draft, warm_start=warmstart.run_in_process)
-    set_engine_env(recipe.rl)  # the vLLM-CPU environment, before any engine starts (tap_overhead builds one)
+    # the vLLM-CPU environment, before any engine starts (tap_overhead builds one)
+    set_engine_env(recipe.rl.engine)
     result: dict[str, Any] = {
         "command": command,
         "date": time.strftime("%Y-%m-%d"),

@@ -112,10 +112,12 @@ def main() -> int:
     ap.add_argument("--draft", default="checkpoints/advise-draft")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "out"))
     ap.add_argument("--skip-run", action="store_true", help="render from the two runs' JSON only")
-    ap.add_argument("overrides", nargs="*", help="recipe overrides for both runs (default: rl.engine=vllm)")
+    ap.add_argument(
+        "overrides", nargs="*", help="recipe overrides for both runs (default: rl.engine.kind=vllm)"
+    )
     a = ap.parse_args()
     out = Path(a.out)
-    overrides = a.overrides or ["rl.engine=vllm"]
+    overrides = a.overrides or ["rl.engine.kind=vllm"]
     drift_args = [
         "--draft",
         a.draft,

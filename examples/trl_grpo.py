@@ -4,7 +4,7 @@ all a working TRL script needs (docs/trl.md); ``--plain`` runs the same script w
 with transformers).
 
     python examples/trl_grpo.py --steps 5                   # the demo's warm-start runs first if not published
-    python examples/trl_grpo.py --steps 5 rl.engine=reference sidecar.publish.every_s=5
+    python examples/trl_grpo.py --steps 5 rl.engine.kind=reference sidecar.publish.every_s=5
     python examples/trl_grpo.py --task task:add --steps 20  # the verifiable add task, reward 0.2·format + 0.8·correct
 """
 

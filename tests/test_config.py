@@ -100,34 +100,83 @@ def test_unknown_override_names_the_key(override, key):
         ("sidecar.lora.rank=4", "sidecar.lora.rank moved to sidecar.train.lora.rank"),
         ("sidecar.train_trigger=drift", "sidecar.train_trigger moved to sidecar.trigger.when"),
         ("sidecar.record_wire=true", "sidecar.record_wire moved to sidecar.recording.enabled"),
+        ("rl.lr=1e-4", "rl.lr moved to rl.policy.lr"),
+        ("rl.lora_r=8", "rl.lora_r moved to rl.policy.lora.rank"),
+        ("rl.lora_targets=[q_proj]", "rl.lora_targets moved to rl.policy.lora.target_modules"),
+        ("rl.engine=vllm", "rl.engine moved to rl.engine.kind"),
+        ("rl.spec_k=2", "rl.spec_k moved to rl.engine.spec_k"),
+        ("rl.engine_kv_cache_gb=2", "rl.engine_kv_cache_gb moved to rl.engine.kv_cache_gb"),
+        ("rl.draft_guard=none", "rl.draft_guard moved to rl.guard.kind"),
+        ("rl.engine_probe_min_ratio=0.3", "rl.engine_probe_min_ratio moved to rl.guard.min_ratio"),
+        ("rl.temperature=0.5", "rl.temperature moved to rl.task.temperature"),
     ],
 )
-def test_a_flat_sidecar_override_names_its_new_key_in_one_line(override, line):
+def test_a_moved_override_names_its_new_key_in_one_line(override, line):
     with pytest.raises(RecipeError) as e:
         load_recipe(None, ["sidecar.train.lr=1e-3", override], CotrainRecipe)
     assert str(e.value).endswith(f": {line}") and "\n" not in str(e.value)
 
 
-def test_a_flat_sidecar_key_in_yaml_names_its_new_key_in_one_line(tmp_path):
+def test_several_moved_keys_in_yaml_are_one_line_naming_each(tmp_path):
     p = tmp_path / "old.yaml"
-    p.write_text("kind: cotrain\nsidecar:\n  ranks: 1\n  lr: 3.0e-4\n  min_buffer_tokens: 2048\n")
+    p.write_text(
+        "kind: cotrain\nsidecar:\n  ranks: 1\n  lr: 3.0e-4\n  min_buffer_tokens: 2048\n"
+        "rl:\n  steps: 3\n  engine: vllm\n  lora_r: 8\n  draft_guard: probe\n  task:\n    group_size: 4\n"
+    )
     with pytest.raises(RecipeError) as e:
         load_recipe(p, [], CotrainRecipe)
     msg = str(e.value)
     assert "\n" not in msg and msg.startswith(f"recipe {p}: ")
-    assert "sidecar.lr moved to sidecar.train.lr" in msg
-    assert "sidecar.min_buffer_tokens moved to sidecar.buffer.min_tokens" in msg
+    assert msg.removeprefix(f"recipe {p}: ").split("; ") == [
+        "sidecar.lr moved to sidecar.train.lr",
+        "sidecar.min_buffer_tokens moved to sidecar.buffer.min_tokens",
+        "rl.engine moved to rl.engine.kind",
+        "rl.lora_r moved to rl.policy.lora.rank",
+        "rl.draft_guard moved to rl.guard.kind",
+    ]
 
 
-def test_every_moved_sidecar_key_names_a_key_that_exists():
-    from draft_align.config.sections import SIDECAR_MOVED, SidecarConfig
+def test_a_key_of_the_new_schema_is_never_flagged(tmp_path):
+    """``rl.engine`` is a section now: as a section (file or override) it loads; only a plain value is refused."""
+    r = load_recipe(
+        None, ["rl.engine.kind=reference", "rl.engine.spec_k=2", "rl.guard.kind=none"], CotrainRecipe
+    )
+    assert (r.rl.engine.kind, r.rl.engine.spec_k, r.rl.guard.kind) == ("reference", 2, "none")
+    assert load_recipe(None, ["rl.engine={kind: reference}"], CotrainRecipe).rl.engine.kind == "reference"
+    p = tmp_path / "new.yaml"
+    p.write_text(
+        "kind: cotrain\nrl:\n  engine:\n    kind: vllm\n    spec_k: 4\n  policy:\n    lora:\n      rank: 8\n"
+    )
+    r = load_recipe(p, [], CotrainRecipe)
+    assert (r.rl.engine.kind, r.rl.engine.spec_k, r.rl.policy.lora.rank) == ("vllm", 4, 8)
+    from draft_align.config.recipe_files import _moved
 
-    flat = {f.name for f in dataclasses.fields(SidecarConfig)}
-    for old, new in SIDECAR_MOVED.items():
-        assert old not in flat, old
-        obj = CotrainRecipe().sidecar
-        for part in new.split("."):
-            obj = getattr(obj, part)  # AttributeError: the message would name a key that does not exist
+    for schema in SCHEMAS.values():
+        for key, _, _ in _all_keys(schema):
+            assert _moved(schema, key, plain=True) is None, key
+
+
+def _all_keys(cls, prefix=""):
+    import typing
+
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            yield from _all_keys(hints[f.name], f"{prefix}{f.name}.")
+        else:
+            yield f"{prefix}{f.name}", cls, f.name
+
+
+def test_every_moved_key_names_a_key_that_exists_and_is_gone_itself():
+    from draft_align.config.recipe_files import _schema_key
+    from draft_align.config.sections import MOVED_KEYS
+
+    for old, new in MOVED_KEYS.items():
+        homes = [s for s in SCHEMAS.values() if _schema_key(s, new)[0]]
+        assert homes, f"{old} → {new}: no schema has {new}"
+        for schema in homes:
+            is_key, is_section = _schema_key(schema, old)
+            assert not is_key or is_section, f"{old} is still a key of {schema.__name__}"
 
 
 def test_wrongly_typed_value_is_an_error():
@@ -291,9 +340,9 @@ def test_every_enum_like_field_is_a_choice():
             "sidecar.trigger.when",
             "sidecar.host",
             "ray.lifetime",
-            "rl.verify_mode",
-            "rl.engine",
-            "rl.draft_guard",
+            "rl.engine.verify_mode",
+            "rl.engine.kind",
+            "rl.guard.kind",
             "push.pause",
             "logging.wandb_mode",
             "logging.trl_metrics",
@@ -332,9 +381,9 @@ def test_bad_choice_names_the_key_and_the_allowed_values(tmp_path, schema, key, 
         "sidecar.train.accept_mode": ["sidecar.train.loss=expected_length"],
     }.get(key, [])
     for v in allowed:
-        needs = ["rl.engine=vllm"] if (key, v) == ("rl.verify_mode", "auto") else []  # measured on vLLM
-        if (key, v) == ("rl.engine", "server"):
-            needs = ["rl.frozen_fraction=0"]  # one server serves one draft
+        needs = ["rl.engine.kind=vllm"] if (key, v) == ("rl.engine.verify_mode", "auto") else []  # on vLLM
+        if (key, v) == ("rl.engine.kind", "server"):
+            needs = ["rl.engine.frozen_fraction=0"]  # one server serves one draft
         r = load_recipe(None, [f"{key}=[{v}]" if is_list else f"{key}={v}", *extra, *needs], schema)
         got = r
         for name in key.split("."):
@@ -343,19 +392,19 @@ def test_bad_choice_names_the_key_and_the_allowed_values(tmp_path, schema, key, 
 
 
 def test_a_recipe_built_in_code_is_checked_too():
-    from draft_align.config import CotrainRecipe, RLConfig
+    from draft_align.config import CotrainRecipe, RLConfig, RLEngineConfig
     from draft_align.config.sections import EvalConfig
 
     with pytest.raises(
         RecipeError,
-        match=r"^rl\.engine: unknown rollout engine 'sglang'; expected one of "
+        match=r"^rl\.engine\.kind: unknown rollout engine 'sglang'; expected one of "
         r"auto \| vllm \| reference \| server$",
     ):
-        CotrainRecipe(rl=RLConfig(engine="sglang")).validate()
+        CotrainRecipe(rl=RLConfig(engine=RLEngineConfig(kind="sglang"))).validate()
     with pytest.raises(RecipeError, match=r"^eval\.modes\[1\]: unknown verify mode 'typical'"):
         WarmstartRecipe(eval=EvalConfig(modes=["greedy", "typical"])).validate()
     CotrainRecipe(
-        rl=RLConfig(engine="reference", verify_mode="probabilistic")
+        rl=RLConfig(engine=RLEngineConfig(kind="reference", verify_mode="probabilistic"))
     ).validate()  # plain strings are fine
 
 
@@ -461,21 +510,21 @@ def test_load_recipe_returns_the_schemas_type():
         ("wire.max_message_mb=0", "wire.max_message_mb must be in \\[1, 65536\\]"),
         ("wire.max_message_mb=-3", "wire.max_message_mb"),
         ("wire.max_tokens=0", "wire.max_tokens must be ≥ 1"),
-        ("rl.grad_clip=-1", r"rl.grad_clip must be in \(0, 1000000\]"),
-        ("rl.lr=nan", r"rl.lr must be in \(0, 10\]"),
+        ("rl.policy.grad_clip=-1", r"rl.policy.grad_clip must be in \(0, 1000000\]"),
+        ("rl.policy.lr=nan", r"rl.policy.lr must be in \(0, 10\]"),
         (
-            "rl.engine_probe_min_ratio=0",
-            r"engine_probe_min_ratio must be in \(0, 1\] \(to turn the guard off: rl.draft_guard=none",
+            "rl.guard.min_ratio=0",
+            r"rl.guard.min_ratio must be in \(0, 1\] \(to turn the guard off: rl.guard.kind=none",
         ),
-        ("rl.engine_probe_min_ratio=1.5", "engine_probe_min_ratio must be in"),
-        ("rl.engine_probe_prompts=-1", "engine_probe_prompts must be ≥ 0"),
-        ("rl.engine_probe_tokens=1", "engine_probe_tokens must be ≥ 2"),
+        ("rl.guard.min_ratio=1.5", "rl.guard.min_ratio must be in"),
+        ("rl.guard.probe_prompts=-1", "rl.guard.probe_prompts must be ≥ 0"),
+        ("rl.guard.probe_tokens=1", "rl.guard.probe_tokens must be ≥ 2"),
         ("ray.max_restarts=-2", "ray.max_restarts must be"),
         ("ray.call_timeout_s=0", "ray.call_timeout_s must be"),
         ("ray.num_gpus=-1", "ray.num_gpus must be"),
         ("ray.resources.x=-1", "ray.resources must be ≥ 0 each"),
         ("ray.namespace=''", "ray.namespace must not be empty"),
-        ("rl.draft_guard=probe rl.engine_probe_prompts=0", "rl.draft_guard=probe decodes"),
+        ("rl.guard.kind=probe rl.guard.probe_prompts=0", "rl.guard.kind=probe decodes"),
     ],
 )
 def test_cotrain_operator_mistakes_fail_at_load(override, match):
@@ -647,9 +696,12 @@ def test_every_numeric_field_refuses_values_outside_its_range_in_one_line(kind, 
 @pytest.mark.parametrize(
     ("override", "match"),
     [
-        ("rl.temperature=nan", r"^rl\.temperature must be 0 or in \[0\.001, 100\] \(0: greedy\), got nan$"),
-        ("rl.temperature=1e308", r"^rl\.temperature must be 0 or in"),
-        ("rl.temperature=5e-324", r"^rl\.temperature must be 0 or in"),
+        (
+            "rl.task.temperature=nan",
+            r"^rl\.task\.temperature must be 0 or in \[0\.001, 100\] \(0: greedy\), got nan$",
+        ),
+        ("rl.task.temperature=1e308", r"^rl\.task\.temperature must be 0 or in"),
+        ("rl.task.temperature=5e-324", r"^rl\.task\.temperature must be 0 or in"),
         ("sidecar.gate.temperature=inf", r"^sidecar\.gate\.temperature must be 0 or in"),
         ("sidecar.gate.tolerance=-1", r"^sidecar\.gate\.tolerance must be in \[0, 64\] \(.*\), got -1"),
         ("sidecar.gate.tolerance=nan", r"^sidecar\.gate\.tolerance must be in \[0, 64\] \(.*\), got nan"),
@@ -710,16 +762,16 @@ def test_the_sidecars_default_sequence_cap_keeps_one_step_in_its_documented_budg
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        ("rl.lr=1e300", "rl.lr must be in (0, 10]"),
+        ("rl.policy.lr=1e300", "rl.policy.lr must be in (0, 10]"),
         ("sidecar.train.lr=18446744073709551616", "sidecar.train.lr must be in (0, 10]"),
         ("sidecar.train.grad_clip=1e300", "sidecar.train.grad_clip must be in (0, 1000000]"),
         ("sidecar.gate.tolerance=1e300", "sidecar.gate.tolerance must be in [0, 64]"),
         ("ray.num_gpus=1e300", "ray.num_gpus must be in [0, 1000000]"),
-        ("rl.kl_coef=1e300", "rl.kl_coef must be in [0, 1000000]"),
+        ("rl.policy.kl_coef=1e300", "rl.policy.kl_coef must be in [0, 1000000]"),
         ("output_dir=" + "x" * 5000, "output_dir is 5000 characters long"),
         ("run=" + "r" * 300, "run is 300 bytes long"),
         ('ray.namespace="a\\tb"', "holds the control character"),
-        ("rl.save_merged_at=[" + ",".join(["1"] * 20000) + "]", "not valid YAML values"),
+        ("rl.policy.save_merged_at=[" + ",".join(["1"] * 20000) + "]", "not valid YAML values"),
     ],
 )
 def test_hostile_overrides_are_refused_in_one_line(override, message):

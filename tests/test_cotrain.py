@@ -147,7 +147,7 @@ def test_rl_steps_continue_when_the_sidecar_is_killed(tiny_run, tiny_env, tmp_pa
             tmp_path,
             run="k9",
             # the silent-zero guard may roll a random tiny draft back (tested elsewhere): this test is the kill
-            **{"rl.steps": 4, "rl.draft_guard": "none"},
+            **{"rl.steps": 4, "rl.guard.kind": "none"},
         ),
         CotrainRecipe,
     )
@@ -184,7 +184,7 @@ def test_rl_steps_continue_when_the_sidecar_is_killed(tiny_run, tiny_env, tmp_pa
 
 
 @pytest.mark.parametrize(
-    "bad", ["rl.group_size=1", "rl.frozen_fraction=1.5", "sidecar.buffer.max_replay_ratio=0"]
+    "bad", ["rl.task.group_size=1", "rl.engine.frozen_fraction=1.5", "sidecar.buffer.max_replay_ratio=0"]
 )
 def test_bad_cotrain_settings_fail_early(bad):
     from draft_align.config import RecipeError

@@ -202,8 +202,21 @@ def test_cotrain_serves_an_mtp_draft_with_the_reference_decoder(tiny_run, tmp_pa
     start = DraftVersion.read(_publish_mtp_start(tiny_run.world, tmp_path / "mtp_start"))
     if not vllm_available():
         pytest.skip("vLLM is not installed: auto picks the reference decoder anyway")
-    auto = load_recipe(None, tiny_run.cotrain_overrides(tmp_path, **{"rl.engine": "auto"}), CotrainRecipe)
-    assert start_rollout_engine(auto, start, []) is None
-    forced = load_recipe(None, tiny_run.cotrain_overrides(tmp_path, **{"rl.engine": "vllm"}), CotrainRecipe)
-    with pytest.raises(ValueError, match="MTP draft needs rl.engine=reference"):
-        start_rollout_engine(forced, start, [])
+
+    def engine(kind: str):
+        r = load_recipe(None, tiny_run.cotrain_overrides(tmp_path, **{"rl.engine.kind": kind}), CotrainRecipe)
+        return start_rollout_engine(
+            r.rl.engine,
+            r.rl.guard,
+            r.target,
+            start,
+            [],
+            run_dir=r.run_dir,
+            seed=r.seed,
+            key_file=r.wire.key_file,
+            push=r.push,
+        )
+
+    assert engine("auto") is None
+    with pytest.raises(ValueError, match=r"MTP draft needs rl\.engine\.kind=reference"):
+        engine("vllm")

@@ -35,9 +35,10 @@ def _calibrate_round_cost(run: Path, args: argparse.Namespace) -> Path:
         data.load_conversations(recipe.data.source), recipe.data.heldout, recipe.data.split_seed
     )
     prompts = [
-        p.tolist() for p in build_prompts(tok, convs[rl.first_prompt :], max(sizes), rl.max_prompt_tokens)
+        p.tolist()
+        for p in build_prompts(tok, convs[rl.task.first_prompt :], max(sizes), rl.task.max_prompt_tokens)
     ]
-    set_cpu_env(rl.engine_kv_cache_gb)
+    set_cpu_env(rl.engine.kv_cache_gb)
     torch.set_num_threads(rl.num_threads)
     table = calibrate_round_cost(
         recipe.target.model,
@@ -45,11 +46,11 @@ def _calibrate_round_cost(run: Path, args: argparse.Namespace) -> Path:
         prompts,
         ks=ks,
         batch_sizes=sizes,
-        temperature=rl.temperature,
-        draft_sample_method=VERIFY_TO_SAMPLE_METHOD.get(str(rl.verify_mode)),  # type: ignore[arg-type]
+        temperature=rl.task.temperature,
+        draft_sample_method=VERIFY_TO_SAMPLE_METHOD.get(str(rl.engine.verify_mode)),  # type: ignore[arg-type]
         max_tokens=args.calibrate_tokens,
         dtype=recipe.target.dtype,
-        max_model_len=rl.engine_max_model_len,
+        max_model_len=rl.engine.max_model_len,
         seed=recipe.seed,
         enforce_eager=True,
     )

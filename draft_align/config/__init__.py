@@ -17,13 +17,26 @@ from draft_align.config.recipe_files import (
 )
 from draft_align.config.recipes import SCHEMAS, CotrainRecipe, Recipe, WarmstartRecipe
 from draft_align.config.rules import RecipeError
-from draft_align.config.sections import RLConfig, step_decay
+from draft_align.config.sections import (
+    PolicyLoraConfig,
+    RLConfig,
+    RLEngineConfig,
+    RLGuardConfig,
+    RLPolicyConfig,
+    RLTaskConfig,
+    step_decay,
+)
 
 __all__ = [
     "RESOLVED_RECIPE",
     "SCHEMAS",
     "CotrainRecipe",
+    "PolicyLoraConfig",
     "RLConfig",
+    "RLEngineConfig",
+    "RLGuardConfig",
+    "RLPolicyConfig",
+    "RLTaskConfig",
     "Recipe",
     "RecipeError",
     "WarmstartRecipe",

@@ -13,7 +13,7 @@ from typing import Any, overload
 from draft_align.config.choices import choice_type
 from draft_align.config.recipes import KIND_NAMES, SCHEMAS, R, Recipe, WarmstartRecipe
 from draft_align.config.rules import RecipeError, choice_error
-from draft_align.config.sections import SIDECAR_MOVED
+from draft_align.config.sections import MOVED_KEYS
 
 
 def _recipe_error(schema: type, e: Exception, where: str) -> RecipeError:
@@ -30,22 +30,61 @@ def _recipe_error(schema: type, e: Exception, where: str) -> RecipeError:
     return RecipeError(f"{where}: {e}")
 
 
-def _moved(key: str) -> str | None:
-    """``"sidecar.lr moved to sidecar.train.lr"`` for a dotted key under a flat ``sidecar.*`` key that moved
-    into a section (sections.SIDECAR_MOVED), else None."""
-    section, _, rest = key.partition(".")
-    name, _, tail = rest.partition(".")
-    if section != "sidecar" or name not in SIDECAR_MOVED:
+def _schema_key(schema: type, dotted: str) -> tuple[bool, bool]:
+    """``(is a key of schema, is a section)`` for the dotted key ``dotted``."""
+    hint: Any = schema
+    for part in dotted.split("."):
+        hints = typing.get_type_hints(hint) if dataclasses.is_dataclass(hint) else {}
+        if part not in hints:
+            return False, False
+        hint = hints[part]
+    return True, dataclasses.is_dataclass(hint)
+
+
+def _moved(schema: type, key: str, plain: bool) -> str | None:
+    """``"sidecar.lr moved to sidecar.train.objective.lr"`` for a dotted key that moved (or sits under a key that
+    moved: sections.MOVED_KEYS) and is no key of ``schema`` (or names one of its sections but is given a
+    ``plain`` value: ``rl.engine: vllm``), when the new key is one of ``schema``'s; else None.  A key valid in
+    the schema is never flagged."""
+    parts = key.split(".")
+    old = next((k for n in range(len(parts), 0, -1) if (k := ".".join(parts[:n])) in MOVED_KEYS), None)
+    if old is None:
         return None
-    new = f"sidecar.{SIDECAR_MOVED[name]}" + (f".{tail}" if tail else "")
-    return f"{key} moved to {new}"
+    is_key, is_section = _schema_key(schema, key)
+    if (is_key and not (is_section and plain)) or not _schema_key(schema, MOVED_KEYS[old])[0]:
+        return None
+    return f"{key} moved to {MOVED_KEYS[old]}{key[len(old) :]}"
 
 
-def _refuse_moved(keys: list[str], where: str) -> None:
+def _moved_in_file(schema: type, node: Any, prefix: str = "") -> list[str]:
+    """:func:`_moved`'s line for each moved key of a loaded YAML mapping (``node``: plain dicts), outermost
+    first; nothing under a moved key is looked at again."""
+    out: list[str] = []
+    for k, v in node.items():
+        key = f"{prefix}{k}"
+        line = _moved(schema, key, plain=not isinstance(v, dict))
+        if line is not None:
+            out.append(line)
+        elif isinstance(v, dict):
+            out += _moved_in_file(schema, v, f"{key}.")
+    return out
+
+
+def _refuse_moved(moved: list[str], where: str) -> None:
     """One line naming each moved key's new home, before OmegaConf would call it merely unknown."""
-    moved = [m for k in keys if (m := _moved(k)) is not None]
     if moved:
         raise RecipeError(f"{where}: {'; '.join(moved)}")
+
+
+def _moved_in_overrides(schema: type, overrides: list[str]) -> list[str]:
+    """:func:`_moved`'s line for each moved key among ``key=value`` overrides (a value not in braces is plain)."""
+    out = []
+    for o in overrides:
+        key, _, value = o.partition("=")
+        line = _moved(schema, key.strip(), plain=not value.strip().startswith("{"))
+        if line is not None:
+            out.append(line)
+    return out
 
 
 def _declared_kind(raw: Any) -> str:
@@ -90,13 +129,12 @@ def load_recipe(
                     f"recipe {p} is a {KIND_NAMES.get(kind, kind)} recipe (kind: {kind}); this command needs a "
                     f"{KIND_NAMES[want]} recipe (kind: {want})"
                 )
-            sidecar = raw.get("sidecar") if hasattr(raw, "get") else None
-            if hasattr(sidecar, "keys"):
-                _refuse_moved([f"sidecar.{k}" for k in sidecar.keys()], where)
+            plain = OmegaConf.to_container(raw, resolve=False) if OmegaConf.is_dict(raw) else {}
+            _refuse_moved(_moved_in_file(schema, plain), where)
             merged = OmegaConf.merge(merged, raw)
         if overrides:
             where = f"overrides {list(overrides)}"
-            _refuse_moved([o.split("=", 1)[0].strip() for o in overrides], where)
+            _refuse_moved(_moved_in_overrides(schema, list(overrides)), where)
             try:
                 dotlist = OmegaConf.from_dotlist(list(overrides))
             except yaml.YAMLError as e:  # e.g. a list past OmegaConf's node limit

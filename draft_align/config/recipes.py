@@ -137,25 +137,7 @@ class CotrainRecipe(_RecipeHeader):
                 "tap.send_final=false: the sidecar drops tapped batches without the final hidden "
                 "state (its publish gate estimates acceptance from it), so nothing would train"
             )
-        if self.rl.engine == "vllm" and self.rl.verify_mode == "greedy" and self.rl.temperature > 0:
-            raise RecipeError(
-                "rl.verify_mode greedy (argmax everywhere) at T > 0 has no vLLM equivalent: use "
-                "greedy_draft (vLLM's default) or probabilistic, or rl.engine=reference"
-            )
-        if self.rl.verify_mode == AUTO_VERIFY_MODE and (
-            self.rl.engine != "vllm" or self.rl.engine_probe_prompts == 0
-        ):
-            raise RecipeError(
-                "rl.verify_mode=auto chooses the draft sampling by measuring both on vLLM's probe prompts: it "
-                "needs rl.engine=vllm and rl.engine_probe_prompts > 0 (or choose greedy_draft | probabilistic)"
-            )
-        if self.rl.engine == "server":
-            _check_server(self.rl)
-        if self.rl.draft_guard == "probe" and self.rl.engine_probe_prompts == 0:
-            raise RecipeError(
-                "rl.draft_guard=probe decodes rl.engine_probe_prompts after each new draft: set it > 0, or use "
-                "rl.draft_guard=counters (the step's own rollouts) or none"
-            )
+        _check_rl(self.rl)
         try:
             check_tap_budgets(self.tap.tokens_per_step, self.tap.max_tokens_per_message)  # the Tap's own rule
         except ValueError as e:
@@ -173,21 +155,49 @@ class CotrainRecipe(_RecipeHeader):
             )
 
 
+def _check_rl(rl: RLConfig) -> None:
+    """``rl``'s rules between its sections: the engine's verify mode, its probe prompts, the guard."""
+    engine, guard = rl.engine, rl.guard
+    if engine.kind == "vllm" and engine.verify_mode == "greedy" and rl.task.temperature > 0:
+        raise RecipeError(
+            "rl.engine.verify_mode greedy (argmax everywhere) at T > 0 has no vLLM equivalent: use "
+            "greedy_draft (vLLM's default) or probabilistic, or rl.engine.kind=reference"
+        )
+    if engine.verify_mode == AUTO_VERIFY_MODE and (engine.kind != "vllm" or guard.probe_prompts == 0):
+        raise RecipeError(
+            "rl.engine.verify_mode=auto chooses the draft sampling by measuring both on vLLM's probe prompts: "
+            "it needs rl.engine.kind=vllm and rl.guard.probe_prompts > 0 (or choose greedy_draft | "
+            "probabilistic)"
+        )
+    if engine.kind == "server":
+        _check_server(rl)
+    if guard.kind == "probe" and guard.probe_prompts == 0:
+        raise RecipeError(
+            "rl.guard.kind=probe decodes rl.guard.probe_prompts after each new draft: set it > 0, or use "
+            "rl.guard.kind=counters (the step's own rollouts) or none"
+        )
+
+
 def _check_server(rl: RLConfig) -> None:
-    """``rl.engine: server``: one server serves one draft (the push process's), so nothing decodes the frozen
-    draft beside it and the engine probes nothing."""
-    if rl.frozen_fraction != 0:
+    """``rl.engine.kind: server``: one server serves one draft (the push process's), so nothing decodes the
+    frozen draft beside it and the engine probes nothing."""
+    engine = rl.engine
+    if engine.frozen_fraction != 0:
         raise RecipeError(
-            "rl.engine=server: one server serves one draft (the one draft-align push keeps current), so "
-            "there are no frozen-draft rollouts: set rl.frozen_fraction=0"
+            "rl.engine.kind=server: one server serves one draft (the one draft-align push keeps current), so "
+            "there are no frozen-draft rollouts: set rl.engine.frozen_fraction=0"
         )
-    if rl.draft_guard == "probe" or rl.verify_mode == AUTO_VERIFY_MODE or rl.verify_mode == "probabilistic":
+    if (
+        rl.guard.kind == "probe"
+        or engine.verify_mode == AUTO_VERIFY_MODE
+        or engine.verify_mode == "probabilistic"
+    ):
         raise RecipeError(
-            "rl.engine=server: the server's draft sampling and guard are its own: use rl.draft_guard=counters "
-            "or none and rl.verify_mode=greedy_draft"
+            "rl.engine.kind=server: the server's draft sampling and guard are its own: use "
+            "rl.guard.kind=counters or none and rl.engine.verify_mode=greedy_draft"
         )
-    if rl.server_url is not None and not rl.server_url.startswith(("http://", "https://")):
-        raise RecipeError(f"rl.server_url: {rl.server_url!r} is not an http://host:port URL")
+    if engine.server_url is not None and not engine.server_url.startswith(("http://", "https://")):
+        raise RecipeError(f"rl.engine.server_url: {engine.server_url!r} is not an http://host:port URL")
 
 
 Recipe = WarmstartRecipe | CotrainRecipe

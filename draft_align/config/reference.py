@@ -115,26 +115,29 @@ def _value(v: Any) -> str:
     return f"`{v}`"
 
 
-def _table(cls: type, prefix: str, seen: set[type]) -> list[str]:
-    """The rows of ``cls``'s fields and, after them, one table per nested section."""
+def _table(cls: type, prefix: str, seen: set[type], defaults: Any = None) -> list[str]:
+    """The rows of ``cls``'s fields and, after them, one table per nested section.  ``defaults``: the section as
+    the enclosing one builds it by default (a section used in two places may default differently in each), else
+    the class's own field defaults."""
     hints = typing.get_type_hints(cls)
     notes = field_comments(cls)
     rows = ["| key | type | default | what it does |", "|---|---|---|---|"]
-    nested: list[tuple[str, type]] = []
+    nested: list[tuple[str, type, Any]] = []
     for f in dataclasses.fields(cls):
         hint = hints[f.name]
+        default = _default(f) if defaults is None else getattr(defaults, f.name)
         if dataclasses.is_dataclass(hint):
-            nested.append((f"{prefix}{f.name}", typing.cast(type, hint)))
+            nested.append((f"{prefix}{f.name}", typing.cast(type, hint), default))
             continue
         note = notes.get(f.name, "").replace("|", "\\|")
-        rows.append(f"| `{prefix}{f.name}` | {_type_name(hint)} | {_value(_default(f))} | {note} |")
+        rows.append(f"| `{prefix}{f.name}` | {_type_name(hint)} | {_value(default)} | {note} |")
     out = rows if len(rows) > 2 else []
-    for key, sub in nested:
+    for key, sub, sub_defaults in nested:
         doc = (inspect.getdoc(sub) or "").split("\n\n")[0].replace("\n", " ")
         out += ["", f"### `{key}`", ""]
         if doc and not doc.startswith(sub.__name__ + "("):
             out += [doc, ""]
-        out += _table(sub, f"{key}.", seen | {cls})
+        out += _table(sub, f"{key}.", seen | {cls}, sub_defaults)
     return out
 
 

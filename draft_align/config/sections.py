@@ -344,41 +344,70 @@ class SidecarConfig:
     recording: SidecarRecordingConfig = field(default_factory=SidecarRecordingConfig)
 
 
-#: The flat ``sidecar.*`` keys that moved into a section, old → new (without the ``sidecar.`` prefix): a recipe
-#: or override still using one is refused in one line naming the new key (config/recipe_files.py).
-SIDECAR_MOVED: dict[str, str] = {
-    "buffer_tokens": "buffer.tokens",
-    "min_buffer_tokens": "buffer.min_tokens",
-    "recency_half_life": "buffer.recency_half_life",
-    "holdout_records": "buffer.holdout_records",
-    "holdout_every": "buffer.holdout_every",
-    "fresh_first": "buffer.fresh_first",
-    "max_replay_ratio": "buffer.max_replay_ratio",
+#: Keys that moved when a section was split by concern, old → new (full dotted keys): a recipe or override still
+#: using one is refused in one line naming the new key (config/recipe_files.py); a key under an old one moves with
+#: it (``sidecar.lora.rank`` → ``sidecar.train.lora.rank``).  An old key that is a section now (``rl.engine``) is
+#: refused only where it is given a plain value (``rl.engine: vllm``).
+MOVED_KEYS: dict[str, str] = {
+    # the flat sidecar.* keys, into the sidecar's sections
+    "sidecar.buffer_tokens": "sidecar.buffer.tokens",
+    "sidecar.min_buffer_tokens": "sidecar.buffer.min_tokens",
+    "sidecar.recency_half_life": "sidecar.buffer.recency_half_life",
+    "sidecar.holdout_records": "sidecar.buffer.holdout_records",
+    "sidecar.holdout_every": "sidecar.buffer.holdout_every",
+    "sidecar.fresh_first": "sidecar.buffer.fresh_first",
+    "sidecar.max_replay_ratio": "sidecar.buffer.max_replay_ratio",
     **{
-        k: f"train.{k}"
+        f"sidecar.{k}": f"sidecar.train.{k}"
         for k in (
             "batch_tokens ttt_steps step_decay loss accept_mode soft_ce_weight surrogate_tau lr min_lr_ratio "
             "warmup_steps weight_decay grad_clip lr_ramp_tokens anchor_decay autocast_bf16 fused_soft_ce "
             "max_seq_tokens max_consecutive_nonfinite checkpoint_every_s adapt lora"
         ).split()
     },
-    "train_trigger": "trigger.when",
-    "drift_tolerance": "trigger.drift_tolerance",
-    "drift_head_threshold": "trigger.drift_head_threshold",
-    "drift_window": "trigger.drift_window",
-    "gate_tolerance": "gate.tolerance",
-    "eval_k": "gate.k",
-    "eval_mode": "gate.mode",
-    "eval_temperature": "gate.temperature",
-    "min_train_steps_per_publish": "publish.min_train_steps",
-    "publish_every_s": "publish.every_s",
-    "publish_on_new_version": "publish.on_new_version",
-    "keep_versions": "publish.keep_versions",
-    "log_every": "monitor.log_every",
-    "prometheus_port": "monitor.prometheus_port",
-    "record_wire": "recording.enabled",
-    "record_wire_mb": "recording.max_mb",
-    "record_wire_reserve_mb": "recording.reserve_mb",
+    "sidecar.train_trigger": "sidecar.trigger.when",
+    "sidecar.drift_tolerance": "sidecar.trigger.drift_tolerance",
+    "sidecar.drift_head_threshold": "sidecar.trigger.drift_head_threshold",
+    "sidecar.drift_window": "sidecar.trigger.drift_window",
+    "sidecar.gate_tolerance": "sidecar.gate.tolerance",
+    "sidecar.eval_k": "sidecar.gate.k",
+    "sidecar.eval_mode": "sidecar.gate.mode",
+    "sidecar.eval_temperature": "sidecar.gate.temperature",
+    "sidecar.min_train_steps_per_publish": "sidecar.publish.min_train_steps",
+    "sidecar.publish_every_s": "sidecar.publish.every_s",
+    "sidecar.publish_on_new_version": "sidecar.publish.on_new_version",
+    "sidecar.keep_versions": "sidecar.publish.keep_versions",
+    "sidecar.log_every": "sidecar.monitor.log_every",
+    "sidecar.prometheus_port": "sidecar.monitor.prometheus_port",
+    "sidecar.record_wire": "sidecar.recording.enabled",
+    "sidecar.record_wire_mb": "sidecar.recording.max_mb",
+    "sidecar.record_wire_reserve_mb": "sidecar.recording.reserve_mb",
+    # the flat rl.* keys, into rl's sections (issue 40)
+    **{
+        f"rl.{k}": f"rl.task.{k}"
+        for k in (
+            "prompts_per_step group_size max_new_tokens temperature reward max_prompt_tokens first_prompt"
+        ).split()
+    },
+    **{
+        f"rl.{k}": f"rl.policy.{k}"
+        for k in "lr clip_eps kl_coef kl_prompts grad_clip micro_batch save_merged_at".split()
+    },
+    "rl.lora_r": "rl.policy.lora.rank",
+    "rl.lora_alpha": "rl.policy.lora.alpha",
+    "rl.lora_dropout": "rl.policy.lora.dropout",
+    "rl.lora_targets": "rl.policy.lora.target_modules",
+    "rl.engine": "rl.engine.kind",
+    **{
+        f"rl.{k}": f"rl.engine.{k}"
+        for k in "server_url server_async spec_k verify_mode verify_recheck_every frozen_fraction".split()
+    },
+    "rl.engine_kv_cache_gb": "rl.engine.kv_cache_gb",
+    "rl.engine_max_model_len": "rl.engine.max_model_len",
+    "rl.draft_guard": "rl.guard.kind",
+    "rl.engine_probe_prompts": "rl.guard.probe_prompts",
+    "rl.engine_probe_tokens": "rl.guard.probe_tokens",
+    "rl.engine_probe_min_ratio": "rl.guard.min_ratio",
 }
 
 
@@ -426,51 +455,86 @@ class PushConfig:
 
 
 @dataclass
-class RLConfig:
-    steps: int = 20  # RL steps (policy updates)
+class RLTaskConfig:
+    """What the policy is trained on: the prompts, the rollouts asked for per step, the reward."""
+
     prompts_per_step: int = 4  # prompts per step
     group_size: int = 4  # rollouts per prompt (GRPO's group)
     max_new_tokens: int = 64  # longest rollout
     temperature: float = 1.0  # rollout sampling temperature
-    spec_k: int = 3  # draft tokens proposed per round in the rollouts
-    verify_mode: RolloutVerifyChoice = RolloutVerifyChoice("greedy_draft")  # auto: measured (vLLM, T > 0)
-    verify_recheck_every: int = (
-        0  # verify_mode auto: measure again after this many new adapted drafts (0: once)
-    )
-    frozen_fraction: float = 0.5  # share of rollouts decoded with the frozen warm-start draft (lossless)
     reward: str = "enthusiasm"  # rule-based reward: enthusiasm | uppercase | brevity
-    lr: float = 2e-4  # the policy's learning rate
-    lora_r: int = 16  # the policy's LoRA rank
-    lora_alpha: int = 32  # the policy's LoRA alpha
-    lora_dropout: float = 0.0  # the policy's LoRA dropout
-    # the policy's linear layers that get adapters
-    lora_targets: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
-    clip_eps: float = 0.2  # the clipped surrogate's ε
-    kl_coef: float = 0.0  # weight of the KL penalty to the initial policy (0: off; KL is still measured)
-    grad_clip: float = 1.0  # the policy update's gradient-norm clip
-    micro_batch: int = 8  # sequences per forward/backward in the update and the KL measurement
-    kl_prompts: int = 16  # fixed prompt set for KL(current ‖ initial)
-    save_merged_at: list[int] = field(default_factory=list)  # RL steps whose merged HF policy is saved
     max_prompt_tokens: int = 96  # longer prompts are skipped
     first_prompt: int = 0  # RL prompts: train conversations from this index on
+
+
+@dataclass
+class PolicyLoraConfig:
+    """The LoRA adapters the policy trains."""
+
+    rank: int = 16  # the policy's LoRA rank
+    alpha: int = 32  # the policy's LoRA alpha
+    dropout: float = 0.0  # the policy's LoRA dropout
+    # the policy's linear layers that get adapters
+    target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+
+
+@dataclass
+class RLPolicyConfig:
+    """How the policy is updated: the clipped surrogate, its optimizer, the KL measurement, the saved policies."""
+
+    lr: float = 2e-4  # the policy's learning rate
+    clip_eps: float = 0.2  # the clipped surrogate's ε
+    kl_coef: float = 0.0  # weight of the KL penalty to the initial policy (0: off; KL is still measured)
+    kl_prompts: int = 16  # fixed prompt set for KL(current ‖ initial)
+    grad_clip: float = 1.0  # the policy update's gradient-norm clip
+    micro_batch: int = 8  # sequences per forward/backward in the update and the KL measurement
+    save_merged_at: list[int] = field(default_factory=list)  # RL steps whose merged HF policy is saved
+    lora: PolicyLoraConfig = field(default_factory=PolicyLoraConfig)
+
+
+@dataclass
+class RLEngineConfig:
+    """What decodes the rollouts, and how they are decoded speculatively."""
+
+    # vllm (the policy synced into it every step), reference (our lossless decoder, batch 1), auto = vllm when
+    # it is installed and serves the target, else reference (with a warning), server = a vLLM server over HTTP
+    # (rl.engine.server_url, or one the job starts), drafts pushed by draft-align push
+    kind: EngineChoice = EngineChoice("auto")
+    # rl.engine.kind=server: the server's http://host:port; null: the job starts one
+    server_url: str | None = None
+    # rl.engine.kind=server: decode step n+1 while step n trains (one policy version behind)
+    server_async: bool = True
+    kv_cache_gb: float = 1.0  # vLLM's KV cache, GiB
+    max_model_len: int = 1024  # vLLM's longest sequence
+    spec_k: int = 3  # draft tokens proposed per round in the rollouts
+    verify_mode: RolloutVerifyChoice = RolloutVerifyChoice("greedy_draft")  # auto: measured (vLLM, T > 0)
+    # verify_mode auto: measure again after this many new adapted drafts (0: once)
+    verify_recheck_every: int = 0
+    frozen_fraction: float = 0.5  # share of rollouts decoded with the frozen warm-start draft (lossless)
+
+
+@dataclass
+class RLGuardConfig:
+    """The silent-zero guard on each new adapted draft, and the probe prompts it (and verify_mode auto)
+    decodes."""
+
+    # counters = a new draft is judged on the first step it served, from that step's rollout counters against
+    # the frozen draft's (rolled back at the next step boundary); probe = the engine decodes probe_prompts at
+    # T=0 before and after each new draft (seconds on the job's thread); none
+    kind: DraftGuardChoice = DraftGuardChoice("counters")
+    probe_prompts: int = 4  # held-out prompts of the probe guard and of rl.engine.verify_mode auto
+    probe_tokens: int = 32  # tokens per probe prompt
+    min_ratio: float = 0.5  # either guard: rollback when L − 1 < ratio · (reference L − 1); in (0, 1]
+
+
+@dataclass
+class RLConfig:
+    """The RL job: its length and threads at the top, one section per concern."""
+
+    steps: int = 20  # RL steps (policy updates)
     num_threads: int = 1  # torch threads of the RL job
     wait_for_draft_s: float = 0.0  # at start, wait this long for the sidecar's first publish (never per step)
-    # rollout engine: vllm (the policy synced into it every step), reference (our lossless decoder, batch 1),
-    # auto = vllm when it is installed and serves the target, else reference (with a warning)
-    # server = a vLLM server over HTTP (rl.server_url, or one the job starts), drafts pushed by draft-align push
-    engine: EngineChoice = EngineChoice("auto")
-    server_url: str | None = None  # rl.engine=server: the server's http://host:port; null: the job starts one
-    server_async: bool = (
-        True  # rl.engine=server: decode step n+1 while step n trains (one policy version behind)
-    )
-    engine_kv_cache_gb: float = 1.0  # vLLM's KV cache, GiB
-    engine_max_model_len: int = 1024  # vLLM's longest sequence
-    # silent-zero guard: counters = a new draft is judged on the first step it served, from that step's
-    # rollout counters against the frozen draft's (rolled back at the next step boundary); probe = the engine
-    # decodes engine_probe_prompts at T=0 before and after each new draft (seconds on the job's thread); none
-    draft_guard: DraftGuardChoice = DraftGuardChoice("counters")
-    engine_probe_prompts: int = 4  # held-out prompts of the probe guard and of verify_mode auto
-    engine_probe_tokens: int = 32  # tokens per probe prompt
-    engine_probe_min_ratio: float = (
-        0.5  # either guard: rollback when L − 1 < ratio · (reference L − 1); in (0, 1]
-    )
+    task: RLTaskConfig = field(default_factory=RLTaskConfig)
+    policy: RLPolicyConfig = field(default_factory=RLPolicyConfig)
+    engine: RLEngineConfig = field(default_factory=RLEngineConfig)
+    guard: RLGuardConfig = field(default_factory=RLGuardConfig)

@@ -43,7 +43,7 @@ def merged_layer_weights(model: nn.Module, dtype: torch.dtype | None = None) -> 
         if layer is None:
             raise LoraLayoutError(
                 f"LoRA module {name} lies outside the decoder layers: the engine sync reloads decoder layers only "
-                f"(the embedding is shared with the draft); drop it from rl.lora_targets"
+                f"(the embedding is shared with the draft); drop it from rl.policy.lora.target_modules"
             )
         layers.add(layer)
     out: dict[str, torch.Tensor] = {}

@@ -193,7 +193,7 @@ def run_settings(run: Path, records: Sequence[Mapping[str, Any]], k: int) -> Run
         from draft_align.config import CotrainRecipe, load_recipe
 
         rl = load_recipe(recipe_path, None, CotrainRecipe).rl
-        mode, temperature, k = str(rl.verify_mode), float(rl.temperature), int(rl.spec_k)
+        mode, temperature, k = str(rl.engine.verify_mode), float(rl.task.temperature), int(rl.engine.spec_k)
     if mode == AUTO_VERIFY_MODE:  # measured and chosen by the engine: the mode its latest step served
         served = [v for r in records if (v := number(r.get("verify_probabilistic"))) is not None]
         mode = ("probabilistic" if served[-1] else "greedy_draft") if served else mode
@@ -348,13 +348,13 @@ def advice_lines(
     elif chosen is not None and chosen.speedup is not None and settings.k != best.k:
         if settings.k > best.k:
             lines.append(
-                f"rl.spec_k={settings.k} is beyond the best k={best.k} at batch size {serving.batch_size}: "
-                f"{speedup_text(chosen.speedup)} vs {speedup_text(best.speedup)}; set rl.spec_k={best.k}"
+                f"rl.engine.spec_k={settings.k} is beyond the best k={best.k} at batch size {serving.batch_size}: "
+                f"{speedup_text(chosen.speedup)} vs {speedup_text(best.speedup)}; set rl.engine.spec_k={best.k}"
             )
         else:
             lines.append(
                 f"a larger k projects faster at batch size {serving.batch_size}: k={best.k} "
-                f"{speedup_text(best.speedup)} vs rl.spec_k={settings.k} {speedup_text(chosen.speedup)} (positions beyond "
+                f"{speedup_text(best.speedup)} vs rl.engine.spec_k={settings.k} {speedup_text(chosen.speedup)} (positions beyond "
                 f"k={s.k} are extrapolated)"
             )
     if best.speedup is not None and best.speedup.value < 1.0:

@@ -236,7 +236,7 @@ def build_push_loop(
 ) -> PushLoop:
     """The push process of run ``run_dir`` with the recipe's ``push`` section ``cfg`` (``servers`` and
     ``servers_file`` add to its own; ``pause`` overrides it): what ``draft-align push`` and the co-training
-    launcher (``rl.engine: server``) run."""
+    launcher (``rl.engine.kind: server``) run."""
     from draft_align.engines.vllm.draft_update import UpdateSigner
 
     fleet = Fleet(

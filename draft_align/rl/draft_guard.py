@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Literal
 from draft_align.acceptance import AcceptanceTally, length_stderr
 
 if TYPE_CHECKING:
-    from draft_align.config import RLConfig
+    from draft_align.config import RLGuardConfig
 
 Verdict = Literal["pass", "collapse", "undecided"]
 
@@ -59,7 +59,7 @@ class CounterGuard:
         return "pass"
 
 
-def counter_guard(rl: RLConfig) -> CounterGuard | None:
-    """The guard ``rl.draft_guard`` asks the job to apply: a CounterGuard at ``rl.engine_probe_min_ratio`` for
-    ``counters``, else None (``probe``: the engine checks each load itself; ``none``)."""
-    return CounterGuard(min_ratio=rl.engine_probe_min_ratio) if rl.draft_guard == "counters" else None
+def counter_guard(guard: RLGuardConfig) -> CounterGuard | None:
+    """The guard ``rl.guard`` asks the job to apply: a CounterGuard at ``rl.guard.min_ratio`` for ``kind:
+    counters``, else None (``probe``: the engine checks each load itself; ``none``)."""
+    return CounterGuard(min_ratio=guard.min_ratio) if guard.kind == "counters" else None

@@ -18,7 +18,7 @@ f. KL(π ‖ π_initial) on fixed sequences; the metrics, with the step's stage 
    (:class:`~draft_align.monitor.step_profile.StepProfile`), go to ``run_dir/rl/steps.jsonl`` and, as a
    StepReport, to the sink (non-blocking offer).
 
-``policy_merged/v{version:04d}/`` holds a plain HF folder after each step listed in ``rl.save_merged_at``
+``policy_merged/v{version:04d}/`` holds a plain HF folder after each step listed in ``rl.policy.save_merged_at``
 (0-based step indices) and after the last step.  The one wait is opt-in and at start only: ``run()`` polls
 for a first draft for up to ``rl.wait_for_draft_s``.
 """
@@ -49,7 +49,7 @@ from draft_align.rl.rollouts import ReferenceRollouts, RolloutEngine, plan_rollo
 from draft_align.wire.messages import StepReport
 
 if TYPE_CHECKING:
-    from draft_align.config import CotrainRecipe
+    from draft_align.config import RLConfig
     from draft_align.tap.protocol import PolicyTap, TapSink
 
 log = logging.getLogger(__name__)
@@ -76,13 +76,14 @@ class GRPOJob:
 
     ``tap`` (a PolicyTap) and ``sink`` (takes StepReports by a non-blocking ``offer``) may be None.
     ``kl_sequences`` come from :func:`~draft_align.rl.prompts.make_kl_sequences`, made once from the initial
-    policy.  ``drafts``: the verified frozen and adapted drafts; ``engine``: what decodes the rollouts
+    policy.  ``rl``: the recipe's ``rl`` section; ``seed`` (the recipe's) seeds the rollout plans; ``run_id`` names
+    the run in the step reports.  ``drafts``: the verified frozen and adapted drafts; ``engine``: what decodes the rollouts
     (default: :class:`~draft_align.rl.rollouts.ReferenceRollouts` on ``drafts``).
     """
 
     def __init__(
         self,
-        recipe: CotrainRecipe,
+        rl: RLConfig,
         policy: Policy,
         tokenizer: Any,
         prompts: list[torch.Tensor],
@@ -93,32 +94,38 @@ class GRPOJob:
         run_dir: Path,
         eos_ids: set[int],
         *,
+        seed: int,
+        run_id: str,
         pad_id: int | None = None,
         extra_metrics: Callable[[], dict[str, Any]] | None = None,
         engine: RolloutEngine | None = None,
         answers: list[int] | None = None,
     ) -> None:
-        rl = recipe.rl
+        task, engine_cfg = rl.task, rl.engine
         if not prompts:
             raise GRPOError("no RL prompts")
         if answers is not None and len(answers) != len(prompts):
             raise GRPOError(f"{len(answers)} answers for {len(prompts)} prompts")
-        if rl.reward in TASK_REWARDS and answers is None:
-            raise GRPOError(f"rl.reward={rl.reward} checks answers: data.source must be a task (task:NAME)")
-        if rl.prompts_per_step < 1 or rl.prompts_per_step > len(prompts):
+        if task.reward in TASK_REWARDS and answers is None:
             raise GRPOError(
-                f"rl.prompts_per_step={rl.prompts_per_step} must be in 1..{len(prompts)} (prompts)"
+                f"rl.task.reward={task.reward} checks answers: data.source must be a task (task:NAME)"
             )
-        if rl.group_size < 2:
-            raise GRPOError(f"rl.group_size={rl.group_size} must be ≥ 2 (GRPO normalises within a group)")
-        if not 0.0 <= rl.frozen_fraction <= 1.0:
-            raise GRPOError(f"rl.frozen_fraction={rl.frozen_fraction} must be in [0, 1]")
-        if rl.max_new_tokens < 1 or rl.micro_batch < 1 or rl.spec_k < 1:
-            raise GRPOError("rl.max_new_tokens, rl.micro_batch and rl.spec_k must be ≥ 1")
+        if task.prompts_per_step < 1 or task.prompts_per_step > len(prompts):
+            raise GRPOError(
+                f"rl.task.prompts_per_step={task.prompts_per_step} must be in 1..{len(prompts)} (prompts)"
+            )
+        if task.group_size < 2:
+            raise GRPOError(
+                f"rl.task.group_size={task.group_size} must be ≥ 2 (GRPO normalises within a group)"
+            )
+        if not 0.0 <= engine_cfg.frozen_fraction <= 1.0:
+            raise GRPOError(f"rl.engine.frozen_fraction={engine_cfg.frozen_fraction} must be in [0, 1]")
+        if task.max_new_tokens < 1 or rl.policy.micro_batch < 1 or engine_cfg.spec_k < 1:
+            raise GRPOError("rl.task.max_new_tokens, rl.policy.micro_batch and rl.engine.spec_k must be ≥ 1")
         if any(p.dim() != 1 or p.numel() < 1 for p in prompts):
             raise GRPOError("every prompt must be a non-empty 1-D tensor of token ids")
-        self.recipe = recipe
-        self.rl = rl
+        self.rl, self.task = rl, task
+        self.seed, self.run_id = seed, run_id
         self.policy = policy
         self.tokenizer = tokenizer
         self.prompts = prompts
@@ -132,11 +139,11 @@ class GRPOJob:
         self.pad_id = int(
             pad_id if pad_id is not None else tok_pad if tok_pad is not None else min(eos_ids, default=0)
         )
-        self.reward = reward_fn(rl.reward)
+        self.reward = reward_fn(task.reward)
         self.answers = answers  # the checked answer of each prompt (task rewards), None for chat prompts
         self.reward_errors = 0  # completions whose reward raised or was not finite (rewarded 0, counted)
         self._reward_metrics: dict[str, Any] = {}
-        self.optimizer = torch.optim.AdamW(policy.trainable_parameters(), lr=rl.lr, weight_decay=0.0)
+        self.optimizer = torch.optim.AdamW(policy.trainable_parameters(), lr=rl.policy.lr, weight_decay=0.0)
         self.step_index = 0
         # when each policy version was created (its update) and tapped (its log-prob pass), for the lag from
         # there to the first step served by a draft trained on it
@@ -155,8 +162,8 @@ class GRPOJob:
             else ReferenceRollouts(
                 policy.hf_model,
                 drafts,
-                rl.spec_k,
-                rl.verify_mode,  # type: ignore[arg-type]
+                engine_cfg.spec_k,
+                engine_cfg.verify_mode,  # type: ignore[arg-type]
             )
         )
 
@@ -210,7 +217,7 @@ class GRPOJob:
 
         t0 = time.perf_counter()
         rewards = torch.tensor([r.reward for r in rollouts], dtype=torch.float64)
-        adv = group_advantages(rewards.view(self.rl.prompts_per_step, self.rl.group_size)).flatten()
+        adv = group_advantages(rewards.view(self.task.prompts_per_step, self.task.group_size)).flatten()
         for r, a in zip(rollouts, adv.tolist(), strict=True):
             r.advantage = a
         seqs = Sequences.pack([(r.prompt, r.response) for r in rollouts], self.pad_id)
@@ -231,12 +238,12 @@ class GRPOJob:
         t0 = time.perf_counter()
         if upd["updated"]:
             self.policy.save_adapter(self._adapter_dir(), overwrite=True)
-        if s in self.rl.save_merged_at:
+        if s in self.rl.policy.save_merged_at:
             self.policy.save_merged(self.merged_dir(self.policy.version), self.tokenizer, overwrite=True)
         save_s = time.perf_counter() - t0
 
         t0 = time.perf_counter()
-        kl = self.policy.kl_to_initial(self.kl_sequences, self.rl.micro_batch)
+        kl = self.policy.kl_to_initial(self.kl_sequences, self.rl.policy.micro_batch)
         kl_s = time.perf_counter() - t0
 
         metrics: dict[str, Any] = {
@@ -322,20 +329,15 @@ class GRPOJob:
     def rollouts(self, step: int) -> tuple[list[Rollout], dict[DraftKind, AcceptanceTally]]:
         """Step ``step``'s rollouts from the engine, rewarded, and each draft's measured acceptance (the
         engine's state is used as it is: :meth:`step` prepares it first)."""
-        rl = self.rl
+        task, frozen = self.task, self.rl.engine.frozen_fraction
         plan = plan_rollouts(
-            self.recipe.seed, step, len(self.prompts), rl.prompts_per_step, rl.group_size, rl.frozen_fraction
+            self.seed, step, len(self.prompts), task.prompts_per_step, task.group_size, frozen
         )
-        decoding = Decoding(rl.temperature, rl.max_new_tokens, self.eos_ids)
+        decoding = Decoding(task.temperature, task.max_new_tokens, self.eos_ids)
         rollouts, tallies = self.engine.rollouts(plan, self.prompts, decoding)
-        if step + 1 < rl.steps:  # an asynchronous engine decodes the next step while this one trains
+        if step + 1 < self.rl.steps:  # an asynchronous engine decodes the next step while this one trains
             nxt = plan_rollouts(
-                self.recipe.seed,
-                step + 1,
-                len(self.prompts),
-                rl.prompts_per_step,
-                rl.group_size,
-                rl.frozen_fraction,
+                self.seed, step + 1, len(self.prompts), task.prompts_per_step, task.group_size, frozen
             )
             self.engine.prefetch(nxt, self.prompts, decoding)
         t0 = time.perf_counter()
@@ -391,7 +393,7 @@ class GRPOJob:
         self, seqs: Sequences, step: int, version: int
     ) -> tuple[torch.Tensor, float, int, bool]:
         """(old log-probs [N] at T, seconds inside the tap, tokens the tap's sink accepted, HeadSync taken)."""
-        tap, rl = self.tap, self.rl
+        tap, temperature = self.tap, self.task.temperature
         tap_s, tap_tokens, head_ok = 0.0, 0, True
         if tap is not None and self.synced_version != version:
             t0 = time.perf_counter()
@@ -403,7 +405,7 @@ class GRPOJob:
         self.policy.hf_model.eval()
         old: list[torch.Tensor] = []
         with tap.capturing() if tap is not None else contextlib.nullcontext():
-            for mb in seqs.micro_batches(rl.micro_batch):
+            for mb in seqs.micro_batches(self.rl.policy.micro_batch):
                 mb = mb.to(dev)
                 logits = self.policy.logits(mb.input_ids, mb.attention_mask)  # [B, T, V]
                 if tap is not None:
@@ -415,10 +417,10 @@ class GRPOJob:
                         logits=logits,
                         policy_version=version,
                         step=step,
-                        temperature=rl.temperature,
+                        temperature=temperature,
                     )
                     tap_s += time.perf_counter() - t0
-                old.append(token_logprobs(*gather_response(logits, mb), rl.temperature))
+                old.append(token_logprobs(*gather_response(logits, mb), temperature))
                 del logits
         if tap is not None:
             t0 = time.perf_counter()
@@ -429,40 +431,40 @@ class GRPOJob:
     # ----------------------------------------------------------------- e: update
     def _update(self, seqs: Sequences, old_logp: torch.Tensor, adv: torch.Tensor) -> dict[str, Any]:
         """One optimizer step on the clipped surrogate (token mean over the step) [+ β·k3]."""
-        rl = self.rl
+        pc, temperature = self.rl.policy, self.task.temperature
         dev = self.policy.device
         n_tok = seqs.num_response_tokens
         counts = seqs.loss_mask.sum(1)  # [B] response tokens per row
         params = self.policy.trainable_parameters()
-        self.policy.hf_model.train(rl.lora_dropout > 0)  # dropout only matters when there is some
+        self.policy.hf_model.train(pc.lora.dropout > 0)  # dropout only matters when there is some
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = kl_sum = clipped = ratio_sum = 0.0
         offset = 0
-        for start in range(0, len(seqs), rl.micro_batch):
-            rows = range(start, min(start + rl.micro_batch, len(seqs)))
+        for start in range(0, len(seqs), pc.micro_batch):
+            rows = range(start, min(start + pc.micro_batch, len(seqs)))
             mb = seqs.select(rows)
             m = int(counts[start : rows.stop].sum())
             old = old_logp[offset : offset + m].to(dev)
             a_tok = adv[start : rows.stop].repeat_interleave(counts[start : rows.stop]).to(dev, torch.float32)
             offset += m
             logits, tokens = self.policy.response_logits(mb)
-            logp = token_logprobs(logits, tokens, rl.temperature)
-            per_tok = clipped_surrogate(logp, old, a_tok, rl.clip_eps)
+            logp = token_logprobs(logits, tokens, temperature)
+            per_tok = clipped_surrogate(logp, old, a_tok, pc.clip_eps)
             with torch.no_grad():
                 ratio = torch.exp(logp - old)
-                clipped += float(((ratio - 1.0).abs() > rl.clip_eps).sum())
+                clipped += float(((ratio - 1.0).abs() > pc.clip_eps).sum())
                 ratio_sum += float(ratio.sum())
                 loss_sum += float(per_tok.sum())
-            if rl.kl_coef > 0:
+            if pc.kl_coef > 0:
                 with torch.no_grad(), self.policy.initial():
-                    ref = token_logprobs(*self.policy.response_logits(mb), rl.temperature)
+                    ref = token_logprobs(*self.policy.response_logits(mb), temperature)
                 kl_tok = k3_kl(logp, ref)
                 kl_sum += float(kl_tok.detach().sum())
-                per_tok = per_tok + rl.kl_coef * kl_tok
+                per_tok = per_tok + pc.kl_coef * kl_tok
             (per_tok.sum() / n_tok).backward()
             del logits, logp, per_tok
         self.policy.hf_model.eval()
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, rl.grad_clip))
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, pc.grad_clip))
         updated = math.isfinite(grad_norm)
         if updated:
             self.optimizer.step()
@@ -476,7 +478,7 @@ class GRPOJob:
             "grad_norm": grad_norm,
             "clip_frac": clipped / n_tok,
             "ratio_mean": ratio_sum / n_tok,
-            "kl_penalty": kl_sum / n_tok if rl.kl_coef > 0 else None,
+            "kl_penalty": kl_sum / n_tok if pc.kl_coef > 0 else None,
         }
 
     def _adapter_dir(self) -> Path:
@@ -490,7 +492,7 @@ class GRPOJob:
             f.flush()
         if self.sink is not None:
             report = StepReport(
-                run_id=self.recipe.run, step=step, policy_version=self.policy.version, metrics=dict(metrics)
+                run_id=self.run_id, step=step, policy_version=self.policy.version, metrics=dict(metrics)
             )
             if not self.sink.offer(report):
                 log.debug("step report %d refused by the sink", step)

@@ -33,7 +33,7 @@ from torch import nn
 from draft_align.storage import make_shared_dirs, share_tree
 
 if TYPE_CHECKING:
-    from draft_align.config import RLConfig
+    from draft_align.config.sections import PolicyLoraConfig
 
 log = logging.getLogger(__name__)
 
@@ -263,14 +263,14 @@ class Policy:
             raise PolicyError(f"non-LoRA parameters would train: {bad[:5]}")
 
     @classmethod
-    def from_config(cls, model: nn.Module, rl: RLConfig, seed: int = 0) -> Policy:
-        """A policy with the LoRA settings of ``rl`` (lora_r, lora_alpha, lora_dropout, lora_targets)."""
+    def from_config(cls, model: nn.Module, lora: PolicyLoraConfig, seed: int = 0) -> Policy:
+        """A policy with the LoRA settings of ``lora`` (the recipe's ``rl.policy.lora``)."""
         return cls(
             model,
-            lora_r=rl.lora_r,
-            lora_alpha=rl.lora_alpha,
-            lora_dropout=rl.lora_dropout,
-            target_modules=rl.lora_targets,
+            lora_r=lora.rank,
+            lora_alpha=lora.alpha,
+            lora_dropout=lora.dropout,
+            target_modules=lora.target_modules,
             seed=seed,
         )
 

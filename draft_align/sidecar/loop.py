@@ -318,7 +318,7 @@ class Sidecar:
             return
         t = time.time()
         records, temp = self.ingest.step_records(step)
-        temp = temp if temp is not None else self.recipe.rl.temperature
+        temp = temp if temp is not None else self.recipe.rl.task.temperature
         adapted = self._step_drafts.pop(step, self.gate.published)
         for old in [s for s in self._step_drafts if s < step]:  # steps whose report never came
             del self._step_drafts[old]

@@ -16,7 +16,14 @@ from pathlib import Path
 import pytest
 
 from draft_align import cli
-from draft_align.config import RESOLVED_RECIPE, CotrainRecipe, RLConfig, save_recipe
+from draft_align.config import (
+    RESOLVED_RECIPE,
+    CotrainRecipe,
+    RLConfig,
+    RLEngineConfig,
+    RLTaskConfig,
+    save_recipe,
+)
 from draft_align.monitor.advise import SECTION_HEAD, AdviseError, advise_run
 from draft_align.monitor.advise_text import add_to_report, format_advice
 from draft_align.monitor.round_cost import ROUND_COST_FILE, RoundCostError, RoundCostTable, StepTiming
@@ -75,7 +82,12 @@ def write_run(run: Path, *, counters: bool = True, cost: bool = True, steps: int
         rows.append(row)
     (run / "rl" / "steps.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     save_recipe(
-        CotrainRecipe(rl=RLConfig(spec_k=2, verify_mode="greedy_draft", temperature=1.0)),
+        CotrainRecipe(
+            rl=RLConfig(
+                engine=RLEngineConfig(spec_k=2, verify_mode="greedy_draft"),
+                task=RLTaskConfig(temperature=1.0),
+            )
+        ),
         run / RESOLVED_RECIPE,
     )
     if cost:
@@ -128,7 +140,7 @@ def test_advice_lines_follow_the_rules(tmp_path):
         "acceptance rate 38% measured" in x and "below 60%" in x and "larger or in-domain draft" in x
         for x in lines
     )
-    assert any("rl.spec_k=2 is beyond the best k=1 at batch size 6" in x for x in lines)
+    assert any("rl.engine.spec_k=2 is beyond the best k=1 at batch size 6" in x for x in lines)
     slower = [x for x in lines if "projected slower than plain decoding at batch size 6" in x]
     assert (
         slower
@@ -257,7 +269,11 @@ def test_run_settings_of_an_auto_verify_run_read_the_mode_that_served(tmp_path):
     from draft_align.monitor.advise import run_settings
 
     save_recipe(
-        CotrainRecipe(rl=RLConfig(engine="vllm", verify_mode="auto", temperature=1.0)),
+        CotrainRecipe(
+            rl=RLConfig(
+                engine=RLEngineConfig(kind="vllm", verify_mode="auto"), task=RLTaskConfig(temperature=1.0)
+            )
+        ),
         tmp_path / RESOLVED_RECIPE,
     )
     served = [

@@ -1,4 +1,4 @@
-"""An RL loop whose rollouts go through a real vLLM server over HTTP (``rl.engine: server``,
+"""An RL loop whose rollouts go through a real vLLM server over HTTP (``rl.engine.kind: server``,
 :class:`~draft_align.engines.vllm.server_rollouts.ServerRollouts`), with ``draft-align push`` beside it.
 
 - synchronous: the policy is synced into the server through the ``draft_align`` backend (a signed policy
@@ -67,7 +67,14 @@ def _job(vllm_world, run, policy, engine, steps):
     from transformers import AutoTokenizer
 
     from draft_align import data
-    from draft_align.config import CotrainRecipe, RLConfig
+    from draft_align.config import (
+        CotrainRecipe,
+        PolicyLoraConfig,
+        RLConfig,
+        RLEngineConfig,
+        RLPolicyConfig,
+        RLTaskConfig,
+    )
     from draft_align.publish.versions import version_dir
     from draft_align.rl.drafts import DraftSource
     from draft_align.rl.grpo import GRPOJob
@@ -77,25 +84,35 @@ def _job(vllm_world, run, policy, engine, steps):
     prompts = build_prompts(tok, data.load_conversations(str(vllm_world.root / "chats.jsonl")), 8, 60)
     rl = RLConfig(
         steps=steps,
-        prompts_per_step=2,
-        group_size=3,
-        max_new_tokens=16,
-        temperature=1.0,
-        spec_k=K,
-        frozen_fraction=0.0,
-        reward="uppercase",
-        lr=5e-2,
-        lora_r=4,
-        lora_alpha=8,
-        micro_batch=6,
-        lora_targets=["q_proj", "v_proj"],
-        engine="server",
+        task=RLTaskConfig(
+            prompts_per_step=2, group_size=3, max_new_tokens=16, temperature=1.0, reward="uppercase"
+        ),
+        policy=RLPolicyConfig(
+            lr=5e-2,
+            micro_batch=6,
+            lora=PolicyLoraConfig(rank=4, alpha=8, target_modules=["q_proj", "v_proj"]),
+        ),
+        engine=RLEngineConfig(kind="server", spec_k=K, frozen_fraction=0.0),
     )
     recipe = CotrainRecipe(run=run.name, output_dir=str(run.parent), seed=1, rl=rl)
     eos = {int(tok.convert_tokens_to_ids("<|im_end|>")), int(tok.eos_token_id)}
     kl = make_kl_sequences(policy, prompts[:2], max_new_tokens=6, eos_ids=eos, seed=0)
     drafts = DraftSource(run, version_dir(run, 1))
-    return GRPOJob(recipe, policy, tok, prompts, kl, drafts, None, None, run, eos, engine=engine)
+    return GRPOJob(
+        rl,
+        policy,
+        tok,
+        prompts,
+        kl,
+        drafts,
+        None,
+        None,
+        run,
+        eos,
+        seed=recipe.seed,
+        run_id=recipe.run,
+        engine=engine,
+    )
 
 
 def _engine(server, run, key, asynchronous):
@@ -168,7 +185,7 @@ def test_asynchronous_steps_decode_the_next_step_while_this_one_trains(server, v
 
 
 def test_cotrain_with_rollouts_from_a_server_and_push_beside_it(tiny_world, vllm_world, vllm_env, tmp_path):
-    """``draft-align cotrain`` with ``rl.engine: server``: the job starts its vLLM server on the starting draft,
+    """``draft-align cotrain`` with ``rl.engine.kind: server``: the job starts its vLLM server on the starting draft,
     the launcher runs the push process beside it, the sidecar's versions reach the server, and the server
     process is stopped by PID at the end."""
     import io
@@ -184,13 +201,13 @@ def test_cotrain_with_rollouts_from_a_server_and_push_beside_it(tiny_world, vllm
         **{
             "target.model": str(vllm_world.target),
             "data.source": str(vllm_world.root / "chats.jsonl"),
-            "rl.engine": "server",
-            "rl.frozen_fraction": 0.0,
-            "rl.spec_k": K,
+            "rl.engine.kind": "server",
+            "rl.engine.frozen_fraction": 0.0,
+            "rl.engine.spec_k": K,
             "rl.steps": 8,
-            "rl.max_new_tokens": 16,
-            "rl.engine_max_model_len": 256,
-            "rl.lr": 1e-4,
+            "rl.task.max_new_tokens": 16,
+            "rl.engine.max_model_len": 256,
+            "rl.policy.lr": 1e-4,
             "sidecar.gate.k": K,
             "push.poll_interval_s": 0.1,
         },

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 from draft_align.config import CotrainRecipe, load_recipe
+from draft_align.config.sections import TapConfig, WireConfig
 from draft_align.rl.build import message_tokens
 from draft_align.wire.codec import encode
 from draft_align.wire.messages import TapBatch
@@ -13,6 +14,11 @@ from draft_align.wire.packing import tapped_token_bytes, tokens_that_fit
 
 def _recipe(*overrides: str) -> CotrainRecipe:
     return load_recipe("recipes/smollm2_cotrain.yaml", list(overrides), CotrainRecipe)
+
+
+def _sections(*overrides: str) -> tuple[TapConfig, WireConfig]:
+    r = _recipe(*overrides)
+    return r.tap, r.wire
 
 
 def test_token_bytes_are_docs_sizing_figures():
@@ -31,26 +37,28 @@ def test_the_densest_batch_that_fits_is_under_the_limit():
 
 def test_messages_shrink_to_the_limit_at_8b_width_and_not_at_smollm2_width():
     r = _recipe()
-    assert message_tokens(r, 576, 3) == r.tap.max_tokens_per_message  # 16,384 × 4.6 KB fits 256 MiB
-    n = message_tokens(r, 4096, 3)
+    assert (
+        message_tokens(r.tap, r.wire, 576, 3) == r.tap.max_tokens_per_message
+    )  # 16,384 × 4.6 KB fits 256 MiB
+    n = message_tokens(r.tap, r.wire, 4096, 3)
     assert n < r.tap.max_tokens_per_message
     assert n * tapped_token_bytes(4096, 3, final=True, topk=1) <= r.wire.max_message_mb << 20
 
 
 def test_a_step_larger_than_the_send_queue_is_one_warning(caplog):
     with caplog.at_level(logging.WARNING, logger="draft_align.rl.build"):
-        message_tokens(_recipe("tap.tokens_per_step=37500"), 4096, 3)
+        message_tokens(*_sections("tap.tokens_per_step=37500"), 4096, 3)
     (rec,) = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert "wire.queue_mb 512" in rec.getMessage() and "raise wire.queue_mb to 1291" in rec.getMessage()
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="draft_align.rl.build"):
-        message_tokens(_recipe("tap.tokens_per_step=37500", "wire.queue_mb=1536"), 4096, 3)
+        message_tokens(*_sections("tap.tokens_per_step=37500", "wire.queue_mb=1536"), 4096, 3)
     assert not [r for r in caplog.records if r.levelno == logging.WARNING]
 
 
 def test_a_step_of_more_messages_than_the_queue_holds_is_one_warning(caplog):
     with caplog.at_level(logging.WARNING, logger="draft_align.rl.build"):
-        n = message_tokens(_recipe("tap.tokens_per_step=40000", "tap.max_tokens_per_message=4096"), 576, 3)
+        n = message_tokens(*_sections("tap.tokens_per_step=40000", "tap.max_tokens_per_message=4096"), 576, 3)
     assert n == 4096
     (rec,) = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert "10 messages" in rec.getMessage() and "raise wire.queue_messages to 10" in rec.getMessage()

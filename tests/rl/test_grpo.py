@@ -10,7 +10,14 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from draft_align import data
 from draft_align.acceptance import AcceptanceTally
-from draft_align.config import CotrainRecipe, RLConfig
+from draft_align.config import (
+    CotrainRecipe,
+    PolicyLoraConfig,
+    RLConfig,
+    RLEngineConfig,
+    RLPolicyConfig,
+    RLTaskConfig,
+)
 from draft_align.rl.drafts import DraftSource
 from draft_align.rl.grpo import GRPOJob
 from draft_align.rl.loss import GRPOError
@@ -99,29 +106,26 @@ def world(tiny_world, tiny_env, tmp_path, frozen_dir):
     convs = data.load_conversations(str(tiny_world.data))
     prompts = build_prompts(tok, convs, n=6, max_prompt_tokens=60)
 
-    def make(frozen_fraction=0.5, **rl_kw):
+    def make(frozen_fraction=0.5, steps=2, **policy_kw):
         model = AutoModelForCausalLM.from_pretrained(tiny_world.model, dtype=torch.float32)
-        kw = dict(
-            steps=2,
-            prompts_per_step=2,
-            group_size=2,
-            max_new_tokens=6,
-            temperature=1.0,
-            spec_k=K,
-            frozen_fraction=frozen_fraction,
-            reward="uppercase",
-            lr=2e-2,
-            lora_r=4,
-            lora_alpha=8,
-            micro_batch=3,
+        rl = RLConfig(
+            steps=steps,
+            task=RLTaskConfig(
+                prompts_per_step=2, group_size=2, max_new_tokens=6, temperature=1.0, reward="uppercase"
+            ),
+            policy=RLPolicyConfig(
+                **{"lr": 2e-2, "micro_batch": 3, "lora": PolicyLoraConfig(rank=4, alpha=8), **policy_kw}
+            ),
+            engine=RLEngineConfig(spec_k=K, frozen_fraction=frozen_fraction),
         )
-        rl = RLConfig(**{**kw, **rl_kw})
         recipe = CotrainRecipe(run="rltest", output_dir=str(tmp_path), seed=3, rl=rl)
-        policy = Policy.from_config(model, rl, seed=0)
+        policy = Policy.from_config(model, rl.policy.lora, seed=0)
         kl_seqs = make_kl_sequences(policy, prompts[:2], max_new_tokens=5, eos_ids=EOS, seed=0)
         drafts = DraftSource(recipe.run_dir, frozen_dir)
         tap, sink = FakeTap(), ListSink()
-        job = GRPOJob(recipe, policy, tok, prompts, kl_seqs, drafts, tap, sink, recipe.run_dir, EOS)
+        job = GRPOJob(
+            rl, policy, tok, prompts, kl_seqs, drafts, tap, sink, recipe.run_dir, EOS, seed=3, run_id="rltest"
+        )
         return job, tap, sink
 
     return make
@@ -229,17 +233,18 @@ def test_run_saves_merged_policy_and_kl_penalty(world):
 
 def test_job_rejects_bad_configuration(world):
     job, tap, sink = world()
-    args = (job.recipe, job.policy, job.tokenizer)
+    args = (job.rl, job.policy, job.tokenizer)
     rest = (job.kl_sequences, job.drafts, tap, sink, job.run_dir, EOS)
+    run = {"seed": job.seed, "run_id": job.run_id}
     with pytest.raises(GRPOError, match="no RL prompts"):
-        GRPOJob(*args, [], *rest)
-    with pytest.raises(GRPOError, match=r"prompts_per_step=2 must be in 1\.\.1"):
-        GRPOJob(*args, job.prompts[:1], *rest)
+        GRPOJob(*args, [], *rest, **run)
+    with pytest.raises(GRPOError, match=r"rl\.task\.prompts_per_step=2 must be in 1\.\.1"):
+        GRPOJob(*args, job.prompts[:1], *rest, **run)
     with pytest.raises(GRPOError, match="non-empty 1-D"):
-        GRPOJob(*args, [torch.tensor([], dtype=torch.long), job.prompts[0]], *rest)
-    bad = CotrainRecipe(rl=RLConfig(reward="nope"))
+        GRPOJob(*args, [torch.tensor([], dtype=torch.long), job.prompts[0]], *rest, **run)
+    bad = RLConfig(task=RLTaskConfig(reward="nope"))
     with pytest.raises(ValueError, match="unknown reward"):
-        GRPOJob(bad, job.policy, job.tokenizer, job.prompts, *rest)
+        GRPOJob(bad, job.policy, job.tokenizer, job.prompts, *rest, **run)
 
 
 def test_real_policy_tap_gets_headsync_and_tap_batches(world):
@@ -270,7 +275,7 @@ class RefusingEngine:
     def __init__(self, job):
         from draft_align.rl.rollouts import ReferenceRollouts
 
-        self.inner = ReferenceRollouts(job.policy.hf_model, job.drafts, K, job.rl.verify_mode)
+        self.inner = ReferenceRollouts(job.policy.hf_model, job.drafts, K, job.rl.engine.verify_mode)
         self.offered = []
 
     @property

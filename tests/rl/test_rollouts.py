@@ -119,17 +119,15 @@ def test_reference_engine_serves_what_the_source_holds(reference, kit, target_co
 
 
 def test_probe_guard_follows_the_recipe_and_zero_prompts_turn_it_off():
-    from draft_align.config import RLConfig
+    from draft_align.config import RLGuardConfig
     from draft_align.rl.build import probe_guard
 
     prompts = [torch.tensor([1, 2, 3]), torch.tensor([4, 5]), torch.tensor([6])]
-    guard = probe_guard(
-        RLConfig(engine_probe_prompts=2, engine_probe_tokens=8, engine_probe_min_ratio=0.25), prompts
-    )
+    guard = probe_guard(RLGuardConfig(probe_prompts=2, probe_tokens=8, min_ratio=0.25), prompts)
     assert guard is not None
     assert guard.prompts == ({"prompt_token_ids": [1, 2, 3]}, {"prompt_token_ids": [4, 5]})
     assert (guard.max_tokens, guard.min_ratio) == (8, 0.25)
-    assert probe_guard(RLConfig(engine_probe_prompts=0), prompts) is None
-    assert probe_guard(RLConfig(engine_probe_prompts=0), []) is None
+    assert probe_guard(RLGuardConfig(probe_prompts=0), prompts) is None
+    assert probe_guard(RLGuardConfig(probe_prompts=0), []) is None
     with pytest.raises(ValueError, match="no probe prompts"):
-        probe_guard(RLConfig(engine_probe_prompts=4), [])
+        probe_guard(RLGuardConfig(probe_prompts=4), [])

@@ -5,5 +5,5 @@
 - :mod:`.reference_eval`: ``draft-align eval --engine reference``: decode with it, count its rounds as the
   measurement, and score the outputs as :mod:`draft_align.engines.vllm.vllm_eval` does vLLM's.
 
-The RL job's reference rollouts (``rl.engine: reference``) decode with it too.
+The RL job's reference rollouts (``rl.engine.kind: reference``) decode with it too.
 """

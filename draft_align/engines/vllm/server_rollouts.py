@@ -1,4 +1,4 @@
-"""A vLLM server as the RL job's rollout engine (``rl.engine: server``): rollouts over HTTP, asynchronous.
+"""A vLLM server as the RL job's rollout engine (``rl.engine.kind: server``): rollouts over HTTP, asynchronous.
 
 :class:`ServerRollouts` implements :class:`draft_align.rl.rollouts.RolloutEngine` against one vLLM server (its
 OpenAI ``/v1/completions`` route, token ids in and out, each rollout's own seed), the way server-based RL
@@ -7,7 +7,7 @@ frameworks generate:
 - **Drafts are not the job's business.** The server serves whatever ``draft-align push`` pushed last
   (docs/servers.md); the step's acceptance is the server's own spec-decode counters (``/metrics``) over the
   step's rollouts, and :attr:`adapted` is the version the server says it serves (``/weight_info``).  One
-  server serves one draft at a time, so every rollout is an adapted one (``rl.frozen_fraction: 0``).
+  server serves one draft at a time, so every rollout is an adapted one (``rl.engine.frozen_fraction: 0``).
 - **The policy** reaches the server through the same ``draft_align`` weight-transfer backend: the changed
   decoder layers (LoRA merged) are written once to ``<run>/engine_policy/vNNNN`` and announced by a signed
   ``DraftPublished`` in a target session (``start_weight_update`` → ``update_weights`` →
@@ -189,7 +189,7 @@ class ServerRollouts:
         self, plan: RolloutPlan, prompts: list[torch.Tensor], decoding: Decoding, policy: int
     ) -> tuple[list[Rollout], dict[DraftKind, AcceptanceTally], dict[str, float]]:
         if any(p.draft != "adapted" for p in plan.rollouts):
-            raise EngineError("server rollouts: one server serves one draft: use rl.frozen_fraction=0")
+            raise EngineError("server rollouts: one server serves one draft: use rl.engine.frozen_fraction=0")
         t0 = time.perf_counter()
         before = self.server.counters()
         seeds = plan.seeds(SEED_BITS)

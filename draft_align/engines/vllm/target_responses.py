@@ -53,7 +53,7 @@ def self_distill_env(kv_gb: float | None = None) -> Iterator[dict[str, str]]:
     """:func:`~draft_align.engines.vllm.start.set_cpu_env` for one engine's lifetime, undone after it.
 
     The defaults it sets (only those not set already) are removed again afterwards, and vLLM's cache of its
-    environment is dropped, so a launcher's later choice (``rl.engine_kv_cache_gb``) holds for the next
+    environment is dropped, so a launcher's later choice (``rl.engine.kv_cache_gb``) holds for the next
     engine of this process.  The in-process CPU worker replaces ``torch.set_num_threads`` with a no-op for
     the whole process; the real one is put back too.  vLLM reseeds the global RNGs (Python, NumPy, torch) with
     its seed and draws from them: their states are restored, so what the caller draws next (a draft's init)

@@ -24,7 +24,7 @@ steps, so a failure leaves the previous version serving (restored in place if th
 4. vLLM's layerwise reload of the draft-private modules, then a read-back of what vLLM keeps unpacked.
 
 A target session (``start_weight_update``) is a policy sync for a server that serves an RL job's rollouts
-(``rl.engine: server``): the signed ``DraftPublished`` names ``<run>/engine_policy/v<policy version>``, whose
+(``rl.engine.kind: server``): the signed ``DraftPublished`` names ``<run>/engine_policy/v<policy version>``, whose
 decoder-layer tensors are checked the same way and reloaded in place.
 
 ``finish_weight_update`` closes the session (the caller sets vLLM's ``weight_version`` to
@@ -208,7 +208,7 @@ class DraftAlignTransferEngine(WeightTransferEngine[DraftTransferInit, DraftTran
         self.startup: HeldDraft | None = None
         self.serving: HeldDraft | None = None
         self.newest = 0  # the newest version accepted from the bound run
-        self.policy_newest = 0  # the newest policy sync (rl.engine: server)
+        self.policy_newest = 0  # the newest policy sync (rl.engine.kind: server)
         self.applied = 0
         self.refused = 0
         spec = vllm_config.speculative_config
@@ -308,7 +308,7 @@ class DraftAlignTransferEngine(WeightTransferEngine[DraftTransferInit, DraftTran
         self.newest = max(self.newest, version)
 
     def _receive_policy(self, binding: Binding, msg: Any) -> None:
-        """A policy sync: the target's decoder layers from ``<run>/engine_policy/vNNNN`` (rl.engine: server).
+        """A policy sync: the target's decoder layers from ``<run>/engine_policy/vNNNN`` (rl.engine.kind: server).
         Checked as a draft is (run, rising version, the run's own folder, the signed sha256 of the bytes read
         once, finite values, every tensor of a decoder layer the target has); a load that fails midway leaves
         the target unknown: RuntimeError, restart the server."""

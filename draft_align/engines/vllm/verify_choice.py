@@ -1,4 +1,4 @@
-"""Which draft sampling pays at T > 0, measured on the running engine (``rl.verify_mode: auto``).
+"""Which draft sampling pays at T > 0, measured on the running engine (``rl.engine.verify_mode: auto``).
 
 vLLM verifies at T > 0 in one of two lossless ways (docs/acceptance.md): ``greedy_draft`` (its default: the
 draft proposes argmax q, accepted with probability p(x)) and ``probabilistic`` (x ~ q, accepted with

@@ -108,7 +108,7 @@ class VLLMRollouts:
             if guard is None:
                 raise EngineError(
                     "verify mode auto measures both draft sampling methods on the probe prompts: "
-                    "it needs a probe guard (rl.engine_probe_prompts > 0)"
+                    "it needs a probe guard (rl.guard.probe_prompts > 0)"
                 )
             verify_mode = CANDIDATES[0]  # vLLM's default until the first measurement
         if verify_mode not in VERIFY_TO_SAMPLE_METHOD:

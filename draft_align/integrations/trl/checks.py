@@ -5,15 +5,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from draft_align.config import CotrainRecipe
+from draft_align.config import RLTaskConfig
 
 
 class TRLConfigError(ValueError):
     """A TRL configuration draft_align cannot work beside."""
 
 
-def check_trainer(trainer: Any, recipe: CotrainRecipe, *, uses_rollout_func: bool) -> None:
-    """Raise TRLConfigError for what cannot work (see docs/trl.md, "What is refused at start")."""
+def check_trainer(trainer: Any, task: RLTaskConfig, *, uses_rollout_func: bool) -> None:
+    """Raise TRLConfigError for what cannot work (see docs/trl.md, "What is refused at start"); ``task``: the
+    recipe's ``rl.task`` (its rollout temperature)."""
     from draft_align.hf.parts import decoder_parts
     from draft_align.integrations.trl.tap import policy_model
 
@@ -64,10 +65,10 @@ def check_trainer(trainer: Any, recipe: CotrainRecipe, *, uses_rollout_func: boo
             f"{args.gradient_accumulation_steps}: neither divides the other, so a generation batch straddles "
             "optimizer steps at an offset and the Tap's per-step sample cannot follow it"
         )
-    if not abs(float(trainer.temperature) - float(recipe.rl.temperature)) <= 1e-9:  # NaN is unequal too
+    if not abs(float(trainer.temperature) - float(task.temperature)) <= 1e-9:  # NaN is unequal too
         raise TRLConfigError(
-            f"TRL samples at temperature {trainer.temperature} but the recipe's rl.temperature is "
-            f"{recipe.rl.temperature}: the sidecar's soft targets and gate use the recipe's; make them equal"
+            f"TRL samples at temperature {trainer.temperature} but the recipe's rl.task.temperature is "
+            f"{task.temperature}: the sidecar's soft targets and gate use the recipe's; make them equal"
         )
     if uses_rollout_func:
         defaults = {"top_p": 1.0, "top_k": 0, "min_p": None, "repetition_penalty": 1.0}

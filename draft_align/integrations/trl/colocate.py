@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
-from draft_align.config import CotrainRecipe
+from draft_align.config import RLEngineConfig
+from draft_align.config.sections import TargetConfig
 from draft_align.conventions import AUTO_VERIFY_MODE
 from draft_align.engines.rollout_types import DraftVersion
 from draft_align.engines.vllm.draft_update import BACKEND
@@ -54,8 +56,17 @@ def speculative_colocate(draft: DraftVersion, *, k: int, verify_mode: str = "gre
         vg.LLM = original
 
 
-def colocate_rollouts(trainer: Any, frozen: DraftVersion, recipe: CotrainRecipe) -> VLLMRollouts:
-    """draft_align's rollouts on TRL's own colocate engine (built inside :func:`speculative_colocate`)."""
+def colocate_rollouts(
+    trainer: Any,
+    frozen: DraftVersion,
+    engine: RLEngineConfig,
+    target: TargetConfig,
+    *,
+    run_dir: Path,
+    key_file: str | None,
+) -> VLLMRollouts:
+    """draft_align's rollouts on TRL's own colocate engine (built inside :func:`speculative_colocate`): ``engine``
+    (``rl.engine``) sets k and the verify mode; ``run_dir`` and ``key_file`` (``wire.key_file``) are the run's."""
     from draft_align.integrations.trl.checks import TRLConfigError
 
     if trainer.vllm_mode != "colocate":
@@ -63,20 +74,19 @@ def colocate_rollouts(trainer: Any, frozen: DraftVersion, recipe: CotrainRecipe)
             "use_vllm with vllm_mode='server': draft_align cannot reach the server's engine to swap drafts or read "
             "its counters; use vllm_mode='colocate' (GPU) or use_vllm=False with draft_align's rollout_func (CPU)"
         )
-    rl = recipe.rl
-    if rl.verify_mode == AUTO_VERIFY_MODE:
+    if engine.verify_mode == AUTO_VERIFY_MODE:
         raise TRLConfigError(
-            "rl.verify_mode=auto measures both draft sampling methods on draft_align's probe "
+            "rl.engine.verify_mode=auto measures both draft sampling methods on draft_align's probe "
             "prompts, which TRL's colocate engine is not given: choose greedy_draft or probabilistic"
         )
     return VLLMRollouts(
-        recipe.target.model,
+        target.model,
         frozen,
-        k=rl.spec_k,
-        verify_mode=rl.verify_mode,
-        dtype=recipe.target.dtype,
+        k=engine.spec_k,
+        verify_mode=engine.verify_mode,
+        dtype=target.dtype,
         llm=trainer.vllm_generation.llm,
         policy_sync="external",
-        run_dir=recipe.run_dir,
-        key_file=recipe.wire.key_file,
+        run_dir=run_dir,
+        key_file=key_file,
     )

@@ -4,8 +4,8 @@ rollout engine, started by :class:`~draft_align.integrations.trl.callback.DraftA
 
 The recipe is a co-training recipe (``kind: cotrain``, validated like every recipe): its ``target``, ``tap``,
 ``wire``, ``sidecar`` and ``logging`` sections configure the sidecar side; of ``rl`` only what concerns
-rollouts is read (``temperature``, which must equal TRL's, ``spec_k``, ``verify_mode``, ``frozen_fraction``,
-``engine*``).  TRL owns everything else (prompts, rewards, the optimizer, steps).  ``sidecar``: ``spawn`` (a
+rollouts is read (``rl.task.temperature``, which must equal TRL's, ``rl.engine``, ``rl.guard``).  TRL owns
+everything else (prompts, rewards, the optimizer, steps: ``rl.task``'s other keys, ``rl.policy``).  ``sidecar``: ``spawn`` (a
 child process, like ``draft-align cotrain``), ``connect`` (one already running on the same run folder, e.g.
 ``draft-align sidecar RECIPE``), ``ray`` (an actor or gang on the Ray cluster the recipe's ``ray`` section names,
 started or re-attached by name; its endpoints and drafts come through the run's registry, docs/ray.md) or
@@ -117,7 +117,7 @@ class DraftAlign:
     def callback(self, trainer: Any) -> DraftAlignCallback:
         """The TrainerCallback for ``trainer`` (``trainer.add_callback(da.callback(trainer))``); checks the
         trainer's configuration now, so what cannot work fails before training starts."""
-        check_trainer(trainer, self.recipe, uses_rollout_func=self.uses_rollout_func(trainer))
+        check_trainer(trainer, self.recipe.rl.task, uses_rollout_func=self.uses_rollout_func(trainer))
         self.trainer = trainer
         return DraftAlignCallback(self, trainer)
 
@@ -155,11 +155,24 @@ class DraftAlign:
             self.notify = channel.Subscriber(notify_ep, key, allow_remote=recipe.wire.allow_remote)
         # new versions are hashed, loaded and checked off TRL's thread
         self.drafts = draft_source(
-            recipe, self.start_draft, device=trainer.accelerator.device, notifications=self.notify
+            recipe.rl.guard,
+            run_dir,
+            self.start_draft,
+            run_id=recipe.run,
+            device=trainer.accelerator.device,
+            notifications=self.notify,
         )
         if recipe.tap.enabled and self.sender is not None:
-            rank = int(trainer.accelerator.process_index)
-            hf_tap = policy_tap(recipe, policy_model(trainer), self.start_draft, self.sender, rank=rank)
+            hf_tap = policy_tap(
+                recipe.tap,
+                recipe.wire,
+                policy_model(trainer),
+                self.start_draft,
+                self.sender,
+                rank=int(trainer.accelerator.process_index),
+                run_id=recipe.run,
+                seed=recipe.seed,
+            )
             drafts = self.drafts
             self.tap = TRLTap(
                 trainer, hf_tap, lambda version: hf_tap.head_sync(version, drafts.draft_to_target)
@@ -191,21 +204,41 @@ class DraftAlign:
         decoder on the live policy."""
         from draft_align.rl.rollouts import ReferenceRollouts
 
-        rl = self.recipe.rl
+        recipe = self.recipe
+        rl = recipe.rl
         if trainer.use_vllm:
             from draft_align.integrations.trl.colocate import colocate_rollouts
 
-            return colocate_rollouts(trainer, self.drafts.frozen_version, self.recipe)
-        set_engine_env(rl)  # this session is the launcher of the TRL run's engine
+            return colocate_rollouts(
+                trainer,
+                self.drafts.frozen_version,
+                rl.engine,
+                recipe.target,
+                run_dir=recipe.run_dir,
+                key_file=recipe.wire.key_file,
+            )
+        set_engine_env(rl.engine)  # this session is the launcher of the TRL run's engine
         probes = self._probe_prompts(trainer)
-        engine = start_rollout_engine(self.recipe, self.drafts.frozen_version, probes)
+        engine = start_rollout_engine(
+            rl.engine,
+            rl.guard,
+            recipe.target,
+            self.drafts.frozen_version,
+            probes,
+            run_dir=recipe.run_dir,
+            seed=recipe.seed,
+            key_file=recipe.wire.key_file,
+            push=recipe.push,
+        )
         if engine is None:
-            return ReferenceRollouts(policy_model(trainer), self.drafts, rl.spec_k, rl.verify_mode)
+            return ReferenceRollouts(
+                policy_model(trainer), self.drafts, rl.engine.spec_k, rl.engine.verify_mode
+            )
         return engine
 
     def _probe_prompts(self, trainer: Any) -> list[torch.Tensor]:
         ds = trainer.train_dataset
-        n = min(len(ds), self.recipe.rl.engine_probe_prompts)
+        n = min(len(ds), self.recipe.rl.guard.probe_prompts)
         if n == 0:
             return []
         ids = trainer._tokenize_prompts([ds[i]["prompt"] for i in range(n)])[0]
@@ -349,7 +382,7 @@ class DraftAlign:
     # ----------------------------------------------------------------- TRL's rollout_func
     def rollout_func(self, prompts: list[Any], trainer: Any) -> dict[str, Any]:
         """TRL's ``rollout_func(prompts, trainer)``: this generation batch's completions by speculative decoding
-        (the policy synced into the engine first, the newest draft offered), a seeded ``rl.frozen_fraction`` on
+        (the policy synced into the engine first, the newest draft offered), a seeded ``rl.engine.frozen_fraction`` on
         the frozen draft; returns TRL's ``prompt_ids``/``completion_ids``/``logprobs`` (the engine's, so TRL
         can compare them with its own)."""
         if self.engine is None or self.drafts is None:
@@ -361,14 +394,13 @@ class DraftAlign:
 
     def _rollouts(self, prompts: list[Any], trainer: Any) -> dict[str, Any]:
         assert self.engine is not None and self.drafts is not None
-        rl = self.recipe.rl
         version = int(trainer.state.global_step)
         metrics = self.engine.prepare(policy_model(trainer), version, self.drafts.adapted_version)
         self.timer.record("weight_sync", metrics.get("policy_sync_s", 0.0))
         self.timer.record("draft_refresh", metrics.get("draft_offer_s", 0.0))
         prompt_ids = trainer._tokenize_prompts(prompts)[0]  # TRL's own chat template and tokenisation
         tensors = [torch.tensor(p, dtype=torch.long) for p in prompt_ids]
-        plan = plan_given(self.recipe.seed, version, len(tensors), rl.frozen_fraction)
+        plan = plan_given(self.recipe.seed, version, len(tensors), self.recipe.rl.engine.frozen_fraction)
         max_tokens = int(trainer.args.max_completion_length)
         decoding = Decoding(
             float(trainer.temperature), max_tokens, frozenset(int(i) for i in trainer.eos_token_ids)

@@ -108,7 +108,9 @@ class VerlDraftAlign:
             self.sidecar_alive = True
             self.sender = tap_sender(recipe.wire, self.endpoints, key)
         # new versions are hashed, loaded and checked off verl's driver thread
-        self.drafts = draft_source(recipe, self.start_draft, notifications=self.notify)
+        self.drafts = draft_source(
+            recipe.rl.guard, run_dir, self.start_draft, run_id=recipe.run, notifications=self.notify
+        )
         return self.endpoints
 
     def attach_servers(self, engine: Any) -> None:

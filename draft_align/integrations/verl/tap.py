@@ -202,5 +202,8 @@ def worker_tap(engine: Any, recipe: CotrainRecipe, endpoints: list[str], rank: i
     start = starting_draft(recipe)
     spec = read_tap_spec(start)
     key = channel.resolve_key(recipe.wire.key_file, recipe.run_dir, create=False)
-    hf = policy_tap(recipe, engine.module, start, tap_sender(recipe.wire, endpoints, key), rank=rank)
+    sender = tap_sender(recipe.wire, endpoints, key)
+    hf = policy_tap(
+        recipe.tap, recipe.wire, engine.module, start, sender, rank=rank, run_id=recipe.run, seed=recipe.seed
+    )
     return VerlTap(engine, hf, lambda version: hf.head_sync(version, spec.draft_to_target))

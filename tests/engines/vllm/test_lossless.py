@@ -143,7 +143,7 @@ def test_distribution_test_rejects_an_accept_always_sampler(
     assert max(z) > 2 * Z_CRIT or chi2[1][0] > 4 * chi2[1][1], (chi2, z)
 
 
-# ------------------------------------------------------------------ switching in place, and rl.verify_mode=auto
+# ------------------------------------------------------------------ switching in place, and rl.engine.verify_mode=auto
 def rates(counters: SpecCounters) -> tuple[float, float]:
     """(acceptance rate of draft tokens, its standard error) over ``counters``."""
     n = counters.num_draft_tokens

@@ -26,11 +26,11 @@ def _run_folder(tmp_path, vllm_world):
         f"draft={vllm_world.run}",
         f"data.source={vllm_world.root / 'chats.jsonl'}",
         "data.heldout=8",
-        "rl.spec_k=2",
-        "rl.temperature=0.0",
-        "rl.verify_mode=greedy",
-        "rl.max_prompt_tokens=60",
-        "rl.engine_max_model_len=256",
+        "rl.engine.spec_k=2",
+        "rl.task.temperature=0.0",
+        "rl.engine.verify_mode=greedy",
+        "rl.task.max_prompt_tokens=60",
+        "rl.engine.max_model_len=256",
     ]
     save_recipe(load_recipe(None, overrides, CotrainRecipe), run / RESOLVED_RECIPE)
     step = {

@@ -1,4 +1,4 @@
-"""rl.verify_mode=auto: the standard error of a measured acceptance length, the choice rule, the recipe's checks
+"""rl.engine.verify_mode=auto: the standard error of a measured acceptance length, the choice rule, the recipe's checks
 (no vLLM needed; the engine side is in test_vllm_rollouts.py)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 
 from draft_align.acceptance import AcceptanceTally
 from draft_align.config import CotrainRecipe, RecipeError
-from draft_align.config.sections import RLConfig
+from draft_align.config.sections import RLConfig, RLEngineConfig, RLGuardConfig
 from draft_align.engines.vllm.verify_choice import choose_verify_mode, length_se
 
 
@@ -66,11 +66,13 @@ def test_choice_with_no_rounds_and_bad_current():
 
 
 def test_recipe_auto_needs_vllm_and_probe_prompts():
-    CotrainRecipe(rl=RLConfig(engine="vllm", verify_mode="auto")).validate()
+    CotrainRecipe(rl=RLConfig(engine=RLEngineConfig(kind="vllm", verify_mode="auto"))).validate()
     for rl in (
-        RLConfig(engine="reference", verify_mode="auto"),
-        RLConfig(engine="auto", verify_mode="auto"),
-        RLConfig(engine="vllm", verify_mode="auto", engine_probe_prompts=0),
+        RLConfig(engine=RLEngineConfig(kind="reference", verify_mode="auto")),
+        RLConfig(engine=RLEngineConfig(kind="auto", verify_mode="auto")),
+        RLConfig(
+            engine=RLEngineConfig(kind="vllm", verify_mode="auto"), guard=RLGuardConfig(probe_prompts=0)
+        ),
     ):
         with pytest.raises(RecipeError, match="verify_mode=auto"):
             CotrainRecipe(rl=rl).validate()

