@@ -5,14 +5,14 @@ of its forward pass to the sidecar (the contract: :mod:`draft_align.tap.protocol
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 from torch import nn
 
 from draft_align.hf.capture import HFTap
 from draft_align.hf.parts import decoder_parts
-from draft_align.tap.base import TapBase
+from draft_align.tap.base import TapBase, TapOptions
 from draft_align.tap.logit_stats import (
     full_tensor,
     head_logit_stats,
@@ -26,14 +26,10 @@ from draft_align.tap.shipping import (
     KeptSequence,
     check_head_sync_args,
     check_step_args,
-    check_topk,
-    head_sync_message,
     host_ids,
     host_masks,
     host_tensors,
-    offer_head_sync,
     row_starts,
-    ship,
 )
 from draft_align.wire.packing import pack_sequences
 
@@ -65,10 +61,17 @@ def _row_temperatures(
     return temps
 
 
+def _as_packed_row(x: Any) -> Any:
+    """A packed forward's [N] tensor as its one row [1, N]; anything else as it is (checked by the caller)."""
+    return x.reshape(1, -1) if isinstance(x, torch.Tensor) and x.dim() == 1 else x
+
+
 class HFPolicyTap(TapBase):
     """:class:`~draft_align.tap.protocol.PolicyTap` for HF transformers causal LMs (Llama/Qwen/Mistral
     layout, or the inner model of a peft ``PeftModel``: ``peft_model.base_model.model``).
 
+    The keyword options besides ``rank`` (the messages' ``source_rank``; with ``seed`` it seeds the sample) are
+    every tap's: :class:`~draft_align.tap.base.TapOptions`.
     ``aux_layer_ids`` are HF ``hidden_states`` indices (see :class:`~draft_align.hf.capture.HFTap`).
     Per RL step at most ``tokens_per_step`` tokens are kept, as whole sequences sampled uniformly
     (:class:`~draft_align.tap.budget.TokenBudgetSketch`); they are shipped in TapBatches of
@@ -95,21 +98,18 @@ class HFPolicyTap(TapBase):
     and rows without a response are never kept), so the ranks' collectives always match.
     """
 
+    _WHO = "tap"
+
     def __init__(
         self,
         model: nn.Module,
         aux_layer_ids: Sequence[int],
         sink: TapSink,
         *,
-        run_id: str,
-        tokens_per_step: int,
-        max_tokens_per_message: int = 16384,
-        send_final: bool = True,
-        topk: int = 1,
         rank: int = 0,
-        seed: int = 0,
+        **options: Unpack[TapOptions],
     ) -> None:
-        super().__init__(sink, run_id, tokens_per_step, max_tokens_per_message, send_final)
+        super().__init__(sink, **options)
         if int(rank) < 0:
             raise PolicyTapError(f"rank must be ≥ 0, got {rank}")
         _, _, norm, lm_head = decoder_parts(model)
@@ -121,8 +121,7 @@ class HFPolicyTap(TapBase):
         self.aux_layer_ids = self._tap.aux_layer_ids
         self.hidden_size = int(norm.weight.shape[0])
         self.vocab_size = int(lm_head.weight.shape[0])
-        self.topk = check_topk(topk, self.vocab_size)
-        self._start(self._tap, seed, self.rank)
+        self._start(self._tap, self.rank)
 
     # -- capture (capturing(): TapBase's) --------------------------------------------------------------
 
@@ -197,11 +196,7 @@ class HFPolicyTap(TapBase):
         packed row padded at its end, e.g. to a bucket length): the tail is ignored.
         """
         cap = self._capture.take()
-        ids = (
-            input_ids.reshape(1, -1)
-            if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 1
-            else input_ids
-        )
+        ids = _as_packed_row(input_ids)
         if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or int(ids.shape[0]) != 1:
             raise PolicyTapError(
                 f"packed input_ids must be [1, N] or [N], got {tuple(getattr(ids, 'shape', ()))}"
@@ -214,12 +209,7 @@ class HFPolicyTap(TapBase):
             )
         lengths = cu.diff()
         bsz, width = int(lengths.numel()), int(lengths.max())
-        lm = (
-            loss_mask.reshape(1, -1)
-            if isinstance(loss_mask, torch.Tensor) and loss_mask.dim() == 1
-            else loss_mask
-        )
-        _, _, flat_response = host_masks(ids, torch.ones_like(ids), lm)
+        _, _, flat_response = host_masks(ids, torch.ones_like(ids), _as_packed_row(loss_mask))
         # the packed row as right-padded [B, width] host masks (the sample and the checks see rows)
         valid = torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)
         response = torch.zeros(bsz, width, dtype=torch.bool)
@@ -228,11 +218,7 @@ class HFPolicyTap(TapBase):
         ids_rows = torch.zeros(bsz, width, dtype=torch.int64)
         ids_rows[valid] = flat_ids
         temps = _row_temperatures(temperature, bsz, policy_version, step)
-        nl = (
-            next_logprob.reshape(1, -1)
-            if isinstance(next_logprob, torch.Tensor) and next_logprob.dim() == 1
-            else next_logprob
-        )
+        nl = _as_packed_row(next_logprob)
         self._check_outputs((1, n), logits, nl)
         if int(cap.aux.shape[0]) != 1 or int(cap.aux.shape[1]) < n:
             raise PolicyTapError(
@@ -349,17 +335,10 @@ class HFPolicyTap(TapBase):
         bias = None if lm_head.bias is None else full_tensor(lm_head.bias.detach())
         return weight, bias
 
-    # -- shipping --------------------------------------------------------------------------------------
+    # -- shipping (end_step(): TapBase's) -------------------------------------------------------------
 
-    def end_step(self) -> int:
-        """Pack the step's kept sequences into TapBatches (≤ max_tokens_per_message tokens each), offer
-        them to the sink and start a new step.  Returns the tokens of messages the sink accepted."""
-        chunks = self._sample.end_step(self.max_tokens_per_message)
-        return ship(chunks, self._tap_batch, self.sink, self._sample.counters, "tap")
-
-    def _tap_batch(self, seqs: list[KeptSequence]) -> Any:
-        """One TapBatch of ``seqs`` (same policy version, step and temperature), validated as the wire
-        encoder would; raises WireError (e.g. NaN logits gave NaN log-probs)."""
+    def _message(self, seqs: list[KeptSequence]) -> Any:
+        """One TapBatch of ``seqs`` (see :meth:`~draft_align.tap.base.TapBase._message`)."""
         header = self._header(seqs[0], self.rank, "post" if self.send_final else None)
         return pack_sequences([s.tensors for s in seqs], header, stats_from=[s.stats_from for s in seqs])
 
@@ -373,14 +352,10 @@ class HFPolicyTap(TapBase):
         if getattr(norm, "weight", None) is None:
             raise PolicyTapError(f"{type(norm).__name__}: final norm has no weight")
         weight = full_tensor(lm_head.weight.detach())
-        message = head_sync_message(
-            self.run_id,
+        return self._offer_head_sync(
             policy_version,
-            self.hidden_size,
-            self.vocab_size,
             _norm_eps(norm),
             full_tensor(norm.weight.detach()),  # under FSDP2 a sharded DTensor too
             d2t,
             weight[d2t.to(weight.device)],  # the rows of the draft vocabulary: a copy (gather)
         )
-        return offer_head_sync(self.sink, message, self._sample.counters, "tap")

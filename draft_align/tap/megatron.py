@@ -26,13 +26,13 @@ recomputed layer fires its hook again (counted as ``capture_broken``).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from draft_align.tap.base import TapBase
+from draft_align.tap.base import TapBase, TapOptions
 from draft_align.tap.logit_stats import logit_stats, stat_buffers
 from draft_align.tap.megatron_hooks import MegatronTap, gpt_parts
 from draft_align.tap.protocol import PolicyTapError, TapSink
@@ -40,12 +40,8 @@ from draft_align.tap.shipping import (
     KeptSequence,
     check_head_sync_args,
     check_step_args,
-    check_topk,
-    head_sync_message,
     host_ids,
     host_tensors,
-    offer_head_sync,
-    ship,
 )
 from draft_align.wire.codec import validate
 from draft_align.wire.messages import BatchHeader, TapPart
@@ -119,7 +115,7 @@ def vocab_parallel_logit_stats(
 class MegatronPolicyTap(TapBase):
     """:class:`~draft_align.tap.protocol.PolicyTap` for megatron-core GPTModel policies.
 
-    Arguments beyond :class:`~draft_align.tap.hf.HFPolicyTap`'s: ``tp_group`` (None when
+    Arguments beyond every tap's (:class:`~draft_align.tap.base.TapOptions`): ``tp_group`` (None when
     TP = 1), ``pp_rank``/``pp_size`` (pipeline stage), ``dp_rank`` (the pipeline's id: seeds the sample and is
     the messages' ``source_rank``), ``sequence_parallel`` (default: ``model.config.sequence_parallel``),
     ``vocab_size`` (the tokenizer's vocabulary, default the model's possibly padded one: logits and lm_head
@@ -131,18 +127,14 @@ class MegatronPolicyTap(TapBase):
     (megatron's ``parallel_output``), and the statistics are computed collectively over the TP group.
     """
 
+    _WHO = "megatron tap"
+
     def __init__(
         self,
         model: nn.Module,
         aux_layer_ids: Sequence[int],
         sink: TapSink,
         *,
-        run_id: str,
-        tokens_per_step: int,
-        max_tokens_per_message: int = 16384,
-        send_final: bool = True,
-        topk: int = 1,
-        seed: int = 0,
         tp_group: Any = None,
         pp_rank: int = 0,
         pp_size: int = 1,
@@ -150,8 +142,9 @@ class MegatronPolicyTap(TapBase):
         sequence_parallel: bool | None = None,
         vocab_size: int | None = None,
         vocab_parallel_logits: bool = False,
+        **options: Unpack[TapOptions],
     ) -> None:
-        super().__init__(sink, run_id, tokens_per_step, max_tokens_per_message, send_final)
+        super().__init__(sink, **options)
         if not 0 <= int(pp_rank) < int(pp_size) or int(dp_rank) < 0:
             raise PolicyTapError(
                 f"need 0 ≤ pp_rank < pp_size and dp_rank ≥ 0, got {pp_rank}, {pp_size}, {dp_rank}"
@@ -186,9 +179,8 @@ class MegatronPolicyTap(TapBase):
         self.vocab_size = int(vocab_size) if vocab_size is not None else model_vocab
         if not 1 <= self.vocab_size <= model_vocab:
             raise PolicyTapError(f"vocab_size {self.vocab_size} outside 1..{model_vocab} (the model's vocab)")
-        self.topk = check_topk(topk, self.vocab_size)
         # one generator per pipeline: every TP rank and stage of it keeps the same sequences
-        self._start(self._tap, seed, self.dp_rank)
+        self._start(self._tap, self.dp_rank)
 
     @classmethod
     def from_parallel_state(
@@ -312,11 +304,11 @@ class MegatronPolicyTap(TapBase):
         """Pack the step's kept sequences (≤ max_tokens_per_message tokens per message) and offer them:
         TapBatches without pipeline parallelism, TapParts with it.  Ranks that do not send (TP rank ≠ 0)
         only advance their batch ids.  Returns the tokens of messages the sink accepted."""
-        chunks = self._sample.end_step(self.max_tokens_per_message)
-        if not self.sends:
-            self._batch_id += len(chunks)  # on every rank and stage alike, so the stages' ids line up
-            return 0
-        return ship(chunks, self._message, self.sink, self._sample.counters, "megatron tap")
+        if self.sends:
+            return super().end_step()
+        # on every rank and stage alike, so the stages' ids line up
+        self._batch_id += len(self._sample.end_step(self.max_tokens_per_message))
+        return 0
 
     def _message(self, seqs: list[KeptSequence]) -> Any:
         """A TapBatch (no pipeline parallelism) or this stage's TapPart of ``seqs``; raises WireError."""
@@ -369,17 +361,7 @@ class MegatronPolicyTap(TapBase):
         norm_w = parts.final_norm.weight.detach().float()
         if getattr(cfg, "layernorm_zero_centered_gamma", False):
             norm_w = norm_w + 1.0  # megatron stores γ − 1
-        message = head_sync_message(
-            self.run_id,
-            policy_version,
-            self.hidden_size,
-            self.vocab_size,
-            cfg.layernorm_epsilon,
-            norm_w,
-            d2t,
-            rows,
-        )
-        return offer_head_sync(self.sink, message, self._sample.counters, "megatron tap")
+        return self._offer_head_sync(policy_version, cfg.layernorm_epsilon, norm_w, d2t, rows)
 
     def stats(self) -> dict[str, int]:
         """Counters since construction (as HFPolicyTap's, plus ``capture_broken``)."""

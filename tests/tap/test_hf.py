@@ -547,6 +547,11 @@ def test_constructor_errors(tiny_lm):
         HFPolicyTap(tiny_lm, AUX, object(), run_id="r", tokens_per_step=10)
     with pytest.raises(TapError, match="outside"):
         HFPolicyTap(tiny_lm, (1, 5), sink, run_id="r", tokens_per_step=10)
+    # the options every tap forwards to TapBase stay strict: a misspelt or missing one is refused
+    with pytest.raises(TypeError, match="token_per_step"):
+        HFPolicyTap(tiny_lm, AUX, sink, run_id="r", token_per_step=10)
+    with pytest.raises(TypeError, match="tokens_per_step"):
+        HFPolicyTap(tiny_lm, AUX, sink, run_id="r")
 
 
 def test_submit_errors(tiny_lm):

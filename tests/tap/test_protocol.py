@@ -1,10 +1,14 @@
 """tap.protocol: the Protocols an RL job programs against, and the taps and sinks that satisfy them."""
 
+import inspect
+import typing
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from draft_align.hf.capture import TapError
+from draft_align.tap.base import TapBase, TapOptions
 from draft_align.tap.hf import HFPolicyTap
 from draft_align.tap.protocol import PolicyTap, PolicyTapError, TapSink
 from tests.helpers import ListSink
@@ -34,3 +38,14 @@ def test_protocols():
 
 def test_policy_tap_errors_are_tap_errors_and_value_errors():
     assert issubclass(PolicyTapError, TapError) and issubclass(PolicyTapError, ValueError)
+
+
+def test_tap_options_are_tap_base_keywords():
+    """TapOptions (what HFPolicyTap and MegatronPolicyTap forward) names exactly TapBase's keyword arguments."""
+    params = inspect.signature(TapBase.__init__).parameters.values()
+    keywords = {p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    assert keywords == set(TapOptions.__annotations__)
+    required = {p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY and p.default is p.empty}
+    # string annotations (from __future__ import annotations) leave __required_keys__ empty: resolve them
+    hints = typing.get_type_hints(TapOptions, include_extras=True)
+    assert required == {n for n, t in hints.items() if typing.get_origin(t) is typing.Required}
