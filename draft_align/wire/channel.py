@@ -73,8 +73,8 @@ _REFILL_GRACE_MS = (
 
 
 class _Inbox:
-    """A receiving socket (bound or connected) that decodes, validates, drops replays and counts; used by
-    Receiver and Subscriber.
+    """A receiving socket (bound or connected, to an endpoint :func:`check_endpoint` allows) that decodes,
+    validates, drops replays and counts; used by Receiver and Subscriber.
 
     Memory before authentication is bounded: with a key, a peer must pass the PLAIN handshake (ZAP) before
     libzmq reads any of its frames; ``MAXMSGSIZE`` bounds each frame by the message limit and ``RCVHWM``
@@ -87,11 +87,13 @@ class _Inbox:
         key: bytes | None,
         *,
         bind: bool,
+        allow_remote: bool,
         max_bytes: int,
         max_tokens: int,
         buffer_bytes: int,
         guard: SequenceGuard | None = None,
     ) -> None:
+        check_endpoint(endpoint, key, allow_remote)
         import zmq
 
         if max_bytes < 1 or buffer_bytes < 1:
@@ -274,6 +276,11 @@ class _Listening(Closing):
     _inbox: _Inbox
 
     @property
+    def endpoint(self) -> str:
+        """The address: as bound for a Receiver (a tcp '*' port resolved), as given for a Subscriber."""
+        return self._inbox.endpoint
+
+    @property
     def rejected(self) -> collections.Counter[str]:
         """Rejections so far, by reason (refused handshakes included)."""
         self._inbox._count_auth_failures()
@@ -312,18 +319,17 @@ class Receiver(_Listening):
         buffer_bytes: int = DEFAULT_BUFFER_BYTES,
         guard: SequenceGuard | None = None,
     ) -> None:
-        check_endpoint(endpoint, key, allow_remote)
         self._inbox = _Inbox(
             "PULL",
             endpoint,
             key,
             bind=True,
+            allow_remote=allow_remote,
             max_bytes=max_bytes,
             max_tokens=max_tokens,
             buffer_bytes=buffer_bytes,
             guard=guard,
         )
-        self.endpoint = self._inbox.endpoint  # the bound address (a tcp '*' port resolved)
 
     def recv(self, timeout_ms: int | None = None) -> Message | None:
         """Next valid message; None when ``timeout_ms`` passes (None waits forever) or, with 0, when
@@ -387,17 +393,16 @@ class Subscriber(_Listening):
     def __init__(
         self, endpoint: str, key: bytes | None, *, allow_remote: bool = False, max_bytes: int = 1024 * 1024
     ) -> None:
-        check_endpoint(endpoint, key, allow_remote)
         self._inbox = _Inbox(
             "SUB",
             endpoint,
             key,
             bind=False,
+            allow_remote=allow_remote,
             max_bytes=max_bytes,
             max_tokens=DEFAULT_MAX_TOKENS,
             buffer_bytes=64 * max_bytes,
         )
-        self.endpoint = endpoint
 
     def poll(self, timeout_ms: int | None = 0) -> DraftPublished | None:
         """Next valid DraftPublished, or None after ``timeout_ms`` (0: only what already arrived)."""

@@ -154,27 +154,17 @@ class SequenceGuard:
             raise ValueError("senders and dormant must be lists")
         now = self._clock()
         newest: OrderedDict[str, tuple[int, float]] = OrderedDict()
-        for entry in senders:
+        for entry in senders:  # [sender id, seq, seconds since it was heard]
             if (
-                not isinstance(entry, list)
-                or len(entry) != 3
-                or not isinstance(entry[0], str)
-                or type(entry[1]) is not int
-                or not 0 <= entry[1] <= _MAX_INT
+                not _entry_ok(entry, 3)
                 or not isinstance(entry[2], int | float)
                 or not 0 <= entry[2] < float("inf")
             ):
                 raise ValueError(f"bad sender entry {str(entry)[:80]}")
             newest[entry[0]] = (entry[1], now - float(entry[2]))
         dormant: OrderedDict[str, int] = OrderedDict()
-        for entry in dormant_entries:
-            if (
-                not isinstance(entry, list)
-                or len(entry) != 2
-                or not isinstance(entry[0], str)
-                or type(entry[1]) is not int
-                or not 0 <= entry[1] <= _MAX_INT
-            ):
+        for entry in dormant_entries:  # [sender id, seq]
+            if not _entry_ok(entry, 2):
                 raise ValueError(f"bad dormant entry {str(entry)[:80]}")
             dormant[entry[0]] = entry[1]
         # over the bounds (a file of another configuration): the least recently heard go dormant, the longest
@@ -185,6 +175,18 @@ class SequenceGuard:
         while len(self._dormant) > self._max_dormant:
             self._dormant.popitem(last=False)
         self.changes = 0
+
+
+def _entry_ok(entry: Any, size: int) -> bool:
+    """``entry`` (of a saved state) is a list of ``size`` items that starts with a sender id (str) and a
+    sequence number (int in 0.._MAX_INT)."""
+    return (
+        isinstance(entry, list)
+        and len(entry) == size
+        and isinstance(entry[0], str)
+        and type(entry[1]) is int
+        and 0 <= entry[1] <= _MAX_INT
+    )
 
 
 def _state_mac(key: bytes | None, body: bytes) -> str | None:
