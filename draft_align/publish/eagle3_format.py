@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 
 from draft_align.conventions import default_aux_layer_ids
 from draft_align.heads.draft_head import DraftConfigError
@@ -47,6 +48,8 @@ from draft_align.publish.folder import (
     EAGLE3_FORMAT,
     FORMAT_VERSION,
     RESERVED_KEYS,
+    WEIGHTS_FILE,
+    CorruptCheckpointError,
     Dialect,
     ExportError,
     ExportRequest,
@@ -58,8 +61,9 @@ from draft_align.publish.folder import (
     read_head_config,
     read_weights,
     stored_itemsize,
+    verify_file,
 )
-from draft_align.publish.formats import HeadFormat, check_built_for, check_positions
+from draft_align.publish.formats import HeadFormat, TapCapture, check_built_for, check_positions
 
 SPECULATORS_ARCHITECTURE = "Eagle3Speculator"  # speculators' Eagle3SpeculatorConfig.architectures default
 # Both engines build fc as Linear(3·target_hidden_size, H): vLLM llama_eagle3.py `target_hidden_size * 3`,
@@ -405,6 +409,27 @@ def check_target(manifest: Mapping[str, Any], target_config: Any) -> None:
         )
 
 
+# --------------------------------------------------------------------------------------- what a Tap captures
+def tap_capture(path: Path, manifest: Mapping[str, Any]) -> TapCapture:
+    """The aux layers of ``eagle3_config`` and ``d2t + arange`` from model.safetensors, whose sha256 and size are
+    verified first (CorruptCheckpointError otherwise); only the one ``d2t`` tensor is read (``safe_open``)."""
+    cfg = Eagle3Config.from_dict(dict(manifest["eagle3_config"]))
+    verify_file(path, WEIGHTS_FILE, manifest["files"][WEIGHTS_FILE])
+    try:
+        with safe_open(str(path / WEIGHTS_FILE), framework="pt") as f:
+            if full_vocab(cfg) and "d2t" not in f.keys():  # stored in target order, no map (heads/eagle3.py)
+                d2t = torch.zeros(cfg.draft_vocab_size, dtype=torch.long)
+            else:
+                d2t = f.get_tensor("d2t").to(torch.long)
+    except Exception as e:  # safetensors raises its own error types
+        raise CorruptCheckpointError(f"{WEIGHTS_FILE}: no readable d2t ({e})") from e
+    if d2t.shape != (cfg.draft_vocab_size,):
+        raise CorruptCheckpointError(
+            f"{WEIGHTS_FILE}: d2t is {list(d2t.shape)}, expected [{cfg.draft_vocab_size}]"
+        )
+    return tuple(cfg.aux_layer_ids), d2t + torch.arange(d2t.numel())
+
+
 FORMAT = HeadFormat(
     name=EAGLE3_FORMAT,
     kind="eagle3",
@@ -414,4 +439,5 @@ FORMAT = HeadFormat(
     load=load_eagle3,
     weights_data_bytes=weights_data_bytes,
     check_target=check_target,
+    tap_capture=tap_capture,
 )

@@ -1,6 +1,6 @@
 """What a published-draft format is: :class:`DraftFormat`, the interface :func:`publish.write_draft`,
-:func:`publish.load_draft` and :func:`compat.check_compatible` use, and :class:`HeadFormat`, the one way a format
-module declares itself (its head class and its own functions).
+:func:`publish.load_draft`, :func:`compat.check_compatible` and :func:`tap_spec.read_tap_spec` use, and
+:class:`HeadFormat`, the one way a format module declares itself (its head class and its own functions).
 
 Each format module ends with its ``FORMAT`` (``eagle3_format``, ``mtp_format``, ``native_mtp_format``);
 ``publish/registry.py`` lists them by head kind and by manifest format.
@@ -20,6 +20,10 @@ from draft_align.conventions import HeadKind
 from draft_align.heads.draft_head import DraftConfigError, DraftHead
 from draft_align.heads.lora import is_lora, merged
 from draft_align.publish.folder import ExportError, ExportRequest
+
+#: what a Tap captures for a published draft: (HF ``hidden_states`` indices the draft reads, [draft_vocab] int64
+#: target id of each draft id)
+TapCapture = tuple[tuple[int, ...], torch.Tensor]
 
 
 class DraftFormat(Protocol):
@@ -64,6 +68,12 @@ class DraftFormat(Protocol):
         """ExportError unless the draft ``manifest`` describes fits ``target_config`` (the tokenizer aside)."""
         ...
 
+    def tap_capture(self, path: Path, manifest: Mapping[str, Any]) -> TapCapture:
+        """What a policy-side Tap captures for the folder at ``path`` (its manifest already size-checked), read
+        without loading the draft: the HF ``hidden_states`` indices the draft reads, and the target id of each
+        draft id (int64)."""
+        ...
+
 
 H = TypeVar("H", bound=nn.Module)
 
@@ -81,6 +91,7 @@ class HeadFormat(Generic[H]):
     load: Callable[..., H]  # (path, manifest, *, device, dtype, weights): DraftFormat.load
     weights_data_bytes: Callable[[Path, Mapping[str, Any]], int]
     check_target: Callable[[Mapping[str, Any], Any], None]
+    tap_capture: Callable[[Path, Mapping[str, Any]], TapCapture]
 
     def own(self, draft: object) -> H:
         """``draft`` as this format's head class; ExportError for any other object."""

@@ -52,7 +52,13 @@ from draft_align.publish.folder import (
     read_weights,
     stored_itemsize,
 )
-from draft_align.publish.formats import HeadFormat, check_built_for, check_positions, refuse_dialect
+from draft_align.publish.formats import (
+    HeadFormat,
+    TapCapture,
+    check_built_for,
+    check_positions,
+    refuse_dialect,
+)
 
 MTP_FORMAT_VERSION = 1
 ARCHITECTURES = {"deepseek_v3": "DeepSeekMTPModel", "qwen3_next": "Qwen3NextMTP"}
@@ -464,6 +470,12 @@ def check_target(manifest: Mapping[str, Any], target_config: Any) -> None:
     check_positions(cfg["max_position_embeddings"], target_config)
 
 
+def tap_capture(path: Path, manifest: Mapping[str, Any]) -> TapCapture:
+    """The aux layers of ``mtp_config`` (the final hidden state) and the full target vocabulary; no weights read."""
+    mtp = MTPConfig.from_dict(dict(manifest["mtp_config"]))
+    return tuple(mtp.aux_layer_ids), torch.arange(mtp.vocab_size)
+
+
 FORMAT = HeadFormat(
     name=MTP_FORMAT,
     kind="llama_block_mtp",
@@ -473,4 +485,5 @@ FORMAT = HeadFormat(
     load=load_mtp,
     weights_data_bytes=weights_data_bytes,
     check_target=check_target,
+    tap_capture=tap_capture,
 )

@@ -52,7 +52,7 @@ from draft_align.publish.folder import (
     read_weights,
     stored_itemsize,
 )
-from draft_align.publish.formats import HeadFormat, check_built_for, refuse_dialect
+from draft_align.publish.formats import HeadFormat, TapCapture, check_built_for, refuse_dialect
 
 NATIVE_MTP_FORMAT_VERSION = 1
 LM_HEAD = "lm_head.weight"
@@ -190,6 +190,14 @@ def check_target(manifest: Mapping[str, Any], target_config: Any) -> None:
     )
 
 
+def tap_capture(path: Path, manifest: Mapping[str, Any]) -> TapCapture:
+    """A model's own MTP layers read the final hidden state (HF index L) and propose over the full target
+    vocabulary: both from the manifest's ``target``, no weights read."""
+    target = dict(manifest["target"])
+    vocab, layers = int(target["vocab_size"]), int(target["num_hidden_layers"])
+    return (layers,), torch.arange(vocab)
+
+
 def from_target_checkpoint(
     model_dir: Path,
     target_config: Any,
@@ -258,6 +266,7 @@ FORMAT = HeadFormat(
     load=load_native_mtp,
     weights_data_bytes=weights_data_bytes,
     check_target=check_target,
+    tap_capture=tap_capture,
 )
 
 
@@ -270,6 +279,7 @@ __all__ = [
     "from_target_checkpoint",
     "load_native_mtp",
     "shared_names",
+    "tap_capture",
     "weights_data_bytes",
     "write_native_mtp",
 ]

@@ -1,7 +1,9 @@
 """The published-draft formats, by head kind (what writing picks) and by manifest format (what reading picks).
 
 A new format is a module that ends with its ``FORMAT`` (a :class:`formats.HeadFormat`) and one line here;
-:func:`publish.write_draft`, :func:`publish.load_draft` and :func:`compat.check_compatible` then handle it.
+:func:`publish.write_draft`, :func:`publish.load_draft`, :func:`compat.check_compatible` and
+:func:`tap_spec.read_tap_spec` then handle it (vLLM's side of it, the ``speculative_config`` method and the load
+check's drafter class: one entry in ``engines/vllm/drafters.py``).
 """
 
 from __future__ import annotations

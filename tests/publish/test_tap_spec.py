@@ -43,3 +43,25 @@ def test_tampered_weights_are_refused(e3, tmp_path):
     sd_path.write_bytes(sd_path.read_bytes()[:100])
     with pytest.raises(CorruptCheckpointError, match="bytes"):
         read_tap_spec(out)
+
+
+@pytest.mark.parametrize("layout", ["deepseek_v3", "qwen3_next"])
+def test_an_mtp_draft_taps_the_final_hidden_over_the_full_vocabulary(tiny_llama, tmp_path, layout):
+    from draft_align.heads.mtp import MTPDraft
+    from draft_align.publish import export_draft
+
+    target = tiny_llama(4, 48, 32)
+    out = export_draft(
+        MTPDraft.attach(target, depth=1, layout=layout),
+        tmp_path / "v",
+        target_config=target.config,
+        target_name="tiny",
+        metrics={},
+        draft_version=2,
+        policy_version=1,
+        tokenizer_fingerprint="fp",
+    )
+    spec = read_tap_spec(out)
+    assert (spec.kind, spec.format, spec.aux_layer_ids) == ("llama_block_mtp", "draft_align.mtp", (4,))
+    assert torch.equal(spec.draft_to_target, torch.arange(48))
+    assert (spec.draft_version, spec.policy_version) == (2, 1)

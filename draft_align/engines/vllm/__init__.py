@@ -20,6 +20,8 @@
 - :mod:`.target_responses`: the warm-start's self-distillation on a plain engine (continuous batching, per-request
   seeds, chunks handed over as they finish);
 - :mod:`.vllm_eval`: ``draft-align eval`` on vLLM (one batched ``generate``, the counters as the measurement);
+- :mod:`.drafters`: what vLLM does with each published format (its ``speculative_config`` method, the drafter
+  class the load check builds), one entry per manifest format;
 - :mod:`.load_check`: our folders through vLLM's own draft model classes, without an engine;
 - :mod:`.round_timing`: seconds of one engine step, plain and speculative, per batch size;
 - :mod:`.verify_choice`: which draft sampling pays at T > 0, measured on the running engine.

@@ -1,14 +1,11 @@
 """Our folders through vLLM's own draft model classes, built on CPU without an engine, fed through their
-``load_weights``: EAGLE-3 (either dialect) → ``llama_eagle3.Eagle3LlamaForCausalLM`` with the draft's
-config parsed by vLLM's own ``ModelConfig`` (the speculators dialect through vLLM's speculators reader);
-the Llama-block MTP layouts → ``deepseek_mtp.DeepSeekMTP`` / ``qwen3_next_mtp.Qwen3NextMTP``; a native MTP
-folder (format ``draft_align.native_mtp``) → the family's own drafter (``mimo_mtp.MiMoMTP``,
-``glm4_moe_mtp.Glm4MoeMTP``, ``deepseek_mtp.DeepSeekMTP``) built from the folder's own config.json.
+``load_weights``: which class, against which target config, and what its loader skips or takes from the target,
+is the folder's format's entry in :mod:`.drafters` (EAGLE-3 → ``llama_eagle3.Eagle3LlamaForCausalLM`` with the
+draft's config parsed by vLLM's own ``ModelConfig``; the Llama-block MTP layouts → ``deepseek_mtp.DeepSeekMTP`` /
+``qwen3_next_mtp.Qwen3NextMTP``; a native MTP folder → the family's own drafter).
 
 The class is built inside a one-process gloo group and ``set_current_vllm_config``; the target is a tiny
-config shaped like the draft's target (EAGLE-3: a Llama with the manifest's layers / vocab / hidden; Llama-block MTP: the
-*real* architecture with our head's shapes, the smallest block vLLM builds; native MTP: the target's config the
-folder carries).  Each tensor of ``model.safetensors`` is offered to
+config shaped like the draft's target.  Each tensor of ``model.safetensors`` is offered to
 ``load_weights`` on its own, so the report says, per tensor, whether it landed in a parameter, was
 dropped without a word, or was refused with an error; and which of vLLM's parameters nothing wrote.  An MTP
 drafter's embedding and lm_head (``shared_head.head`` too) are listed apart as ``shared``: vLLM's proposer
@@ -22,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,24 +26,12 @@ from typing import Any
 import safetensors.torch
 import torch
 
+from draft_align.engines.vllm.drafters import CLASSES, drafter_for
 from draft_align.heads.native_mtp import EMBED
-from draft_align.publish.folder import CONFIG_FILE, MANIFEST_FILE, NATIVE_MTP_FORMAT, WEIGHTS_FILE
+from draft_align.publish.folder import CONFIG_FILE, MANIFEST_FILE, WEIGHTS_FILE
 
-# llama_eagle3.py load_weights: `if "t2d" in name: continue` (vLLM maps with d2t only)
-_SKIPPED_BY_DESIGN = {"eagle3": ("t2d",)}
 _SENTINEL = 7.75  # exactly representable; no random weight equals it
-# layout → (module under vllm.model_executor.models, class); "native_mtp/<family>": the family's own drafter
-_CLASSES = {
-    "eagle3": ("llama_eagle3", "Eagle3LlamaForCausalLM"),
-    "deepseek_v3": ("deepseek_mtp", "DeepSeekMTP"),
-    "qwen3_next": ("qwen3_next_mtp", "Qwen3NextMTP"),
-    "native_mtp/mimo": ("mimo_mtp", "MiMoMTP"),
-    "native_mtp/glm4_moe": ("glm4_moe_mtp", "Glm4MoeMTP"),
-    "native_mtp/deepseek_v3": ("deepseek_mtp", "DeepSeekMTP"),
-}
-VLLM_CLASSES = {layout: cls for layout, (_, cls) in _CLASSES.items()}
-# vLLM parameters an MTP drafter takes from the target at engine load (llm_base_proposer.py)
-_SHARED_WITH_TARGET = ("embed_tokens.", "lm_head.", "shared_head.head.")
+VLLM_CLASSES = {layout: cls for layout, (_, cls) in CLASSES.items()}
 
 
 @dataclass
@@ -92,64 +76,6 @@ class LoadReport:
         return out
 
 
-def _target_config(layout: str, cfg: Mapping[str, Any]) -> Any:
-    """A tiny HF config of the real architecture with our head's shapes (dense MLP, no experts)."""
-    n, depth = int(cfg["num_hidden_layers"]), int(cfg.get("num_nextn_predict_layers", 1))
-    common = dict(
-        vocab_size=int(cfg["vocab_size"]),
-        hidden_size=int(cfg["hidden_size"]),
-        intermediate_size=int(cfg["intermediate_size"]),
-        num_hidden_layers=n,
-        num_attention_heads=int(cfg["num_attention_heads"]),
-        num_key_value_heads=int(cfg["num_key_value_heads"]),
-        max_position_embeddings=int(cfg["max_position_embeddings"]),
-        rms_norm_eps=float(cfg["rms_norm_eps"]),
-        tie_word_embeddings=False,
-    )
-    if layout == "deepseek_v3":
-        from transformers import DeepseekV3Config
-
-        # qk_nope/qk_rope 0 → vLLM's plain multi-head DeepseekAttention (the closest to our Llama block);
-        # first_k_dense_replace past every MTP layer → a dense MLP there.
-        c = DeepseekV3Config(
-            **common,
-            num_nextn_predict_layers=depth,
-            first_k_dense_replace=n + depth,
-            n_routed_experts=1,
-            n_shared_experts=0,
-            num_experts_per_tok=1,
-            q_lora_rank=None,
-            kv_lora_rank=0,
-            qk_nope_head_dim=0,
-            qk_rope_head_dim=0,
-            v_head_dim=0,
-            head_dim=int(cfg["head_dim"]),
-            n_group=1,
-            topk_group=1,
-        )
-        c.architectures = ["DeepseekV3ForCausalLM"]
-        return c
-    from transformers import Qwen3NextConfig
-
-    # Qwen3NextMTP.__init__ raises "No Qwen3Next layer found" unless its block is a sparse-MoE one
-    # (set_moe_parameters): the smallest such block, two experts, one shared expert.
-    inter = int(cfg["intermediate_size"])
-    c = Qwen3NextConfig(
-        **common,
-        num_experts=2,
-        num_experts_per_tok=1,
-        moe_intermediate_size=inter,
-        shared_expert_intermediate_size=inter,
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
-        head_dim=int(cfg["head_dim"]),
-        num_nextn_predict_layers=depth,
-        mtp_num_hidden_layers=depth,
-    )
-    c.architectures = ["Qwen3NextForCausalLM"]
-    return c
-
-
 def _build(layout: str, hf_config: Any, workdir: Path, draft_dir: Path | None = None) -> Any:
     """vLLM's draft model on CPU, outside any engine (a one-process gloo group); ``hf_config`` is the
     target's, ``draft_dir`` the EAGLE-3 folder (MTP drafts are configured by the target's config)."""
@@ -186,32 +112,11 @@ def _build(layout: str, hf_config: Any, workdir: Path, draft_dir: Path | None = 
         draft_parallel_config=vc.parallel_config,
         parallel_drafting=False,
     )
-    module, cls = _CLASSES[layout]
+    module, cls = CLASSES[layout]
     with set_current_vllm_config(vc), torch.device("cpu"):
         return getattr(importlib.import_module(f"vllm.model_executor.models.{module}"), cls)(
             vllm_config=vc
         ), vc
-
-
-def _eagle3_target_config(folder: Path) -> Any:
-    """A Llama target with the layers / vocab / hidden size the EAGLE-3 draft's manifest records."""
-    from transformers import LlamaConfig
-
-    e3 = json.loads((folder / MANIFEST_FILE).read_text())["eagle3_config"]
-    heads = int(e3["num_attention_heads"])
-    h = int(e3["target_hidden_size"])
-    c = LlamaConfig(
-        vocab_size=int(e3["vocab_size"]),
-        hidden_size=h,
-        intermediate_size=2 * h,
-        num_hidden_layers=int(e3["target_num_layers"]),
-        num_attention_heads=heads,
-        num_key_value_heads=heads,
-        head_dim=h // heads,
-        max_position_embeddings=int(e3["max_position_embeddings"]),
-    )
-    c.architectures = ["LlamaForCausalLM"]
-    return c
 
 
 def vllm_load(folder: Path) -> LoadReport:
@@ -221,33 +126,18 @@ def vllm_load(folder: Path) -> LoadReport:
     folder = Path(folder)
     cfg = json.loads((folder / CONFIG_FILE).read_text())
     manifest = json.loads((folder / MANIFEST_FILE).read_text())
-    native = manifest.get("format") == NATIVE_MTP_FORMAT
-    mtp = native or str(cfg.get("model_type", "")).endswith("_mtp")
-    if native:
-        layout = f"native_mtp/{manifest.get('family')}"
-        if layout not in _CLASSES:
-            known = ", ".join(k.removeprefix("native_mtp/") for k in _CLASSES if k.startswith("native_mtp/"))
-            raise ValueError(
-                f"no vLLM drafter known for native MTP family {manifest.get('family')!r}: {known}"
-            )
-    else:
-        layout = str(cfg["model_type"]).removesuffix("_mtp") if mtp else "eagle3"
+    drafter = drafter_for(manifest)
+    layout = drafter.layout(manifest, cfg)
     tensors = safetensors.torch.load_file(str(folder / WEIGHTS_FILE))
     with tempfile.TemporaryDirectory() as tmp:
         os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-        if native:
-            from transformers import AutoConfig
-
-            model, vc = _build(layout, AutoConfig.from_pretrained(folder), Path(tmp))
-        elif mtp:
-            model, vc = _build(layout, _target_config(layout, cfg), Path(tmp))
-        else:
-            model, vc = _build(layout, _eagle3_target_config(folder), Path(tmp), draft_dir=folder)
+        target = drafter.target_config(folder, manifest, cfg, layout)
+        model, vc = _build(layout, target, Path(tmp), draft_dir=folder if drafter.own_config else None)
         rep = LoadReport(layout=layout, vllm_class=VLLM_CLASSES[layout])
         rep.nonfinite = sorted(
             n for n, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())
         )
-        if not mtp:
+        if drafter.own_config:
             from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import get_eagle3_aux_layers_from_config
 
             ids = get_eagle3_aux_layers_from_config(vc.speculative_config)
@@ -271,7 +161,7 @@ def vllm_load(folder: Path) -> LoadReport:
         def verdict(name: str, hit: list[str]) -> None:
             if hit:
                 rep.landed[name] = hit
-            elif name in _SKIPPED_BY_DESIGN.get(layout, ()):
+            elif name in drafter.skipped:
                 rep.skipped.append(name)
             else:
                 rep.dropped.append(name)
@@ -288,13 +178,12 @@ def vllm_load(folder: Path) -> LoadReport:
             # decoding layer N weights missing"): a tensor it refused alone is offered again after one that
             # landed, as a whole-folder load would see it
             anchor = next((n for n in rep.landed if n not in (EMBED, "lm_head.weight")), None)
-            for name in list(rep.refused) if native and anchor else []:
+            for name in list(rep.refused) if drafter.retry_in_company and anchor else []:
                 hit, err = offer([(anchor, tensors[anchor]), (name, tensors[name])])
                 if err is None:  # refused in company too: the first error stands
                     del rep.refused[name]
                     verdict(name, sorted(set(partial[name]) | set(hit)))
-        if mtp:
-            rep.shared = sorted(k for k in params if any(s in k for s in _SHARED_WITH_TARGET))
+        rep.shared = sorted(k for k in params if any(s in k for s in drafter.shared))
         # a parameter with any element still at the sentinel was (partly) never written, e.g. the k/v
         # rows of a fused qkv_proj when only q_proj landed
         rep.unloaded = sorted(

@@ -23,10 +23,10 @@ from pathlib import Path
 from typing import Any
 
 from draft_align.engines.vllm.draft_update import BACKEND
+from draft_align.engines.vllm.drafters import speculative_config
 from draft_align.engines.vllm.engine_error import EngineError
 from draft_align.engines.vllm.server_client import VLLMServer
 from draft_align.publish import checked_manifest
-from draft_align.publish.folder import NATIVE_MTP_FORMAT
 from draft_align.publish.versions import resolve_draft_dir
 
 # the server's environment on a CPU: vLLM's RL routes, a small KV cache, no OpenMP pinning
@@ -75,11 +75,9 @@ def server_command(
     if draft is not None:
         folder = resolve_draft_dir(Path(draft))
         manifest = checked_manifest(folder, verify=True)
-        method = "mtp" if manifest.get("format") == NATIVE_MTP_FORMAT else "eagle3"
-        spec = {"method": method, "model": str(folder), "num_speculative_tokens": int(k)}
         argv += [
             "--speculative-config",
-            json.dumps(spec),
+            json.dumps(speculative_config(folder, manifest, k)),
             "--weight-transfer-config",
             json.dumps({"backend": BACKEND}),
         ]

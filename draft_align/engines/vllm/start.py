@@ -1,7 +1,8 @@
 """Start a ``vllm.LLM`` drafting with a published EAGLE-3 folder, and the vLLM-CPU environment a launcher sets.
 
 :func:`start_engine` builds ``vllm.LLM`` with ``speculative_config = {"method": "eagle3", "model": draft,
-"num_speculative_tokens": k}`` and statistics on (``disable_log_stats=False``), so the spec-decode counters
+"num_speculative_tokens": k}`` (a native MTP folder: ``"mtp"``; the method by format: :mod:`.drafters`) and
+statistics on (``disable_log_stats=False``), so the spec-decode counters
 are readable with ``LLM.get_metrics()`` (:class:`~draft_align.engines.vllm.counters.SpecCounters`).
 """
 
@@ -17,12 +18,12 @@ from typing import TYPE_CHECKING, Any
 
 from draft_align.engines.vllm.cpu_patch import cpu_expand_kernel_broken, rpc_patch_cpu_expand_kernel
 from draft_align.engines.vllm.draft_update import BACKEND
+from draft_align.engines.vllm.drafters import speculative_config
 from draft_align.engines.vllm.engine_error import EngineError
 from draft_align.engines.vllm.worker_ext import EXTENSION, RPC_NAMES
 from draft_align.engines.vllm.worker_rpc import DRAFT_SAMPLE_METHODS, DraftSampleMethod
 from draft_align.publish import checked_manifest
 from draft_align.publish.compat import check_compatible
-from draft_align.publish.folder import NATIVE_MTP_FORMAT
 from draft_align.publish.versions import resolve_draft_dir
 
 if TYPE_CHECKING:
@@ -145,9 +146,7 @@ def start_engine(
     manifest = checked_manifest(draft, verify=True)
     resolved = resolve_model(target)
     check_compatible(manifest, AutoConfig.from_pretrained(resolved), None)
-    # a model's own MTP layers are served by vLLM's MTP drafter of the target's family (docs/mtp.md)
-    method = "mtp" if manifest.get("format") == NATIVE_MTP_FORMAT else "eagle3"
-    spec: dict[str, Any] = {"method": method, "model": str(draft), "num_speculative_tokens": int(k)}
+    spec = speculative_config(draft, manifest, k)  # its method from the folder's format (drafters.py)
     if draft_sample_method is not None:
         spec["draft_sample_method"] = draft_sample_method
     vllm = import_vllm()
