@@ -21,22 +21,14 @@ import torch
 from draft_align.conventions import default_aux_layer_ids
 from draft_align.heads.eagle3 import ARCHITECTURE, ENGINE_NUM_AUX
 from draft_align.heads.eagle3 import expected_shapes as eagle3_expected_shapes
+from draft_align.publish.config_json import SHAPE_FIELDS
 from draft_align.publish.folder import CONFIG_FILE, MANIFEST_FILE, WEIGHTS_FILE
 
 # ARCHITECTURE is the only EAGLE-3 class SGLang registers for the HF layout
 NUM_AUX = ENGINE_NUM_AUX  # fc = Linear(3 · target_hidden_size, hidden_size)
 _FLOAT_DTYPES = {"BF16", "F16", "F32"}
-_INT_FIELDS = (
-    "hidden_size",
-    "intermediate_size",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "max_position_embeddings",
-    "vocab_size",
-    "draft_vocab_size",
-    "target_hidden_size",
-)
+# what SGLang sizes the draft from: the Llama block's shape fields and EAGLE-3's two
+_INT_FIELDS = (*SHAPE_FIELDS, "draft_vocab_size", "target_hidden_size")
 
 
 def sglang_default_capture(num_layers: int) -> list[int]:
