@@ -1,7 +1,8 @@
 """Draft heads: pure math, no I/O (docs/formats.md).
 
-- ``draft_head.py``: :class:`DraftHead`, the interface every head implements, and what every head's configuration
-  raises and reads with (:class:`DraftConfigError`, ``config_from_dict``);
+- ``draft_head.py``: :class:`DraftHead`, the interface every head implements, what every head's configuration
+  raises and reads with (:class:`DraftConfigError`, ``config_from_dict``), and the code the heads share
+  (``DraftModule``; ``SharedHeadDraft``, ``SharedHeadConfig``: a head on the target's own lm_head);
 - ``layers.py``: the Llama decoder-block pieces both heads are built from (RMSNorm, RoPE, attention, MLP);
 - ``eagle3.py``: the EAGLE-3 head (vLLM's and SGLang's ``LlamaForCausalLMEagle3``), its TTT unroll and KV-cached step;
 - ``mtp.py``: the multi-token-prediction head (DeepSeek-V3 and Qwen3-Next layouts);

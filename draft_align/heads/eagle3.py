@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from draft_align.conventions import default_aux_layer_ids
-from draft_align.heads.draft_head import DraftConfigError, HeadKind, config_from_dict
+from draft_align.heads.draft_head import DraftConfigError, DraftModule, HeadKind, config_from_dict
 from draft_align.heads.layers import (
     MLP,
     Attention,
@@ -39,6 +39,7 @@ from draft_align.heads.layers import (
     attend,
     block_shape_from_target,
     chain_tokens,
+    default_rope,
     next_tokens,
 )
 
@@ -62,9 +63,7 @@ class Eagle3Config:
     max_position_embeddings: int
     rms_norm_eps: float = 1e-5
     hidden_act: str = "silu"
-    rope_parameters: dict[str, Any] = field(
-        default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0}
-    )
+    rope_parameters: dict[str, Any] = field(default_factory=default_rope)
     torch_dtype: str = "bfloat16"
 
     def __post_init__(self) -> None:
@@ -227,7 +226,7 @@ class MidLayer(nn.Module):
         return r + self.mlp(self.post_attention_layernorm(r))
 
 
-class Eagle3Draft(nn.Module):
+class Eagle3Draft(DraftModule):
     """The EAGLE-3 head.  The token embedding is the target's and is passed in, never owned."""
 
     kind: HeadKind = "eagle3"
@@ -283,10 +282,6 @@ class Eagle3Draft(nn.Module):
         }
 
     # ----------------------------------------------------------------- training: TTT unroll
-    def unroll(self, *args: Any, **kwargs: Any) -> list[torch.Tensor]:
-        """Like :meth:`unroll_hidden`, returning draft logits [B, M, draft_vocab] per step."""
-        return [self.lm_head(x) for x in self.unroll_hidden(*args, **kwargs)]
-
     def unroll_hidden(
         self,
         aux: torch.Tensor,
@@ -337,10 +332,7 @@ class Eagle3Draft(nn.Module):
 
     # ----------------------------------------------------------------- inference: KV-cached
     def new_cache(self) -> KVCache:
-        a = self.midlayer.self_attn
-        p = next(self.parameters())
-        empty = torch.zeros(1, a.n_kv, 0, a.head_dim, dtype=p.dtype, device=p.device)
-        return KVCache(empty, empty.clone())
+        return KVCache.empty(self.midlayer.self_attn, next(self.parameters()))
 
     @torch.no_grad()
     def step(
@@ -360,13 +352,7 @@ class Eagle3Draft(nn.Module):
         """
         h = self.fc(hidden) if from_target else hidden
         h = h.unsqueeze(0)
-        m = h.shape[1]
         cos, sin = self.rotary(h, positions.unsqueeze(0))
         x = self.midlayer.attn_input(emb.unsqueeze(0), h)
-        q = self.midlayer.self_attn.q(x, cos, sin)
-        k, v = self.midlayer.self_attn.kv(x, cos, sin)
-        past = cache.length
-        cache.append(k, v)
-        out = attend(q, cache.k, cache.v, PrefixMask.appended(past, m, h.device), [], [])
-        hid = self.midlayer.finish(h, out)
+        hid = self.midlayer.finish(h, self.midlayer.self_attn.decode(x, cos, sin, cache))
         return self.lm_head(self.norm(hid))[0], hid[0]

@@ -38,6 +38,11 @@ class BlockShape(LayerWidths, Protocol):
     def rope_parameters(self) -> dict[str, Any]: ...
 
 
+def default_rope() -> dict[str, Any]:
+    """The RoPE of a draft config that names none: the default type at θ = 10000."""
+    return {"rope_type": "default", "rope_theta": 10000.0}
+
+
 def target_rope(target_config: Any) -> dict[str, Any]:
     """The target's RoPE as a transformers-5 ``rope_parameters`` dict; from transformers-4 fields
     (``rope_theta`` and ``rope_scaling``) when it has none; the default type at θ = 10000 when it has neither."""
@@ -148,6 +153,15 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(b, m, self.n_kv, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, m, self.n_kv, self.head_dim).transpose(1, 2)
         return rotate(k, cos, sin), v
+
+    def decode(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """M new rows of one sequence, x [1, M, in_features]: their K/V appended to ``cache``, each attending
+        causally among the new rows and to every row cached before → [1, M, h·d]."""
+        q = self.q(x, cos, sin)
+        k, v = self.kv(x, cos, sin)
+        past = cache.length
+        cache.append(k, v)
+        return attend(q, cache.k, cache.v, PrefixMask.appended(past, x.shape[1], x.device), [], [])
 
 
 class MLP(nn.Module):
@@ -307,6 +321,12 @@ class KVCache:
 
     k: torch.Tensor  # [1, kv, L, d]
     v: torch.Tensor  # [1, kv, L, d]
+
+    @classmethod
+    def empty(cls, attn: Attention, like: torch.Tensor) -> KVCache:
+        """No rows yet, for ``attn``'s keys, in ``like``'s dtype and device (the head's parameters)."""
+        empty = torch.zeros(1, attn.n_kv, 0, attn.head_dim, dtype=like.dtype, device=like.device)
+        return cls(empty, empty.clone())
 
     @property
     def length(self) -> int:

@@ -35,7 +35,13 @@ import torch
 from torch import nn
 
 from draft_align.conventions import MTPLayout
-from draft_align.heads.draft_head import DraftConfigError, HeadKind, config_from_dict
+from draft_align.heads.draft_head import (
+    DraftConfigError,
+    HeadKind,
+    SharedHeadConfig,
+    SharedHeadDraft,
+    config_from_dict,
+)
 from draft_align.heads.layers import (
     MLP,
     Attention,
@@ -47,6 +53,7 @@ from draft_align.heads.layers import (
     attend,
     block_shape_from_target,
     chain_tokens,
+    default_rope,
     next_tokens,
 )
 
@@ -55,7 +62,7 @@ LAYOUTS: tuple[str, ...] = ("deepseek_v3", "qwen3_next")
 
 
 @dataclass(frozen=True)
-class MTPConfig:
+class MTPConfig(SharedHeadConfig):
     """Shapes of an MTP head; the target's hidden size is the head's (MTP reads the final hidden state)."""
 
     hidden_size: int
@@ -70,9 +77,7 @@ class MTPConfig:
     layout: str = "deepseek_v3"
     rms_norm_eps: float = 1e-5
     hidden_act: str = "silu"
-    rope_parameters: dict[str, Any] = field(
-        default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0}
-    )
+    rope_parameters: dict[str, Any] = field(default_factory=default_rope)
     torch_dtype: str = "bfloat16"
 
     def __post_init__(self) -> None:
@@ -84,24 +89,6 @@ class MTPConfig:
             raise DraftConfigError("num_attention_heads must be a multiple of num_key_value_heads")
         if self.hidden_act != "silu":
             raise DraftConfigError(f"hidden_act {self.hidden_act!r}: only silu is supported")
-
-    # The EAGLE-3 interface the trainer, estimators and decoder read:
-    @property
-    def aux_layer_ids(self) -> tuple[int, ...]:
-        """(L,): HF ``hidden_states[L]`` is the final post-norm state, MTP's only input."""
-        return (self.target_num_layers,)
-
-    @property
-    def fc_in_features(self) -> int:
-        return self.hidden_size
-
-    @property
-    def target_hidden_size(self) -> int:
-        return self.hidden_size
-
-    @property
-    def draft_vocab_size(self) -> int:
-        return self.vocab_size  # the shared lm_head covers the whole target vocabulary
 
     @property
     def chain_post_norm(self) -> bool:
@@ -178,24 +165,19 @@ class MTPCache:
         self.chain_step = 0
 
 
-class MTPDraft(nn.Module):
+class MTPDraft(SharedHeadDraft):
     """The MTP head.  The embedding is the target's and is passed in; ``lm_head`` is a frozen copy of the
     target's (``shares_target_head``), set by :meth:`set_head` and never trained."""
 
     kind: HeadKind = "llama_block_mtp"
-    shares_target_head = True
 
     def __init__(self, cfg: MTPConfig) -> None:
         super().__init__()
         self.cfg = cfg
         self.layers = nn.ModuleList(MTPModule(cfg) for _ in range(cfg.depth))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.lm_head.weight.requires_grad_(False)
+        self._init_shared_head(cfg.hidden_size, cfg.vocab_size)
         self.rotary = Rotary(cfg)
-        # identity vocabulary map (not persistent: not engine tensors), for code written for EAGLE-3
-        self.register_buffer("d2t", torch.zeros(cfg.vocab_size, dtype=torch.long), persistent=False)
-        self.register_buffer("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool), persistent=False)
 
     # ----------------------------------------------------------------- construction
     @classmethod
@@ -231,21 +213,6 @@ class MTPDraft(nn.Module):
         draft.set_head(lm_head.weight)
         return draft
 
-    def set_head(self, weight: torch.Tensor) -> None:
-        """Copy the target's lm_head ``weight`` [V, H] into the frozen shared head (e.g. from HeadSync)."""
-        w = self.lm_head.weight
-        if tuple(weight.shape) != tuple(w.shape):
-            raise DraftConfigError(
-                f"lm_head {tuple(weight.shape)} does not fit this MTP head {tuple(w.shape)}"
-            )
-        with torch.no_grad():
-            w.copy_(weight.detach().to(w.device, w.dtype))
-
-    @property
-    def draft_to_target(self) -> torch.Tensor:
-        """[V] identity: the MTP head predicts over the target's vocabulary."""
-        return torch.arange(self.cfg.vocab_size, device=self.lm_head.weight.device)
-
     def engine_state_dict(self) -> dict[str, torch.Tensor]:
         """Module-named tensors (``layers.{d}.*``, ``norm.weight``, ``lm_head.weight``); layouts map them."""
         return {k: v for k, v in self.state_dict().items() if not k.startswith("rotary.")}
@@ -261,10 +228,6 @@ class MTPDraft(nn.Module):
         return self.norm(out) if self.cfg.chain_post_norm else out
 
     # ----------------------------------------------------------------- training: unroll
-    def unroll(self, *args: Any, **kwargs: Any) -> list[torch.Tensor]:
-        """Like :meth:`unroll_hidden`, returning logits [B, M, V] per step."""
-        return [self.lm_head(x) for x in self.unroll_hidden(*args, **kwargs)]
-
     def unroll_hidden(
         self,
         aux: torch.Tensor,
@@ -322,13 +285,8 @@ class MTPDraft(nn.Module):
 
     # ----------------------------------------------------------------- inference: KV-cached
     def new_cache(self) -> MTPCache:
-        a = self.layers[0].self_attn
-        p = self.layers[0].eh_proj.weight
-        caches = []
-        for _ in range(self.cfg.depth):
-            empty = torch.zeros(1, a.n_kv, 0, a.head_dim, dtype=p.dtype, device=p.device)
-            caches.append(KVCache(empty, empty.clone()))
-        return MTPCache(caches)
+        m0 = self.layers[0]
+        return MTPCache([KVCache.empty(m0.self_attn, m0.eh_proj.weight) for _ in range(self.cfg.depth)])
 
     @torch.no_grad()
     def step(
@@ -361,14 +319,8 @@ class MTPDraft(nn.Module):
         if self.cfg.zero_embed_at_pos0:
             e = e * (pos != 0).unsqueeze(-1).to(e.dtype)
         x = mod.fuse(e, h)
-        m = x.shape[1]
         cos, sin = self.rotary(x, pos)
-        a_in = mod.input_layernorm(x)
-        q = mod.self_attn.q(a_in, cos, sin)
-        k, v = mod.self_attn.kv(a_in, cos, sin)
-        past = kv.length
-        kv.append(k, v)
-        out = mod.finish(x, attend(q, kv.k, kv.v, PrefixMask.appended(past, m, x.device), [], []))
+        out = mod.finish(x, mod.self_attn.decode(mod.input_layernorm(x), cos, sin, kv))
         normed = self.norm(out)
         chained = normed if self.cfg.chain_post_norm else out
         return self.lm_head(normed)[0], chained[0]

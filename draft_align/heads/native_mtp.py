@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from draft_align.conventions import HeadKind
-from draft_align.heads.draft_head import DraftConfigError
+from draft_align.heads.draft_head import DraftConfigError, SharedHeadConfig, SharedHeadDraft
 from draft_align.heads.layers import chain_tokens, next_tokens
 
 StepsRun = typing.Literal["first", "cycle"]
@@ -69,61 +69,74 @@ class MTPFamily:
     depth_field: str = "num_nextn_predict_layers"
 
 
+#: our glue names, in the order an :class:`MTPFamily` lists its own names for them (``glue``)
+GLUE_NAMES = ("emb_norm", "hidden_norm", "proj", "out_norm")
+
+
+def _family(
+    name: str,
+    architecture: str,
+    model: str,
+    classes: str,
+    prefix: str,
+    glue: tuple[str, str, str, str],
+    head: str | None,
+    hidden_first: bool,
+    chain_normed: bool,
+) -> MTPFamily:
+    """A family whose block, RoPE and norm are transformers' ``{classes}DecoderLayer``,
+    ``{classes}RotaryEmbedding`` and ``{classes}RMSNorm`` in ``transformers.models.{model}``; ``glue``: its
+    names of our :data:`GLUE_NAMES`."""
+    return MTPFamily(
+        name=name,
+        architecture=architecture,
+        module=f"transformers.models.{model}.modeling_{model}",
+        layer_class=f"{classes}DecoderLayer",
+        rotary_class=f"{classes}RotaryEmbedding",
+        norm_class=f"{classes}RMSNorm",
+        prefix=prefix,
+        glue=tuple(zip(GLUE_NAMES, glue, strict=True)),
+        head=head,
+        hidden_first=hidden_first,
+        chain_normed=chain_normed,
+    )
+
+
+def _nextn_family(name: str, architecture: str, model: str, classes: str, chain_normed: bool) -> MTPFamily:
+    """A family with DeepSeek-V3's MTP ("nextn") layout, which GLM-4.5 reuses: depth d is decoder layer N + d,
+    its glue ``enorm``, ``hnorm``, ``eh_proj`` over cat(emb, hidden) and ``shared_head.norm``, and a per-depth
+    head copy ``shared_head.head``."""
+    return _family(
+        name,
+        architecture,
+        model,
+        classes,
+        prefix="model.layers.{n}.",
+        glue=("enorm", "hnorm", "eh_proj", "shared_head.norm"),
+        head="shared_head.head",
+        hidden_first=False,
+        chain_normed=chain_normed,
+    )
+
+
 FAMILIES: dict[str, MTPFamily] = {
-    "mimo": MTPFamily(
-        name="mimo",
-        architecture="MiMoForCausalLM",
-        module="transformers.models.qwen2.modeling_qwen2",
-        layer_class="Qwen2DecoderLayer",
-        rotary_class="Qwen2RotaryEmbedding",
-        norm_class="Qwen2RMSNorm",
-        prefix="model.mtp_layers.{d}.",
-        glue=(
-            ("emb_norm", "token_layernorm"),
-            ("hidden_norm", "hidden_layernorm"),
-            ("proj", "input_proj"),
-            ("out_norm", "final_layernorm"),
+    f.name: f
+    for f in (
+        _family(
+            "mimo",
+            "MiMoForCausalLM",
+            "qwen2",
+            "Qwen2",
+            prefix="model.mtp_layers.{d}.",
+            glue=("token_layernorm", "hidden_layernorm", "input_proj", "final_layernorm"),
+            head=None,
+            hidden_first=True,
+            chain_normed=True,
         ),
-        head=None,
-        hidden_first=True,
-        chain_normed=True,
-    ),
-    "glm4_moe": MTPFamily(
-        name="glm4_moe",
-        architecture="Glm4MoeForCausalLM",
-        module="transformers.models.glm4_moe.modeling_glm4_moe",
-        layer_class="Glm4MoeDecoderLayer",
-        rotary_class="Glm4MoeRotaryEmbedding",
-        norm_class="Glm4MoeRMSNorm",
-        prefix="model.layers.{n}.",
-        glue=(
-            ("emb_norm", "enorm"),
-            ("hidden_norm", "hnorm"),
-            ("proj", "eh_proj"),
-            ("out_norm", "shared_head.norm"),
-        ),
-        head="shared_head.head",
-        hidden_first=False,
-        chain_normed=False,
-    ),
-    "deepseek_v3": MTPFamily(
-        name="deepseek_v3",
-        architecture="DeepseekV3ForCausalLM",
-        module="transformers.models.deepseek_v3.modeling_deepseek_v3",
-        layer_class="DeepseekV3DecoderLayer",
-        rotary_class="DeepseekV3RotaryEmbedding",
-        norm_class="DeepseekV3RMSNorm",
-        prefix="model.layers.{n}.",
-        glue=(
-            ("emb_norm", "enorm"),
-            ("hidden_norm", "hnorm"),
-            ("proj", "eh_proj"),
-            ("out_norm", "shared_head.norm"),
-        ),
-        head="shared_head.head",
-        hidden_first=False,
-        chain_normed=True,  # vLLM 0.32's DeepSeekMTP recycles shared_head.norm(out) (as SGLang's nextn)
-    ),
+        _nextn_family("glm4_moe", "Glm4MoeForCausalLM", "glm4_moe", "Glm4Moe", chain_normed=False),
+        # vLLM 0.32's DeepSeekMTP recycles shared_head.norm(out) (as SGLang's nextn)
+        _nextn_family("deepseek_v3", "DeepseekV3ForCausalLM", "deepseek_v3", "DeepseekV3", chain_normed=True),
+    )
 }
 
 
@@ -138,7 +151,7 @@ def family_of(target_config: Any) -> MTPFamily:
 
 
 @dataclass(frozen=True)
-class NativeMTPConfig:
+class NativeMTPConfig(SharedHeadConfig):
     """The target's HF config (as a dict), its family and the MTP depth it ships."""
 
     family: str
@@ -186,24 +199,6 @@ class NativeMTPConfig:
     @property
     def vocab_size(self) -> int:
         return int(self.target_config["vocab_size"])
-
-    # the EAGLE-3 interface trainers and estimators read
-    @property
-    def aux_layer_ids(self) -> tuple[int, ...]:
-        return (self.target_num_layers,)
-
-    @property
-    def target_hidden_size(self) -> int:
-        return self.hidden_size
-
-    @property
-    def fc_in_features(self) -> int:
-        """Width of the captured input per token: the one final hidden state."""
-        return self.hidden_size
-
-    @property
-    def draft_vocab_size(self) -> int:
-        return self.vocab_size
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -254,24 +249,20 @@ def _additive(allow: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     )
 
 
-class NativeMTPDraft(nn.Module):
+class NativeMTPDraft(SharedHeadDraft):
     """The model's own MTP layers as a draft head (``kind`` "native_mtp"); ``lm_head`` is a frozen copy of the
     target's (``shares_target_head``)."""
 
     kind: HeadKind = "native_mtp"
-    shares_target_head = True
 
     def __init__(self, cfg: NativeMTPConfig) -> None:
         super().__init__()
         self.cfg = cfg
         self.layers, self.rotary = self._build_blocks(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.lm_head.weight.requires_grad_(False)
         # the target's input embedding [V, H], frozen: never read by the head's math (the trainer passes the
         # target's), kept so a publish can write it into the folder where vLLM's drafter loads it
         self.register_buffer("embed_tokens", torch.zeros(cfg.vocab_size, cfg.hidden_size))
-        self.register_buffer("d2t", torch.zeros(cfg.vocab_size, dtype=torch.long), persistent=False)
-        self.register_buffer("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool), persistent=False)
+        self._init_shared_head(cfg.hidden_size, cfg.vocab_size)
 
     def _build_blocks(self, cfg: NativeMTPConfig) -> tuple[nn.ModuleList, nn.Module]:
         """The per-depth layers (each with ``fuse``, ``out_norm`` and a block :meth:`_run` runs) and the RoPE
@@ -283,21 +274,6 @@ class NativeMTPDraft(nn.Module):
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         """The MTP tensors under the family's released names (what a publish writes; :func:`to_checkpoint`)."""
         return to_checkpoint(self)
-
-    @property
-    def draft_to_target(self) -> torch.Tensor:
-        """[V] identity: the head predicts over the target's vocabulary."""
-        return torch.arange(self.cfg.vocab_size, device=self.lm_head.weight.device)
-
-    def set_head(self, weight: torch.Tensor) -> None:
-        """Copy the target's lm_head ``weight`` [V, H] into the frozen shared head."""
-        w = self.lm_head.weight
-        if tuple(weight.shape) != tuple(w.shape):
-            raise DraftConfigError(
-                f"lm_head {tuple(weight.shape)} does not fit this MTP head {tuple(w.shape)}"
-            )
-        with torch.no_grad():
-            w.copy_(weight.detach().to(w.device, w.dtype))
 
     def engine_state_dict(self) -> dict[str, torch.Tensor]:
         """Internal names (``layers.{d}.*``, ``lm_head.weight``); :func:`to_checkpoint` maps them."""
@@ -318,10 +294,6 @@ class NativeMTPDraft(nn.Module):
         return layer.block(
             x, attention_mask=_additive(allow, x.dtype), position_ids=pos, position_embeddings=pe
         )
-
-    def unroll(self, *args: Any, **kwargs: Any) -> list[torch.Tensor]:
-        """Like :meth:`unroll_hidden`, returning logits [B, M, V] per step."""
-        return [self.lm_head(x) for x in self.unroll_hidden(*args, **kwargs)]
 
     def unroll_hidden(
         self,
