@@ -42,7 +42,7 @@ from __future__ import annotations
 import logging
 import os
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -120,12 +120,8 @@ class HeldDraft:
     tensors: dict[str, torch.Tensor] | None  # None: the start-up draft, read (and verified) when first needed
 
     def record(self) -> dict[str, Any]:
-        return {
-            "version": self.version,
-            "policy_version": self.policy_version,
-            "path": self.path,
-            "sha256": self.sha256,
-        }
+        """Every field but the tensors: what the engine's status and the loaded-draft marker show."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "tensors"}
 
 
 def _bind(run_dir: str | os.PathLike[str], key_file: str | None = None) -> Binding:

@@ -217,14 +217,6 @@ class RayNotifications:
         self._asked_at = 0.0
         self._seen = 0
 
-    def stats(self) -> dict[str, int]:
-        return {
-            "notified": self.notified,
-            "failures": self.failures,
-            "timeouts": self.timeouts,
-            "fallbacks": self.fallbacks,
-        }
-
     def _ask(self) -> None:
         from draft_align.integrations.ray.runtime import registry_name
 
