@@ -144,15 +144,15 @@ bench-server-push: $(TASK_DRAFT)
 	$(PY) benchmarks/server_push.py --phase-s 60 --rounds 3 --push-every-s 5 --clients 3
 
 bench-warmstart: fetch
-	$(PY) benchmarks/warmstart.py --budget-s 1200 --eval-every-s 300 --eval-prompts 64 --eval-prompts-t1 24 --eval-max-new 128 data.gen_time_budget_s=0 data.extra_original_conversations=300 train.batch_tokens=1536 train.lr=1.5e-3 train.warmup_steps=30
+	$(PY) benchmarks/warmstart.py --budget-s 1200 --eval-every-s 300 --eval-prompts 64 --eval-prompts-t1 24 --eval-max-new 128 data.gen_time_budget_s=0 data.extra_original_conversations=300 train.batch_tokens=1536 train.objective.lr=1.5e-3 train.objective.warmup_steps=30
 bench-learning-curve: fetch
 	$(PY) benchmarks/learning_curve.py --budget-s 3600 --eval-every-s 600 --measure-at-s 1200 data.gen_time_budget_s=600 data.extra_original_conversations=300
 bench-draft-vocab: fetch
 	$(PY) benchmarks/draft_vocab.py --budget-s 480 data.gen_time_budget_s=0 data.extra_original_conversations=300
 bench-objectives: fetch
-	$(PY) benchmarks/objectives.py --budget-s 300 train.warmup_steps=10 data.gen_time_budget_s=0 data.extra_original_conversations=300
+	$(PY) benchmarks/objectives.py --budget-s 300 train.objective.warmup_steps=10 data.gen_time_budget_s=0 data.extra_original_conversations=300
 bench-objectives-finetune: fetch $(SOFT_300S)
-	$(PY) benchmarks/objectives.py --budget-s 180 --arms soft,tv,expected_length,tv+ce0.1 --out /tmp/obj_ft --no-results-md run=smollm2-bench-ft draft.init_from=checkpoints/obj-soft-300s train.lr=5e-4 train.warmup_steps=5 data.gen_time_budget_s=0 data.extra_original_conversations=300
+	$(PY) benchmarks/objectives.py --budget-s 180 --arms soft,tv,expected_length,tv+ce0.1 --out /tmp/obj_ft --no-results-md run=smollm2-bench-ft draft.init_from=checkpoints/obj-soft-300s train.objective.lr=5e-4 train.objective.warmup_steps=5 data.gen_time_budget_s=0 data.extra_original_conversations=300
 bench-scale: fetch
 	$(PY) benchmarks/scale.py --parts wire headsync train project peer
 bench-train-step-profile: fetch

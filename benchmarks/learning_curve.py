@@ -133,7 +133,7 @@ def main() -> int:
         name=args.name,
         eval_every_s=args.eval_every_s,
         curve_prompts=args.curve_prompts,
-        loss=str(recipe.train.loss),
+        loss=str(recipe.train.objective.loss),
         curve=[],
         measured=[],
     )

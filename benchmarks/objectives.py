@@ -1,5 +1,5 @@
 """Objectives × verify modes: EAGLE-3 drafts that differ only in the training objective
-(``train.loss``, ``train.soft_ce_weight``, ``train.accept_mode``), trained on the same tokens for the same
+(``train.objective.loss``, ``train.objective.soft_ce_weight``, ``train.objective.accept_mode``), trained on the same tokens for the same
 wall-clock, then measured by vLLM's spec-decode counters and estimated by engine replay, side by side.
 
     .venv/bin/python benchmarks/objectives.py [--arms soft,tv,expected_length,tv+ce0.1] [--budget-s 360]
@@ -85,11 +85,11 @@ def arm_overrides(arm: dict[str, Any], run: str) -> list[str]:
     slug = re.sub(r"[^A-Za-z0-9_]+", "-", arm["name"]).strip("-")
     ov = [
         f"run={run}-obj-{slug}",
-        f"train.loss={arm['loss']}",
-        f"train.soft_ce_weight={arm['soft_ce_weight']}",
+        f"train.objective.loss={arm['loss']}",
+        f"train.objective.soft_ce_weight={arm['soft_ce_weight']}",
         "logging.log_every=1",
     ]
-    return ov + ([f"train.accept_mode={arm['accept_mode']}"] if arm["accept_mode"] else [])
+    return ov + ([f"train.objective.accept_mode={arm['accept_mode']}"] if arm["accept_mode"] else [])
 
 
 def _cell(row: dict[str, Any]) -> str:
@@ -103,7 +103,7 @@ def render(result: dict) -> str:
     lines = section_intro(HEAD, result)
     lines[-1] += (
         " with "
-        "its objective (`loss[@accept_mode][+ce λ]`: `train.loss`, `train.accept_mode`, `train.soft_ce_weight`). "
+        "its objective (`loss[@accept_mode][+ce λ]`: `train.objective.loss`, `train.objective.accept_mode`, `train.objective.soft_ce_weight`). "
         f"Acceptance at k = {K} on {result['eval_prompts']} held-out prompts, ≤ {result['eval_max_new']} new "
         "tokens, each cell **measured / estimated** mean acceptance length: measured by vLLM's spec-decode "
         "counters (the published bf16 draft as vLLM's EAGLE-3 drafter, `draft-align eval --engine vllm`), "

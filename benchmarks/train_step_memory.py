@@ -6,7 +6,7 @@
 One child process per length (``ru_maxrss`` only ever grows, so a process measures one step): a random-weight
 EAGLE-3 draft shaped like SmolLM2-135M's (hidden 576, intermediate 1536, 9 query / 3 KV heads of 64, draft
 vocab 16,384, target vocab 49,152, 3 aux layers), no model download; one record of T tokens whose last
-``response-frac`` are response tokens; one ``DraftTrainer.train_step`` with TTT K = ``--steps`` (``--loss``: soft by default, any ``train.loss``,
+``response-frac`` are response tokens; one ``DraftTrainer.train_step`` with TTT K = ``--steps`` (``--loss``: soft by default, any ``train.objective.loss``,
 bf16 autocast, the sidecar's defaults; ``--no-autocast``: fp32).  Reported per length: the resident set before the step, the peak
 during it (``getrusage`` high-water mark) and their difference, and the step's wall time.  On CUDA the
 figure is ``torch.cuda.max_memory_allocated`` growth instead.
@@ -141,7 +141,7 @@ def main() -> None:
     ap.add_argument(
         "--loss",
         default="soft",
-        help="the objective (train.loss: soft | hard | tv | greedy_surrogate | expected_length)",
+        help="the objective (train.objective.loss: soft | hard | tv | greedy_surrogate | expected_length)",
     )
     ap.add_argument("--json", type=Path, default=None, help="also write the rows here")
     ap.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)

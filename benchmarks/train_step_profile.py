@@ -126,7 +126,7 @@ def group_of(name: str) -> str:
 def build(
     batch_tokens: int, seq_len: int, steps: int, autocast: bool | None, loss: str, fused: bool
 ) -> tuple[Any, Any, Any]:
-    """The trainer (soft CE fused or in checkpointed blocks: ``train.fused_soft_ce``), one collated batch and
+    """The trainer (soft CE fused or in checkpointed blocks: ``train.objective.fused_soft_ce``), one collated batch and
     the draft's config."""
     from torch import nn
 

@@ -248,16 +248,16 @@ def main() -> int:
         trainer = train(rc, prep, draft, sink=None, eval_hook=hook)
         curve_point(trainer, curve, tag)
         pr = trainer.progress
-        flops = train_step_flops(draft.cfg, pr.targets_seen, pr.tokens_seen, rc.train.ttt_steps)
+        flops = train_step_flops(draft.cfg, pr.targets_seen, pr.tokens_seen, rc.train.objective.ttt_steps)
         stats = {
-            "ttt_steps": rc.train.ttt_steps,
+            "ttt_steps": rc.train.objective.ttt_steps,
             "steps": pr.step,
             "train_seconds": pr.seconds,
             "tokens_seen": pr.tokens_seen,
             "targets_seen": pr.targets_seen,
             "tokens_per_s": pr.tokens_seen / pr.seconds,
             "targets_per_s": pr.targets_seen / pr.seconds,
-            "token_steps_per_s": pr.targets_seen * rc.train.ttt_steps / pr.seconds,
+            "token_steps_per_s": pr.targets_seen * rc.train.objective.ttt_steps / pr.seconds,
             "train_gflops": flops / pr.seconds / 1e9,
             "roofline_fraction_bf16": flops / pr.seconds / 1e9 / roof_bf16,
             "curve": curve,
@@ -271,7 +271,8 @@ def main() -> int:
     drafts = {"ttt": draft_ttt}
     if not args.skip_k1:
         draft_k1, st_k1 = run_one(
-            "k1", ["train.ttt_steps=1", f"train.max_steps={st_ttt['steps']}", "train.time_budget_s=null"]
+            "k1",
+            ["train.objective.ttt_steps=1", f"train.max_steps={st_ttt['steps']}", "train.time_budget_s=null"],
         )
         result["k1"] = st_k1
         drafts["k1"] = draft_k1

@@ -48,14 +48,14 @@ def test_every_recipe_loads_and_validates(path):
 def test_defaults_without_a_file():
     r = load_recipe(None)
     assert r == WarmstartRecipe()
-    assert r.draft.aux_layer_ids is None and r.train.loss == "soft"
+    assert r.draft.aux_layer_ids is None and r.train.objective.loss == "soft"
 
 
 def test_overrides_apply_with_types():
     r = load_recipe(
         RECIPES[0].parent / "smollm2_demo.yaml",
         [
-            "train.lr=3e-4",
+            "train.objective.lr=3e-4",
             "draft.aux_layer_ids=[1,3,4]",
             "data.max_conversations=null",
             "eval.temperatures=[0.0]",
@@ -64,7 +64,7 @@ def test_overrides_apply_with_types():
             "logging.wandb=false",
         ],
     )
-    assert r.train.lr == pytest.approx(3e-4) and isinstance(r.train.lr, float)
+    assert r.train.objective.lr == pytest.approx(3e-4) and isinstance(r.train.objective.lr, float)
     assert r.draft.aux_layer_ids == [1, 3, 4]
     assert r.data.max_conversations is None
     assert r.eval.temperatures == [0.0]
@@ -76,7 +76,7 @@ def test_unknown_key_in_yaml_names_the_key(tmp_path):
     p = tmp_path / "bad.yaml"
     p.write_text("run: x\ntrain:\n  learning_rate: 0.1\n")
     with pytest.raises(RecipeError, match=r"bad\.yaml.*learning_rate"):
-        load_recipe(p, ["train.lr=1e-3"])
+        load_recipe(p, ["train.objective.lr=1e-3"])
     p.write_text("run: x\ntrainer:\n  lr: 0.1\n")
     with pytest.raises(RecipeError, match="trainer"):
         load_recipe(p)
@@ -88,18 +88,21 @@ def test_unknown_key_in_yaml_names_the_key(tmp_path):
 )
 def test_unknown_override_names_the_key(override, key):
     with pytest.raises(RecipeError, match=rf"overrides .*{key}"):
-        load_recipe(RECIPES[0], ["train.lr=1e-3", override])
+        load_recipe(RECIPES[0], ["train.objective.lr=1e-3", override])
 
 
 @pytest.mark.parametrize(
     ("override", "line"),
     [
-        ("sidecar.lr=1e-3", "sidecar.lr moved to sidecar.train.lr"),
+        ("sidecar.lr=1e-3", "sidecar.lr moved to sidecar.train.objective.lr"),
         ("sidecar.eval_k=2", "sidecar.eval_k moved to sidecar.gate.k"),
         ("sidecar.buffer_tokens=9000", "sidecar.buffer_tokens moved to sidecar.buffer.tokens"),
         ("sidecar.lora.rank=4", "sidecar.lora.rank moved to sidecar.train.lora.rank"),
         ("sidecar.train_trigger=drift", "sidecar.train_trigger moved to sidecar.trigger.when"),
         ("sidecar.record_wire=true", "sidecar.record_wire moved to sidecar.recording.enabled"),
+        ("sidecar.batch_tokens=512", "sidecar.batch_tokens moved to sidecar.train.batch_tokens"),
+        ("sidecar.train.lr=1e-3", "sidecar.train.lr moved to sidecar.train.objective.lr"),
+        ("sidecar.train.loss=tv", "sidecar.train.loss moved to sidecar.train.objective.loss"),
         ("rl.lr=1e-4", "rl.lr moved to rl.policy.lr"),
         ("rl.lora_r=8", "rl.lora_r moved to rl.policy.lora.rank"),
         ("rl.lora_targets=[q_proj]", "rl.lora_targets moved to rl.policy.lora.target_modules"),
@@ -113,7 +116,7 @@ def test_unknown_override_names_the_key(override, key):
 )
 def test_a_moved_override_names_its_new_key_in_one_line(override, line):
     with pytest.raises(RecipeError) as e:
-        load_recipe(None, ["sidecar.train.lr=1e-3", override], CotrainRecipe)
+        load_recipe(None, ["sidecar.train.objective.lr=1e-3", override], CotrainRecipe)
     assert str(e.value).endswith(f": {line}") and "\n" not in str(e.value)
 
 
@@ -128,7 +131,7 @@ def test_several_moved_keys_in_yaml_are_one_line_naming_each(tmp_path):
     msg = str(e.value)
     assert "\n" not in msg and msg.startswith(f"recipe {p}: ")
     assert msg.removeprefix(f"recipe {p}: ").split("; ") == [
-        "sidecar.lr moved to sidecar.train.lr",
+        "sidecar.lr moved to sidecar.train.objective.lr",
         "sidecar.min_buffer_tokens moved to sidecar.buffer.min_tokens",
         "rl.engine moved to rl.engine.kind",
         "rl.lora_r moved to rl.policy.lora.rank",
@@ -202,7 +205,7 @@ def test_missing_file_is_an_error(tmp_path):
         ("draft.mtp_impl=torch", "draft.mtp_impl"),
         ("draft.mtp_impl=megatron", "draft.mtp_impl=megatron builds the target checkpoint's own MTP layers"),
         ("draft.head=native_mtp draft.mtp_impl=megatron draft.init_from=x", "no draft.init_from"),
-        ("draft.head=native_mtp draft.mtp_impl=megatron", r"set train\.autocast_bf16=false"),
+        ("draft.head=native_mtp draft.mtp_impl=megatron", r"set train\.objective\.autocast_bf16=false"),
         (
             "draft.head=native_mtp draft.mtp_impl=megatron draft.adapt=lora draft.init_from=x",
             "draft.adapt=full",
@@ -212,22 +215,37 @@ def test_missing_file_is_an_error(tmp_path):
             "draft.head=mtp",
             r"^overrides .*draft\.head: draft head 'mtp' was renamed 'llama_block_mtp' \(it is a Llama",
         ),
-        ("train.loss=kl", "train.loss"),
-        ("train.accept_mode=greedy", r"^train\.accept_mode=greedy is for the acceptance objectives"),
-        ("train.loss=tv train.accept_mode=greedy_draft", r"^train\.accept_mode=greedy_draft: loss=tv is"),
-        ("train.loss=greedy_surrogate train.accept_mode=probabilistic", r"^train\.accept_mode=probabilistic"),
+        ("train.objective.loss=kl", "train.objective.loss"),
         (
-            "train.soft_ce_weight=0.5",
-            r"^train\.soft_ce_weight=0\.5 mixes soft CE into an acceptance objective",
+            "train.objective.accept_mode=greedy",
+            r"^train\.objective\.accept_mode=greedy is for the acceptance objectives",
         ),
-        ("train.loss=tv train.soft_ce_weight=-1", r"^train\.soft_ce_weight must be in \[0, 1000000\]"),
-        ("train.loss=tv train.soft_ce_weight=nan", r"^train\.soft_ce_weight must be in \[0, 1000000\]"),
         (
-            "train.loss=greedy_surrogate train.surrogate_tau=0",
-            r"^train\.surrogate_tau must be in \(0, 1000\]",
+            "train.objective.loss=tv train.objective.accept_mode=greedy_draft",
+            r"^train\.objective\.accept_mode=greedy_draft: loss=tv is",
+        ),
+        (
+            "train.objective.loss=greedy_surrogate train.objective.accept_mode=probabilistic",
+            r"^train\.objective\.accept_mode=probabilistic",
+        ),
+        (
+            "train.objective.soft_ce_weight=0.5",
+            r"^train\.objective\.soft_ce_weight=0\.5 mixes soft CE into an acceptance objective",
+        ),
+        (
+            "train.objective.loss=tv train.objective.soft_ce_weight=-1",
+            r"^train\.objective\.soft_ce_weight must be in \[0, 1000000\]",
+        ),
+        (
+            "train.objective.loss=tv train.objective.soft_ce_weight=nan",
+            r"^train\.objective\.soft_ce_weight must be in \[0, 1000000\]",
+        ),
+        (
+            "train.objective.loss=greedy_surrogate train.objective.surrogate_tau=0",
+            r"^train\.objective\.surrogate_tau must be in \(0, 1000\]",
         ),
         ("eval.modes=[greedy,typical]", "unknown verify mode 'typical'"),
-        ("train.ttt_steps=0", "ttt_steps"),
+        ("train.objective.ttt_steps=0", "ttt_steps"),
         ("eval.k=0", "eval.k"),
         ("logging.wandb_mode=cloud", "wandb_mode"),
         ("target.dtype=int8", "target.dtype"),
@@ -254,7 +272,10 @@ def test_mtp_and_lora_keys():
     )
     assert (r.draft.head, r.draft.mtp_depth, r.draft.lora.rank) == ("llama_block_mtp", 2, 4)
     assert r.draft.lora.target_modules == ["q_proj", "eh_proj"]
-    assert step_decay(r.train.step_decay, "llama_block_mtp") == 0.6 and step_decay(None, "eagle3") == 0.8
+    assert (
+        step_decay(r.train.objective.step_decay, "llama_block_mtp") == 0.6
+        and step_decay(None, "eagle3") == 0.8
+    )
     assert step_decay(0.9, "llama_block_mtp") == 0.9 and step_decay(None, "native_mtp") == 0.6
     with pytest.raises(RecipeError, match="bogus"):
         load_recipe(None, ["draft.lora.bogus=1"])
@@ -322,8 +343,8 @@ def test_every_enum_like_field_is_a_choice():
             "draft.mtp_init",
             "draft.mtp_impl",
             "draft.adapt",
-            "train.loss",
-            "train.accept_mode",
+            "train.objective.loss",
+            "train.objective.accept_mode",
             "eval.modes",
             "logging.wandb_mode",
         )
@@ -332,8 +353,8 @@ def test_every_enum_like_field_is_a_choice():
         for k in (
             "target.dtype",
             "data.gen_engine",
-            "sidecar.train.loss",
-            "sidecar.train.accept_mode",
+            "sidecar.train.objective.loss",
+            "sidecar.train.objective.accept_mode",
             "sidecar.gate.mode",
             "sidecar.train.adapt",
             "sidecar.parallel",
@@ -376,9 +397,9 @@ def test_bad_choice_names_the_key_and_the_allowed_values(tmp_path, schema, key, 
     # every allowed value loads, as a string (with what the cross-field rules ask for besides)
     extra = {
         "draft.adapt": ["draft.init_from=x"],
-        "draft.mtp_impl": ["draft.head=native_mtp", "train.autocast_bf16=false"],
-        "train.accept_mode": ["train.loss=expected_length"],
-        "sidecar.train.accept_mode": ["sidecar.train.loss=expected_length"],
+        "draft.mtp_impl": ["draft.head=native_mtp", "train.objective.autocast_bf16=false"],
+        "train.objective.accept_mode": ["train.objective.loss=expected_length"],
+        "sidecar.train.objective.accept_mode": ["sidecar.train.objective.loss=expected_length"],
     }.get(key, [])
     for v in allowed:
         needs = ["rl.engine.kind=vllm"] if (key, v) == ("rl.engine.verify_mode", "auto") else []  # on vLLM
@@ -487,10 +508,16 @@ def test_load_recipe_returns_the_schemas_type():
     [
         ("sidecar.train.batch_tokens=0", "sidecar.train.batch_tokens must be ≥ 1, got 0"),
         ("sidecar.train.batch_tokens=-5", "sidecar.train.batch_tokens must be ≥ 1"),
-        ("sidecar.train.ttt_steps=0", "sidecar.train.ttt_steps must be in \\[1, 64\\]"),
+        ("sidecar.train.objective.ttt_steps=0", "sidecar.train.objective.ttt_steps must be in \\[1, 64\\]"),
         ("sidecar.gate.k=0", "sidecar.gate.k must be in \\[1, 64\\]"),
-        ("sidecar.train.grad_clip=-1", r"sidecar.train.grad_clip must be in \(0, 1000000\], got -1"),
-        ("sidecar.train.grad_clip=0", r"sidecar.train.grad_clip must be in \(0, 1000000\]"),
+        (
+            "sidecar.train.objective.grad_clip=-1",
+            r"sidecar.train.objective.grad_clip must be in \(0, 1000000\], got -1",
+        ),
+        (
+            "sidecar.train.objective.grad_clip=0",
+            r"sidecar.train.objective.grad_clip must be in \(0, 1000000\]",
+        ),
         ("sidecar.train.checkpoint_every_s=0", "sidecar.train.checkpoint_every_s must be in \\(0, 604800\\]"),
         ("sidecar.publish.keep_versions=1", "sidecar.publish.keep_versions must be in \\[2, 10000\\]"),
         ("sidecar.train.max_seq_tokens=2", "sidecar.train.max_seq_tokens must be in \\[3, 1048576\\]"),
@@ -537,7 +564,7 @@ def test_cotrain_operator_mistakes_fail_at_load(override, match):
 @pytest.mark.parametrize(
     ("override", "match"),
     [
-        ("train.grad_clip=-1", r"train.grad_clip must be in \(0, 1000000\]"),
+        ("train.objective.grad_clip=-1", r"train.objective.grad_clip must be in \(0, 1000000\]"),
         ("train.batch_tokens=0", "train.batch_tokens must be ≥ 1"),
     ],
 )
@@ -559,9 +586,9 @@ def test_yaml_syntax_errors_and_directories_are_one_line_recipe_errors(tmp_path)
         load_recipe(tmp_path)
 
 
-# -- the training objective: one rule for train.* and sidecar.*, checked at load ------------------------------
+# -- the training objective: one section under train and sidecar.train, one rule, checked at load ------------
 def test_objective_fields_load_in_both_schemas_and_reach_the_same_loss_settings():
-    from draft_align.config import CotrainRecipe
+    from draft_align.config import CotrainRecipe, ObjectiveConfig
     from draft_align.train.objective import LossSettings
 
     keys = {
@@ -571,10 +598,10 @@ def test_objective_fields_load_in_both_schemas_and_reach_the_same_loss_settings(
         "surrogate_tau": "0.3",
         "fused_soft_ce": "false",
     }
-    w = load_recipe(None, [f"train.{k}={v}" for k, v in keys.items()])
-    c = load_recipe(None, [f"sidecar.train.{k}={v}" for k, v in keys.items()], CotrainRecipe)
-    a = LossSettings.from_section(w.train, 0.8, True)
-    b = LossSettings.from_section(c.sidecar.train, 0.8, True)
+    w = load_recipe(None, [f"train.objective.{k}={v}" for k, v in keys.items()])
+    c = load_recipe(None, [f"sidecar.train.objective.{k}={v}" for k, v in keys.items()], CotrainRecipe)
+    a = LossSettings.from_section(w.train.objective, 0.8, True)
+    b = LossSettings.from_section(c.sidecar.train.objective, 0.8, True)
     assert (a.kind, a.accept_mode, a.soft_ce_weight, a.surrogate_tau, a.fused_soft_ce) == (
         "expected_length",
         "greedy_draft",
@@ -582,18 +609,62 @@ def test_objective_fields_load_in_both_schemas_and_reach_the_same_loss_settings(
         0.3,
         False,
     )
-    assert LossSettings.from_section(w.train.__class__(), 0.8, True).fused_soft_ce is True  # the default
+    assert LossSettings.from_section(ObjectiveConfig(), 0.8, True).fused_soft_ce is True  # the default
     assert dataclasses.replace(a, ttt_steps=b.ttt_steps, autocast_bf16=b.autocast_bf16) == b
     assert a.verify_mode == "greedy_draft" and type(a.kind) is str and type(a.accept_mode) is str
     assert (
-        LossSettings.from_section(load_recipe(None, ["train.loss=tv"]).train, 0.8, True).verify_mode
+        LossSettings.from_section(
+            load_recipe(None, ["train.objective.loss=tv"]).train.objective, 0.8, True
+        ).verify_mode
         == "probabilistic"
     )
-    assert LossSettings.from_section(w.train.__class__(), 0.8, True).verify_mode is None  # soft CE
-    with pytest.raises(RecipeError, match=r"^sidecar\.train\.soft_ce_weight=1\.0 mixes soft CE"):
-        load_recipe(None, ["sidecar.train.soft_ce_weight=1"], CotrainRecipe)
+    assert LossSettings.from_section(ObjectiveConfig(), 0.8, True).verify_mode is None  # soft CE
+    with pytest.raises(RecipeError, match=r"^sidecar\.train\.objective\.soft_ce_weight=1\.0 mixes soft CE"):
+        load_recipe(None, ["sidecar.train.objective.soft_ce_weight=1"], CotrainRecipe)
     with pytest.raises(ValueError, match="loss 'kl' unknown"):
         LossSettings(kind="kl")  # type: ignore[arg-type]
+
+
+def test_each_place_keeps_its_own_objective_defaults_and_builds_its_optimizer_one_way():
+    """train.objective and sidecar.train.objective are one class with two sets of defaults (the sidecar's: a
+    smaller lr, constant after 10 warm-up steps); the trainer's optimizer is built from either by one function."""
+    from draft_align.config import CotrainRecipe
+    from draft_align.config.sections import LoraAdaptConfig
+    from draft_align.train.trainer import OptimSettings
+
+    w, c = load_recipe(None).train.objective, load_recipe(None, None, CotrainRecipe).sidecar.train.objective
+    assert (w.lr, w.min_lr_ratio, w.warmup_steps) == (1e-3, 0.1, 20)
+    assert (c.lr, c.min_lr_ratio, c.warmup_steps) == (5e-4, 1.0, 10)
+    assert dataclasses.replace(c, lr=w.lr, min_lr_ratio=w.min_lr_ratio, warmup_steps=w.warmup_steps) == w
+    assert OptimSettings.from_section(c, total_steps=10**9, anchor_decay=0.1) == OptimSettings(
+        lr=5e-4,
+        min_lr_ratio=1.0,
+        weight_decay=0.0,
+        warmup_steps=10,
+        total_steps=10**9,
+        grad_clip=0.5,
+        anchor_decay=0.1,
+    )
+    lora = LoraAdaptConfig()
+    assert OptimSettings.from_section(w, total_steps=7, adapters=lora) == OptimSettings(
+        lr=lora.lr,
+        min_lr_ratio=0.1,
+        weight_decay=lora.weight_decay,
+        warmup_steps=lora.warmup_steps,
+        total_steps=7,
+    )
+
+
+def test_an_old_objective_key_in_a_warmstart_file_names_its_new_key(tmp_path):
+    p = tmp_path / "old.yaml"
+    p.write_text("kind: warmstart\ntrain:\n  lr: 1.0e-3\n  epochs: 2\n  loss: tv\n")
+    with pytest.raises(RecipeError) as e:
+        load_recipe(p)
+    assert str(e.value) == (
+        f"recipe {p}: train.lr moved to train.objective.lr; train.loss moved to train.objective.loss"
+    )
+    with pytest.raises(RecipeError, match=r": train\.ttt_steps moved to train\.objective\.ttt_steps$"):
+        load_recipe(None, ["train.ttt_steps=3"])
 
 
 @pytest.mark.parametrize("loss", ["soft", "tv", "greedy_surrogate", "expected_length"])
@@ -601,12 +672,12 @@ def test_a_distribution_loss_on_hard_tokens_only_fails_at_load(loss):
     from draft_align.config import CotrainRecipe
 
     with pytest.raises(RecipeError) as e:
-        load_recipe(None, [f"sidecar.train.loss={loss}", "tap.send_final=false"], CotrainRecipe)
+        load_recipe(None, [f"sidecar.train.objective.loss={loss}", "tap.send_final=false"], CotrainRecipe)
     assert str(e.value) == (
-        f"sidecar.train.loss={loss} needs the target's distribution, but tap.send_final=false ships "
+        f"sidecar.train.objective.loss={loss} needs the target's distribution, but tap.send_final=false ships "
         f"hard tokens only (no final hidden state): set tap.send_final=true"
     )
-    load_recipe(None, [f"sidecar.train.loss={loss}", "tap.send_final=true"], CotrainRecipe)
+    load_recipe(None, [f"sidecar.train.objective.loss={loss}", "tap.send_final=true"], CotrainRecipe)
 
 
 def test_hard_tokens_only_fail_at_load_for_the_hard_loss_too():
@@ -614,7 +685,7 @@ def test_hard_tokens_only_fail_at_load_for_the_hard_loss_too():
     from draft_align.config import CotrainRecipe
 
     with pytest.raises(RecipeError, match=r"^tap\.send_final=false: the sidecar drops tapped batches"):
-        load_recipe(None, ["sidecar.train.loss=hard", "tap.send_final=false"], CotrainRecipe)
+        load_recipe(None, ["sidecar.train.objective.loss=hard", "tap.send_final=false"], CotrainRecipe)
 
 
 # ----------------------------------------------------------------------------- numeric ranges (config/rules.py)
@@ -706,7 +777,7 @@ def test_every_numeric_field_refuses_values_outside_its_range_in_one_line(kind, 
         ("sidecar.gate.tolerance=-1", r"^sidecar\.gate\.tolerance must be in \[0, 64\] \(.*\), got -1"),
         ("sidecar.gate.tolerance=nan", r"^sidecar\.gate\.tolerance must be in \[0, 64\] \(.*\), got nan"),
         ("sidecar.gate.tolerance=inf", r"^sidecar\.gate\.tolerance must be in \[0, 64\] \(.*\), got inf"),
-        ("sidecar.train.lr=inf", r"^sidecar\.train\.lr must be in \(0, 10\], got inf"),
+        ("sidecar.train.objective.lr=inf", r"^sidecar\.train\.objective\.lr must be in \(0, 10\], got inf"),
         ("sidecar.collective_timeout_s=1e300", r"^sidecar\.collective_timeout_s must be in \(0, 604800\]"),
         ("seed=-1", r"^seed must be in \[0, 4294967295\], got -1"),
         (
@@ -763,8 +834,11 @@ def test_the_sidecars_default_sequence_cap_keeps_one_step_in_its_documented_budg
     ("override", "message"),
     [
         ("rl.policy.lr=1e300", "rl.policy.lr must be in (0, 10]"),
-        ("sidecar.train.lr=18446744073709551616", "sidecar.train.lr must be in (0, 10]"),
-        ("sidecar.train.grad_clip=1e300", "sidecar.train.grad_clip must be in (0, 1000000]"),
+        ("sidecar.train.objective.lr=18446744073709551616", "sidecar.train.objective.lr must be in (0, 10]"),
+        (
+            "sidecar.train.objective.grad_clip=1e300",
+            "sidecar.train.objective.grad_clip must be in (0, 1000000]",
+        ),
         ("sidecar.gate.tolerance=1e300", "sidecar.gate.tolerance must be in [0, 64]"),
         ("ray.num_gpus=1e300", "ray.num_gpus must be in [0, 1000000]"),
         ("rl.policy.kl_coef=1e300", "rl.policy.kl_coef must be in [0, 1000000]"),

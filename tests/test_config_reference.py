@@ -55,7 +55,7 @@ def test_check_mode_fails_on_a_stale_file(tmp_path, capsys):
     assert main(["--check", "--out", str(out)]) == 1  # missing
     assert main(["--out", str(out)]) == 0
     assert main(["--check", "--out", str(out)]) == 0
-    out.write_text(out.read_text().replace("| `train.lr` |", "| `train.learning_rate` |"))
+    out.write_text(out.read_text().replace("| `train.objective.lr` |", "| `train.learning_rate` |"))
     assert main(["--check", "--out", str(out)]) == 1
     assert "out of date" in capsys.readouterr().err
 

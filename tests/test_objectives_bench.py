@@ -20,10 +20,10 @@ def test_specs_parse_into_recipe_fields() -> None:
     assert [x["loss"] for x in parse_arms(DEFAULT_ARMS)] == ["soft", "tv", "expected_length", "tv"]
     assert arm_overrides(a, "bench") == [
         "run=bench-obj-expected_length-greedy_draft-ce1e-2",
-        "train.loss=expected_length",
-        "train.soft_ce_weight=0.01",
+        "train.objective.loss=expected_length",
+        "train.objective.soft_ce_weight=0.01",
         "logging.log_every=1",
-        "train.accept_mode=greedy_draft",
+        "train.objective.accept_mode=greedy_draft",
     ]
 
 

@@ -54,7 +54,7 @@ def setup(args: argparse.Namespace, script: str) -> tuple[list[str], Any, dict[s
         "eval_prompts": args.eval_prompts,
         "eval_max_new": args.eval_max_new,
         "seed": recipe.seed,
-        "ttt_steps": recipe.train.ttt_steps,
+        "ttt_steps": recipe.train.objective.ttt_steps,
         "target_dtype": recipe.target.dtype,
         "arms": [],
     }

@@ -57,7 +57,7 @@ def _add_run_commands(sub: Any) -> None:
 
     w = sub.add_parser("warmstart", help="train a draft offline from chat data, export and evaluate it")
     w.add_argument("recipe", help="recipe YAML (see recipes/)")
-    w.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.lr=3e-4")
+    w.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.objective.lr=3e-4")
     w.set_defaults(fn=cmd_warmstart)
 
     sc = sub.add_parser("sidecar", help="the online draft trainer: receive taps, train, gate, publish")

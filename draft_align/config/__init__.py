@@ -18,6 +18,7 @@ from draft_align.config.recipe_files import (
 from draft_align.config.recipes import SCHEMAS, CotrainRecipe, Recipe, WarmstartRecipe
 from draft_align.config.rules import RecipeError
 from draft_align.config.sections import (
+    ObjectiveConfig,
     PolicyLoraConfig,
     RLConfig,
     RLEngineConfig,
@@ -31,6 +32,7 @@ __all__ = [
     "RESOLVED_RECIPE",
     "SCHEMAS",
     "CotrainRecipe",
+    "ObjectiveConfig",
     "PolicyLoraConfig",
     "RLConfig",
     "RLEngineConfig",

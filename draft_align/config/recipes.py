@@ -84,16 +84,16 @@ class WarmstartRecipe(_RecipeHeader):
                 "draft.mtp_impl=megatron builds the target checkpoint's own MTP layers in megatron-core: "
                 "draft.head=native_mtp, draft.adapt=full, no draft.init_from"
             )
-        if self.draft.mtp_impl == "megatron" and self.train.autocast_bf16 is not False:
+        if self.draft.mtp_impl == "megatron" and self.train.objective.autocast_bf16 is not False:
             raise RecipeError(
-                "draft.mtp_impl=megatron: set train.autocast_bf16=false (megatron-core's linear layers run their "
-                "backward in the weights' dtype and refuse torch autocast's bf16 gradients)"
+                "draft.mtp_impl=megatron: set train.objective.autocast_bf16=false (megatron-core's linear layers "
+                "run their backward in the weights' dtype and refuse torch autocast's bf16 gradients)"
             )
         check_lora("draft", self.draft.adapt, self.draft.lora)
         if self.draft.adapt == "lora" and self.draft.head == "eagle3" and not self.draft.init_from:
             raise RecipeError("draft.adapt=lora adapts a warm-started EAGLE-3 draft: set draft.init_from")
         # every warm-start record carries the target's final hidden state (its capture), so every loss has p
-        check_loss_section("train", self.train)
+        check_loss_section("train.objective", self.train.objective)
         if self.data.gen_engine == "vllm" and self.data.gen_temperature > VLLM_MAX_TEMPERATURE:
             raise RecipeError(
                 f"data.gen_temperature {self.data.gen_temperature}: vLLM samples at T ≤ "
@@ -125,11 +125,11 @@ class CotrainRecipe(_RecipeHeader):
         _check_header(self)
         check_push(self.push)
         check_lora("sidecar.train", self.sidecar.train.adapt, self.sidecar.train.lora)
-        check_loss_section("sidecar.train", self.sidecar.train)
+        check_loss_section("sidecar.train.objective", self.sidecar.train.objective)
         if not self.tap.send_final:
-            if self.sidecar.train.loss in DISTRIBUTION_LOSSES:
+            if (loss := self.sidecar.train.objective.loss) in DISTRIBUTION_LOSSES:
                 raise RecipeError(
-                    f"sidecar.train.loss={self.sidecar.train.loss} needs the target's distribution, but "
+                    f"sidecar.train.objective.loss={loss} needs the target's distribution, but "
                     f"tap.send_final=false ships hard tokens only (no final hidden state): set "
                     f"tap.send_final=true"
                 )

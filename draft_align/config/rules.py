@@ -19,6 +19,7 @@ from draft_align.config.sections import (
     EvalConfig,
     LoggingConfig,
     LoraAdaptConfig,
+    ObjectiveConfig,
     PolicyLoraConfig,
     PushConfig,
     RayConfig,
@@ -149,7 +150,7 @@ RANGES: dict[type, dict[str, Range]] = {
         "aux_layer_ids": Range(0, 4096),  # HF hidden_states indices
         "draft_vocab_size": Range(2),
     },
-    TrainConfig: {
+    ObjectiveConfig: {  # train.objective and sidecar.train.objective
         "ttt_steps": Range(1, 64),
         "step_decay": Range(0, open_low=True, note="null: the head's default"),
         "soft_ce_weight": COEF,
@@ -159,6 +160,8 @@ RANGES: dict[type, dict[str, Range]] = {
         "weight_decay": WEIGHT_DECAY,
         "warmup_steps": AT_LEAST_0,
         "grad_clip": GRAD_CLIP,
+    },
+    TrainConfig: {
         "batch_tokens": TOKENS,
         "epochs": AT_LEAST_1,
         "max_steps": Range(1, note="null: the epochs decide"),
@@ -202,15 +205,6 @@ RANGES: dict[type, dict[str, Range]] = {
     },
     SidecarTrainConfig: {
         "batch_tokens": TOKENS,
-        "ttt_steps": Range(1, 64),
-        "step_decay": Range(0, open_low=True, note="null: the head's default"),
-        "soft_ce_weight": COEF,
-        "surrogate_tau": Range(0, 1e3, open_low=True),
-        "lr": LR,
-        "min_lr_ratio": FRACTION,
-        "warmup_steps": AT_LEAST_0,
-        "weight_decay": WEIGHT_DECAY,
-        "grad_clip": GRAD_CLIP,
         "lr_ramp_tokens": Range(0, note="0: off"),
         "anchor_decay": Range(0, 1e6, note="0: off"),
         "max_seq_tokens": Range(3, 1_048_576, note="at most the wire's tokens per message"),
@@ -384,8 +378,9 @@ def check_lora(where: str, adapt: AdaptChoice, lora: LoraAdaptConfig) -> None:
         raise RecipeError(f"{where}.lora.target_modules must name at least one module")
 
 
-def check_loss_section(where: str, section: TrainConfig | SidecarTrainConfig) -> None:
-    """The objective's rule (conventions.check_loss) on a ``train`` or ``sidecar.train`` section."""
+def check_loss_section(where: str, section: ObjectiveConfig) -> None:
+    """The objective's rule (conventions.check_loss) on an objective section (``train.objective``,
+    ``sidecar.train.objective``: ``where``)."""
     try:
         check_loss(section.loss, section.accept_mode, section.soft_ce_weight, section.surrogate_tau)
     except ValueError as e:

@@ -4,7 +4,7 @@ The recipes that hold them are in ``config/recipes.py``."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from draft_align.config.choices import (
     AdaptChoice,
@@ -113,31 +113,48 @@ class DraftConfig:
 
 
 @dataclass
-class TrainConfig:
+class ObjectiveConfig:
+    """The draft's training objective and its optimizer: one section, under ``train`` (warm-start) and
+    ``sidecar.train`` (co-training), each with its own defaults (the sidecar's: lr 5e-4, min_lr_ratio 1.0, i.e.
+    constant after warm-up, for online training has no end, and 10 warm-up steps)."""
+
     ttt_steps: int = 7  # K: unrolled draft steps per chain start (training-time test)
     step_decay: float | None = None  # TTT step weights decay^j; None = the head's default (STEP_DECAY)
     # the objective (train/losses.py, docs/acceptance.md "Training objectives"): soft CE (forward KL), hard CE,
     # or one on acceptance: tv | greedy_surrogate | expected_length, plus soft_ce_weight × soft CE
     loss: LossChoice = LossChoice("soft")
-    accept_mode: VerifyModeChoice | None = None  # the verify mode greedy_surrogate / expected_length score
+    # the verify mode greedy_surrogate / expected_length score (null: the loss's default)
+    accept_mode: VerifyModeChoice | None = None
     soft_ce_weight: float = 0.0  # λ of L = L_acceptance + λ·L_softCE (acceptance objectives only)
     surrogate_tau: float = 0.5  # τ of the greedy surrogates' softmax(z/τ)
     lr: float = 1e-3  # peak learning rate (AdamW)
-    min_lr_ratio: float = 0.1  # the cosine schedule ends at lr × this
+    min_lr_ratio: float = 0.1  # the cosine schedule ends at lr × this (1.0: constant after warm-up)
     weight_decay: float = 0.0  # AdamW weight decay
     warmup_steps: int = 20  # linear warm-up steps
     grad_clip: float = 0.5  # gradient-norm clip
+    # null: bf16 where the device computes it natively, else fp32 (train/precision.py)
+    autocast_bf16: bool | None = None
+    # soft CE through the fused log-sum-exp (train/fused_lse.py) where the head allows; false: checkpointed
+    # logit blocks (same values and gradients, logits recomputed in backward)
+    fused_soft_ce: bool = True
+
+
+def sidecar_objective() -> ObjectiveConfig:
+    """``sidecar.train.objective``'s defaults: a smaller learning rate, constant after 10 warm-up steps."""
+    return ObjectiveConfig(lr=5e-4, min_lr_ratio=1.0, warmup_steps=10)
+
+
+@dataclass
+class TrainConfig:
+    """How the warm-start trains: its objective and optimizer, the batches, how long, the checkpoints."""
+
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     batch_tokens: int = 4096  # tokens per training batch
     epochs: int = 2  # passes over the captured data
     # stop after this many optimizer steps (null: epochs or the time budget decide)
     max_steps: int | None = None
     time_budget_s: float | None = None  # stop training after this many seconds (schedule adapts)
     checkpoint_every: int = 50  # optimizer steps between trainer checkpoints
-    # null: bf16 where the device computes it natively, else fp32 (train/precision.py)
-    autocast_bf16: bool | None = None
-    # soft CE through the fused log-sum-exp (train/fused_lse.py) where the head allows; false: checkpointed
-    # logit blocks (same values and gradients, logits recomputed in backward)
-    fused_soft_ce: bool = True
     cache_hidden: bool = True  # keep captured target states on disk for later epochs / reruns
     # non-finite losses in a row that stop the run (sidecar: drop the head until HeadSync)
     max_consecutive_nonfinite: int = 3
@@ -220,28 +237,16 @@ class SidecarBufferConfig:
 class SidecarTrainConfig:
     """How the sidecar trains the draft: the objective, the optimizer and its schedule, the trainer's limits."""
 
+    # the objective and its optimizer, as train.objective in a warm-start recipe (docs/acceptance.md "Training
+    # objectives"), with the sidecar's own defaults
+    objective: ObjectiveConfig = field(default_factory=sidecar_objective)
     batch_tokens: int = 1536  # tokens per training batch
-    ttt_steps: int = 7  # K: unrolled draft steps per chain start (training-time test)
-    step_decay: float | None = None  # TTT step weights decay^j; None = the head's default (STEP_DECAY)
-    # the objective and its settings, as train.* in a warm-start recipe (docs/acceptance.md "Training objectives")
-    loss: LossChoice = LossChoice("soft")
-    # the verify mode an acceptance objective scores (null: the loss's default)
-    accept_mode: VerifyModeChoice | None = None
-    soft_ce_weight: float = 0.0  # λ of L = L_acceptance + λ·L_softCE (acceptance objectives only)
-    surrogate_tau: float = 0.5  # τ of the greedy surrogates' softmax(z/τ)
-    lr: float = 5e-4  # the draft's learning rate (AdamW)
-    min_lr_ratio: float = 1.0  # 1.0 = constant after warmup (online training has no end)
-    warmup_steps: int = 10  # linear warm-up steps
-    weight_decay: float = 0.0  # AdamW weight decay
-    grad_clip: float = 0.5  # gradient-norm clip
-    # lr × min(1, trainable tokens / lr_ramp_tokens): small early buffers take small steps (0: off)
+    # objective.lr × min(1, trainable tokens / lr_ramp_tokens): small early buffers take small steps (0: off)
     lr_ramp_tokens: int = 0
     # pull toward the starting draft after each step: θ ← θ − lr · anchor_decay · (θ − θ_start), AdamW-style
     # decoupled decay toward the starting weights instead of 0; after a restart θ_start is the newest
     # published draft (0: off)
     anchor_decay: float = 0.0
-    autocast_bf16: bool | None = None  # null: bf16 where native (train/precision.py), else fp32
-    fused_soft_ce: bool = True  # as train.fused_soft_ce
     # longer tapped sequences train on their first this-many tokens (the rest counted as truncated): one train
     # step's memory is linear in sequence length with this as its bound (docs/sizing.md §6)
     max_seq_tokens: int = 4096
@@ -344,6 +349,8 @@ class SidecarConfig:
     recording: SidecarRecordingConfig = field(default_factory=SidecarRecordingConfig)
 
 
+OBJECTIVE_KEYS = [f.name for f in fields(ObjectiveConfig)]
+
 #: Keys that moved when a section was split by concern, old → new (full dotted keys): a recipe or override still
 #: using one is refused in one line naming the new key (config/recipe_files.py); a key under an old one moves with
 #: it (``sidecar.lora.rank`` → ``sidecar.train.lora.rank``).  An old key that is a section now (``rl.engine``) is
@@ -360,11 +367,14 @@ MOVED_KEYS: dict[str, str] = {
     **{
         f"sidecar.{k}": f"sidecar.train.{k}"
         for k in (
-            "batch_tokens ttt_steps step_decay loss accept_mode soft_ce_weight surrogate_tau lr min_lr_ratio "
-            "warmup_steps weight_decay grad_clip lr_ramp_tokens anchor_decay autocast_bf16 fused_soft_ce "
-            "max_seq_tokens max_consecutive_nonfinite checkpoint_every_s adapt lora"
+            "batch_tokens lr_ramp_tokens anchor_decay max_seq_tokens max_consecutive_nonfinite checkpoint_every_s "
+            "adapt lora"
         ).split()
     },
+    # the objective and its optimizer, one section under train and sidecar.train (issue 40)
+    **{f"sidecar.{k}": f"sidecar.train.objective.{k}" for k in OBJECTIVE_KEYS},
+    **{f"sidecar.train.{k}": f"sidecar.train.objective.{k}" for k in OBJECTIVE_KEYS},
+    **{f"train.{k}": f"train.objective.{k}" for k in OBJECTIVE_KEYS},
     "sidecar.train_trigger": "sidecar.trigger.when",
     "sidecar.drift_tolerance": "sidecar.trigger.drift_tolerance",
     "sidecar.drift_head_threshold": "sidecar.trigger.drift_head_threshold",

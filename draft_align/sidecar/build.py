@@ -1,6 +1,8 @@
 """The sidecar's parts built from its recipe: what it keeps of the target, the drafts it starts from, the trainer and its settings, the
-ingest in front of the replay buffer, the sockets, the sinks.  Plain functions; :class:`~draft_align.sidecar.loop.
-Sidecar` calls them in its fixed setup order and holds what they return."""
+ingest in front of the replay buffer, the sockets, the sinks.  Plain functions, each taking the recipe sections it
+reads (``target``, ``sidecar.train``, ``sidecar.buffer``, ``wire``, ...) and the run's own values (its folder, name
+and seed); :class:`~draft_align.sidecar.loop.Sidecar` calls them in its fixed setup order and holds what they
+return."""
 
 from __future__ import annotations
 
@@ -12,7 +14,16 @@ import torch
 from torch import nn
 
 from draft_align.config import CotrainRecipe, recipe_to_dict, step_decay
-from draft_align.config.sections import SidecarRecordingConfig
+from draft_align.config.sections import (
+    SidecarBufferConfig,
+    SidecarConfig,
+    SidecarRecordingConfig,
+    SidecarTrainConfig,
+    SidecarTriggerConfig,
+    TapConfig,
+    TargetConfig,
+    WireConfig,
+)
 from draft_align.conventions import float_dtype
 from draft_align.heads.draft_head import DraftHead
 from draft_align.monitor.sinks import METRICS_FILE, JsonlSink, PromSink, Sinks, open_sinks
@@ -41,14 +52,14 @@ class TargetSide:
     embed: nn.Module
 
 
-def load_target_side(recipe: CotrainRecipe, device: torch.device) -> TargetSide:
-    """Load the recipe's target on the CPU and keep :class:`TargetSide` of it (the embedding on ``device``)."""
+def load_target_side(target: TargetConfig, device: torch.device) -> TargetSide:
+    """Load the ``target`` on the CPU and keep :class:`TargetSide` of it (the embedding on ``device``)."""
     from draft_align import assets
     from draft_align.hf.parts import frozen_embedding
 
-    target, tok = assets.load_target(recipe.target.model, float_dtype(recipe.target.dtype), "cpu")
+    model, tok = assets.load_target(target.model, float_dtype(target.dtype), "cpu")
     return TargetSide(
-        target.config, recipe.target.model, tokenizer_fingerprint(tok), frozen_embedding(target).to(device)
+        model.config, target.model, tokenizer_fingerprint(tok), frozen_embedding(model).to(device)
     )
 
 
@@ -67,10 +78,10 @@ class StartingDrafts:
 
 
 def load_starting_drafts(
-    recipe: CotrainRecipe, start_draft: Path, target: TargetSide, device: torch.device
+    run_dir: Path, start_draft: Path, target: TargetSide, device: torch.device
 ) -> StartingDrafts:
-    """Load the starting draft and the newest trusted published version (``sidecar/resume.py``), in eval mode."""
-    run_dir = recipe.run_dir
+    """Load the starting draft and the newest trusted version published in ``run_dir`` (``sidecar/resume.py``), in
+    eval mode."""
     frozen, manifest = load_draft(start_draft, device=device)
     frozen.eval()
     check_compatible(manifest, target.config, target.tokenizer_fingerprint)
@@ -81,14 +92,23 @@ def load_starting_drafts(
 
 
 def build_gate(
-    recipe: CotrainRecipe, start: StartingDrafts, target: TargetSide, start_draft: Path, device: torch.device
+    sidecar: SidecarConfig,
+    start: StartingDrafts,
+    target: TargetSide,
+    start_draft: Path,
+    device: torch.device,
+    *,
+    run_dir: Path,
+    run_id: str,
 ) -> Gate:
-    """The publish gate, comparing candidates against the published draft; its PUB socket is set by
-    :func:`open_wire`.  The starting draft's folder is never deleted by retention."""
+    """The publish gate of the ``sidecar`` section, comparing candidates against the published draft; its PUB
+    socket is set by :func:`open_wire`.  The starting draft's folder is never deleted by retention."""
     return Gate(
-        recipe,
+        sidecar,
         start.state,
         start.published,
+        run_dir=run_dir,
+        run_id=run_id,
         device=device,
         target_config=target.config,
         target_name=target.name,
@@ -99,40 +119,38 @@ def build_gate(
     )
 
 
-def trainable_draft(recipe: CotrainRecipe, published: DraftHead, device: torch.device) -> DraftHead:
-    """The draft to train: a plain copy of the published one (``adapt: lora``: with adapters over it, which
-    have their own optimizer settings)."""
+def trainable_draft(
+    train: SidecarTrainConfig, published: DraftHead, device: torch.device, *, seed: int
+) -> DraftHead:
+    """The draft to train: a plain copy of the published one (``sidecar.train.adapt: lora``: with adapters over
+    it, seeded by the run's ``seed``, which have their own optimizer settings)."""
     draft = plain_copy(published, device)
-    if recipe.sidecar.train.adapt == "lora":
+    if train.adapt == "lora":
         from draft_align.heads.lora import apply_lora, lora_settings
 
-        apply_lora(draft, lora_settings(recipe.sidecar.train.lora), seed=recipe.seed)
+        apply_lora(draft, lora_settings(train.lora), seed=seed)
     return draft
 
 
 def build_trainer(
-    recipe: CotrainRecipe, draft: DraftHead, embed: nn.Module, rows: torch.Tensor
+    train: SidecarTrainConfig, draft: DraftHead, embed: nn.Module, rows: torch.Tensor
 ) -> DraftTrainer:
-    """The trainer of ``draft`` with the ``sidecar.train`` section's settings (``adapt: lora``: the LoRA section's
-    learning rate, weight decay and warmup); the schedule never ends (online training)."""
-    sc = recipe.sidecar.train
-    lora = sc.adapt == "lora"
-    optim = OptimSettings(
-        lr=sc.lora.lr if lora else sc.lr,
-        min_lr_ratio=sc.min_lr_ratio,
-        weight_decay=sc.lora.weight_decay if lora else sc.weight_decay,
-        warmup_steps=sc.lora.warmup_steps if lora else sc.warmup_steps,
-        total_steps=10**9,
-        grad_clip=sc.grad_clip,
-        anchor_decay=sc.anchor_decay,
+    """The trainer of ``draft`` with the ``sidecar.train`` section's objective and optimizer (``adapt: lora``: the
+    LoRA section's learning rate, weight decay and warmup); the schedule never ends (online training)."""
+    objective = train.objective
+    adapters = train.lora if train.adapt == "lora" else None
+    optim = OptimSettings.from_section(
+        objective, total_steps=10**9, adapters=adapters, anchor_decay=train.anchor_decay
     )
-    loss = LossSettings.from_section(sc, step_decay(sc.step_decay, draft.kind), train_lm_head=True)
-    return DraftTrainer(draft, embed, rows, optim, loss, max_seq_tokens=sc.max_seq_tokens)
+    loss = LossSettings.from_section(
+        objective, step_decay(objective.step_decay, draft.kind), train_lm_head=True
+    )
+    return DraftTrainer(draft, embed, rows, optim, loss, max_seq_tokens=train.max_seq_tokens)
 
 
-def build_trigger(recipe: CotrainRecipe) -> DriftTrigger:
+def build_trigger(trigger: SidecarTriggerConfig) -> DriftTrigger:
     """When to train (``sidecar.trigger.when``: always, or drift with its tolerance, head threshold, window)."""
-    sc = recipe.sidecar.trigger
+    sc = trigger
     return DriftTrigger(
         sc.when.value,
         tolerance=sc.drift_tolerance,
@@ -143,27 +161,31 @@ def build_trigger(recipe: CotrainRecipe) -> DriftTrigger:
 
 
 def build_ingest(
-    recipe: CotrainRecipe,
+    buffer_cfg: SidecarBufferConfig,
+    tap: TapConfig,
     state: SidecarState,
     rates: Rates,
     frozen: DraftHead,
     target_config: Any,
     rank: int | None,
     is_lead: bool,
+    *,
+    seed: int,
 ) -> Ingest:
-    """The replay buffer (only the lead rank, which gates, holds records out; each rank samples with its own
-    seed) and the ingest in front of it, checking records against the frozen draft and the target."""
-    sc = recipe.sidecar.buffer
+    """The replay buffer of ``buffer_cfg`` (``sidecar.buffer``; only the lead rank, which gates, holds records
+    out; each rank samples with its own seed from the run's ``seed``) and the ingest in front of it, checking
+    records against the frozen draft and the target; ``tap``: what a step sends at most."""
+    sc = buffer_cfg
     buffer = ReplayBuffer(
         sc.tokens,
         sc.recency_half_life,
         sc.holdout_records if is_lead else 0,
-        recipe.seed + (rank if rank is not None else 0),
+        seed + (rank if rank is not None else 0),
         holdout_every=sc.holdout_every,
         fresh_first=sc.fresh_first,
     )
     # records of steps whose report has not come are held at most this many tokens (docs/sizing.md)
-    held = max(sc.tokens // 4, 2 * recipe.tap.tokens_per_step)
+    held = max(sc.tokens // 4, 2 * tap.tokens_per_step)
     return Ingest(
         buffer,
         state,
@@ -177,16 +199,15 @@ def build_ingest(
 
 
 def open_wire(
-    recipe: CotrainRecipe, *, rank: int | None, is_lead: bool, guard_file: Path | None = None
+    wire: WireConfig, run_dir: Path, *, rank: int | None, is_lead: bool, guard_file: Path | None = None
 ) -> tuple[bytes, Any, Any | None]:
-    """``(key, receiver, publisher)``: the HMAC key (created in the run folder when none is configured), the PULL
-    socket (rank r: its own endpoint) and, on the lead rank, the DraftPublished PUB socket (else None).  The
-    receiver's sequence guard continues the one saved in ``guard_file`` (a file that does not verify is set
-    aside, and the guard starts empty)."""
+    """``(key, receiver, publisher)`` of the ``wire`` section: the HMAC key (created in the run folder ``run_dir``
+    when none is configured), the PULL socket (rank r: its own endpoint) and, on the lead rank, the DraftPublished
+    PUB socket (else None).  The receiver's sequence guard continues the one saved in ``guard_file`` (a file that
+    does not verify is set aside, and the guard starts empty)."""
     from draft_align.wire import channel
     from draft_align.wire.sequence_guard import load_guard
 
-    wire, run_dir = recipe.wire, recipe.run_dir
     key = channel.resolve_key(wire.key_file, run_dir, create=True)
     guard = None
     if guard_file is not None:

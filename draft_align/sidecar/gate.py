@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from draft_align.config import CotrainRecipe
+from draft_align.config.sections import SidecarConfig
 from draft_align.heads.draft_head import DraftHead
 from draft_align.monitor.tapped_estimate import RecordEstimateError
 from draft_align.publish.folder import ExportError
@@ -86,10 +86,12 @@ class Gate:
 
     def __init__(
         self,
-        recipe: CotrainRecipe,
+        sidecar: SidecarConfig,
         state: SidecarState,
         published: DraftHead,
         *,
+        run_dir: Path,
+        run_id: str,
         device: torch.device,
         target_config: Any,
         target_name: str,
@@ -98,11 +100,12 @@ class Gate:
         publisher: Publisher | None,
         protect: tuple[Path, ...] = (),
     ) -> None:
-        self.recipe = recipe
+        self.sidecar = sidecar  # the recipe's sidecar section: publish, gate, train
+        self.run_id = run_id
         self.state = state
         self.published = published
         self.device = device
-        self.run_dir = recipe.run_dir
+        self.run_dir = Path(run_dir)
         self.dir = self.run_dir / SIDECAR_DIR
         self.target_config = target_config
         self.target_name = target_name
@@ -119,7 +122,7 @@ class Gate:
         """Enough train steps since the last publish, and the interval passed (or ``force``, or with
         ``publish.on_new_version`` the candidate trained on a policy version newer than the published draft's
         and no attempt was made for that version yet)."""
-        sc = self.recipe.sidecar.publish
+        sc = self.sidecar.publish
         if self.steps_since_publish < sc.min_train_steps:
             return False
         trained = self.state.trained_policy_version
@@ -132,7 +135,7 @@ class Gate:
     ) -> bool:
         """Gate ``candidate()`` against the published draft on ``holdout`` and publish it if it passes; True when
         a new version was published (call only when :meth:`due`)."""
-        gc = self.recipe.sidecar.gate
+        gc = self.sidecar.gate
         self.last_publish = time.monotonic()
         self.tried_version = self.state.trained_policy_version
         if not holdout:
@@ -160,7 +163,7 @@ class Gate:
         policy_version = trained if trained >= 0 else max(tr.policy_version for tr in holdout)
         # retention before the publish: with the new version there are at most keep_versions, even when the
         # process is killed right after the rename (pruning afterwards would leave keep_versions + 1)
-        self._prune(self.recipe.sidecar.publish.keep_versions - 1)
+        self._prune(self.sidecar.publish.keep_versions - 1)
         try:
             self._publish(cand, c, b, diff, stderr, policy_version)
         except ExportError as e:
@@ -191,7 +194,7 @@ class Gate:
             "train_steps": self.state.train_steps,
             "trained_tokens": self.state.trained_tokens,
         }
-        sc = self.recipe.sidecar.train
+        sc = self.sidecar.train
         delta_base = (
             Path(self.state.lora_base_dir or "") if sc.adapt == "lora" and sc.lora.publish_delta else None
         )
@@ -205,7 +208,7 @@ class Gate:
             policy_version=policy_version,
             extra_manifest={
                 "trained_from": str(self.frozen_manifest.get("draft_version", 0)),
-                "run": self.recipe.run,
+                "run": self.run_id,
             },
             at_least=self.state.published_version + 1,
             delta_base=delta_base,
@@ -220,7 +223,7 @@ class Gate:
         assert self.publisher is not None, "only the lead rank publishes"
         self.publisher.publish(
             DraftPublished(
-                run_id=self.recipe.run,
+                run_id=self.run_id,
                 draft_version=v,
                 policy_version=policy_version,
                 path=str(pub.path),

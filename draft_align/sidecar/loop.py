@@ -111,7 +111,7 @@ class Sidecar:
         self.backoff = Backoff()  # after a failed publish / checkpoint (disk full)
         self.nonfinite_in_a_row = 0
         self.resumed = False
-        self.trigger = build_trigger(recipe)
+        self.trigger = build_trigger(recipe.sidecar.trigger)
         self.waiting: str | None = "no head yet"  # why the last next_batch() gave no batch (None: it did)
         # RL step → the draft published when its first taps arrived: its row's "adapted" estimate (records
         # train on arrival, so a draft published later may have trained on them)
@@ -145,18 +145,20 @@ class Sidecar:
         """The target's frozen embedding and tokenizer fingerprint, the starting ("frozen") draft, the resumed
         state, the gate with the published draft it compares against; returns the draft to train."""
         recipe, sc = self.recipe, self.recipe.sidecar
-        target = load_target_side(recipe, self.device)
+        target = load_target_side(recipe.target, self.device)
         self.target_config, self.target_name = target.config, target.name
         self.tok_fp = target.tokenizer_fingerprint
         self.embed: nn.Module = target.embed
-        start = load_starting_drafts(recipe, self.start_draft, target, self.device)
+        start = load_starting_drafts(self.run_dir, self.start_draft, target, self.device)
         self.frozen, self.frozen_manifest = start.frozen, start.frozen_manifest
         self.aux_ids = tuple(self.frozen.cfg.aux_layer_ids)
         self.hidden = int(self.target_config.hidden_size)
         self.vocab = int(self.target_config.vocab_size)
         self.state, self.resumed = start.state, start.resumed
-        self.gate = build_gate(recipe, start, target, self.start_draft, self.device)
-        draft = trainable_draft(recipe, start.published, self.device)
+        self.gate = build_gate(
+            sc, start, target, self.start_draft, self.device, run_dir=self.run_dir, run_id=recipe.run
+        )
+        draft = trainable_draft(sc.train, start.published, self.device, seed=recipe.seed)
         if sc.train.adapt == "lora" and (not self.resumed or not self.state.lora_base_dir):
             self.state.lora_base_dir = str(start.latest if start.latest is not None else self.start_draft)
         return draft
@@ -166,7 +168,7 @@ class Sidecar:
         resumed from the checkpoint."""
         sc, ranks = self.recipe.sidecar, self.ranks
         rows = self.frozen.lm_head.weight.detach().clone()  # until the first HeadSync
-        self.trainer = build_trainer(self.recipe, draft, self.embed, rows)
+        self.trainer = build_trainer(sc.train, draft, self.embed, rows)
         # fsdp2 (train/parallel.py): the trainer's draft is sharded over the ranks; rank 0 gates and exports
         # a plain copy that sync_full() refreshes from the gathered full state (``full_state``)
         sharded = ranks is not None and sc.parallel == "fsdp2"
@@ -189,12 +191,21 @@ class Sidecar:
         """The replay buffer and the ingest in front of it, the PULL socket (rank r: its own endpoint) and,
         on the lead rank, the DraftPublished PUB socket (``sidecar/build.py``)."""
         rank, lead = self.rank, self.is_lead
+        recipe = self.recipe
         self.ingest = build_ingest(
-            self.recipe, self.state, self.rates, self.frozen, self.target_config, rank, lead
+            recipe.sidecar.buffer,
+            recipe.tap,
+            self.state,
+            self.rates,
+            self.frozen,
+            self.target_config,
+            rank,
+            lead,
+            seed=recipe.seed,
         )
         self.guard_file = self.dir / guard_name(rank)  # the sequence guard outlives a restart
         self.wire_key, self.receiver, self.gate.publisher = open_wire(
-            self.recipe, rank=rank, is_lead=lead, guard_file=self.guard_file
+            recipe.wire, self.run_dir, rank=rank, is_lead=lead, guard_file=self.guard_file
         )
         rc = self.recipe.sidecar.recording
         if rc.enabled:  # every valid message, for adapt_playback.py (wire/recording.py)
@@ -393,7 +404,7 @@ class Sidecar:
             )
             if tc.lr_ramp_tokens > 0:  # small early buffers take small steps
                 self.trainer.set_lr_scale(min(1.0, max(trainable, 1) / tc.lr_ramp_tokens))
-            return collate([r.record for r in chosen], tc.ttt_steps)
+            return collate([r.record for r in chosen], tc.objective.ttt_steps)
         return None
 
     def train_on(self, batch: Batch) -> bool:

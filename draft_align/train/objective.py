@@ -28,7 +28,8 @@ from draft_align.train.records import Batch
 
 
 class LossSection(Protocol):
-    """A recipe section that sets the objective (``config.TrainConfig``, ``config.SidecarTrainConfig``)."""
+    """A recipe section that sets the objective (``config.ObjectiveConfig``: a warm-start's ``train.objective``, the
+    sidecar's ``sidecar.train.objective``)."""
 
     ttt_steps: int
     loss: str
@@ -61,8 +62,9 @@ class LossSettings:
 
     @classmethod
     def from_section(cls, section: LossSection, step_decay: float, train_lm_head: bool) -> LossSettings:
-        """The settings a warm-start's ``train`` or the sidecar's ``sidecar`` section asks for (one path for
-        both); ``step_decay`` resolved for the head (``config.step_decay``)."""
+        """The settings an objective section asks for (a warm-start's ``train.objective`` or the sidecar's
+        ``sidecar.train.objective``: one path for both); ``step_decay`` resolved for the head
+        (``config.step_decay``)."""
         mode = section.accept_mode
         return cls(
             ttt_steps=int(section.ttt_steps),

@@ -31,6 +31,25 @@ class NonFiniteLossError(FloatingPointError):
     """The loss or the gradient norm was NaN/Inf: the step was skipped, nothing was applied."""
 
 
+class OptimSection(Protocol):
+    """A recipe section that sets the optimizer and its schedule (``config.ObjectiveConfig``: a warm-start's
+    ``train.objective``, the sidecar's ``sidecar.train.objective``)."""
+
+    lr: float
+    min_lr_ratio: float
+    weight_decay: float
+    warmup_steps: int
+    grad_clip: float
+
+
+class AdapterOptimSection(Protocol):
+    """LoRA adapters' own optimizer settings (``config.LoraAdaptConfig``)."""
+
+    lr: float
+    weight_decay: float
+    warmup_steps: int
+
+
 @dataclass(frozen=True)
 class OptimSettings:
     lr: float = 1e-3
@@ -43,6 +62,29 @@ class OptimSettings:
     # decoupled pull toward the weights the optimizer was built on (L2-SP, applied like AdamW's weight decay
     # but toward those weights instead of 0): after each step θ ← θ − lr · anchor_decay · (θ − θ_start)
     anchor_decay: float = 0.0
+
+    @classmethod
+    def from_section(
+        cls,
+        section: OptimSection,
+        *,
+        total_steps: int,
+        adapters: AdapterOptimSection | None = None,
+        anchor_decay: float = 0.0,
+    ) -> OptimSettings:
+        """The optimizer an objective section asks for over ``total_steps`` (one path for the warm-start and the
+        sidecar); ``adapters``: LoRA adapters' learning rate, weight decay and warm-up in place of the
+        section's."""
+        own = adapters if adapters is not None else section
+        return cls(
+            lr=own.lr,
+            min_lr_ratio=section.min_lr_ratio,
+            weight_decay=own.weight_decay,
+            warmup_steps=own.warmup_steps,
+            total_steps=total_steps,
+            grad_clip=section.grad_clip,
+            anchor_decay=anchor_decay,
+        )
 
 
 def lr_factor(s: OptimSettings, step: int, total: int) -> float:

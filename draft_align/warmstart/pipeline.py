@@ -10,7 +10,6 @@ The first three arrows are :mod:`draft_align.warmstart.preparation`.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import time
@@ -96,32 +95,22 @@ def train(
     eval_hook: Any = None,
 ) -> DraftTrainer:
     """The training loop: epochs of length-bucketed batches, exact resume from ``run_dir/trainer``."""
-    tc = recipe.train
+    tc, objective = recipe.train, recipe.train.objective
     gen = torch.Generator().manual_seed(recipe.seed)
     lengths = [len(r) for r in prep.records]
     batches_per_epoch = len(make_batches(lengths, tc.batch_tokens, torch.Generator().manual_seed(0)))
     planned = tc.epochs * batches_per_epoch
     if tc.max_steps is not None:
         planned = min(planned, tc.max_steps)
-    optim = OptimSettings(
-        lr=tc.lr,
-        min_lr_ratio=tc.min_lr_ratio,
-        weight_decay=tc.weight_decay,
-        warmup_steps=tc.warmup_steps,
-        total_steps=max(1, planned),
-        grad_clip=tc.grad_clip,
-    )
-    if recipe.draft.adapt == "lora":  # adapters over the frozen draft, with their own optimizer settings
+    lora = recipe.draft.lora if recipe.draft.adapt == "lora" else None
+    if lora is not None:  # adapters over the frozen draft, with their own optimizer settings
         from draft_align.heads.lora import apply_lora, is_lora, lora_settings
 
-        lc = recipe.draft.lora
         if not is_lora(draft):
-            apply_lora(draft, lora_settings(lc), seed=recipe.seed)
-        optim = dataclasses.replace(
-            optim, lr=lc.lr, weight_decay=lc.weight_decay, warmup_steps=lc.warmup_steps
-        )
+            apply_lora(draft, lora_settings(lora), seed=recipe.seed)
+    optim = OptimSettings.from_section(objective, total_steps=max(1, planned), adapters=lora)
     loss = LossSettings.from_section(
-        tc, step_decay(tc.step_decay, recipe.draft.head), recipe.draft.train_lm_head
+        objective, step_decay(objective.step_decay, recipe.draft.head), recipe.draft.train_lm_head
     )
     dev = torch.device(recipe.device)
     draft.to(dev)
@@ -168,7 +157,7 @@ def train(
             if tc.time_budget_s is not None and time.time() - t_start >= tc.time_budget_s:
                 stop = True
                 break
-            batch = collate([prep.records[i] for i in order[pr.batch_in_epoch]], tc.ttt_steps)
+            batch = collate([prep.records[i] for i in order[pr.batch_in_epoch]], objective.ttt_steps)
             t0 = time.time()
             try:
                 m = trainer.train_step(batch)
@@ -179,7 +168,7 @@ def train(
                 if consecutive_bad >= tc.max_consecutive_nonfinite:
                     raise WarmstartError(
                         f"{consecutive_bad} consecutive non-finite losses (last: {e}); stopping without "
-                        f"writing a checkpoint. Lower train.lr or check the captured data."
+                        f"writing a checkpoint. Lower train.objective.lr or check the captured data."
                     ) from e
                 pr.batch_in_epoch += 1
                 continue
@@ -219,7 +208,7 @@ def train(
     if pr.step == 0 and pr.skipped_nonfinite:
         raise WarmstartError(
             f"all {pr.skipped_nonfinite} training steps had a non-finite loss; nothing was trained and no "
-            f"checkpoint is written. Lower train.lr or check the captured data."
+            f"checkpoint is written. Lower train.objective.lr or check the captured data."
         )
     trainer.save(ckpt)
     return trainer
@@ -338,7 +327,7 @@ def _run(recipe: WarmstartRecipe) -> dict[str, Any]:
             "tokens_seen": pr.tokens_seen,
             "targets_seen": pr.targets_seen,
             "targets_per_s": pr.targets_seen / max(pr.seconds, 1e-9),
-            "token_steps_per_s": pr.targets_seen * recipe.train.ttt_steps / max(pr.seconds, 1e-9),
+            "token_steps_per_s": pr.targets_seen * recipe.train.objective.ttt_steps / max(pr.seconds, 1e-9),
             "skipped_nonfinite": pr.skipped_nonfinite,
         }
         vocab = vocab_report(prep, draft)

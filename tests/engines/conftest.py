@@ -138,7 +138,7 @@ def vllm_world(request, tmp_path_factory) -> VllmWorld:
                 "data.gen_batch_size": 32,
                 "train.max_steps": WARMSTART_STEPS,
                 "train.epochs": 100,
-                "train.warmup_steps": 5,
+                "train.objective.warmup_steps": 5,
                 "train.batch_tokens": 1024,
                 "train.checkpoint_every": 1000,
                 "train.cache_hidden": "false",

@@ -79,7 +79,9 @@ def test_the_lr_ramps_with_the_trainable_tokens(sidecar_world, until):
     stats = sc.trainer.train_step(batch)
     assert stats["lr"] == pytest.approx(lr_before)
     # warmup_steps=1: the schedule's factor is 1 from here on; the lr is the recipe's × the ramp
-    assert sc.trainer.optimizer.param_groups[0]["lr"] == pytest.approx(recipe.sidecar.train.lr * scale)
+    assert sc.trainer.optimizer.param_groups[0]["lr"] == pytest.approx(
+        recipe.sidecar.train.objective.lr * scale
+    )
 
 
 def test_a_report_without_taps_is_a_row_without_estimates_and_counted(sidecar_world, until):

@@ -35,7 +35,9 @@ def test_world_config_flattens_the_recipe_and_the_start(tiny_run, tmp_path):
     recipe = load_recipe(None, tiny_run.cotrain_overrides(tmp_path), CotrainRecipe)
     flat = world_config(recipe, tmp_path / "d")
     assert flat["start_draft"] == str((tmp_path / "d").resolve())
-    assert flat["sidecar.train.lr"] == recipe.sidecar.train.lr and flat["run"] == recipe.run
+    assert (
+        flat["sidecar.train.objective.lr"] == recipe.sidecar.train.objective.lr and flat["run"] == recipe.run
+    )
     assert not any(isinstance(v, dict) for v in flat.values())
     # keys each rank sets for itself (a Ray rank's endpoint on its own node) are not compared
     local = world_config(recipe, tmp_path / "d", ("wire.endpoint", "wire.notify_endpoint"))

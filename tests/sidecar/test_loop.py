@@ -67,8 +67,8 @@ def test_ingest_train_gate_publish_notify_and_monitor(sidecar_world, until):
     "sidecar_world",
     [
         {},
-        {"sidecar.train.loss": "tv", "sidecar.train.soft_ce_weight": 0.5},
-        {"sidecar.train.loss": "expected_length"},
+        {"sidecar.train.objective.loss": "tv", "sidecar.train.objective.soft_ce_weight": 0.5},
+        {"sidecar.train.objective.loss": "expected_length"},
     ],
     indirect=True,
     ids=["soft", "tv+ce", "expected_length"],
@@ -79,7 +79,7 @@ def test_nonfinite_loss_skips_the_step_and_publishes_nothing(sidecar_world, unti
 
     recipe, sc, feeder = sidecar_world
     assert sc.trainer.loss_settings == LossSettings.from_section(
-        recipe.sidecar.train, 0.8, True
+        recipe.sidecar.train.objective, 0.8, True
     )  # the recipe's objective
     feeder.step(0, 0)
     assert until(lambda: sc.state.monitor_rows >= 1, 20, every=lambda: sc.drain(0.1, 100))

@@ -163,7 +163,7 @@ def _same_weights_overrides(
         **{
             "sidecar.ranks": ranks,
             "sidecar.buffer.holdout_records": N_HOLD,
-            "sidecar.train.autocast_bf16": "false",
+            "sidecar.train.objective.autocast_bf16": "false",
             "sidecar.buffer.holdout_every": 1,
             "sidecar.buffer.fresh_first": "false",
             "sidecar.publish.on_new_version": "false",
@@ -171,8 +171,8 @@ def _same_weights_overrides(
             "sidecar.publish.every_s": 604800,
             "sidecar.train.checkpoint_every_s": 604800,
             "sidecar.monitor.prometheus_port": "null",
-            "sidecar.train.warmup_steps": 0,
-            "sidecar.train.lr": 3e-3,
+            "sidecar.train.objective.warmup_steps": 0,
+            "sidecar.train.objective.lr": 3e-3,
             "sidecar.parallel": parallel,
             **extra,
         },
@@ -295,7 +295,10 @@ def _two_ranks_match_one_process(tiny_run, tmp_path: Path, parallel: str, **extr
     _wait_ok(procs)
     # the global gradient norm (clipping's denominator): over DTensor shards under fsdp2
     norms2 = json.loads((tmp_path / "two" / "grad_norms.json").read_text())
-    assert len(norms) == len(norms2) == STEPS and norms[0] > one.sidecar.train.grad_clip, (norms, norms2)
+    assert len(norms) == len(norms2) == STEPS and norms[0] > one.sidecar.train.objective.grad_clip, (
+        norms,
+        norms2,
+    )
     assert norms2 == pytest.approx(norms, rel=1e-4), (norms, norms2)
     (pub1, w1), (pub2, w2) = _tensors(tmp_path / "one"), _tensors(tmp_path / "two")
     start = sc.frozen.state_dict()
@@ -569,7 +572,11 @@ def test_ranks_that_disagree_on_the_recipe_refuse_to_start(tiny_run, tiny_env, t
             tiny_run.cotrain_overrides(
                 tmp_path / f"r{r}",
                 run="bad",
-                **{"sidecar.ranks": 2, "sidecar.train.lr": lr, "sidecar.collective_timeout_s": 30.0},
+                **{
+                    "sidecar.ranks": 2,
+                    "sidecar.train.objective.lr": lr,
+                    "sidecar.collective_timeout_s": 30.0,
+                },
             ),
             CotrainRecipe,
         )
@@ -586,9 +593,10 @@ def test_ranks_that_disagree_on_the_recipe_refuse_to_start(tiny_run, tiny_env, t
     for p in procs:
         out, _ = p.communicate(timeout=90)
         assert p.returncode == 2, out[-2000:]
-        assert "disagree on the recipe" in out and "sidecar.train.lr: rank 0 0.001, rank 1 0.002" in out, out[
-            -2000:
-        ]
+        assert (
+            "disagree on the recipe" in out
+            and "sidecar.train.objective.lr: rank 0 0.001, rank 1 0.002" in out
+        ), out[-2000:]
     assert not (tmp_path / "r0" / "bad" / "sidecar" / "ready.json").exists()
 
 

@@ -19,7 +19,7 @@ from tests.helpers import run_warmstart
 NATIVE = {
     "draft.head": "native_mtp",
     "draft.aux_layer_ids": "null",
-    "train.ttt_steps": 2,
+    "train.objective.ttt_steps": 2,
     "train.max_steps": 4,
     "eval.prompts": 1,
     "eval.max_new_tokens": 4,

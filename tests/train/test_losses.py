@@ -676,7 +676,7 @@ def test_ttt_acceptance_gradient_matches_finite_differences(name, monkeypatch):
 
 @pytest.mark.parametrize("fused", [True, False])
 def test_ttt_loss_takes_the_soft_ce_path_its_settings_name(fused, monkeypatch):
-    """LossSettings.fused_soft_ce (train.fused_soft_ce / sidecar.train.fused_soft_ce) decides the soft-CE path of
+    """LossSettings.fused_soft_ce (train.objective.fused_soft_ce / sidecar.train.objective.fused_soft_ce) decides the soft-CE path of
     ttt_loss: the fused log-sum-exp when on, checkpointed blocks (no masked_lse_sum call) when off."""
     calls = []
     real = losses.masked_lse_sum

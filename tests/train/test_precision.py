@@ -43,6 +43,11 @@ def test_explicit_setting_wins_and_none_follows_the_device(monkeypatch):
 def test_recipes_default_to_automatic():
     from draft_align.config import CotrainRecipe, WarmstartRecipe, load_recipe
 
-    assert load_recipe(None, [], WarmstartRecipe).train.autocast_bf16 is None
-    assert load_recipe(None, [], CotrainRecipe).sidecar.train.autocast_bf16 is None
-    assert load_recipe(None, ["train.autocast_bf16=false"], WarmstartRecipe).train.autocast_bf16 is False
+    assert load_recipe(None, [], WarmstartRecipe).train.objective.autocast_bf16 is None
+    assert load_recipe(None, [], CotrainRecipe).sidecar.train.objective.autocast_bf16 is None
+    assert (
+        load_recipe(
+            None, ["train.objective.autocast_bf16=false"], WarmstartRecipe
+        ).train.objective.autocast_bf16
+        is False
+    )

@@ -24,8 +24,8 @@ MEGATRON = {
     "draft.head": "native_mtp",
     "draft.mtp_impl": "megatron",
     "draft.aux_layer_ids": "null",
-    "train.autocast_bf16": "false",  # megatron's linear layers refuse autocast's bf16 gradients (config rule)
-    "train.ttt_steps": 2,
+    "train.objective.autocast_bf16": "false",  # megatron's linear layers refuse autocast's bf16 gradients (config rule)
+    "train.objective.ttt_steps": 2,
     "train.max_steps": 4,
     "eval.prompts": 1,
     "eval.max_new_tokens": 4,

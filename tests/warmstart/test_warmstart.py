@@ -246,7 +246,7 @@ def test_rerun_with_more_steps_continues_and_publishes_a_new_version(tiny_world,
 
 
 def test_train_loss_selects_the_objective_of_the_warmstart(tiny_world, tmp_path):
-    """train.loss=expected_length with a soft-CE mix: the logged loss is the chain objective plus λ·Σ_j w_j CE_j
+    """train.objective.loss=expected_length with a soft-CE mix: the logged loss is the chain objective plus λ·Σ_j w_j CE_j
     (K − E[accepted drafts] ≤ K; with soft CE selected instead, loss − λ·Σ_j w_j CE_j measured 8.3 > K = 3)."""
     recipe = load_recipe(
         None,
@@ -256,15 +256,15 @@ def test_train_loss_selects_the_objective_of_the_warmstart(tiny_world, tmp_path)
             **{
                 "train.max_steps": 3,
                 "eval.enabled": "false",
-                "train.loss": "expected_length",
-                "train.soft_ce_weight": 0.5,
+                "train.objective.loss": "expected_length",
+                "train.objective.soft_ce_weight": 0.5,
             },
         ),
     )
     warmstart.run(recipe)
     rows = step_rows(recipe.run_dir)
     assert [r["step"] for r in rows] == [1, 2, 3] and versions(recipe.run_dir) == ["v0001"]
-    k, decay = recipe.train.ttt_steps, 0.8
+    k, decay = recipe.train.objective.ttt_steps, 0.8
     for r in rows:
         soft = sum(decay**j * r[f"ce_{j}"] for j in range(k))
         chain = r["loss"] - 0.5 * soft  # K − E[accepted drafts] per chain

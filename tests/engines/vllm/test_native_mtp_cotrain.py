@@ -35,7 +35,7 @@ STEPS = 16  # ~0.25 s each here; 16 leave room for a slower machine to see the f
 NATIVE = {
     "draft.head": "native_mtp",
     "draft.aux_layer_ids": "null",
-    "train.ttt_steps": 1,
+    "train.objective.ttt_steps": 1,
     "train.max_steps": 4,
     "eval.prompts": 1,
     "eval.k": 1,

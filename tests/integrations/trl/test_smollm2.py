@@ -49,10 +49,10 @@ def test_trl_grpo_example_on_smollm2_with_vllm(tmp_path, monkeypatch):
             "data.regenerate=false",
             "draft.draft_vocab_size=2048",
             "train.max_steps=6",
-            "train.ttt_steps=2",
+            "train.objective.ttt_steps=2",
             "train.batch_tokens=1024",
             "train.time_budget_s=null",
-            "train.warmup_steps=1",
+            "train.objective.warmup_steps=1",
             "eval.enabled=false",
             "logging.wandb=false",
             "logging.progress_bar=false",
@@ -79,7 +79,7 @@ def test_trl_grpo_example_on_smollm2_with_vllm(tmp_path, monkeypatch):
                 "sidecar.publish.min_train_steps=1",
                 "sidecar.publish.every_s=0",
                 "sidecar.gate.tolerance=64",
-                "sidecar.train.ttt_steps=2",
+                "sidecar.train.objective.ttt_steps=2",
                 "sidecar.train.checkpoint_every_s=5",
                 # the plumbing is under test (a published draft reaches the engine), not the drafts' quality: a draft
                 # trained on four steps of taps may probe worse than the 6-step start, and the probe guard (tested in
