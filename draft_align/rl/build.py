@@ -8,6 +8,7 @@ call them with what their framework owns (the policy model, the device, the rank
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
         WireConfig,
     )
     from draft_align.engines.vllm.refresher import ProbeGuard
+    from draft_align.wire.channel import Subscriber
     from draft_align.wire.sender import TapSender
 
 log = logging.getLogger(__name__)
@@ -124,6 +126,25 @@ def message_tokens(tap: TapConfig, wire: WireConfig, hidden: int, n_aux: int) ->
             messages,
         )
     return per_message
+
+
+def end_run(sender: TapSender, run_id: str, step: int, policy_version: int) -> None:
+    """The RL job's last message to the sidecar, the final StepReport, then ``sender`` closed once ZeroMQ has
+    had a moment to take it (the close waits at most 5 s whatever the sidecar does)."""
+    from draft_align.wire.messages import StepReport
+
+    sender.offer(StepReport.final(run_id, step, policy_version))
+    time.sleep(0.5)  # let the background thread hand the last messages to ZeroMQ
+    sender.close(timeout_s=5.0)
+
+
+def draft_notifications(wire: WireConfig, run_dir: Path, key: bytes) -> Subscriber:
+    """The sidecar's DraftPublished notifications for run ``run_dir`` (``wire.notify_endpoint``, else the run
+    folder's socket), verified with ``key``: what :func:`draft_source` and ``draft-align push`` follow."""
+    from draft_align.wire import channel
+
+    endpoint = channel.notify_endpoint(run_dir, wire.notify_endpoint)
+    return channel.Subscriber(endpoint, key, allow_remote=wire.allow_remote)
 
 
 def draft_source(

@@ -235,12 +235,7 @@ class GRPOJob:
         if upd["updated"]:
             self._created[self.policy.version] = time.time()
 
-        t0 = time.perf_counter()
-        if upd["updated"]:
-            self.policy.save_adapter(self._adapter_dir(), overwrite=True)
-        if s in self.rl.policy.save_merged_at:
-            self.policy.save_merged(self.merged_dir(self.policy.version), self.tokenizer, overwrite=True)
-        save_s = time.perf_counter() - t0
+        save_s = self._save(s, updated=bool(upd["updated"]))
 
         t0 = time.perf_counter()
         kl = self.policy.kl_to_initial(self.kl_sequences, self.rl.policy.micro_batch)
@@ -280,6 +275,23 @@ class GRPOJob:
             "head_sync_ok": head_ok,
             **engine_metrics,
         }
+        return self._finish(s, metrics, t_start, rollout_s, data_s)
+
+    def _save(self, s: int, *, updated: bool) -> float:
+        """The policy's adapter after an update, and its merged HF model at ``rl.policy.save_merged_at``
+        steps; returns the seconds it took."""
+        t0 = time.perf_counter()
+        if updated:
+            self.policy.save_adapter(self._adapter_dir(), overwrite=True)
+        if s in self.rl.policy.save_merged_at:
+            self.policy.save_merged(self.merged_dir(self.policy.version), self.tokenizer, overwrite=True)
+        return time.perf_counter() - t0
+
+    def _finish(
+        self, s: int, metrics: dict[str, Any], t_start: float, rollout_s: float, data_s: float
+    ) -> dict[str, float | None]:
+        """Step ``s``'s metrics completed (the Tap's counters, the caller's extra metrics, the step's time and
+        stage profile), cleaned, recorded and logged in one line."""
         if self.tap is not None:
             metrics.update({f"tap_{k}": v for k, v in self.tap.stats().items()})
         if self.extra_metrics is not None:
@@ -294,10 +306,10 @@ class GRPOJob:
             s,
             self.policy.version,
             metrics["reward_mean"],
-            kl,
+            metrics["kl_to_initial"],
             _rounded(clean["accept_measured_adapted"]),
             _rounded(clean["accept_measured_frozen"]),
-            served_version,
+            metrics["draft_version"],
             metrics["step_s"],
         )
         return clean

@@ -31,7 +31,7 @@ from draft_align.publish import load_draft
 from draft_align.publish.compat import check_compatible, tokenizer_fingerprint
 from draft_align.sidecar.gate import Gate, plain_copy
 from draft_align.sidecar.ingest import Ingest
-from draft_align.sidecar.layout import MONITOR_FILE, NOTIFY_SOCKET, PORT_FILE, SIDECAR_DIR, TAP_SOCKET
+from draft_align.sidecar.layout import MONITOR_FILE, PORT_FILE, SIDECAR_DIR
 from draft_align.sidecar.resume import resume_state, set_aside, start_published
 from draft_align.sidecar.state import Rates, SidecarState
 from draft_align.sidecar.trigger import DriftTrigger
@@ -219,7 +219,7 @@ def open_wire(
                 e,
                 "the sequence guard starts empty (messages captured before now are accepted once)",
             )
-    tap_ep = wire.endpoint or channel.default_endpoint(run_dir, TAP_SOCKET)
+    tap_ep = channel.tap_endpoint(run_dir, wire.endpoint)
     if rank is not None:
         tap_ep = channel.rank_endpoint(tap_ep, rank)
     receiver = channel.Receiver(
@@ -232,7 +232,7 @@ def open_wire(
     )
     publisher = None
     if is_lead:
-        note_ep = wire.notify_endpoint or channel.default_endpoint(run_dir, NOTIFY_SOCKET)
+        note_ep = channel.notify_endpoint(run_dir, wire.notify_endpoint)
         try:
             publisher = channel.Publisher(note_ep, key, allow_remote=wire.allow_remote)
         except BaseException:

@@ -1,4 +1,5 @@
-"""Where a sidecar lives in a run folder: ``<run>/sidecar/`` and the sockets it binds (docs/formats.md).
+"""Where a sidecar lives in a run folder: ``<run>/sidecar/`` and its files (docs/formats.md); the sockets it binds
+are named by the wire (``wire/endpoints.py``: ``tap_endpoint``, ``notify_endpoint``).
 
 The launcher (``cotrain.py``) and the RL side find the sidecar by these names; the monitor reads its files.
 """
@@ -20,8 +21,6 @@ MONITOR_FILE = "monitor.jsonl"  # one monitoring row per RL step (lead rank)
 PUBLISH_FILE = "publish.jsonl"  # one line per published version
 PORT_FILE = "prometheus.port"  # the Prometheus page's port
 READY_FILE = "ready.json"  # written once the sockets are bound: {"pid", "ppid", "time", "draft_version", …}
-TAP_SOCKET = "tap"  # PULL: TapBatch / TapPart / HeadSync / StepReport from the policy side
-NOTIFY_SOCKET = "notify"  # PUB: DraftPublished
 RAY_ENDPOINTS_FILE = "ray_endpoints.json"  # sidecar.host=ray: each rank's bound tap endpoint, by rank
 WIRE_RECORDING = "wire.rec"  # sidecar.recording.enabled: every valid message received (wire/recording.py)
 LOCK_FILE = "lock"  # held (flock) by the live sidecar of the run (sidecar/lock.py)

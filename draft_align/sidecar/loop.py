@@ -319,7 +319,7 @@ class Sidecar:
     def on_report(self, msg: StepReport) -> None:
         """An RL step ended: estimate both drafts on its tapped records, hand one monitoring row to the sinks."""
         step = int(msg.step)
-        if msg.metrics.get("final"):
+        if msg.is_final:
             self.ingest.end_run()
             self.state.done = True
             return

@@ -87,21 +87,18 @@ def load_init_draft(target: nn.Module, recipe: WarmstartRecipe, aux: tuple[int, 
     return draft
 
 
-def train(
-    recipe: WarmstartRecipe,
-    prep: Prepared,
-    draft: Eagle3Draft,
-    sink: Sinks | None = None,
-    eval_hook: Any = None,
-) -> DraftTrainer:
-    """The training loop: epochs of length-bucketed batches, exact resume from ``run_dir/trainer``."""
-    tc, objective = recipe.train, recipe.train.objective
-    gen = torch.Generator().manual_seed(recipe.seed)
-    lengths = [len(r) for r in prep.records]
-    batches_per_epoch = len(make_batches(lengths, tc.batch_tokens, torch.Generator().manual_seed(0)))
-    planned = tc.epochs * batches_per_epoch
-    if tc.max_steps is not None:
-        planned = min(planned, tc.max_steps)
+def planned_steps(recipe: WarmstartRecipe, lengths: list[int]) -> int:
+    """Optimizer steps the recipe's epochs give over records of these ``lengths`` (``train.max_steps`` caps)."""
+    tc = recipe.train
+    per_epoch = len(make_batches(lengths, tc.batch_tokens, torch.Generator().manual_seed(0)))
+    planned = tc.epochs * per_epoch
+    return planned if tc.max_steps is None else min(planned, tc.max_steps)
+
+
+def start_trainer(recipe: WarmstartRecipe, prep: Prepared, draft: Eagle3Draft, planned: int) -> DraftTrainer:
+    """The draft's trainer: LoRA adapters first when the recipe adapts, the objective section's optimizer and
+    loss, resumed exactly from ``run_dir/trainer`` when a checkpoint is there."""
+    objective = recipe.train.objective
     lora = recipe.draft.lora if recipe.draft.adapt == "lora" else None
     if lora is not None:  # adapters over the frozen draft, with their own optimizer settings
         from draft_align.heads.lora import apply_lora, is_lora, lora_settings
@@ -126,17 +123,61 @@ def train(
         trainer.load(ckpt)
         # the checkpoint's vocab map came with its weights: the soft targets must use the same rows
         trainer.rows = head_rows(prep.target, draft.draft_to_target)
-        if tc.time_budget_s is None and trainer.progress.total_steps != max(1, planned):
+        if recipe.train.time_budget_s is None and trainer.progress.total_steps != max(1, planned):
             # a rerun with other epochs/max_steps: the cosine ends where the recipe now says
             log.info("schedule length %d → %d (recipe changed)", trainer.progress.total_steps, planned)
             trainer.set_total_steps(planned)
+        pr = trainer.progress
         log.info(
-            "resumed from %s at step %d (epoch %d, batch %d)",
-            ckpt,
-            trainer.progress.step,
-            trainer.progress.epoch,
-            trainer.progress.batch_in_epoch,
+            "resumed from %s at step %d (epoch %d, batch %d)", ckpt, pr.step, pr.epoch, pr.batch_in_epoch
         )
+    return trainer
+
+
+def _nonfinite(e: NonFiniteLossError, in_a_row: int, limit: int) -> None:
+    """A non-finite loss, logged; the ``limit``-th in a row stops the run."""
+    log.warning("%s (%d in a row)", e, in_a_row)
+    if in_a_row >= limit:
+        raise WarmstartError(
+            f"{in_a_row} consecutive non-finite losses (last: {e}); stopping without "
+            f"writing a checkpoint. Lower train.objective.lr or check the captured data."
+        ) from e
+
+
+def _show(
+    m: dict[str, Any], trainer: DraftTrainer, dt: float, sink: Sinks | None, bar: Any, log_every: int
+) -> None:
+    """A trained step's metrics (with its time and throughput) to the sinks every ``log_every`` steps, and to
+    the progress bar."""
+    pr = trainer.progress
+    m.update(
+        step_seconds=dt,
+        targets_per_s=m["targets"] / dt,
+        epoch=pr.epoch,
+        tokens_seen=pr.tokens_seen,
+        targets_seen=pr.targets_seen,
+    )
+    if sink is not None and (pr.step % log_every == 0 or pr.step == 1):
+        sink.log(m, pr.step)
+    if bar is not None:
+        bar.update(1)
+        bar.set_postfix(loss=f"{m['loss']:.3f}", acc0=f"{m['acc_0']:.2f}", tps=f"{m['targets_per_s']:.0f}")
+
+
+def train(
+    recipe: WarmstartRecipe,
+    prep: Prepared,
+    draft: Eagle3Draft,
+    sink: Sinks | None = None,
+    eval_hook: Any = None,
+) -> DraftTrainer:
+    """The training loop: epochs of length-bucketed batches, exact resume from ``run_dir/trainer``."""
+    tc = recipe.train
+    gen = torch.Generator().manual_seed(recipe.seed)
+    lengths = [len(r) for r in prep.records]
+    planned = planned_steps(recipe, lengths)
+    trainer = start_trainer(recipe, prep, draft, planned)
+    ckpt = recipe.run_dir / "trainer"
     pr = trainer.progress
     bar = None
     if recipe.logging.progress_bar:
@@ -151,25 +192,18 @@ def train(
         gen.manual_seed(recipe.seed * 1000 + pr.epoch)
         order = make_batches(lengths, tc.batch_tokens, gen)
         while pr.batch_in_epoch < len(order):
-            if pr.step >= planned:
+            out_of_time = tc.time_budget_s is not None and time.time() - t_start >= tc.time_budget_s
+            if pr.step >= planned or out_of_time:
                 stop = True
                 break
-            if tc.time_budget_s is not None and time.time() - t_start >= tc.time_budget_s:
-                stop = True
-                break
-            batch = collate([prep.records[i] for i in order[pr.batch_in_epoch]], objective.ttt_steps)
+            batch = collate([prep.records[i] for i in order[pr.batch_in_epoch]], tc.objective.ttt_steps)
             t0 = time.time()
             try:
                 m = trainer.train_step(batch)
                 consecutive_bad = 0
             except NonFiniteLossError as e:
                 consecutive_bad += 1
-                log.warning("%s (%d in a row)", e, consecutive_bad)
-                if consecutive_bad >= tc.max_consecutive_nonfinite:
-                    raise WarmstartError(
-                        f"{consecutive_bad} consecutive non-finite losses (last: {e}); stopping without "
-                        f"writing a checkpoint. Lower train.objective.lr or check the captured data."
-                    ) from e
+                _nonfinite(e, consecutive_bad, tc.max_consecutive_nonfinite)
                 pr.batch_in_epoch += 1
                 continue
             dt = time.time() - t0
@@ -177,23 +211,9 @@ def train(
             pr.seconds = time.time() - t_start
             if tc.time_budget_s is not None and pr.step >= 3:
                 # adapt the schedule so the cosine ends when the budget does
-                per_step = pr.seconds / pr.step
-                est = int(tc.time_budget_s / per_step)
+                est = int(tc.time_budget_s / (pr.seconds / pr.step))
                 trainer.set_total_steps(min(planned, max(pr.step + 1, est)))
-            m.update(
-                step_seconds=dt,
-                targets_per_s=m["targets"] / dt,
-                epoch=pr.epoch,
-                tokens_seen=pr.tokens_seen,
-                targets_seen=pr.targets_seen,
-            )
-            if sink is not None and (pr.step % recipe.logging.log_every == 0 or pr.step == 1):
-                sink.log(m, pr.step)
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(
-                    loss=f"{m['loss']:.3f}", acc0=f"{m['acc_0']:.2f}", tps=f"{m['targets_per_s']:.0f}"
-                )
+            _show(m, trainer, dt, sink, bar, recipe.logging.log_every)
             if pr.step % tc.checkpoint_every == 0:
                 trainer.save(ckpt)
             if eval_hook is not None:

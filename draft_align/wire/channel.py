@@ -25,7 +25,9 @@ from draft_align.wire.endpoints import (
     SOCKET_DIR_FILE,
     check_endpoint,
     default_endpoint,
+    notify_endpoint,
     rank_endpoint,
+    tap_endpoint,
     tap_endpoints,
 )
 from draft_align.wire.keys import KEY_BYTES, KEY_ENV, KEY_FILE_NAME, MIN_KEY_BYTES, resolve_key
@@ -60,8 +62,10 @@ __all__ = [
     "authenticate",
     "check_endpoint",
     "default_endpoint",
+    "notify_endpoint",
     "rank_endpoint",
     "resolve_key",
+    "tap_endpoint",
     "tap_endpoints",
 ]
 

@@ -67,6 +67,21 @@ def _private_socket_dir(run_dir: Path) -> Path:
     raise RuntimeError(f"could not agree on a socket folder through {pointer}")
 
 
+TAP_SOCKET = "tap"  # PULL: TapBatch / TapPart / HeadSync / StepReport from the policy side
+NOTIFY_SOCKET = "notify"  # PUB: DraftPublished
+
+
+def tap_endpoint(run_dir: Path, configured: str | None = None) -> str:
+    """Where the sidecar's tap socket is: ``configured`` (``wire.endpoint``), else the run folder's."""
+    return configured or default_endpoint(run_dir, TAP_SOCKET)
+
+
+def notify_endpoint(run_dir: Path, configured: str | None = None) -> str:
+    """Where the sidecar publishes DraftPublished: ``configured`` (``wire.notify_endpoint``), else the run
+    folder's."""
+    return configured or default_endpoint(run_dir, NOTIFY_SOCKET)
+
+
 def default_endpoint(run_dir: Path, name: str) -> str:
     """``ipc://<run_dir>/<name>.sock``, or, when that path is longer than a socket name may be,
     ``ipc://<private folder>/<name>.sock`` in the run's private socket folder (:func:`_private_socket_dir`:

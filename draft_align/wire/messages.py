@@ -367,6 +367,17 @@ class StepReport(_WireMessage):
     metrics: dict[str, float | None] = field(default_factory=dict)
 
     KIND: ClassVar[str] = "StepReport"
+    FINAL: ClassVar[str] = "final"  # the metric (1.0) that marks the RL job's last report
+
+    @classmethod
+    def final(cls, run_id: str, step: int, policy_version: int) -> StepReport:
+        """The RL job's last report: the sidecar ends its run on it (``exit_when_done``: it checkpoints and
+        exits)."""
+        return cls(run_id=run_id, step=step, policy_version=policy_version, metrics={cls.FINAL: 1.0})
+
+    @property
+    def is_final(self) -> bool:
+        return bool(self.metrics.get(self.FINAL))
 
     @classmethod
     def make_dummy(cls, *, step: int = 0, policy_version: int = 0) -> StepReport:

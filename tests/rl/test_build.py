@@ -72,3 +72,29 @@ def test_the_senders_patience_comes_from_the_recipe():
         assert tx._send_timeout_s == 12.5
     finally:
         tx.close(timeout_s=0.5)
+
+
+def test_the_final_report_reaches_the_sidecar_and_marks_the_run_done(tmp_path):
+    """end_run: the one final StepReport every RL side sends (GRPO job, TRL, verl), taken by a real receiver on
+    the run folder's own tap socket, with the DraftPublished subscriber on the run folder's notify socket."""
+    from draft_align.rl.build import draft_notifications, end_run, tap_sender
+    from draft_align.wire import channel
+    from draft_align.wire.messages import StepReport
+
+    key = b"k" * 32
+    wire = WireConfig()
+    receiver = channel.Receiver(channel.tap_endpoint(tmp_path), key)
+    notify = draft_notifications(wire, tmp_path, key)
+    try:
+        assert (
+            notify.endpoint
+            == channel.notify_endpoint(tmp_path)
+            == channel.default_endpoint(tmp_path, "notify")
+        )
+        end_run(tap_sender(wire, channel.tap_endpoint(tmp_path), key), "run", 7, 6)
+        got = receiver.recv(timeout_ms=5000)
+        assert isinstance(got, StepReport) and got.is_final and (got.step, got.policy_version) == (7, 6)
+        assert not StepReport.make_dummy().is_final
+    finally:
+        notify.close()
+        receiver.close()

@@ -31,7 +31,15 @@ from draft_align.integrations.trl.callback import DraftAlignCallback
 from draft_align.integrations.trl.checks import TRLConfigError, check_trainer
 from draft_align.integrations.trl.profile import StageTimer
 from draft_align.integrations.trl.tap import TRLTap, policy_model
-from draft_align.rl.build import draft_source, policy_tap, set_engine_env, start_rollout_engine, tap_sender
+from draft_align.rl.build import (
+    draft_notifications,
+    draft_source,
+    end_run,
+    policy_tap,
+    set_engine_env,
+    start_rollout_engine,
+    tap_sender,
+)
 from draft_align.rl.drafts import DraftSource
 from draft_align.rl.rollouts import RolloutEngine, plan_given
 
@@ -128,7 +136,7 @@ class DraftAlign:
     def start(self, trainer: Any) -> None:
         """on_train_begin: sidecar, wire, drafts, Tap, engine (in this order: taps of the first step reach a
         sidecar that is up)."""
-        from draft_align.sidecar.layout import NOTIFY_SOCKET, SIDECAR_DIR, TAP_SOCKET
+        from draft_align.sidecar.layout import SIDECAR_DIR
         from draft_align.sidecar.process import kill_at_exit, spawn_sidecar, wait_ready
         from draft_align.wire import channel
 
@@ -149,10 +157,9 @@ class DraftAlign:
         if self.sidecar_mode == "ray":
             self._start_on_ray(key)
         elif self.sidecar_mode != "off":
-            endpoint = recipe.wire.endpoint or channel.default_endpoint(run_dir, TAP_SOCKET)
+            endpoint = channel.tap_endpoint(run_dir, recipe.wire.endpoint)
             self.sender = tap_sender(recipe.wire, channel.tap_endpoints(endpoint, recipe.sidecar.ranks), key)
-            notify_ep = recipe.wire.notify_endpoint or channel.default_endpoint(run_dir, NOTIFY_SOCKET)
-            self.notify = channel.Subscriber(notify_ep, key, allow_remote=recipe.wire.allow_remote)
+            self.notify = draft_notifications(recipe.wire, run_dir, key)
         # new versions are hashed, loaded and checked off TRL's thread
         self.drafts = draft_source(
             recipe.rl.guard,
@@ -348,7 +355,6 @@ class DraftAlign:
     def stop(self) -> int | None:
         """on_train_end: a final report, close the wire, let the sidecar publish and exit; its exit code."""
         from draft_align.sidecar.process import stop_sidecar
-        from draft_align.wire.messages import StepReport
 
         self.timer.uninstall()  # before the Tap's: these wrap its wrappers
         if self.tap is not None:
@@ -357,13 +363,7 @@ class DraftAlign:
             self.engine.shutdown()
         if self.sender is not None:
             version = int(self.trainer.state.global_step)
-            self.sender.offer(
-                StepReport(
-                    run_id=self.recipe.run, step=version, policy_version=version, metrics={"final": 1.0}
-                )
-            )
-            time.sleep(0.5)  # let the background thread hand the last messages to ZeroMQ
-            self.sender.close(timeout_s=5.0)
+            end_run(self.sender, self.recipe.run, version, version)
         if self.drafts is not None:
             self.drafts.close()  # its verifier thread reads the subscriber: stopped before the socket closes
         if self.notify is not None and hasattr(self.notify, "close"):

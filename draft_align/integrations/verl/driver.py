@@ -239,20 +239,11 @@ class VerlDraftAlign:
     def stop(self, exit_timeout_s: float = 120.0) -> dict[str, Any] | None:
         """A final report, close the wire and the draft source, let the sidecar publish once more and end; the
         sidecar's final status (a detached one stays for the next job)."""
-        from draft_align.wire.messages import StepReport
+        from draft_align.rl.build import end_run
 
         self.uninstall()
         if self.sender is not None:
-            self.sender.offer(
-                StepReport(
-                    run_id=self.recipe.run,
-                    step=self.last_step,
-                    policy_version=self.last_step,
-                    metrics={"final": 1.0},
-                )
-            )
-            time.sleep(0.5)  # let the background thread hand the last message to ZeroMQ
-            self.sender.close(timeout_s=5.0)
+            end_run(self.sender, self.recipe.run, self.last_step, self.last_step)
             self.sender = None
         if self.drafts is not None:
             self.drafts.close()
