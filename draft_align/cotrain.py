@@ -24,9 +24,9 @@ import torch
 
 from draft_align.config import RESOLVED_RECIPE, CotrainRecipe
 from draft_align.rl.build import (
+    close_link,
     draft_notifications,
     draft_source,
-    end_run,
     policy_tap,
     set_engine_env,
     start_rollout_engine,
@@ -244,6 +244,7 @@ def run_cotrain(
     table = None
     job = None
     pusher = None
+    final = None
     try:
         job = build_job(recipe, start_path, sender, sender, notifications=notify)
         if (
@@ -260,23 +261,19 @@ def run_cotrain(
             table.add(job.step())
         job.finish()
         job.engine.shutdown()
-        end_run(sender, recipe.run, job.step_index, job.policy.version)
+        final = (recipe.run, job.step_index, job.policy.version)  # the sidecar's cue to end its run
     finally:
         if pusher is not None:
             pusher.close()
         if job is not None and recipe.rl.engine.kind == "server":
             job.engine.shutdown()  # stops the server the job started, also after a failure (idempotent)
-        sender.close(timeout_s=5.0)
-        if job is not None:
-            job.drafts.close()  # its verifier thread reads the subscriber: stopped before the socket closes
-        if notify is not None and hasattr(notify, "close"):
-            notify.close()
+        close_link(sender, job.drafts if job is not None else None, notify, final=final)
         if proc is not None:
             rc = stop_sidecar(proc, sidecar_exit_timeout_s)
         if on_ray is not None:  # it ends after the final report (a detached one stays for the next job)
             on_ray.wait(sidecar_exit_timeout_s)
-            final = on_ray.stop(30.0, kill=recipe.ray.lifetime != "detached")
-            rc = 0 if final is not None and final.get("error") is None else 1
+            status = on_ray.stop(30.0, kill=recipe.ray.lifetime != "detached")
+            rc = 0 if status is not None and status.get("error") is None else 1
         if table is not None:
             table.close()
     report = write_report(run_dir)

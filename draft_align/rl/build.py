@@ -128,14 +128,28 @@ def message_tokens(tap: TapConfig, wire: WireConfig, hidden: int, n_aux: int) ->
     return per_message
 
 
-def end_run(sender: TapSender, run_id: str, step: int, policy_version: int) -> None:
-    """The RL job's last message to the sidecar, the final StepReport, then ``sender`` closed once ZeroMQ has
-    had a moment to take it (the close waits at most 5 s whatever the sidecar does)."""
+def close_link(
+    sender: TapSender | None,
+    drafts: DraftSource | None,
+    notifications: Any,
+    *,
+    final: tuple[str, int, int] | None = None,
+) -> None:
+    """The RL side's link to its sidecar closed in the one safe order (the GRPO job, TRL and verl all end this
+    way): the final StepReport (``final``: run id, step, policy version; None after a failure) and ``sender``,
+    whose close waits at most 5 s whatever the sidecar does; the draft source, whose verifier thread reads the
+    notifications; then ``notifications`` (a DraftPublished subscriber; Ray's registry has nothing to close)."""
     from draft_align.wire.messages import StepReport
 
-    sender.offer(StepReport.final(run_id, step, policy_version))
-    time.sleep(0.5)  # let the background thread hand the last messages to ZeroMQ
-    sender.close(timeout_s=5.0)
+    if sender is not None:
+        if final is not None:
+            sender.offer(StepReport.final(*final))
+            time.sleep(0.5)  # let the background thread hand the last messages to ZeroMQ
+        sender.close(timeout_s=5.0)
+    if drafts is not None:
+        drafts.close()
+    if notifications is not None and hasattr(notifications, "close"):
+        notifications.close()
 
 
 def draft_notifications(wire: WireConfig, run_dir: Path, key: bytes) -> Subscriber:

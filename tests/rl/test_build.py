@@ -75,9 +75,10 @@ def test_the_senders_patience_comes_from_the_recipe():
 
 
 def test_the_final_report_reaches_the_sidecar_and_marks_the_run_done(tmp_path):
-    """end_run: the one final StepReport every RL side sends (GRPO job, TRL, verl), taken by a real receiver on
-    the run folder's own tap socket, with the DraftPublished subscriber on the run folder's notify socket."""
-    from draft_align.rl.build import draft_notifications, end_run, tap_sender
+    """close_link: the one final StepReport every RL side sends as it closes (GRPO job, TRL, verl), taken by a real
+    receiver on the run folder's own tap socket; the DraftPublished subscriber on the run folder's notify socket
+    is closed after it."""
+    from draft_align.rl.build import close_link, draft_notifications, tap_sender
     from draft_align.wire import channel
     from draft_align.wire.messages import StepReport
 
@@ -91,7 +92,8 @@ def test_the_final_report_reaches_the_sidecar_and_marks_the_run_done(tmp_path):
             == channel.notify_endpoint(tmp_path)
             == channel.default_endpoint(tmp_path, "notify")
         )
-        end_run(tap_sender(wire, channel.tap_endpoint(tmp_path), key), "run", 7, 6)
+        close_link(tap_sender(wire, channel.tap_endpoint(tmp_path), key), None, notify, final=("run", 7, 6))
+        assert notify._inbox._sock.closed  # closed after the draft source, as the order says
         got = receiver.recv(timeout_ms=5000)
         assert isinstance(got, StepReport) and got.is_final and (got.step, got.policy_version) == (7, 6)
         assert not StepReport.make_dummy().is_final

@@ -32,9 +32,9 @@ from draft_align.integrations.trl.checks import TRLConfigError, check_trainer
 from draft_align.integrations.trl.profile import StageTimer
 from draft_align.integrations.trl.tap import TRLTap, policy_model
 from draft_align.rl.build import (
+    close_link,
     draft_notifications,
     draft_source,
-    end_run,
     policy_tap,
     set_engine_env,
     start_rollout_engine,
@@ -361,13 +361,8 @@ class DraftAlign:
             self.tap.uninstall()
         if self.engine is not None:
             self.engine.shutdown()
-        if self.sender is not None:
-            version = int(self.trainer.state.global_step)
-            end_run(self.sender, self.recipe.run, version, version)
-        if self.drafts is not None:
-            self.drafts.close()  # its verifier thread reads the subscriber: stopped before the socket closes
-        if self.notify is not None and hasattr(self.notify, "close"):
-            self.notify.close()
+        version = int(self.trainer.state.global_step) if self.trainer is not None else 0
+        close_link(self.sender, self.drafts, self.notify, final=(self.recipe.run, version, version))
         rc = None
         if self.ray_sidecar is not None:  # it ends after the final report; a detached one stays for re-attach
             self.ray_sidecar.wait(self.exit_timeout_s)

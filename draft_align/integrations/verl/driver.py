@@ -239,16 +239,12 @@ class VerlDraftAlign:
     def stop(self, exit_timeout_s: float = 120.0) -> dict[str, Any] | None:
         """A final report, close the wire and the draft source, let the sidecar publish once more and end; the
         sidecar's final status (a detached one stays for the next job)."""
-        from draft_align.rl.build import end_run
+        from draft_align.rl.build import close_link
 
         self.uninstall()
-        if self.sender is not None:
-            end_run(self.sender, self.recipe.run, self.last_step, self.last_step)
-            self.sender = None
-        if self.drafts is not None:
-            self.drafts.close()
-        if self.notify is not None and hasattr(self.notify, "close"):
-            self.notify.close()
+        final = (self.recipe.run, self.last_step, self.last_step)
+        close_link(self.sender, self.drafts, self.notify, final=final)
+        self.sender = None
         final = None
         if self.sidecar is not None:
             self.sidecar.wait(exit_timeout_s)
