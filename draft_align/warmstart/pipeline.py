@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from draft_align.config import WarmstartRecipe, recipe_to_dict, step_decay
+from draft_align.config.sections import DraftConfig, TrainConfig
 from draft_align.heads.eagle3 import Eagle3Config, Eagle3Draft
 from draft_align.heads.vocab import select_vocab
 from draft_align.hf.generate import generate_responses
@@ -41,7 +42,7 @@ def build_draft(
     ``native_mtp``: the target checkpoint's own MTP layers; or, with ``draft.init_from``, that published draft
     (checked against the target and the recipe)."""
     if recipe.draft.init_from:
-        return load_init_draft(target, recipe, aux)
+        return load_init_draft(target, recipe.draft, aux)
     if recipe.draft.head == "native_mtp":
         return native_head(recipe, target.config)  # type: ignore[return-value]
     if recipe.draft.head == "llama_block_mtp":
@@ -61,12 +62,14 @@ def build_draft(
     return draft
 
 
-def load_init_draft(target: nn.Module, recipe: WarmstartRecipe, aux: tuple[int, ...]) -> Eagle3Draft:
+def load_init_draft(target: nn.Module, dc: DraftConfig, aux: tuple[int, ...]) -> Eagle3Draft:
+    """The published draft ``draft.init_from`` names, checked against the target and the recipe's ``draft``
+    section ``dc`` (its head, vocabulary and aux layers)."""
     from draft_align.publish import load_draft
     from draft_align.publish.compat import check_compatible
     from draft_align.publish.versions import resolve_draft_dir
 
-    src = resolve_draft_dir(Path(recipe.draft.init_from))
+    src = resolve_draft_dir(Path(dc.init_from))
     draft, manifest = load_draft(src)
     check_compatible(manifest, target.config, None)
     if tuple(draft.cfg.aux_layer_ids) != tuple(aux):
@@ -74,22 +77,21 @@ def load_init_draft(target: nn.Module, recipe: WarmstartRecipe, aux: tuple[int, 
             f"draft.init_from {src} reads aux layers {draft.cfg.aux_layer_ids}, the recipe {aux}"
         )
     is_mtp = draft.shares_target_head
-    if draft.kind != recipe.draft.head:
+    if draft.kind != dc.head:
         raise WarmstartError(
-            f"draft.init_from {src} is a {draft.kind} draft, the recipe asks for draft.head={recipe.draft.head}"
+            f"draft.init_from {src} is a {draft.kind} draft, the recipe asks for draft.head={dc.head}"
         )
-    if not is_mtp and draft.cfg.draft_vocab_size != recipe.draft.draft_vocab_size:
+    if not is_mtp and draft.cfg.draft_vocab_size != dc.draft_vocab_size:
         raise WarmstartError(
             f"draft.init_from {src} has a {draft.cfg.draft_vocab_size}-token vocab, the recipe asks for "
-            f"{recipe.draft.draft_vocab_size}: set draft.draft_vocab_size={draft.cfg.draft_vocab_size}"
+            f"{dc.draft_vocab_size}: set draft.draft_vocab_size={draft.cfg.draft_vocab_size}"
         )
     log.info("starting from draft %s (version %s)", src, manifest.get("draft_version"))
     return draft
 
 
-def planned_steps(recipe: WarmstartRecipe, lengths: list[int]) -> int:
-    """Optimizer steps the recipe's epochs give over records of these ``lengths`` (``train.max_steps`` caps)."""
-    tc = recipe.train
+def planned_steps(tc: TrainConfig, lengths: list[int]) -> int:
+    """Optimizer steps ``train.epochs`` give over records of these ``lengths`` (``train.max_steps`` caps)."""
     per_epoch = len(make_batches(lengths, tc.batch_tokens, torch.Generator().manual_seed(0)))
     planned = tc.epochs * per_epoch
     return planned if tc.max_steps is None else min(planned, tc.max_steps)
@@ -175,7 +177,7 @@ def train(
     tc = recipe.train
     gen = torch.Generator().manual_seed(recipe.seed)
     lengths = [len(r) for r in prep.records]
-    planned = planned_steps(recipe, lengths)
+    planned = planned_steps(tc, lengths)
     trainer = start_trainer(recipe, prep, draft, planned)
     ckpt = recipe.run_dir / "trainer"
     pr = trainer.progress

@@ -17,6 +17,7 @@ from torch import nn
 from draft_align import assets, data
 from draft_align.config import WarmstartRecipe
 from draft_align.config.recipes import VLLM_MAX_TEMPERATURE
+from draft_align.config.sections import DataConfig
 from draft_align.conventions import float_dtype
 from draft_align.heads.draft_head import DraftConfigError
 from draft_align.heads.eagle3 import Eagle3Config, check_engine_aux_ids
@@ -48,10 +49,10 @@ class Prepared:
 
 
 def _prompts(
-    recipe: WarmstartRecipe, tokenizer: Any
+    d: DataConfig, tokenizer: Any
 ) -> tuple[list[tuple[int, data.Conversation]], list, list[data.Conversation]]:
-    """(train conversations with their indices, held-out conversations, extra original-response ones)."""
-    d = recipe.data
+    """(train conversations with their indices, held-out conversations, extra original-response ones), as the
+    recipe's ``data`` section ``d`` chooses them."""
     convs = data.load_conversations(d.source)
     if len(convs) <= d.heldout:
         raise WarmstartError(f"{d.source}: {len(convs)} conversations, need more than heldout={d.heldout}")
@@ -361,7 +362,7 @@ def prepare(recipe: WarmstartRecipe, aux_layer_ids: tuple[int, ...] | None = Non
         _check_aux_layers(
             aux, n_layers
         )  # before any generation or capture: export would refuse them at the end
-    chosen, held, extra = _prompts(recipe, tokenizer)
+    chosen, held, extra = _prompts(recipe.data, tokenizer)
     originals = list(extra)
     samples = []
     if recipe.data.regenerate:

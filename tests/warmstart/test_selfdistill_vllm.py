@@ -96,7 +96,7 @@ def distill(recipe, home, monkeypatch):
     """``_self_distill`` on the recipe's prompts with caches under ``home``: (cache rows, samples)."""
     monkeypatch.setenv("DRAFT_ALIGN_HOME", str(home))
     target, tok = assets.load_target(recipe.target.model, torch.float32, "cpu")
-    chosen = prep._prompts(recipe, tok)[0]
+    chosen = prep._prompts(recipe.data, tok)[0]
     samples = prep._self_distill(recipe, target, tok, chosen)
     files = list((home / "cache").glob("responses-*.jsonl"))
     return (ResponseCache(files[0]).load() if files else {}), samples
