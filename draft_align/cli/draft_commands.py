@@ -49,12 +49,12 @@ def _eval_conversations(args: argparse.Namespace) -> list:
 def _eval_engine(args: argparse.Namespace, manifest: dict) -> str:
     """``vllm`` or ``reference``: what ``--engine`` asks for (``auto``: vLLM when installed and the draft is
     an EAGLE-3 head, which is what the vLLM adapter serves)."""
+    from draft_align.engines.vllm.drafters import drafter_for
     from draft_align.engines.vllm.start import vllm_available
-    from draft_align.publish.folder import MTP_FORMAT
 
     if args.engine == "reference":
         return "reference"
-    if manifest.get("format") == MTP_FORMAT:
+    if not drafter_for(manifest).serves:
         if args.engine == "vllm":
             raise ValueError("--engine vllm: the vLLM adapter serves EAGLE-3 drafts; use --engine reference")
         log.info("eval: an MTP draft is measured with the reference decoder")

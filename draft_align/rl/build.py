@@ -242,9 +242,9 @@ def start_rollout_engine(
                 "rl.engine.kind auto: vLLM is not installed; rollouts use the reference decoder (batch 1)"
             )
         return None
-    from draft_align.publish.folder import MTP_FORMAT
+    from draft_align.engines.vllm.drafters import drafter_for
 
-    if frozen is not None and frozen.manifest.get("format") == MTP_FORMAT:
+    if frozen is not None and not drafter_for(frozen.manifest).serves:
         if kind == "vllm":
             raise ValueError(
                 "rl.engine.kind=vllm: the vLLM adapter serves EAGLE-3 and native MTP drafts; a Llama-block "

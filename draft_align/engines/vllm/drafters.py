@@ -60,6 +60,9 @@ class VLLMDrafter:
     # a tensor the loader refused alone is offered again beside one that landed (DeepSeekMTP.load_weights raises
     # unless one call holds an MTP layer's tensor)
     retry_in_company: bool = False
+    # a running engine serves it as the rollouts' draft (draft_align.mtp: a Llama block under MTP names, which
+    # vLLM's MTP drafters do not build as written: docs/formats.md; its folders are load-checked only)
+    serves: bool = True
 
 
 # --------------------------------------------------------------------------------------- layouts
@@ -173,7 +176,7 @@ def _native_mtp_target(
 #: manifest ``format`` → what vLLM does with it
 DRAFTERS: dict[str, VLLMDrafter] = {
     EAGLE3_FORMAT: VLLMDrafter("eagle3", _eagle3_layout, _eagle3_target, own_config=True, skipped=("t2d",)),
-    MTP_FORMAT: VLLMDrafter("eagle3", _mtp_layout, _mtp_target, shared=SHARED_WITH_TARGET),
+    MTP_FORMAT: VLLMDrafter("eagle3", _mtp_layout, _mtp_target, shared=SHARED_WITH_TARGET, serves=False),
     NATIVE_MTP_FORMAT: VLLMDrafter(
         "mtp", _native_mtp_layout, _native_mtp_target, shared=SHARED_WITH_TARGET, retry_in_company=True
     ),

@@ -42,3 +42,17 @@ def test_a_format_without_an_entry_is_refused():
         ValueError, match="no vLLM drafter known for manifest format 'draft_align.lora_delta'"
     ):
         drafter_for({"format": "draft_align.lora_delta"})
+
+
+def test_the_rollouts_and_eval_ask_the_table_which_formats_an_engine_serves(tmp_path):
+    """A Llama-block MTP folder is load-checked but never served (docs/formats.md): the rollout engine's start and
+    ``draft-align eval --engine auto`` fall back to the reference decoder for it, and ``vllm`` is refused."""
+    import argparse
+
+    from draft_align.cli.draft_commands import _eval_engine
+
+    assert [f for f, d in sorted(DRAFTERS.items()) if not d.serves] == ["draft_align.mtp"]
+    mtp = {"format": "draft_align.mtp"}
+    assert _eval_engine(argparse.Namespace(engine="auto"), mtp) == "reference"
+    with pytest.raises(ValueError, match="--engine vllm: the vLLM adapter serves EAGLE-3 drafts"):
+        _eval_engine(argparse.Namespace(engine="vllm"), mtp)
