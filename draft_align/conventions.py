@@ -27,8 +27,8 @@ VERIFY_MODES: tuple[str, ...] = get_args(VerifyMode)
 AUTO_VERIFY_MODE = "auto"
 ROLLOUT_VERIFY_MODES: tuple[str, ...] = (AUTO_VERIFY_MODE, *VERIFY_MODES)
 
-#: The draft's training objectives (``train.objective.loss`` / ``sidecar.train.objective.loss``; formulas in train/losses.py and
-#: docs/acceptance.md "Training objectives"): ``soft`` cross-entropy against the target's distribution p
+#: The draft's training objectives (``train.objective.loss`` / ``sidecar.train.objective.loss``; formulas in
+#: train/losses.py and docs/acceptance.md "Training objectives"): ``soft`` cross-entropy against the target's distribution p
 #: (forward KL); ``hard`` cross-entropy on the sampled next tokens; ``tv`` per-step 1 − Σ min(p, q) (what
 #: ``probabilistic`` verification rejects); ``greedy_surrogate`` per-step 1 − a smooth α of greedy-draft
 #: verification; ``expected_length`` the chain's expected number of accepted drafts Σ_i Π_{j≤i} α_j.

@@ -247,9 +247,7 @@ def run_cotrain(
     final = None
     try:
         job = build_job(recipe, start_path, sender, sender, notifications=notify)
-        if (
-            recipe.rl.engine.kind == "server"
-        ):  # draft-align push beside the rollout server, in a thread of its own
+        if recipe.rl.engine.kind == "server":  # draft-align push beside the rollout server, in its own thread
             pusher = start_pusher(recipe, key, [job.engine.server.url])
         if proc is not None:
             wait_ready(proc, run_dir, sidecar_ready_timeout_s)

@@ -62,9 +62,8 @@ class DraftHead(Protocol):
     # Eagle3Config | MTPConfig | NativeMTPConfig: aux_layer_ids, fc_in_features, vocab_size, draft_vocab_size, ...
     cfg: Any
     lm_head: nn.Linear
-    training: (
-        bool  # a head is an nn.Module: trainers and estimators use the members below as torch defines them
-    )
+    # a head is an nn.Module: trainers and estimators use the members below as torch defines them
+    training: bool
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]: ...
 

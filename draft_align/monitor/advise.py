@@ -354,8 +354,8 @@ def advice_lines(
         else:
             lines.append(
                 f"a larger k projects faster at batch size {serving.batch_size}: k={best.k} "
-                f"{speedup_text(best.speedup)} vs rl.engine.spec_k={settings.k} {speedup_text(chosen.speedup)} (positions beyond "
-                f"k={s.k} are extrapolated)"
+                f"{speedup_text(best.speedup)} vs rl.engine.spec_k={settings.k} {speedup_text(chosen.speedup)} "
+                f"(positions beyond k={s.k} are extrapolated)"
             )
     if best.speedup is not None and best.speedup.value < 1.0:
         pays = sorted(

@@ -76,9 +76,9 @@ class GRPOJob:
 
     ``tap`` (a PolicyTap) and ``sink`` (takes StepReports by a non-blocking ``offer``) may be None.
     ``kl_sequences`` come from :func:`~draft_align.rl.prompts.make_kl_sequences`, made once from the initial
-    policy.  ``rl``: the recipe's ``rl`` section; ``seed`` (the recipe's) seeds the rollout plans; ``run_id`` names
-    the run in the step reports.  ``drafts``: the verified frozen and adapted drafts; ``engine``: what decodes the rollouts
-    (default: :class:`~draft_align.rl.rollouts.ReferenceRollouts` on ``drafts``).
+    policy.  ``rl``: the recipe's ``rl`` section; ``seed`` (the recipe's) seeds the rollout plans; ``run_id``
+    names the run in the step reports.  ``drafts``: the verified frozen and adapted drafts; ``engine``: what
+    decodes the rollouts (default: :class:`~draft_align.rl.rollouts.ReferenceRollouts` on ``drafts``).
     """
 
     def __init__(

@@ -150,18 +150,17 @@ def build_trainer(
 
 def build_trigger(trigger: SidecarTriggerConfig) -> DriftTrigger:
     """When to train (``sidecar.trigger.when``: always, or drift with its tolerance, head threshold, window)."""
-    sc = trigger
     return DriftTrigger(
-        sc.when.value,
-        tolerance=sc.drift_tolerance,
-        head_threshold=sc.drift_head_threshold,
-        window=sc.drift_window,
-        min_gain=sc.drift_min_gain,
+        trigger.when.value,
+        tolerance=trigger.drift_tolerance,
+        head_threshold=trigger.drift_head_threshold,
+        window=trigger.drift_window,
+        min_gain=trigger.drift_min_gain,
     )
 
 
 def build_ingest(
-    buffer_cfg: SidecarBufferConfig,
+    sc: SidecarBufferConfig,
     tap: TapConfig,
     state: SidecarState,
     rates: Rates,
@@ -172,10 +171,9 @@ def build_ingest(
     *,
     seed: int,
 ) -> Ingest:
-    """The replay buffer of ``buffer_cfg`` (``sidecar.buffer``; only the lead rank, which gates, holds records
+    """The replay buffer of ``sc`` (``sidecar.buffer``; only the lead rank, which gates, holds records
     out; each rank samples with its own seed from the run's ``seed``) and the ingest in front of it, checking
     records against the frozen draft and the target; ``tap``: what a step sends at most."""
-    sc = buffer_cfg
     buffer = ReplayBuffer(
         sc.tokens,
         sc.recency_half_life,

@@ -274,8 +274,8 @@ def soft_ce_head(
     gradient formed in the forward pass; kept O(B·M·H + Vd·H); ``block_bytes`` None: FUSED_BLOCK_BYTES)
     when its weight is frozen or its fp32 gradient fits FUSED_GRAD_BYTES; any other head (a peft LoRA layer,
     a large vocabulary) through autograd with each block checkpointed (logits recomputed in backward; kept
-    O(B·M·H); None: LOGITS_BLOCK_BYTES).  ``fused`` False (``train.objective.fused_soft_ce``): the checkpointed blocks
-    for every head.
+    O(B·M·H); None: LOGITS_BLOCK_BYTES).  ``fused`` False (``train.objective.fused_soft_ce``): the checkpointed
+    blocks for every head.
     """
     w = head.weight
     if (

@@ -5,8 +5,8 @@ rollout engine, started by :class:`~draft_align.integrations.trl.callback.DraftA
 The recipe is a co-training recipe (``kind: cotrain``, validated like every recipe): its ``target``, ``tap``,
 ``wire``, ``sidecar`` and ``logging`` sections configure the sidecar side; of ``rl`` only what concerns
 rollouts is read (``rl.task.temperature``, which must equal TRL's, ``rl.engine``, ``rl.guard``).  TRL owns
-everything else (prompts, rewards, the optimizer, steps: ``rl.task``'s other keys, ``rl.policy``).  ``sidecar``: ``spawn`` (a
-child process, like ``draft-align cotrain``), ``connect`` (one already running on the same run folder, e.g.
+everything else (prompts, rewards, the optimizer, steps: ``rl.task``'s other keys, ``rl.policy``).
+``sidecar``: ``spawn`` (a child process, like ``draft-align cotrain``), ``connect`` (one already running on the same run folder, e.g.
 ``draft-align sidecar RECIPE``), ``ray`` (an actor or gang on the Ray cluster the recipe's ``ray`` section names,
 started or re-attached by name; its endpoints and drafts come through the run's registry, docs/ray.md) or
 ``off`` (taps go nowhere; drafts are still picked up from ``latest``).
